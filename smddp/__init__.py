@@ -1,0 +1,147 @@
+"""smddp: data-parallel gradient averaging with a parameter-server shard on every node."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from smddp import errors
+from smddp.client import collectives as _c
+from smddp.client.session import Client, ClientConfig, Handle
+from smddp.errors import NotInitializedError
+from smddp.proto.dtypes import ReduceOp
+
+__version__ = "0.1.0"
+
+SUM = ReduceOp.SUM
+AVG = ReduceOp.AVG
+MIN = ReduceOp.MIN
+MAX = ReduceOp.MAX
+
+__all__ = [
+    "AVG",
+    "MAX",
+    "MIN",
+    "SUM",
+    "Client",
+    "ClientConfig",
+    "Handle",
+    "ReduceOp",
+    "allgather",
+    "allgather_async",
+    "allreduce",
+    "allreduce_async",
+    "barrier",
+    "broadcast",
+    "broadcast_async",
+    "errors",
+    "init",
+    "is_initialized",
+    "local_rank",
+    "local_size",
+    "rank",
+    "reduce_scatter",
+    "reduce_scatter_async",
+    "shutdown",
+    "size",
+]
+
+
+class _Default:
+    """The process's default client, which the module-level calls use (as torch.distributed's default group)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.client: Client | None = None
+
+    def get(self) -> Client:
+        c = self.client
+        if c is None:
+            raise NotInitializedError("smddp is not initialized: call smddp.init() first")
+        return c
+
+
+_default = _Default()
+
+
+def init(config: ClientConfig | None = None) -> None:
+    """Join the job: bootstrap over MPI and connect to this node's daemon. Collective over all ranks."""
+    with _default.lock:
+        if _default.client is not None:
+            return
+        _default.client = Client.connect(config or ClientConfig.from_env())
+
+
+def shutdown(timeout: float | None = None) -> None:
+    """Wait for pending collectives and leave the job; later calls raise until init() again."""
+    with _default.lock:
+        c, _default.client = _default.client, None
+    if c is not None:
+        c.shutdown(timeout)
+
+
+def is_initialized() -> bool:
+    return _default.client is not None
+
+
+def client() -> Client:
+    """The default client, for front ends that need more than the module-level calls."""
+    return _default.get()
+
+
+def rank() -> int:
+    return _default.get().rank
+
+
+def size() -> int:
+    return _default.get().size
+
+
+def local_rank() -> int:
+    return _default.get().local_rank
+
+
+def local_size() -> int:
+    return _default.get().local_size
+
+
+def allreduce_async(buf: Any, op: ReduceOp = SUM) -> Handle:
+    """Start an in-place all-reduce of `buf`; the handle's wait() returns `buf`."""
+    return _c.allreduce_async(_default.get(), buf, op)
+
+
+def allreduce(buf: Any, op: ReduceOp = SUM, timeout: float | None = None) -> Any:
+    """All-reduce `buf` in place across every rank and return it."""
+    return allreduce_async(buf, op).wait(timeout)
+
+
+def broadcast_async(buf: Any, root: int = 0) -> Handle:
+    return _c.broadcast_async(_default.get(), buf, root)
+
+
+def broadcast(buf: Any, root: int = 0, timeout: float | None = None) -> Any:
+    """Overwrite `buf` on every rank with root's `buf`; returns `buf`."""
+    return broadcast_async(buf, root).wait(timeout)
+
+
+def allgather_async(buf: Any, out: Any = None) -> Handle:
+    return _c.allgather_async(_default.get(), buf, out)
+
+
+def allgather(buf: Any, out: Any = None, timeout: float | None = None) -> Any:
+    """Every rank's `buf` stacked in rank order: a new array of shape (size, *buf.shape), or `out`."""
+    return allgather_async(buf, out).wait(timeout)
+
+
+def reduce_scatter_async(buf: Any, op: ReduceOp = SUM, out: Any = None) -> Handle:
+    return _c.reduce_scatter_async(_default.get(), buf, op, out)
+
+
+def reduce_scatter(buf: Any, op: ReduceOp = SUM, out: Any = None, timeout: float | None = None) -> Any:
+    """Reduce `buf` across ranks and return this rank's 1/size part (rank r gets part r)."""
+    return reduce_scatter_async(buf, op, out).wait(timeout)
+
+
+def barrier(timeout: float | None = None) -> None:
+    """Return once every rank has entered the barrier."""
+    _c.barrier_async(_default.get()).wait(timeout)

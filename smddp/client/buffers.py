@@ -1,0 +1,140 @@
+"""Turning a user's buffer (numpy, buffer protocol, __array_interface__, DLPack) into a numpy view, no copies."""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from smddp.errors import UnsupportedBufferError
+from smddp.proto.dtypes import DType, dtype_from_numpy
+
+SUPPORTED = "float16, bfloat16, float32, float64, int32, int64, uint8"
+
+
+@dataclass(frozen=True)
+class BufferView:
+    """A C-contiguous numpy view of the caller's memory (raw uint16 for bfloat16), and what it holds."""
+
+    array: np.ndarray  # 1-D, dtype.storage, shares memory with the caller's buffer
+    dtype: DType
+    shape: tuple[int, ...]
+    keepalive: Any = None  # the DLPack capsule, held while we use its pointer
+    result_dtype: np.dtype | None = None  # dtype for new result arrays (ml_dtypes' bfloat16 stays itself)
+
+    @property
+    def count(self) -> int:
+        return self.array.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.array.nbytes
+
+
+def as_buffer(buf: Any, writable: bool, what: str = "buffer") -> BufferView:
+    """The caller's buffer as a BufferView; refuses anything smddp cannot use in place, before any I/O."""
+    if isinstance(buf, np.ndarray):
+        return _from_numpy(buf, writable, what)
+    if hasattr(buf, "__dlpack__") and not hasattr(buf, "__array_interface__"):
+        return _from_dlpack(buf, writable, what)
+    if hasattr(buf, "__array_interface__"):
+        return _from_numpy(np.asarray(buf), writable, what)
+    try:
+        mv = memoryview(buf)
+    except TypeError:
+        raise UnsupportedBufferError(
+            f"{what}: {type(buf).__name__} is not an array smddp can use "
+            "(numpy, the buffer protocol, __array_interface__ or DLPack)"
+        ) from None
+    return _from_numpy(np.asarray(mv), writable, what)
+
+
+def _from_numpy(arr: np.ndarray, writable: bool, what: str) -> BufferView:
+    dt = dtype_from_numpy(arr.dtype)
+    if dt is None:
+        raise UnsupportedBufferError(f"{what}: dtype {arr.dtype} is not supported (supported: {SUPPORTED})")
+    if not arr.flags.c_contiguous:
+        raise UnsupportedBufferError(f"{what}: the array is not C-contiguous (make a contiguous copy first)")
+    if writable and not arr.flags.writeable:
+        raise UnsupportedBufferError(f"{what}: the array is read-only, and this collective writes into it")
+    flat = arr.reshape(-1).view(dt.storage)
+    return BufferView(flat, dt, tuple(arr.shape), result_dtype=arr.dtype)
+
+
+# -- DLPack, read with ctypes so that torch tensors (bfloat16 too) work without importing torch -------
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device", _DLDevice),
+        ("ndim", ctypes.c_int32),
+        ("dtype", _DLDataType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    ]
+
+
+_KDL_CPU = 1
+_DL_DTYPES = {
+    (0, 32): DType.INT32,
+    (0, 64): DType.INT64,
+    (1, 8): DType.UINT8,
+    (2, 16): DType.FLOAT16,
+    (2, 32): DType.FLOAT32,
+    (2, 64): DType.FLOAT64,
+    (4, 16): DType.BFLOAT16,
+}
+_DEVICES = {2: "cuda", 3: "cuda_host", 4: "opencl", 7: "vulkan", 8: "metal", 10: "rocm", 13: "cuda_managed"}
+
+_get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_get_pointer.restype = ctypes.c_void_p
+_get_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+
+
+def _from_dlpack(buf: Any, writable: bool, what: str) -> BufferView:
+    try:
+        capsule = buf.__dlpack__()
+    except (BufferError, RuntimeError, TypeError) as e:
+        raise UnsupportedBufferError(f"{what}: cannot export {type(buf).__name__} through DLPack: {e}") from None
+    try:
+        ptr = _get_pointer(capsule, b"dltensor")
+    except ValueError:
+        raise UnsupportedBufferError(f"{what}: __dlpack__ did not return a DLPack tensor capsule") from None
+    t = _DLTensor.from_address(ptr)
+    if t.device.device_type != _KDL_CPU:
+        dev = _DEVICES.get(t.device.device_type, f"device type {t.device.device_type}")
+        raise UnsupportedBufferError(f"{what}: the tensor lives on {dev}:{t.device.device_id}; smddp takes CPU memory")
+    if t.dtype.lanes != 1 or (t.dtype.code, t.dtype.bits) not in _DL_DTYPES:
+        raise UnsupportedBufferError(
+            f"{what}: DLPack dtype (code={t.dtype.code}, bits={t.dtype.bits}, lanes={t.dtype.lanes}) "
+            f"is not supported (supported: {SUPPORTED})"
+        )
+    dt = _DL_DTYPES[(t.dtype.code, t.dtype.bits)]
+    shape = tuple(t.shape[i] for i in range(t.ndim))
+    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    if t.strides and count > 1:
+        expect = 1
+        for i in reversed(range(t.ndim)):
+            if shape[i] != 1 and t.strides[i] != expect:
+                raise UnsupportedBufferError(f"{what}: the tensor is not contiguous (call .contiguous() first)")
+            expect *= shape[i]
+    if count == 0:
+        arr = np.empty(0, dt.storage)
+    else:
+        raw = (ctypes.c_char * (count * dt.itemsize)).from_address(t.data + t.byte_offset)
+        arr = np.frombuffer(raw, dtype=dt.storage)
+    # DLPack (before 1.0) has no read-only flag; the torch tensors it exports are writable.
+    del writable
+    return BufferView(arr, dt, shape, keepalive=(buf, capsule))

@@ -1,0 +1,313 @@
+"""The worker side: one connection to the node daemon, an arena of shared slots, and handles."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from smddp.client.buffers import BufferView, as_buffer
+from smddp.errors import (
+    CollectiveError,
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    InvalidArgumentError,
+    NotInitializedError,
+    PeerLostError,
+    ProtocolError,
+    SmddpError,
+)
+from smddp.proto import handshake as hs
+from smddp.proto.dtypes import DType, Kind, ReduceOp
+from smddp.proto.frames import Header, MsgType, Role
+from smddp.transport.bootstrap import Membership, bootstrap
+from smddp.transport.conn import Connection, ConnectionClosed
+from smddp.transport.shm import Arena, Segment, Slot
+
+NO_SEGMENT = 2**32 - 1
+log = logging.getLogger("smddp.client")
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """The worker's knobs; `from_env` reads what smddp-launch exported."""
+
+    timeout_s: float = 600.0  # default for wait(timeout=None) and shutdown
+    arena_bytes: int = 256 << 20  # first input segment; pages are touched only when used
+    fusion_bytes: int = 64 << 20  # fusion-buffer size the framework front ends use
+    connect_timeout_s: float = 60.0
+    job_id_hex: str = ""
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> ClientConfig:
+        e = os.environ if env is None else env
+        fusion = int(float(e.get("SMDDP_FUSION_MB", "64")) * (1 << 20))
+        return cls(
+            timeout_s=float(e.get("SMDDP_TIMEOUT_S", "600")),
+            arena_bytes=max(fusion * 2, 64 << 20),
+            fusion_bytes=fusion,
+            job_id_hex=e.get("SMDDP_JOB_ID", ""),
+        )
+
+
+_ERRORS: dict[str, type[SmddpError]] = {
+    c.__name__: c for c in (CollectiveError, CollectiveMismatchError, PeerLostError, ProtocolError)
+}
+
+
+class Handle:
+    """An in-flight collective; `wait()` returns its result or raises why the job failed."""
+
+    def __init__(
+        self,
+        client: Client,
+        seq: int,
+        kind: Kind,
+        dtype: DType,
+        count: int,
+        deliver: Callable[[np.ndarray], Any],
+        slot: Slot | None,
+        keepalive: Any,
+    ) -> None:
+        self._client = client
+        self.seq = seq
+        self.kind = kind
+        self.dtype = dtype
+        self.count = count
+        self._deliver = deliver
+        self._slot = slot
+        self._keepalive = keepalive
+        self._event = threading.Event()
+        self._result: Any = None
+        self._error: SmddpError | None = None
+
+    def done(self) -> bool:
+        """True once the result is in place (or the collective failed); never blocks."""
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Block until complete; `timeout=None` means the job's default (SMDDP_TIMEOUT_S).
+
+        A timeout leaves the collective in flight: call wait() again to collect it later.
+        """
+        t = self._client.config.timeout_s if timeout is None else timeout
+        if not self._event.wait(t):
+            raise CollectiveTimeoutError(
+                f"collective #{self.seq} ({self.kind.label}, {self.dtype.label}, count={self.count}) "
+                f"did not complete within {t:g}s; it is still in flight"
+            )
+        if self._error is not None:
+            raise type(self._error)(str(self._error))
+        return self._result
+
+    def _finish(self, result: Any = None, error: SmddpError | None = None) -> None:
+        self._result = result
+        self._error = error
+        self._keepalive = None
+        self._event.set()
+
+
+class Client:
+    """One worker's session with its node daemon. Build it with `Client.connect()`."""
+
+    def __init__(self, config: ClientConfig, membership: Membership, conn: Connection) -> None:
+        self.config = config
+        self.membership = membership
+        self.job = membership.job
+        self.rank = membership.rank
+        self.size = self.job.size
+        self.local_size = self.job.local_size
+        self.local_rank = self.rank - membership.node * self.local_size
+        self.node = membership.node
+        self._conn = conn
+        self._lock = threading.Lock()  # seq order == wire order; guards the handle table
+        self._next_seq = 1
+        self._handles: dict[int, Handle] = {}
+        self._results: dict[int, Segment] = {}
+        self._arena = Arena(config.arena_bytes, f"smddp-rank{self.rank}")
+        self._failure: SmddpError | None = None
+        self._closed = False
+        self._reader = threading.Thread(target=self._read_loop, name="smddp-client-reader", daemon=True)
+        self._reader.start()
+
+    # ------------------------------------------------------------------ setup / teardown
+
+    @classmethod
+    def connect(cls, config: ClientConfig) -> Client:
+        """Bootstrap over MPI with the job, then connect and authenticate to this node's daemon."""
+        me = bootstrap(Role.WORKER, job_id_hex=config.job_id_hex)
+        ep = me.job.daemons[me.node]
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        deadline = time.monotonic() + config.connect_timeout_s
+        while True:
+            try:
+                sock.connect(ep.socket_path)
+                break
+            except OSError as e:
+                if time.monotonic() > deadline:
+                    sock.close()
+                    raise PeerLostError(f"rank {me.rank}: cannot reach the daemon at {ep.socket_path}: {e}") from None
+                time.sleep(0.05)
+        conn = Connection(sock, f"the daemon of {me.job.describe_node(me.node)} (pid {ep.pid})")
+        try:
+            t = config.connect_timeout_s
+            h, body, _ = conn.recv_frame(timeout=t)
+            job_id, server_nonce = hs.parse_challenge(h, body)
+            if job_id != me.job.job_id:
+                raise ProtocolError(f"{ep.socket_path} is served by another job's daemon")
+            nonce = hs.new_nonce()
+            conn.send([hs.hello(me.job.secret, me.job.job_id, Role.WORKER, me.rank, server_nonce, nonce)], timeout=t)
+            h, body, _ = conn.recv_frame(timeout=t)
+            hs.verify_welcome(me.job.secret, me.job.job_id, server_nonce, nonce, Role.WORKER, me.rank, h, body)
+        except BaseException:
+            conn.close()
+            raise
+        return cls(config, me, conn)
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Wait for in-flight collectives, tell the daemon goodbye, release everything. Idempotent."""
+        if self._closed:
+            return
+        t = self.config.timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + t
+        with self._lock:
+            pending = list(self._handles.values())
+        for h in pending:
+            h._event.wait(max(0.0, deadline - time.monotonic()))
+        self._closed = True
+        if self._failure is None:
+            try:
+                self._conn.send_frame(Header(MsgType.BYE, sender=self.rank), timeout=5.0)
+            except SmddpError:
+                pass
+        self._conn.close()
+        self._reader.join(timeout=5.0)
+        self._arena.close()
+        for seg in self._results.values():
+            seg.close()
+        self._results.clear()
+
+    # ------------------------------------------------------------------ collectives
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise NotInitializedError("smddp has been shut down")
+        if self._failure is not None:
+            raise type(self._failure)(str(self._failure))
+
+    def submit(
+        self,
+        kind: Kind,
+        buf: BufferView | None,
+        dtype: DType,
+        count: int,
+        op: ReduceOp | None,
+        root: int,
+        deliver: Callable[[np.ndarray], Any],
+        send_data: bool = True,
+    ) -> Handle:
+        """Copy `buf` into a shared slot and SUBMIT it; `deliver(result_bytes)` runs on DONE."""
+        nbytes = count * dtype.itemsize
+        with self._lock:
+            self._check_open()
+            slot = None
+            if send_data and buf is not None:
+                slot, seg = self._arena.alloc(nbytes)
+                if seg is not None:
+                    self._conn.send_frame(
+                        Header(MsgType.ATTACH, sender=self.rank, shard=seg.id, offset=seg.size), fds=[seg.fd]
+                    )
+                self._arena.view(slot).view(dtype.storage)[:] = buf.array
+            seq = self._next_seq
+            self._next_seq += 1
+            handle = Handle(self, seq, kind, dtype, count, deliver, slot, buf.keepalive if buf else None)
+            self._handles[seq] = handle
+            h = Header(
+                MsgType.SUBMIT,
+                sender=self.rank,
+                seq=seq,
+                shard=slot.segment if slot else NO_SEGMENT,
+                offset=slot.offset if slot else 0,
+                aux=root,
+                count=count,
+                dtype=dtype,
+                op=op,
+                kind=kind,
+            )
+            try:
+                self._conn.send_frame(h, timeout=self.config.timeout_s)
+            except ConnectionClosed as e:
+                self._handles.pop(seq, None)
+                self._fail(PeerLostError(str(e)))
+                raise type(self._failure)(str(self._failure)) from None  # type: ignore[misc]
+        return handle
+
+    # ------------------------------------------------------------------ the reader thread
+
+    def _read_loop(self) -> None:
+        try:
+            while True:
+                h, fds = self._conn.recv_header()
+                if h.type is MsgType.DONE:
+                    self._on_done(h)
+                elif h.type is MsgType.SEGMENT:
+                    if len(fds) != 1:
+                        raise ProtocolError(f"SEGMENT with {len(fds)} fds")
+                    self._results[h.shard] = Segment.attach(h.shard, fds[0], h.offset, writable=False)
+                elif h.type is MsgType.ERROR:
+                    text = self._conn.recv_bytes(h.length, timeout=5.0).decode("utf-8", "replace")
+                    name, _, why = text.partition(": ")
+                    self._fail(_ERRORS.get(name, CollectiveError)(why or text))
+                    return
+                else:
+                    raise ProtocolError(f"the daemon sent {h.type.name}, which workers do not expect")
+        except ConnectionClosed as e:
+            if not self._closed:
+                self._fail(PeerLostError(f"rank {self.rank}: lost the connection to the node daemon: {e}"))
+        except SmddpError as e:
+            self._fail(e)
+        except Exception as e:  # a bug; never leave waiters hanging
+            log.exception("smddp client reader crashed")
+            self._fail(CollectiveError(f"rank {self.rank}: internal error in the client: {e!r}"))
+
+    def _on_done(self, h: Header) -> None:
+        with self._lock:
+            handle = self._handles.pop(h.seq, None)
+        if handle is None or (h.kind, h.dtype, h.count) != (handle.kind, handle.dtype, handle.count):
+            raise ProtocolError(f"DONE for collective #{h.seq} does not match anything this rank submitted")
+        seg = self._results.get(h.shard)
+        if seg is None:
+            raise ProtocolError(f"DONE for #{h.seq} names result segment {h.shard}, which was never sent")
+        total = _result_bytes(h.kind, h.count * handle.dtype.itemsize, self.size)
+        result = handle._deliver(seg.view(h.offset, total))
+        if handle._slot is not None:
+            self._arena.free(handle._slot)
+        self._conn.send_frame(Header(MsgType.RELEASE, sender=self.rank, seq=h.seq), timeout=self.config.timeout_s)
+        handle._finish(result)
+
+    def _fail(self, err: SmddpError) -> None:
+        with self._lock:
+            if self._failure is None:
+                self._failure = err
+            handles = list(self._handles.values())
+            self._handles.clear()
+        for h in handles:
+            h._finish(error=self._failure)
+
+
+def _result_bytes(kind: Kind, nbytes: int, world: int) -> int:
+    return nbytes * world if kind == Kind.ALLGATHER else nbytes
+
+
+def check_op(op: Any) -> ReduceOp:
+    try:
+        return ReduceOp(op)
+    except ValueError:
+        raise InvalidArgumentError(f"op must be one of smddp.SUM, AVG, MIN, MAX, got {op!r}") from None

@@ -1,0 +1,36 @@
+"""The daemon's frozen configuration, filled by the CLI from flags."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+
+
+def default_socket_dir() -> str:
+    """Per-user parent of the jobs' private socket directories."""
+    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    return os.path.join(base, f"smddp-{os.getuid()}")
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    """Knobs of one smddp-daemon; defaults suit a 2-16 core node."""
+
+    chunk_bytes: int = 1 << 20  # the pipelining unit
+    threads: int = 2  # reduction threads
+    bind_host: str = ""  # "" picks loopback on one host, the host's address across hosts
+    socket_dir: str = ""  # "" -> default_socket_dir()
+    job_id_hex: str = ""  # "" -> a random id chosen at bootstrap
+    result_segment_bytes: int = 256 << 20  # result arena growth step (pages are touched lazily)
+    connect_timeout_s: float = 120.0  # all workers and peers must connect within this
+    handshake_timeout_s: float = 10.0  # a connection that has not authenticated by then is dropped
+    send_timeout_s: float = 60.0  # a peer that reads nothing for this long has failed
+    shutdown_timeout_s: float = 30.0  # how long to wait for peers' BYE at the end
+    log_level: str = "WARNING"
+
+    def __post_init__(self) -> None:
+        if self.chunk_bytes < 4096:
+            raise ValueError("chunk_bytes must be at least 4096")
+        if self.threads < 1:
+            raise ValueError("threads must be at least 1")

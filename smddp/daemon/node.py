@@ -1,0 +1,785 @@
+"""The node daemon: serves its local workers over shared memory and is server shard `node` for the job."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import queue
+import shutil
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from smddp.daemon.config import DaemonConfig
+from smddp.daemon.kernels import Reducer
+from smddp.errors import (
+    AuthenticationError,
+    CollectiveError,
+    CollectiveMismatchError,
+    PeerLostError,
+    ProtocolError,
+    SmddpError,
+)
+from smddp.proto import handshake as hs
+from smddp.proto.dtypes import DType, Kind, ReduceOp
+from smddp.proto.frames import Header, MsgType, Role, error_frame
+from smddp.proto.layout import Chunk, GatherLayout, ReduceLayout
+from smddp.transport.bootstrap import Job
+from smddp.transport.conn import Connection, ConnectionClosed
+from smddp.transport.shm import Arena, Segment, Slot
+
+NO_SEGMENT = 2**32 - 1  # SUBMIT without data (a broadcast's non-root ranks)
+
+log = logging.getLogger("smddp.daemon")
+
+
+def describe(kind: Kind, dtype: DType, count: int, op: ReduceOp | None, root: int) -> str:
+    """How a collective's fingerprint reads in an error message."""
+    extra = f", op={op.name.lower()}" if op is not None else ""
+    if kind == Kind.BROADCAST:
+        extra = f", root={root}"
+    return f"{kind.label}({dtype.label}, count={count}{extra})"
+
+
+@dataclass
+class WorkerLink:
+    local_rank: int
+    rank: int
+    conn: Connection
+    pid: int
+    segments: dict[int, Segment] = field(default_factory=dict)
+    next_seq: int = 1
+    said_bye: bool = False
+
+
+@dataclass
+class PeerLink:
+    node: int
+    conn: Connection | None = None
+    sendq: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    connected: threading.Event = field(default_factory=threading.Event)
+    said_bye: bool = False
+
+
+class OpState:
+    """One collective as this daemon sees it, from the first frame that mentions it to the last RELEASE."""
+
+    def __init__(self, seq: int, kind: Kind, dtype: DType, count: int, op: ReduceOp | None, root: int, origin: str):
+        self.seq = seq
+        self.kind = kind
+        self.dtype = dtype
+        self.count = count
+        self.op = op
+        self.root = root
+        self.origin = origin  # who first issued it, for mismatch messages
+        self.reduce: ReduceLayout | None = None
+        self.gather: GatherLayout | None = None
+        self.result_slot: Slot | None = None
+        self.result: np.ndarray = np.empty(0, np.uint8)
+        self.server_slot: Slot | None = None
+        self.server: np.ndarray | None = None  # (nnodes, own shard) partials, node order
+        self.own_start = 0
+        self.own_chunks: list[Chunk] = []
+        self.inputs: list[np.ndarray | None] = []
+        self.submitted = 0
+        self.partial_seen: list[bytearray] = []
+        self.partial_count: list[int] = []
+        self.expected = 0
+        self.completed = 0
+        self.pending_sends = 0
+        self.released = 0
+        self.done = False
+        self.t0 = time.monotonic()
+
+    @property
+    def fingerprint(self) -> tuple:
+        return (self.kind, self.dtype, self.count, self.op, self.root)
+
+    def describe(self) -> str:
+        return describe(self.kind, self.dtype, self.count, self.op, self.root)
+
+
+class NodeDaemon:
+    """Daemon for node `node` of `job`: accepts workers on `unix_sock` and peers on `tcp_sock`."""
+
+    def __init__(
+        self,
+        cfg: DaemonConfig,
+        job: Job,
+        node: int,
+        tcp_sock: socket.socket,
+        unix_sock: socket.socket,
+        socket_dir: str,
+    ) -> None:
+        self.cfg = cfg
+        self.job = job
+        self.node = node
+        self.nnodes = job.nnodes
+        self.local_size = job.local_size
+        self.world = job.size
+        self.me = job.describe_node(node)
+        self.tcp_sock = tcp_sock
+        self.unix_sock = unix_sock
+        self.socket_dir = socket_dir
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._finished = threading.Event()
+        self.failure: str | None = None
+        self.ops: dict[int, OpState] = {}
+        self.workers: list[WorkerLink | None] = [None] * self.local_size
+        self.peers = {j: PeerLink(j) for j in range(self.nnodes) if j != node}
+        self.results = Arena(cfg.result_segment_bytes, f"smddp-result-n{node}")
+        self.scratch = Arena(cfg.result_segment_bytes, f"smddp-server-n{node}")
+        self._tasks: collections.deque = collections.deque()  # server-side work first
+        self._local_tasks: collections.deque = collections.deque()
+        self._task_cv = threading.Condition(threading.Lock())
+        self._threads: list[threading.Thread] = []
+        self._started = time.monotonic()
+        self._bye_sent_at: float | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def serve(self) -> int:
+        """Run until every local worker said BYE and every peer did too, or the job failed."""
+        self._spawn(self._accept_loop, self.unix_sock, self._serve_worker, name="accept-unix")
+        self._spawn(self._accept_loop, self.tcp_sock, self._serve_peer_accepted, name="accept-tcp")
+        for j in self.peers:
+            self._spawn(self._writer_loop, self.peers[j], name=f"writer-{j}")
+            if j < self.node:
+                self._spawn(self._connect_peer, j, name=f"connect-{j}")
+        for i in range(self.cfg.threads):
+            self._spawn(self._compute_loop, name=f"compute-{i}")
+        deadline = self._started + self.cfg.connect_timeout_s
+        while not self._finished.wait(0.2):
+            if time.monotonic() > deadline and not self._all_connected():
+                self.fail(self._missing_message(), PeerLostError)
+            bye = self._bye_sent_at
+            if bye is not None and time.monotonic() > bye + self.cfg.shutdown_timeout_s:
+                waiting = [self.job.describe_node(j) for j, p in self.peers.items() if not p.said_bye]
+                self.fail(f"{self.me}: finished, but {', '.join(waiting)} did not finish", PeerLostError)
+        return self._teardown()
+
+    def _all_connected(self) -> bool:
+        with self._lock:
+            return all(w is not None for w in self.workers) and all(p.connected.is_set() for p in self.peers.values())
+
+    def _missing_message(self) -> str:
+        missing = [self.job.describe_rank(self.job.ranks_of(self.node)[i]) for i, w in enumerate(self.workers) if w is None]
+        missing += [self.job.describe_node(j) for j, p in self.peers.items() if not p.connected.is_set()]
+        return f"{self.me}: not connected after {self.cfg.connect_timeout_s:.0f}s: {', '.join(missing)}"
+
+    def _teardown(self) -> int:
+        self._stop.set()
+        with self._task_cv:
+            self._task_cv.notify_all()
+        for p in self.peers.values():
+            p.sendq.put(None)
+        for t in self._threads:
+            if t.name.startswith("smddp-writer"):
+                t.join(timeout=5.0)  # the BYE frames leave before the sockets close
+        for s in (self.tcp_sock, self.unix_sock):
+            try:
+                s.close()
+            except OSError:
+                pass
+        if self.failure is not None:
+            # Give our workers a moment to read the ERROR before their sockets close.
+            deadline = time.monotonic() + 5.0
+            while time.monotonic() < deadline and any(w is not None and not w.conn.closed for w in self.workers):
+                time.sleep(0.05)
+        for w in self.workers:
+            if w is not None:
+                w.conn.close()
+        for p in self.peers.values():
+            if p.conn is not None:
+                p.conn.close()
+        for t in self._threads:
+            t.join(timeout=2.0)
+        shutil.rmtree(self.socket_dir, ignore_errors=True)
+        self.results.close()
+        self.scratch.close()
+        return 0 if self.failure is None else 1
+
+    def _spawn(self, fn, *args, name: str) -> None:  # type: ignore[no-untyped-def]
+        def guarded() -> None:
+            try:
+                fn(*args)
+            except SmddpError as e:
+                self.fail(str(e), type(e))
+            except Exception as e:  # a bug: fail the job loudly rather than hang it
+                log.exception("%s: internal error in %s", self.me, name)
+                self.fail(f"{self.me}: internal error in {name}: {e!r}", CollectiveError)
+
+        t = threading.Thread(target=guarded, name=f"smddp-{name}", daemon=True)
+        self._threads.append(t)
+        t.start()
+
+    def fail(self, reason: str, kind: type[SmddpError] = CollectiveError) -> None:
+        """Put the job in FAILED: tell every worker and peer why, once, then stop."""
+        with self._lock:
+            if self.failure is not None or self._finished.is_set():
+                return
+            self.failure = reason
+        # Nothing of a failed job may stay behind, even if mpirun kills us in a moment.
+        shutil.rmtree(self.socket_dir, ignore_errors=True)
+        log.error("%s: job failed: %s", self.me, reason)
+        frame = error_frame(f"{kind.__name__}: {reason}", sender=self.node)
+        for w in list(self.workers):
+            if w is not None and not w.said_bye:
+                try:
+                    w.conn.send([frame], timeout=2.0)
+                except SmddpError:
+                    pass
+        for p in self.peers.values():
+            if p.conn is not None and not p.conn.closed:
+                try:
+                    p.conn.send([frame], timeout=2.0)
+                except SmddpError:
+                    pass
+        self._finished.set()
+
+    # ------------------------------------------------------------------ accepting
+
+    def _accept_loop(self, lsock: socket.socket, handler) -> None:  # type: ignore[no-untyped-def]
+        lsock.settimeout(0.5)
+        while not self._stop.is_set():
+            try:
+                sock, addr = lsock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else "local process"
+            t = threading.Thread(target=self._handle_accepted, args=(sock, peer, handler), daemon=True)
+            t.start()
+
+    def _handle_accepted(self, sock: socket.socket, peer: str, handler) -> None:  # type: ignore[no-untyped-def]
+        conn = Connection(sock, f"unauthenticated {peer}")
+        try:
+            hello = self._authenticate(conn)
+        except (SmddpError, OSError) as e:
+            # A stranger: refuse and log, but the job goes on.
+            log.warning("%s: refused connection from %s: %s", self.me, peer, e)
+            try:
+                conn.send([error_frame(f"refused: {e}", sender=self.node)], timeout=1.0)
+            except SmddpError:
+                pass
+            conn.close()
+            return
+        try:
+            handler(conn, hello)
+        except SmddpError as e:
+            self.fail(str(e), type(e))
+        except Exception as e:
+            log.exception("%s: internal error serving %s", self.me, conn.peer)
+            self.fail(f"{self.me}: internal error serving {conn.peer}: {e!r}")
+
+    def _authenticate(self, conn: Connection) -> hs.Hello:
+        if conn.is_unix and conn.peer_uid() != os.getuid():
+            raise AuthenticationError(f"uid {conn.peer_uid()} is not the job's user")
+        nonce = hs.new_nonce()
+        conn.send([hs.challenge(self.job.job_id, nonce, self.node)], timeout=self.cfg.handshake_timeout_s)
+        h, body, fds = conn.recv_frame(timeout=self.cfg.handshake_timeout_s)
+        for fd in fds:
+            os.close(fd)
+        hello = hs.parse_hello(h, body)
+        hs.verify_hello(self.job.secret, self.job.job_id, nonce, hello)
+        if conn.is_unix != (hello.role == Role.WORKER):
+            raise AuthenticationError(f"role {hello.role.name} is not accepted on this socket")
+        conn.send([hs.welcome(self.job.secret, self.job.job_id, nonce, hello, self.node)], timeout=5.0)
+        return hello
+
+    # ------------------------------------------------------------------ workers
+
+    def _serve_worker(self, conn: Connection, hello: hs.Hello) -> None:
+        ranks = self.job.ranks_of(self.node)
+        if hello.rank not in ranks:
+            raise AuthenticationError(f"rank {hello.rank} does not belong to {self.me}")
+        local = hello.rank - ranks.start
+        conn.peer = self.job.describe_rank(hello.rank)
+        link = WorkerLink(local, hello.rank, conn, conn.peer_pid())
+        with self._lock:
+            if self.workers[local] is not None:
+                raise AuthenticationError(f"rank {hello.rank} connected twice")
+            self.workers[local] = link
+            # Everything already in the result arena, so DONE can point anywhere in it.
+            for seg in self.results.segments.values():
+                self._send_segment(link, seg)
+        log.info("%s: %s connected", self.me, conn.peer)
+        try:
+            self._worker_loop(link)
+        except ConnectionClosed:
+            if not (link.said_bye or self._finished.is_set()):
+                self.fail(self._worker_lost(link), PeerLostError)
+        except SmddpError as e:
+            self.fail(str(e), type(e))  # before closing, so this worker hears why
+        conn.close()
+
+    def _worker_lost(self, link: WorkerLink) -> str:
+        try:
+            os.kill(link.pid, 0)
+            how = "closed its connection without shutting down"
+        except ProcessLookupError:
+            how = "died (its process is gone)"
+        except PermissionError:
+            how = "closed its connection"
+        return f"{self.job.describe_rank(link.rank)} {how}"
+
+    def _send_segment(self, link: WorkerLink, seg: Segment) -> None:
+        link.conn.send_frame(Header(MsgType.SEGMENT, sender=self.node, shard=seg.id, offset=seg.size), fds=[seg.fd])
+
+    def _worker_loop(self, link: WorkerLink) -> None:
+        conn = link.conn
+        while True:
+            h, fds = conn.recv_header(self._stop)
+            if fds and h.type is not MsgType.ATTACH:
+                for fd in fds:
+                    os.close(fd)
+                raise ProtocolError(f"{conn.peer} passed file descriptors with {h.type.name}")
+            if h.type is MsgType.SUBMIT:
+                self._on_submit(link, h)
+            elif h.type is MsgType.RELEASE:
+                self._on_release(link, h)
+            elif h.type is MsgType.ATTACH:
+                if len(fds) != 1:
+                    raise ProtocolError(f"{conn.peer}: ATTACH must carry exactly one fd, got {len(fds)}")
+                if h.shard in link.segments:
+                    os.close(fds[0])
+                    raise ProtocolError(f"{conn.peer}: segment {h.shard} attached twice")
+                link.segments[h.shard] = Segment.attach(h.shard, fds[0], h.offset, writable=False)
+            elif h.type is MsgType.BYE:
+                link.said_bye = True
+                conn.close()
+                self._maybe_finish()
+                return
+            elif h.type is MsgType.ERROR:
+                text = conn.recv_bytes(h.length, timeout=5.0).decode("utf-8", "replace")
+                raise CollectiveError(f"{conn.peer} aborted the job: {text}")
+            else:
+                raise ProtocolError(f"{conn.peer} sent {h.type.name}, which workers may not send")
+
+    def _on_submit(self, link: WorkerLink, h: Header) -> None:
+        who = self.job.describe_rank(link.rank)
+        if h.seq != link.next_seq:
+            raise ProtocolError(f"{who} submitted collective #{h.seq}, expected #{link.next_seq}")
+        link.next_seq += 1
+        assert h.kind is not None and h.dtype is not None
+        kind, dtype = h.kind, h.dtype
+        nbytes = h.count * dtype.itemsize
+        if h.shard == NO_SEGMENT:
+            data = np.empty(0, dtype.storage) if nbytes == 0 else None
+        else:
+            seg = link.segments.get(h.shard)
+            if seg is None:
+                raise ProtocolError(f"{who} named segment {h.shard}, which it never attached")
+            data = seg.view(h.offset, nbytes).view(dtype.storage)
+        if data is None and not (kind == Kind.BROADCAST and h.aux != link.rank):
+            raise ProtocolError(f"{who} submitted collective #{h.seq} without data")
+        tasks: list = []
+        with self._lock:
+            if self.failure is not None:
+                return
+            op = self._op_for(h.seq, kind, dtype, h.count, h.op, h.aux, who)
+            if op.inputs[link.local_rank] is not None or op.submitted == self.local_size:
+                raise ProtocolError(f"{who} submitted collective #{h.seq} twice")
+            op.inputs[link.local_rank] = data if data is not None else np.empty(0, dtype.storage)
+            op.submitted += 1
+            if op.submitted == self.local_size:
+                tasks = self._local_tasks_for(op)
+        if tasks:
+            self._enqueue(tasks, local=True)
+
+    def _on_release(self, link: WorkerLink, h: Header) -> None:
+        with self._lock:
+            op = self.ops.get(h.seq)
+            if op is None or not op.done:
+                raise ProtocolError(f"{link.conn.peer} released collective #{h.seq}, which is not complete")
+            op.released += 1
+            self._maybe_retire(op)
+
+    def _maybe_retire(self, op: OpState) -> None:
+        """Free an op's memory once every worker copied its result out and every send left (lock held)."""
+        if op.released == self.local_size and op.pending_sends == 0 and op.done:
+            del self.ops[op.seq]
+            if op.result_slot is not None:
+                self.results.free(op.result_slot)
+
+    # ------------------------------------------------------------------ op state
+
+    def _op_for(
+        self, seq: int, kind: Kind, dtype: DType, count: int, rop: ReduceOp | None, root: int, who: str
+    ) -> OpState:
+        """The state of collective `seq`, created on first sight and checked against its fingerprint (lock held)."""
+        op = self.ops.get(seq)
+        if op is not None:
+            if op.fingerprint != (kind, dtype, count, rop, root):
+                raise CollectiveMismatchError(
+                    f"collective #{seq} mismatch: {op.origin} called {op.describe()} "
+                    f"but {who} called {describe(kind, dtype, count, rop, root)}"
+                )
+            return op
+        self._validate_new(seq, kind, dtype, count, rop, root, who)
+        op = OpState(seq, kind, dtype, count, rop, root, who)
+        op.inputs = [None] * self.local_size
+        itemsize = dtype.itemsize
+        N = self.nnodes
+        if kind.is_gather:
+            nbytes = count * itemsize
+            if kind == Kind.ALLGATHER:
+                op.gather = GatherLayout.allgather(nbytes, N, self.local_size, self.cfg.chunk_bytes)
+            else:
+                op.gather = GatherLayout.broadcast(nbytes, root // self.local_size, self.cfg.chunk_bytes)
+            op.expected = op.gather.total_chunks()
+            total = op.gather.total_bytes
+        else:
+            op.reduce = ReduceLayout.build(count, itemsize, N, self.cfg.chunk_bytes)
+            own = op.reduce.chunks(self.node)
+            if N == 1 or kind == Kind.REDUCE_SCATTER:
+                op.expected = len(own)
+            else:
+                op.expected = sum(len(c) for c in op.reduce.all_chunks())
+            if N > 1:
+                a, b = op.reduce.shards()[self.node]
+                op.own_start = a
+                op.own_chunks = own
+                op.server_slot, _ = self.scratch.alloc(N * (b - a) * itemsize)
+                op.server = self.scratch.view(op.server_slot).view(dtype.storage).reshape(N, b - a)
+                op.partial_seen = [bytearray(N) for _ in own]
+                op.partial_count = [0] * len(own)
+            total = count * itemsize
+        op.result_slot, new_seg = self.results.alloc(total)
+        if new_seg is not None:
+            for w in self.workers:
+                if w is not None and not w.said_bye:
+                    self._send_segment(w, new_seg)
+        op.result = self.results.view(op.result_slot)
+        self.ops[seq] = op
+        return op
+
+    def _validate_new(
+        self, seq: int, kind: Kind, dtype: DType, count: int, rop: ReduceOp | None, root: int, who: str
+    ) -> None:
+        reduces = kind in (Kind.ALLREDUCE, Kind.REDUCE_SCATTER)
+        if reduces and rop is None:
+            raise ProtocolError(f"{who}: collective #{seq} ({kind.label}) without a reduce op")
+        if not reduces and rop is not None:
+            raise ProtocolError(f"{who}: collective #{seq} ({kind.label}) carries a reduce op")
+        if kind == Kind.BROADCAST and root >= self.world:
+            raise ProtocolError(f"{who}: broadcast root {root} out of range")
+        if kind != Kind.BROADCAST and root != 0:
+            raise ProtocolError(f"{who}: root set on {kind.label}")
+        if kind == Kind.REDUCE_SCATTER and count % self.world:
+            raise ProtocolError(f"{who}: reduce_scatter of {count} elements over {self.world} ranks")
+        if kind == Kind.BARRIER and count != 0:
+            raise ProtocolError(f"{who}: barrier with data")
+        if count * dtype.itemsize * (self.world if kind == Kind.ALLGATHER else 1) > 2**40:
+            raise ProtocolError(f"{who}: collective #{seq} is larger than 1 TiB")
+
+    def _header(self, t: MsgType, op: OpState, shard: int, offset: int, length: int) -> bytes:
+        return Header(
+            t,
+            sender=self.node,
+            seq=op.seq,
+            shard=shard,
+            aux=op.root,
+            offset=offset,
+            length=length,
+            count=op.count,
+            dtype=op.dtype,
+            op=op.op,
+            kind=op.kind,
+        ).encode()
+
+    # ------------------------------------------------------------------ scheduling
+
+    def _local_tasks_for(self, op: OpState) -> list:
+        """Work that starts once all local ranks submitted; shards interleaved so every server starts early."""
+        if op.gather is not None:
+            return [(self._local_gather, op, a, b) for a, b in op.gather.chunks(self.node)] or [
+                (self._check_complete, op)
+            ]
+        assert op.reduce is not None
+        per_shard = op.reduce.all_chunks()
+        order = [(self.node + 1 + k) % self.nnodes for k in range(self.nnodes)]
+        tasks = []
+        for i in range(max(len(c) for c in per_shard)):
+            for j in order:
+                if i < len(per_shard[j]):
+                    tasks.append((self._local_reduce, op, per_shard[j][i]))
+        return tasks
+
+    def _enqueue(self, tasks: list, local: bool) -> None:
+        with self._task_cv:
+            (self._local_tasks if local else self._tasks).extend(tasks)
+            self._task_cv.notify(len(tasks))
+
+    def _compute_loop(self) -> None:
+        reducer = Reducer()
+        while True:
+            with self._task_cv:
+                while not self._tasks and not self._local_tasks:
+                    if self._stop.is_set() or self._finished.is_set():
+                        return
+                    self._task_cv.wait(0.5)
+                task = self._tasks.popleft() if self._tasks else self._local_tasks.popleft()
+            if self.failure is not None:
+                continue
+            fn, *args = task
+            fn(reducer, *args)
+
+    # ------------------------------------------------------------------ reduce path
+
+    def _typed(self, op: OpState) -> np.ndarray:
+        return op.result.view(op.dtype.storage)
+
+    def _local_reduce(self, reducer: Reducer, op: OpState, c: Chunk) -> None:
+        inputs = [x[c.start : c.end] for x in op.inputs if x is not None]
+        res = self._typed(op)[c.start : c.end]
+        rop = op.op if op.op is not None else ReduceOp.SUM  # a barrier reduces nothing
+        if self.nnodes == 1:
+            reducer.reduce(inputs, res, op.dtype, rop, self.world)
+            self._chunk_completed(op)
+            return
+        # The node partial of an average is a sum: the server divides once.
+        partial_op = ReduceOp.SUM if rop == ReduceOp.AVG else rop
+        if c.shard == self.node:
+            assert op.server is not None
+            dest = op.server[self.node, c.start - op.own_start : c.end - op.own_start]
+            reducer.reduce(inputs, dest, op.dtype, partial_op)
+            self._partial_arrived(op, c.index, self.node)
+        else:
+            # The partial goes out from the result region: the result of this chunk only comes back
+            # after the server has it, so nothing overwrites it before the send is done.
+            reducer.reduce(inputs, res, op.dtype, partial_op)
+            isz = op.dtype.itemsize
+            self._send(c.shard, op, self._header(MsgType.PARTIAL, op, c.shard, c.start * isz, c.count * isz), res)
+
+    def _partial_arrived(self, op: OpState, index: int, node: int) -> None:
+        with self._lock:
+            seen = op.partial_seen[index]
+            if seen[node]:
+                raise ProtocolError(f"{self.job.describe_node(node)} sent chunk {index} of #{op.seq} twice")
+            seen[node] = 1
+            op.partial_count[index] += 1
+            ready = op.partial_count[index] == self.nnodes
+        if ready:
+            assert op.reduce is not None
+            self._enqueue([(self._server_reduce, op, op.own_chunks[index])], local=False)
+
+    def _server_reduce(self, reducer: Reducer, op: OpState, c: Chunk) -> None:
+        assert op.server is not None
+        lo, hi = c.start - op.own_start, c.end - op.own_start
+        res = self._typed(op)[c.start : c.end]
+        rop = op.op if op.op is not None else ReduceOp.SUM
+        reducer.reduce([op.server[i, lo:hi] for i in range(self.nnodes)], res, op.dtype, rop, self.world)
+        if op.kind != Kind.REDUCE_SCATTER:
+            isz = op.dtype.itemsize
+            hdr = self._header(MsgType.RESULT, op, self.node, c.start * isz, c.count * isz)
+            for j in self.peers:
+                self._send(j, op, hdr, res)
+        self._chunk_completed(op)
+
+    # ------------------------------------------------------------------ gather path
+
+    def _local_gather(self, reducer: Reducer, op: OpState, a: int, b: int) -> None:
+        assert op.gather is not None
+        block = op.gather.block_of(self.node)
+        assert block is not None
+        if op.kind == Kind.BROADCAST:
+            src = op.inputs[op.root - self.job.ranks_of(self.node).start]
+            assert src is not None
+            op.result[a:b] = src.view(np.uint8)[a:b]
+        else:
+            per = op.count * op.dtype.itemsize
+            for r, x in enumerate(op.inputs):
+                assert x is not None
+                s0 = block[0] + r * per
+                lo, hi = max(a, s0), min(b, s0 + per)
+                if lo < hi:
+                    op.result[lo:hi] = x.view(np.uint8)[lo - s0 : hi - s0]
+        hdr = self._header(MsgType.BLOCK, op, self.node, a, b - a)
+        for j in self.peers:
+            self._send(j, op, hdr, op.result[a:b])
+        self._chunk_completed(op)
+
+    def _check_complete(self, reducer: Reducer, op: OpState) -> None:
+        self._chunk_completed(op, 0)
+
+    # ------------------------------------------------------------------ completion
+
+    def _chunk_completed(self, op: OpState, n: int = 1) -> None:
+        with self._lock:
+            op.completed += n
+            if op.done or op.completed < op.expected or op.submitted < self.local_size:
+                return
+            op.done = True
+            if op.server_slot is not None:  # every server reduce of ours is behind us
+                self.scratch.free(op.server_slot)
+                op.server_slot = None
+                op.server = None
+            workers = list(self.workers)
+            assert op.result_slot is not None
+            slot = op.result_slot
+        done = Header(
+            MsgType.DONE,
+            sender=self.node,
+            seq=op.seq,
+            shard=slot.segment,
+            aux=op.root,
+            offset=slot.offset,
+            count=op.count,
+            dtype=op.dtype,
+            op=op.op,
+            kind=op.kind,
+        ).encode()
+        for w in workers:
+            assert w is not None
+            w.conn.send([done], timeout=self.cfg.send_timeout_s)
+
+    # ------------------------------------------------------------------ peers
+
+    def _send(self, node: int, op: OpState, hdr: bytes, payload: np.ndarray) -> None:
+        with self._lock:
+            op.pending_sends += 1
+        self.peers[node].sendq.put((hdr, payload, op))
+
+    def _writer_loop(self, peer: PeerLink) -> None:
+        while not peer.connected.wait(0.5):
+            if self._stop.is_set() or self._finished.is_set():
+                return
+        assert peer.conn is not None
+        while True:
+            item = peer.sendq.get()
+            if item is None:
+                return
+            hdr, payload, op = item
+            if self.failure is not None:
+                return
+            if hdr is None:  # BYE marker: everything before it has left
+                peer.conn.send_frame(Header(MsgType.BYE, sender=self.node), timeout=self.cfg.send_timeout_s)
+                continue
+            peer.conn.send([hdr, payload], timeout=self.cfg.send_timeout_s)
+            with self._lock:
+                op.pending_sends -= 1
+                self._maybe_retire(op)
+
+    def _connect_peer(self, j: int) -> None:
+        ep = self.job.daemons[j]
+        deadline = time.monotonic() + self.cfg.connect_timeout_s
+        while True:
+            try:
+                sock = socket.create_connection((ep.tcp_host, ep.tcp_port), timeout=5.0)
+                break
+            except OSError as e:
+                if time.monotonic() > deadline or self._stop.is_set():
+                    raise PeerLostError(
+                        f"{self.me} cannot reach {self.job.describe_node(j)} at {ep.tcp_host}:{ep.tcp_port}: {e}"
+                    ) from None
+                time.sleep(0.1)
+        conn = Connection(sock, self.job.describe_node(j))
+        t = self.cfg.handshake_timeout_s
+        h, body, _ = conn.recv_frame(timeout=t)
+        job_id, server_nonce = hs.parse_challenge(h, body)
+        if job_id != self.job.job_id:
+            raise AuthenticationError(f"{conn.peer} at {ep.tcp_host}:{ep.tcp_port} belongs to another job")
+        nonce = hs.new_nonce()
+        conn.send([hs.hello(self.job.secret, self.job.job_id, Role.DAEMON, self.node, server_nonce, nonce)], timeout=t)
+        h, body, _ = conn.recv_frame(timeout=t)
+        hs.verify_welcome(self.job.secret, self.job.job_id, server_nonce, nonce, Role.DAEMON, self.node, h, body)
+        self._peer_loop(self.peers[j], conn)
+
+    def _serve_peer_accepted(self, conn: Connection, hello: hs.Hello) -> None:
+        if hello.role != Role.DAEMON or not (self.node < hello.rank < self.nnodes):
+            raise AuthenticationError(f"daemon {hello.rank} should not connect to {self.me}")
+        peer = self.peers[hello.rank]
+        if peer.connected.is_set():
+            raise AuthenticationError(f"{self.job.describe_node(hello.rank)} connected twice")
+        conn.peer = self.job.describe_node(hello.rank)
+        self._peer_loop(peer, conn)
+
+    def _peer_loop(self, peer: PeerLink, conn: Connection) -> None:
+        peer.conn = conn
+        peer.connected.set()
+        log.info("%s: connected to %s", self.me, conn.peer)
+        try:
+            while True:
+                h, _ = conn.recv_header(self._stop)
+                if h.type in (MsgType.PARTIAL, MsgType.RESULT, MsgType.BLOCK):
+                    self._on_data(peer.node, conn, h)
+                elif h.type is MsgType.HEARTBEAT:
+                    continue
+                elif h.type is MsgType.BYE:
+                    peer.said_bye = True
+                    self._maybe_finish()
+                    return
+                elif h.type is MsgType.ERROR:
+                    text = conn.recv_bytes(h.length, timeout=5.0).decode("utf-8", "replace")
+                    kind, _, why = text.partition(": ")
+                    self.fail(why or text, _ERRORS.get(kind, CollectiveError))
+                    return
+                else:
+                    raise ProtocolError(f"{conn.peer} sent {h.type.name}, which daemons may not send")
+        except ConnectionClosed:
+            if peer.said_bye or self._finished.is_set():
+                return
+            raise PeerLostError(f"lost {conn.peer}: connection closed in the middle of the job") from None
+
+    def _on_data(self, node: int, conn: Connection, h: Header) -> None:
+        who = self.job.describe_node(node)
+        if h.sender != node:
+            raise ProtocolError(f"{who} sent a frame claiming to be from node {h.sender}")
+        assert h.kind is not None and h.dtype is not None
+        with self._lock:
+            if self.failure is not None:
+                raise ConnectionClosed("job failed")
+            op = self._op_for(h.seq, h.kind, h.dtype, h.count, h.op, h.aux, who)
+            if h.type is MsgType.BLOCK:
+                if op.gather is None:
+                    raise ProtocolError(f"{who} sent BLOCK for {op.kind.label} #{h.seq}")
+                op.gather.locate(node, h.offset, h.length)
+                dest = op.result[h.offset : h.offset + h.length]
+                index = -1
+            else:
+                if op.reduce is None:
+                    raise ProtocolError(f"{who} sent {h.type.name} for {op.kind.label} #{h.seq}")
+                if h.type is MsgType.PARTIAL:
+                    if h.shard != self.node:
+                        raise ProtocolError(f"{who} sent a partial of shard {h.shard} to {self.me}")
+                    c = op.reduce.locate(h.shard, h.offset, h.length)
+                    assert op.server is not None
+                    dest = op.server[node, c.start - op.own_start : c.end - op.own_start]
+                    index = c.index
+                else:
+                    if h.shard != node or op.kind == Kind.REDUCE_SCATTER:
+                        raise ProtocolError(f"{who} sent a result of shard {h.shard}")
+                    c = op.reduce.locate(h.shard, h.offset, h.length)
+                    dest = self._typed(op)[c.start : c.end]
+                    index = -1
+        conn.recv_into(dest)
+        if h.type is MsgType.PARTIAL:
+            self._partial_arrived(op, index, node)
+        else:
+            self._chunk_completed(op)
+
+    def _maybe_finish(self) -> None:
+        """After the last local BYE: flush every queue, say BYE; finish when every peer has said it."""
+        with self._lock:
+            if not all(w is not None and w.said_bye for w in self.workers):
+                return
+            first = self._bye_sent_at is None
+            if first:
+                self._bye_sent_at = time.monotonic()
+        if first:
+            for p in self.peers.values():
+                p.sendq.put((None, None, None))
+        if all(p.said_bye for p in self.peers.values()):
+            self._finished.set()
+
+
+_ERRORS: dict[str, type[SmddpError]] = {
+    cls.__name__: cls for cls in (CollectiveError, CollectiveMismatchError, PeerLostError, ProtocolError)
+}

@@ -1,0 +1,51 @@
+"""The one hierarchy of errors that smddp raises; every layer translates into these."""
+
+from __future__ import annotations
+
+
+class SmddpError(Exception):
+    """Base of every error smddp raises on purpose."""
+
+
+class ConfigError(SmddpError, ValueError):
+    """A configuration value (flag, environment variable) is invalid."""
+
+
+class BootstrapError(SmddpError):
+    """The job could not be set up: MPI bootstrap, roles, node layout."""
+
+
+class ProtocolError(SmddpError):
+    """A frame on the wire broke the protocol (bad magic, version, field out of bounds)."""
+
+
+class AuthenticationError(SmddpError):
+    """A peer failed the handshake: wrong job, wrong secret, wrong user."""
+
+
+class InvalidArgumentError(SmddpError, ValueError):
+    """A public call got an argument it cannot take; nothing was sent."""
+
+
+class UnsupportedBufferError(InvalidArgumentError, TypeError):
+    """A buffer is of a type, dtype or layout smddp does not handle; nothing was sent."""
+
+
+class NotInitializedError(SmddpError, RuntimeError):
+    """A call was made before smddp.init() or after smddp.shutdown()."""
+
+
+class CollectiveError(SmddpError, RuntimeError):
+    """The job has FAILED; every pending and later collective raises this with the cause."""
+
+
+class CollectiveMismatchError(CollectiveError):
+    """Ranks issued different collectives at the same sequence number."""
+
+
+class PeerLostError(CollectiveError):
+    """A worker, a daemon or a link went away in the middle of the job."""
+
+
+class CollectiveTimeoutError(SmddpError, TimeoutError):
+    """A blocking call ran past its timeout; the job itself is still usable."""

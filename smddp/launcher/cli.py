@@ -1,0 +1,113 @@
+"""Command lines: each parses flags into a frozen config and calls the library, nothing more."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from smddp.errors import ConfigError
+
+
+def _launch_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="smddp-launch",
+        description="Run a data-parallel job: one smddp-daemon per node plus W workers, through mpirun.",
+        usage="smddp-launch -np W [options] -- COMMAND [ARGS ...]",
+    )
+    p.add_argument("-np", "--np", type=int, required=True, help="number of worker processes (W)")
+    p.add_argument(
+        "--local-nodes",
+        type=int,
+        default=1,
+        help="run N daemons on this host, each owning W/N workers, talking over loopback TCP",
+    )
+    p.add_argument("--fusion-mb", type=float, default=64.0, help="fusion buffer size for front ends (MiB)")
+    p.add_argument("--chunk-kb", type=int, default=1024, help="pipelining chunk (KiB)")
+    p.add_argument("--threads", type=int, default=2, help="reduction threads per daemon")
+    p.add_argument("--timeout", type=float, default=600.0, help="default timeout of a blocking call (s)")
+    p.add_argument("--log-level", default=os.environ.get("SMDDP_LOG_LEVEL", "WARNING"))
+    p.add_argument("--mpi-args", default="", help="extra arguments for mpirun, as one string")
+    p.add_argument("--mpirun", default="", help="the mpirun to use (default: the one beside this Python)")
+    p.add_argument("--dry-run", action="store_true", help="print the mpirun command and exit")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="the worker command, after --")
+    return p
+
+
+def launch_main(argv: list[str] | None = None) -> int:
+    import shlex
+
+    from smddp.launcher.mpirun import LaunchConfig, launch
+
+    args = _launch_parser().parse_args(argv)
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    try:
+        cfg = LaunchConfig(
+            np=args.np,
+            command=tuple(command),
+            local_nodes=args.local_nodes,
+            fusion_mb=args.fusion_mb,
+            chunk_kb=args.chunk_kb,
+            threads=args.threads,
+            timeout_s=args.timeout,
+            log_level=args.log_level,
+            mpi_args=tuple(shlex.split(args.mpi_args)),
+            dry_run=args.dry_run,
+            mpirun=args.mpirun,
+        )
+        return launch(cfg)
+    except ConfigError as e:
+        print(f"smddp-launch: {e}", file=sys.stderr)
+        return 2
+
+
+def daemon_main(argv: list[str] | None = None) -> int:
+    from smddp.daemon import DaemonConfig, run
+
+    p = argparse.ArgumentParser(prog="smddp-daemon", description="The smddp node daemon (started by smddp-launch).")
+    p.add_argument("--chunk-kb", type=int, default=1024)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--bind", default=os.environ.get("SMDDP_BIND_ADDR", ""), help="address to listen on for peers")
+    p.add_argument("--socket-dir", default="")
+    p.add_argument("--connect-timeout", type=float, default=120.0)
+    p.add_argument("--log-level", default=os.environ.get("SMDDP_LOG_LEVEL", "WARNING"))
+    args = p.parse_args(argv)
+    try:
+        cfg = DaemonConfig(
+            chunk_bytes=args.chunk_kb * 1024,
+            threads=args.threads,
+            bind_host=args.bind,
+            socket_dir=args.socket_dir,
+            job_id_hex=os.environ.get("SMDDP_JOB_ID", ""),
+            connect_timeout_s=args.connect_timeout,
+            log_level=args.log_level,
+        )
+    except ValueError as e:
+        print(f"smddp-daemon: {e}", file=sys.stderr)
+        return 2
+    return run(cfg)
+
+
+def smddp_main(argv: list[str] | None = None) -> int:
+    import smddp
+
+    p = argparse.ArgumentParser(prog="smddp", description="smddp tools.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("launch", help="same as smddp-launch", add_help=False)
+    sub.add_parser("daemon", help="same as smddp-daemon", add_help=False)
+    sub.add_parser("version", help="print the version")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "launch":
+        return launch_main(argv[1:])
+    if argv and argv[0] == "daemon":
+        return daemon_main(argv[1:])
+    args = p.parse_args(argv)
+    if args.cmd == "version":
+        print(f"smddp {smddp.__version__}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(smddp_main())

@@ -1,0 +1,109 @@
+"""Element types and reduction ops as they appear on the wire."""
+
+from __future__ import annotations
+
+import enum
+
+import numpy as np
+
+
+class DType(enum.IntEnum):
+    """Element type of a buffer; bfloat16 has no numpy dtype, so it travels as raw uint16 bits."""
+
+    UINT8 = 1
+    INT32 = 2
+    INT64 = 3
+    FLOAT16 = 4
+    BFLOAT16 = 5
+    FLOAT32 = 6
+    FLOAT64 = 7
+
+    @property
+    def itemsize(self) -> int:
+        return _ITEMSIZE[self]
+
+    @property
+    def storage(self) -> np.dtype:
+        """The numpy dtype that holds the raw elements (uint16 for bfloat16)."""
+        return _STORAGE[self]
+
+    @property
+    def is_float(self) -> bool:
+        return self in (DType.FLOAT16, DType.BFLOAT16, DType.FLOAT32, DType.FLOAT64)
+
+    @property
+    def accumulator(self) -> np.dtype:
+        """The dtype sums are carried in: float32 for the 16-bit floats, else the type itself."""
+        if self in (DType.FLOAT16, DType.BFLOAT16):
+            return np.dtype(np.float32)
+        return self.storage
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+_ITEMSIZE = {
+    DType.UINT8: 1,
+    DType.INT32: 4,
+    DType.INT64: 8,
+    DType.FLOAT16: 2,
+    DType.BFLOAT16: 2,
+    DType.FLOAT32: 4,
+    DType.FLOAT64: 8,
+}
+
+_STORAGE = {
+    DType.UINT8: np.dtype(np.uint8),
+    DType.INT32: np.dtype(np.int32),
+    DType.INT64: np.dtype(np.int64),
+    DType.FLOAT16: np.dtype(np.float16),
+    DType.BFLOAT16: np.dtype(np.uint16),
+    DType.FLOAT32: np.dtype(np.float32),
+    DType.FLOAT64: np.dtype(np.float64),
+}
+
+_FROM_NUMPY = {
+    "uint8": DType.UINT8,
+    "int32": DType.INT32,
+    "int64": DType.INT64,
+    "float16": DType.FLOAT16,
+    "bfloat16": DType.BFLOAT16,  # ml_dtypes' bfloat16, recognised by name so we need not import it
+    "float32": DType.FLOAT32,
+    "float64": DType.FLOAT64,
+}
+
+
+def dtype_from_numpy(dt: np.dtype) -> DType | None:
+    """The wire dtype for a numpy dtype, or None when smddp does not carry it."""
+    if dt.byteorder == ">":
+        return None
+    return _FROM_NUMPY.get(dt.name)
+
+
+class ReduceOp(enum.IntEnum):
+    """Reduction applied by an all-reduce or reduce-scatter."""
+
+    SUM = 1
+    AVG = 2
+    MIN = 3
+    MAX = 4
+
+
+class Kind(enum.IntEnum):
+    """Which collective a frame belongs to (part of the fingerprint every rank must agree on)."""
+
+    ALLREDUCE = 1
+    BROADCAST = 2
+    ALLGATHER = 3
+    REDUCE_SCATTER = 4
+    BARRIER = 5
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+    @property
+    def is_gather(self) -> bool:
+        """Gather-style collectives move blocks to everyone instead of reducing shards."""
+        return self in (Kind.BROADCAST, Kind.ALLGATHER)

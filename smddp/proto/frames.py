@@ -1,0 +1,209 @@
+"""The frame: a fixed 56-byte binary header and a raw payload, encoded and checked without sockets."""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+
+from smddp.errors import ProtocolError
+from smddp.proto.dtypes import DType, Kind, ReduceOp
+
+MAGIC = b"SMDP"
+VERSION = 1
+
+# magic, version, type, flags, dtype, op, kind, reserved, sender, seq, shard, aux, offset, length, count
+_HEADER = struct.Struct("<4sBBHBBBBIQIIQQQ")
+HEADER_SIZE = _HEADER.size  # 56
+
+# A control payload (handshake, error text) is small; anything larger is an attack or a bug.
+MAX_CONTROL_PAYLOAD = 64 * 1024
+# A data frame never carries more than one pipelining chunk; this is the hard ceiling.
+MAX_DATA_PAYLOAD = 256 * 1024 * 1024
+MAX_U32 = 2**32 - 1
+MAX_U63 = 2**63 - 1
+
+
+class MsgType(enum.IntEnum):
+    """Every message of the protocol; docs/protocol.md describes each field by field."""
+
+    # handshake (any connection)
+    CHALLENGE = 1
+    HELLO = 2
+    WELCOME = 3
+    # worker -> daemon (unix socket)
+    ATTACH = 10
+    SUBMIT = 11
+    RELEASE = 12
+    # daemon -> worker (unix socket)
+    SEGMENT = 20
+    DONE = 21
+    # daemon <-> daemon (TCP)
+    PARTIAL = 30
+    RESULT = 31
+    BLOCK = 32
+    HEARTBEAT = 33
+    # any direction
+    ERROR = 40
+    BYE = 41
+
+
+class Role(enum.IntEnum):
+    """Who is on the other end of a connection, stated in HELLO."""
+
+    WORKER = 1
+    DAEMON = 2
+    CONTROL = 3
+
+
+class Flags(enum.IntFlag):
+    NONE = 0
+
+
+_CONTROL = {MsgType.CHALLENGE, MsgType.HELLO, MsgType.WELCOME, MsgType.ERROR}
+_DATA = {MsgType.PARTIAL, MsgType.RESULT, MsgType.BLOCK}
+_EMPTY = {
+    MsgType.ATTACH,
+    MsgType.SUBMIT,
+    MsgType.RELEASE,
+    MsgType.SEGMENT,
+    MsgType.DONE,
+    MsgType.HEARTBEAT,
+    MsgType.BYE,
+}
+# Messages that describe a collective carry its fingerprint: kind, dtype, op, count, root.
+_FINGERPRINTED = {MsgType.SUBMIT, MsgType.DONE} | _DATA
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    """One decoded header; `length` bytes of payload follow it on the wire."""
+
+    type: MsgType
+    sender: int = 0
+    seq: int = 0
+    shard: int = 0
+    aux: int = 0
+    offset: int = 0
+    length: int = 0
+    count: int = 0
+    dtype: DType | None = None
+    op: ReduceOp | None = None
+    kind: Kind | None = None
+    flags: int = 0
+
+    def encode(self) -> bytes:
+        return encode_header(self)
+
+
+def encode_header(h: Header) -> bytes:
+    """Pack a header; refuses values that the decoder would refuse, so we never send garbage."""
+    for name, value, limit in (
+        ("sender", h.sender, MAX_U32),
+        ("shard", h.shard, MAX_U32),
+        ("aux", h.aux, MAX_U32),
+        ("seq", h.seq, MAX_U63),
+        ("offset", h.offset, MAX_U63),
+        ("count", h.count, MAX_U63),
+    ):
+        if not 0 <= value <= limit:
+            raise ProtocolError(f"cannot encode {h.type.name}: field {name}={value} out of range")
+    _check_length(h.type, h.length)
+    return _HEADER.pack(
+        MAGIC,
+        VERSION,
+        int(h.type),
+        int(h.flags),
+        int(h.dtype) if h.dtype is not None else 0,
+        int(h.op) if h.op is not None else 0,
+        int(h.kind) if h.kind is not None else 0,
+        0,
+        h.sender,
+        h.seq,
+        h.shard,
+        h.aux,
+        h.offset,
+        h.length,
+        h.count,
+    )
+
+
+def decode_header(data: bytes | bytearray | memoryview) -> Header:
+    """Unpack and validate one header; every field is checked before anyone trusts it."""
+    if len(data) != HEADER_SIZE:
+        raise ProtocolError(f"header must be {HEADER_SIZE} bytes, got {len(data)}")
+    (
+        magic,
+        version,
+        mtype,
+        flags,
+        dtype,
+        op,
+        kind,
+        reserved,
+        sender,
+        seq,
+        shard,
+        aux,
+        offset,
+        length,
+        count,
+    ) = _HEADER.unpack(data)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic {bytes(magic)!r} (not an smddp peer)")
+    if version != VERSION:
+        raise ProtocolError(f"protocol version {version} is not supported (this side speaks {VERSION})")
+    try:
+        t = MsgType(mtype)
+    except ValueError:
+        raise ProtocolError(f"unknown message type {mtype}") from None
+    if reserved != 0 or flags != 0:
+        raise ProtocolError(f"{t.name}: reserved bits set (flags={flags:#x}, reserved={reserved})")
+    if seq > MAX_U63 or offset > MAX_U63 or count > MAX_U63:
+        raise ProtocolError(f"{t.name}: seq/offset/count beyond 2**63")
+    _check_length(t, length)
+    d = o = k = None
+    if t in _FINGERPRINTED:
+        try:
+            d = DType(dtype)
+            k = Kind(kind)
+        except ValueError:
+            raise ProtocolError(f"{t.name}: unknown dtype {dtype} or kind {kind}") from None
+        if op != 0:
+            try:
+                o = ReduceOp(op)
+            except ValueError:
+                raise ProtocolError(f"{t.name}: unknown reduce op {op}") from None
+    elif dtype or op or kind:
+        raise ProtocolError(f"{t.name}: dtype/op/kind must be zero on this message")
+    return Header(
+        type=t,
+        sender=sender,
+        seq=seq,
+        shard=shard,
+        aux=aux,
+        offset=offset,
+        length=length,
+        count=count,
+        dtype=d,
+        op=o,
+        kind=k,
+        flags=flags,
+    )
+
+
+def _check_length(t: MsgType, length: int) -> None:
+    if t in _EMPTY:
+        limit = 0
+    elif t in _CONTROL:
+        limit = MAX_CONTROL_PAYLOAD
+    else:
+        limit = MAX_DATA_PAYLOAD
+    if not 0 <= length <= limit:
+        raise ProtocolError(f"{t.name}: payload length {length} exceeds the limit of {limit} bytes")
+
+
+def error_frame(text: str, sender: int = 0) -> bytes:
+    """An ERROR frame with its UTF-8 reason, cut to fit the control limit."""
+    body = text.encode("utf-8", "replace")[:MAX_CONTROL_PAYLOAD]
+    return encode_header(Header(MsgType.ERROR, sender=sender, length=len(body))) + body

@@ -1,0 +1,136 @@
+"""Shard and chunk arithmetic: how a fusion buffer is cut among N server shards and pipelined."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from smddp.errors import ProtocolError
+
+
+def shard_bounds(count: int, nshards: int) -> list[tuple[int, int]]:
+    """Element ranges of the N shards: as equal as possible, the first `count % N` one element longer."""
+    if nshards <= 0:
+        raise ValueError("nshards must be positive")
+    if count < 0:
+        raise ValueError("count must be non-negative")
+    base, rem = divmod(count, nshards)
+    bounds = []
+    start = 0
+    for j in range(nshards):
+        end = start + base + (1 if j < rem else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def split_range(start: int, end: int, step: int) -> list[tuple[int, int]]:
+    """Cut [start, end) into pieces of `step` (the last shorter); an empty range is one empty piece."""
+    if step <= 0:
+        raise ValueError("step must be positive")
+    if end <= start:
+        return [(start, start)]
+    return [(a, min(a + step, end)) for a in range(start, end, step)]
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One pipelining unit: shard `shard`, element range [start, end), `index` within the shard."""
+
+    shard: int
+    index: int
+    start: int
+    end: int
+
+    @property
+    def count(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class ReduceLayout:
+    """Where every chunk of a reduced buffer lies: N balanced shards, each cut into chunks."""
+
+    count: int
+    itemsize: int
+    nshards: int
+    chunk_elems: int
+
+    @classmethod
+    def build(cls, count: int, itemsize: int, nshards: int, chunk_bytes: int) -> ReduceLayout:
+        return cls(count, itemsize, nshards, max(1, chunk_bytes // itemsize))
+
+    def shards(self) -> list[tuple[int, int]]:
+        return shard_bounds(self.count, self.nshards)
+
+    def chunks(self, shard: int) -> list[Chunk]:
+        start, end = self.shards()[shard]
+        return [Chunk(shard, i, a, b) for i, (a, b) in enumerate(split_range(start, end, self.chunk_elems))]
+
+    def all_chunks(self) -> list[list[Chunk]]:
+        return [self.chunks(j) for j in range(self.nshards)]
+
+    def locate(self, shard: int, byte_offset: int, byte_length: int) -> Chunk:
+        """The chunk a data frame claims to carry; raises ProtocolError unless it is exactly one chunk."""
+        if not 0 <= shard < self.nshards:
+            raise ProtocolError(f"shard {shard} out of range [0, {self.nshards})")
+        if byte_offset % self.itemsize or byte_length % self.itemsize:
+            raise ProtocolError(f"offset {byte_offset}/length {byte_length} not aligned to elements")
+        start, end = self.shards()[shard]
+        first = byte_offset // self.itemsize
+        if not start <= first <= end:
+            raise ProtocolError(f"offset {byte_offset} outside shard {shard}")
+        index = (first - start) // self.chunk_elems
+        a = start + index * self.chunk_elems
+        b = min(a + self.chunk_elems, end)
+        if a != first or (b - a) * self.itemsize != byte_length:
+            raise ProtocolError(
+                f"frame [{byte_offset}, +{byte_length}) does not match chunk {index} of shard {shard}"
+            )
+        return Chunk(shard, index, a, b)
+
+
+@dataclass(frozen=True)
+class GatherLayout:
+    """Where every block of a gathered result lies: node j's block is written by node j alone.
+
+    Broadcast is the gather in which only the root's node contributes a block.
+    """
+
+    total_bytes: int
+    blocks: tuple[tuple[int, int, int], ...]  # (node, start byte, end byte)
+    chunk_bytes: int
+
+    @classmethod
+    def allgather(cls, nbytes: int, nnodes: int, workers_per_node: int, chunk_bytes: int) -> GatherLayout:
+        per_node = nbytes * workers_per_node
+        blocks = tuple((j, j * per_node, (j + 1) * per_node) for j in range(nnodes))
+        return cls(per_node * nnodes, blocks, chunk_bytes)
+
+    @classmethod
+    def broadcast(cls, nbytes: int, root_node: int, chunk_bytes: int) -> GatherLayout:
+        return cls(nbytes, ((root_node, 0, nbytes),), chunk_bytes)
+
+    def block_of(self, node: int) -> tuple[int, int] | None:
+        for j, a, b in self.blocks:
+            if j == node:
+                return a, b
+        return None
+
+    def chunks(self, node: int) -> list[tuple[int, int]]:
+        blk = self.block_of(node)
+        if blk is None:
+            return []
+        return split_range(blk[0], blk[1], self.chunk_bytes)
+
+    def total_chunks(self) -> int:
+        return sum(len(self.chunks(j)) for j, _, _ in self.blocks)
+
+    def locate(self, node: int, byte_offset: int, byte_length: int) -> int:
+        """Index of the chunk a BLOCK frame from `node` claims to carry; ProtocolError if it is not one."""
+        blk = self.block_of(node)
+        if blk is None:
+            raise ProtocolError(f"node {node} contributes no block to this collective")
+        for i, (a, b) in enumerate(self.chunks(node)):
+            if a == byte_offset and b - a == byte_length:
+                return i
+        raise ProtocolError(f"frame [{byte_offset}, +{byte_length}) is not a chunk of node {node}'s block")

@@ -1,0 +1,192 @@
+"""A framed, bounded-time socket: whole frames out, headers and payloads in, fds over unix sockets."""
+
+from __future__ import annotations
+
+import array
+import os
+import socket
+import struct
+import threading
+import time
+from collections.abc import Sequence
+
+from smddp.errors import PeerLostError, ProtocolError
+from smddp.proto import HEADER_SIZE, Header, decode_header
+
+_MAX_FDS = 8
+# How long one poll of a blocking socket lasts; loops re-check their deadline and stop flag.
+_POLL_S = 0.5
+
+Buffer = bytes | bytearray | memoryview
+
+
+class ConnectionClosed(PeerLostError):
+    """The other end closed the connection (or it broke)."""
+
+
+class Connection:
+    """One socket carrying smddp frames; reads from one thread, writes serialised by a lock."""
+
+    def __init__(self, sock: socket.socket, peer: str) -> None:
+        self.sock = sock
+        self.peer = peer  # human-readable name for errors: "rank 3 (pid 123)", "node 1 (10.0.0.2:4000)"
+        self.is_unix = sock.family == socket.AF_UNIX
+        self._send_lock = threading.Lock()
+        self._closed = threading.Event()
+        sock.settimeout(_POLL_S)
+        if not self.is_unix:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._hdr = bytearray(HEADER_SIZE)
+
+    # -- sending -------------------------------------------------------------------------------
+
+    def send(self, parts: Sequence[Buffer], fds: Sequence[int] = (), timeout: float | None = None) -> None:
+        """Send the parts of one frame back to back; fds ride on the first byte (unix sockets only)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        views = [memoryview(p).cast("B") for p in parts if len(p)]
+        if not self._send_lock.acquire(timeout=-1 if timeout is None else timeout):
+            raise ConnectionClosed(f"connection to {self.peer} is busy for {timeout:.0f}s")
+        try:
+            anc = []
+            if fds:
+                anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]
+            while views:
+                if self._closed.is_set():
+                    raise ConnectionClosed(f"connection to {self.peer} is closed")
+                try:
+                    sent = self.sock.sendmsg(views[:64], anc) if anc else self.sock.sendmsg(views[:64])
+                except TimeoutError:
+                    if deadline is not None and time.monotonic() > deadline:
+                        raise ConnectionClosed(f"{self.peer} did not read for {timeout:.0f}s") from None
+                    continue
+                except OSError as e:
+                    raise ConnectionClosed(f"connection to {self.peer} broke: {e.strerror or e}") from None
+                anc = []
+                while sent:
+                    n = len(views[0])
+                    if sent >= n:
+                        sent -= n
+                        views.pop(0)
+                    else:
+                        views[0] = views[0][sent:]
+                        sent = 0
+        finally:
+            self._send_lock.release()
+
+    def send_frame(self, h: Header, payload: Buffer = b"", fds: Sequence[int] = (), timeout: float | None = None) -> None:
+        self.send([h.encode(), payload], fds, timeout)
+
+    # -- receiving -----------------------------------------------------------------------------
+
+    def recv_header(self, stop: threading.Event | None = None, timeout: float | None = None) -> tuple[Header, list[int]]:
+        """Read and validate one header, with any fds that came with it."""
+        fds: list[int] = []
+        view = memoryview(self._hdr)
+        got = 0
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while got < HEADER_SIZE:
+            try:
+                if self.is_unix:
+                    n, new_fds = self._recvmsg_into(view[got:])
+                    fds.extend(new_fds)
+                else:
+                    n = self.sock.recv_into(view[got:])
+            except TimeoutError:
+                if stop is not None and stop.is_set():
+                    raise ConnectionClosed(f"stopped while reading from {self.peer}") from None
+                if deadline is not None and time.monotonic() > deadline:
+                    _close_fds(fds)
+                    raise ConnectionClosed(f"{self.peer} sent no frame within {timeout:.1f}s") from None
+                continue
+            except OSError as e:
+                _close_fds(fds)
+                raise ConnectionClosed(f"connection to {self.peer} broke: {e.strerror or e}") from None
+            if n == 0:
+                _close_fds(fds)
+                raise ConnectionClosed(f"{self.peer} closed the connection")
+            got += n
+        try:
+            return decode_header(self._hdr), fds
+        except ProtocolError as e:
+            _close_fds(fds)
+            raise ProtocolError(f"from {self.peer}: {e}") from None
+
+    def _recvmsg_into(self, view: memoryview) -> tuple[int, list[int]]:
+        fds = array.array("i")
+        n, anc, _flags, _addr = self.sock.recvmsg_into([view], socket.CMSG_SPACE(_MAX_FDS * fds.itemsize))
+        for level, kind, data in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.frombytes(data[: len(data) - (len(data) % fds.itemsize)])
+        return n, list(fds)
+
+    def recv_into(self, buf: Buffer, timeout: float | None = None) -> None:
+        """Fill `buf` completely from the socket (the payload lands in its final place)."""
+        view = memoryview(buf).cast("B")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        got, total = 0, len(view)
+        while got < total:
+            try:
+                n = self.sock.recv_into(view[got:])
+            except TimeoutError:
+                if deadline is not None and time.monotonic() > deadline:
+                    raise ConnectionClosed(f"{self.peer} stalled in the middle of a frame") from None
+                if self._closed.is_set():
+                    raise ConnectionClosed(f"connection to {self.peer} is closed") from None
+                continue
+            except OSError as e:
+                raise ConnectionClosed(f"connection to {self.peer} broke: {e.strerror or e}") from None
+            if n == 0:
+                raise ConnectionClosed(f"{self.peer} closed the connection in the middle of a frame")
+            got += n
+
+    def recv_bytes(self, n: int, timeout: float | None = None) -> bytes:
+        buf = bytearray(n)
+        self.recv_into(buf, timeout)
+        return bytes(buf)
+
+    def recv_frame(self, timeout: float | None = None) -> tuple[Header, bytes, list[int]]:
+        """A whole small frame (handshake, control); data frames use recv_header + recv_into."""
+        h, fds = self.recv_header(timeout=timeout)
+        return h, self.recv_bytes(h.length, timeout), fds
+
+    def discard(self, n: int, timeout: float | None = None) -> None:
+        while n > 0:
+            step = min(n, 1 << 20)
+            self.recv_bytes(step, timeout)
+            n -= step
+
+    # -- lifetime ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
+    def peer_uid(self) -> int:
+        """The uid of the process on the other end of a unix socket (SO_PEERCRED)."""
+        return self._peercred()[1]
+
+    def peer_pid(self) -> int:
+        return self._peercred()[0]
+
+    def _peercred(self) -> tuple[int, int, int]:
+        creds = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        pid, uid, gid = struct.unpack("3i", creds)
+        return pid, uid, gid
+
+
+def _close_fds(fds: list[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
