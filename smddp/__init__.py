@@ -32,6 +32,7 @@ __all__ = [
     "allreduce",
     "allreduce_async",
     "barrier",
+    "barrier_async",
     "broadcast",
     "broadcast_async",
     "errors",
@@ -142,6 +143,10 @@ def reduce_scatter(buf: Any, op: ReduceOp = SUM, out: Any = None, timeout: float
     return reduce_scatter_async(buf, op, out).wait(timeout)
 
 
+def barrier_async() -> Handle:
+    return _c.barrier_async(_default.get())
+
+
 def barrier(timeout: float | None = None) -> None:
     """Return once every rank has entered the barrier."""
-    _c.barrier_async(_default.get()).wait(timeout)
+    barrier_async().wait(timeout)

@@ -71,6 +71,19 @@ class Reducer:
         n = out.shape[0]
         if n == 0:
             return
+        # Overflow to inf and NaN arithmetic are the defined IEEE results here, not warnings.
+        with np.errstate(all="ignore"):
+            self._reduce(inputs, out, dtype, op, divisor, n)
+
+    def _reduce(
+        self,
+        inputs: Sequence[np.ndarray],
+        out: np.ndarray,
+        dtype: DType,
+        op: ReduceOp,
+        divisor: int | None,
+        n: int,
+    ) -> None:
         if not inputs:
             raise ValueError("nothing to reduce")
         acc_dt = dtype.accumulator

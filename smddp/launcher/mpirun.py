@@ -10,6 +10,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 
+from smddp.daemon.config import default_socket_dir
 from smddp.errors import ConfigError
 
 
@@ -110,3 +111,13 @@ def launch(cfg: LaunchConfig) -> int:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+        remove_job_dirs(cfg.job_id)
+
+
+def remove_job_dirs(job_id: str) -> None:
+    """Daemons remove their socket directories; this catches the ones a SIGKILL stopped short."""
+    base = default_socket_dir()
+    if os.path.isdir(base):
+        for name in os.listdir(base):
+            if name.startswith(f"job-{job_id}-"):
+                shutil.rmtree(os.path.join(base, name), ignore_errors=True)

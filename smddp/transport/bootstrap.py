@@ -118,7 +118,9 @@ def _assign(everyone: list[tuple[int, str, int, int]]) -> tuple[list[tuple[int, 
 OpenEndpoint = Callable[[int, str, bool], tuple[str, int, str]]
 
 
-def bootstrap(role: Role, open_endpoint: OpenEndpoint | None = None, job_id_hex: str = "") -> Membership:
+def bootstrap(
+    role: Role, open_endpoint: OpenEndpoint | None = None, job_id_hex: str = "", finalize: bool = True
+) -> Membership:
     """Collective over MPI.COMM_WORLD: every daemon and worker of the job must call it.
 
     A daemon passes `open_endpoint`, called once its node is known. Errors are agreed collectively, so every process raises the same BootstrapError.
@@ -173,6 +175,11 @@ def bootstrap(role: Role, open_endpoint: OpenEndpoint | None = None, job_id_hex:
         else:
             workers.append(WorkerInfo(n * local_size + loc, n, loc, world_rank, host, pid))
     workers.sort(key=lambda w: w.rank)
+    if finalize and not MPI.Is_finalized():
+        # MPI is out of the data path from here on. Finalizing now, together, means no process later
+        # blocks in MPI_Finalize at exit waiting for a peer that died, and mpirun sees a failing
+        # rank's exit status at once and tears the job down.
+        MPI.Finalize()
     job = Job(job_id, secret, nnodes, local_size, tuple(d for d in daemons if d is not None), tuple(workers))
     rank = node * local_size + local if role == Role.WORKER else -1
     return Membership(job, role, node, rank)
