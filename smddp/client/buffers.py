@@ -107,7 +107,9 @@ def _from_dlpack(buf: Any, writable: bool, what: str) -> BufferView:
     try:
         capsule = buf.__dlpack__()
     except (BufferError, RuntimeError, TypeError) as e:
-        raise UnsupportedBufferError(f"{what}: cannot export {type(buf).__name__} through DLPack: {e}") from None
+        raise UnsupportedBufferError(
+            f"{what}: cannot export {type(buf).__name__} through DLPack: {e}"
+        ) from None
     try:
         ptr = _get_pointer(capsule, b"dltensor")
     except ValueError:
@@ -115,7 +117,9 @@ def _from_dlpack(buf: Any, writable: bool, what: str) -> BufferView:
     t = _DLTensor.from_address(ptr)
     if t.device.device_type != _KDL_CPU:
         dev = _DEVICES.get(t.device.device_type, f"device type {t.device.device_type}")
-        raise UnsupportedBufferError(f"{what}: the tensor lives on {dev}:{t.device.device_id}; smddp takes CPU memory")
+        raise UnsupportedBufferError(
+            f"{what}: the tensor lives on {dev}:{t.device.device_id}; smddp takes CPU memory"
+        )
     if t.dtype.lanes != 1 or (t.dtype.code, t.dtype.bits) not in _DL_DTYPES:
         raise UnsupportedBufferError(
             f"{what}: DLPack dtype (code={t.dtype.code}, bits={t.dtype.bits}, lanes={t.dtype.lanes}) "
@@ -128,13 +132,15 @@ def _from_dlpack(buf: Any, writable: bool, what: str) -> BufferView:
         expect = 1
         for i in reversed(range(t.ndim)):
             if shape[i] != 1 and t.strides[i] != expect:
-                raise UnsupportedBufferError(f"{what}: the tensor is not contiguous (call .contiguous() first)")
+                raise UnsupportedBufferError(
+                    f"{what}: the tensor is not contiguous (call .contiguous() first)"
+                )
             expect *= shape[i]
     if count == 0:
         arr = np.empty(0, dt.storage)
     else:
         raw = (ctypes.c_char * (count * dt.itemsize)).from_address(t.data + t.byte_offset)
-        arr = np.frombuffer(raw, dtype=dt.storage)
+        arr = np.frombuffer(memoryview(raw).cast("B"), dtype=dt.storage)
     # DLPack (before 1.0) has no read-only flag; the torch tensors it exports are writable.
     del writable
     return BufferView(arr, dt, shape, keepalive=(buf, capsule))

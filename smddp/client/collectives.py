@@ -20,7 +20,9 @@ def _new_array(shape: tuple[int, ...], like: BufferView) -> np.ndarray:
 def _out_view(out: Any, dtype: DType, count: int, what: str) -> tuple[Any, BufferView]:
     view = as_buffer(out, writable=True, what=what)
     if view.dtype != dtype:
-        raise UnsupportedBufferError(f"{what}: dtype {view.dtype.label} differs from the input's {dtype.label}")
+        raise UnsupportedBufferError(
+            f"{what}: dtype {view.dtype.label} differs from the input's {dtype.label}"
+        )
     if view.count != count:
         raise InvalidArgumentError(f"{what}: has {view.count} elements, the result has {count}")
     return out, view
@@ -46,7 +48,9 @@ def broadcast_async(c: Client, buf: Any, root: int = 0) -> Handle:
             view.array[:] = result.view(view.dtype.storage)
         return buf
 
-    return c.submit(Kind.BROADCAST, view, view.dtype, view.count, None, root, deliver, send_data=c.rank == root)
+    return c.submit(
+        Kind.BROADCAST, view, view.dtype, view.count, None, root, deliver, send_data=c.rank == root
+    )
 
 
 def allgather_async(c: Client, buf: Any, out: Any = None) -> Handle:

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from smddp.client.buffers import BufferView, as_buffer
+from smddp.client.buffers import BufferView
 from smddp.errors import (
     CollectiveError,
     CollectiveMismatchError,
@@ -153,7 +153,9 @@ class Client:
             except OSError as e:
                 if time.monotonic() > deadline:
                     sock.close()
-                    raise PeerLostError(f"rank {me.rank}: cannot reach the daemon at {ep.socket_path}: {e}") from None
+                    raise PeerLostError(
+                        f"rank {me.rank}: cannot reach the daemon at {ep.socket_path}: {e}"
+                    ) from None
                 time.sleep(0.05)
         conn = Connection(sock, f"the daemon of {me.job.describe_node(me.node)} (pid {ep.pid})")
         try:
@@ -163,9 +165,13 @@ class Client:
             if job_id != me.job.job_id:
                 raise ProtocolError(f"{ep.socket_path} is served by another job's daemon")
             nonce = hs.new_nonce()
-            conn.send([hs.hello(me.job.secret, me.job.job_id, Role.WORKER, me.rank, server_nonce, nonce)], timeout=t)
+            conn.send(
+                [hs.hello(me.job.secret, me.job.job_id, Role.WORKER, me.rank, server_nonce, nonce)], timeout=t
+            )
             h, body, _ = conn.recv_frame(timeout=t)
-            hs.verify_welcome(me.job.secret, me.job.job_id, server_nonce, nonce, Role.WORKER, me.rank, h, body)
+            hs.verify_welcome(
+                me.job.secret, me.job.job_id, server_nonce, nonce, Role.WORKER, me.rank, h, body
+            )
         except BaseException:
             conn.close()
             raise
@@ -285,11 +291,13 @@ class Client:
         seg = self._results.get(h.shard)
         if seg is None:
             raise ProtocolError(f"DONE for #{h.seq} names result segment {h.shard}, which was never sent")
-        total = _result_bytes(h.kind, h.count * handle.dtype.itemsize, self.size)
+        total = _result_bytes(handle.kind, h.count * handle.dtype.itemsize, self.size)
         result = handle._deliver(seg.view(h.offset, total))
         if handle._slot is not None:
             self._arena.free(handle._slot)
-        self._conn.send_frame(Header(MsgType.RELEASE, sender=self.rank, seq=h.seq), timeout=self.config.timeout_s)
+        self._conn.send_frame(
+            Header(MsgType.RELEASE, sender=self.rank, seq=h.seq), timeout=self.config.timeout_s
+        )
         handle._finish(result)
 
     def _fail(self, err: SmddpError) -> None:

@@ -27,6 +27,7 @@ class DaemonConfig:
     handshake_timeout_s: float = 10.0  # a connection that has not authenticated by then is dropped
     send_timeout_s: float = 60.0  # a peer that reads nothing for this long has failed
     shutdown_timeout_s: float = 30.0  # how long to wait for peers' BYE at the end
+    failure_linger_s: float = 30.0  # after a failure, how long local workers get to leave
     log_level: str = "WARNING"
 
     def __post_init__(self) -> None:

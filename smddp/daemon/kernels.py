@@ -88,6 +88,7 @@ class Reducer:
             raise ValueError("nothing to reduce")
         acc_dt = dtype.accumulator
         widen = acc_dt != dtype.storage
+        fold: np.ufunc
         if op in (ReduceOp.SUM, ReduceOp.AVG):
             fold = np.add
         elif op == ReduceOp.MIN:

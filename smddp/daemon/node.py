@@ -68,7 +68,9 @@ class PeerLink:
 class OpState:
     """One collective as this daemon sees it, from the first frame that mentions it to the last RELEASE."""
 
-    def __init__(self, seq: int, kind: Kind, dtype: DType, count: int, op: ReduceOp | None, root: int, origin: str):
+    def __init__(
+        self, seq: int, kind: Kind, dtype: DType, count: int, op: ReduceOp | None, root: int, origin: str
+    ):
         self.seq = seq
         self.kind = kind
         self.dtype = dtype
@@ -165,10 +167,16 @@ class NodeDaemon:
 
     def _all_connected(self) -> bool:
         with self._lock:
-            return all(w is not None for w in self.workers) and all(p.connected.is_set() for p in self.peers.values())
+            return all(w is not None for w in self.workers) and all(
+                p.connected.is_set() for p in self.peers.values()
+            )
 
     def _missing_message(self) -> str:
-        missing = [self.job.describe_rank(self.job.ranks_of(self.node)[i]) for i, w in enumerate(self.workers) if w is None]
+        missing = [
+            self.job.describe_rank(self.job.ranks_of(self.node)[i])
+            for i, w in enumerate(self.workers)
+            if w is None
+        ]
         missing += [self.job.describe_node(j) for j, p in self.peers.items() if not p.connected.is_set()]
         return f"{self.me}: not connected after {self.cfg.connect_timeout_s:.0f}s: {', '.join(missing)}"
 
@@ -186,10 +194,15 @@ class NodeDaemon:
                 s.close()
             except OSError:
                 pass
+        lingering = False
         if self.failure is not None:
-            # Give our workers a moment to read the ERROR before their sockets close.
-            deadline = time.monotonic() + 5.0
-            while time.monotonic() < deadline and any(w is not None and not w.conn.closed for w in self.workers):
+            # Our workers heard why; give them time to act on it (report, save, exit) before mpirun
+            # would tear everything down on our exit. The job's exit status is then theirs.
+            deadline = time.monotonic() + self.cfg.failure_linger_s
+            while any(w is not None and not w.conn.closed for w in self.workers):
+                if time.monotonic() > deadline:
+                    lingering = True
+                    break
                 time.sleep(0.05)
         for w in self.workers:
             if w is not None:
@@ -202,7 +215,8 @@ class NodeDaemon:
         shutil.rmtree(self.socket_dir, ignore_errors=True)
         self.results.close()
         self.scratch.close()
-        return 0 if self.failure is None else 1
+        # A failed job whose workers all left exits 0: the workers' own exit statuses tell the story.
+        return 1 if lingering else 0
 
     def _spawn(self, fn, *args, name: str) -> None:  # type: ignore[no-untyped-def]
         def guarded() -> None:
@@ -330,12 +344,15 @@ class NodeDaemon:
         return f"{self.job.describe_rank(link.rank)} {how}"
 
     def _send_segment(self, link: WorkerLink, seg: Segment) -> None:
-        link.conn.send_frame(Header(MsgType.SEGMENT, sender=self.node, shard=seg.id, offset=seg.size), fds=[seg.fd])
+        link.conn.send_frame(
+            Header(MsgType.SEGMENT, sender=self.node, shard=seg.id, offset=seg.size), fds=[seg.fd]
+        )
 
     def _worker_loop(self, link: WorkerLink) -> None:
         conn = link.conn
         while True:
-            h, fds = conn.recv_header(self._stop)
+            # No stop flag: a worker's connection stays up through a failure until the worker leaves.
+            h, fds = conn.recv_header()
             if fds and h.type is not MsgType.ATTACH:
                 for fd in fds:
                     os.close(fd)
@@ -438,10 +455,10 @@ class NodeDaemon:
         else:
             op.reduce = ReduceLayout.build(count, itemsize, N, self.cfg.chunk_bytes)
             own = op.reduce.chunks(self.node)
-            if N == 1 or kind == Kind.REDUCE_SCATTER:
-                op.expected = len(own)
-            else:
-                op.expected = sum(len(c) for c in op.reduce.all_chunks())
+            # Every chunk completes exactly once here: by our local reduce (N == 1, or a reduce_scatter
+            # partial that left for its server), by our server reduce, or by a RESULT from its server.
+            # Counting the partials too means an op is never done while a local task still reads it.
+            op.expected = sum(len(c) for c in op.reduce.all_chunks())
             if N > 1:
                 a, b = op.reduce.shards()[self.node]
                 op.own_start = a
@@ -556,7 +573,11 @@ class NodeDaemon:
             # after the server has it, so nothing overwrites it before the send is done.
             reducer.reduce(inputs, res, op.dtype, partial_op)
             isz = op.dtype.itemsize
-            self._send(c.shard, op, self._header(MsgType.PARTIAL, op, c.shard, c.start * isz, c.count * isz), res)
+            self._send(
+                c.shard, op, self._header(MsgType.PARTIAL, op, c.shard, c.start * isz, c.count * isz), res
+            )
+            if op.kind == Kind.REDUCE_SCATTER:
+                self._chunk_completed(op)  # no RESULT comes back for another node's shard
 
     def _partial_arrived(self, op: OpState, index: int, node: int) -> None:
         with self._lock:
@@ -687,9 +708,14 @@ class NodeDaemon:
         if job_id != self.job.job_id:
             raise AuthenticationError(f"{conn.peer} at {ep.tcp_host}:{ep.tcp_port} belongs to another job")
         nonce = hs.new_nonce()
-        conn.send([hs.hello(self.job.secret, self.job.job_id, Role.DAEMON, self.node, server_nonce, nonce)], timeout=t)
+        conn.send(
+            [hs.hello(self.job.secret, self.job.job_id, Role.DAEMON, self.node, server_nonce, nonce)],
+            timeout=t,
+        )
         h, body, _ = conn.recv_frame(timeout=t)
-        hs.verify_welcome(self.job.secret, self.job.job_id, server_nonce, nonce, Role.DAEMON, self.node, h, body)
+        hs.verify_welcome(
+            self.job.secret, self.job.job_id, server_nonce, nonce, Role.DAEMON, self.node, h, body
+        )
         self._peer_loop(self.peers[j], conn)
 
     def _serve_peer_accepted(self, conn: Connection, hello: hs.Hello) -> None:

@@ -66,10 +66,14 @@ def launch_main(argv: list[str] | None = None) -> int:
 def daemon_main(argv: list[str] | None = None) -> int:
     from smddp.daemon import DaemonConfig, run
 
-    p = argparse.ArgumentParser(prog="smddp-daemon", description="The smddp node daemon (started by smddp-launch).")
+    p = argparse.ArgumentParser(
+        prog="smddp-daemon", description="The smddp node daemon (started by smddp-launch)."
+    )
     p.add_argument("--chunk-kb", type=int, default=1024)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--bind", default=os.environ.get("SMDDP_BIND_ADDR", ""), help="address to listen on for peers")
+    p.add_argument(
+        "--bind", default=os.environ.get("SMDDP_BIND_ADDR", ""), help="address to listen on for peers"
+    )
     p.add_argument("--socket-dir", default="")
     p.add_argument("--connect-timeout", type=float, default=120.0)
     p.add_argument("--log-level", default=os.environ.get("SMDDP_LOG_LEVEL", "WARNING"))

@@ -78,7 +78,8 @@ def build_command(cfg: LaunchConfig) -> list[str]:
     for k, v in env.items():
         cmd += ["-x", f"{k}={v}"]
     cmd += list(cfg.mpi_args)
-    daemon = daemon_command() + [
+    daemon = [
+        *daemon_command(),
         "--chunk-kb",
         str(cfg.chunk_kb),
         "--threads",

@@ -25,7 +25,7 @@ class DType(enum.IntEnum):
     @property
     def storage(self) -> np.dtype:
         """The numpy dtype that holds the raw elements (uint16 for bfloat16)."""
-        return _STORAGE[self]
+        return _STORAGE[DType(self)]
 
     @property
     def is_float(self) -> bool:
@@ -43,7 +43,7 @@ class DType(enum.IntEnum):
         return self.name.lower()
 
 
-_ITEMSIZE = {
+_ITEMSIZE: dict[DType, int] = {
     DType.UINT8: 1,
     DType.INT32: 4,
     DType.INT64: 8,
@@ -53,7 +53,7 @@ _ITEMSIZE = {
     DType.FLOAT64: 8,
 }
 
-_STORAGE = {
+_STORAGE: dict[DType, np.dtype] = {
     DType.UINT8: np.dtype(np.uint8),
     DType.INT32: np.dtype(np.int32),
     DType.INT64: np.dtype(np.int64),

@@ -93,7 +93,14 @@ def welcome(secret: bytes, job_id: bytes, server_nonce: bytes, client: Hello, se
 
 
 def verify_welcome(
-    secret: bytes, job_id: bytes, server_nonce: bytes, nonce: bytes, role: Role, rank: int, h: Header, body: bytes
+    secret: bytes,
+    job_id: bytes,
+    server_nonce: bytes,
+    nonce: bytes,
+    role: Role,
+    rank: int,
+    h: Header,
+    body: bytes,
 ) -> None:
     _expect(h, MsgType.WELCOME, _WELCOME.size, body)
     (mac,) = _WELCOME.unpack(body)

@@ -102,7 +102,9 @@ def _assign(everyone: list[tuple[int, str, int, int]]) -> tuple[list[tuple[int, 
             )
         per = len(workers) // len(daemons)
         if local_size not in (-1, per):
-            raise BootstrapError(f"every node must run the same number of workers ({local_size} vs {per} on {host})")
+            raise BootstrapError(
+                f"every node must run the same number of workers ({local_size} vs {per} on {host})"
+            )
         local_size = per
         for d, wr in enumerate(sorted(daemons)):
             place[wr] = (node + d, -1)

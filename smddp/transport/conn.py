@@ -9,6 +9,9 @@ import struct
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any, cast
+
+import numpy as np
 
 from smddp.errors import PeerLostError, ProtocolError
 from smddp.proto import HEADER_SIZE, Header, decode_header
@@ -17,7 +20,7 @@ _MAX_FDS = 8
 # How long one poll of a blocking socket lasts; loops re-check their deadline and stop flag.
 _POLL_S = 0.5
 
-Buffer = bytes | bytearray | memoryview
+Buffer = bytes | bytearray | memoryview | np.ndarray
 
 
 class ConnectionClosed(PeerLostError):
@@ -43,7 +46,7 @@ class Connection:
     def send(self, parts: Sequence[Buffer], fds: Sequence[int] = (), timeout: float | None = None) -> None:
         """Send the parts of one frame back to back; fds ride on the first byte (unix sockets only)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        views = [memoryview(p).cast("B") for p in parts if len(p)]
+        views = [memoryview(cast(Any, p)).cast("B") for p in parts if len(p)]
         if not self._send_lock.acquire(timeout=-1 if timeout is None else timeout):
             raise ConnectionClosed(f"connection to {self.peer} is busy for {timeout:.0f}s")
         try:
@@ -73,12 +76,16 @@ class Connection:
         finally:
             self._send_lock.release()
 
-    def send_frame(self, h: Header, payload: Buffer = b"", fds: Sequence[int] = (), timeout: float | None = None) -> None:
+    def send_frame(
+        self, h: Header, payload: Buffer = b"", fds: Sequence[int] = (), timeout: float | None = None
+    ) -> None:
         self.send([h.encode(), payload], fds, timeout)
 
     # -- receiving -----------------------------------------------------------------------------
 
-    def recv_header(self, stop: threading.Event | None = None, timeout: float | None = None) -> tuple[Header, list[int]]:
+    def recv_header(
+        self, stop: threading.Event | None = None, timeout: float | None = None
+    ) -> tuple[Header, list[int]]:
         """Read and validate one header, with any fds that came with it."""
         fds: list[int] = []
         view = memoryview(self._hdr)
@@ -121,7 +128,7 @@ class Connection:
 
     def recv_into(self, buf: Buffer, timeout: float | None = None) -> None:
         """Fill `buf` completely from the socket (the payload lands in its final place)."""
-        view = memoryview(buf).cast("B")
+        view = memoryview(cast(Any, buf)).cast("B")
         deadline = None if timeout is None else time.monotonic() + timeout
         got, total = 0, len(view)
         while got < total:

@@ -53,12 +53,16 @@ class Segment:
             raise ProtocolError(f"segment {seg_id}: fd is not a sealed memfd ({e})") from None
         if seals & fcntl.F_SEAL_SHRINK == 0 or st.st_size < size:
             os.close(fd)
-            raise ProtocolError(f"segment {seg_id}: not sealed against shrinking or smaller than {size} bytes")
+            raise ProtocolError(
+                f"segment {seg_id}: not sealed against shrinking or smaller than {size} bytes"
+            )
         return cls(seg_id, fd, size, writable)
 
     def view(self, offset: int, nbytes: int) -> np.ndarray:
-        if not (0 <= offset and offset + nbytes <= self.size):
-            raise ProtocolError(f"segment {self.id}: range [{offset}, +{nbytes}) outside its {self.size} bytes")
+        if not (offset >= 0 and offset + nbytes <= self.size):
+            raise ProtocolError(
+                f"segment {self.id}: range [{offset}, +{nbytes}) outside its {self.size} bytes"
+            )
         return self.array[offset : offset + nbytes]
 
     def close(self) -> None:

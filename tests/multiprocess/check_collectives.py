@@ -11,9 +11,9 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import reference  # noqa: E402  (tests/reference.py: independent of smddp)
+import reference
 
-import smddp  # noqa: E402
+import smddp
 
 DTYPES = ["uint8", "int32", "int64", "float16", "bfloat16", "float32", "float64"]
 OPS = {"sum": smddp.SUM, "avg": smddp.AVG, "min": smddp.MIN, "max": smddp.MAX}
@@ -144,7 +144,7 @@ def main() -> int:
 
     # One at a time, each waited for before the next.
     for c in all_cases:
-        h, x = start(c, rank)
+        h, _x = start(c, rank)
         got = h.wait(timeout=120)
         records.append(check(c, got, world, args.nnodes, rank))
 

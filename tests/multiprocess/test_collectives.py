@@ -18,7 +18,9 @@ CONFIGS = [(1, 1), (2, 1), (2, 2), (3, 1), (3, 3), (4, 1), (4, 2)]
 
 @pytest.mark.parametrize(("world", "nodes"), CONFIGS, ids=[f"W{w}-N{n}" for w, n in CONFIGS])
 def test_every_collective_bit_exact(world: int, nodes: int, tmp_path: Path, clean_host: None) -> None:
-    proc = smddp_launch(world, nodes, [SCRIPT, "--out", str(tmp_path), "--nnodes", str(nodes), "--big"], timeout=600)
+    proc = smddp_launch(
+        world, nodes, [SCRIPT, "--out", str(tmp_path), "--nnodes", str(nodes), "--big"], timeout=600
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     per_rank = []
     for r in range(world):

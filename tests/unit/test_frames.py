@@ -61,7 +61,21 @@ def raw(
     count=0,
 ) -> bytes:
     return LAYOUT.pack(
-        magic, version, mtype, flags, dtype, op, kind, reserved, sender, seq, shard, aux, offset, length, count
+        magic,
+        version,
+        mtype,
+        flags,
+        dtype,
+        op,
+        kind,
+        reserved,
+        sender,
+        seq,
+        shard,
+        aux,
+        offset,
+        length,
+        count,
     )
 
 
@@ -200,7 +214,9 @@ def test_fingerprinted_unknown_dtype_kind_op(t):
     assert decode_header(valid_raw(t, op=0)).op is None
 
 
-@pytest.mark.parametrize("t", CONTROL + EMPTY[:1] + [MsgType.HEARTBEAT, MsgType.BYE, MsgType.SEGMENT], ids=str)
+@pytest.mark.parametrize(
+    "t", CONTROL + EMPTY[:1] + [MsgType.HEARTBEAT, MsgType.BYE, MsgType.SEGMENT], ids=str
+)
 @pytest.mark.parametrize("field", ["dtype", "op", "kind"])
 def test_nonzero_dtype_op_kind_on_unfingerprinted(t, field):
     assert t not in FINGERPRINTED

@@ -1,0 +1,97 @@
+"""smddp-launch end to end: argument errors, mismatches, a failing rank, and the mpirun it builds."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import BIN, smddp_launch
+
+pytestmark = pytest.mark.multiprocess
+HERE = Path(__file__).parent
+
+
+@pytest.mark.parametrize(("world", "nodes"), [(2, 1), (4, 2)])
+def test_bad_arguments_refused_and_mismatch_fails_every_rank(world, nodes, tmp_path, clean_host):
+    proc = smddp_launch(world, nodes, [str(HERE / "check_errors.py"), "--out", str(tmp_path)], timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for r in range(world):
+        out = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert "init" in out["before_init"]
+        for name, msg in out["refusals"].items():
+            assert msg != "NOT REFUSED", name
+        assert "C-contiguous" in out["refusals"]["non_contiguous"]
+        assert "int16" in out["refusals"]["int16"]
+        assert "read-only" in out["refusals"]["read_only"]
+        assert "out of range" in out["refusals"]["root_out_of_range"]
+        assert out["after_refusals"] == [world * (world + 1) / 2] * 8
+        # Every rank names both sides of the mismatch.
+        assert (
+            "mismatch" in out["mismatch"] and "count=10" in out["mismatch"] and "count=12" in out["mismatch"]
+        )
+        assert out["later_call"].startswith("CollectiveMismatchError")
+        assert "shut down" in out["after_shutdown"] or "init" in out["after_shutdown"]
+
+
+def test_failing_rank_sets_exit_status_and_tears_job_down(clean_host):
+    t0 = time.monotonic()
+    proc = smddp_launch(3, 1, [str(HERE / "check_exit.py")], timeout=120)
+    took = time.monotonic() - t0
+    assert proc.returncode == 3, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert took < 60
+    assert "rank 1" in proc.stdout + proc.stderr
+
+
+def test_dry_run_prints_mpmd_command():
+    out = subprocess.run(
+        [
+            str(BIN / "smddp-launch"),
+            "-np",
+            "4",
+            "--local-nodes",
+            "2",
+            "--fusion-mb",
+            "32",
+            "--dry-run",
+            "--mpi-args",
+            "--mca btl tcp,self",
+            "--",
+            "python",
+            "train.py",
+            "--lr",
+            "0.1",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    assert out.count("\n") == 0
+    assert "mpirun" in out.split()[0]
+    left, right = out.split(" : ")
+    assert "-np 2" in left and "smddp-daemon" in left
+    assert right == "-np 4 python train.py --lr 0.1"
+    assert "SMDDP_FUSION_MB=32" in out and "--mca btl tcp,self" in out
+    assert ("--allow-run-as-root" in out) == (os.geteuid() == 0)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["-np", "3", "--local-nodes", "2", "--", "x"], ["-np", "0", "--", "x"], ["-np", "2"]],
+)
+def test_bad_launch_arguments(args):
+    proc = subprocess.run([str(BIN / "smddp-launch"), *args], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "smddp-launch:" in proc.stderr
+
+
+def test_python_m_entry_point():
+    proc = subprocess.run(
+        [sys.executable, "-m", "smddp.launcher.cli", "version"], capture_output=True, text=True
+    )
+    assert proc.returncode == 0 and proc.stdout.startswith("smddp ")
