@@ -48,7 +48,12 @@ def accumulator(dtype: str) -> np.dtype:
 
 def widen(x: np.ndarray, dtype: str) -> np.ndarray:
     """Element values (raw storage) to the accumulator dtype, exactly; always a fresh array."""
-    x = np.asarray(x, dtype=_STORAGE[dtype])
+    x = np.asarray(x)
+    if dtype == "bfloat16" and x.dtype == ml_dtypes.bfloat16:
+        x = x.view(np.uint16)
+    if x.dtype != _STORAGE[dtype]:
+        # never convert values silently: the caller passes raw elements of the stated dtype
+        raise TypeError(f"{dtype} elements must be held as {_STORAGE[dtype]}, got {x.dtype}")
     if dtype == "bfloat16":
         return x.view(ml_dtypes.bfloat16).astype(np.float32)
     if dtype == "float16":

@@ -35,9 +35,10 @@ def f32_to_bf16(x: np.ndarray, out: np.ndarray, tmp: np.ndarray) -> np.ndarray:
 
 def _int_avg(acc: np.ndarray, divisor: int, out: np.ndarray) -> None:
     """Integer average truncated toward zero, as C division does (NCCL's ncclAvg does the same)."""
-    q = np.floor_divide(acc, divisor)
+    d = np.int64(divisor)  # a Python int above the dtype's range would be refused by numpy
+    q = np.floor_divide(acc, d)
     if np.issubdtype(acc.dtype, np.signedinteger):
-        q += ((acc % divisor) != 0) & (acc < 0)
+        q += ((acc % d) != 0) & (acc < 0)
     np.copyto(out, q, casting="unsafe")
 
 

@@ -90,6 +90,7 @@ class OpState:
         self.submitted = 0
         self.partial_seen: list[bytearray] = []
         self.partial_count: list[int] = []
+        self.arrived: set[tuple[int, int]] = set()  # (node or shard, byte offset) of RESULT/BLOCK frames
         self.expected = 0
         self.completed = 0
         self.pending_sends = 0
@@ -785,6 +786,13 @@ class NodeDaemon:
                     c = op.reduce.locate(h.shard, h.offset, h.length)
                     dest = self._typed(op)[c.start : c.end]
                     index = -1
+            if index < 0:
+                key = (h.shard if h.type is MsgType.RESULT else node, h.offset)
+                if key in op.arrived:
+                    raise ProtocolError(
+                        f"{who} sent {h.type.name} [{h.offset}, +{h.length}) of #{h.seq} twice"
+                    )
+                op.arrived.add(key)
         conn.recv_into(dest)
         if h.type is MsgType.PARTIAL:
             self._partial_arrived(op, index, node)

@@ -109,6 +109,13 @@ def encode_header(h: Header) -> bytes:
         if not 0 <= value <= limit:
             raise ProtocolError(f"cannot encode {h.type.name}: field {name}={value} out of range")
     _check_length(h.type, h.length)
+    if h.flags != 0:
+        raise ProtocolError(f"cannot encode {h.type.name}: no flags are defined in version {VERSION}")
+    if h.type in _FINGERPRINTED:
+        if h.dtype is None or h.kind is None:
+            raise ProtocolError(f"cannot encode {h.type.name} without its dtype and kind")
+    elif h.dtype is not None or h.op is not None or h.kind is not None:
+        raise ProtocolError(f"cannot encode {h.type.name} with a dtype, op or kind")
     return _HEADER.pack(
         MAGIC,
         VERSION,

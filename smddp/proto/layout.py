@@ -77,7 +77,8 @@ class ReduceLayout:
             raise ProtocolError(f"offset {byte_offset}/length {byte_length} not aligned to elements")
         start, end = self.shards()[shard]
         first = byte_offset // self.itemsize
-        if not start <= first <= end:
+        # An empty shard has one empty chunk at its start; otherwise a chunk starts inside the shard.
+        if not (start <= first < end or first == start == end):
             raise ProtocolError(f"offset {byte_offset} outside shard {shard}")
         index = (first - start) // self.chunk_elems
         a = start + index * self.chunk_elems

@@ -88,6 +88,8 @@ def _assign(everyone: list[tuple[int, str, int, int]]) -> tuple[list[tuple[int, 
     for world_rank, (role, _host, host_key, _pid) in enumerate(everyone):
         daemons, workers = hosts.setdefault(host_key, ([], []))
         (daemons if role == Role.DAEMON else workers).append(world_rank)
+    if not any(d for d, _ in hosts.values()):
+        raise BootstrapError("no smddp-daemon in this job: start it with smddp-launch -np W -- COMMAND")
     place: list[tuple[int, int]] = [(-1, -1)] * len(everyone)
     node = 0
     local_size = -1

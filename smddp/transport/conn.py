@@ -100,6 +100,7 @@ class Connection:
                     n = self.sock.recv_into(view[got:])
             except TimeoutError:
                 if stop is not None and stop.is_set():
+                    _close_fds(fds)
                     raise ConnectionClosed(f"stopped while reading from {self.peer}") from None
                 if deadline is not None and time.monotonic() > deadline:
                     _close_fds(fds)

@@ -59,7 +59,7 @@ class Segment:
         return cls(seg_id, fd, size, writable)
 
     def view(self, offset: int, nbytes: int) -> np.ndarray:
-        if not (offset >= 0 and offset + nbytes <= self.size):
+        if not (offset >= 0 and nbytes >= 0 and offset + nbytes <= self.size):
             raise ProtocolError(
                 f"segment {self.id}: range [{offset}, +{nbytes}) outside its {self.size} bytes"
             )
@@ -94,6 +94,7 @@ class Arena:
         self._free: dict[int, list[tuple[int, int]]] = {}  # segment -> sorted (offset, size)
         self._lock = threading.Lock()
         self._next_id = 0
+        self._live: dict[tuple[int, int], int] = {}  # (segment, offset) -> bytes, to catch double frees
         self.in_use = 0
 
     def alloc(self, nbytes: int) -> tuple[Slot, Segment | None]:
@@ -108,6 +109,7 @@ class Arena:
                         else:
                             free[i] = (off + size, avail - size)
                         self.in_use += size
+                        self._live[(seg_id, off)] = size
                         return Slot(seg_id, off, nbytes), None
             seg_size = max(self.segment_bytes, _round_up(size, mmap.PAGESIZE))
             seg = Segment.create(self._next_id, seg_size, self.name)
@@ -115,11 +117,14 @@ class Arena:
             self.segments[seg.id] = seg
             self._free[seg.id] = [(size, seg_size - size)] if seg_size > size else []
             self.in_use += size
+            self._live[(seg.id, 0)] = size
             return Slot(seg.id, 0, nbytes), seg
 
     def free(self, slot: Slot) -> None:
         size = _round_up(max(slot.nbytes, 1), ALIGN)
         with self._lock:
+            if self._live.pop((slot.segment, slot.offset), None) != size:
+                raise ValueError(f"{self.name}: slot {slot} is not allocated (double free?)")
             free = self._free[slot.segment]
             self.in_use -= size
             # insert keeping order, then merge with neighbours
@@ -143,6 +148,7 @@ class Arena:
                 seg.close()
             self.segments.clear()
             self._free.clear()
+            self._live.clear()
 
 
 def _round_up(n: int, k: int) -> int:

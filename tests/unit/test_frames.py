@@ -192,7 +192,9 @@ def test_unknown_type(mtype):
         decode_header(raw(mtype=mtype))
 
 
-@pytest.mark.parametrize("t", [MsgType.BYE, MsgType.HELLO, MsgType.PARTIAL, MsgType.SUBMIT], ids=str)
+@pytest.mark.parametrize(
+    "t", [MsgType.BYE, MsgType.HELLO, MsgType.PARTIAL, MsgType.SUBMIT], ids=lambda t: t.name
+)
 @pytest.mark.parametrize("field,value", [("flags", 1), ("flags", 0x8000), ("reserved", 1), ("reserved", 255)])
 def test_reserved_or_flags_set(t, field, value):
     with pytest.raises(ProtocolError, match="reserved"):
@@ -214,9 +216,7 @@ def test_fingerprinted_unknown_dtype_kind_op(t):
     assert decode_header(valid_raw(t, op=0)).op is None
 
 
-@pytest.mark.parametrize(
-    "t", CONTROL + EMPTY[:1] + [MsgType.HEARTBEAT, MsgType.BYE, MsgType.SEGMENT], ids=str
-)
+@pytest.mark.parametrize("t", [t for t in MsgType if t not in FINGERPRINTED], ids=lambda t: t.name)
 @pytest.mark.parametrize("field", ["dtype", "op", "kind"])
 def test_nonzero_dtype_op_kind_on_unfingerprinted(t, field):
     assert t not in FINGERPRINTED

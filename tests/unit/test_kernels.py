@@ -132,7 +132,12 @@ def test_reference_hand_examples():
     # bfloat16 1 + 2**-8 + 2**-8: the fp32 sum is exact (1 + 2**-7), a bf16 value
     one, eps = np.array([0x3F80], np.uint16), np.array([0x3B80], np.uint16)
     assert ref.allreduce([one, eps, eps], "bfloat16", "sum", 1).tolist() == [0x3F81]
-    # with three nodes each partial rounds on its own: 1 + 2**-8 is a tie -> 1, then + 2**-8 ...
+    # with two nodes of two, node 0's partial 1 + 2**-8 is rounded to bf16 first: a tie, to even 1.0;
+    # the server then adds 2**-8 again, another tie, and the result stays 1.0
+    zero = np.array([0], np.uint16)
+    assert ref.allreduce([one, eps, eps, zero], "bfloat16", "sum", 1).tolist() == [0x3F81]
+    assert ref.allreduce([one, eps, eps, zero], "bfloat16", "sum", 2).tolist() == [0x3F80]
+    # ranks alone on their nodes: partials are exact, so the result is the one-node one
     assert ref.allreduce([one, eps, eps], "bfloat16", "sum", 3).tolist() == [0x3F81]
     # float32 average divides in float32
     v = np.array([1.0], np.float32)
@@ -145,6 +150,14 @@ def test_reference_hand_examples():
     m = np.array([0.0, np.nan], np.float64)
     assert np.isnan(ref.allreduce([n, m], "float64", "min", 2)).all()
     assert np.isnan(ref.allreduce([n, m], "float64", "max", 1)).all()
+
+
+def test_reference_refuses_values_of_another_dtype():
+    with pytest.raises(TypeError):
+        ref.allreduce([np.zeros(2, np.float64)] * 2, "float32", "sum", 1)
+    # ml_dtypes' bfloat16 arrays are taken as their raw bits
+    b = np.array([1.5, -2.0], ml_dtypes.bfloat16)
+    assert ref.allreduce([b, b], "bfloat16", "sum", 1).tolist() == [0x4040, 0xC080]
 
 
 def test_reference_other_collectives():
