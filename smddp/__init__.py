@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import threading
 from typing import Any
 
@@ -54,6 +55,7 @@ class _Default:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.client: Client | None = None
+        self.used = False  # MPI is finalized after bootstrap, so a process joins one job once
 
     def get(self) -> Client:
         c = self.client
@@ -70,11 +72,16 @@ def init(config: ClientConfig | None = None) -> None:
     with _default.lock:
         if _default.client is not None:
             return
+        if _default.used:
+            raise NotInitializedError("smddp.init() after shutdown(): a process can join one job only")
+        _default.used = True
         _default.client = Client.connect(config or ClientConfig.from_env())
+        # A script that forgets shutdown() still leaves cleanly (pending work gets a bounded wait).
+        atexit.register(shutdown, 30.0)
 
 
 def shutdown(timeout: float | None = None) -> None:
-    """Wait for pending collectives and leave the job; later calls raise until init() again."""
+    """Wait for pending collectives and leave the job; later calls raise NotInitializedError."""
     with _default.lock:
         c, _default.client = _default.client, None
     if c is not None:

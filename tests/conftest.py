@@ -27,8 +27,8 @@ def leftovers() -> list[str]:
     base = os.path.join(os.environ.get("XDG_RUNTIME_DIR") or "/tmp", f"smddp-{os.getuid()}")
     if os.path.isdir(base):
         found += [os.path.join(base, n) for n in os.listdir(base)]
-    ps = subprocess.run(["pgrep", "-f", "smddp-daemon"], capture_output=True, text=True)
-    found += [f"daemon pid {p}" for p in ps.stdout.split()]
+    ps = subprocess.run(["pgrep", "-a", "-f", "smddp-daemon"], capture_output=True, text=True)
+    found += [f"process {line[:160]}" for line in ps.stdout.splitlines()]
     return found
 
 

@@ -187,8 +187,9 @@ class Client:
             pending = list(self._handles.values())
         for h in pending:
             h._event.wait(max(0.0, deadline - time.monotonic()))
+        unfinished = [h.seq for h in pending if not h.done()]
         self._closed = True
-        if self._failure is None:
+        if self._failure is None and not unfinished:
             try:
                 self._conn.send_frame(Header(MsgType.BYE, sender=self.rank), timeout=5.0)
             except SmddpError:
@@ -199,6 +200,11 @@ class Client:
         for seg in self._results.values():
             seg.close()
         self._results.clear()
+        if unfinished:
+            # Leaving without BYE tells the daemon this rank is gone, so the job fails instead of hanging.
+            raise CollectiveTimeoutError(
+                f"rank {self.rank}: shut down with collectives {unfinished} unfinished"
+            )
 
     # ------------------------------------------------------------------ collectives
 
@@ -261,11 +267,17 @@ class Client:
         try:
             while True:
                 h, fds = self._conn.recv_header()
+                if fds and h.type is not MsgType.SEGMENT:
+                    for fd in fds:
+                        os.close(fd)
+                    raise ProtocolError(f"the daemon passed file descriptors with {h.type.name}")
                 if h.type is MsgType.DONE:
                     self._on_done(h)
                 elif h.type is MsgType.SEGMENT:
-                    if len(fds) != 1:
-                        raise ProtocolError(f"SEGMENT with {len(fds)} fds")
+                    if len(fds) != 1 or h.shard in self._results:
+                        for fd in fds:
+                            os.close(fd)
+                        raise ProtocolError(f"SEGMENT {h.shard} with {len(fds)} fds (or sent twice)")
                     self._results[h.shard] = Segment.attach(h.shard, fds[0], h.offset, writable=False)
                 elif h.type is MsgType.ERROR:
                     text = self._conn.recv_bytes(h.length, timeout=5.0).decode("utf-8", "replace")
@@ -278,7 +290,9 @@ class Client:
             if not self._closed:
                 self._fail(PeerLostError(f"rank {self.rank}: lost the connection to the node daemon: {e}"))
         except SmddpError as e:
-            self._fail(e)
+            # A frame we cannot trust: fail here, and hang up so the daemon fails the job for everyone.
+            self._fail(e if isinstance(e, CollectiveError) else CollectiveError(f"rank {self.rank}: {e}"))
+            self._conn.close()
         except Exception as e:  # a bug; never leave waiters hanging
             log.exception("smddp client reader crashed")
             self._fail(CollectiveError(f"rank {self.rank}: internal error in the client: {e!r}"))

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import signal
 import socket
 import stat
 
@@ -14,6 +16,8 @@ from smddp.proto.frames import Role
 from smddp.transport.bootstrap import bootstrap
 
 __all__ = ["DaemonConfig", "NodeDaemon", "private_dir", "run"]
+
+_PR_SET_PDEATHSIG = 1
 
 
 def private_dir(path: str) -> str:
@@ -27,8 +31,20 @@ def private_dir(path: str) -> str:
     return path
 
 
+def die_with_parent() -> None:
+    """Ask the kernel to kill us when our launcher (mpirun's local daemon) dies: no orphaned daemons."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return  # not Linux: mpirun's own teardown is all we have
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os._exit(1)
+
+
 def run(cfg: DaemonConfig) -> int:
     """Bootstrap with the job's workers and serve until the job ends; the exit status is the result."""
+    die_with_parent()
     logging.basicConfig(
         level=cfg.log_level.upper(),
         format=f"[smddp-daemon %(levelname)s {socket.gethostname()} pid {os.getpid()}] %(message)s",

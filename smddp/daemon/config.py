@@ -31,7 +31,7 @@ class DaemonConfig:
     log_level: str = "WARNING"
 
     def __post_init__(self) -> None:
-        if self.chunk_bytes < 4096:
-            raise ValueError("chunk_bytes must be at least 4096")
+        if not 4096 <= self.chunk_bytes <= 64 << 20:
+            raise ValueError("chunk_bytes must be between 4 KiB and 64 MiB")
         if self.threads < 1:
             raise ValueError("threads must be at least 1")

@@ -95,6 +95,7 @@ class OpState:
         self.completed = 0
         self.pending_sends = 0
         self.released = 0
+        self.released_by = bytearray()
         self.done = False
         self.t0 = time.monotonic()
 
@@ -242,7 +243,7 @@ class NodeDaemon:
         # Nothing of a failed job may stay behind, even if mpirun kills us in a moment.
         shutil.rmtree(self.socket_dir, ignore_errors=True)
         log.error("%s: job failed: %s", self.me, reason)
-        frame = error_frame(f"{kind.__name__}: {reason}", sender=self.node)
+        frame = error_frame(f"{wire_error_name(kind)}: {reason}", sender=self.node)
         for w in list(self.workers):
             if w is not None and not w.said_bye:
                 try:
@@ -298,7 +299,7 @@ class NodeDaemon:
             raise AuthenticationError(f"uid {conn.peer_uid()} is not the job's user")
         nonce = hs.new_nonce()
         conn.send([hs.challenge(self.job.job_id, nonce, self.node)], timeout=self.cfg.handshake_timeout_s)
-        h, body, fds = conn.recv_frame(timeout=self.cfg.handshake_timeout_s)
+        h, body, fds = conn.recv_frame(timeout=self.cfg.handshake_timeout_s, max_length=hs.HELLO_SIZE)
         for fd in fds:
             os.close(fd)
         hello = hs.parse_hello(h, body)
@@ -346,7 +347,9 @@ class NodeDaemon:
 
     def _send_segment(self, link: WorkerLink, seg: Segment) -> None:
         link.conn.send_frame(
-            Header(MsgType.SEGMENT, sender=self.node, shard=seg.id, offset=seg.size), fds=[seg.fd]
+            Header(MsgType.SEGMENT, sender=self.node, shard=seg.id, offset=seg.size),
+            fds=[seg.fd],
+            timeout=self.cfg.send_timeout_s,
         )
 
     def _worker_loop(self, link: WorkerLink) -> None:
@@ -354,6 +357,10 @@ class NodeDaemon:
         while True:
             # No stop flag: a worker's connection stays up through a failure until the worker leaves.
             h, fds = conn.recv_header()
+            if h.sender != link.rank:
+                for fd in fds:
+                    os.close(fd)
+                raise ProtocolError(f"{conn.peer} sent a frame claiming to be rank {h.sender}")
             if fds and h.type is not MsgType.ATTACH:
                 for fd in fds:
                     os.close(fd)
@@ -414,8 +421,9 @@ class NodeDaemon:
     def _on_release(self, link: WorkerLink, h: Header) -> None:
         with self._lock:
             op = self.ops.get(h.seq)
-            if op is None or not op.done:
-                raise ProtocolError(f"{link.conn.peer} released collective #{h.seq}, which is not complete")
+            if op is None or not op.done or op.released_by[link.local_rank]:
+                raise ProtocolError(f"{link.conn.peer} released collective #{h.seq}, which it does not hold")
+            op.released_by[link.local_rank] = 1
             op.released += 1
             self._maybe_retire(op)
 
@@ -443,6 +451,7 @@ class NodeDaemon:
         self._validate_new(seq, kind, dtype, count, rop, root, who)
         op = OpState(seq, kind, dtype, count, rop, root, who)
         op.inputs = [None] * self.local_size
+        op.released_by = bytearray(self.local_size)
         itemsize = dtype.itemsize
         N = self.nnodes
         if kind.is_gather:
@@ -450,7 +459,7 @@ class NodeDaemon:
             if kind == Kind.ALLGATHER:
                 op.gather = GatherLayout.allgather(nbytes, N, self.local_size, self.cfg.chunk_bytes)
             else:
-                op.gather = GatherLayout.broadcast(nbytes, root // self.local_size, self.cfg.chunk_bytes)
+                op.gather = GatherLayout.broadcast(nbytes, N, root // self.local_size, self.cfg.chunk_bytes)
             op.expected = op.gather.total_chunks()
             total = op.gather.total_bytes
         else:
@@ -611,7 +620,9 @@ class NodeDaemon:
         assert op.gather is not None
         block = op.gather.block_of(self.node)
         assert block is not None
-        if op.kind == Kind.BROADCAST:
+        if b == a:
+            pass  # an empty block still travels: it carries our fingerprint
+        elif op.kind == Kind.BROADCAST:
             src = op.inputs[op.root - self.job.ranks_of(self.node).start]
             assert src is not None
             op.result[a:b] = src.view(np.uint8)[a:b]
@@ -812,6 +823,16 @@ class NodeDaemon:
                 p.sendq.put((None, None, None))
         if all(p.said_bye for p in self.peers.values()):
             self._finished.set()
+
+
+def wire_error_name(kind: type[SmddpError]) -> str:
+    """The class a worker raises for a failed job: always a CollectiveError, the most specific one."""
+    for cls in (CollectiveMismatchError, PeerLostError, CollectiveError):
+        if issubclass(kind, cls):
+            return cls.__name__
+    if issubclass(kind, AuthenticationError):
+        return PeerLostError.__name__
+    return CollectiveError.__name__
 
 
 _ERRORS: dict[str, type[SmddpError]] = {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import secrets
 import shutil
@@ -101,7 +102,8 @@ def launch(cfg: LaunchConfig) -> int:
         return 0
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
-    proc = subprocess.Popen(cmd, env=env)
+    # If smddp-launch is killed, mpirun gets SIGTERM and tears the job down rather than run on orphaned.
+    proc = subprocess.Popen(cmd, env=env, preexec_fn=_term_with_parent)
 
     def forward(signum: int, _frame: object) -> None:
         proc.send_signal(signum)
@@ -113,6 +115,13 @@ def launch(cfg: LaunchConfig) -> int:
         for s, h in old.items():
             signal.signal(s, h)
         remove_job_dirs(cfg.job_id)
+
+
+def _term_with_parent() -> None:
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def remove_job_dirs(job_id: str) -> None:

@@ -19,6 +19,7 @@ SECRET_SIZE = 32
 _CHALLENGE = struct.Struct(f"<{JOB_ID_SIZE}s{NONCE_SIZE}s")
 _HELLO = struct.Struct(f"<{JOB_ID_SIZE}s{NONCE_SIZE}s{MAC_SIZE}s")
 _WELCOME = struct.Struct(f"<{MAC_SIZE}s")
+HELLO_SIZE = _HELLO.size
 
 
 def new_nonce() -> bytes:

@@ -108,8 +108,11 @@ class GatherLayout:
         return cls(per_node * nnodes, blocks, chunk_bytes)
 
     @classmethod
-    def broadcast(cls, nbytes: int, root_node: int, chunk_bytes: int) -> GatherLayout:
-        return cls(nbytes, ((root_node, 0, nbytes),), chunk_bytes)
+    def broadcast(cls, nbytes: int, nnodes: int, root_node: int, chunk_bytes: int) -> GatherLayout:
+        """The root's node sends the data; every other node sends one empty block, so each node sees
+        every other node's fingerprint (a disagreement about the root is caught, never waited on)."""
+        blocks = tuple((j, 0, nbytes) if j == root_node else (j, nbytes, nbytes) for j in range(nnodes))
+        return cls(nbytes, blocks, chunk_bytes)
 
     def block_of(self, node: int) -> tuple[int, int] | None:
         for j, a, b in self.blocks:

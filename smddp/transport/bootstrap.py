@@ -8,7 +8,7 @@ import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from smddp.errors import BootstrapError
+from smddp.errors import BootstrapError, SmddpError
 from smddp.proto.frames import Role
 from smddp.proto.handshake import JOB_ID_SIZE, SECRET_SIZE
 
@@ -161,7 +161,7 @@ def bootstrap(
         assert open_endpoint is not None
         try:
             mine = open_endpoint(node, job_id.hex(), len({e[2] for e in everyone}) == 1)
-        except OSError as e:
+        except (OSError, SmddpError) as e:
             mine = f"daemon of node {node} on {socket.gethostname()} could not listen: {e}"
     published = comm.allgather(mine)
     failures = [p for p in published if isinstance(p, str)]

@@ -152,9 +152,19 @@ class Connection:
         self.recv_into(buf, timeout)
         return bytes(buf)
 
-    def recv_frame(self, timeout: float | None = None) -> tuple[Header, bytes, list[int]]:
-        """A whole small frame (handshake, control); data frames use recv_header + recv_into."""
+    def recv_frame(
+        self, timeout: float | None = None, max_length: int | None = None
+    ) -> tuple[Header, bytes, list[int]]:
+        """A whole small frame (handshake, control); data frames use recv_header + recv_into.
+
+        `max_length` bounds what an unauthenticated peer can make us allocate.
+        """
         h, fds = self.recv_header(timeout=timeout)
+        if max_length is not None and h.length > max_length:
+            _close_fds(fds)
+            raise ProtocolError(
+                f"{self.peer} sent {h.type.name} with {h.length} bytes where {max_length} fit"
+            )
         return h, self.recv_bytes(h.length, timeout), fds
 
     def discard(self, n: int, timeout: float | None = None) -> None:

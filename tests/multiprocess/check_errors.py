@@ -24,6 +24,7 @@ def refused(fn, *args, **kwargs) -> str:  # type: ignore[no-untyped-def]
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
+    ap.add_argument("--mode", choices=["count", "root"], default="count")
     args = ap.parse_args()
     out: dict = {}
     try:
@@ -52,10 +53,13 @@ def main() -> int:
     x = np.full(8, rank + 1, np.float64)
     smddp.allreduce(x)
     out["after_refusals"] = x.tolist()
-    # Now a mismatch: rank 0 reduces 10 elements, everyone else 12.
-    y = np.zeros(10 if rank == 0 else 12, np.float32)
     try:
-        smddp.allreduce(y, timeout=60)
+        if args.mode == "count":
+            # A mismatch: rank 0 reduces 10 elements, everyone else 12.
+            smddp.allreduce(np.zeros(10 if rank == 0 else 12, np.float32), timeout=60)
+        else:
+            # Ranks disagree about the root: rank 0 names the last rank, the others rank 0.
+            smddp.broadcast(np.zeros(5, np.float32), root=world - 1 if rank == 0 else 0, timeout=60)
         out["mismatch"] = "NO ERROR"
     except errors.CollectiveMismatchError as e:
         out["mismatch"] = str(e)

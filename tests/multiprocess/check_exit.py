@@ -8,6 +8,7 @@ import sys
 import smddp
 
 smddp.init()
+smddp.barrier(timeout=60)  # every rank is connected and registered with its daemon
 if smddp.rank() == 1:
     os._exit(3)
 try:

@@ -193,17 +193,21 @@ def test_gather_layout_allgather_empty():
 
 
 def test_gather_layout_broadcast():
-    lay = GatherLayout.broadcast(nbytes=100, root_node=2, chunk_bytes=32)
+    lay = GatherLayout.broadcast(nbytes=100, nnodes=3, root_node=2, chunk_bytes=32)
     assert lay.total_bytes == 100
     assert lay.block_of(2) == (0, 100)
-    assert lay.block_of(0) is None and lay.chunks(0) == []
+    # Every other node contributes one empty block, so every node sees every fingerprint.
+    assert lay.block_of(0) == (100, 100) and lay.chunks(0) == [(100, 100)]
     assert lay.chunks(2) == [(0, 32), (32, 64), (64, 96), (96, 100)]
-    assert lay.total_chunks() == 4
+    assert lay.total_chunks() == 4 + 2
     assert [lay.locate(2, a, b - a) for a, b in lay.chunks(2)] == [0, 1, 2, 3]
-    with pytest.raises(ProtocolError, match="no block"):
+    assert lay.locate(0, 100, 0) == 0
+    with pytest.raises(ProtocolError):
         lay.locate(0, 0, 32)
     with pytest.raises(ProtocolError):
         lay.locate(2, 96, 32)
+    with pytest.raises(ProtocolError, match="no block"):
+        lay.locate(3, 100, 0)
 
 
 @settings(max_examples=200, deadline=None)
