@@ -14,6 +14,7 @@ from smddp.daemon.node import NodeDaemon
 from smddp.errors import BootstrapError, ConfigError
 from smddp.proto.frames import Role
 from smddp.transport.bootstrap import bootstrap
+from smddp.transport.netif import resolve_bind_address
 
 __all__ = ["DaemonConfig", "NodeDaemon", "private_dir", "run"]
 
@@ -52,7 +53,7 @@ def run(cfg: DaemonConfig) -> int:
     held: dict[str, object] = {}
 
     def open_endpoint(node: int, job_hex: str, single_host: bool) -> tuple[str, int, str]:
-        host = cfg.bind_host or ("127.0.0.1" if single_host else socket.gethostbyname(socket.gethostname()))
+        host = resolve_bind_address(cfg.iface, single_host)
         tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         tcp.bind((host, 0))

@@ -19,7 +19,7 @@ class DaemonConfig:
 
     chunk_bytes: int = 1 << 20  # the pipelining unit
     threads: int = 2  # reduction threads
-    bind_host: str = ""  # "" picks loopback on one host, the host's address across hosts
+    iface: str = ""  # interface name, CIDR or address to listen on; "" = loopback on one host, else the first real interface
     socket_dir: str = ""  # "" -> default_socket_dir()
     job_id_hex: str = ""  # "" -> a random id chosen at bootstrap
     result_segment_bytes: int = 256 << 20  # result arena growth step (pages are touched lazily)

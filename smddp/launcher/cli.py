@@ -7,6 +7,7 @@ import os
 import sys
 
 from smddp.errors import ConfigError
+from smddp.launcher.hosts import Host
 
 
 def _launch_parser() -> argparse.ArgumentParser:
@@ -15,7 +16,15 @@ def _launch_parser() -> argparse.ArgumentParser:
         description="Run a data-parallel job: one smddp-daemon per node plus W workers, through mpirun.",
         usage="smddp-launch -np W [options] -- COMMAND [ARGS ...]",
     )
-    p.add_argument("-np", "--np", type=int, required=True, help="number of worker processes (W)")
+    p.add_argument(
+        "-np", "--np", type=int, default=0, help="number of worker processes W (default: one per host slot)"
+    )
+    p.add_argument("-H", "--hosts", default="", help="hosts and their worker slots: host1:G,host2:G")
+    p.add_argument("--hostfile", default="", help="Open MPI (host slots=G) or MPICH (host:G) hostfile")
+    p.add_argument("--iface", default="", help="network for smddp and mpirun traffic: interface name or CIDR")
+    p.add_argument(
+        "--launch-agent", default="", help="how mpirun starts processes on other hosts (default: ssh)"
+    )
     p.add_argument(
         "--local-nodes",
         type=int,
@@ -44,8 +53,12 @@ def launch_main(argv: list[str] | None = None) -> int:
     if command and command[0] == "--":
         command = command[1:]
     try:
+        hosts = _hosts(args)
         cfg = LaunchConfig(
             np=args.np,
+            hosts=tuple(hosts),
+            iface=args.iface,
+            launch_agent=args.launch_agent,
             command=tuple(command),
             local_nodes=args.local_nodes,
             fusion_mb=args.fusion_mb,
@@ -63,6 +76,25 @@ def launch_main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def _hosts(args: argparse.Namespace) -> list[Host]:
+    """-H, else --hostfile, else the Slurm allocation we run inside, else this host alone."""
+    from smddp.launcher.hosts import parse_host_list, parse_hostfile, slurm_hosts
+
+    if args.hosts and args.hostfile:
+        raise ConfigError("give -H or --hostfile, not both")
+    if args.hosts:
+        return parse_host_list(args.hosts)
+    if args.hostfile:
+        try:
+            with open(args.hostfile) as f:
+                return parse_hostfile(f.read(), args.hostfile)
+        except OSError as e:
+            raise ConfigError(f"cannot read --hostfile {args.hostfile}: {e.strerror}") from None
+    if args.local_nodes == 1:
+        return slurm_hosts(os.environ) or []
+    return []
+
+
 def daemon_main(argv: list[str] | None = None) -> int:
     from smddp.daemon import DaemonConfig, run
 
@@ -72,7 +104,9 @@ def daemon_main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk-kb", type=int, default=1024)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument(
-        "--bind", default=os.environ.get("SMDDP_BIND_ADDR", ""), help="address to listen on for peers"
+        "--iface",
+        default=os.environ.get("SMDDP_IFACE", ""),
+        help="interface name, CIDR or address to listen on for the other daemons",
     )
     p.add_argument("--socket-dir", default="")
     p.add_argument("--connect-timeout", type=float, default=120.0)
@@ -82,7 +116,7 @@ def daemon_main(argv: list[str] | None = None) -> int:
         cfg = DaemonConfig(
             chunk_bytes=args.chunk_kb * 1024,
             threads=args.threads,
-            bind_host=args.bind,
+            iface=args.iface,
             socket_dir=args.socket_dir,
             job_id_hex=os.environ.get("SMDDP_JOB_ID", ""),
             connect_timeout_s=args.connect_timeout,

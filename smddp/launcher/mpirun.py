@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import ipaddress
 import os
 import secrets
 import shutil
@@ -13,15 +14,19 @@ from dataclasses import dataclass, field
 
 from smddp.daemon.config import default_socket_dir
 from smddp.errors import ConfigError
+from smddp.launcher.hosts import Host
 
 
 @dataclass(frozen=True)
 class LaunchConfig:
     """What smddp-launch was asked to do."""
 
-    np: int
+    np: int  # workers; 0 = one per slot of `hosts`
     command: tuple[str, ...]
     local_nodes: int = 1
+    hosts: tuple[Host, ...] = ()  # empty = this host only
+    iface: str = ""  # interface name or CIDR for smddp's traffic and mpirun's own
+    launch_agent: str = ""  # mpirun's remote launch agent; "" = its default (ssh)
     fusion_mb: float = 64.0
     chunk_kb: int = 1024
     threads: int = 2
@@ -33,16 +38,54 @@ class LaunchConfig:
     mpirun: str = ""  # "" finds the mpirun of the PyPI Open MPI beside this Python
 
     def __post_init__(self) -> None:
-        if self.np < 1:
+        if self.np < 0 or (self.np == 0 and not self.hosts):
             raise ConfigError("-np must be at least 1")
         if self.local_nodes < 1:
             raise ConfigError("--local-nodes must be at least 1")
-        if self.np % self.local_nodes:
+        if self.hosts and self.local_nodes != 1:
+            raise ConfigError(
+                "--local-nodes simulates nodes on this host; it cannot be combined with a host list"
+            )
+        if not self.hosts and self.np % self.local_nodes:
             raise ConfigError(f"-np {self.np} cannot be split evenly over --local-nodes {self.local_nodes}")
+        if self.hosts:
+            self.workers_per_host()  # validates
+        if self.iface and _is_address(self.iface) and len(self.hosts) > 1:
+            raise ConfigError("--iface takes an interface name or a CIDR when the job spans hosts")
         if not self.command:
             raise ConfigError("no command to run: smddp-launch -np W -- COMMAND ...")
         if self.fusion_mb <= 0:
             raise ConfigError("--fusion-mb must be positive")
+
+    def workers_per_host(self) -> int:
+        """G: the same on every host (the design's W = N * G), checked against the slots."""
+        slots = {h.slots for h in self.hosts}
+        if self.np == 0:
+            if len(slots) != 1:
+                raise ConfigError(
+                    "every host must run the same number of workers: "
+                    + ", ".join(f"{h.name}:{h.slots}" for h in self.hosts)
+                )
+            return slots.pop()
+        if self.np % len(self.hosts):
+            raise ConfigError(f"-np {self.np} cannot be split evenly over {len(self.hosts)} hosts")
+        per = self.np // len(self.hosts)
+        short = [h.name for h in self.hosts if h.slots < per]
+        if short:
+            raise ConfigError(f"-np {self.np} needs {per} slots per host; too few on {', '.join(short)}")
+        return per
+
+    @property
+    def world_size(self) -> int:
+        return len(self.hosts) * self.workers_per_host() if self.hosts else self.np
+
+
+def _is_address(spec: str) -> bool:
+    try:
+        ipaddress.IPv4Address(spec)
+        return True
+    except ValueError:
+        return False
 
 
 def find_mpirun(explicit: str = "") -> str:
@@ -78,6 +121,13 @@ def build_command(cfg: LaunchConfig) -> list[str]:
     }
     for k, v in env.items():
         cmd += ["-x", f"{k}={v}"]
+    if cfg.launch_agent:
+        # PRRTE's name for what Open MPI 4 called plm_rsh_agent.
+        cmd += ["--prtemca", "plm_ssh_agent", cfg.launch_agent]
+    if cfg.iface and not _is_address(cfg.iface):
+        # mpirun's own traffic (daemon wire-up, and MPI's TCP transport during bootstrap) on the same
+        # network as smddp's.
+        cmd += ["--prtemca", "oob_tcp_if_include", cfg.iface, "--mca", "btl_tcp_if_include", cfg.iface]
     cmd += list(cfg.mpi_args)
     daemon = [
         *daemon_command(),
@@ -87,8 +137,17 @@ def build_command(cfg: LaunchConfig) -> list[str]:
         str(cfg.threads),
         "--log-level",
         cfg.log_level,
+        *(["--iface", cfg.iface] if cfg.iface else []),
     ]
-    cmd += ["-np", str(cfg.local_nodes), *daemon, ":", "-np", str(cfg.np), *cfg.command]
+    if cfg.hosts:
+        # One daemon per host, then G workers per host in host order, so ranks are contiguous per node.
+        g = cfg.workers_per_host()
+        daemons = ",".join(f"{h.name}:1" for h in cfg.hosts)
+        workers = ",".join(f"{h.name}:{g}" for h in cfg.hosts)
+        cmd += ["-np", str(len(cfg.hosts)), "--host", daemons, *daemon]
+        cmd += [":", "-np", str(cfg.world_size), "--host", workers, *cfg.command]
+    else:
+        cmd += ["-np", str(cfg.local_nodes), *daemon, ":", "-np", str(cfg.np), *cfg.command]
     return cmd
 
 

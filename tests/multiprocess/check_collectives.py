@@ -159,9 +159,11 @@ def main() -> int:
         rec["inflight"] = True
         records.append(rec)
 
+    job = smddp.client().job
+    daemons = [{"node": d.node, "host": d.host, "tcp_host": d.tcp_host} for d in job.daemons]
     smddp.shutdown()
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
-        json.dump({"rank": rank, "world": world, "records": records}, f)
+        json.dump({"rank": rank, "world": world, "records": records, "daemons": daemons}, f)
     return 0
 
 
