@@ -27,8 +27,13 @@ def leftovers() -> list[str]:
     base = os.path.join(os.environ.get("XDG_RUNTIME_DIR") or "/tmp", f"smddp-{os.getuid()}")
     if os.path.isdir(base):
         found += [os.path.join(base, n) for n in os.listdir(base)]
-    ps = subprocess.run(["pgrep", "-a", "-f", "smddp-daemon"], capture_output=True, text=True)
-    found += [f"process {line[:160]}" for line in ps.stdout.splitlines()]
+    # Live processes only: a zombie (state Z) holds no memory, socket or shared memory, and after an
+    # aborted mpirun it waits for PID 1 to reap it.
+    ps = subprocess.run(["ps", "-eo", "pid=,stat=,args="], capture_output=True, text=True)
+    for line in ps.stdout.splitlines():
+        pid, stat, args = [*line.split(None, 2), "", ""][:3]
+        if "smddp-daemon" in args and not stat.startswith("Z"):
+            found.append(f"process {pid} {args[:160]}")
     return found
 
 

@@ -111,3 +111,53 @@ def test_python_m_entry_point():
         [sys.executable, "-m", "smddp.launcher.cli", "version"], capture_output=True, text=True
     )
     assert proc.returncode == 0 and proc.stdout.startswith("smddp ")
+
+
+def _dry_run(args: list[str], env: dict[str, str] | None = None) -> str:
+    proc = subprocess.run(
+        [str(BIN / "smddp-launch"), "--dry-run", *args],
+        capture_output=True,
+        text=True,
+        env={**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}, **(env or {})},
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip()
+
+
+def test_dry_run_inside_a_slurm_allocation():
+    out = _dry_run(
+        ["--iface", "eth1", "--", "python", "train.py"],
+        {"SLURM_JOB_NODELIST": "trn[01-02]", "SLURM_TASKS_PER_NODE": "4(x2)"},
+    )
+    daemons, workers = out.split(" : ")
+    assert "-np 2 --host trn01:1,trn02:1 " in daemons
+    assert "--iface eth1" in daemons and "smddp-daemon" in daemons
+    assert workers == "-np 8 --host trn01:4,trn02:4 python train.py"
+    assert "--prtemca oob_tcp_if_include eth1" in out and "--mca btl_tcp_if_include eth1" in out
+
+
+def test_dry_run_with_hostfile_and_agent(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# two boxes\nboxa slots=2\nboxb:2\n")
+    out = _dry_run(["--hostfile", str(hostfile), "--launch-agent", "/opt/agent", "--", "train"])
+    assert "--prtemca plm_ssh_agent /opt/agent" in out
+    assert out.endswith(": -np 4 --host boxa:2,boxb:2 train")
+    # -H wins over a Slurm allocation, and -np picks G when the slots allow it.
+    out = _dry_run(["-np", "2", "-H", "x:4,y:4", "--", "t"], {"SLURM_JOB_NODELIST": "z[1-3]"})
+    assert out.endswith("-np 2 --host x:1,y:1 t") and "--host x:1,y:1" in out
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["-H", "a:2,b:3", "--", "x"],  # unequal slots
+        ["-np", "5", "-H", "a:4,b:4", "--", "x"],  # does not divide
+        ["-np", "10", "-H", "a:4,b:4", "--", "x"],  # more than the slots
+        ["-H", "a,b", "--local-nodes", "2", "--", "x"],
+        ["-H", "a,b", "--iface", "10.0.0.1", "--", "x"],
+        ["-H", "a", "--hostfile", "f", "--", "x"],
+    ],
+)
+def test_bad_host_arguments(args):
+    proc = subprocess.run([str(BIN / "smddp-launch"), "--dry-run", *args], capture_output=True, text=True)
+    assert proc.returncode == 2 and "smddp-launch:" in proc.stderr, proc.stderr
