@@ -54,6 +54,9 @@ def main() -> int:
     smddp.allreduce(x)
     out["after_refusals"] = x.tolist()
     try:
+        # Nobody can be past this barrier while another rank still waits for the allreduce above, so
+        # the mismatch below cannot fail that allreduce; it may fail the barrier on a slower rank.
+        smddp.barrier(timeout=60)
         if args.mode == "count":
             # A mismatch: rank 0 reduces 10 elements, everyone else 12.
             smddp.allreduce(np.zeros(10 if rank == 0 else 12, np.float32), timeout=60)
