@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import secrets
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -13,34 +15,62 @@ REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 
 
+# Job ids launched by the running test: the leftover check looks at these jobs only, so that other
+# jobs on the machine (a developer's, a parallel run's) cannot make a test fail.
+LAUNCHED: list[str] = []
+
+
+def job_env(**extra: str) -> dict[str, str]:
+    """An environment for smddp-launch with a fresh job id, remembered for the leftover check."""
+    job = secrets.token_hex(16)
+    LAUNCHED.append(job)
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "SMDDP_JOB_ID": job, **extra}
+
+
 def smddp_launch(np_: int, nodes: int, args: list[str], timeout: float = 300, extra: list[str] | None = None):
     """Run `smddp-launch -np W --local-nodes N -- python ARGS...`; returns the CompletedProcess."""
     cmd = [str(BIN / "smddp-launch"), "-np", str(np_), "--local-nodes", str(nodes), *(extra or [])]
     cmd += ["--", sys.executable, *args]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=job_env(), cwd=REPO)
 
 
-def leftovers() -> list[str]:
-    """smddp state that outlived its job: shared memory, socket directories, daemon processes."""
+def _environ(pid: str) -> bytes:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def leftovers(jobs: list[str]) -> list[str]:
+    """What jobs `jobs` left behind: shared memory, socket directories, live daemon processes."""
     found = [f"/dev/shm/{n}" for n in os.listdir("/dev/shm") if "smddp" in n.lower()]
     base = os.path.join(os.environ.get("XDG_RUNTIME_DIR") or "/tmp", f"smddp-{os.getuid()}")
     if os.path.isdir(base):
-        found += [os.path.join(base, n) for n in os.listdir(base)]
+        found += [os.path.join(base, n) for n in os.listdir(base) if any(j in n for j in jobs)]
     # Live processes only: a zombie (state Z) holds no memory, socket or shared memory, and after an
     # aborted mpirun it waits for PID 1 to reap it.
     ps = subprocess.run(["ps", "-eo", "pid=,stat=,args="], capture_output=True, text=True)
     for line in ps.stdout.splitlines():
         pid, stat, args = [*line.split(None, 2), "", ""][:3]
         if "smddp-daemon" in args and not stat.startswith("Z"):
-            found.append(f"process {pid} {args[:160]}")
+            env = _environ(pid)
+            if any(f"SMDDP_JOB_ID={j}".encode() in env for j in jobs):
+                found.append(f"process {pid} {args[:160]}")
     return found
 
 
 @pytest.fixture
 def clean_host():
-    """Fails the test if the job left anything behind."""
-    before = set(leftovers())
+    """Fails the test if a job it launched left anything behind."""
+    shm_before = {n for n in os.listdir("/dev/shm") if "smddp" in n.lower()}
+    LAUNCHED.clear()
     yield
-    after = [x for x in leftovers() if x not in before]
+    # mpirun may return while the processes it killed are still being reaped: allow a moment.
+    deadline = time.monotonic() + 10
+    while True:
+        after = [x for x in leftovers(LAUNCHED) if x.removeprefix("/dev/shm/") not in shm_before]
+        if not after or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert not after, f"left behind: {after}"

@@ -43,6 +43,7 @@ class ClientConfig:
     arena_bytes: int = 256 << 20  # first input segment; pages are touched only when used
     fusion_bytes: int = 64 << 20  # fusion-buffer size the framework front ends use
     connect_timeout_s: float = 60.0
+    heartbeat_timeout_s: float = 20.0  # the daemon beats every quarter of this; silence fails the job
     job_id_hex: str = ""
 
     @classmethod
@@ -53,6 +54,7 @@ class ClientConfig:
             timeout_s=float(e.get("SMDDP_TIMEOUT_S", "600")),
             arena_bytes=max(fusion * 2, 64 << 20),
             fusion_bytes=fusion,
+            heartbeat_timeout_s=float(e.get("SMDDP_HEARTBEAT_TIMEOUT_S", "20")),
             job_id_hex=e.get("SMDDP_JOB_ID", ""),
         )
 
@@ -266,13 +268,15 @@ class Client:
     def _read_loop(self) -> None:
         try:
             while True:
-                h, fds = self._conn.recv_header()
+                h, fds = self._conn.recv_header(idle=self.config.heartbeat_timeout_s)
                 if fds and h.type is not MsgType.SEGMENT:
                     for fd in fds:
                         os.close(fd)
                     raise ProtocolError(f"the daemon passed file descriptors with {h.type.name}")
                 if h.type is MsgType.DONE:
                     self._on_done(h)
+                elif h.type is MsgType.HEARTBEAT:
+                    continue
                 elif h.type is MsgType.SEGMENT:
                     if len(fds) != 1 or h.shard in self._results:
                         for fd in fds:
@@ -288,7 +292,8 @@ class Client:
                     raise ProtocolError(f"the daemon sent {h.type.name}, which workers do not expect")
         except ConnectionClosed as e:
             if not self._closed:
-                self._fail(PeerLostError(f"rank {self.rank}: lost the connection to the node daemon: {e}"))
+                hint = " (frozen, overloaded or gone)" if "silent" in str(e) else ""
+                self._fail(PeerLostError(f"rank {self.rank}: lost the node daemon: {e}{hint}"))
         except SmddpError as e:
             # A frame we cannot trust: fail here, and hang up so the daemon fails the job for everyone.
             self._fail(e if isinstance(e, CollectiveError) else CollectiveError(f"rank {self.rank}: {e}"))

@@ -25,7 +25,7 @@ class DaemonConfig:
     result_segment_bytes: int = 256 << 20  # result arena growth step (pages are touched lazily)
     connect_timeout_s: float = 120.0  # all workers and peers must connect within this
     handshake_timeout_s: float = 10.0  # a connection that has not authenticated by then is dropped
-    send_timeout_s: float = 60.0  # a peer that reads nothing for this long has failed
+    heartbeat_timeout_s: float = 20.0  # a peer (or worker's reader) silent this long has failed
     shutdown_timeout_s: float = 30.0  # how long to wait for peers' BYE at the end
     failure_linger_s: float = 30.0  # after a failure, how long local workers get to leave
     log_level: str = "WARNING"
@@ -35,3 +35,5 @@ class DaemonConfig:
             raise ValueError("chunk_bytes must be between 4 KiB and 64 MiB")
         if self.threads < 1:
             raise ValueError("threads must be at least 1")
+        if not 0.2 <= self.heartbeat_timeout_s <= 3600:
+            raise ValueError("heartbeat timeout must be between 0.2 s and 1 hour")

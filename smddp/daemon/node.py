@@ -33,6 +33,7 @@ from smddp.transport.conn import Connection, ConnectionClosed
 from smddp.transport.shm import Arena, Segment, Slot
 
 NO_SEGMENT = 2**32 - 1  # SUBMIT without data (a broadcast's non-root ranks)
+MAX_HANDSHAKES = 64  # unauthenticated connections being served at once
 
 log = logging.getLogger("smddp.daemon")
 
@@ -144,6 +145,7 @@ class NodeDaemon:
         self._threads: list[threading.Thread] = []
         self._started = time.monotonic()
         self._bye_sent_at: float | None = None
+        self._handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -157,6 +159,7 @@ class NodeDaemon:
                 self._spawn(self._connect_peer, j, name=f"connect-{j}")
         for i in range(self.cfg.threads):
             self._spawn(self._compute_loop, name=f"compute-{i}")
+        self._spawn(self._heartbeat_loop, name="heartbeat")
         deadline = self._started + self.cfg.connect_timeout_s
         while not self._finished.wait(0.2):
             if time.monotonic() > deadline and not self._all_connected():
@@ -261,6 +264,10 @@ class NodeDaemon:
     # ------------------------------------------------------------------ accepting
 
     def _accept_loop(self, lsock: socket.socket, handler) -> None:  # type: ignore[no-untyped-def]
+        """Accept and authenticate in a thread per connection, at most MAX_HANDSHAKES at a time.
+
+        A flood of strangers is refused at the door instead of costing a thread each.
+        """
         lsock.settimeout(0.5)
         while not self._stop.is_set():
             try:
@@ -269,7 +276,11 @@ class NodeDaemon:
                 continue
             except OSError:
                 return
-            peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else "local process"
+            peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) and addr else "local process"
+            if not self._handshakes.acquire(blocking=False):
+                log.warning("%s: refused connection from %s: too many handshakes in progress", self.me, peer)
+                sock.close()
+                continue
             t = threading.Thread(target=self._handle_accepted, args=(sock, peer, handler), daemon=True)
             t.start()
 
@@ -278,6 +289,7 @@ class NodeDaemon:
         try:
             hello = self._authenticate(conn)
         except (SmddpError, OSError) as e:
+            self._handshakes.release()
             # A stranger: refuse and log, but the job goes on.
             log.warning("%s: refused connection from %s: %s", self.me, peer, e)
             try:
@@ -286,6 +298,7 @@ class NodeDaemon:
                 pass
             conn.close()
             return
+        self._handshakes.release()
         try:
             handler(conn, hello)
         except SmddpError as e:
@@ -336,20 +349,13 @@ class NodeDaemon:
         conn.close()
 
     def _worker_lost(self, link: WorkerLink) -> str:
-        try:
-            os.kill(link.pid, 0)
-            how = "closed its connection without shutting down"
-        except ProcessLookupError:
-            how = "died (its process is gone)"
-        except PermissionError:
-            how = "closed its connection"
-        return f"{self.job.describe_rank(link.rank)} {how}"
+        return f"{self.job.describe_rank(link.rank)} {_process_fate(link.pid)}"
 
     def _send_segment(self, link: WorkerLink, seg: Segment) -> None:
         link.conn.send_frame(
             Header(MsgType.SEGMENT, sender=self.node, shard=seg.id, offset=seg.size),
             fds=[seg.fd],
-            timeout=self.cfg.send_timeout_s,
+            idle=self.cfg.heartbeat_timeout_s,
         )
 
     def _worker_loop(self, link: WorkerLink) -> None:
@@ -671,7 +677,7 @@ class NodeDaemon:
         ).encode()
         for w in workers:
             assert w is not None
-            w.conn.send([done], timeout=self.cfg.send_timeout_s)
+            w.conn.send([done], idle=self.cfg.heartbeat_timeout_s)
 
     # ------------------------------------------------------------------ peers
 
@@ -692,13 +698,35 @@ class NodeDaemon:
             hdr, payload, op = item
             if self.failure is not None:
                 return
+            idle = self.cfg.heartbeat_timeout_s
             if hdr is None:  # BYE marker: everything before it has left
-                peer.conn.send_frame(Header(MsgType.BYE, sender=self.node), timeout=self.cfg.send_timeout_s)
+                peer.conn.send_frame(Header(MsgType.BYE, sender=self.node), idle=idle)
                 continue
-            peer.conn.send([hdr, payload], timeout=self.cfg.send_timeout_s)
+            if op is None:  # a heartbeat
+                peer.conn.send([hdr], idle=idle)
+                continue
+            peer.conn.send([hdr, payload], idle=idle)
             with self._lock:
                 op.pending_sends -= 1
                 self._maybe_retire(op)
+
+    def _heartbeat_loop(self) -> None:
+        """Every quarter of the heartbeat timeout, tell every peer and worker that we are alive.
+
+        Peers go through the writer queue: behind a large frame the frame itself is the sign of life.
+        """
+        beat = Header(MsgType.HEARTBEAT, sender=self.node).encode()
+        period = self.cfg.heartbeat_timeout_s / 4
+        while not self._finished.wait(period):
+            for p in self.peers.values():
+                if p.connected.is_set() and not p.said_bye:
+                    p.sendq.put((beat, None, None))
+            for w in list(self.workers):
+                if w is not None and not w.said_bye and not w.conn.closed:
+                    try:
+                        w.conn.send([beat], idle=self.cfg.heartbeat_timeout_s)
+                    except SmddpError:
+                        pass  # its reader notices the broken connection and fails the job
 
     def _connect_peer(self, j: int) -> None:
         ep = self.job.daemons[j]
@@ -745,7 +773,7 @@ class NodeDaemon:
         log.info("%s: connected to %s", self.me, conn.peer)
         try:
             while True:
-                h, _ = conn.recv_header(self._stop)
+                h, _ = conn.recv_header(self._stop, idle=self.cfg.heartbeat_timeout_s)
                 if h.type in (MsgType.PARTIAL, MsgType.RESULT, MsgType.BLOCK):
                     self._on_data(peer.node, conn, h)
                 elif h.type is MsgType.HEARTBEAT:
@@ -761,10 +789,11 @@ class NodeDaemon:
                     return
                 else:
                     raise ProtocolError(f"{conn.peer} sent {h.type.name}, which daemons may not send")
-        except ConnectionClosed:
+        except ConnectionClosed as e:
             if peer.said_bye or self._finished.is_set():
                 return
-            raise PeerLostError(f"lost {conn.peer}: connection closed in the middle of the job") from None
+            hint = " (frozen, or the link is down)" if "silent" in str(e) else ""
+            raise PeerLostError(f"{self.me} lost contact: {e}{hint}") from None
 
     def _on_data(self, node: int, conn: Connection, h: Header) -> None:
         who = self.job.describe_node(node)
@@ -804,7 +833,7 @@ class NodeDaemon:
                         f"{who} sent {h.type.name} [{h.offset}, +{h.length}) of #{h.seq} twice"
                     )
                 op.arrived.add(key)
-        conn.recv_into(dest)
+        conn.recv_into(dest, idle=self.cfg.heartbeat_timeout_s)
         if h.type is MsgType.PARTIAL:
             self._partial_arrived(op, index, node)
         else:
@@ -823,6 +852,28 @@ class NodeDaemon:
                 p.sendq.put((None, None, None))
         if all(p.said_bye for p in self.peers.values()):
             self._finished.set()
+
+
+def _process_fate(pid: int) -> str:
+    """How a local process that hung up is doing: gone (or a zombie) means it died.
+
+    A killed process closes its sockets before it becomes a zombie, so give it a moment to finish.
+    """
+    deadline = time.monotonic() + 0.3
+    while True:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return "died (its process is gone)"
+        if state in ("Z", "X"):
+            return "died (its process exited or was killed)"
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    if state == "T":
+        return "was stopped (SIGSTOP) and closed its connection"
+    return "closed its connection without shutting down"
 
 
 def wire_error_name(kind: type[SmddpError]) -> str:

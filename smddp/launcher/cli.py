@@ -35,6 +35,12 @@ def _launch_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-kb", type=int, default=1024, help="pipelining chunk (KiB)")
     p.add_argument("--threads", type=int, default=2, help="reduction threads per daemon")
     p.add_argument("--timeout", type=float, default=600.0, help="default timeout of a blocking call (s)")
+    p.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=20.0,
+        help="a daemon silent this long counts as lost (frozen, link down) (s)",
+    )
     p.add_argument("--log-level", default=os.environ.get("SMDDP_LOG_LEVEL", "WARNING"))
     p.add_argument("--mpi-args", default="", help="extra arguments for mpirun, as one string")
     p.add_argument("--mpirun", default="", help="the mpirun to use (default: the one beside this Python)")
@@ -65,6 +71,7 @@ def launch_main(argv: list[str] | None = None) -> int:
             chunk_kb=args.chunk_kb,
             threads=args.threads,
             timeout_s=args.timeout,
+            heartbeat_timeout_s=args.heartbeat_timeout,
             log_level=args.log_level,
             mpi_args=tuple(shlex.split(args.mpi_args)),
             dry_run=args.dry_run,
@@ -110,6 +117,7 @@ def daemon_main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--socket-dir", default="")
     p.add_argument("--connect-timeout", type=float, default=120.0)
+    p.add_argument("--heartbeat-timeout", type=float, default=20.0)
     p.add_argument("--log-level", default=os.environ.get("SMDDP_LOG_LEVEL", "WARNING"))
     args = p.parse_args(argv)
     try:
@@ -120,6 +128,7 @@ def daemon_main(argv: list[str] | None = None) -> int:
             socket_dir=args.socket_dir,
             job_id_hex=os.environ.get("SMDDP_JOB_ID", ""),
             connect_timeout_s=args.connect_timeout,
+            heartbeat_timeout_s=args.heartbeat_timeout,
             log_level=args.log_level,
         )
     except ValueError as e:

@@ -8,6 +8,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -31,10 +32,12 @@ class LaunchConfig:
     chunk_kb: int = 1024
     threads: int = 2
     timeout_s: float = 600.0
+    heartbeat_timeout_s: float = 20.0
     log_level: str = "WARNING"
     mpi_args: tuple[str, ...] = ()
     dry_run: bool = False
-    job_id: str = field(default_factory=lambda: secrets.token_hex(16))
+    # $SMDDP_JOB_ID names the job (to find it later); otherwise a fresh random id.
+    job_id: str = field(default_factory=lambda: os.environ.get("SMDDP_JOB_ID") or secrets.token_hex(16))
     mpirun: str = ""  # "" finds the mpirun of the PyPI Open MPI beside this Python
 
     def __post_init__(self) -> None:
@@ -54,6 +57,8 @@ class LaunchConfig:
             raise ConfigError("--iface takes an interface name or a CIDR when the job spans hosts")
         if not self.command:
             raise ConfigError("no command to run: smddp-launch -np W -- COMMAND ...")
+        if len(self.job_id) != 32 or any(ch not in "0123456789abcdef" for ch in self.job_id):
+            raise ConfigError(f"job id {self.job_id!r} must be 32 lowercase hex digits (SMDDP_JOB_ID)")
         if self.fusion_mb <= 0:
             raise ConfigError("--fusion-mb must be positive")
 
@@ -117,6 +122,7 @@ def build_command(cfg: LaunchConfig) -> list[str]:
         "SMDDP_JOB_ID": cfg.job_id,
         "SMDDP_FUSION_MB": f"{cfg.fusion_mb:g}",
         "SMDDP_TIMEOUT_S": f"{cfg.timeout_s:g}",
+        "SMDDP_HEARTBEAT_TIMEOUT_S": f"{cfg.heartbeat_timeout_s:g}",
         "SMDDP_LOG_LEVEL": cfg.log_level,
     }
     for k, v in env.items():
@@ -137,6 +143,8 @@ def build_command(cfg: LaunchConfig) -> list[str]:
         str(cfg.threads),
         "--log-level",
         cfg.log_level,
+        "--heartbeat-timeout",
+        f"{cfg.heartbeat_timeout_s:g}",
         *(["--iface", cfg.iface] if cfg.iface else []),
     ]
     if cfg.hosts:
@@ -144,11 +152,39 @@ def build_command(cfg: LaunchConfig) -> list[str]:
         g = cfg.workers_per_host()
         daemons = ",".join(f"{h.name}:1" for h in cfg.hosts)
         workers = ",".join(f"{h.name}:{g}" for h in cfg.hosts)
+        worker = _with_torchrun_env(cfg.command, len(cfg.hosts), g, cfg.hosts[0].name)
         cmd += ["-np", str(len(cfg.hosts)), "--host", daemons, *daemon]
-        cmd += [":", "-np", str(cfg.world_size), "--host", workers, *cfg.command]
+        cmd += [":", "-np", str(cfg.world_size), "--host", workers, *worker]
     else:
-        cmd += ["-np", str(cfg.local_nodes), *daemon, ":", "-np", str(cfg.np), *cfg.command]
+        worker = _with_torchrun_env(cfg.command, cfg.local_nodes, cfg.np // cfg.local_nodes, "127.0.0.1")
+        cmd += ["-np", str(cfg.local_nodes), *daemon, ":", "-np", str(cfg.np), *worker]
     return cmd
+
+
+def _with_torchrun_env(command: tuple[str, ...], daemons: int, per_node: int, master: str) -> list[str]:
+    """The worker command behind `smddp.launcher.worker_env`, which sets RANK etc. as torchrun does."""
+    return [
+        sys.executable,
+        "-m",
+        "smddp.launcher.worker_env",
+        "--daemons",
+        str(daemons),
+        "--per-node",
+        str(per_node),
+        "--master-addr",
+        master,
+        "--master-port",
+        str(_free_port()),
+        "--",
+        *command,
+    ]
+
+
+def _free_port() -> int:
+    """A TCP port free on this host now, for torch.distributed's store (MASTER_PORT)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
 
 
 def launch(cfg: LaunchConfig) -> int:

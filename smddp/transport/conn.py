@@ -24,7 +24,28 @@ Buffer = bytes | bytearray | memoryview | np.ndarray
 
 
 class ConnectionClosed(PeerLostError):
-    """The other end closed the connection (or it broke)."""
+    """The other end closed the connection (or it broke, or went silent past a timeout)."""
+
+
+class _Clock:
+    """Two limits on a blocking call: `timeout` in total, and `idle` without any bytes moving."""
+
+    def __init__(self, timeout: float | None, idle: float | None) -> None:
+        now = time.monotonic()
+        self.deadline = None if timeout is None else now + timeout
+        self.idle = idle
+        self.last = now
+
+    def progress(self) -> None:
+        self.last = time.monotonic()
+
+    def expired(self) -> str | None:
+        now = time.monotonic()
+        if self.deadline is not None and now > self.deadline:
+            return "timed out"
+        if self.idle is not None and now - self.last > self.idle:
+            return f"has been silent for {self.idle:g}s"
+        return None
 
 
 class Connection:
@@ -43,12 +64,22 @@ class Connection:
 
     # -- sending -------------------------------------------------------------------------------
 
-    def send(self, parts: Sequence[Buffer], fds: Sequence[int] = (), timeout: float | None = None) -> None:
-        """Send the parts of one frame back to back; fds ride on the first byte (unix sockets only)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+    def send(
+        self,
+        parts: Sequence[Buffer],
+        fds: Sequence[int] = (),
+        timeout: float | None = None,
+        idle: float | None = None,
+    ) -> None:
+        """Send the parts of one frame back to back; fds ride on the first byte (unix sockets only).
+
+        `timeout` bounds the whole call, `idle` the time the peer may read nothing at all.
+        """
+        clock = _Clock(timeout, idle)
         views = [memoryview(cast(Any, p)).cast("B") for p in parts if len(p)]
-        if not self._send_lock.acquire(timeout=-1 if timeout is None else timeout):
-            raise ConnectionClosed(f"connection to {self.peer} is busy for {timeout:.0f}s")
+        wait = min(x for x in (timeout, idle, 1e9) if x is not None)
+        if not self._send_lock.acquire(timeout=-1 if wait >= 1e9 else wait):
+            raise ConnectionClosed(f"connection to {self.peer} stayed busy for {wait:g}s")
         try:
             anc = []
             if fds:
@@ -59,12 +90,14 @@ class Connection:
                 try:
                     sent = self.sock.sendmsg(views[:64], anc) if anc else self.sock.sendmsg(views[:64])
                 except TimeoutError:
-                    if deadline is not None and time.monotonic() > deadline:
-                        raise ConnectionClosed(f"{self.peer} did not read for {timeout:.0f}s") from None
+                    why = clock.expired()
+                    if why:
+                        raise ConnectionClosed(f"sending to {self.peer} {why} (it is not reading)") from None
                     continue
                 except OSError as e:
                     raise ConnectionClosed(f"connection to {self.peer} broke: {e.strerror or e}") from None
                 anc = []
+                clock.progress()
                 while sent:
                     n = len(views[0])
                     if sent >= n:
@@ -77,20 +110,28 @@ class Connection:
             self._send_lock.release()
 
     def send_frame(
-        self, h: Header, payload: Buffer = b"", fds: Sequence[int] = (), timeout: float | None = None
+        self,
+        h: Header,
+        payload: Buffer = b"",
+        fds: Sequence[int] = (),
+        timeout: float | None = None,
+        idle: float | None = None,
     ) -> None:
-        self.send([h.encode(), payload], fds, timeout)
+        self.send([h.encode(), payload], fds, timeout, idle)
 
     # -- receiving -----------------------------------------------------------------------------
 
     def recv_header(
-        self, stop: threading.Event | None = None, timeout: float | None = None
+        self, stop: threading.Event | None = None, timeout: float | None = None, idle: float | None = None
     ) -> tuple[Header, list[int]]:
-        """Read and validate one header, with any fds that came with it."""
+        """Read and validate one header, with any fds that came with it.
+
+        `timeout` bounds the whole read (a handshake), `idle` the silence of an established peer.
+        """
         fds: list[int] = []
         view = memoryview(self._hdr)
         got = 0
-        deadline = None if timeout is None else time.monotonic() + timeout
+        clock = _Clock(timeout, idle)
         while got < HEADER_SIZE:
             try:
                 if self.is_unix:
@@ -102,9 +143,10 @@ class Connection:
                 if stop is not None and stop.is_set():
                     _close_fds(fds)
                     raise ConnectionClosed(f"stopped while reading from {self.peer}") from None
-                if deadline is not None and time.monotonic() > deadline:
+                why = clock.expired()
+                if why:
                     _close_fds(fds)
-                    raise ConnectionClosed(f"{self.peer} sent no frame within {timeout:.1f}s") from None
+                    raise ConnectionClosed(f"{self.peer} {why}") from None
                 continue
             except OSError as e:
                 _close_fds(fds)
@@ -113,6 +155,7 @@ class Connection:
                 _close_fds(fds)
                 raise ConnectionClosed(f"{self.peer} closed the connection")
             got += n
+            clock.progress()
         try:
             return decode_header(self._hdr), fds
         except ProtocolError as e:
@@ -127,17 +170,18 @@ class Connection:
                 fds.frombytes(data[: len(data) - (len(data) % fds.itemsize)])
         return n, list(fds)
 
-    def recv_into(self, buf: Buffer, timeout: float | None = None) -> None:
+    def recv_into(self, buf: Buffer, timeout: float | None = None, idle: float | None = None) -> None:
         """Fill `buf` completely from the socket (the payload lands in its final place)."""
         view = memoryview(cast(Any, buf)).cast("B")
-        deadline = None if timeout is None else time.monotonic() + timeout
+        clock = _Clock(timeout, idle)
         got, total = 0, len(view)
         while got < total:
             try:
                 n = self.sock.recv_into(view[got:])
             except TimeoutError:
-                if deadline is not None and time.monotonic() > deadline:
-                    raise ConnectionClosed(f"{self.peer} stalled in the middle of a frame") from None
+                why = clock.expired()
+                if why:
+                    raise ConnectionClosed(f"{self.peer} {why} in the middle of a frame") from None
                 if self._closed.is_set():
                     raise ConnectionClosed(f"connection to {self.peer} is closed") from None
                 continue
@@ -146,6 +190,7 @@ class Connection:
             if n == 0:
                 raise ConnectionClosed(f"{self.peer} closed the connection in the middle of a frame")
             got += n
+            clock.progress()
 
     def recv_bytes(self, n: int, timeout: float | None = None) -> bytes:
         buf = bytearray(n)

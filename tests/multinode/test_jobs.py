@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from smddp.launcher.simcluster import ClusterConfig, SimCluster, cleanup_stale
-from tests.conftest import BIN, REPO
+from tests.conftest import BIN, REPO, job_env
 
 pytestmark = pytest.mark.multinode
 
@@ -66,7 +66,7 @@ def launch(
         *("--launch-agent", cluster.launch_agent_path()),
         *("--", sys.executable, *args),
     ]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=job_env())
 
 
 @pytest.mark.parametrize(("nodes", "per_node"), [(2, 1), (2, 2), (4, 1), (4, 2)], ids=lambda v: str(v))

@@ -1,0 +1,53 @@
+"""Worker script for fault injection: runs checked all-reduces until the job fails, and records how."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+import smddp
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--seconds", type=float, default=90.0)
+    ap.add_argument("--mib", type=float, default=1.0)
+    args = ap.parse_args()
+    smddp.init()
+    c = smddp.client()
+    rank, world = smddp.rank(), smddp.size()
+    me = {"rank": rank, "node": c.node, "pid": os.getpid(), "daemon_pid": c.job.daemons[c.node].pid}
+    with open(os.path.join(args.out, f"pids{rank}.json"), "w") as f:
+        json.dump(me, f)
+    x = np.empty(int(args.mib * (1 << 20)) // 4, np.float32)
+    record: dict = {"rank": rank}
+    deadline = time.monotonic() + args.seconds
+    i = 0
+    try:
+        while time.monotonic() < deadline:
+            x[:] = rank + 1
+            smddp.allreduce(x, op=smddp.SUM, timeout=120)
+            if not np.all(x == world * (world + 1) / 2):
+                record["wrong"] = f"iteration {i}: wrong result"
+                break
+            i += 1
+            if i == 5 and rank == 0:
+                open(os.path.join(args.out, "running"), "w").close()
+        record.update(outcome="no error", iterations=i)
+    except smddp.errors.CollectiveError as e:
+        record.update(outcome=type(e).__name__, message=str(e), time=time.time(), iterations=i)
+    except smddp.errors.CollectiveTimeoutError as e:
+        record.update(outcome="timeout", message=str(e), time=time.time(), iterations=i)
+    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+        json.dump(record, f)
+    return 0 if record["outcome"] == "no error" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
