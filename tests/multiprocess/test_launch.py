@@ -161,3 +161,14 @@ def test_dry_run_with_hostfile_and_agent(tmp_path):
 def test_bad_host_arguments(args):
     proc = subprocess.run([str(BIN / "smddp-launch"), "--dry-run", *args], capture_output=True, text=True)
     assert proc.returncode == 2 and "smddp-launch:" in proc.stderr, proc.stderr
+
+
+def test_wait_timeout_leaves_the_job_usable(tmp_path, clean_host):
+    proc = smddp_launch(3, 1, [str(HERE / "check_timeout.py"), "--out", str(tmp_path)], timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for r in range(3):
+        out = json.loads((tmp_path / f"rank{r}.json").read_text())
+        if r < 2:  # the early ranks' short wait ran out, and the late result still came
+            assert out["first_wait"].startswith("timeout"), out
+            assert out["done_after_timeout"] is False
+        assert out["second_wait_ok"] and out["later_ok"], out
