@@ -1,0 +1,84 @@
+"""Worker script: rank 1 is authenticated but sends one invalid frame; every rank must fail cleanly."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+import smddp
+from smddp.proto import DType, Header, Kind, MsgType, ReduceOp
+
+ROGUE_FRAMES = {
+    # a slot far outside the segment it names: must never be read or written
+    "out of bounds": lambda rank: Header(
+        MsgType.SUBMIT,
+        sender=rank,
+        seq=2,
+        shard=0,
+        offset=2**40,
+        count=1000,
+        dtype=DType.FLOAT32,
+        op=ReduceOp.SUM,
+        kind=Kind.ALLREDUCE,
+    ),
+    "unknown segment": lambda rank: Header(
+        MsgType.SUBMIT,
+        sender=rank,
+        seq=2,
+        shard=77,
+        offset=0,
+        count=10,
+        dtype=DType.FLOAT32,
+        op=ReduceOp.SUM,
+        kind=Kind.ALLREDUCE,
+    ),
+    "skipped sequence number": lambda rank: Header(
+        MsgType.SUBMIT,
+        sender=rank,
+        seq=9,
+        shard=0,
+        offset=0,
+        count=10,
+        dtype=DType.FLOAT32,
+        op=ReduceOp.SUM,
+        kind=Kind.ALLREDUCE,
+    ),
+    "another rank's name": lambda rank: Header(MsgType.RELEASE, sender=rank + 1, seq=1),
+    "release of nothing": lambda rank: Header(MsgType.RELEASE, sender=rank, seq=1),
+    "a daemon's message": lambda rank: Header(MsgType.HEARTBEAT, sender=rank),
+}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--frame", required=True, choices=sorted(ROGUE_FRAMES))
+    args = ap.parse_args()
+    smddp.init()
+    rank = smddp.rank()
+    x = np.ones(10, np.float32)
+    smddp.allreduce(x)  # collective #1 completes everywhere before anyone misbehaves
+    smddp.barrier()  # #2 ... except the rogue, which sends its frame instead
+    out: dict = {}
+    try:
+        if rank == 1:
+            frame = ROGUE_FRAMES[args.frame](rank)
+            smddp.client()._conn.send_frame(frame)  # the transport, bypassing every client-side check
+        smddp.allreduce(x, timeout=30)
+        out["outcome"] = "no error"
+    except smddp.errors.CollectiveError as e:
+        out["outcome"] = type(e).__name__
+        out["message"] = str(e)
+    except smddp.errors.CollectiveTimeoutError as e:
+        out["outcome"] = f"timeout: {e}"
+    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+        json.dump(out, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
