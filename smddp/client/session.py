@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -24,9 +25,9 @@ from smddp.errors import (
     ProtocolError,
     SmddpError,
 )
-from smddp.proto import handshake as hs
 from smddp.proto.dtypes import DType, Kind, ReduceOp
 from smddp.proto.frames import Header, MsgType, Role
+from smddp.transport.auth import client_handshake
 from smddp.transport.bootstrap import Membership, bootstrap
 from smddp.transport.conn import Connection, ConnectionClosed
 from smddp.transport.shm import Arena, Segment, Slot
@@ -44,6 +45,7 @@ class ClientConfig:
     fusion_bytes: int = 64 << 20  # fusion-buffer size the framework front ends use
     connect_timeout_s: float = 60.0
     heartbeat_timeout_s: float = 20.0  # the daemon beats every quarter of this; silence fails the job
+    timeline_dir: str = ""  # write this rank's Chrome trace events here at shutdown ("" = off)
     job_id_hex: str = ""
 
     @classmethod
@@ -55,6 +57,7 @@ class ClientConfig:
             arena_bytes=max(fusion * 2, 64 << 20),
             fusion_bytes=fusion,
             heartbeat_timeout_s=float(e.get("SMDDP_HEARTBEAT_TIMEOUT_S", "20")),
+            timeline_dir=e.get("SMDDP_TIMELINE_DIR", ""),
             job_id_hex=e.get("SMDDP_JOB_ID", ""),
         )
 
@@ -89,6 +92,7 @@ class Handle:
         self._event = threading.Event()
         self._result: Any = None
         self._error: SmddpError | None = None
+        self.times: list[float] = []  # submit started, SUBMIT sent (wall clock), for the timeline
 
     def done(self) -> bool:
         """True once the result is in place (or the collective failed); never blocks."""
@@ -136,6 +140,7 @@ class Client:
         self._arena = Arena(config.arena_bytes, f"smddp-rank{self.rank}")
         self._failure: SmddpError | None = None
         self._closed = False
+        self._timeline: list[dict] = []
         self._reader = threading.Thread(target=self._read_loop, name="smddp-client-reader", daemon=True)
         self._reader.start()
 
@@ -161,18 +166,8 @@ class Client:
                 time.sleep(0.05)
         conn = Connection(sock, f"the daemon of {me.job.describe_node(me.node)} (pid {ep.pid})")
         try:
-            t = config.connect_timeout_s
-            h, body, _ = conn.recv_frame(timeout=t)
-            job_id, server_nonce = hs.parse_challenge(h, body)
-            if job_id != me.job.job_id:
-                raise ProtocolError(f"{ep.socket_path} is served by another job's daemon")
-            nonce = hs.new_nonce()
-            conn.send(
-                [hs.hello(me.job.secret, me.job.job_id, Role.WORKER, me.rank, server_nonce, nonce)], timeout=t
-            )
-            h, body, _ = conn.recv_frame(timeout=t)
-            hs.verify_welcome(
-                me.job.secret, me.job.job_id, server_nonce, nonce, Role.WORKER, me.rank, h, body
+            client_handshake(
+                conn, me.job.secret, me.job.job_id, Role.WORKER, me.rank, config.connect_timeout_s
             )
         except BaseException:
             conn.close()
@@ -198,6 +193,7 @@ class Client:
                 pass
         self._conn.close()
         self._reader.join(timeout=5.0)
+        self._write_timeline()
         self._arena.close()
         for seg in self._results.values():
             seg.close()
@@ -231,6 +227,7 @@ class Client:
         nbytes = count * dtype.itemsize
         with self._lock:
             self._check_open()
+            t_start = time.time()
             slot = None
             if send_data and buf is not None:
                 slot, seg = self._arena.alloc(nbytes)
@@ -242,6 +239,7 @@ class Client:
             seq = self._next_seq
             self._next_seq += 1
             handle = Handle(self, seq, kind, dtype, count, deliver, slot, buf.keepalive if buf else None)
+            handle.times = [t_start, time.time()]
             self._handles[seq] = handle
             h = Header(
                 MsgType.SUBMIT,
@@ -311,13 +309,43 @@ class Client:
         if seg is None:
             raise ProtocolError(f"DONE for #{h.seq} names result segment {h.shard}, which was never sent")
         total = _result_bytes(handle.kind, h.count * handle.dtype.itemsize, self.size)
+        t_done = time.time()
         result = handle._deliver(seg.view(h.offset, total))
+        if self.config.timeline_dir:
+            self._trace(handle, t_done, time.time())
         if handle._slot is not None:
             self._arena.free(handle._slot)
         self._conn.send_frame(
             Header(MsgType.RELEASE, sender=self.rank, seq=h.seq), timeout=self.config.timeout_s
         )
         handle._finish(result)
+
+    def _trace(self, handle: Handle, t_done: float, t_copied: float) -> None:
+        """Chrome trace events of one collective on this rank: copy in, in flight, copy out."""
+        t0, t1 = handle.times
+        what = {"seq": handle.seq, "what": f"{handle.kind.label}({handle.dtype.label}, count={handle.count})"}
+        for name, a, b in (("copy in", t0, t1), ("in flight", t1, t_done), ("copy out", t_done, t_copied)):
+            self._timeline.append(
+                {
+                    "name": f"#{handle.seq} {name}",
+                    "cat": name,
+                    "ph": "X",
+                    "ts": a * 1e6,
+                    "dur": max(b - a, 0.0) * 1e6,
+                    "pid": f"rank {self.rank}",
+                    "tid": name,
+                    "args": what,
+                }
+            )
+
+    def _write_timeline(self) -> None:
+        if not self.config.timeline_dir:
+            return
+        try:
+            with open(os.path.join(self.config.timeline_dir, f"rank{self.rank}.json"), "w") as f:
+                json.dump(self._timeline, f)
+        except OSError as e:
+            log.warning("rank %d: could not write the timeline: %s", self.rank, e)
 
     def _fail(self, err: SmddpError) -> None:
         with self._lock:

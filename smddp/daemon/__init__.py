@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import os
 import signal
 import socket
 import stat
+import time
 
 from smddp.daemon.config import DaemonConfig, default_socket_dir
 from smddp.daemon.node import NodeDaemon
 from smddp.errors import BootstrapError, ConfigError
 from smddp.proto.frames import Role
-from smddp.transport.bootstrap import bootstrap
+from smddp.transport.bootstrap import Job, bootstrap
 from smddp.transport.netif import resolve_bind_address
 
 __all__ = ["DaemonConfig", "NodeDaemon", "private_dir", "run"]
@@ -74,12 +76,39 @@ def run(cfg: DaemonConfig) -> int:
     except BootstrapError as e:
         logging.getLogger("smddp.daemon").error("bootstrap failed: %s", e)
         return 2
+    jobdir = str(held["dir"])
+    write_job_files(jobdir, me.job, me.node)
     daemon = NodeDaemon(
         cfg,
         me.job,
         me.node,
         held["tcp"],  # type: ignore[arg-type]
         held["unix"],  # type: ignore[arg-type]
-        str(held["dir"]),
+        jobdir,
     )
+    if cfg.metrics_port:
+        from smddp.daemon.metrics import serve_metrics
+
+        serve_metrics(
+            daemon, me.job.daemons[me.node].tcp_host, cfg.metrics_port + me.node
+        )  # node n: port P + n
     return daemon.serve()
+
+
+def write_job_files(jobdir: str, job: Job, node: int) -> None:
+    """What `smddp status` needs to find and join this daemon: readable by this user alone (0600,
+    in a 0700 directory), as the shell that runs it is; never in argv, environment or logs."""
+    d = job.daemons[node]
+    info = {
+        "job": job.job_hex,
+        "node": node,
+        "nnodes": job.nnodes,
+        "host": d.host,
+        "pid": d.pid,
+        "started": time.time(),
+        "socket": d.socket_path,
+    }
+    for name, data in (("secret", job.secret), ("job.json", json.dumps(info).encode())):
+        fd = os.open(os.path.join(jobdir, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)

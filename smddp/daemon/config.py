@@ -28,6 +28,9 @@ class DaemonConfig:
     heartbeat_timeout_s: float = 20.0  # a peer (or worker's reader) silent this long has failed
     shutdown_timeout_s: float = 30.0  # how long to wait for peers' BYE at the end
     failure_linger_s: float = 30.0  # after a failure, how long local workers get to leave
+    stall_warning_s: float = 60.0  # a collective waiting longer is logged with who it waits for
+    timeline_dir: str = ""  # write this daemon's Chrome trace events here at exit ("" = off)
+    metrics_port: int = 0  # serve Prometheus /metrics on this port (0 = off)
     log_level: str = "WARNING"
 
     def __post_init__(self) -> None:

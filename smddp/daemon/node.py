@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import os
 import queue
@@ -16,6 +17,7 @@ import numpy as np
 
 from smddp.daemon.config import DaemonConfig
 from smddp.daemon.kernels import Reducer
+from smddp.daemon.stats import Stats
 from smddp.errors import (
     AuthenticationError,
     CollectiveError,
@@ -26,8 +28,9 @@ from smddp.errors import (
 )
 from smddp.proto import handshake as hs
 from smddp.proto.dtypes import DType, Kind, ReduceOp
-from smddp.proto.frames import Header, MsgType, Role, error_frame
+from smddp.proto.frames import HEADER_SIZE, Header, MsgType, Role, error_frame
 from smddp.proto.layout import Chunk, GatherLayout, ReduceLayout
+from smddp.transport.auth import client_handshake
 from smddp.transport.bootstrap import Job
 from smddp.transport.conn import Connection, ConnectionClosed
 from smddp.transport.shm import Arena, Segment, Slot
@@ -99,6 +102,34 @@ class OpState:
         self.released_by = bytearray()
         self.done = False
         self.t0 = time.monotonic()
+        self.wall0 = time.time()
+        self.phases: dict[str, list[float]] = {}  # phase -> [first start, last end], wall clock
+
+    def phase(self, name: str, start: float, end: float) -> None:
+        """Widen a phase of this collective to cover [start, end] (threads race benignly here)."""
+        span = self.phases.get(name)
+        if span is None:
+            self.phases[name] = [start, end]
+        else:
+            span[0] = min(span[0], start)
+            span[1] = max(span[1], end)
+
+    def trace_events(self, process: str, pid: int) -> list[dict]:
+        """Chrome trace events: one lane per phase, one box per collective."""
+        args = {"seq": self.seq, "what": self.describe()}
+        return [
+            {
+                "name": f"#{self.seq} {name}",
+                "cat": name,
+                "ph": "X",
+                "ts": start * 1e6,
+                "dur": max(end - start, 0.0) * 1e6,
+                "pid": process,
+                "tid": name,
+                "args": args,
+            }
+            for name, (start, end) in self.phases.items()
+        ]
 
     @property
     def fingerprint(self) -> tuple:
@@ -146,6 +177,12 @@ class NodeDaemon:
         self._started = time.monotonic()
         self._bye_sent_at: float | None = None
         self._handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
+        self.stats = Stats()
+        self._reports: dict[int, dict[int, dict]] = {}  # request id -> node -> that daemon's report
+        self._report_cv = threading.Condition(threading.Lock())
+        self._next_request = 1
+        self._stall_warned: dict[int, float] = {}  # seq -> when we last warned about it
+        self.timeline: list[dict] = []  # Chrome trace events, written at exit when enabled
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -161,7 +198,13 @@ class NodeDaemon:
             self._spawn(self._compute_loop, name=f"compute-{i}")
         self._spawn(self._heartbeat_loop, name="heartbeat")
         deadline = self._started + self.cfg.connect_timeout_s
+        last_tick = 0.0
         while not self._finished.wait(0.2):
+            now = time.monotonic()
+            if now - last_tick >= 1.0:
+                last_tick = now
+                self.stats.sample()
+                self._inspect_stalls(now)
             if time.monotonic() > deadline and not self._all_connected():
                 self.fail(self._missing_message(), PeerLostError)
             bye = self._bye_sent_at
@@ -218,6 +261,10 @@ class NodeDaemon:
         for t in self._threads:
             t.join(timeout=2.0)
         shutil.rmtree(self.socket_dir, ignore_errors=True)
+        try:
+            self.write_timeline()
+        except OSError as e:
+            log.warning("%s: could not write the timeline: %s", self.me, e)
         self.results.close()
         self.scratch.close()
         # A failed job whose workers all left exits 0: the workers' own exit statuses tell the story.
@@ -243,6 +290,7 @@ class NodeDaemon:
             if self.failure is not None or self._finished.is_set():
                 return
             self.failure = reason
+        self.stats.error("failed", reason)
         # Nothing of a failed job may stay behind, even if mpirun kills us in a moment.
         shutil.rmtree(self.socket_dir, ignore_errors=True)
         log.error("%s: job failed: %s", self.me, reason)
@@ -292,6 +340,7 @@ class NodeDaemon:
             self._handshakes.release()
             # A stranger: refuse and log, but the job goes on.
             log.warning("%s: refused connection from %s: %s", self.me, peer, e)
+            self.stats.error("refused", f"refused connection from {peer}: {e}")
             try:
                 conn.send([error_frame(f"refused: {e}", sender=self.node)], timeout=1.0)
             except SmddpError:
@@ -317,7 +366,8 @@ class NodeDaemon:
             os.close(fd)
         hello = hs.parse_hello(h, body)
         hs.verify_hello(self.job.secret, self.job.job_id, nonce, hello)
-        if conn.is_unix != (hello.role == Role.WORKER):
+        allowed = (Role.WORKER, Role.CONTROL) if conn.is_unix else (Role.DAEMON,)
+        if hello.role not in allowed:
             raise AuthenticationError(f"role {hello.role.name} is not accepted on this socket")
         conn.send([hs.welcome(self.job.secret, self.job.job_id, nonce, hello, self.node)], timeout=5.0)
         return hello
@@ -325,6 +375,9 @@ class NodeDaemon:
     # ------------------------------------------------------------------ workers
 
     def _serve_worker(self, conn: Connection, hello: hs.Hello) -> None:
+        if hello.role == Role.CONTROL:
+            self._serve_control(conn)
+            return
         ranks = self.job.ranks_of(self.node)
         if hello.rank not in ranks:
             raise AuthenticationError(f"rank {hello.rank} does not belong to {self.me}")
@@ -419,6 +472,7 @@ class NodeDaemon:
                 raise ProtocolError(f"{who} submitted collective #{h.seq} twice")
             op.inputs[link.local_rank] = data if data is not None else np.empty(0, dtype.storage)
             op.submitted += 1
+            op.phase("wait for local ranks", op.wall0, time.time())
             if op.submitted == self.local_size:
                 tasks = self._local_tasks_for(op)
         if tasks:
@@ -437,6 +491,9 @@ class NodeDaemon:
         """Free an op's memory once every worker copied its result out and every send left (lock held)."""
         if op.released == self.local_size and op.pending_sends == 0 and op.done:
             del self.ops[op.seq]
+            self._stall_warned.pop(op.seq, None)
+            if self.cfg.timeline_dir:
+                self.timeline.extend(op.trace_events(f"node {self.node} daemon", self.node))
             if op.result_slot is not None:
                 self.results.free(op.result_slot)
 
@@ -573,8 +630,10 @@ class NodeDaemon:
         inputs = [x[c.start : c.end] for x in op.inputs if x is not None]
         res = self._typed(op)[c.start : c.end]
         rop = op.op if op.op is not None else ReduceOp.SUM  # a barrier reduces nothing
+        t0, w0 = time.perf_counter(), time.time()
         if self.nnodes == 1:
             reducer.reduce(inputs, res, op.dtype, rop, self.world)
+            self._reduced(op, "local reduce", inputs, t0, w0)
             self._chunk_completed(op)
             return
         # The node partial of an average is a sum: the server divides once.
@@ -583,17 +642,23 @@ class NodeDaemon:
             assert op.server is not None
             dest = op.server[self.node, c.start - op.own_start : c.end - op.own_start]
             reducer.reduce(inputs, dest, op.dtype, partial_op)
+            self._reduced(op, "local reduce", inputs, t0, w0)
             self._partial_arrived(op, c.index, self.node)
         else:
             # The partial goes out from the result region: the result of this chunk only comes back
             # after the server has it, so nothing overwrites it before the send is done.
             reducer.reduce(inputs, res, op.dtype, partial_op)
+            self._reduced(op, "local reduce", inputs, t0, w0)
             isz = op.dtype.itemsize
             self._send(
                 c.shard, op, self._header(MsgType.PARTIAL, op, c.shard, c.start * isz, c.count * isz), res
             )
             if op.kind == Kind.REDUCE_SCATTER:
                 self._chunk_completed(op)  # no RESULT comes back for another node's shard
+
+    def _reduced(self, op: OpState, phase: str, inputs: list[np.ndarray], t0: float, w0: float) -> None:
+        self.stats.add_reduce(sum(x.nbytes for x in inputs), time.perf_counter() - t0)
+        op.phase(phase, w0, time.time())
 
     def _partial_arrived(self, op: OpState, index: int, node: int) -> None:
         with self._lock:
@@ -612,7 +677,10 @@ class NodeDaemon:
         lo, hi = c.start - op.own_start, c.end - op.own_start
         res = self._typed(op)[c.start : c.end]
         rop = op.op if op.op is not None else ReduceOp.SUM
-        reducer.reduce([op.server[i, lo:hi] for i in range(self.nnodes)], res, op.dtype, rop, self.world)
+        inputs = [op.server[i, lo:hi] for i in range(self.nnodes)]
+        t0, w0 = time.perf_counter(), time.time()
+        reducer.reduce(inputs, res, op.dtype, rop, self.world)
+        self._reduced(op, "server reduce", inputs, t0, w0)
         if op.kind != Kind.REDUCE_SCATTER:
             isz = op.dtype.itemsize
             hdr = self._header(MsgType.RESULT, op, self.node, c.start * isz, c.count * isz)
@@ -626,6 +694,7 @@ class NodeDaemon:
         assert op.gather is not None
         block = op.gather.block_of(self.node)
         assert block is not None
+        w0 = time.time()
         if b == a:
             pass  # an empty block still travels: it carries our fingerprint
         elif op.kind == Kind.BROADCAST:
@@ -640,10 +709,179 @@ class NodeDaemon:
                 lo, hi = max(a, s0), min(b, s0 + per)
                 if lo < hi:
                     op.result[lo:hi] = x.view(np.uint8)[lo - s0 : hi - s0]
+        op.phase("local copy", w0, time.time())
         hdr = self._header(MsgType.BLOCK, op, self.node, a, b - a)
         for j in self.peers:
             self._send(j, op, hdr, op.result[a:b])
         self._chunk_completed(op)
+
+    # ------------------------------------------------------------------ status and stalls
+
+    def _serve_control(self, conn: Connection) -> None:
+        """`smddp status`: answer STATUS with every daemon's report until the client says BYE."""
+        conn.peer = f"control client (pid {conn.peer_pid()})"
+        try:
+            while True:
+                h, _ = conn.recv_header(self._stop)
+                if h.type is MsgType.BYE:
+                    return
+                if h.type is not MsgType.STATUS:
+                    raise ProtocolError(f"{conn.peer} sent {h.type.name}")
+                body = json.dumps(self.job_report()).encode()
+                conn.send_frame(
+                    Header(MsgType.REPORT, sender=self.node, length=len(body)), body, timeout=10.0
+                )
+        except SmddpError as e:
+            log.info("%s: %s left: %s", self.me, conn.peer, e)  # a status client never fails the job
+        finally:
+            conn.close()
+
+    def job_report(self, timeout: float = 2.0) -> dict:
+        """This daemon's report and every peer's, asked for over the peer connections."""
+        with self._report_cv:
+            req = self._next_request
+            self._next_request += 1
+            self._reports[req] = {self.node: self.local_report()}
+        ask = Header(MsgType.STATUS, sender=self.node, seq=req).encode()
+        asked = [p for p in self.peers.values() if p.connected.is_set() and not p.said_bye]
+        for p in asked:
+            p.sendq.put((ask, None, None))
+        deadline = time.monotonic() + timeout
+        with self._report_cv:
+            while len(self._reports[req]) < 1 + len(asked) and time.monotonic() < deadline:
+                self._report_cv.wait(max(0.0, deadline - time.monotonic()))
+            got = self._reports.pop(req)
+        daemons = []
+        for j in range(self.nnodes):
+            if j in got:
+                daemons.append(got[j])
+            else:
+                d = self.job.daemons[j]
+                daemons.append({"node": j, "host": d.host, "pid": d.pid, "state": "no answer"})
+        return {"job": self.job.job_hex, "nnodes": self.nnodes, "world": self.world, "daemons": daemons}
+
+    def local_report(self) -> dict:
+        """What `smddp status` shows for this daemon (JSON-ready)."""
+        now = time.monotonic()
+        with self._lock:
+            ops = [op for op in self.ops.values() if not op.done]
+            workers = [w for w in self.workers if w is not None]
+            oldest = min(ops, key=lambda o: o.t0) if ops else None
+            stalled = [
+                {
+                    "seq": op.seq,
+                    "what": op.describe(),
+                    "age_s": now - op.t0,
+                    "waiting_for": self._waiting_for(op),
+                }
+                for op in ops
+                if now - op.t0 > self.cfg.stall_warning_s
+            ]
+            oldest_info = (
+                {
+                    "seq": oldest.seq,
+                    "what": oldest.describe(),
+                    "age_s": now - oldest.t0,
+                    "waiting_for": self._waiting_for(oldest),
+                }
+                if oldest
+                else None
+            )
+            local_q, server_q = len(self._local_tasks), len(self._tasks)
+        if self.failure is not None:
+            state = f"FAILED: {self.failure}"
+        elif self._bye_sent_at is not None:
+            state = "finishing"
+        elif len(workers) < self.local_size or not all(p.connected.is_set() for p in self.peers.values()):
+            state = "starting"
+        else:
+            state = "running"
+        snap = self.stats.snapshot()
+        d = self.job.daemons[self.node]
+        return {
+            "node": self.node,
+            "host": d.host,
+            "pid": os.getpid(),
+            "address": f"{d.tcp_host}:{d.tcp_port}",
+            "uptime_s": now - self._started,
+            "state": state,
+            "workers": {
+                "connected": len(workers),
+                "expected": self.local_size,
+                "ranks": [w.rank for w in workers],
+            },
+            "peers": [
+                {
+                    "node": j,
+                    "host": self.job.daemons[j].host,
+                    "connected": p.connected.is_set(),
+                    "bytes_in": snap["bytes_in"].get(j, 0),
+                    "bytes_out": snap["bytes_out"].get(j, 0),
+                    "rate_in": snap["rate_in"].get(j, 0.0),
+                    "rate_out": snap["rate_out"].get(j, 0.0),
+                    "send_queue": p.sendq.qsize(),
+                }
+                for j, p in self.peers.items()
+            ],
+            "collectives": {"done": snap["collectives"], "in_flight": len(ops), "by_kind": snap["by_kind"]},
+            "oldest": oldest_info,
+            "stalled": stalled,
+            "reduction": {
+                "bytes": snap["reduce_bytes"],
+                "seconds": snap["reduce_seconds"],
+                "gbytes_per_s": snap["reduce_bytes"] / snap["reduce_seconds"] / 1e9
+                if snap["reduce_seconds"]
+                else 0.0,
+            },
+            "queues": {"local_tasks": local_q, "server_tasks": server_q},
+            "latency": snap["latency"],
+            "errors": snap["errors"],
+            "last_errors": snap["last_errors"],
+        }
+
+    def _waiting_for(self, op: OpState) -> list[str]:
+        """Who has not yet done their part of `op` (lock held): local ranks, then nodes."""
+        ranks = self.job.ranks_of(self.node)
+        missing = [self.job.describe_rank(ranks[i]) for i, x in enumerate(op.inputs) if x is None]
+        if op.reduce is not None and self.nnodes > 1 and op.partial_seen:
+            # (Our own partial waits for our own ranks, named above.)
+            late = {
+                j for seen in op.partial_seen for j in range(self.nnodes) if not seen[j] and j != self.node
+            }
+            missing += [self.job.describe_node(j) for j in sorted(late)]
+        elif op.gather is not None:
+            have = {k for k, _ in op.arrived} | ({self.node} if op.submitted == self.local_size else set())
+            missing += [self.job.describe_node(j) for j, _, _ in op.gather.blocks if j not in have]
+        return missing
+
+    def _inspect_stalls(self, now: float) -> None:
+        """Warn about collectives that waited longer than the stall warning time, naming who is late."""
+        limit = self.cfg.stall_warning_s
+        with self._lock:
+            late = [
+                (op, self._waiting_for(op))
+                for op in self.ops.values()
+                if not op.done and now - op.t0 > limit and now - self._stall_warned.get(op.seq, 0.0) > limit
+            ]
+            for op, _ in late:
+                self._stall_warned[op.seq] = now
+        for op, who in late:
+            log.warning(
+                "%s: collective #%d %s has waited %.0fs for: %s",
+                self.me,
+                op.seq,
+                op.describe(),
+                now - op.t0,
+                ", ".join(who) or "(nobody: in progress)",
+            )
+            self.stats.error("stall", f"collective #{op.seq} waited {now - op.t0:.0f}s for {', '.join(who)}")
+
+    def write_timeline(self) -> None:
+        if not self.cfg.timeline_dir:
+            return
+        path = os.path.join(self.cfg.timeline_dir, f"daemon-n{self.node}.json")
+        with open(path, "w") as f:
+            json.dump(self.timeline, f)
 
     def _check_complete(self, reducer: Reducer, op: OpState) -> None:
         self._chunk_completed(op, 0)
@@ -663,6 +901,7 @@ class NodeDaemon:
             workers = list(self.workers)
             assert op.result_slot is not None
             slot = op.result_slot
+        self.stats.done(op.kind.label, op.dtype.label, op.count * op.dtype.itemsize, time.monotonic() - op.t0)
         done = Header(
             MsgType.DONE,
             sender=self.node,
@@ -702,10 +941,13 @@ class NodeDaemon:
             if hdr is None:  # BYE marker: everything before it has left
                 peer.conn.send_frame(Header(MsgType.BYE, sender=self.node), idle=idle)
                 continue
-            if op is None:  # a heartbeat
-                peer.conn.send([hdr], idle=idle)
+            if op is None:  # a heartbeat, a status request or report
+                peer.conn.send([hdr] if payload is None else [hdr, payload], idle=idle)
                 continue
+            t0 = time.time()
             peer.conn.send([hdr, payload], idle=idle)
+            self.stats.add_out(peer.node, len(hdr) + payload.nbytes)
+            op.phase("send", t0, time.time())
             with self._lock:
                 op.pending_sends -= 1
                 self._maybe_retire(op)
@@ -742,19 +984,8 @@ class NodeDaemon:
                     ) from None
                 time.sleep(0.1)
         conn = Connection(sock, self.job.describe_node(j))
-        t = self.cfg.handshake_timeout_s
-        h, body, _ = conn.recv_frame(timeout=t)
-        job_id, server_nonce = hs.parse_challenge(h, body)
-        if job_id != self.job.job_id:
-            raise AuthenticationError(f"{conn.peer} at {ep.tcp_host}:{ep.tcp_port} belongs to another job")
-        nonce = hs.new_nonce()
-        conn.send(
-            [hs.hello(self.job.secret, self.job.job_id, Role.DAEMON, self.node, server_nonce, nonce)],
-            timeout=t,
-        )
-        h, body, _ = conn.recv_frame(timeout=t)
-        hs.verify_welcome(
-            self.job.secret, self.job.job_id, server_nonce, nonce, Role.DAEMON, self.node, h, body
+        client_handshake(
+            conn, self.job.secret, self.job.job_id, Role.DAEMON, self.node, self.cfg.handshake_timeout_s
         )
         self._peer_loop(self.peers[j], conn)
 
@@ -778,6 +1009,16 @@ class NodeDaemon:
                     self._on_data(peer.node, conn, h)
                 elif h.type is MsgType.HEARTBEAT:
                     continue
+                elif h.type is MsgType.STATUS:
+                    body = json.dumps(self.local_report()).encode()
+                    reply = Header(MsgType.REPORT, sender=self.node, seq=h.seq, length=len(body)).encode()
+                    peer.sendq.put((reply, body, None))
+                elif h.type is MsgType.REPORT:
+                    report = json.loads(conn.recv_bytes(h.length, timeout=10.0))
+                    with self._report_cv:
+                        if h.seq in self._reports:
+                            self._reports[h.seq][peer.node] = report
+                            self._report_cv.notify_all()
                 elif h.type is MsgType.BYE:
                     peer.said_bye = True
                     self._maybe_finish()
@@ -833,7 +1074,10 @@ class NodeDaemon:
                         f"{who} sent {h.type.name} [{h.offset}, +{h.length}) of #{h.seq} twice"
                     )
                 op.arrived.add(key)
+        t0 = time.time()
         conn.recv_into(dest, idle=self.cfg.heartbeat_timeout_s)
+        op.phase("receive", t0, time.time())
+        self.stats.add_in(node, HEADER_SIZE + h.length)
         if h.type is MsgType.PARTIAL:
             self._partial_arrived(op, index, node)
         else:

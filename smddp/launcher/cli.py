@@ -41,6 +41,18 @@ def _launch_parser() -> argparse.ArgumentParser:
         default=20.0,
         help="a daemon silent this long counts as lost (frozen, link down) (s)",
     )
+    p.add_argument(
+        "--stall-warning-s",
+        type=float,
+        default=60.0,
+        help="log collectives that wait longer, and for whom (s)",
+    )
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics: node n serves on PORT+n")
+    p.add_argument(
+        "--timeline",
+        default=os.environ.get("SMDDP_TIMELINE", ""),
+        help="write one Chrome/Perfetto trace of every collective on every rank and daemon to FILE",
+    )
     p.add_argument("--log-level", default=os.environ.get("SMDDP_LOG_LEVEL", "WARNING"))
     p.add_argument("--mpi-args", default="", help="extra arguments for mpirun, as one string")
     p.add_argument("--mpirun", default="", help="the mpirun to use (default: the one beside this Python)")
@@ -72,6 +84,9 @@ def launch_main(argv: list[str] | None = None) -> int:
             threads=args.threads,
             timeout_s=args.timeout,
             heartbeat_timeout_s=args.heartbeat_timeout,
+            stall_warning_s=args.stall_warning_s,
+            metrics_port=args.metrics_port,
+            timeline=args.timeline,
             log_level=args.log_level,
             mpi_args=tuple(shlex.split(args.mpi_args)),
             dry_run=args.dry_run,
@@ -118,6 +133,9 @@ def daemon_main(argv: list[str] | None = None) -> int:
     p.add_argument("--socket-dir", default="")
     p.add_argument("--connect-timeout", type=float, default=120.0)
     p.add_argument("--heartbeat-timeout", type=float, default=20.0)
+    p.add_argument("--stall-warning", type=float, default=60.0)
+    p.add_argument("--metrics-port", type=int, default=0)
+    p.add_argument("--timeline-dir", default="")
     p.add_argument("--log-level", default=os.environ.get("SMDDP_LOG_LEVEL", "WARNING"))
     args = p.parse_args(argv)
     try:
@@ -129,6 +147,9 @@ def daemon_main(argv: list[str] | None = None) -> int:
             job_id_hex=os.environ.get("SMDDP_JOB_ID", ""),
             connect_timeout_s=args.connect_timeout,
             heartbeat_timeout_s=args.heartbeat_timeout,
+            stall_warning_s=args.stall_warning,
+            metrics_port=args.metrics_port,
+            timeline_dir=args.timeline_dir,
             log_level=args.log_level,
         )
     except ValueError as e:
@@ -145,6 +166,11 @@ def smddp_main(argv: list[str] | None = None) -> int:
     sub.add_parser("launch", help="same as smddp-launch", add_help=False)
     sub.add_parser("daemon", help="same as smddp-daemon", add_help=False)
     sub.add_parser("version", help="print the version")
+    st = sub.add_parser("status", help="look inside the running jobs on this host")
+    st.add_argument("--job", default="", help="job id (or a unique prefix); without it, list the jobs")
+    st.add_argument("--json", action="store_true", help="machine-readable output")
+    st.add_argument("--watch", nargs="?", type=float, const=2.0, default=0.0, help="redraw every N seconds")
+    st.add_argument("--socket-dir", default="")
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "launch":
         return launch_main(argv[1:])
@@ -153,6 +179,19 @@ def smddp_main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.cmd == "version":
         print(f"smddp {smddp.__version__}")
+    elif args.cmd == "status":
+        from smddp.errors import SmddpError
+        from smddp.launcher.status import StatusConfig, status
+
+        try:
+            return status(
+                StatusConfig(job=args.job, json=args.json, watch=args.watch, socket_dir=args.socket_dir)
+            )
+        except KeyboardInterrupt:
+            return 0
+        except SmddpError as e:
+            print(f"smddp status: {e}", file=sys.stderr)
+            return 1
     return 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import ipaddress
+import json
 import os
 import secrets
 import shutil
@@ -33,6 +34,9 @@ class LaunchConfig:
     threads: int = 2
     timeout_s: float = 600.0
     heartbeat_timeout_s: float = 20.0
+    stall_warning_s: float = 60.0
+    metrics_port: int = 0  # daemon of node n serves /metrics on port + n
+    timeline: str = ""  # write one Chrome trace of the whole job here
     log_level: str = "WARNING"
     mpi_args: tuple[str, ...] = ()
     dry_run: bool = False
@@ -123,6 +127,7 @@ def build_command(cfg: LaunchConfig) -> list[str]:
         "SMDDP_FUSION_MB": f"{cfg.fusion_mb:g}",
         "SMDDP_TIMEOUT_S": f"{cfg.timeout_s:g}",
         "SMDDP_HEARTBEAT_TIMEOUT_S": f"{cfg.heartbeat_timeout_s:g}",
+        **({"SMDDP_TIMELINE_DIR": timeline_parts(cfg.timeline)} if cfg.timeline else {}),
         "SMDDP_LOG_LEVEL": cfg.log_level,
     }
     for k, v in env.items():
@@ -145,6 +150,10 @@ def build_command(cfg: LaunchConfig) -> list[str]:
         cfg.log_level,
         "--heartbeat-timeout",
         f"{cfg.heartbeat_timeout_s:g}",
+        "--stall-warning",
+        f"{cfg.stall_warning_s:g}",
+        *(["--metrics-port", str(cfg.metrics_port)] if cfg.metrics_port else []),
+        *(["--timeline-dir", timeline_parts(cfg.timeline)] if cfg.timeline else []),
         *(["--iface", cfg.iface] if cfg.iface else []),
     ]
     if cfg.hosts:
@@ -197,6 +206,8 @@ def launch(cfg: LaunchConfig) -> int:
         return 0
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
+    if cfg.timeline:
+        os.makedirs(timeline_parts(cfg.timeline), exist_ok=True)
     # If smddp-launch is killed, mpirun gets SIGTERM and tears the job down rather than run on orphaned.
     proc = subprocess.Popen(cmd, env=env, preexec_fn=_term_with_parent)
 
@@ -210,6 +221,36 @@ def launch(cfg: LaunchConfig) -> int:
         for s, h in old.items():
             signal.signal(s, h)
         remove_job_dirs(cfg.job_id)
+        if cfg.timeline:
+            merge_timeline(cfg.timeline)
+
+
+def timeline_parts(path: str) -> str:
+    """Where every process of the job writes its part of the timeline (one file each)."""
+    return os.path.abspath(path) + ".parts"
+
+
+def merge_timeline(path: str) -> int:
+    """Merge the parts into one Chrome/Perfetto trace at `path`; returns the number of events."""
+    parts = timeline_parts(path)
+    events: list[dict] = []
+    if os.path.isdir(parts):
+        for name in sorted(os.listdir(parts)):
+            try:
+                with open(os.path.join(parts, name)) as f:
+                    events.extend(json.load(f))
+            except (OSError, ValueError):
+                continue  # a process that died before writing its part
+        shutil.rmtree(parts, ignore_errors=True)
+    # Processes first by kind (daemons, then ranks), with readable names in the viewer.
+    names = sorted({e["pid"] for e in events}, key=lambda p: (not p.startswith("node"), p))
+    meta = [
+        {"name": "process_sort_index", "ph": "M", "pid": p, "args": {"sort_index": i}}
+        for i, p in enumerate(names)
+    ]
+    with open(path, "w") as f:
+        json.dump({"traceEvents": meta + events, "displayTimeUnit": "ms"}, f)
+    return len(events)
 
 
 def _term_with_parent() -> None:

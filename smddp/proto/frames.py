@@ -18,6 +18,8 @@ HEADER_SIZE = _HEADER.size  # 56
 
 # A control payload (handshake, error text) is small; anything larger is an attack or a bug.
 MAX_CONTROL_PAYLOAD = 64 * 1024
+# A status report (JSON) of every daemon of a job.
+MAX_REPORT_PAYLOAD = 1 << 20
 # A data frame never carries more than one pipelining chunk; this is the hard ceiling.
 MAX_DATA_PAYLOAD = 256 * 1024 * 1024
 MAX_U32 = 2**32 - 1
@@ -46,6 +48,9 @@ class MsgType(enum.IntEnum):
     # any direction
     ERROR = 40
     BYE = 41
+    # status: a control client (smddp status) or a daemon asks, a daemon answers with JSON
+    STATUS = 42
+    REPORT = 43
 
 
 class Role(enum.IntEnum):
@@ -70,6 +75,7 @@ _EMPTY = {
     MsgType.DONE,
     MsgType.HEARTBEAT,
     MsgType.BYE,
+    MsgType.STATUS,
 }
 # Messages that describe a collective carry its fingerprint: kind, dtype, op, count, root.
 _FINGERPRINTED = {MsgType.SUBMIT, MsgType.DONE} | _DATA
@@ -202,6 +208,8 @@ def decode_header(data: bytes | bytearray | memoryview) -> Header:
 def _check_length(t: MsgType, length: int) -> None:
     if t in _EMPTY:
         limit = 0
+    elif t is MsgType.REPORT:
+        limit = MAX_REPORT_PAYLOAD
     elif t in _CONTROL:
         limit = MAX_CONTROL_PAYLOAD
     else:

@@ -20,6 +20,8 @@ _CHALLENGE = struct.Struct(f"<{JOB_ID_SIZE}s{NONCE_SIZE}s")
 _HELLO = struct.Struct(f"<{JOB_ID_SIZE}s{NONCE_SIZE}s{MAC_SIZE}s")
 _WELCOME = struct.Struct(f"<{MAC_SIZE}s")
 HELLO_SIZE = _HELLO.size
+CHALLENGE_SIZE = _CHALLENGE.size
+WELCOME_SIZE = _WELCOME.size
 
 
 def new_nonce() -> bytes:

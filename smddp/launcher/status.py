@@ -1,0 +1,187 @@
+"""`smddp status`: find the jobs on this host, ask a daemon for every daemon's report, draw the table."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass
+
+from smddp.daemon.config import default_socket_dir
+from smddp.errors import ConfigError, ProtocolError, SmddpError
+from smddp.proto.frames import Header, MsgType, Role
+from smddp.transport.auth import client_handshake
+from smddp.transport.conn import Connection
+
+
+@dataclass(frozen=True)
+class StatusConfig:
+    job: str = ""  # a job id or a unique prefix of one; "" lists the jobs
+    json: bool = False
+    watch: float = 0.0  # redraw every this many seconds (0 = once)
+    socket_dir: str = ""
+    timeout_s: float = 10.0
+
+
+@dataclass(frozen=True)
+class LocalDaemon:
+    job: str
+    node: int
+    directory: str
+    info: dict
+
+
+def local_daemons(socket_dir: str = "") -> list[LocalDaemon]:
+    """The daemons of every job on this host that this user can see (their private directories)."""
+    base = socket_dir or default_socket_dir()
+    found: list[LocalDaemon] = []
+    if not os.path.isdir(base):
+        return found
+    for name in sorted(os.listdir(base)):
+        path = os.path.join(base, name)
+        try:
+            with open(os.path.join(path, "job.json")) as f:
+                info = json.load(f)
+        except (OSError, ValueError):
+            continue  # starting, finished, or not ours
+        found.append(LocalDaemon(info["job"], int(info["node"]), path, info))
+    return found
+
+
+def fetch_report(d: LocalDaemon, timeout: float) -> dict:
+    """Authenticate to the daemon as a control client (same handshake as everyone) and ask."""
+    with open(os.path.join(d.directory, "secret"), "rb") as f:
+        secret = f.read()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(d.info["socket"])
+    except OSError as e:
+        sock.close()
+        raise SmddpError(f"cannot reach the daemon of job {d.job[:8]} node {d.node}: {e.strerror}") from None
+    conn = Connection(sock, f"the daemon of node {d.node}")
+    try:
+        client_handshake(conn, secret, bytes.fromhex(d.job), Role.CONTROL, os.getpid() & 0x7FFFFFFF, timeout)
+        conn.send_frame(Header(MsgType.STATUS), timeout=timeout)
+        h, fds = conn.recv_header(timeout=timeout)
+        for fd in fds:
+            os.close(fd)
+        if h.type is not MsgType.REPORT:
+            raise ProtocolError(f"expected REPORT, got {h.type.name}")
+        report = json.loads(conn.recv_bytes(h.length, timeout=timeout))
+        conn.send_frame(Header(MsgType.BYE), timeout=timeout)
+        return report
+    finally:
+        conn.close()
+
+
+def pick(daemons: list[LocalDaemon], job: str) -> LocalDaemon:
+    matches = sorted({d.job for d in daemons if d.job.startswith(job)})
+    if not matches:
+        raise ConfigError(f"no job {job!r} on this host (smddp status lists them)")
+    if len(matches) > 1:
+        raise ConfigError(f"job {job!r} is ambiguous: {', '.join(m[:12] for m in matches)}")
+    return min((d for d in daemons if d.job == matches[0]), key=lambda d: d.node)
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _duration(s: float) -> str:
+    s = int(s)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def render_jobs(daemons: list[LocalDaemon]) -> str:
+    if not daemons:
+        return "no smddp jobs on this host"
+    lines = [f"{'JOB':<34} {'NODES HERE':<12} {'OF':<4} {'PIDS':<20} AGE"]
+    jobs: dict[str, list[LocalDaemon]] = {}
+    for d in daemons:
+        jobs.setdefault(d.job, []).append(d)
+    for job, ds in jobs.items():
+        age = time.time() - min(d.info["started"] for d in ds)
+        nodes = ",".join(str(d.node) for d in ds)
+        pids = ",".join(str(d.info["pid"]) for d in ds)
+        lines.append(f"{job:<34} {nodes:<12} {ds[0].info['nnodes']:<4} {pids:<20} {_duration(age)}")
+    return "\n".join(lines)
+
+
+def render_report(r: dict) -> str:
+    """The live table: one row per daemon, then per-peer traffic, stalls and recent errors."""
+    out = [f"job {r['job']}  ·  {r['nnodes']} nodes  ·  {r['world']} ranks"]
+    head = (
+        f"{'NODE':<5}{'HOST':<14}{'PID':<8}{'UP':<8}{'STATE':<10}{'WORKERS':<9}{'PEERS':<7}"
+        f"{'DONE':>8}{'INFLT':>7}  {'OLDEST':<16}{'IN':>11}{'OUT':>11}{'REDUCE':>12}"
+    )
+    out += ["", head, "-" * len(head)]
+    for d in r["daemons"]:
+        if "workers" not in d:
+            out.append(f"{d['node']:<5}{d['host'][:13]:<14}{d['pid']:<8}{'-':<8}{d['state']}")
+            continue
+        state = "FAILED" if d["state"].startswith("FAILED") else d["state"]
+        peers = sum(p["connected"] for p in d["peers"])
+        oldest = d["oldest"]
+        old = f"#{oldest['seq']} {oldest['age_s']:.1f}s" if oldest else "-"
+        bin_ = sum(p["bytes_in"] for p in d["peers"])
+        bout = sum(p["bytes_out"] for p in d["peers"])
+        red = d["reduction"]
+        out.append(
+            f"{d['node']:<5}{d['host'][:13]:<14}{d['pid']:<8}{_duration(d['uptime_s']):<8}{state:<10}"
+            f"{d['workers']['connected']}/{d['workers']['expected']:<7}{peers}/{len(d['peers']):<5}"
+            f"{d['collectives']['done']:>8}{d['collectives']['in_flight']:>7}  {old:<16}"
+            f"{_size(bin_):>11}{_size(bout):>11}{red['gbytes_per_s']:>9.2f} GB/s"
+        )
+    traffic = [
+        (d["node"], p)
+        for d in r["daemons"]
+        if "peers" in d
+        for p in d["peers"]
+        if p["rate_in"] or p["rate_out"]
+    ]
+    if traffic:
+        out += ["", "current throughput (last seconds):"]
+        for node, p in traffic:
+            out.append(
+                f"  node {node} <-> node {p['node']}: in {_size(p['rate_in'])}/s, out {_size(p['rate_out'])}/s, "
+                f"send queue {p['send_queue']}"
+            )
+    for d in r["daemons"]:
+        for st in d.get("stalled", []):
+            who = ", ".join(st["waiting_for"]) or "in progress"
+            out.append(
+                f"STALLED node {d['node']}: #{st['seq']} {st['what']} waiting {st['age_s']:.0f}s for {who}"
+            )
+        if d.get("state", "").startswith("FAILED"):
+            out.append(f"node {d['node']}: {d['state']}")
+        for e in d.get("last_errors", [])[-3:]:
+            out.append(
+                f"node {d['node']} {time.strftime('%H:%M:%S', time.localtime(e['time']))}: {e['text'][:150]}"
+            )
+    return "\n".join(out)
+
+
+def status(cfg: StatusConfig) -> int:
+    """Print the jobs (no job named) or the named job's table; with watch, redraw in place."""
+    while True:
+        daemons = local_daemons(cfg.socket_dir)
+        if not cfg.job:
+            text = json.dumps([d.info for d in daemons], indent=2) if cfg.json else render_jobs(daemons)
+        else:
+            report = fetch_report(pick(daemons, cfg.job), cfg.timeout_s)
+            text = json.dumps(report, indent=2) if cfg.json else render_report(report)
+        if cfg.watch and not cfg.json:
+            sys.stdout.write("\x1b[H\x1b[2J" + text + f"\n\n(every {cfg.watch:g}s; Ctrl-C to stop)\n")
+        else:
+            sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+        if not cfg.watch:
+            return 0
+        time.sleep(cfg.watch)

@@ -1,0 +1,164 @@
+"""smddp status, Prometheus metrics, the timeline and the stall inspector, against real jobs."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import BIN, REPO, job_env
+
+pytestmark = pytest.mark.observability
+
+WORKER = str(Path(__file__).parent / "obs_worker.py")
+
+
+def launch(args: list[str], worker_args: list[str], env: dict[str, str]) -> subprocess.Popen:
+    cmd = [str(BIN / "smddp-launch"), "-np", "4", "--local-nodes", "2", *args]
+    cmd += ["--", sys.executable, WORKER, *worker_args]
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env
+    )
+
+
+def smddp_status(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "smddp"), "status", *args], capture_output=True, text=True, timeout=30)
+
+
+def wait_for_job(proc: subprocess.Popen, job: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        listed = smddp_status("--json")
+        if listed.returncode == 0 and any(
+            d["job"] == job and d["node"] == 1 for d in json.loads(listed.stdout)
+        ):
+            return
+        assert proc.poll() is None and time.monotonic() < deadline, "the job did not come up"
+        time.sleep(0.1)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_status_of_a_running_multi_node_job(clean_host):
+    env = job_env()
+    job = env["SMDDP_JOB_ID"]
+    proc = launch([], ["--iterations", "400", "--pause", "0.01"], env)
+    try:
+        wait_for_job(proc, job)
+        listing = smddp_status()
+        assert job in listing.stdout
+        time.sleep(1.0)
+        first = json.loads(smddp_status("--job", job[:10], "--json").stdout)
+        time.sleep(1.5)
+        second = json.loads(smddp_status("--job", job[:10], "--json").stdout)
+        table = smddp_status("--job", job).stdout
+    finally:
+        out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, out[-2000:]
+    assert first["job"] == job and first["nnodes"] == 2 and first["world"] == 4
+    for a, b in zip(first["daemons"], second["daemons"], strict=True):
+        # Every daemon, not only the local one: node, host, pid, state, workers, peers, numbers.
+        assert a["node"] == b["node"] and a["pid"] == b["pid"] and a["state"] == "running"
+        assert a["workers"] == {"connected": 2, "expected": 2, "ranks": a["workers"]["ranks"]}
+        assert sorted(a["workers"]["ranks"]) == [2 * a["node"], 2 * a["node"] + 1]
+        assert [p["connected"] for p in a["peers"]] == [True]
+        # Numbers that move between two calls.
+        assert b["collectives"]["done"] > a["collectives"]["done"]
+        assert b["peers"][0]["bytes_out"] > a["peers"][0]["bytes_out"] > 0
+        assert b["uptime_s"] > a["uptime_s"]
+        assert b["reduction"]["gbytes_per_s"] > 0
+        assert b["peers"][0]["rate_out"] > 0
+    assert "NODE" in table and "running" in table and "current throughput" in table
+
+
+def test_metrics_scrape_parses(clean_host):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    port = free_port()
+    env = job_env()
+    proc = launch(["--metrics-port", str(port)], ["--iterations", "300", "--pause", "0.01"], env)
+    try:
+        wait_for_job(proc, env["SMDDP_JOB_ID"])
+        time.sleep(1.0)
+        scraped = {}
+        for node in (0, 1):
+            with urllib.request.urlopen(f"http://127.0.0.1:{port + node}/metrics", timeout=10) as r:
+                scraped[node] = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+    finally:
+        out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, out[-2000:]
+    for node, families in scraped.items():
+        for name in (
+            "smddp_collectives",
+            "smddp_peer_bytes",
+            "smddp_collective_latency_seconds",
+            "smddp_queue_depth",
+            "smddp_collectives_in_flight",
+            "smddp_reduced_bytes",
+        ):
+            assert name in families, (node, sorted(families))
+        done = [s for s in families["smddp_collectives"].samples if s.name == "smddp_collectives_total"]
+        assert sum(s.value for s in done) > 0
+        buckets = [
+            s for s in families["smddp_collective_latency_seconds"].samples if s.name.endswith("_bucket")
+        ]
+        assert any(s.labels["le"] == "+Inf" and s.value > 0 for s in buckets)
+
+
+def test_timeline_has_every_phase_of_every_collective(tmp_path, clean_host):
+    trace = tmp_path / "trace.json"
+    proc = launch(["--timeline", str(trace)], ["--iterations", "5"], job_env())
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, out[-2000:]
+    events = json.loads(trace.read_text())["traceEvents"]
+    boxes = [e for e in events if e["ph"] == "X"]
+    assert all(e["dur"] >= 0 and e["ts"] > 0 for e in boxes)
+    seqs = range(1, 5 + 3 + 1)  # 5 all-reduces, a broadcast, an all-gather, a final all-reduce
+    by = {}
+    for e in boxes:
+        by.setdefault((e["pid"], e["cat"]), set()).add(e["args"]["seq"])
+    for r in range(4):
+        for phase in ("copy in", "in flight", "copy out"):
+            assert by[(f"rank {r}", phase)] == set(seqs), (r, phase)
+    reduces = {1, 2, 3, 4, 5, 8}
+    for node in (0, 1):
+        daemon = f"node {node} daemon"
+        assert by[(daemon, "wait for local ranks")] == set(seqs)
+        assert by[(daemon, "local reduce")] == reduces
+        assert by[(daemon, "server reduce")] == reduces
+        assert by[(daemon, "send")] == set(seqs)
+        assert by[(daemon, "receive")] == set(seqs)
+    assert by[("node 1 daemon", "local copy")] >= {6, 7}  # broadcast root and all-gather block
+
+
+def test_stalled_rank_named_by_inspector_and_status(clean_host):
+    env = job_env()
+    job = env["SMDDP_JOB_ID"]
+    proc = launch(["--stall-warning-s", "1"], ["--iterations", "2", "--late-rank", "3", "--late-s", "6"], env)
+    try:
+        wait_for_job(proc, job)
+        stalled: list = []
+        deadline = time.monotonic() + 30
+        while not stalled and time.monotonic() < deadline:
+            got = smddp_status("--job", job, "--json")
+            if got.returncode == 0:
+                stalled = [s for d in json.loads(got.stdout)["daemons"] for s in d.get("stalled", [])]
+            time.sleep(0.2)
+    finally:
+        out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, out[-2000:]
+    assert stalled, "status never showed the stall"
+    assert any(any(w.startswith("rank 3 ") for w in s["waiting_for"]) for s in stalled), stalled
+    warnings = [line for line in out.splitlines() if "has waited" in line]
+    assert any("rank 3 (node 1" in line for line in warnings), out[-2000:]
+    assert any("node 0" in line and "node 1 (" in line for line in warnings)  # node 0 waits for node 1
