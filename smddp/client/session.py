@@ -46,6 +46,7 @@ class ClientConfig:
     connect_timeout_s: float = 60.0
     heartbeat_timeout_s: float = 20.0  # the daemon beats every quarter of this; silence fails the job
     timeline_dir: str = ""  # write this rank's Chrome trace events here at shutdown ("" = off)
+    log_level: str = "WARNING"
     job_id_hex: str = ""
 
     @classmethod
@@ -58,6 +59,7 @@ class ClientConfig:
             fusion_bytes=fusion,
             heartbeat_timeout_s=float(e.get("SMDDP_HEARTBEAT_TIMEOUT_S", "20")),
             timeline_dir=e.get("SMDDP_TIMELINE_DIR", ""),
+            log_level=e.get("SMDDP_LOG_LEVEL", "WARNING"),
             job_id_hex=e.get("SMDDP_JOB_ID", ""),
         )
 
@@ -150,6 +152,7 @@ class Client:
     def connect(cls, config: ClientConfig) -> Client:
         """Bootstrap over MPI with the job, then connect and authenticate to this node's daemon."""
         me = bootstrap(Role.WORKER, job_id_hex=config.job_id_hex)
+        _configure_logging(config.log_level, me.rank, me.node)
         ep = me.job.daemons[me.node]
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         deadline = time.monotonic() + config.connect_timeout_s
@@ -172,6 +175,7 @@ class Client:
         except BaseException:
             conn.close()
             raise
+        log.info("connected to %s", conn.peer)
         return cls(config, me, conn)
 
     def shutdown(self, timeout: float | None = None) -> None:
@@ -355,6 +359,24 @@ class Client:
             self._handles.clear()
         for h in handles:
             h._finish(error=self._failure)
+
+
+def _configure_logging(level: str, rank: int, node: int) -> None:
+    """smddp's own log lines on a worker: one per event, rank and node in front, at SMDDP_LOG_LEVEL.
+
+    Only the "smddp" logger is touched, never the application's root logger.
+    """
+    logger = logging.getLogger("smddp")
+    try:
+        logger.setLevel(level.upper())
+    except ValueError:
+        logger.setLevel(logging.WARNING)
+    if not any(getattr(h, "_smddp", False) for h in logger.handlers):
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(f"[smddp rank {rank} node {node} %(levelname)s] %(message)s"))
+        handler._smddp = True  # type: ignore[attr-defined]
+        logger.addHandler(handler)
+        logger.propagate = False
 
 
 def _result_bytes(kind: Kind, nbytes: int, world: int) -> int:

@@ -48,10 +48,12 @@ def die_with_parent() -> None:
 def run(cfg: DaemonConfig) -> int:
     """Bootstrap with the job's workers and serve until the job ends; the exit status is the result."""
     die_with_parent()
+    # One line per event; the message itself starts with "node N (host, ranks ...)".
     logging.basicConfig(
         level=cfg.log_level.upper(),
         format=f"[smddp-daemon %(levelname)s {socket.gethostname()} pid {os.getpid()}] %(message)s",
     )
+    logging.getLogger("smddp").setLevel(cfg.log_level.upper())
     held: dict[str, object] = {}
 
     def open_endpoint(node: int, job_hex: str, single_host: bool) -> tuple[str, int, str]:
