@@ -171,6 +171,11 @@ def smddp_main(argv: list[str] | None = None) -> int:
     st.add_argument("--json", action="store_true", help="machine-readable output")
     st.add_argument("--watch", nargs="?", type=float, const=2.0, default=0.0, help="redraw every N seconds")
     st.add_argument("--socket-dir", default="")
+    tl = sub.add_parser("timeline", help="draw a job's timeline (smddp-launch --timeline) as a PNG")
+    tl.add_argument("trace", help="the trace smddp-launch --timeline wrote")
+    tl.add_argument("--png", required=True, help="where to write the picture")
+    tl.add_argument("--first", type=int, default=0, help="first collective (sequence number) to draw")
+    tl.add_argument("--last", type=int, default=0, help="last collective to draw")
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "launch":
         return launch_main(argv[1:])
@@ -179,6 +184,15 @@ def smddp_main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.cmd == "version":
         print(f"smddp {smddp.__version__}")
+    elif args.cmd == "timeline":
+        from smddp.launcher.render import timeline_png
+
+        try:
+            n = timeline_png(args.trace, args.png, args.first, args.last)
+        except (OSError, ValueError, KeyError, ConfigError) as e:
+            print(f"smddp timeline: {e}", file=sys.stderr)
+            return 1
+        print(f"{args.png}: {n} phases drawn")
     elif args.cmd == "status":
         from smddp.errors import SmddpError
         from smddp.launcher.status import StatusConfig, status
