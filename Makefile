@@ -3,13 +3,16 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The torch extra's versions, pinned in the same pip command: torch's CPU build (an unpinned torch
+# pulls GBs of CUDA packages), and the Lightning and scikit-learn the tests were written against.
+TORCH_PINS := 'torch==2.13.0' 'pytorch-lightning==2.6.6' 'scikit-learn==1.9.1'
 
 .PHONY: setup demo test unit multiprocess lint typecheck clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev,torch]' $(TORCH_PINS)
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -18,11 +21,11 @@ demo: $(STAMP)
 	$(BIN)/smddp-launch -np 4 --local-nodes 2 -- $(BIN)/python examples/mlp_numpy.py
 
 lint: $(STAMP)
-	$(BIN)/ruff check smddp tests examples
-	$(BIN)/ruff format --check smddp tests examples
+	$(BIN)/ruff check smddp smdistributed tests examples
+	$(BIN)/ruff format --check smddp smdistributed tests examples
 
 typecheck: $(STAMP)
-	$(BIN)/mypy smddp
+	$(BIN)/mypy smddp smdistributed
 
 unit: $(STAMP)
 	$(BIN)/pytest -q tests/unit
@@ -35,3 +38,16 @@ test: lint typecheck $(STAMP)
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache
+
+# Benchmarks (issue 4): sweeps on one host and on 4 simulated nodes, the T1-T6 targets, the scaling
+# model, then BENCHMARKS.md from their JSON. Needs root (network namespaces); about 25 minutes on 2 cores.
+# Outputs (JSON, markdown, PNG plots) go to bench-results/.
+BENCH_OUT ?= bench-results
+.PHONY: bench
+bench: $(STAMP)
+	$(BIN)/pip install -q 'matplotlib==3.11.2'
+	$(BIN)/smddp-bench sweep --sizes 4K-256M --out $(BENCH_OUT) --name sweep-host4
+	$(BIN)/smddp-bench sweep --sim --nodes 4 --per-node 1 --rate-mbit 1000 --sizes 4K-256M --out $(BENCH_OUT) --name sweep-sim4
+	$(BIN)/smddp-bench targets --out $(BENCH_OUT)
+	$(BIN)/smddp-bench model --check --out $(BENCH_OUT)
+	$(BIN)/smddp-bench report --targets $(BENCH_OUT)/targets.json --model $(BENCH_OUT)/model.json --sweeps $(BENCH_OUT) --out BENCHMARKS.md

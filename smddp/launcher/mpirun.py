@@ -171,11 +171,14 @@ def build_command(cfg: LaunchConfig) -> list[str]:
 
 
 def _with_torchrun_env(command: tuple[str, ...], daemons: int, per_node: int, master: str) -> list[str]:
-    """The worker command behind `smddp.launcher.worker_env`, which sets RANK etc. as torchrun does."""
+    """The worker command behind `smddp.launcher.worker_env`, which sets RANK etc. as torchrun does.
+
+    Run by path, not with -m: it needs only the standard library, and importing the smddp package
+    (numpy and all) in every worker before its real start would cost time for nothing.
+    """
     return [
         sys.executable,
-        "-m",
-        "smddp.launcher.worker_env",
+        os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker_env.py"),
         "--daemons",
         str(daemons),
         "--per-node",

@@ -1,0 +1,39 @@
+"""smddp for PyTorch: `import smddp.torch` registers torch.distributed backend "smddp"."""
+
+from __future__ import annotations
+
+from smddp.torch.backend import (
+    BACKEND_NAME,
+    SUPPORTED_DTYPES,
+    ProcessGroupSmddp,
+    SmddpWork,
+    TraceEvent,
+    UnsupportedCollectiveError,
+    create_process_group,
+    register,
+)
+from smddp.torch.ddp import (
+    DistributedDataParallel,
+    allreduce_hook,
+    fusion_mb,
+    init_process_group,
+    process_group,
+)
+
+register()
+
+__all__ = [
+    "BACKEND_NAME",
+    "SUPPORTED_DTYPES",
+    "DistributedDataParallel",
+    "ProcessGroupSmddp",
+    "SmddpWork",
+    "TraceEvent",
+    "UnsupportedCollectiveError",
+    "allreduce_hook",
+    "create_process_group",
+    "fusion_mb",
+    "init_process_group",
+    "process_group",
+    "register",
+]

@@ -1,0 +1,599 @@
+"""The `smddp` torch.distributed backend: a Python ProcessGroup whose collectives run on smddp's daemons."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.futures import Future
+
+import smddp
+from smddp.errors import CollectiveError, CollectiveTimeoutError, ConfigError, SmddpError
+
+BACKEND_NAME = "smddp"
+
+# torch dtypes smddp carries (see smddp.proto.dtypes); anything else is refused with its name.
+SUPPORTED_DTYPES = (
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+)
+
+_OPS = {
+    dist.ReduceOp.SUM: smddp.SUM,
+    dist.ReduceOp.AVG: smddp.AVG,
+    dist.ReduceOp.MIN: smddp.MIN,
+    dist.ReduceOp.MAX: smddp.MAX,
+}
+_OP_NAMES = ("SUM", "AVG", "MIN", "MAX", "PRODUCT", "BAND", "BOR", "BXOR", "PREMUL_SUM")
+
+
+class UnsupportedCollectiveError(SmddpError, NotImplementedError):
+    """The smddp backend does not implement this collective, op, dtype or group; nothing was sent."""
+
+
+class TraceEvent:
+    """One collective as the backend saw it: what, how many bytes, when submitted and when complete."""
+
+    __slots__ = ("done", "name", "nbytes", "submitted")
+
+    def __init__(self, name: str, nbytes: int, submitted: float) -> None:
+        self.name = name
+        self.nbytes = nbytes
+        self.submitted = submitted
+        self.done: float | None = None
+
+    def __repr__(self) -> str:
+        return f"TraceEvent({self.name}, {self.nbytes} B, submitted={self.submitted:.6f}, done={self.done})"
+
+
+# -- Work ----------------------------------------------------------------------------------------
+
+
+class SmddpWork(dist.Work):
+    """An in-flight smddp collective as a torch Work.
+
+    `wait()` raises the smddp error (a CollectiveError subclass) when the collective failed.
+    `get_future()` returns a future that C++ consumers (DDP's reducer) see fail as well: it is
+    chained with `then`, so a failure is raised inside the callback and torch records it as the
+    future's error, a real C++ exception rather than a value.
+    """
+
+    def __init__(self, name: str, result: Any, timeout: timedelta, trace: TraceEvent | None = None) -> None:
+        super().__init__()
+        self.name = name
+        self._result = result
+        self._timeout = timeout
+        self._trace = trace
+        self._error: BaseException | None = None
+        self._done = threading.Event()
+        self._base: Future[None] = Future()
+        self._future: Future[Any] = self._base.then(self._unwrap)
+
+    def _unwrap(self, _fut: Future[None]) -> Any:
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def _complete(self, error: BaseException | None) -> None:
+        if self._trace is not None:
+            self._trace.done = time.perf_counter()
+        self._error = error
+        self._base.set_result(None)  # runs _unwrap: the chained future gets the value or the error
+        self._done.set()
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """Block until done; raises the collective's error. A zero/None timeout means the group's."""
+        t = self._timeout if timeout is None or timeout <= timedelta(0) else timeout
+        if not self._done.wait(t.total_seconds()):
+            raise CollectiveTimeoutError(
+                f"smddp {self.name} did not complete within {t.total_seconds():g}s; it is still in flight"
+            )
+        if self._error is not None:
+            err = self._error
+            if isinstance(err, SmddpError):
+                raise type(err)(str(err))
+            raise CollectiveError(f"smddp {self.name} failed: {err!r}")
+        return True
+
+    def get_future(self) -> Future[Any]:
+        return self._future
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def is_success(self) -> bool:
+        return self._done.is_set() and self._error is None
+
+    def exception(self) -> BaseException | None:
+        return self._error
+
+    def result(self) -> Any:
+        self.wait()
+        return self._result
+
+    def synchronize(self) -> None:
+        pass
+
+
+# -- the completion thread ------------------------------------------------------------------------
+
+
+class _Completer:
+    """One thread per process that waits for smddp handles in submission order and completes Works.
+
+    smddp handles have no callbacks, and DDP waits on a torch Future in C++, so someone must turn a
+    finished handle into a completed future: this thread. Handles finish in sequence order, so a
+    FIFO costs nothing.
+    """
+
+    def __init__(self) -> None:
+        self._q: queue.SimpleQueue[tuple[SmddpWork, list[smddp.Handle], Callable[[], None] | None]] = (
+            queue.SimpleQueue()
+        )
+        self._thread = threading.Thread(target=self._run, name="smddp-torch-completer", daemon=True)
+        self._thread.start()
+
+    def put(self, work: SmddpWork, handles: list[smddp.Handle], finish: Callable[[], None] | None) -> None:
+        self._q.put((work, handles, finish))
+
+    def _run(self) -> None:
+        while True:
+            work, handles, finish = self._q.get()
+            error: BaseException | None = None
+            try:
+                for h in handles:
+                    h.wait(work._timeout.total_seconds())
+                if finish is not None:
+                    finish()
+            except BaseException as e:  # smddp's errors, a timeout, or a bug in a copy-out
+                error = e
+            try:
+                work._complete(error)
+            except Exception:  # never let one bad Work stop every later one from completing
+                pass
+
+
+_completer: _Completer | None = None
+_completer_lock = threading.Lock()
+
+
+def _get_completer() -> _Completer:
+    global _completer
+    with _completer_lock:
+        if _completer is None:
+            _completer = _Completer()
+        return _completer
+
+
+# -- helpers --------------------------------------------------------------------------------------
+
+
+def _check_tensor(t: Any, what: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise UnsupportedCollectiveError(f"smddp {what}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise UnsupportedCollectiveError(
+            f"smddp {what}: the tensor is on {t.device}; the smddp backend takes CPU tensors"
+        )
+    if t.layout != torch.strided:
+        raise UnsupportedCollectiveError(f"smddp {what}: {t.layout} tensors are not supported")
+    if t.dtype not in SUPPORTED_DTYPES:
+        names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
+        raise UnsupportedCollectiveError(
+            f"smddp {what}: dtype {str(t.dtype).removeprefix('torch.')} is not supported (supported: {names})"
+        )
+    return t.detach()
+
+
+def _contiguous(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """A contiguous tensor to hand smddp, and whether it is a copy that must be copied back."""
+    if t.is_contiguous():
+        return t, False
+    return t.contiguous(), True
+
+
+def _op(opts: Any, what: str) -> smddp.ReduceOp:
+    op = opts.reduceOp
+    for k, v in _OPS.items():
+        if op == k:
+            return v
+    name = next((n for n in _OP_NAMES if op == getattr(dist.ReduceOp, n)), repr(op))
+    raise UnsupportedCollectiveError(
+        f"smddp {what}: ReduceOp.{name} is not supported (supported: SUM, AVG, MIN, MAX)"
+    )
+
+
+def _same_size(ts: Sequence[torch.Tensor], numel: int, dtype: torch.dtype, what: str) -> None:
+    for t in ts:
+        if t.numel() != numel or t.dtype != dtype:
+            raise UnsupportedCollectiveError(
+                f"smddp {what}: every tensor must have {numel} elements of {dtype} "
+                f"(got {t.numel()} of {t.dtype}); uneven sizes are not supported"
+            )
+
+
+# -- the process group ----------------------------------------------------------------------------
+
+
+class ProcessGroupSmddp(dist.ProcessGroup):
+    """torch.distributed's view of an smddp job: every rank of the job, one group.
+
+    Collectives go to smddp asynchronously (`smddp.*_async`); each returns an `SmddpWork`. Set
+    `trace` to a list to record a `TraceEvent` per collective (used to measure overlap).
+    """
+
+    def __init__(self, rank: int, size: int, timeout: timedelta = timedelta(minutes=30)) -> None:
+        super().__init__(rank, size)  # type: ignore[call-arg]  # the (rank, size) constructor
+        self._rank = rank
+        self._size = size
+        self._timeout = timeout
+        self._completer = _get_completer()
+        self.trace: list[TraceEvent] | None = None
+
+    # -- identity
+
+    def getBackendName(self) -> str:
+        return BACKEND_NAME
+
+    def getRank(self) -> int:
+        return self._rank
+
+    def getSize(self) -> int:
+        return self._size
+
+    def __repr__(self) -> str:
+        return f"ProcessGroupSmddp(rank={self._rank}, size={self._size})"
+
+    # -- plumbing
+
+    def _timeout_of(self, opts: Any) -> timedelta:
+        t = getattr(opts, "timeout", None)
+        return t if isinstance(t, timedelta) and t > timedelta(0) else self._timeout
+
+    def _submit(
+        self,
+        name: str,
+        start: Callable[[], list[smddp.Handle]],
+        result: Any,
+        opts: Any = None,
+        finish: Callable[[], None] | None = None,
+        nbytes: int = 0,
+    ) -> SmddpWork:
+        trace = None
+        if self.trace is not None:
+            trace = TraceEvent(name, nbytes, time.perf_counter())
+            self.trace.append(trace)
+        work = SmddpWork(name, result, self._timeout_of(opts), trace)
+        handles = start()  # raises (nothing sent) on a bad argument, before the Work is queued
+        self._completer.put(work, handles, finish)
+        return work
+
+    # -- collectives
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> SmddpWork:  # type: ignore[override]
+        opts = opts if opts is not None else dist.AllreduceOptions()
+        op = _op(opts, "all_reduce")
+        ts = [_check_tensor(t, "all_reduce") for t in tensors]
+        pairs = [(t, *_contiguous(t)) for t in ts]
+
+        def start() -> list[smddp.Handle]:
+            return [smddp.allreduce_async(buf, op) for _, buf, _ in pairs]
+
+        def finish() -> None:
+            for t, buf, copied in pairs:
+                if copied:
+                    t.copy_(buf)
+
+        return self._submit(
+            "all_reduce", start, tensors, opts, finish, sum(t.numel() * t.element_size() for t in ts)
+        )
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> SmddpWork:
+        o = dist.AllreduceOptions()
+        if opts is not None:
+            o.reduceOp = opts.reduceOp
+        return self.allreduce(tensors, o)
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> SmddpWork:  # type: ignore[override]
+        opts = opts if opts is not None else dist.BroadcastOptions()
+        root = int(opts.rootRank)
+        ts = [_check_tensor(t, "broadcast") for t in tensors]
+        pairs = [(t, *_contiguous(t)) for t in ts]
+
+        def start() -> list[smddp.Handle]:
+            return [smddp.broadcast_async(buf, root) for _, buf, _ in pairs]
+
+        def finish() -> None:
+            for t, buf, copied in pairs:
+                if copied:
+                    t.copy_(buf)
+
+        return self._submit("broadcast", start, tensors, opts, finish)
+
+    def allgather(  # type: ignore[override]
+        self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None
+    ) -> SmddpWork:
+        if len(input_tensors) != 1 or len(output_tensors) != 1:
+            raise UnsupportedCollectiveError("smddp all_gather: one input tensor per rank (no multi-device)")
+        inp = _check_tensor(input_tensors[0], "all_gather")
+        outs = [_check_tensor(t, "all_gather output") for t in output_tensors[0]]
+        if len(outs) != self._size:
+            raise UnsupportedCollectiveError(
+                f"smddp all_gather: {len(outs)} output tensors for a group of {self._size}"
+            )
+        _same_size(outs, inp.numel(), inp.dtype, "all_gather")
+        buf, _ = _contiguous(inp)
+        flat = torch.empty((self._size, inp.numel()), dtype=inp.dtype)
+
+        def start() -> list[smddp.Handle]:
+            return [smddp.allgather_async(buf, out=flat)]
+
+        def finish() -> None:
+            for i, o in enumerate(outs):
+                o.copy_(flat[i].view(o.shape))
+
+        return self._submit("all_gather", start, output_tensors, opts, finish)
+
+    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> SmddpWork:
+        return self.all_gather_single(output, input, opts)
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> SmddpWork:
+        inp = _check_tensor(input, "all_gather_into_tensor")
+        out = _check_tensor(output, "all_gather_into_tensor output")
+        if out.numel() != inp.numel() * self._size or out.dtype != inp.dtype:
+            raise UnsupportedCollectiveError(
+                f"smddp all_gather_into_tensor: the output must hold {self._size} x {inp.numel()} "
+                f"elements of {inp.dtype} (got {out.numel()} of {out.dtype})"
+            )
+        buf, _ = _contiguous(inp)
+        obuf, copied = _contiguous(out)
+
+        def start() -> list[smddp.Handle]:
+            return [smddp.allgather_async(buf, out=obuf)]
+
+        def finish() -> None:
+            if copied:
+                out.copy_(obuf)
+
+        return self._submit("all_gather_into_tensor", start, output, opts, finish)
+
+    def allgather_into_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> SmddpWork:
+        return self._coalesced("all_gather_into_tensor", self.all_gather_single, outputs, inputs, opts)
+
+    def all_gather_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> SmddpWork:
+        return self._coalesced("all_gather_into_tensor", self.all_gather_single, outputs, inputs, opts)
+
+    def reduce_scatter(  # type: ignore[override]
+        self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any = None
+    ) -> SmddpWork:
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        if len(output_tensors) != 1 or len(input_tensors) != 1:
+            raise UnsupportedCollectiveError("smddp reduce_scatter: one output tensor per rank")
+        out = _check_tensor(output_tensors[0], "reduce_scatter output")
+        ins = [_check_tensor(t, "reduce_scatter") for t in input_tensors[0]]
+        if len(ins) != self._size:
+            raise UnsupportedCollectiveError(
+                f"smddp reduce_scatter: {len(ins)} input tensors for a group of {self._size}"
+            )
+        _same_size(ins, out.numel(), out.dtype, "reduce_scatter")
+        flat = torch.cat([t.reshape(-1) for t in ins])
+        return self._reduce_scatter_into(out, flat, opts, "reduce_scatter", output_tensors)
+
+    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> SmddpWork:
+        return self.reduce_scatter_single(output, input, opts)
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> SmddpWork:
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        out = _check_tensor(output, "reduce_scatter_tensor output")
+        inp = _check_tensor(input, "reduce_scatter_tensor")
+        if inp.numel() != out.numel() * self._size or inp.dtype != out.dtype:
+            raise UnsupportedCollectiveError(
+                f"smddp reduce_scatter_tensor: the input must hold {self._size} x {out.numel()} "
+                f"elements of {out.dtype} (got {inp.numel()} of {inp.dtype})"
+            )
+        buf, _ = _contiguous(inp)
+        return self._reduce_scatter_into(out, buf, opts, "reduce_scatter_tensor", output)
+
+    def _reduce_scatter_into(
+        self, out: torch.Tensor, flat: torch.Tensor, opts: Any, name: str, result: Any
+    ) -> SmddpWork:
+        op = _op(opts, name)
+        obuf, copied = _contiguous(out)
+
+        def start() -> list[smddp.Handle]:
+            return [smddp.reduce_scatter_async(flat, op, out=obuf)]
+
+        def finish() -> None:
+            if copied:
+                out.copy_(obuf)
+
+        return self._submit(name, start, result, opts, finish)
+
+    def reduce_scatter_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> SmddpWork:
+        return self._coalesced("reduce_scatter_tensor", self.reduce_scatter_single, outputs, inputs, opts)
+
+    def reduce_scatter_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> SmddpWork:
+        return self._coalesced("reduce_scatter_tensor", self.reduce_scatter_single, outputs, inputs, opts)
+
+    def _coalesced(
+        self,
+        name: str,
+        one: Callable[[torch.Tensor, torch.Tensor, Any], SmddpWork],
+        outputs: list[torch.Tensor],
+        inputs: list[torch.Tensor],
+        opts: Any,
+    ) -> SmddpWork:
+        if len(outputs) != len(inputs):
+            raise UnsupportedCollectiveError(
+                f"smddp {name} (coalesced): {len(outputs)} outputs, {len(inputs)} inputs"
+            )
+        works = [one(o, i, opts) for o, i in zip(outputs, inputs, strict=False)]
+
+        def start() -> list[smddp.Handle]:
+            return []
+
+        def finish() -> None:
+            for w in works:
+                w.wait()
+
+        return self._submit(f"{name} (coalesced)", start, outputs, opts, finish)
+
+    def barrier(self, opts: Any = None) -> SmddpWork:
+        return self._submit("barrier", lambda: [smddp.barrier_async()], None, opts)
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> SmddpWork:  # type: ignore[override]
+        """An all-reduce into a scratch copy; only the root's tensor receives the result."""
+        opts = opts if opts is not None else dist.ReduceOptions()
+        root = int(opts.rootRank)
+        op = _op(opts, "reduce")
+        ts = [_check_tensor(t, "reduce") for t in tensors]
+        scratch = [t.contiguous().clone() for t in ts]
+
+        def start() -> list[smddp.Handle]:
+            return [smddp.allreduce_async(s, op) for s in scratch]
+
+        def finish() -> None:
+            if self._rank == root:
+                for t, s in zip(ts, scratch, strict=False):
+                    t.copy_(s)
+
+        return self._submit("reduce", start, tensors, opts, finish)
+
+    def gather(  # type: ignore[override]
+        self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None
+    ) -> SmddpWork:
+        """An all-gather whose result only the root keeps."""
+        opts = opts if opts is not None else dist.GatherOptions()
+        root = int(opts.rootRank)
+        if len(input_tensors) != 1:
+            raise UnsupportedCollectiveError("smddp gather: one input tensor per rank")
+        inp = _check_tensor(input_tensors[0], "gather")
+        outs = [_check_tensor(t, "gather output") for t in output_tensors[0]] if output_tensors else []
+        if self._rank == root:
+            if len(outs) != self._size:
+                raise UnsupportedCollectiveError(
+                    f"smddp gather: {len(outs)} output tensors for a group of {self._size}"
+                )
+            _same_size(outs, inp.numel(), inp.dtype, "gather")
+        buf, _ = _contiguous(inp)
+        flat = torch.empty((self._size, inp.numel()), dtype=inp.dtype)
+
+        def start() -> list[smddp.Handle]:
+            return [smddp.allgather_async(buf, out=flat)]
+
+        def finish() -> None:
+            for i, o in enumerate(outs):
+                o.copy_(flat[i].view(o.shape))
+
+        return self._submit("gather", start, output_tensors, opts, finish)
+
+    def scatter(  # type: ignore[override]
+        self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any = None
+    ) -> SmddpWork:
+        """A broadcast of the root's whole list; each rank keeps its part."""
+        opts = opts if opts is not None else dist.ScatterOptions()
+        root = int(opts.rootRank)
+        if len(output_tensors) != 1:
+            raise UnsupportedCollectiveError("smddp scatter: one output tensor per rank")
+        out = _check_tensor(output_tensors[0], "scatter output")
+        n = out.numel()
+        if self._rank == root:
+            ins = [_check_tensor(t, "scatter") for t in input_tensors[0]]
+            if len(ins) != self._size:
+                raise UnsupportedCollectiveError(
+                    f"smddp scatter: {len(ins)} input tensors for a group of {self._size}"
+                )
+            _same_size(ins, n, out.dtype, "scatter")
+            flat = torch.cat([t.reshape(-1) for t in ins])
+        else:
+            flat = torch.empty(self._size * n, dtype=out.dtype)
+
+        def start() -> list[smddp.Handle]:
+            return [smddp.broadcast_async(flat, root)]
+
+        def finish() -> None:
+            out.copy_(flat[self._rank * n : (self._rank + 1) * n].view(out.shape))
+
+        return self._submit("scatter", start, output_tensors, opts, finish)
+
+    # -- what smddp does not do: refuse by name, before anything is sent
+
+    def _unsupported(self, name: str) -> UnsupportedCollectiveError:
+        return UnsupportedCollectiveError(
+            f"the smddp backend does not support {name} (it has all_reduce, broadcast, all_gather, "
+            "all_gather_into_tensor, reduce_scatter, reduce_scatter_tensor, reduce, gather, scatter, barrier); "
+            "use another process group for it, e.g. dist.new_group(backend='gloo')"
+        )
+
+    def alltoall(self, *args: Any) -> SmddpWork:
+        raise self._unsupported("all_to_all")
+
+    def alltoall_base(self, *args: Any) -> SmddpWork:
+        raise self._unsupported("all_to_all_single")
+
+    def all_to_all_single(self, *args: Any) -> SmddpWork:
+        raise self._unsupported("all_to_all_single")
+
+    def allgather_coalesced(self, *args: Any) -> SmddpWork:
+        raise self._unsupported("all_gather_coalesced")
+
+    def send(self, *args: Any) -> SmddpWork:
+        raise self._unsupported("send (point-to-point)")
+
+    def recv(self, *args: Any) -> SmddpWork:
+        raise self._unsupported("recv (point-to-point)")
+
+    def recv_anysource(self, *args: Any) -> SmddpWork:
+        raise self._unsupported("recv (point-to-point)")
+
+
+# -- creation and registration --------------------------------------------------------------------
+
+
+def create_process_group(store: Any, rank: int, size: int, timeout: timedelta) -> ProcessGroupSmddp:
+    """torch.distributed's constructor for backend "smddp": joins the smddp job (collective)."""
+    del store  # smddp bootstraps over MPI; torch's store stays for torch's own use
+    smddp.init()
+    if size != smddp.size():
+        raise UnsupportedCollectiveError(
+            f"the smddp backend runs groups of every rank only: a group of {size} was asked for in a job "
+            f"of {smddp.size()} (use dist.new_group(ranks, backend='gloo') for subgroups)"
+        )
+    if rank != smddp.rank():
+        raise ConfigError(
+            f"torch.distributed rank {rank} is smddp rank {smddp.rank()}: start the job with smddp-launch, "
+            "which sets RANK to the smddp rank, or pass rank=smddp.rank()"
+        )
+    return ProcessGroupSmddp(rank, size, timeout)
+
+
+_registered = False
+
+
+def register() -> None:
+    """Register backend "smddp" with torch.distributed (done on `import smddp.torch`; idempotent)."""
+    global _registered
+    if _registered or BACKEND_NAME in dist.Backend.backend_list:
+        _registered = True
+        return
+    dist.Backend.register_backend(BACKEND_NAME, create_process_group, devices=["cpu"])
+    _registered = True

@@ -1,0 +1,1 @@
+"""smdistributed.dataparallel.torch: PyTorch entry points (`torch_smddp`, `distributed`, `parallel`)."""

@@ -1,0 +1,136 @@
+"""Worker script: every torch.distributed collective on backend "smddp", checked against exact expectations."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import smddp
+import smddp.torch
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.uint8]
+
+
+def refused(fn: Any, *args: Any, **kwargs: Any) -> str:
+    try:
+        fn(*args, **kwargs)
+    except smddp.torch.UnsupportedCollectiveError as e:
+        return str(e)
+    return "NOT REFUSED"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    env = {
+        k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
+    }
+    dist.init_process_group(backend="smddp")  # the one line: everything else comes from smddp-launch
+    r, w = dist.get_rank(), dist.get_world_size()
+    checks: dict[str, bool] = {}
+    out: dict[str, Any] = {
+        "env": env,
+        "rank": r,
+        "world": w,
+        "smddp": [smddp.rank(), smddp.size(), smddp.local_rank(), smddp.local_size()],
+        "backend": dist.get_backend(),
+        "checks": checks,
+    }
+    for dt in DTYPES:
+        name = str(dt).removeprefix("torch.")
+        # SUM of (rank + 1): small integers, exact in every dtype.
+        t = torch.full((1000,), r + 1, dtype=dt)
+        dist.all_reduce(t)
+        checks[f"sum_{name}"] = bool((t == w * (w + 1) // 2).all())
+        t = torch.full((7,), r + 1, dtype=dt)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        checks[f"max_{name}"] = bool((t == w).all())
+        t = torch.full((7,), r + 1, dtype=dt)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        checks[f"min_{name}"] = bool((t == 1).all())
+        t = torch.arange(6, dtype=dt) if r == w - 1 else torch.zeros(6, dtype=dt)
+        dist.broadcast(t, src=w - 1)
+        checks[f"broadcast_{name}"] = bool((t == torch.arange(6, dtype=dt)).all())
+        outs = [torch.zeros(3, dtype=dt) for _ in range(w)]
+        dist.all_gather(outs, torch.full((3,), r, dtype=dt))
+        checks[f"all_gather_{name}"] = all(bool((o == i).all()) for i, o in enumerate(outs))
+    t = torch.full((4,), float(2 * r + 2))
+    dist.all_reduce(t, op=dist.ReduceOp.AVG)
+    checks["avg"] = bool((t == float(w + 1)).all())
+    # Non-contiguous tensors are reduced through a copy and written back.
+    m = torch.ones(4, 6)
+    col = m[:, 1]
+    dist.all_reduce(col)
+    checks["non_contiguous"] = bool((m[:, 1] == w).all()) and bool((m[:, 0] == 1).all())
+    # A parameter that requires grad (DLPack refuses those; the backend detaches).
+    p = torch.nn.Parameter(torch.full((3,), float(r)))
+    dist.broadcast(p, src=0)
+    checks["requires_grad"] = bool((p.detach() == 0).all())
+    o = torch.zeros(2 * w)
+    dist.all_gather_into_tensor(o, torch.full((2,), float(r)))
+    checks["all_gather_into_tensor"] = o.tolist() == [float(i // 2) for i in range(2 * w)]
+    o = torch.zeros(2)
+    dist.reduce_scatter_tensor(o, torch.arange(2.0 * w))
+    checks["reduce_scatter_tensor"] = o.tolist() == [float(w * (2 * r)), float(w * (2 * r + 1))]
+    o = torch.zeros(2)
+    dist.reduce_scatter(o, [torch.full((2,), float(i + r)) for i in range(w)])
+    checks["reduce_scatter"] = o.tolist() == [float(w * r + w * (w - 1) // 2)] * 2
+    t = torch.full((3,), float(r + 1))
+    dist.reduce(t, dst=0)
+    checks["reduce"] = t.tolist() == ([float(w * (w + 1) // 2)] * 3 if r == 0 else [float(r + 1)] * 3)
+    g = [torch.zeros(2) for _ in range(w)] if r == 0 else None
+    dist.gather(torch.full((2,), float(r)), g, dst=0)
+    checks["gather"] = r != 0 or [x.tolist() for x in g or []] == [[float(i)] * 2 for i in range(w)]
+    s = torch.zeros(2)
+    dist.scatter(s, [torch.full((2,), float(i)) for i in range(w)] if r == 0 else None, src=0)
+    checks["scatter"] = s.tolist() == [float(r)] * 2
+    dist.barrier()
+    # async_op=True: several in flight, waited in reverse order.
+    ts = [torch.full((100,), float(i + r)) for i in range(8)]
+    works = [dist.all_reduce(t, async_op=True) for t in ts]
+    for wk in reversed(works):
+        wk.wait()
+    checks["async_in_flight"] = all(bool((t == w * i + w * (w - 1) / 2).all()) for i, t in enumerate(ts))
+    checks["async_completed"] = all(wk.is_completed() and wk.is_success() for wk in works)
+    fut = dist.all_reduce(torch.ones(3), async_op=True).get_future()
+    checks["future_value"] = fut.wait()[0].tolist() == [float(w)] * 3
+    # The *_object helpers.
+    objs: list[Any] = [None] * w
+    dist.all_gather_object(objs, {"rank": r, "s": "x" * r})
+    checks["all_gather_object"] = objs == [{"rank": i, "s": "x" * i} for i in range(w)]
+    lst: list[Any] = [f"from {r}", r] if r == 0 else [None, None]
+    dist.broadcast_object_list(lst, src=0)
+    checks["broadcast_object_list"] = lst == ["from 0", 0]
+    got: list[Any] = [None]
+    dist.scatter_object_list(got, [i * 10 for i in range(w)] if r == 0 else None, src=0)
+    checks["scatter_object_list"] = got == [r * 10]
+    gl: list[Any] | None = [None] * w if r == 0 else None
+    dist.gather_object(("g", r), gl, dst=0)
+    checks["gather_object"] = r != 0 or gl == [("g", i) for i in range(w)]
+    # Refusals name what is unsupported, and send nothing (the job goes on below).
+    out["refused"] = {
+        "int16": refused(dist.all_reduce, torch.ones(3, dtype=torch.int16)),
+        "bool": refused(dist.all_reduce, torch.ones(3, dtype=torch.bool)),
+        "product": refused(dist.all_reduce, torch.ones(3), op=dist.ReduceOp.PRODUCT),
+        "band": refused(dist.all_reduce, torch.ones(3, dtype=torch.int32), op=dist.ReduceOp.BAND),
+        "all_to_all": refused(dist.all_to_all_single, torch.zeros(w), torch.ones(w)),
+        "send": refused(dist.send, torch.ones(1), dst=(r + 1) % w),
+        "uneven_all_gather": refused(dist.all_gather, [torch.zeros(i + 1) for i in range(w)], torch.zeros(1)),
+    }
+    t = torch.ones(5)
+    dist.all_reduce(t)
+    checks["after_refusals"] = bool((t == w).all())
+    dist.destroy_process_group()
+    with open(os.path.join(args.out, f"rank{r}.json"), "w") as f:
+        json.dump(out, f)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
