@@ -57,6 +57,9 @@ def _launch_parser() -> argparse.ArgumentParser:
     p.add_argument("--mpi-args", default="", help="extra arguments for mpirun, as one string")
     p.add_argument("--mpirun", default="", help="the mpirun to use (default: the one beside this Python)")
     p.add_argument("--dry-run", action="store_true", help="print the mpirun command and exit")
+    p.add_argument(
+        "--no-tag-output", action="store_true", help="do not prefix each worker's output lines with [rank R]"
+    )
     p.add_argument("command", nargs=argparse.REMAINDER, help="the worker command, after --")
     return p
 
@@ -87,6 +90,7 @@ def launch_main(argv: list[str] | None = None) -> int:
             stall_warning_s=args.stall_warning_s,
             metrics_port=args.metrics_port,
             timeline=args.timeline,
+            tag_output=not args.no_tag_output,
             log_level=args.log_level,
             mpi_args=tuple(shlex.split(args.mpi_args)),
             dry_run=args.dry_run,

@@ -37,6 +37,7 @@ class LaunchConfig:
     stall_warning_s: float = 60.0
     metrics_port: int = 0  # daemon of node n serves /metrics on port + n
     timeline: str = ""  # write one Chrome trace of the whole job here
+    tag_output: bool = True  # prefix each worker's output lines with [rank R]
     log_level: str = "WARNING"
     mpi_args: tuple[str, ...] = ()
     dry_run: bool = False
@@ -161,16 +162,20 @@ def build_command(cfg: LaunchConfig) -> list[str]:
         g = cfg.workers_per_host()
         daemons = ",".join(f"{h.name}:1" for h in cfg.hosts)
         workers = ",".join(f"{h.name}:{g}" for h in cfg.hosts)
-        worker = _with_torchrun_env(cfg.command, len(cfg.hosts), g, cfg.hosts[0].name)
+        worker = _with_torchrun_env(cfg.command, len(cfg.hosts), g, cfg.hosts[0].name, cfg.tag_output)
         cmd += ["-np", str(len(cfg.hosts)), "--host", daemons, *daemon]
         cmd += [":", "-np", str(cfg.world_size), "--host", workers, *worker]
     else:
-        worker = _with_torchrun_env(cfg.command, cfg.local_nodes, cfg.np // cfg.local_nodes, "127.0.0.1")
+        worker = _with_torchrun_env(
+            cfg.command, cfg.local_nodes, cfg.np // cfg.local_nodes, "127.0.0.1", cfg.tag_output
+        )
         cmd += ["-np", str(cfg.local_nodes), *daemon, ":", "-np", str(cfg.np), *worker]
     return cmd
 
 
-def _with_torchrun_env(command: tuple[str, ...], daemons: int, per_node: int, master: str) -> list[str]:
+def _with_torchrun_env(
+    command: tuple[str, ...], daemons: int, per_node: int, master: str, tag_output: bool
+) -> list[str]:
     """The worker command behind `smddp.launcher.worker_env`, which sets RANK etc. as torchrun does.
 
     Run by path, not with -m: it needs only the standard library, and importing the smddp package
@@ -187,6 +192,7 @@ def _with_torchrun_env(command: tuple[str, ...], daemons: int, per_node: int, ma
         master,
         "--master-port",
         str(_free_port()),
+        *(["--tag-output"] if tag_output else []),
         "--",
         *command,
     ]

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
+import signal
+import subprocess
 import sys
+import threading
 from collections.abc import Mapping
+from typing import IO
 
 
 def torchrun_env(
@@ -46,12 +51,57 @@ def world_rank_from(env: Mapping[str, str]) -> int:
     raise ValueError("not started by mpirun: OMPI_COMM_WORLD_RANK and PMIX_RANK are unset")
 
 
+def _die_with_parent() -> None:
+    """In the child: if this wrapper dies, the worker gets SIGKILL too (Linux)."""
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _pump(src: IO[bytes], dst: IO[bytes], prefix: bytes) -> None:
+    """Copy lines from the worker to our own stream, each behind the prefix."""
+    for line in iter(src.readline, b""):
+        dst.write(prefix + line)
+        dst.flush()
+    src.close()
+
+
+def run_tagged(command: list[str], prefix: str) -> int:
+    """Run the worker as a child whose stdout and stderr lines carry its rank; pass signals on.
+
+    The exit status is the worker's (128 + n if a signal n killed it), as if it had been exec'd.
+    """
+    try:
+        child = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_die_with_parent
+        )
+    except OSError as e:
+        print(f"smddp worker_env: cannot run {command[0]}: {e.strerror}", file=sys.stderr)
+        return 127
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, lambda n, _f: child.send_signal(n))
+    tag = prefix.encode()
+    assert child.stdout is not None and child.stderr is not None
+    pumps = [
+        threading.Thread(target=_pump, args=(child.stdout, sys.stdout.buffer, tag), daemon=True),
+        threading.Thread(target=_pump, args=(child.stderr, sys.stderr.buffer, tag), daemon=True),
+    ]
+    for t in pumps:
+        t.start()
+    code = child.wait()
+    for t in pumps:
+        t.join(timeout=5)
+    return code if code >= 0 else 128 - code
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m smddp.launcher.worker_env")
     p.add_argument("--daemons", type=int, required=True)
     p.add_argument("--per-node", type=int, required=True)
     p.add_argument("--master-addr", required=True)
     p.add_argument("--master-port", type=int, required=True)
+    p.add_argument("--tag-output", action="store_true", help="prefix every output line with [rank R]")
     p.add_argument("command", nargs=argparse.REMAINDER)
     args = p.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -70,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"smddp worker_env: {e}", file=sys.stderr)
         return 2
     os.environ.update(env)
+    if args.tag_output:
+        return run_tagged(command, f"[rank {env['RANK']}] ")
     try:
         os.execvp(command[0], command)
     except OSError as e:

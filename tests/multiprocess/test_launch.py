@@ -172,3 +172,17 @@ def test_wait_timeout_leaves_the_job_usable(tmp_path, clean_host):
             assert out["first_wait"].startswith("timeout"), out
             assert out["done_after_timeout"] is False
         assert out["second_wait_ok"] and out["later_ok"], out
+
+
+def test_worker_output_is_tagged_with_the_rank(clean_host):
+    script = (
+        "import sys, smddp; smddp.init(); r = smddp.rank(); "
+        "print(f'out from {r}'); print(f'err from {r}', file=sys.stderr); smddp.shutdown()"
+    )
+    proc = smddp_launch(3, 1, ["-c", script], timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for r in range(3):
+        assert f"[rank {r}] out from {r}" in proc.stdout.splitlines()
+        assert f"[rank {r}] err from {r}" in proc.stderr.splitlines()
+    raw = smddp_launch(2, 1, ["-c", script], timeout=120, extra=["--no-tag-output"])
+    assert raw.returncode == 0 and "out from 1" in raw.stdout.splitlines()
