@@ -229,6 +229,7 @@ class Client:
     ) -> Handle:
         """Copy `buf` into a shared slot and SUBMIT it; `deliver(result_bytes)` runs on DONE."""
         nbytes = count * dtype.itemsize
+        lost: ConnectionClosed | None = None
         with self._lock:
             self._check_open()
             t_start = time.time()
@@ -236,9 +237,14 @@ class Client:
             if send_data and buf is not None:
                 slot, seg = self._arena.alloc(nbytes)
                 if seg is not None:
-                    self._conn.send_frame(
-                        Header(MsgType.ATTACH, sender=self.rank, shard=seg.id, offset=seg.size), fds=[seg.fd]
-                    )
+                    try:
+                        self._conn.send_frame(
+                            Header(MsgType.ATTACH, sender=self.rank, shard=seg.id, offset=seg.size),
+                            fds=[seg.fd],
+                            timeout=self.config.timeout_s,
+                        )
+                    except ConnectionClosed as e:
+                        lost = e
                 self._arena.view(slot).view(dtype.storage)[:] = buf.array
             seq = self._next_seq
             self._next_seq += 1
@@ -257,12 +263,19 @@ class Client:
                 op=op,
                 kind=kind,
             )
-            try:
-                self._conn.send_frame(h, timeout=self.config.timeout_s)
-            except ConnectionClosed as e:
+            if lost is None:
+                try:
+                    self._conn.send_frame(h, timeout=self.config.timeout_s)
+                except ConnectionClosed as e:
+                    lost = e
+            if lost is not None:
                 self._handles.pop(seq, None)
-                self._fail(PeerLostError(str(e)))
-                raise type(self._failure)(str(self._failure)) from None  # type: ignore[misc]
+                if slot is not None:
+                    self._arena.free(slot)
+        if lost is not None:
+            # Outside the lock: _fail takes it too (the reader thread may be failing us right now).
+            self._fail(PeerLostError(f"rank {self.rank}: lost the node daemon: {lost}"))
+            raise type(self._failure)(str(self._failure)) from None  # type: ignore[misc]
         return handle
 
     # ------------------------------------------------------------------ the reader thread

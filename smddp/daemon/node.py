@@ -398,8 +398,22 @@ class NodeDaemon:
             if not (link.said_bye or self._finished.is_set()):
                 self.fail(self._worker_lost(link), PeerLostError)
         except SmddpError as e:
-            self.fail(str(e), type(e))  # before closing, so this worker hears why
+            # Keep the connection open until the worker leaves, so that it reads the ERROR rather
+            # than a broken pipe (teardown closes it at the end of the linger time regardless).
+            self.fail(str(e), type(e))
+            self._drain(conn)
         conn.close()
+
+    def _drain(self, conn: Connection) -> None:
+        """Read and drop whatever a worker of a failed job still sends, until it hangs up."""
+        while True:
+            try:
+                h, fds = conn.recv_header()
+                for fd in fds:
+                    os.close(fd)
+                conn.discard(h.length, timeout=5.0)
+            except SmddpError:
+                return
 
     def _worker_lost(self, link: WorkerLink) -> str:
         return f"{self.job.describe_rank(link.rank)} {_process_fate(link.pid)}"

@@ -10,7 +10,14 @@ from hypothesis import strategies as st
 
 from smddp.errors import ProtocolError
 from smddp.proto import HEADER_SIZE, DType, Header, Kind, MsgType, ReduceOp, decode_header, encode_header
-from smddp.proto.frames import MAGIC, MAX_CONTROL_PAYLOAD, MAX_DATA_PAYLOAD, VERSION, error_frame
+from smddp.proto.frames import (
+    MAGIC,
+    MAX_CONTROL_PAYLOAD,
+    MAX_DATA_PAYLOAD,
+    MAX_REPORT_PAYLOAD,
+    VERSION,
+    error_frame,
+)
 
 LAYOUT = struct.Struct("<4sBBHBBBBIQIIQQQ")
 U32 = 2**32 - 1
@@ -26,7 +33,9 @@ EMPTY = [
     MsgType.DONE,
     MsgType.HEARTBEAT,
     MsgType.BYE,
+    MsgType.STATUS,
 ]
+REPORT = [MsgType.REPORT]  # a JSON status report: larger than a control frame, far smaller than data
 FINGERPRINTED = [MsgType.SUBMIT, MsgType.DONE, *DATA]
 
 
@@ -35,11 +44,13 @@ def limit_of(t: MsgType) -> int:
         return 0
     if t in CONTROL:
         return MAX_CONTROL_PAYLOAD
+    if t in REPORT:
+        return MAX_REPORT_PAYLOAD
     return MAX_DATA_PAYLOAD
 
 
 def test_message_classes_cover_every_type():
-    assert set(CONTROL) | set(DATA) | set(EMPTY) == set(MsgType)
+    assert set(CONTROL) | set(DATA) | set(EMPTY) | set(REPORT) == set(MsgType)
     assert HEADER_SIZE == 56 == LAYOUT.size
 
 

@@ -1,0 +1,57 @@
+"""The client under a daemon that hangs up: errors, never a deadlock (no processes, a socketpair)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import numpy as np
+import pytest
+
+from smddp.client.collectives import allreduce_async
+from smddp.client.session import Client, ClientConfig
+from smddp.errors import PeerLostError
+from smddp.proto.frames import Role
+from smddp.transport.bootstrap import Endpoint, Job, Membership, WorkerInfo
+from smddp.transport.conn import Connection
+
+
+def lonely_client() -> tuple[Client, socket.socket]:
+    job = Job(
+        job_id=b"j" * 16,
+        secret=b"s" * 32,
+        nnodes=1,
+        local_size=1,
+        daemons=(Endpoint(0, 0, "host", 1, "127.0.0.1", 1, "/nonexistent"),),
+        workers=(WorkerInfo(0, 0, 0, 1, "host", 2),),
+    )
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    cfg = ClientConfig(timeout_s=5.0, arena_bytes=1 << 20, heartbeat_timeout_s=60.0)
+    return Client(cfg, Membership(job, Role.WORKER, 0, 0), Connection(ours, "the daemon")), theirs
+
+
+@pytest.mark.timeout(30)  # the bug this guards against was a deadlock
+def test_submit_after_the_daemon_hung_up_raises_instead_of_deadlocking():
+    client, daemon_end = lonely_client()
+    # The daemon stops reading but has not closed: our reader sees no EOF, our next send fails. That
+    # is the moment submit() must fail the client without taking its own lock twice.
+    daemon_end.shutdown(socket.SHUT_RD)
+    outcome: list[BaseException | str] = []
+
+    def submit() -> None:
+        try:
+            for _ in range(3):  # the first send may still land in the socket buffer
+                allreduce_async(client, np.ones(1000, np.float32)).wait(timeout=5)
+            outcome.append("no error")
+        except BaseException as e:
+            outcome.append(e)
+
+    t = threading.Thread(target=submit, daemon=True)
+    t.start()
+    t.join(timeout=10)
+    assert not t.is_alive(), "submit() deadlocked after the daemon hung up"
+    assert len(outcome) == 1 and isinstance(outcome[0], PeerLostError), outcome
+    with pytest.raises(PeerLostError):  # and every later call says the same
+        allreduce_async(client, np.ones(4, np.float32))
+    client.shutdown(timeout=1)
+    daemon_end.close()
