@@ -40,14 +40,18 @@ clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache
 
 # Benchmarks (issue 4): sweeps on one host and on 4 simulated nodes, the T1-T6 targets, the scaling
-# model, then BENCHMARKS.md from their JSON. Needs root (network namespaces); about 25 minutes on 2 cores.
+# model, profiles, then BENCHMARKS.md from their JSON. Needs root (network namespaces and py-spy);
+# about 30 minutes on 2 cores.
 # Outputs (JSON, markdown, PNG plots) go to bench-results/.
 BENCH_OUT ?= bench-results
 .PHONY: bench
 bench: $(STAMP)
-	$(BIN)/pip install -q 'matplotlib==3.11.2'
+	$(BIN)/pip install -q 'matplotlib==3.11.2' 'py-spy==0.4.3'
 	$(BIN)/smddp-bench sweep --sizes 4K-256M --out $(BENCH_OUT) --name sweep-host4
 	$(BIN)/smddp-bench sweep --sim --nodes 4 --per-node 1 --rate-mbit 1000 --sizes 4K-256M --out $(BENCH_OUT) --name sweep-sim4
+	$(BIN)/smddp-bench profile --size 4K --per-node 4 --py-spy --name profile-host4-4k --out $(BENCH_OUT)
+	$(BIN)/smddp-bench profile --sim --nodes 4 --per-node 1 --rate-mbit 1000 --size 4K --py-spy --name profile-sim4-4k --out $(BENCH_OUT)
+	$(BIN)/smddp-bench profile --sim --nodes 4 --per-node 1 --rate-mbit 1000 --size 64M --seconds 12 --py-spy --name profile-sim4-64m --out $(BENCH_OUT)
 	$(BIN)/smddp-bench targets --out $(BENCH_OUT)
 	$(BIN)/smddp-bench model --check --out $(BENCH_OUT)
 	$(BIN)/smddp-bench report --targets $(BENCH_OUT)/targets.json --model $(BENCH_OUT)/model.json --sweeps $(BENCH_OUT) --out BENCHMARKS.md

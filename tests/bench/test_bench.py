@@ -1,0 +1,97 @@
+"""smddp-bench: a tiny sweep through real launches (smddp and Open MPI on one host), its outputs checked."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+
+from smddp.bench.cli import _sizes
+from smddp.bench.runner import OMPI_RING, busbw_factor, mpi_settings
+from tests.conftest import BIN, REPO
+
+pytestmark = pytest.mark.bench
+
+
+def test_busbw_factor_and_sizes():
+    assert busbw_factor(1) == 1.0
+    assert busbw_factor(2) == 1.0
+    assert busbw_factor(4) == 1.5
+    assert _sizes("4K-256M") == tuple(4096 << (2 * i) for i in range(9))
+    assert _sizes("4K,1M") == (4096, 1 << 20)
+
+
+def test_mpi_settings_are_fair_and_ring_is_forced():
+    assert mpi_settings("mpi", 2, 2) == ["--oversubscribe", "--bind-to", "none"]
+    assert "mpi_yield_when_idle" in mpi_settings("mpi", 4, 2)
+    ring = mpi_settings("mpi-ring", 4, 2)
+    assert (
+        ring[-4:]
+        == [
+            "--mca",
+            "coll_tuned_use_dynamic_rules",
+            "1",
+            "--mca",
+            "coll_tuned_allreduce_algorithm",
+            str(OMPI_RING),
+        ][-4:]
+    )
+    assert "coll_tuned_use_dynamic_rules" in ring
+
+
+@pytest.mark.timeout(120)
+def test_tiny_sweep_writes_consistent_json_and_markdown(tmp_path):
+    workers = 4
+    cmd = [
+        str(BIN / "smddp-bench"),
+        *("sweep", "--sizes", "4K,256K", "--repeats", "2", "--impls", "smddp,mpi"),
+        *("--per-node", str(workers), "--out", str(tmp_path), "--name", "tiny", "--timeout", "100"),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=110, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "tiny.json").read_text())
+    assert result["kind"] == "sweep" and result["ranks"] == workers
+    assert result["machine"]["cores"] >= 1
+    assert [r["impl"] for r in result["runs"]] == ["smddp", "mpi"]
+    for run in result["runs"]:
+        assert run["command"] and run["ranks"] == workers
+        assert [c["nbytes"] for c in run["cases"]] == [4096, 256 * 1024]
+        for c in run["cases"]:
+            assert c["supported"] and c["dtype"] == "float32" and c["op"] == "sum"
+            assert len(c["times"]) == 2 and c["iters"] >= 1
+            assert c["min_s"] <= c["median_s"] <= c["max_s"]
+            assert c["algbw"] == pytest.approx(c["nbytes"] / c["median_s"])
+            assert c["busbw"] == pytest.approx(c["algbw"] * 2 * (workers - 1) / workers)
+    mpi = result["runs"][1]
+    assert "--oversubscribe" in mpi["command"] and "--bind-to none" in mpi["command"]
+    assert mpi["settings"]["mpi_library"].startswith("Open MPI")
+    md = (tmp_path / "tiny.md").read_text()
+    assert "| size | dtype | op | smddp time | mpi time |" in md
+    assert "## smddp" in md and "## mpi" in md
+    assert md.count("| 4 KiB |") == 3 and md.count("| 256 KiB |") == 3  # side by side + one per impl
+    if importlib.util.find_spec("matplotlib") is not None:
+        png = (tmp_path / "tiny.png").read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_module_entry_point_prints_help():
+    proc = subprocess.run(
+        [sys.executable, "-m", "smddp.bench", "--help"], capture_output=True, text=True, timeout=60, cwd=REPO
+    )
+    assert proc.returncode == 0 and "targets" in proc.stdout and "model" in proc.stdout
+
+
+def test_target_checks_and_table():
+    from smddp.bench.benchmarks_md import _miss
+    from smddp.bench.targets import Check, target_table
+
+    ok = Check("T1", "busbw", 0.95, 0.93, ">=", "Gbit/s", [0.94, 0.96])
+    bad = Check("T4", "time ratio", 3.0, 2.0, "<=")
+    assert ok.met and not bad.met
+    table = target_table([ok, bad])
+    assert "| T1 | busbw | 0.95 Gbit/s | >= 0.93 Gbit/s | 0.94, 0.96 | - | met |" in table
+    assert "**missed**" in table
+    assert _miss(ok) == "" and "1.50x the limit" in _miss(bad)
