@@ -419,11 +419,19 @@ class NodeDaemon:
         return f"{self.job.describe_rank(link.rank)} {_process_fate(link.pid)}"
 
     def _send_segment(self, link: WorkerLink, seg: Segment) -> None:
-        link.conn.send_frame(
-            Header(MsgType.SEGMENT, sender=self.node, shard=seg.id, offset=seg.size),
-            fds=[seg.fd],
-            idle=self.cfg.heartbeat_timeout_s,
-        )
+        header = Header(MsgType.SEGMENT, sender=self.node, shard=seg.id, offset=seg.size).encode()
+        self._to_worker(link, [header], fds=[seg.fd])
+
+    def _to_worker(self, link: WorkerLink, parts: list[bytes], fds: list[int] | None = None) -> None:
+        """Send to a local worker; a broken connection means that worker is lost, and says so.
+
+        Turning ConnectionClosed into the worker's PeerLostError here matters: this runs on peer
+        reader threads too, whose handlers would otherwise blame the peer daemon.
+        """
+        try:
+            link.conn.send(parts, fds or (), idle=self.cfg.heartbeat_timeout_s)
+        except ConnectionClosed:
+            raise PeerLostError(self._worker_lost(link)) from None
 
     def _worker_loop(self, link: WorkerLink) -> None:
         conn = link.conn
@@ -930,7 +938,7 @@ class NodeDaemon:
         ).encode()
         for w in workers:
             assert w is not None
-            w.conn.send([done], idle=self.cfg.heartbeat_timeout_s)
+            self._to_worker(w, [done])
 
     # ------------------------------------------------------------------ peers
 
