@@ -611,9 +611,8 @@ class NodeDaemon:
     def _local_tasks_for(self, op: OpState) -> list:
         """Work that starts once all local ranks submitted; shards interleaved so every server starts early."""
         if op.gather is not None:
-            return [(self._local_gather, op, a, b) for a, b in op.gather.chunks(self.node)] or [
-                (self._check_complete, op)
-            ]
+            # Never empty: every node has a block in a gather collective, if only an empty one.
+            return [(self._local_gather, op, a, b) for a, b in op.gather.chunks(self.node)]
         assert op.reduce is not None
         per_shard = op.reduce.all_chunks()
         order = [(self.node + 1 + k) % self.nnodes for k in range(self.nnodes)]
@@ -905,14 +904,11 @@ class NodeDaemon:
         with open(path, "w") as f:
             json.dump(self.timeline, f)
 
-    def _check_complete(self, reducer: Reducer, op: OpState) -> None:
-        self._chunk_completed(op, 0)
-
     # ------------------------------------------------------------------ completion
 
-    def _chunk_completed(self, op: OpState, n: int = 1) -> None:
+    def _chunk_completed(self, op: OpState) -> None:
         with self._lock:
-            op.completed += n
+            op.completed += 1
             if op.done or op.completed < op.expected or op.submitted < self.local_size:
                 return
             op.done = True

@@ -333,6 +333,12 @@ class ProcessGroupSmddp(dist.ProcessGroup):
                 f"smddp all_gather: {len(outs)} output tensors for a group of {self._size}"
             )
         _same_size(outs, inp.numel(), inp.dtype, "all_gather")
+        return self._gather_rows("all_gather", inp, outs, output_tensors, opts)
+
+    def _gather_rows(
+        self, name: str, inp: torch.Tensor, outs: list[torch.Tensor], output_tensors: Any, opts: Any
+    ) -> SmddpWork:
+        """One smddp all-gather of `inp`; row r lands in outs[r] (empty `outs`: keep nothing)."""
         buf, _ = _contiguous(inp)
         flat = torch.empty((self._size, inp.numel()), dtype=inp.dtype)
 
@@ -343,7 +349,7 @@ class ProcessGroupSmddp(dist.ProcessGroup):
             for i, o in enumerate(outs):
                 o.copy_(flat[i].view(o.shape))
 
-        return self._submit("all_gather", start, output_tensors, opts, finish)
+        return self._submit(name, start, output_tensors, opts, finish)
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> SmddpWork:
         return self.all_gather_single(output, input, opts)
@@ -494,17 +500,7 @@ class ProcessGroupSmddp(dist.ProcessGroup):
                     f"smddp gather: {len(outs)} output tensors for a group of {self._size}"
                 )
             _same_size(outs, inp.numel(), inp.dtype, "gather")
-        buf, _ = _contiguous(inp)
-        flat = torch.empty((self._size, inp.numel()), dtype=inp.dtype)
-
-        def start() -> list[smddp.Handle]:
-            return [smddp.allgather_async(buf, out=flat)]
-
-        def finish() -> None:
-            for i, o in enumerate(outs):
-                o.copy_(flat[i].view(o.shape))
-
-        return self._submit("gather", start, output_tensors, opts, finish)
+        return self._gather_rows("gather", inp, outs, output_tensors, opts)
 
     def scatter(  # type: ignore[override]
         self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any = None
