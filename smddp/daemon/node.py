@@ -104,9 +104,12 @@ class OpState:
         self.t0 = time.monotonic()
         self.wall0 = time.time()
         self.phases: dict[str, list[float]] = {}  # phase -> [first start, last end], wall clock
+        self.traced = False  # set when the job writes a timeline
 
     def phase(self, name: str, start: float, end: float) -> None:
         """Widen a phase of this collective to cover [start, end] (threads race benignly here)."""
+        if not self.traced:
+            return  # no timeline asked for: keep the hot path free of it
         span = self.phases.get(name)
         if span is None:
             self.phases[name] = [start, end]
@@ -536,6 +539,7 @@ class NodeDaemon:
         self._validate_new(seq, kind, dtype, count, rop, root, who)
         op = OpState(seq, kind, dtype, count, rop, root, who)
         op.inputs = [None] * self.local_size
+        op.traced = bool(self.cfg.timeline_dir)
         op.released_by = bytearray(self.local_size)
         itemsize = dtype.itemsize
         N = self.nnodes
