@@ -21,8 +21,8 @@ demo: $(STAMP)
 	$(BIN)/smddp-launch -np 4 --local-nodes 2 -- $(BIN)/python examples/mlp_numpy.py
 
 lint: $(STAMP)
-	$(BIN)/ruff check smddp smdistributed tests examples
-	$(BIN)/ruff format --check smddp smdistributed tests examples
+	$(BIN)/ruff check smddp smdistributed tests examples setup.py
+	$(BIN)/ruff format --check smddp smdistributed tests examples setup.py
 
 typecheck: $(STAMP)
 	$(BIN)/mypy smddp smdistributed
@@ -37,7 +37,7 @@ test: lint typecheck $(STAMP)
 	$(BIN)/pytest -q -ra tests
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache build smddp/daemon/*.so
 
 # Benchmarks (issue 4): sweeps on one host and on 4 simulated nodes, the T1-T6 targets, the scaling
 # model, profiles, then BENCHMARKS.md from their JSON. Needs root (network namespaces and py-spy);

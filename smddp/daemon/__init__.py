@@ -12,6 +12,7 @@ import stat
 import time
 
 from smddp.daemon.config import DaemonConfig, default_socket_dir
+from smddp.daemon.kernels import Reducer
 from smddp.daemon.node import NodeDaemon
 from smddp.errors import BootstrapError, ConfigError
 from smddp.proto.frames import Role
@@ -54,6 +55,12 @@ def run(cfg: DaemonConfig) -> int:
         format=f"[smddp-daemon %(levelname)s {socket.gethostname()} pid {os.getpid()}] %(message)s",
     )
     logging.getLogger("smddp").setLevel(cfg.log_level.upper())
+    try:  # before the bootstrap: a daemon that cannot reduce must not join the job
+        kernel = Reducer(cfg.reduce_kernel).kernel
+    except RuntimeError as e:
+        logging.getLogger("smddp.daemon").error("%s", e)
+        return 2
+    logging.getLogger("smddp.daemon").info("reduction kernels: %s", kernel)
     held: dict[str, object] = {}
 
     def open_endpoint(node: int, job_hex: str, single_host: bool) -> tuple[str, int, str]:

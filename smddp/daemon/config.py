@@ -32,8 +32,11 @@ class DaemonConfig:
     timeline_dir: str = ""  # write this daemon's Chrome trace events here at exit ("" = off)
     metrics_port: int = 0  # serve Prometheus /metrics on this port (0 = off)
     log_level: str = "WARNING"
+    reduce_kernel: str = "auto"  # 16-bit float reductions: "compiled", "numpy", or "auto" (compiled if built)
 
     def __post_init__(self) -> None:
+        if self.reduce_kernel not in ("auto", "compiled", "numpy"):
+            raise ValueError("reduce kernel must be auto, compiled or numpy")
         if not 4096 <= self.chunk_bytes <= 64 << 20:
             raise ValueError("chunk_bytes must be between 4 KiB and 64 MiB")
         if self.threads < 1:

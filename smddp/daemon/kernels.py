@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Sequence
+from types import ModuleType
 
 import numpy as np
 
 from smddp.proto.dtypes import DType, ReduceOp
+
+KERNELS = ("auto", "compiled", "numpy")
+
+
+def load_compiled() -> ModuleType | None:
+    """The compiled 16-bit kernel (smddp/daemon/_reduce16.c), or None where it was not built."""
+    try:
+        return importlib.import_module("smddp.daemon._reduce16")
+    except ImportError:
+        return None
 
 
 def bf16_to_f32(bits: np.ndarray, out: np.ndarray) -> np.ndarray:
@@ -42,12 +54,33 @@ def _int_avg(acc: np.ndarray, divisor: int, out: np.ndarray) -> None:
     np.copyto(out, q, casting="unsafe")
 
 
-class Reducer:
-    """Reduces equally long inputs into `out` in list order; owns scratch, so one per thread."""
+_COMPILED_OP = {ReduceOp.SUM: 0, ReduceOp.AVG: 0, ReduceOp.MIN: 1, ReduceOp.MAX: 2}
 
-    def __init__(self) -> None:
+
+class Reducer:
+    """Reduces equally long inputs into `out` in list order; owns scratch, so one per thread.
+
+    `kernel` picks how 16-bit floats are reduced: "compiled" (the C kernel; an error if it is missing),
+    "numpy", or "auto" (compiled where built, numpy otherwise). Both give the same bits.
+    """
+
+    def __init__(self, kernel: str = "auto") -> None:
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, not {kernel!r}")
         self._acc = np.empty(0, np.float32)
         self._tmp = np.empty(0, np.float32)
+        self._c = None if kernel == "numpy" else load_compiled()
+        if kernel == "compiled" and self._c is None:
+            raise RuntimeError("the compiled reduction kernel smddp.daemon._reduce16 is not built")
+        # float16 needs the CPU's F16C conversions; bfloat16 is plain C everywhere.
+        self._c_f16 = self._c is not None and bool(self._c.has_f16c())
+
+    @property
+    def kernel(self) -> str:
+        """Which kernel reduces float16 / bfloat16 here: "compiled" or "numpy" (per dtype)."""
+        f16 = "compiled" if self._c_f16 else "numpy"
+        bf16 = "compiled" if self._c is not None else "numpy"
+        return f"float16: {f16}, bfloat16: {bf16}"
 
     def _scratch(self, n: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
         need = n * dtype.itemsize
@@ -119,7 +152,30 @@ class Reducer:
             return
 
         # 16-bit floats: widen each input to float32, fold, divide, round once at the end.
-        acc, tmp = self._scratch(n, acc_dt)
+        c = self._c if dtype == DType.BFLOAT16 or self._c_f16 else None
+        if c is not None and out.flags.c_contiguous and all(x.flags.c_contiguous for x in inputs):
+            div = float(divisor) if op == ReduceOp.AVG and divisor is not None else 0.0
+            kind = 0 if dtype == DType.FLOAT16 else 1
+            # Blocks whose result holds a NaN were left unwritten (their inputs intact, even when
+            # `out` aliases one): numpy reduces them, so NaN payloads keep numpy's exact bits.
+            for b in c.reduce16(kind, _COMPILED_OP[op], inputs, out, div):
+                lo, hi = b * c.BLOCK, min(n, (b + 1) * c.BLOCK)
+                self._reduce_wide([x[lo:hi] for x in inputs], out[lo:hi], dtype, op, divisor, hi - lo, fold)
+            return
+        self._reduce_wide(inputs, out, dtype, op, divisor, n, fold)
+
+    def _reduce_wide(
+        self,
+        inputs: Sequence[np.ndarray],
+        out: np.ndarray,
+        dtype: DType,
+        op: ReduceOp,
+        divisor: int | None,
+        n: int,
+        fold: np.ufunc,
+    ) -> None:
+        """The numpy path for float16/bfloat16: widen to float32, fold, divide, round once."""
+        acc, tmp = self._scratch(n, dtype.accumulator)
         if dtype == DType.FLOAT16:
             np.copyto(acc, inputs[0])
             for x in inputs[1:]:

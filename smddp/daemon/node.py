@@ -633,7 +633,7 @@ class NodeDaemon:
             self._task_cv.notify(len(tasks))
 
     def _compute_loop(self) -> None:
-        reducer = Reducer()
+        reducer = Reducer(self.cfg.reduce_kernel)
         while True:
             with self._task_cv:
                 while not self._tasks and not self._local_tasks:
@@ -830,6 +830,7 @@ class NodeDaemon:
             "address": f"{d.tcp_host}:{d.tcp_port}",
             "uptime_s": now - self._started,
             "state": state,
+            "reduce_kernel": Reducer(self.cfg.reduce_kernel).kernel,
             "workers": {
                 "connected": len(workers),
                 "expected": self.local_size,

@@ -141,6 +141,12 @@ def daemon_main(argv: list[str] | None = None) -> int:
     p.add_argument("--metrics-port", type=int, default=0)
     p.add_argument("--timeline-dir", default="")
     p.add_argument("--log-level", default=os.environ.get("SMDDP_LOG_LEVEL", "WARNING"))
+    p.add_argument(
+        "--reduce-kernel",
+        choices=["auto", "compiled", "numpy"],
+        default=os.environ.get("SMDDP_REDUCE_KERNEL", "auto"),
+        help="how float16/bfloat16 are summed: the compiled kernel, numpy, or auto (compiled where built)",
+    )
     args = p.parse_args(argv)
     try:
         cfg = DaemonConfig(
@@ -155,6 +161,7 @@ def daemon_main(argv: list[str] | None = None) -> int:
             metrics_port=args.metrics_port,
             timeline_dir=args.timeline_dir,
             log_level=args.log_level,
+            reduce_kernel=args.reduce_kernel,
         )
     except ValueError as e:
         print(f"smddp-daemon: {e}", file=sys.stderr)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import ml_dtypes
 import numpy as np
 import pytest
 
-from smddp.daemon.kernels import Reducer, bf16_to_f32, f32_to_bf16
+from smddp.daemon.kernels import Reducer, bf16_to_f32, f32_to_bf16, load_compiled
 from smddp.proto.dtypes import DType, ReduceOp
 from tests import reference as ref
 
@@ -172,19 +174,32 @@ def test_reference_other_collectives():
 
 
 # -- Reducer against the reference ---------------------------------------------------------------
+# Every Reducer test runs on both kernels: the numpy path and the compiled one (smddp/daemon/_reduce16.c,
+# used for float16/bfloat16); both must give the reference's bits.
+
+
+@pytest.fixture(params=["numpy", "compiled"])
+def kernel(request):
+    if request.param == "compiled" and load_compiled() is None:
+        if os.environ.get("CI"):
+            pytest.fail(
+                "the compiled kernel smddp.daemon._reduce16 was not built (is a C compiler installed?)"
+            )
+        pytest.skip("the compiled kernel is not built here")
+    return request.param
 
 
 @pytest.mark.parametrize("n", LENGTHS)
 @pytest.mark.parametrize("ninputs", [1, 2, 3, 4, 5])
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_reduce_single_node(dtype, op, ninputs, n):
+def test_reduce_single_node(kernel, dtype, op, ninputs, n):
     """One node, G = W inputs: one Reducer.reduce with divisor=W is the whole all-reduce."""
     inputs = make_inputs(dtype, ninputs, n, (DTYPES.index(dtype), OPS.index(op), ninputs, n))
     saved = [x.copy() for x in inputs]
     out = garbage(dtype, n)
     with np.errstate(all="ignore"):
-        Reducer().reduce(inputs, out, wire(dtype), wire_op(op), divisor=ninputs)
+        Reducer(kernel).reduce(inputs, out, wire(dtype), wire_op(op), divisor=ninputs)
     want = ref.allreduce(inputs, dtype, op, nnodes=1)
     assert_same_bits(out, want, f"{dtype} {op} x{ninputs} n={n}")
     for x, s in zip(inputs, saved, strict=True):
@@ -198,11 +213,11 @@ TWO_LEVEL = [(2, 1), (2, 2), (3, 2), (2, 3), (4, 1), (3, 1)]
 @pytest.mark.parametrize("nnodes,g", TWO_LEVEL, ids=lambda v: str(v))
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_reduce_two_level(dtype, op, nnodes, g, n):
+def test_reduce_two_level(kernel, dtype, op, nnodes, g, n):
     """Node partials in the element type, then the server's fold over nodes with divisor=W."""
     world = nnodes * g
     inputs = make_inputs(dtype, world, n, (100 + DTYPES.index(dtype), OPS.index(op), nnodes, g, n))
-    reducer = Reducer()
+    reducer = Reducer(kernel)
     rop = wire_op(op)
     partial_op = ReduceOp.SUM if rop == ReduceOp.AVG else rop
     with np.errstate(all="ignore"):
@@ -219,11 +234,11 @@ def test_reduce_two_level(dtype, op, nnodes, g, n):
 
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_avg_without_divisor_is_a_sum(dtype, op):
+def test_avg_without_divisor_is_a_sum(kernel, dtype, op):
     inputs = make_inputs(dtype, 3, 257, (7, DTYPES.index(dtype)))
     out = garbage(dtype, 257)
     with np.errstate(all="ignore"):
-        Reducer().reduce(inputs, out, wire(dtype), ReduceOp.AVG, divisor=None)
+        Reducer(kernel).reduce(inputs, out, wire(dtype), ReduceOp.AVG, divisor=None)
     assert_same_bits(out, ref.allreduce(inputs, dtype, "sum", nnodes=1), dtype)
 
 
@@ -233,19 +248,19 @@ ALIASES = [(k, a) for k in (1, 2, 3, 5) for a in (0, 1, -1) if a < k]
 @pytest.mark.parametrize("ninputs,alias", ALIASES)
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_out_may_alias_an_input(dtype, op, ninputs, alias):
+def test_out_may_alias_an_input(kernel, dtype, op, ninputs, alias):
     n = 1000
     inputs = make_inputs(dtype, ninputs, n, (200 + DTYPES.index(dtype), OPS.index(op), ninputs))
     want = ref.allreduce([x.copy() for x in inputs], dtype, op, nnodes=1)
     out = inputs[alias]
     with np.errstate(all="ignore"):
-        Reducer().reduce(inputs, out, wire(dtype), wire_op(op), divisor=ninputs)
+        Reducer(kernel).reduce(inputs, out, wire(dtype), wire_op(op), divisor=ninputs)
     assert_same_bits(out, want, f"{dtype} {op} x{ninputs} out=inputs[{alias}]")
 
 
-def test_reducer_reuse_across_dtypes_and_sizes():
+def test_reducer_reuse_across_dtypes_and_sizes(kernel):
     """One Reducer (as the daemon keeps one per thread) reused with growing and shrinking scratch."""
-    reducer = Reducer()
+    reducer = Reducer(kernel)
     rng = np.random.default_rng(99)
     plan = [(d, o, k, n) for d in DTYPES for o in OPS for k in (1, 3, 4) for n in (5, 3000, 17, 4099, 64)]
     order = rng.permutation(len(plan))
@@ -258,33 +273,33 @@ def test_reducer_reuse_across_dtypes_and_sizes():
         assert_same_bits(out, ref.allreduce(inputs, dtype, op, nnodes=1), f"{dtype} {op} x{k} n={n}")
 
 
-def test_reduce_into_slices_of_a_larger_buffer():
+def test_reduce_into_slices_of_a_larger_buffer(kernel):
     """The daemon reduces chunk slices of shared buffers; strided offsets must not matter."""
     rng = np.random.default_rng(5)
     for dtype in DTYPES:
         with np.errstate(all="ignore"):
             big = [gen(dtype, 5000, rng) for _ in range(3)]
         res = garbage(dtype, 5000)
-        reducer = Reducer()
+        reducer = Reducer(kernel)
         for a, b in [(0, 1024), (1024, 2048), (2048, 3001), (3001, 5000)]:
             with np.errstate(all="ignore"):
                 reducer.reduce([x[a:b] for x in big], res[a:b], wire(dtype), ReduceOp.AVG, divisor=3)
         assert_same_bits(res, ref.allreduce(big, dtype, "avg", nnodes=1), dtype)
 
 
-def test_int_avg_truncates_toward_zero():
+def test_int_avg_truncates_toward_zero(kernel):
     x = np.array([-7, 7, -8, 8, -1, 1, np.iinfo(np.int64).min, np.iinfo(np.int64).max], np.int64)
     out = np.empty_like(x)
-    Reducer().reduce([x], out, DType.INT64, ReduceOp.AVG, divisor=2)
+    Reducer(kernel).reduce([x], out, DType.INT64, ReduceOp.AVG, divisor=2)
     assert out.tolist() == [-3, 3, -4, 4, 0, 0, np.iinfo(np.int64).min // 2, np.iinfo(np.int64).max // 2]
     y = np.array([-7, 7], np.int32)
     out32 = np.empty_like(y)
-    Reducer().reduce([y, y, y], out32, DType.INT32, ReduceOp.AVG, divisor=4)  # -21/4, 21/4
+    Reducer(kernel).reduce([y, y, y], out32, DType.INT32, ReduceOp.AVG, divisor=4)  # -21/4, 21/4
     assert out32.tolist() == [-5, 5]
 
 
 @pytest.mark.parametrize("world", [256, 300, 1024])
-def test_uint8_avg_with_a_large_world(world):
+def test_uint8_avg_with_a_large_world(kernel, world):
     """A job of 256 or more ranks averaging uint8: the divisor does not fit the element type.
 
     The sum wraps in uint8 (so it is below 256) and the truncated average is therefore 0;
@@ -295,23 +310,25 @@ def test_uint8_avg_with_a_large_world(world):
     want = ref.allreduce(inputs, "uint8", "avg", nnodes=1)
     assert want.tolist() == [0] * 9
     out = garbage("uint8", 9)
-    Reducer().reduce(inputs, out, DType.UINT8, ReduceOp.AVG, divisor=world)
+    Reducer(kernel).reduce(inputs, out, DType.UINT8, ReduceOp.AVG, divisor=world)
     assert_same_bits(out, want, "uint8 avg")
     # and on the server side of a two-node job
     partials = []
     for node in range(2):
         p = garbage("uint8", 9)
-        Reducer().reduce(inputs[node * world // 2 : (node + 1) * world // 2], p, DType.UINT8, ReduceOp.SUM)
+        Reducer(kernel).reduce(
+            inputs[node * world // 2 : (node + 1) * world // 2], p, DType.UINT8, ReduceOp.SUM
+        )
         partials.append(p)
-    Reducer().reduce(partials, out, DType.UINT8, ReduceOp.AVG, divisor=world)
+    Reducer(kernel).reduce(partials, out, DType.UINT8, ReduceOp.AVG, divisor=world)
     assert_same_bits(out, ref.allreduce(inputs, "uint8", "avg", nnodes=2), "uint8 avg two-level")
 
 
-def test_empty_reduce_is_a_no_op_and_nothing_to_reduce_refused():
+def test_empty_reduce_is_a_no_op_and_nothing_to_reduce_refused(kernel):
     out = np.empty(0, np.float32)
-    Reducer().reduce([], out, DType.FLOAT32, ReduceOp.SUM)  # nothing to do for zero elements
+    Reducer(kernel).reduce([], out, DType.FLOAT32, ReduceOp.SUM)  # nothing to do for zero elements
     with pytest.raises(ValueError):
-        Reducer().reduce([], np.empty(3, np.float32), DType.FLOAT32, ReduceOp.SUM)
+        Reducer(kernel).reduce([], np.empty(3, np.float32), DType.FLOAT32, ReduceOp.SUM)
 
 
 # -- bfloat16 helpers against ml_dtypes --------------------------------------------------------------
@@ -414,3 +431,96 @@ def test_f32_to_bf16_nan_payloads_stay_nan(f32):
     assert b & 0x0040, f"{b:#x} is not a quiet NaN"
     assert b & 0x8000 == (f32 >> 16) & 0x8000
     assert np.isnan(_ml_widen(np.array([b], np.uint16)))[0]
+
+
+# -- the compiled 16-bit kernel on its own ---------------------------------------------------------
+
+
+def _no_nan(dtype: str, n: int, rng: np.random.Generator) -> np.ndarray:
+    """Elements of `dtype` with infinities of one sign, zeros of both, subnormals, but no NaN."""
+    x = gen(dtype, n, rng, specials=False)
+    sp = _SPECIALS[dtype]
+    sp = sp[~np.isnan(_as_float(dtype, sp))]
+    sp = sp[_as_float(dtype, sp) != -np.inf]  # +inf and -inf together would make a NaN
+    where = rng.random(n) < 0.03
+    x[where] = sp[rng.integers(0, len(sp), int(where.sum()))]
+    return x
+
+
+def _as_float(dtype: str, x: np.ndarray) -> np.ndarray:
+    return x.view(ml_dtypes.bfloat16).astype(np.float32) if dtype == "bfloat16" else x.astype(np.float32)
+
+
+@pytest.fixture
+def compiled():
+    c = load_compiled()
+    if c is None:
+        if os.environ.get("CI"):
+            pytest.fail(
+                "the compiled kernel smddp.daemon._reduce16 was not built (is a C compiler installed?)"
+            )
+        pytest.skip("the compiled kernel is not built here")
+    return c
+
+
+@pytest.mark.parametrize("ninputs", [1, 2, 4, 7])
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_compiled_kernel_without_nan_takes_no_fallback(compiled, dtype, op, ninputs):
+    """NaN-free data: the C kernel writes every block itself and matches the reference bit for bit."""
+    n = 3 * compiled.BLOCK + 13  # whole blocks and a ragged tail (not a multiple of 8 lanes)
+    rng = np.random.default_rng([ninputs, OPS.index(op), len(dtype)])
+    with np.errstate(all="ignore"):
+        inputs = [_no_nan(dtype, n, rng) for _ in range(ninputs)]
+    out = garbage(dtype, n)
+    div = float(ninputs) if op == "avg" else 0.0
+    code = {"sum": 0, "avg": 0, "min": 1, "max": 2}[op]
+    left = compiled.reduce16(0 if dtype == "float16" else 1, code, inputs, out, div)
+    want = ref.allreduce(inputs, dtype, op, nnodes=1)
+    assert left == [] or np.isnan(_as_float(dtype, want)).any(), left  # overflow + -inf could make a NaN
+    if left == []:
+        assert_same_bits(out, want, f"{dtype} {op} x{ninputs}")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_compiled_kernel_leaves_nan_blocks_to_numpy(compiled, dtype):
+    """One NaN in the middle block: only that block is left unwritten, and the Reducer fills it exactly."""
+    b = compiled.BLOCK
+    n = 3 * b
+    rng = np.random.default_rng(11)
+    inputs = [_no_nan(dtype, n, rng) for _ in range(3)]
+    inputs[1][b + 5] = _SPECIALS[dtype][1]  # -NaN
+    out = garbage(dtype, n)
+    left = compiled.reduce16(0 if dtype == "float16" else 1, 0, inputs, out, 0.0)
+    assert left == [1]
+    assert bits(out[b : 2 * b]) == bits(garbage(dtype, b)), "a NaN block must stay unwritten"
+    out2 = garbage(dtype, n)
+    with np.errstate(all="ignore"):
+        Reducer("compiled").reduce(inputs, out2, wire(dtype), ReduceOp.SUM)
+    assert_same_bits(out2, ref.allreduce(inputs, dtype, "sum", nnodes=1), dtype)
+
+
+def test_compiled_kernel_refuses_bad_arguments(compiled):
+    a = np.zeros(8, np.uint16)
+    with pytest.raises(ValueError, match="holds"):
+        compiled.reduce16(1, 0, [a, np.zeros(4, np.uint16)], np.zeros(8, np.uint16), 0.0)
+    with pytest.raises(ValueError, match="inputs"):
+        compiled.reduce16(1, 0, [], a, 0.0)
+    with pytest.raises(ValueError, match="kind"):
+        compiled.reduce16(5, 0, [a], a, 0.0)
+    with pytest.raises(ValueError, match="op"):
+        compiled.reduce16(1, 9, [a], a, 0.0)
+    with pytest.raises(ValueError, match="not C-contiguous"):
+        compiled.reduce16(1, 0, [a], a[::2], 0.0)
+    with pytest.raises(ValueError, match="not C-contiguous"):
+        compiled.reduce16(1, 0, [np.zeros(16, np.uint16)[::2]], a, 0.0)
+    with pytest.raises((TypeError, BufferError, ValueError), match=r"writ|read"):
+        compiled.reduce16(1, 0, [a], np.frombuffer(bytes(16), np.uint16), 0.0)  # read-only out
+
+
+def test_reducer_kernel_choice():
+    assert "numpy" in Reducer("numpy").kernel
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        Reducer("fortran")
+    if load_compiled() is not None:
+        assert Reducer("auto").kernel.endswith("bfloat16: compiled")

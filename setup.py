@@ -1,0 +1,16 @@
+"""Build hook for the one compiled part: the 16-bit reduction kernel (metadata lives in pyproject.toml)."""
+
+from setuptools import Extension, setup
+
+# optional=True: without a C compiler the install still succeeds and the daemon uses its numpy path
+# (smddp.daemon.kernels says which one it runs; CI asserts the compiled one is there).
+setup(
+    ext_modules=[
+        Extension(
+            "smddp.daemon._reduce16",
+            ["smddp/daemon/_reduce16.c"],
+            extra_compile_args=["-O3", "-fno-fast-math"],
+            optional=True,
+        )
+    ]
+)
