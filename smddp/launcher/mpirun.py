@@ -123,6 +123,10 @@ def build_command(cfg: LaunchConfig) -> list[str]:
         cmd.append("--allow-run-as-root")  # containers run as root; Open MPI refuses it otherwise
     # Daemons and workers together outnumber the cores, and neither should be pinned to one core.
     cmd += ["--oversubscribe", "--bind-to", "none"]
+    if not any("btl" in a for a in cfg.mpi_args):
+        # MPI carries only the bootstrap's few small messages: TCP does that, and Open MPI's
+        # shared-memory transport would leave its /dev/shm segment behind if a process were killed.
+        cmd += ["--mca", "btl", "self,tcp"]
     env = {
         "SMDDP_JOB_ID": cfg.job_id,
         "SMDDP_FUSION_MB": f"{cfg.fusion_mb:g}",

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import BIN, smddp_launch
+from tests.conftest import BIN, job_env, smddp_launch
 
 pytestmark = pytest.mark.multiprocess
 HERE = Path(__file__).parent
@@ -103,7 +103,34 @@ def test_dry_run_prints_mpmd_command():
     assert "-np 2" in left and "smddp-daemon" in left
     assert right.startswith("-np 4 ") and right.endswith(" python train.py --lr 0.1")
     assert "SMDDP_FUSION_MB=32" in out and "--mca btl tcp,self" in out
+    assert "--mca btl self,tcp" not in out, "the user's btl choice replaces smddp's default"
     assert ("--allow-run-as-root" in out) == (os.geteuid() == 0)
+
+
+def test_bootstrap_uses_no_mpi_shared_memory(tmp_path, clean_host):
+    """MPI's shared-memory transport is off, so a job killed mid-bootstrap cannot leave /dev/shm files."""
+    assert "--mca btl self,tcp" in _dry_run(["-np", "2", "--", "python", "x.py"])
+    before = set(os.listdir("/dev/shm"))
+    seen: set[str] = set()
+    proc = subprocess.Popen(
+        [
+            str(BIN / "smddp-launch"),
+            "-np",
+            "4",
+            "--local-nodes",
+            "2",
+            "--",
+            sys.executable,
+            "-c",
+            "import smddp; smddp.init(); smddp.barrier(); smddp.shutdown()",
+        ],
+        env=job_env(),
+    )
+    while proc.poll() is None:
+        seen |= set(os.listdir("/dev/shm")) - before
+        time.sleep(0.005)
+    assert proc.returncode == 0
+    assert not [n for n in seen if n.startswith("sm_segment")], seen
 
 
 def test_python_m_entry_point():
