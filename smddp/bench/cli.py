@@ -28,6 +28,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="bench-results", help="output directory")
     p.add_argument("--chunk-kb", type=int, default=1024, help="smddp-launch --chunk-kb")
     p.add_argument("--threads", type=int, default=2, help="smddp-launch --threads")
+    p.add_argument("--replicate-kb", type=int, default=256, help="smddp-launch --replicate-kb")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per launch")
     p.add_argument("--prefix", default="smddpb", help="simulated cluster name prefix")
     p.add_argument("--subnet", default="10.77.9", help="simulated cluster subnet (three octets)")
@@ -39,6 +40,7 @@ def _options(a: argparse.Namespace) -> RunOptions:
         warmup=a.warmup,
         chunk_kb=a.chunk_kb,
         threads=a.threads,
+        replicate_kb=a.replicate_kb,
         timeout_s=a.timeout,
         prefix=a.prefix,
         subnet=a.subnet,

@@ -72,6 +72,7 @@ class RunOptions:
     max_iters: int = 50
     chunk_kb: int = 1024  # smddp-launch --chunk-kb
     threads: int = 2  # smddp-launch --threads (daemon reduction threads)
+    replicate_kb: int = 256  # smddp-launch --replicate-kb (small all-reduces: one network step)
     torch_threads: int = 1  # gloo ranks: torch.set_num_threads
     progress: str = ""  # worker rank 0 writes its completed all-reduces here (smddp-bench profile)
     timeout_s: float = 900.0
@@ -239,8 +240,13 @@ def build_command(
             cmd += ["--launch-agent", p.cluster.launch_agent_path()]
         elif topo.nodes > 1:
             cmd += ["--local-nodes", str(topo.nodes)]
-        cmd += ["--chunk-kb", str(opts.chunk_kb), "--threads", str(opts.threads), "--", *worker]
-        settings = {"chunk_kb": opts.chunk_kb, "daemon_threads": opts.threads}
+        cmd += ["--chunk-kb", str(opts.chunk_kb), "--threads", str(opts.threads)]
+        cmd += ["--replicate-kb", str(opts.replicate_kb), "--", *worker]
+        settings = {
+            "chunk_kb": opts.chunk_kb,
+            "daemon_threads": opts.threads,
+            "replicate_kb": opts.replicate_kb,
+        }
         env["SMDDP_JOB_ID"] = job_id or os.urandom(16).hex()
         return cmd, env, settings
     cmd = [_bin("mpirun")]

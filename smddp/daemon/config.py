@@ -32,6 +32,8 @@ class DaemonConfig:
     timeline_dir: str = ""  # write this daemon's Chrome trace events here at exit ("" = off)
     metrics_port: int = 0  # serve Prometheus /metrics on this port (0 = off)
     log_level: str = "WARNING"
+    # An all-reduce whose bytes x (nodes - 1) fit here goes replicated (one network step); 0 = never.
+    replicate_bytes: int = 256 << 10
     reduce_kernel: str = "auto"  # 16-bit float reductions: "compiled", "numpy", or "auto" (compiled if built)
 
     def __post_init__(self) -> None:
@@ -39,6 +41,8 @@ class DaemonConfig:
             raise ValueError("reduce kernel must be auto, compiled or numpy")
         if not 4096 <= self.chunk_bytes <= 64 << 20:
             raise ValueError("chunk_bytes must be between 4 KiB and 64 MiB")
+        if not 0 <= self.replicate_bytes <= 1 << 30:
+            raise ValueError("replicate_bytes must be between 0 and 1 GiB")
         if self.threads < 1:
             raise ValueError("threads must be at least 1")
         if not 0.2 <= self.heartbeat_timeout_s <= 3600:

@@ -83,6 +83,7 @@ class OpState:
         self.root = root
         self.origin = origin  # who first issued it, for mismatch messages
         self.reduce: ReduceLayout | None = None
+        self.replicated = False  # a small all-reduce: every node serves the whole buffer
         self.gather: GatherLayout | None = None
         self.result_slot: Slot | None = None
         self.result: np.ndarray = np.empty(0, np.uint8)
@@ -516,6 +517,10 @@ class NodeDaemon:
         """Free an op's memory once every worker copied its result out and every send left (lock held)."""
         if op.released == self.local_size and op.pending_sends == 0 and op.done:
             del self.ops[op.seq]
+            if op.server_slot is not None:  # a replicated op's partial was sent from there
+                self.scratch.free(op.server_slot)
+                op.server_slot = None
+                op.server = None
             self._stall_warned.pop(op.seq, None)
             if self.cfg.timeline_dir:
                 self.timeline.extend(op.trace_events(f"node {self.node} daemon", self.node))
@@ -552,14 +557,23 @@ class NodeDaemon:
             op.expected = op.gather.total_chunks()
             total = op.gather.total_bytes
         else:
-            op.reduce = ReduceLayout.build(count, itemsize, N, self.cfg.chunk_bytes)
-            own = op.reduce.chunks(self.node)
-            # Every chunk completes exactly once here: by our local reduce (N == 1, or a reduce_scatter
-            # partial that left for its server), by our server reduce, or by a RESULT from its server.
-            # Counting the partials too means an op is never done while a local task still reads it.
-            op.expected = sum(len(c) for c in op.reduce.all_chunks())
+            op.replicated = self._replicates(kind, count * itemsize)
+            if op.replicated:
+                # Small: every node receives every node's partial and reduces the whole buffer itself,
+                # in the same node order, so all get the same bits in one network step, not two.
+                op.reduce = ReduceLayout.build(count, itemsize, 1, self.cfg.chunk_bytes)
+                own = op.reduce.chunks(0)
+                op.expected = len(own)  # completed by our server reduces only
+            else:
+                op.reduce = ReduceLayout.build(count, itemsize, N, self.cfg.chunk_bytes)
+                own = op.reduce.chunks(self.node)
+                # Every chunk completes exactly once here: by our local reduce (N == 1, or a
+                # reduce_scatter partial that left for its server), by our server reduce, or by a RESULT
+                # from its server. Counting the partials too means an op is never done while a local
+                # task still reads it.
+                op.expected = sum(len(c) for c in op.reduce.all_chunks())
             if N > 1:
-                a, b = op.reduce.shards()[self.node]
+                a, b = op.reduce.shards()[0 if op.replicated else self.node]
                 op.own_start = a
                 op.own_chunks = own
                 op.server_slot, _ = self.scratch.alloc(N * (b - a) * itemsize)
@@ -575,6 +589,14 @@ class NodeDaemon:
         op.result = self.results.view(op.result_slot)
         self.ops[seq] = op
         return op
+
+    def _replicates(self, kind: Kind, nbytes: int) -> bool:
+        """Whether an all-reduce (or barrier) of `nbytes` goes replicated: it is latency-bound, so
+        sending the whole partial to every node, (N - 1) x nbytes out, costs less than the second
+        network step. Every daemon has the same threshold (smddp-launch passes it), so all agree."""
+        if self.nnodes == 1 or kind not in (Kind.ALLREDUCE, Kind.BARRIER):
+            return False
+        return nbytes * (self.nnodes - 1) <= self.cfg.replicate_bytes
 
     def _validate_new(
         self, seq: int, kind: Kind, dtype: DType, count: int, rop: ReduceOp | None, root: int, who: str
@@ -618,6 +640,8 @@ class NodeDaemon:
             # Never empty: every node has a block in a gather collective, if only an empty one.
             return [(self._local_gather, op, a, b) for a, b in op.gather.chunks(self.node)]
         assert op.reduce is not None
+        if op.replicated:
+            return [(self._local_reduce, op, c) for c in op.reduce.chunks(0)]
         per_shard = op.reduce.all_chunks()
         order = [(self.node + 1 + k) % self.nnodes for k in range(self.nnodes)]
         tasks = []
@@ -663,7 +687,19 @@ class NodeDaemon:
             return
         # The node partial of an average is a sum: the server divides once.
         partial_op = ReduceOp.SUM if rop == ReduceOp.AVG else rop
-        if c.shard == self.node:
+        if op.replicated:
+            # Our partial is our own server input and goes to every peer from there; that row is
+            # not freed before these sends have left (_maybe_retire).
+            assert op.server is not None
+            dest = op.server[self.node, c.start : c.end]
+            reducer.reduce(inputs, dest, op.dtype, partial_op)
+            self._reduced(op, "local reduce", inputs, t0, w0)
+            isz = op.dtype.itemsize
+            hdr = self._header(MsgType.PARTIAL, op, 0, c.start * isz, c.count * isz)
+            for j in self.peers:
+                self._send(j, op, hdr, dest)
+            self._partial_arrived(op, c.index, self.node)
+        elif c.shard == self.node:
             assert op.server is not None
             dest = op.server[self.node, c.start - op.own_start : c.end - op.own_start]
             reducer.reduce(inputs, dest, op.dtype, partial_op)
@@ -706,7 +742,7 @@ class NodeDaemon:
         t0, w0 = time.perf_counter(), time.time()
         reducer.reduce(inputs, res, op.dtype, rop, self.world)
         self._reduced(op, "server reduce", inputs, t0, w0)
-        if op.kind != Kind.REDUCE_SCATTER:
+        if op.kind != Kind.REDUCE_SCATTER and not op.replicated:
             isz = op.dtype.itemsize
             hdr = self._header(MsgType.RESULT, op, self.node, c.start * isz, c.count * isz)
             for j in self.peers:
@@ -917,7 +953,7 @@ class NodeDaemon:
             if op.done or op.completed < op.expected or op.submitted < self.local_size:
                 return
             op.done = True
-            if op.server_slot is not None:  # every server reduce of ours is behind us
+            if op.server_slot is not None and not op.replicated:  # every server reduce is behind us
                 self.scratch.free(op.server_slot)
                 op.server_slot = None
                 op.server = None
@@ -1078,14 +1114,14 @@ class NodeDaemon:
                 if op.reduce is None:
                     raise ProtocolError(f"{who} sent {h.type.name} for {op.kind.label} #{h.seq}")
                 if h.type is MsgType.PARTIAL:
-                    if h.shard != self.node:
+                    if h.shard != (0 if op.replicated else self.node):
                         raise ProtocolError(f"{who} sent a partial of shard {h.shard} to {self.me}")
                     c = op.reduce.locate(h.shard, h.offset, h.length)
                     assert op.server is not None
                     dest = op.server[node, c.start - op.own_start : c.end - op.own_start]
                     index = c.index
                 else:
-                    if h.shard != node or op.kind == Kind.REDUCE_SCATTER:
+                    if h.shard != node or op.kind == Kind.REDUCE_SCATTER or op.replicated:
                         raise ProtocolError(f"{who} sent a result of shard {h.shard}")
                     c = op.reduce.locate(h.shard, h.offset, h.length)
                     dest = self._typed(op)[c.start : c.end]

@@ -34,6 +34,12 @@ def _launch_parser() -> argparse.ArgumentParser:
     p.add_argument("--fusion-mb", type=float, default=64.0, help="fusion buffer size for front ends (MiB)")
     p.add_argument("--chunk-kb", type=int, default=1024, help="pipelining chunk (KiB)")
     p.add_argument("--threads", type=int, default=2, help="reduction threads per daemon")
+    p.add_argument(
+        "--replicate-kb",
+        type=int,
+        default=256,
+        help="small all-reduces (KiB x (nodes - 1) at most this) skip the second network step; 0 = never",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="default timeout of a blocking call (s)")
     p.add_argument(
         "--heartbeat-timeout",
@@ -85,6 +91,7 @@ def launch_main(argv: list[str] | None = None) -> int:
             fusion_mb=args.fusion_mb,
             chunk_kb=args.chunk_kb,
             threads=args.threads,
+            replicate_kb=args.replicate_kb,
             timeout_s=args.timeout,
             heartbeat_timeout_s=args.heartbeat_timeout,
             stall_warning_s=args.stall_warning_s,
@@ -130,6 +137,12 @@ def daemon_main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk-kb", type=int, default=1024)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument(
+        "--replicate-kb",
+        type=int,
+        default=256,
+        help="all-reduces of at most this many KiB x (nodes - 1) take one network step (0 = never)",
+    )
+    p.add_argument(
         "--iface",
         default=os.environ.get("SMDDP_IFACE", ""),
         help="interface name, CIDR or address to listen on for the other daemons",
@@ -152,6 +165,7 @@ def daemon_main(argv: list[str] | None = None) -> int:
         cfg = DaemonConfig(
             chunk_bytes=args.chunk_kb * 1024,
             threads=args.threads,
+            replicate_bytes=args.replicate_kb * 1024,
             iface=args.iface,
             socket_dir=args.socket_dir,
             job_id_hex=os.environ.get("SMDDP_JOB_ID", ""),

@@ -32,6 +32,7 @@ class LaunchConfig:
     fusion_mb: float = 64.0
     chunk_kb: int = 1024
     threads: int = 2
+    replicate_kb: int = 256  # small all-reduces: one network step (smddp-daemon --replicate-kb)
     timeout_s: float = 600.0
     heartbeat_timeout_s: float = 20.0
     stall_warning_s: float = 60.0
@@ -151,6 +152,8 @@ def build_command(cfg: LaunchConfig) -> list[str]:
         str(cfg.chunk_kb),
         "--threads",
         str(cfg.threads),
+        "--replicate-kb",
+        str(cfg.replicate_kb),
         "--log-level",
         cfg.log_level,
         "--heartbeat-timeout",

@@ -38,3 +38,28 @@ def test_every_collective_bit_exact(world: int, nodes: int, tmp_path: Path, clea
         if recs[0]["case"]["kind"] != "reduce_scatter":
             assert len({rec["digest"] for rec in recs}) == 1, f"ranks disagree on {recs[0]['case']}"
     assert sum(1 for rec in per_rank[0] if rec.get("inflight")) == 32
+
+
+MULTI = [(w, n) for w, n in CONFIGS if n > 1]
+
+
+@pytest.mark.parametrize("replicate_kb", [0, 65536], ids=["never-replicated", "replicated-up-to-64MiB"])
+@pytest.mark.parametrize(("world", "nodes"), MULTI, ids=[f"W{w}-N{n}" for w, n in MULTI])
+def test_both_reduce_paths_bit_exact(
+    world: int, nodes: int, replicate_kb: int, tmp_path: Path, clean_host: None
+) -> None:
+    """The sharded path (two network steps) and the replicated one (small all-reduces: one step) give
+    the reference's bits for every size: by default only the small sizes go replicated; here every
+    all-reduce and barrier up to 1 Mi + 3 elements goes one way or the other."""
+    extra = ["--replicate-kb", str(replicate_kb)]
+    proc = smddp_launch(
+        world, nodes, [SCRIPT, "--out", str(tmp_path), "--nnodes", str(nodes)], timeout=600, extra=extra
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    per_rank = [json.loads((tmp_path / f"rank{r}.json").read_text())["records"] for r in range(world)]
+    bad = [(r, rec) for r, recs in enumerate(per_rank) for rec in recs if not rec["ok"]]
+    assert per_rank[0] and not bad, f"{len(bad)} results differ from the reference, first: {bad[:3]}"
+    for i in range(len(per_rank[0])):
+        recs = [per_rank[r][i] for r in range(world)]
+        if recs[0]["case"]["kind"] != "reduce_scatter":
+            assert len({rec["digest"] for rec in recs}) == 1, f"ranks disagree on {recs[0]['case']}"
