@@ -113,41 +113,47 @@ def local_size() -> int:
     return _default.get().local_size
 
 
-def allreduce_async(buf: Any, op: ReduceOp = SUM) -> Handle:
-    """Start an in-place all-reduce of `buf`; the handle's wait() returns `buf`."""
-    return _c.allreduce_async(_default.get(), buf, op)
+def allreduce_async(buf: Any, op: ReduceOp = SUM, *, stream: Any = None) -> Handle:
+    """Start an in-place all-reduce of `buf`; the handle's wait() returns `buf`.
+
+    `buf` may be host memory or CUDA memory (CuPy, torch, __cuda_array_interface__, DLPack);
+    `stream` (device buffers only) is the stream `buf` is produced on and its result used on.
+    """
+    return _c.allreduce_async(_default.get(), buf, op, stream)
 
 
-def allreduce(buf: Any, op: ReduceOp = SUM, timeout: float | None = None) -> Any:
+def allreduce(buf: Any, op: ReduceOp = SUM, timeout: float | None = None, *, stream: Any = None) -> Any:
     """All-reduce `buf` in place across every rank and return it."""
-    return allreduce_async(buf, op).wait(timeout)
+    return allreduce_async(buf, op, stream=stream).wait(timeout)
 
 
-def broadcast_async(buf: Any, root: int = 0) -> Handle:
-    return _c.broadcast_async(_default.get(), buf, root)
+def broadcast_async(buf: Any, root: int = 0, *, stream: Any = None) -> Handle:
+    return _c.broadcast_async(_default.get(), buf, root, stream)
 
 
-def broadcast(buf: Any, root: int = 0, timeout: float | None = None) -> Any:
+def broadcast(buf: Any, root: int = 0, timeout: float | None = None, *, stream: Any = None) -> Any:
     """Overwrite `buf` on every rank with root's `buf`; returns `buf`."""
-    return broadcast_async(buf, root).wait(timeout)
+    return broadcast_async(buf, root, stream=stream).wait(timeout)
 
 
-def allgather_async(buf: Any, out: Any = None) -> Handle:
-    return _c.allgather_async(_default.get(), buf, out)
+def allgather_async(buf: Any, out: Any = None, *, stream: Any = None) -> Handle:
+    return _c.allgather_async(_default.get(), buf, out, stream)
 
 
-def allgather(buf: Any, out: Any = None, timeout: float | None = None) -> Any:
+def allgather(buf: Any, out: Any = None, timeout: float | None = None, *, stream: Any = None) -> Any:
     """Every rank's `buf` stacked in rank order: a new array of shape (size, *buf.shape), or `out`."""
-    return allgather_async(buf, out).wait(timeout)
+    return allgather_async(buf, out, stream=stream).wait(timeout)
 
 
-def reduce_scatter_async(buf: Any, op: ReduceOp = SUM, out: Any = None) -> Handle:
-    return _c.reduce_scatter_async(_default.get(), buf, op, out)
+def reduce_scatter_async(buf: Any, op: ReduceOp = SUM, out: Any = None, *, stream: Any = None) -> Handle:
+    return _c.reduce_scatter_async(_default.get(), buf, op, out, stream)
 
 
-def reduce_scatter(buf: Any, op: ReduceOp = SUM, out: Any = None, timeout: float | None = None) -> Any:
+def reduce_scatter(
+    buf: Any, op: ReduceOp = SUM, out: Any = None, timeout: float | None = None, *, stream: Any = None
+) -> Any:
     """Reduce `buf` across ranks and return this rank's 1/size part (rank r gets part r)."""
-    return reduce_scatter_async(buf, op, out).wait(timeout)
+    return reduce_scatter_async(buf, op, out, stream=stream).wait(timeout)
 
 
 def barrier_async() -> Handle:

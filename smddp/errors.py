@@ -49,3 +49,11 @@ class PeerLostError(CollectiveError):
 
 class CollectiveTimeoutError(SmddpError, TimeoutError):
     """A blocking call ran past its timeout; the job itself is still usable."""
+
+
+class DeviceError(SmddpError, RuntimeError):
+    """A device (GPU) runtime call failed: a copy, an event, a stream, pinning host memory."""
+
+
+class DeviceUnavailableError(DeviceError):
+    """A device buffer arrived but no device runtime can serve it (CuPy missing, no GPU, wrong runtime)."""

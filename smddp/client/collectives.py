@@ -1,12 +1,14 @@
-"""The collectives a worker calls: argument checks up front, then one SUBMIT each."""
+"""The collectives a worker calls: argument checks up front, then one SUBMIT each (host or device buffers)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
 
 from smddp.client.buffers import BufferView, as_buffer
+from smddp.client.device import DeviceBuffer
 from smddp.client.session import Client, Handle, check_op
 from smddp.errors import InvalidArgumentError, UnsupportedBufferError
 from smddp.proto.dtypes import DType, Kind, ReduceOp
@@ -17,7 +19,11 @@ def _new_array(shape: tuple[int, ...], like: BufferView) -> np.ndarray:
     return np.empty(shape, like.result_dtype if like.result_dtype is not None else like.dtype.storage)
 
 
-def _out_view(out: Any, dtype: DType, count: int, what: str) -> tuple[Any, BufferView]:
+def _out_view(c: Client, out: Any, dtype: DType, count: int, what: str) -> tuple[Any, BufferView]:
+    if c.device_buffer(out, what, writable=True) is not None:
+        raise UnsupportedBufferError(
+            f"{what}: is device memory but the input is host memory (pass both on the device or both on the host)"
+        )
     view = as_buffer(out, writable=True, what=what)
     if view.dtype != dtype:
         raise UnsupportedBufferError(
@@ -28,8 +34,45 @@ def _out_view(out: Any, dtype: DType, count: int, what: str) -> tuple[Any, Buffe
     return out, view
 
 
-def allreduce_async(c: Client, buf: Any, op: Any = ReduceOp.SUM) -> Handle:
+def _device_out(
+    c: Client, out: Any, like: DeviceBuffer, shape: tuple[int, ...], count: int, what: str
+) -> tuple[Any, DeviceBuffer]:
+    """The device array a gathering collective writes: `out`, or a new one of the device runtime.
+
+    A new one has the input's numpy dtype, or raw uint16 bits for a DLPack bfloat16 input (CuPy
+    has no bfloat16), as a new host result has; smddp knows what it holds without asking it.
+    """
+    if out is None:
+        out, ptr = c.device_runtime().new_array(shape, like.result_dtype, like.device)
+        return out, dataclasses.replace(
+            like, ptr=ptr, shape=shape, count=count, readonly=False, keepalive=out
+        )
+    view = c.device_buffer(out, what, writable=True)
+    if view is None:
+        raise UnsupportedBufferError(
+            f"{what}: is host memory but the input is device memory (pass both on the device or both on the host)"
+        )
+    if view.dtype != like.dtype:
+        raise UnsupportedBufferError(
+            f"{what}: dtype {view.dtype.label} differs from the input's {like.dtype.label}"
+        )
+    if view.count != count:
+        raise InvalidArgumentError(f"{what}: has {view.count} elements, the result has {count}")
+    return out, view
+
+
+def _no_stream(stream: Any) -> None:
+    if stream is not None:
+        raise InvalidArgumentError("stream= applies to device (CUDA) buffers; this buffer is host memory")
+
+
+def allreduce_async(c: Client, buf: Any, op: Any = ReduceOp.SUM, stream: Any = None) -> Handle:
     rop = check_op(op)
+    dev = c.device_buffer(buf, "buffer", writable=True)
+    if dev is not None:
+        plan = c.device_plan(dev, [(dev, 0, dev.nbytes)], stream, dev, dev.keepalive)
+        return c.submit(Kind.ALLREDUCE, None, dev.dtype, dev.count, rop, 0, lambda _r: buf, device=plan)
+    _no_stream(stream)
     view = as_buffer(buf, writable=True)
 
     def deliver(result: np.ndarray) -> Any:
@@ -39,8 +82,25 @@ def allreduce_async(c: Client, buf: Any, op: Any = ReduceOp.SUM) -> Handle:
     return c.submit(Kind.ALLREDUCE, view, view.dtype, view.count, rop, 0, deliver)
 
 
-def broadcast_async(c: Client, buf: Any, root: int = 0) -> Handle:
+def broadcast_async(c: Client, buf: Any, root: int = 0, stream: Any = None) -> Handle:
     root = _check_root(c, root)
+    dev = c.device_buffer(buf, "buffer", writable=True)
+    if dev is not None:
+        mine = c.rank == root
+        src, outs = (dev, []) if mine else (None, [(dev, 0, dev.nbytes)])
+        plan = c.device_plan(src, outs, stream, dev, dev.keepalive)
+        return c.submit(
+            Kind.BROADCAST,
+            None,
+            dev.dtype,
+            dev.count,
+            None,
+            root,
+            lambda _r: buf,
+            send_data=mine,
+            device=plan,
+        )
+    _no_stream(stream)
     view = as_buffer(buf, writable=True)
 
     def deliver(result: np.ndarray) -> Any:
@@ -53,13 +113,20 @@ def broadcast_async(c: Client, buf: Any, root: int = 0) -> Handle:
     )
 
 
-def allgather_async(c: Client, buf: Any, out: Any = None) -> Handle:
+def allgather_async(c: Client, buf: Any, out: Any = None, stream: Any = None) -> Handle:
+    dev = c.device_buffer(buf, "buffer", writable=False)
+    if dev is not None:
+        n = dev.count * c.size
+        out, odev = _device_out(c, out, dev, (c.size, *dev.shape), n, "allgather out")
+        plan = c.device_plan(dev, [(odev, 0, odev.nbytes)], stream, dev, (dev.keepalive, odev.keepalive))
+        return c.submit(Kind.ALLGATHER, None, dev.dtype, dev.count, None, 0, lambda _r: out, device=plan)
+    _no_stream(stream)
     view = as_buffer(buf, writable=False)
     if out is None:
         out = _new_array((c.size, *view.shape), view)
         out_view = as_buffer(out, writable=True)
     else:
-        out, out_view = _out_view(out, view.dtype, view.count * c.size, "allgather out")
+        out, out_view = _out_view(c, out, view.dtype, view.count * c.size, "allgather out")
 
     def deliver(result: np.ndarray) -> Any:
         out_view.array[:] = result.view(view.dtype.storage)
@@ -68,25 +135,44 @@ def allgather_async(c: Client, buf: Any, out: Any = None) -> Handle:
     return c.submit(Kind.ALLGATHER, view, view.dtype, view.count, None, 0, deliver)
 
 
-def reduce_scatter_async(c: Client, buf: Any, op: Any = ReduceOp.SUM, out: Any = None) -> Handle:
+def _part_shape(shape: tuple[int, ...], part: int, size: int) -> tuple[int, ...]:
+    if shape and shape[0] % size == 0:
+        return (shape[0] // size, *shape[1:])
+    return (part,)
+
+
+def reduce_scatter_async(
+    c: Client, buf: Any, op: Any = ReduceOp.SUM, out: Any = None, stream: Any = None
+) -> Handle:
     rop = check_op(op)
-    view = as_buffer(buf, writable=False)
-    if view.count % c.size:
+    dev = c.device_buffer(buf, "buffer", writable=False)
+    count = dev.count if dev is not None else None
+    view = None
+    if dev is None:
+        _no_stream(stream)
+        view = as_buffer(buf, writable=False)
+        count = view.count
+    assert count is not None
+    if count % c.size:
         raise InvalidArgumentError(
-            f"reduce_scatter: {view.count} elements cannot be split evenly among {c.size} ranks"
+            f"reduce_scatter: {count} elements cannot be split evenly among {c.size} ranks"
         )
-    part = view.count // c.size
+    part = count // c.size
+    lo = c.rank * part
+    if dev is not None:
+        shape = _part_shape(dev.shape, part, c.size)
+        out, odev = _device_out(c, out, dev, shape, part, "reduce_scatter out")
+        isz = dev.dtype.itemsize
+        plan = c.device_plan(
+            dev, [(odev, lo * isz, part * isz)], stream, dev, (dev.keepalive, odev.keepalive)
+        )
+        return c.submit(Kind.REDUCE_SCATTER, None, dev.dtype, dev.count, rop, 0, lambda _r: out, device=plan)
+    assert view is not None
     if out is None:
-        shape = view.shape
-        if shape and shape[0] % c.size == 0:
-            shape = (shape[0] // c.size, *shape[1:])
-        else:
-            shape = (part,)
-        out = _new_array(shape, view)
+        out = _new_array(_part_shape(view.shape, part, c.size), view)
         out_view = as_buffer(out, writable=True)
     else:
-        out, out_view = _out_view(out, view.dtype, part, "reduce_scatter out")
-    lo = c.rank * part
+        out, out_view = _out_view(c, out, view.dtype, part, "reduce_scatter out")
 
     def deliver(result: np.ndarray) -> Any:
         out_view.array[:] = result.view(view.dtype.storage)[lo : lo + part]

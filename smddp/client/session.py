@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import json
 import logging
 import os
@@ -15,15 +17,30 @@ from typing import Any
 import numpy as np
 
 from smddp.client.buffers import BufferView
+from smddp.client.device import (
+    RUNTIMES,
+    DeviceBuffer,
+    DeviceRuntime,
+    device_kind,
+    load_runtime,
+    read_cai,
+    read_dlpack,
+    stream_handle,
+)
+from smddp.client.device_io import DeviceIO, DevicePlan
 from smddp.errors import (
     CollectiveError,
     CollectiveMismatchError,
     CollectiveTimeoutError,
+    ConfigError,
+    DeviceError,
+    DeviceUnavailableError,
     InvalidArgumentError,
     NotInitializedError,
     PeerLostError,
     ProtocolError,
     SmddpError,
+    UnsupportedBufferError,
 )
 from smddp.proto.dtypes import DType, Kind, ReduceOp
 from smddp.proto.frames import Header, MsgType, Role
@@ -48,11 +65,16 @@ class ClientConfig:
     timeline_dir: str = ""  # write this rank's Chrome trace events here at shutdown ("" = off)
     log_level: str = "WARNING"
     job_id_hex: str = ""
+    device_runtime: str = "auto"  # for CUDA buffers: auto (CuPy), cupy, or standin (numpy-backed, for tests)
+    standin_delay_s: float = 0.0  # stand-in runtime only: every asynchronous copy waits this long first
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> ClientConfig:
         e = os.environ if env is None else env
         fusion = int(float(e.get("SMDDP_FUSION_MB", "64")) * (1 << 20))
+        runtime = e.get("SMDDP_DEVICE_RUNTIME", "auto") or "auto"
+        if runtime not in RUNTIMES:
+            raise ConfigError(f"SMDDP_DEVICE_RUNTIME={runtime!r}: expected one of {', '.join(RUNTIMES)}")
         return cls(
             timeout_s=float(e.get("SMDDP_TIMEOUT_S", "600")),
             arena_bytes=max(fusion * 2, 64 << 20),
@@ -61,6 +83,8 @@ class ClientConfig:
             timeline_dir=e.get("SMDDP_TIMELINE_DIR", ""),
             log_level=e.get("SMDDP_LOG_LEVEL", "WARNING"),
             job_id_hex=e.get("SMDDP_JOB_ID", ""),
+            device_runtime=runtime,
+            standin_delay_s=float(e.get("SMDDP_STANDIN_DELAY_MS", "0")) / 1000.0,
         )
 
 
@@ -70,7 +94,12 @@ _ERRORS: dict[str, type[SmddpError]] = {
 
 
 class Handle:
-    """An in-flight collective; `wait()` returns its result or raises why the job failed."""
+    """An in-flight collective; `wait()` returns its result or raises why the job failed.
+
+    For device buffers, `wait()` blocks the host only until the result has reached this node and
+    its copy to the device is enqueued; the copy is ordered before later work on the caller's
+    stream by an event that stream waits on (see docs/gpu.md).
+    """
 
     def __init__(
         self,
@@ -82,6 +111,7 @@ class Handle:
         deliver: Callable[[np.ndarray], Any],
         slot: Slot | None,
         keepalive: Any,
+        device: DevicePlan | None = None,
     ) -> None:
         self._client = client
         self.seq = seq
@@ -91,6 +121,7 @@ class Handle:
         self._deliver = deliver
         self._slot = slot
         self._keepalive = keepalive
+        self._device = device
         self._event = threading.Event()
         self._result: Any = None
         self._error: SmddpError | None = None
@@ -98,12 +129,20 @@ class Handle:
 
     def done(self) -> bool:
         """True once the result is in place (or the collective failed); never blocks."""
-        return self._event.is_set()
+        if not self._event.is_set():
+            return False
+        plan = self._device
+        if plan is None or plan.done is None or self._error is not None:
+            return True
+        return self._client._device_rt_done(plan.done)
 
-    def wait(self, timeout: float | None = None) -> Any:
+    def wait(self, timeout: float | None = None, stream: Any = None) -> Any:
         """Block until complete; `timeout=None` means the job's default (SMDDP_TIMEOUT_S).
 
         A timeout leaves the collective in flight: call wait() again to collect it later.
+        Device buffers: later work on `stream` sees the result. `stream` defaults to the one given
+        to the collective, else the buffer's CUDA Array Interface stream, else the current stream
+        (torch's for a torch tensor, the device runtime's otherwise) of the thread calling wait().
         """
         t = self._client.config.timeout_s if timeout is None else timeout
         if not self._event.wait(t):
@@ -113,13 +152,34 @@ class Handle:
             )
         if self._error is not None:
             raise type(self._error)(str(self._error))
+        plan = self._device
+        if plan is not None and plan.done is not None:
+            self._client._order_result(plan, None if stream is None else stream_handle(stream))
         return self._result
+
+    def synchronize(self, timeout: float | None = None) -> Any:
+        """wait(), then block the host until a device result is in device memory (any stream may read it)."""
+        result = self.wait(timeout)
+        plan = self._device
+        if plan is not None and plan.done is not None:
+            self._client._host_wait(plan.done)
+        return result
 
     def _finish(self, result: Any = None, error: SmddpError | None = None) -> None:
         self._result = result
         self._error = error
         self._keepalive = None
         self._event.set()
+
+
+@dataclass
+class _Deferred:
+    """A SUBMIT held back until its device copy-in is complete (and every earlier SUBMIT has gone)."""
+
+    header: Header
+    ready: Any  # the copy-in's event; None for a host collective queued behind a device one
+    handle: Handle
+    slot: Slot | None
 
 
 class Client:
@@ -143,6 +203,12 @@ class Client:
         self._failure: SmddpError | None = None
         self._closed = False
         self._timeline: list[dict] = []
+        # The device path, built when the first device buffer arrives (a CPU-only job never builds it).
+        self._device_lock = threading.Lock()
+        self._device: DeviceIO | None = None
+        self._deferred: collections.deque[_Deferred] = collections.deque()
+        self._deferred_cv = threading.Condition(self._lock)
+        self._submitter: threading.Thread | None = None
         self._reader = threading.Thread(target=self._read_loop, name="smddp-client-reader", daemon=True)
         self._reader.start()
 
@@ -188,8 +254,16 @@ class Client:
             pending = list(self._handles.values())
         for h in pending:
             h._event.wait(max(0.0, deadline - time.monotonic()))
-        unfinished = [h.seq for h in pending if not h.done()]
-        self._closed = True
+        unfinished = [h.seq for h in pending if not h._event.is_set()]
+        device = self._device
+        if device is not None:
+            # RELEASE goes once a result's copy to the device is done: let those leave before BYE.
+            device.drain(max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            self._closed = True
+            self._deferred_cv.notify_all()
+        if self._submitter is not None:
+            self._submitter.join(timeout=5.0)
         if self._failure is None and not unfinished:
             try:
                 self._conn.send_frame(Header(MsgType.BYE, sender=self.rank), timeout=5.0)
@@ -198,6 +272,10 @@ class Client:
         self._conn.close()
         self._reader.join(timeout=5.0)
         self._write_timeline()
+        if device is not None:
+            # Unpin before anything unmaps the segments; the runtime goes last.
+            device.close()
+            device.rt.close()
         self._arena.close()
         for seg in self._results.values():
             seg.close()
@@ -226,15 +304,22 @@ class Client:
         root: int,
         deliver: Callable[[np.ndarray], Any],
         send_data: bool = True,
+        device: DevicePlan | None = None,
     ) -> Handle:
-        """Copy `buf` into a shared slot and SUBMIT it; `deliver(result_bytes)` runs on DONE."""
+        """Copy `buf` into a shared slot and SUBMIT it; `deliver(result_bytes)` runs on DONE.
+
+        With a device plan the copy-in is an asynchronous device-to-host copy, and the SUBMIT waits
+        (in the submitter thread, with every later SUBMIT behind it) until that copy is complete.
+        """
         nbytes = count * dtype.itemsize
         lost: ConnectionClosed | None = None
         with self._lock:
             self._check_open()
             t_start = time.time()
             slot = None
-            if send_data and buf is not None:
+            ready = None
+            src = device.src if device is not None else None
+            if send_data and (buf is not None or src is not None):
                 slot, seg = self._arena.alloc(nbytes)
                 if seg is not None:
                     try:
@@ -245,10 +330,14 @@ class Client:
                         )
                     except ConnectionClosed as e:
                         lost = e
-                self._arena.view(slot).view(dtype.storage)[:] = buf.array
+                if src is not None and device is not None:
+                    ready = self._copy_in(device, src, slot)
+                elif buf is not None:
+                    self._arena.view(slot).view(dtype.storage)[:] = buf.array
             seq = self._next_seq
             self._next_seq += 1
-            handle = Handle(self, seq, kind, dtype, count, deliver, slot, buf.keepalive if buf else None)
+            keep = device.keepalive if device is not None else (buf.keepalive if buf else None)
+            handle = Handle(self, seq, kind, dtype, count, deliver, slot, keep, device)
             handle.times = [t_start, time.time()]
             self._handles[seq] = handle
             h = Header(
@@ -263,7 +352,12 @@ class Client:
                 op=op,
                 kind=kind,
             )
-            if lost is None:
+            if lost is None and (ready is not None or self._deferred):
+                # SUBMITs leave in sequence order: this one waits for its copy-in, later ones for it.
+                self._deferred.append(_Deferred(h, ready, handle, slot))
+                self._start_submitter()
+                self._deferred_cv.notify_all()
+            elif lost is None:
                 try:
                     self._conn.send_frame(h, timeout=self.config.timeout_s)
                 except ConnectionClosed as e:
@@ -277,6 +371,132 @@ class Client:
             self._fail(PeerLostError(f"rank {self.rank}: lost the node daemon: {lost}"))
             raise type(self._failure)(str(self._failure)) from None  # type: ignore[misc]
         return handle
+
+    # ------------------------------------------------------------------ the device path
+
+    def device_runtime(self) -> DeviceRuntime:
+        """The runtime this client copies device buffers with (SMDDP_DEVICE_RUNTIME), built on first use."""
+        return self._device_io().rt
+
+    def _device_io(self) -> DeviceIO:
+        with self._device_lock:
+            if self._device is None:
+                self._check_open()
+                rt = load_runtime(self.config.device_runtime, self.config.standin_delay_s)
+                self._device = DeviceIO(rt, self._device_failed)
+            return self._device
+
+    def device_buffer(self, buf: Any, what: str, writable: bool) -> DeviceBuffer | None:
+        """`buf` as device memory (None for host memory), checked against the runtime before anything is sent."""
+        found = device_kind(buf)
+        if found is None:
+            return None
+        via, device = found
+        try:
+            io = self._device_io()
+        except DeviceUnavailableError as e:
+            raise DeviceUnavailableError(f"{what}: {type(buf).__name__} is CUDA memory, but {e}") from None
+        why = io.rt.refuse(buf)
+        if why is not None:
+            raise DeviceUnavailableError(f"{what}: the device runtime is {io.rt.name!r} and {why}")
+        if via == "dlpack":
+            view = read_dlpack(buf, what, device, io.lane(device).d2h)
+        else:
+            view = read_cai(buf, what)
+            view = dataclasses.replace(view, device=io.rt.pointer_device(view.ptr) if view.count else 0)
+        if writable and view.readonly:
+            raise UnsupportedBufferError(
+                f"{what}: the device array is read-only, and this collective writes into it"
+            )
+        return view
+
+    def device_plan(
+        self,
+        src: DeviceBuffer | None,
+        outputs: list[tuple[DeviceBuffer, int, int]],
+        stream: Any,
+        like: DeviceBuffer,
+        keepalive: Any,
+    ) -> DevicePlan:
+        """The streams and copies of one device collective; `like` is the buffer that names the device."""
+        explicit = None if stream is None else stream_handle(stream)
+        io = self._device_io()
+        for b, _off, _n in [*([(src, 0, 0)] if src is not None else []), *outputs]:
+            if b.device != like.device:
+                raise UnsupportedBufferError(
+                    f"device buffers of one collective must be on one device: cuda:{b.device} and cuda:{like.device}"
+                )
+        producer = io.producer_stream(src, explicit) if src is not None else None
+        consumer = explicit if explicit is not None else (like.stream if like.stream_given else None)
+        return DevicePlan(like.device, src, producer, outputs, consumer, like.library, keepalive)
+
+    def _copy_in(self, plan: DevicePlan, src: DeviceBuffer, slot: Slot) -> Any:
+        """Enqueue the copy of `src` into `slot` (lock held); on failure free the slot and raise."""
+        io = self._device
+        assert io is not None
+        seg = self._arena.segments[slot.segment]
+        try:
+            io.pin(("in", seg.id), seg.array, readonly=False)
+            return io.copy_in(src, self._arena.view(slot), plan.producer)
+        except BaseException:
+            self._arena.free(slot)
+            raise
+
+    def _order_result(self, plan: DevicePlan, stream: int | None) -> None:
+        io = self._device
+        assert io is not None
+        io.stream_wait(stream if stream is not None else io.consumer_stream(plan), plan.done, plan.device)
+
+    def _host_wait(self, event: Any) -> None:
+        io = self._device
+        assert io is not None
+        io.host_wait(event)
+
+    def _device_rt_done(self, event: Any) -> bool:
+        io = self._device
+        return io is None or io.rt.event_done(event)
+
+    def _device_failed(self, err: SmddpError) -> None:
+        """A device copy failed: fail here, and hang up so the daemon fails the job for every rank."""
+        self._fail(err if isinstance(err, CollectiveError) else CollectiveError(f"rank {self.rank}: {err}"))
+        self._conn.close()
+
+    def _start_submitter(self) -> None:
+        if self._submitter is None:
+            self._submitter = threading.Thread(
+                target=self._submit_loop, name="smddp-client-submitter", daemon=True
+            )
+            self._submitter.start()
+
+    def _submit_loop(self) -> None:
+        """Send held-back SUBMITs in order, each once its copy-in is complete (the host waits here only)."""
+        while True:
+            with self._lock:
+                while not self._deferred and not self._closed:
+                    self._deferred_cv.wait()
+                if not self._deferred:
+                    return
+                item = self._deferred[0]
+            error: SmddpError | None = None
+            if item.ready is not None:
+                try:
+                    self._host_wait(item.ready)
+                except SmddpError as e:
+                    error = e
+                except Exception as e:
+                    error = DeviceError(f"the copy-in of collective #{item.header.seq} failed: {e!r}")
+            lost: ConnectionClosed | None = None
+            with self._lock:
+                self._deferred.popleft()
+                if error is None and self._failure is None and not self._closed:
+                    try:
+                        self._conn.send_frame(item.header, timeout=self.config.timeout_s)
+                    except ConnectionClosed as e:
+                        lost = e
+            if error is not None:
+                self._device_failed(error)
+            elif lost is not None:
+                self._fail(PeerLostError(f"rank {self.rank}: lost the node daemon: {lost}"))
 
     # ------------------------------------------------------------------ the reader thread
 
@@ -327,15 +547,38 @@ class Client:
             raise ProtocolError(f"DONE for #{h.seq} names result segment {h.shard}, which was never sent")
         total = _result_bytes(handle.kind, h.count * handle.dtype.itemsize, self.size)
         t_done = time.time()
-        result = handle._deliver(seg.view(h.offset, total))
+        view = seg.view(h.offset, total)
+        result = handle._deliver(view)
+        plan = handle._device
+        if plan is not None:
+            self._copy_out(plan, seg, view, h.seq, handle._keepalive)
         if self.config.timeline_dir:
             self._trace(handle, t_done, time.time())
         if handle._slot is not None:
             self._arena.free(handle._slot)
-        self._conn.send_frame(
-            Header(MsgType.RELEASE, sender=self.rank, seq=h.seq), timeout=self.config.timeout_s
-        )
+        if plan is None:
+            self._release(h.seq)
         handle._finish(result)
+
+    def _release(self, seq: int) -> None:
+        self._conn.send_frame(
+            Header(MsgType.RELEASE, sender=self.rank, seq=seq), timeout=self.config.timeout_s
+        )
+
+    def _copy_out(self, plan: DevicePlan, seg: Segment, view: np.ndarray, seq: int, keepalive: Any) -> None:
+        """Enqueue the result's copy to the device; RELEASE the result slot only once that copy is done."""
+        io = self._device
+        assert io is not None
+        io.pin(("out", seg.id), seg.array, readonly=True)
+        parts = [(dst, view[off : off + n]) for dst, off, n in plan.outputs]
+        plan.done = io.copy_out(plan.device, parts)
+
+        def release() -> None:
+            if not self._closed and self._failure is None:
+                self._release(seq)
+
+        # The releaser holds the buffers too, so their memory cannot be reused while the copy runs.
+        io.after(plan.done, release, (keepalive, plan.outputs))
 
     def _trace(self, handle: Handle, t_done: float, t_copied: float) -> None:
         """Chrome trace events of one collective on this rank: copy in, in flight, copy out."""
@@ -370,6 +613,7 @@ class Client:
                 self._failure = err
             handles = list(self._handles.values())
             self._handles.clear()
+            self._deferred_cv.notify_all()
         for h in handles:
             h._finish(error=self._failure)
 

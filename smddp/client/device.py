@@ -1,0 +1,293 @@
+"""Device (CUDA) memory on the client: the runtime interface, and reading CUDA buffers (CAI, DLPack) in place."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from smddp.client.buffers import _DL_DTYPES, _DLTensor, _get_pointer
+from smddp.errors import ConfigError, InvalidArgumentError, UnsupportedBufferError
+from smddp.proto.dtypes import DType, dtype_from_numpy
+
+SUPPORTED = "float16, bfloat16, float32, float64, int32, int64, uint8"
+RUNTIMES = ("auto", "cupy", "standin")
+
+KDL_CUDA = 2
+KDL_CUDA_MANAGED = 13
+_KDL_ROCM = 10
+# CUDA's special stream handles (also the values the CUDA Array Interface and DLPack use for them).
+STREAM_LEGACY = 1
+STREAM_PER_THREAD = 2
+
+
+class DeviceRuntime(Protocol):
+    """What smddp needs from a CUDA runtime. Streams are raw handles (cudaStream_t as int), events opaque.
+
+    `CupyRuntime` drives a real GPU; `StandinRuntime` is the numpy-backed test double with the same
+    semantics (asynchronous in-order streams, events, pinned-host bookkeeping).
+    """
+
+    name: str
+
+    def device_count(self) -> int: ...
+
+    def pointer_device(self, ptr: int) -> int:
+        """The device that owns device pointer `ptr` (the CUDA Array Interface does not say)."""
+        ...
+
+    def current_stream(self, device: int) -> int:
+        """The calling thread's current stream on `device` (the runtime's own notion of it)."""
+        ...
+
+    def new_stream(self, device: int) -> int:
+        """A new non-blocking stream on `device`, owned (and destroyed at close) by the runtime."""
+        ...
+
+    def new_event(self, device: int) -> Any: ...
+
+    def record(self, event: Any, stream: int, device: int) -> None: ...
+
+    def wait_event(self, stream: int, event: Any, device: int) -> None:
+        """Later work on `stream` waits for the event's last record (the host does not block)."""
+        ...
+
+    def event_synchronize(self, event: Any) -> None:
+        """Block the calling thread until the event's last record has been reached."""
+        ...
+
+    def event_done(self, event: Any) -> bool: ...
+
+    def register_host(self, ptr: int, nbytes: int, readonly: bool) -> None:
+        """Page-lock host memory so that copies to and from it are asynchronous DMA."""
+        ...
+
+    def unregister_host(self, ptr: int) -> None: ...
+
+    def copy_d2h(self, dst: int, src: int, nbytes: int, stream: int, device: int) -> None: ...
+
+    def copy_h2d(self, dst: int, src: int, nbytes: int, stream: int, device: int) -> None: ...
+
+    def new_array(self, shape: tuple[int, ...], dtype: np.dtype, device: int) -> tuple[Any, int]:
+        """A new device array of the runtime's own kind (for results smddp allocates), and its address."""
+        ...
+
+    def refuse(self, buf: Any) -> str | None:
+        """Why this runtime cannot use buffer `buf` (another runtime's memory), or None."""
+        ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class DeviceBuffer:
+    """A contiguous range of device memory that the caller handed smddp, and what it holds."""
+
+    ptr: int
+    dtype: DType
+    shape: tuple[int, ...]
+    count: int
+    device: int
+    readonly: bool
+    stream: int | None  # the stream the producer named (CUDA Array Interface v3), else None
+    stream_given: bool  # the producer named a stream or said None ("no synchronization needed")
+    via: str  # "cai" or "dlpack"
+    library: str  # top-level module of the buffer's type: "torch" answers current_stream itself
+    result_dtype: np.dtype  # dtype for result arrays smddp allocates (raw uint16 for DLPack bfloat16)
+    keepalive: Any = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * self.dtype.itemsize
+
+
+def device_kind(buf: Any) -> tuple[str, int] | None:
+    """("dlpack" | "cai", device id or -1) when `buf` is CUDA memory; None for host memory. Exports nothing.
+
+    DLPack's device query is asked first: it is cheap, and torch's CUDA Array Interface fails for
+    bfloat16 and for tensors that require grad, where DLPack works.
+    """
+    if isinstance(buf, np.ndarray):
+        return None
+    query = getattr(buf, "__dlpack_device__", None)
+    if query is not None:
+        try:
+            dev_type, dev_id = query()
+        except Exception:
+            dev_type, dev_id = None, -1
+        if dev_type in (KDL_CUDA, KDL_CUDA_MANAGED):
+            return "dlpack", int(dev_id)
+        if dev_type == _KDL_ROCM:
+            raise UnsupportedBufferError(
+                "buffer: the tensor lives on a ROCm device; smddp's device path is CUDA"
+            )
+        if dev_type is not None:
+            return None  # host memory (or a device as_buffer refuses by name)
+    try:
+        _ = buf.__cuda_array_interface__
+    except AttributeError:
+        return None
+    except Exception:
+        return "cai", -1  # it has one and reading it failed: read_cai says why
+    return "cai", -1
+
+
+def read_cai(buf: Any, what: str) -> DeviceBuffer:
+    """The CUDA Array Interface (v2 or v3) of `buf`; device -1 (the runtime finds it from the pointer)."""
+    try:
+        cai = buf.__cuda_array_interface__
+    except Exception as e:
+        raise UnsupportedBufferError(
+            f"{what}: {type(buf).__name__}.__cuda_array_interface__ failed: {e!r}"
+        ) from None
+    try:
+        shape = tuple(int(n) for n in cai["shape"])
+        typestr = cai["typestr"]
+        ptr, readonly = cai["data"]
+    except (KeyError, TypeError, ValueError) as e:
+        raise UnsupportedBufferError(f"{what}: malformed __cuda_array_interface__ ({e!r})") from None
+    if cai.get("mask") is not None:
+        raise UnsupportedBufferError(f"{what}: masked CUDA arrays are not supported")
+    try:
+        np_dtype = np.dtype(typestr)
+    except TypeError:
+        np_dtype = None
+    dt = dtype_from_numpy(np_dtype) if np_dtype is not None else None
+    if dt is None or np_dtype is None:
+        raise UnsupportedBufferError(f"{what}: dtype {typestr!r} is not supported (supported: {SUPPORTED})")
+    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    strides = cai.get("strides")
+    if strides is not None and count > 1:
+        if any(int(s) % dt.itemsize for s in strides):
+            raise UnsupportedBufferError(f"{what}: strides {tuple(strides)} are not whole elements")
+        _check_contiguous(shape, [int(s) // dt.itemsize for s in strides], what)
+    stream_given = int(cai.get("version", 0)) >= 3 and "stream" in cai
+    stream = cai.get("stream") if stream_given else None
+    if stream is not None:
+        stream = int(stream)
+        if stream == 0:
+            raise UnsupportedBufferError(
+                f"{what}: __cuda_array_interface__ names stream 0, which the interface (v3) forbids"
+            )
+    return DeviceBuffer(
+        ptr=int(ptr or 0),
+        dtype=dt,
+        shape=shape,
+        count=count,
+        device=-1,
+        readonly=bool(readonly),
+        stream=stream,
+        stream_given=stream_given,
+        via="cai",
+        library=_library(buf),
+        result_dtype=np_dtype,
+        keepalive=buf,
+    )
+
+
+def read_dlpack(buf: Any, what: str, device: int, consumer_stream: int) -> DeviceBuffer:
+    """Export `buf` through DLPack for use on `consumer_stream`: the producer orders its work before it."""
+    try:
+        capsule = buf.__dlpack__(stream=consumer_stream)
+    except TypeError:
+        try:
+            capsule = buf.__dlpack__()  # a producer from before the `stream` argument
+        except Exception as e:
+            raise UnsupportedBufferError(
+                f"{what}: cannot export {type(buf).__name__} through DLPack: {e}"
+            ) from None
+    except Exception as e:
+        raise UnsupportedBufferError(
+            f"{what}: cannot export {type(buf).__name__} through DLPack: {e}"
+        ) from None
+    try:
+        addr = _get_pointer(capsule, b"dltensor")
+    except ValueError:
+        raise UnsupportedBufferError(f"{what}: __dlpack__ did not return a DLPack tensor capsule") from None
+    t = _DLTensor.from_address(addr)
+    if t.device.device_type not in (KDL_CUDA, KDL_CUDA_MANAGED) or t.device.device_id != device:
+        raise UnsupportedBufferError(
+            f"{what}: __dlpack__ exported device ({t.device.device_type}, {t.device.device_id}), "
+            f"but __dlpack_device__ said cuda:{device}"
+        )
+    if t.dtype.lanes != 1 or (t.dtype.code, t.dtype.bits) not in _DL_DTYPES:
+        raise UnsupportedBufferError(
+            f"{what}: DLPack dtype (code={t.dtype.code}, bits={t.dtype.bits}, lanes={t.dtype.lanes}) "
+            f"is not supported (supported: {SUPPORTED})"
+        )
+    dt = _DL_DTYPES[(t.dtype.code, t.dtype.bits)]
+    shape = tuple(int(t.shape[i]) for i in range(t.ndim))
+    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    if t.strides and count > 1:
+        _check_contiguous(shape, [int(t.strides[i]) for i in range(t.ndim)], what)
+    return DeviceBuffer(
+        ptr=int(t.data or 0) + int(t.byte_offset),
+        dtype=dt,
+        shape=shape,
+        count=count,
+        device=device,
+        readonly=False,  # DLPack before 1.0 has no read-only flag
+        stream=None,
+        stream_given=False,
+        via="dlpack",
+        library=_library(buf),
+        result_dtype=dt.storage,
+        keepalive=(buf, capsule),
+    )
+
+
+def _check_contiguous(shape: tuple[int, ...], strides: list[int], what: str) -> None:
+    """Strides in elements; dimensions of extent 1 may have any stride."""
+    expect = 1
+    for i in reversed(range(len(shape))):
+        if shape[i] != 1 and strides[i] != expect:
+            raise UnsupportedBufferError(
+                f"{what}: the device array is not C-contiguous (element strides {tuple(strides)}); "
+                "make a contiguous copy first"
+            )
+        expect *= shape[i]
+
+
+def _library(buf: Any) -> str:
+    return type(buf).__module__.partition(".")[0]
+
+
+def stream_handle(stream: Any) -> int:
+    """A stream argument as a raw handle: an int, a torch.cuda.Stream, a cupy.cuda.Stream, or __cuda_stream__."""
+    if isinstance(stream, bool):
+        raise InvalidArgumentError(f"stream must be a CUDA stream or its handle, got {stream!r}")
+    if isinstance(stream, (int, np.integer)):
+        return int(stream)
+    proto = getattr(stream, "__cuda_stream__", None)
+    if proto is not None:
+        _version, ptr = proto()
+        return int(ptr)
+    for attr in ("cuda_stream", "ptr", "handle"):
+        value = getattr(stream, attr, None)
+        if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+            return int(value)
+    raise InvalidArgumentError(f"stream must be a CUDA stream or its handle, got {type(stream).__name__}")
+
+
+def library_stream(rt: DeviceRuntime, library: str, device: int) -> int:
+    """The calling thread's current stream of the library that made a buffer (torch keeps its own)."""
+    if library == "torch":
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            return int(torch.cuda.current_stream(device).cuda_stream)
+    return rt.current_stream(device)
+
+
+def load_runtime(name: str, standin_delay_s: float = 0.0) -> DeviceRuntime:
+    """The device runtime `name` ("auto" means CuPy); raises DeviceUnavailableError naming what is missing."""
+    if name not in RUNTIMES:
+        raise ConfigError(f"SMDDP_DEVICE_RUNTIME={name!r}: expected one of {', '.join(RUNTIMES)}")
+    if name == "standin":
+        from smddp.client.standin import StandinRuntime
+
+        return StandinRuntime(copy_delay_s=standin_delay_s)
+    from smddp.client.cupy_runtime import CupyRuntime
+
+    return CupyRuntime()

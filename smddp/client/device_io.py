@@ -1,0 +1,205 @@
+"""A client's device copies: page-locked arena segments, a copy-in and a copy-out stream per device, ordering."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from smddp.client.device import DeviceBuffer, DeviceRuntime, library_stream
+from smddp.errors import DeviceError, SmddpError
+
+log = logging.getLogger("smddp.client")
+
+
+@dataclass(frozen=True)
+class Lane:
+    """The two streams smddp copies on for one device: device-to-host, and host-to-device.
+
+    Two, so that a copy-in waiting for the producer's kernels never holds up an earlier
+    collective's result on its way back (and the GPU's two copy engines both work).
+    """
+
+    device: int
+    d2h: int
+    h2d: int
+
+
+@dataclass
+class DevicePlan:
+    """How one collective uses device memory: what is copied in, where the result goes, which streams."""
+
+    device: int
+    src: DeviceBuffer | None  # copied into the input slot (None: this rank sends no data)
+    producer: int | None  # the stream `src` was produced on (None: no wait needed)
+    outputs: list[tuple[DeviceBuffer, int, int]]  # (destination, byte offset in the result, bytes)
+    consumer: int | None  # the stream wait() orders the result before (None: decided at wait())
+    library: str  # for the current stream at wait() when `consumer` is None
+    keepalive: Any = None
+    done: Any = field(default=None)  # the event recorded after the copy-out
+
+
+class DeviceIO:
+    """One client's device machinery. Threads: its own releaser; the client's submitter and reader call in.
+
+    The host blocks only in these places: `host_wait` (the client's submitter thread, until a
+    copy-in is complete; the releaser thread, until a copy-out is complete), pinning a segment the
+    first time it is used, and copies to or from memory that could not be pinned.
+    """
+
+    def __init__(self, rt: DeviceRuntime, on_error: Callable[[SmddpError], None]) -> None:
+        self.rt = rt
+        self._on_error = on_error
+        self._lock = threading.Lock()
+        self._lanes: dict[int, Lane] = {}
+        self._pinned: dict[tuple[str, int], int | None] = {}  # key -> registered address, None: not pinnable
+        self._after: queue.SimpleQueue[tuple[Any, Callable[[], None], Any] | None] = queue.SimpleQueue()
+        self._pending = 0
+        self._idle = threading.Condition(self._lock)
+        self._releaser = threading.Thread(
+            target=self._release_loop, name="smddp-device-releaser", daemon=True
+        )
+        self._releaser.start()
+
+    # -- streams and pinned memory ---------------------------------------------------------------
+
+    def lane(self, device: int) -> Lane:
+        with self._lock:
+            lane = self._lanes.get(device)
+        if lane is not None:
+            return lane
+        if not 0 <= device < self.rt.device_count():
+            raise DeviceError(f"device {device} does not exist ({self.rt.device_count()} devices)")
+        new = Lane(device, self.rt.new_stream(device), self.rt.new_stream(device))
+        with self._lock:
+            return self._lanes.setdefault(device, new)
+
+    def pin(self, key: tuple[str, int], array: np.ndarray, readonly: bool) -> None:
+        """Page-lock `array` (a whole arena segment) once, so copies to and from it are asynchronous DMA."""
+        with self._lock:
+            if key in self._pinned:
+                return
+            ptr = int(array.ctypes.data)
+            try:
+                self.rt.register_host(ptr, array.nbytes, readonly)
+                self._pinned[key] = ptr
+            except SmddpError as e:
+                # Still correct, only slower: copies from pageable memory are staged and block the caller.
+                self._pinned[key] = None
+                log.warning(
+                    "could not page-lock %s segment %d (%d bytes): %s", key[0], key[1], array.nbytes, e
+                )
+
+    def unpin(self, key: tuple[str, int]) -> None:
+        with self._lock:
+            ptr = self._pinned.pop(key, None)
+        if ptr is not None:
+            self.rt.unregister_host(ptr)
+
+    # -- copies ----------------------------------------------------------------------------------
+
+    def producer_stream(self, buf: DeviceBuffer, explicit: int | None) -> int | None:
+        """The stream `buf`'s contents were produced on: the caller's, the interface's, or the current one."""
+        if explicit is not None:
+            return explicit
+        if buf.stream_given:
+            return buf.stream  # the producer said which (or that no synchronisation is needed)
+        if buf.via == "dlpack":
+            return None  # __dlpack__(stream=our copy-in stream) made it wait for the producer already
+        return library_stream(self.rt, buf.library, buf.device)
+
+    def consumer_stream(self, plan: DevicePlan) -> int:
+        if plan.consumer is not None:
+            return plan.consumer
+        return library_stream(self.rt, plan.library, plan.device)
+
+    def copy_in(self, src: DeviceBuffer, dst: np.ndarray, producer: int | None) -> Any:
+        """Enqueue the device-to-host copy of `src` into `dst` after the producer's work; returns its event.
+
+        The copy-in stream waits for an event on the producer's stream: nothing else waits, and the
+        producer's stream never waits for the copy.
+        """
+        lane = self.lane(src.device)
+        if producer is not None:
+            ready = self.rt.new_event(src.device)
+            self.rt.record(ready, producer, src.device)
+            self.rt.wait_event(lane.d2h, ready, src.device)
+        self.rt.copy_d2h(int(dst.ctypes.data), src.ptr, src.nbytes, lane.d2h, src.device)
+        copied = self.rt.new_event(src.device)
+        self.rt.record(copied, lane.d2h, src.device)
+        return copied
+
+    def copy_out(self, device: int, parts: list[tuple[DeviceBuffer, np.ndarray]]) -> Any:
+        """Enqueue host-to-device copies of result bytes into device buffers; returns the event after them."""
+        lane = self.lane(device)
+        for dst, src in parts:
+            self.rt.copy_h2d(dst.ptr, int(src.ctypes.data), src.nbytes, lane.h2d, device)
+        done = self.rt.new_event(device)
+        self.rt.record(done, lane.h2d, device)
+        return done
+
+    def host_wait(self, event: Any) -> None:
+        self.rt.event_synchronize(event)
+
+    def stream_wait(self, stream: int, event: Any, device: int) -> None:
+        self.rt.wait_event(stream, event, device)
+
+    # -- work after a copy-out -------------------------------------------------------------------
+
+    def after(self, event: Any, then: Callable[[], None], keepalive: Any) -> None:
+        """Run `then` on the releaser thread once `event` is reached, holding `keepalive` until then."""
+        with self._lock:
+            self._pending += 1
+        self._after.put((event, then, keepalive))
+
+    def _release_loop(self) -> None:
+        while True:
+            item = self._after.get()
+            if item is None:
+                return
+            event, then, _keepalive = item
+            try:
+                self.host_wait(event)
+                then()
+            except SmddpError as e:
+                self._on_error(e)
+            except Exception as e:  # a bug: fail the job rather than hang it
+                log.exception("smddp device releaser crashed")
+                self._on_error(DeviceError(f"internal error after a device copy: {e!r}"))
+            finally:
+                del item, event, then, _keepalive
+                with self._lock:
+                    self._pending -= 1
+                    self._idle.notify_all()
+
+    def drain(self, timeout: float) -> bool:
+        """Wait until every queued `after` has run; False if `timeout` ran out first."""
+        with self._lock:
+            return self._idle.wait_for(lambda: self._pending == 0, timeout)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Finish queued work, wait for the copy streams, unpin every segment (before anything unmaps it)."""
+        self.drain(timeout)
+        self._after.put(None)
+        self._releaser.join(timeout=timeout)
+        with self._lock:
+            lanes = list(self._lanes.values())
+            pinned = list(self._pinned.keys())
+        for lane in lanes:
+            for s in (lane.d2h, lane.h2d):
+                try:
+                    ev = self.rt.new_event(lane.device)
+                    self.rt.record(ev, s, lane.device)
+                    self.rt.event_synchronize(ev)
+                except SmddpError as e:
+                    log.warning("device %d: a copy stream failed at shutdown: %s", lane.device, e)
+        for key in pinned:
+            try:
+                self.unpin(key)
+            except SmddpError as e:
+                log.warning("could not unpin %s segment %d: %s", key[0], key[1], e)

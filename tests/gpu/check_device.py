@@ -1,0 +1,271 @@
+"""Worker script: every collective on device buffers (stand-in, CuPy or torch CUDA), results checked bit for bit.
+
+The same script runs against the stand-in runtime in CI and against a real GPU: only --runtime and
+--array differ. Each input is written by a kernel on a compute stream that first runs for a while,
+and each result is read back on that stream, so a copy that does not wait for the producer, or a
+reader that does not wait for the copy, sees the wrong bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "multiprocess"))
+import check_collectives as cc  # the same cases and the same independent reference as the host tests
+
+KERNEL_S = 0.002  # how long the producer's kernel runs before the data exists
+
+
+class StandinDev:
+    """Arrays of the client's stand-in runtime; `cai` hides DLPack so the CUDA Array Interface path runs."""
+
+    def __init__(self, rt: Any, via: str) -> None:
+        from smddp.client.standin import CaiOnly
+
+        self.rt = rt
+        self.via = via
+        self.compute = rt.new_stream(0)
+        self._cai = CaiOnly
+
+    def ctx(self) -> Any:
+        return self.rt.use(self.compute)
+
+    def make(self, x: np.ndarray) -> Any:
+        arr = self.rt.empty(x.shape, x.dtype)  # holds garbage until the kernel below runs
+        self.rt.sleep(self.compute, KERNEL_S)
+        self.rt.launch(self.compute, lambda v: np.copyto(v, x), arr)
+        if self.via == "cai" and x.dtype.kind != "V":
+            return self._cai(arr)
+        return arr
+
+    def fetch(self, arr: Any) -> np.ndarray:
+        return (arr._arr if isinstance(arr, self._cai) else arr).get()
+
+    def stats(self) -> dict[str, Any]:
+        return {"stats": dict(self.rt.stats), "registered": len(self.rt.registered())}
+
+
+class CupyDev:
+    """CuPy arrays on a non-blocking compute stream (bfloat16 has no CuPy dtype: those cases are skipped)."""
+
+    def __init__(self, local_rank: int) -> None:
+        import cupy
+
+        self.cp = cupy
+        self.device = local_rank % cupy.cuda.runtime.getDeviceCount()
+        cupy.cuda.Device(self.device).use()
+        self.compute = cupy.cuda.Stream(non_blocking=True)
+
+    def ctx(self) -> Any:
+        return self.compute
+
+    def make(self, x: np.ndarray) -> Any:
+        if x.dtype.kind == "V":
+            return None
+        return self.cp.asarray(x)  # uploaded on the current (compute) stream
+
+    def fetch(self, arr: Any) -> np.ndarray:
+        return arr.get()
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+
+class TorchDev:
+    """torch CUDA tensors (bfloat16 included, through DLPack) on a side compute stream with a long kernel first."""
+
+    def __init__(self, local_rank: int) -> None:
+        import torch
+
+        self.torch = torch
+        self.device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(self.device)
+        self.compute = torch.cuda.Stream(self.device)
+
+    def ctx(self) -> Any:
+        return self.torch.cuda.stream(self.compute)
+
+    def make(self, x: np.ndarray) -> Any:
+        t = self.torch
+        if x.dtype.kind == "V":
+            host = t.from_numpy(np.ascontiguousarray(x).view(np.int16)).view(t.bfloat16)
+        else:
+            host = t.from_numpy(np.ascontiguousarray(x))
+        t.cuda._sleep(200_000)  # a kernel that runs first: the copy-in must wait for the upload behind it
+        return host.to(self.device)
+
+    def fetch(self, arr: Any) -> np.ndarray:
+        t = self.torch
+        if arr.dtype == t.bfloat16:
+            return arr.view(t.int16).cpu().numpy().view(np.uint16)
+        return arr.cpu().numpy()
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+
+def start(c: dict, x: Any) -> Any:
+    import smddp
+
+    kind = c["kind"]
+    if kind == "allreduce":
+        return smddp.allreduce_async(x, op=cc.OPS[c["op"]])
+    if kind == "reduce_scatter":
+        return smddp.reduce_scatter_async(x, op=cc.OPS[c["op"]])
+    if kind == "allgather":
+        return smddp.allgather_async(x)
+    if kind == "broadcast":
+        return smddp.broadcast_async(x, root=c["root"])
+    return smddp.barrier_async()
+
+
+def run_case(dev: Any, c: dict, rank: int) -> tuple[Any, Any] | None:
+    x = cc.as_user_array(cc.make_input(c["id"], rank, c["dtype"], c["count"]), c["dtype"])
+    if c["kind"] == "barrier":
+        return start(c, None), None
+    arr = dev.make(x)
+    if arr is None:
+        return None
+    return start(c, arr), arr
+
+
+def collect(dev: Any, c: dict, h: Any, world: int, nnodes: int, rank: int) -> dict:
+    got = h.wait(timeout=120)
+    host = None if got is None else dev.fetch(got)
+    return cc.check(c, host, world, nnodes, rank)
+
+
+def refused(fn: Any, *args: Any, **kwargs: Any) -> str:
+    from smddp import errors
+
+    try:
+        fn(*args, **kwargs)
+    except errors.SmddpError as e:
+        return f"{type(e).__name__}: {e}"
+    return "NOT REFUSED"
+
+
+class ForeignCai:
+    """CUDA Array Interface over memory the stand-in runtime does not own (a real GPU pointer, say)."""
+
+    def __init__(self, ptr: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (4,),
+            "typestr": "<f4",
+            "data": (ptr, False),
+            "version": 3,
+            "stream": None,
+        }
+
+
+def error_cases(rt: Any) -> dict[str, str]:
+    """Bad device buffers are refused with a clear smddp error before anything is sent."""
+    import smddp
+    from smddp.client.standin import CaiOnly, StandinRuntime
+
+    ok = rt.asarray(np.arange(8, dtype=np.float32))
+    other = StandinRuntime()
+    try:
+        out = {
+            "noncontiguous": refused(
+                smddp.allreduce_async, rt.asarray(np.arange(10, dtype=np.float32)).every(2)
+            ),
+            "int16": refused(smddp.allreduce_async, rt.asarray(np.arange(4, dtype=np.int16))),
+            "int16_cai": refused(smddp.allreduce_async, CaiOnly(rt.asarray(np.arange(4, dtype=np.int16)))),
+            "foreign": refused(smddp.allreduce_async, ForeignCai(0x1000)),
+            "other_runtime": refused(smddp.allreduce_async, other.asarray(np.arange(4, dtype=np.float32))),
+            "stream_0": refused(smddp.allreduce_async, CaiOnly(ok, stream=0)),
+            "host_with_stream": refused(smddp.allreduce_async, np.zeros(4, np.float32), stream=5),
+            "host_out": refused(smddp.allgather_async, ok, out=np.zeros((smddp.size(), 8), np.float32)),
+            "device_out": refused(
+                smddp.allgather_async, np.zeros(8, np.float32), out=rt.empty((8,), np.float32)
+            ),
+            "out_dtype": refused(smddp.allgather_async, ok, out=rt.empty((smddp.size(), 8), np.int32)),
+        }
+    finally:
+        other.close()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--nnodes", type=int, required=True)
+    ap.add_argument("--runtime", choices=["standin", "cupy", "auto"], default="standin")
+    ap.add_argument("--array", choices=["dlpack", "cai", "cupy", "torch"], default="dlpack")
+    ap.add_argument("--delay-ms", type=float, default=0.0, help="stand-in: every async copy waits this long")
+    ap.add_argument("--errors", action="store_true", help="check the refusals first")
+    ap.add_argument("--inflight", type=int, default=24)
+    ap.add_argument("--big", action="store_true")
+    args = ap.parse_args()
+    os.environ["SMDDP_DEVICE_RUNTIME"] = args.runtime
+    os.environ["SMDDP_STANDIN_DELAY_MS"] = str(args.delay_ms)
+
+    import smddp
+
+    smddp.init()
+    rank, world = smddp.rank(), smddp.size()
+    result: dict[str, Any] = {"rank": rank, "world": world}
+    dev: Any
+    if args.array in ("dlpack", "cai"):
+        rt = smddp.client().device_runtime()
+        dev = StandinDev(rt, args.array)
+        if args.errors:
+            result["errors"] = error_cases(rt)
+    elif args.array == "cupy":
+        dev = CupyDev(smddp.local_rank())
+    else:
+        dev = TorchDev(smddp.local_rank())
+
+    records: list[dict] = []
+    skipped = 0
+    all_cases = cc.cases(world, args.big)
+    with dev.ctx():
+        for c in all_cases:
+            started = run_case(dev, c, rank)
+            if started is None:
+                skipped += 1
+                continue
+            records.append(collect(dev, c, started[0], world, args.nnodes, rank))
+
+        # Many in flight, device and host buffers interleaved (a host SUBMIT queues behind a device
+        # one whose copy-in is not finished), then waited in reverse.
+        rng = np.random.default_rng(11)
+        small = [c for c in all_cases if c["count"] <= cc.MIB and c["kind"] != "barrier"]
+        pick = [small[int(i)] for i in rng.choice(len(small), size=args.inflight, replace=False)]
+        pending = []
+        for i, c in enumerate(pick):
+            if i % 3 == 2:
+                h, _x = cc.start(c, rank)  # host memory
+                pending.append((c, h, False))
+                continue
+            started = run_case(dev, c, rank)
+            if started is not None:
+                pending.append((c, started[0], True))
+        for c, h, on_device in reversed(pending):
+            if on_device:
+                rec = collect(dev, c, h, world, args.nnodes, rank)
+            else:
+                rec = cc.check(c, h.wait(timeout=120), world, args.nnodes, rank)
+            rec["inflight"] = True
+            rec["device"] = on_device
+            records.append(rec)
+
+    result["records"] = records
+    result["skipped"] = skipped
+    result["runtime"] = smddp.client().device_runtime().name
+    smddp.shutdown()
+    result.update(dev.stats())  # after shutdown: every segment must have been unpinned
+    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
