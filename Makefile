@@ -6,13 +6,15 @@ STAMP := $(VENV)/.installed
 # The torch extra's versions, pinned in the same pip command: torch's CPU build (an unpinned torch
 # pulls GBs of CUDA packages), and the Lightning and scikit-learn the tests were written against.
 TORCH_PINS := 'torch==2.13.0' 'pytorch-lightning==2.6.6' 'scikit-learn==1.9.1'
+# The tensorflow extra's, likewise: TensorFlow's CPU build and the Keras 3 the tests were written against.
+TF_PINS := 'tensorflow-cpu==2.21.0' 'keras==3.15.1'
 
 .PHONY: setup demo test unit multiprocess lint typecheck clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev,torch]' $(TORCH_PINS)
+	$(BIN)/pip install -q -e '.[dev,torch,tensorflow]' $(TORCH_PINS) $(TF_PINS)
 	touch $(STAMP)
 
 setup: $(STAMP)
