@@ -67,6 +67,22 @@ class PeerLink:
     sendq: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     connected: threading.Event = field(default_factory=threading.Event)
     said_bye: bool = False
+    # Frames queued and not yet sent by the writer; a small frame may skip the queue only when none
+    # are (so frames never overtake queued ones: BYE stays last).
+    backlog: int = 0
+    qlock: threading.Lock = field(default_factory=threading.Lock)
+
+    def enqueue(self, item: tuple | None) -> None:
+        with self.qlock:
+            self.backlog += 1
+            self.sendq.put(item)
+
+
+# Collectives of at most this many bytes are reduced on the thread that receives their last input.
+INLINE_BYTES = 64 << 10
+# Frames of at most this many payload bytes are sent by the thread that makes them, when the peer's
+# writer is idle; larger ones always go through the writer (a long send must not hold up a reader).
+DIRECT_BYTES = 64 << 10
 
 
 class OpState:
@@ -187,6 +203,7 @@ class NodeDaemon:
         self._next_request = 1
         self._stall_warned: dict[int, float] = {}  # seq -> when we last warned about it
         self.timeline: list[dict] = []  # Chrome trace events, written at exit when enabled
+        self._tls = threading.local()  # a Reducer per reader thread that runs small work inline
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -237,7 +254,7 @@ class NodeDaemon:
         with self._task_cv:
             self._task_cv.notify_all()
         for p in self.peers.values():
-            p.sendq.put(None)
+            p.enqueue(None)
         for t in self._threads:
             if t.name.startswith("smddp-writer"):
                 t.join(timeout=5.0)  # the BYE frames leave before the sockets close
@@ -502,7 +519,7 @@ class NodeDaemon:
             if op.submitted == self.local_size:
                 tasks = self._local_tasks_for(op)
         if tasks:
-            self._enqueue(tasks, local=True)
+            self._dispatch(op, tasks, local=True)
 
     def _on_release(self, link: WorkerLink, h: Header) -> None:
         with self._lock:
@@ -651,6 +668,27 @@ class NodeDaemon:
                     tasks.append((self._local_reduce, op, per_shard[j][i]))
         return tasks
 
+    def _dispatch(self, op: OpState, tasks: list, local: bool) -> None:
+        """Run a small collective's work here, on the thread that made it ready; queue the rest.
+
+        Handing a few KiB to a compute thread costs more (a wake-up, on a busy machine a scheduler
+        slice) than reducing them; large work goes to the compute threads, so readers keep reading.
+        """
+        if op.count * op.dtype.itemsize > INLINE_BYTES:
+            self._enqueue(tasks, local)
+            return
+        reducer = self._thread_reducer()
+        for fn, *args in tasks:
+            if self.failure is not None:
+                return
+            fn(reducer, *args)
+
+    def _thread_reducer(self) -> Reducer:
+        r = getattr(self._tls, "reducer", None)
+        if r is None:
+            r = self._tls.reducer = Reducer(self.cfg.reduce_kernel)
+        return r
+
     def _enqueue(self, tasks: list, local: bool) -> None:
         with self._task_cv:
             (self._local_tasks if local else self._tasks).extend(tasks)
@@ -731,7 +769,7 @@ class NodeDaemon:
             ready = op.partial_count[index] == self.nnodes
         if ready:
             assert op.reduce is not None
-            self._enqueue([(self._server_reduce, op, op.own_chunks[index])], local=False)
+            self._dispatch(op, [(self._server_reduce, op, op.own_chunks[index])], local=False)
 
     def _server_reduce(self, reducer: Reducer, op: OpState, c: Chunk) -> None:
         assert op.server is not None
@@ -806,7 +844,7 @@ class NodeDaemon:
         ask = Header(MsgType.STATUS, sender=self.node, seq=req).encode()
         asked = [p for p in self.peers.values() if p.connected.is_set() and not p.said_bye]
         for p in asked:
-            p.sendq.put((ask, None, None))
+            p.enqueue((ask, None, None))
         deadline = time.monotonic() + timeout
         with self._report_cv:
             while len(self._reports[req]) < 1 + len(asked) and time.monotonic() < deadline:
@@ -982,7 +1020,40 @@ class NodeDaemon:
     def _send(self, node: int, op: OpState, hdr: bytes, payload: np.ndarray) -> None:
         with self._lock:
             op.pending_sends += 1
-        self.peers[node].sendq.put((hdr, payload, op))
+        peer = self.peers[node]
+        if payload.nbytes <= DIRECT_BYTES and self._send_direct(peer, op, hdr, payload):
+            return
+        peer.enqueue((hdr, payload, op))
+
+    def _send_direct(self, peer: PeerLink, op: OpState, hdr: bytes, payload: np.ndarray) -> bool:
+        """Send a small frame on this thread when the peer's writer has nothing queued and is idle.
+
+        The writer-thread hand-off costs a wake-up per frame, which is most of a small collective's
+        time. A failure here is the peer's (named), not that of whoever's thread this is.
+        """
+        conn = peer.conn
+        if conn is None or self.failure is not None:
+            return False
+        t0 = time.time()
+        nbytes = len(hdr) + payload.nbytes
+        with peer.qlock:
+            # Nothing queued, and the kernel takes the frame at once: this thread never waits on a
+            # slow peer (readers that waited on each other's sends could deadlock).
+            if peer.backlog or not conn.try_acquire(nbytes):
+                return False
+        try:
+            conn.send_held([hdr, payload], idle=self.cfg.heartbeat_timeout_s)
+        except ConnectionClosed as e:
+            raise PeerLostError(f"{self.me} lost contact: {e}") from None
+        self._sent(peer, op, nbytes, t0)
+        return True
+
+    def _sent(self, peer: PeerLink, op: OpState, nbytes: int, t0: float) -> None:
+        self.stats.add_out(peer.node, nbytes)
+        op.phase("send", t0, time.time())
+        with self._lock:
+            op.pending_sends -= 1
+            self._maybe_retire(op)
 
     def _writer_loop(self, peer: PeerLink) -> None:
         while not peer.connected.wait(0.5):
@@ -997,19 +1068,18 @@ class NodeDaemon:
             if self.failure is not None:
                 return
             idle = self.cfg.heartbeat_timeout_s
-            if hdr is None:  # BYE marker: everything before it has left
-                peer.conn.send_frame(Header(MsgType.BYE, sender=self.node), idle=idle)
-                continue
-            if op is None:  # a heartbeat, a status request or report
-                peer.conn.send([hdr] if payload is None else [hdr, payload], idle=idle)
-                continue
-            t0 = time.time()
-            peer.conn.send([hdr, payload], idle=idle)
-            self.stats.add_out(peer.node, len(hdr) + payload.nbytes)
-            op.phase("send", t0, time.time())
-            with self._lock:
-                op.pending_sends -= 1
-                self._maybe_retire(op)
+            try:
+                if hdr is None:  # BYE marker: everything before it has left
+                    peer.conn.send_frame(Header(MsgType.BYE, sender=self.node), idle=idle)
+                elif op is None:  # a heartbeat, a status request or report
+                    peer.conn.send([hdr] if payload is None else [hdr, payload], idle=idle)
+                else:
+                    t0 = time.time()
+                    peer.conn.send([hdr, payload], idle=idle)
+                    self._sent(peer, op, len(hdr) + payload.nbytes, t0)
+            finally:
+                with peer.qlock:
+                    peer.backlog -= 1
 
     def _heartbeat_loop(self) -> None:
         """Every quarter of the heartbeat timeout, tell every peer and worker that we are alive.
@@ -1021,7 +1091,7 @@ class NodeDaemon:
         while not self._finished.wait(period):
             for p in self.peers.values():
                 if p.connected.is_set() and not p.said_bye:
-                    p.sendq.put((beat, None, None))
+                    p.enqueue((beat, None, None))
             for w in list(self.workers):
                 if w is not None and not w.said_bye and not w.conn.closed:
                     try:
@@ -1071,7 +1141,7 @@ class NodeDaemon:
                 elif h.type is MsgType.STATUS:
                     body = json.dumps(self.local_report()).encode()
                     reply = Header(MsgType.REPORT, sender=self.node, seq=h.seq, length=len(body)).encode()
-                    peer.sendq.put((reply, body, None))
+                    peer.enqueue((reply, body, None))
                 elif h.type is MsgType.REPORT:
                     report = json.loads(conn.recv_bytes(h.length, timeout=10.0))
                     with self._report_cv:
@@ -1152,7 +1222,7 @@ class NodeDaemon:
                 self._bye_sent_at = time.monotonic()
         if first:
             for p in self.peers.values():
-                p.sendq.put((None, None, None))
+                p.enqueue((None, None, None))
         if all(p.said_bye for p in self.peers.values()):
             self._finished.set()
 

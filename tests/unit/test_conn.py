@@ -301,3 +301,57 @@ def test_fds_of_an_unfinished_header_are_closed_on_stop(pair):
         assert open_fds() == before, "fds of a half-received header were leaked"
     finally:
         os.close(memfd)
+
+
+@pytest.fixture
+def tcp_pair():
+    lsock = socket.create_server(("127.0.0.1", 0))
+    a = socket.create_connection(lsock.getsockname())
+    b, _ = lsock.accept()
+    lsock.close()
+    ca, cb = Connection(a, "node 1"), Connection(b, "node 0")
+    yield ca, cb
+    ca.close()
+    cb.close()
+
+
+def test_try_acquire_then_send_held_delivers_a_frame(tcp_pair):
+    a, b = tcp_pair
+    payload = np.arange(256, dtype=np.float32)
+    h = data_header(payload.nbytes)
+    assert a.try_acquire(HEADER_SIZE + payload.nbytes)
+    a.send_held([h.encode(), payload], idle=5)
+    got, _ = b.recv_header(timeout=5)
+    buf = np.empty(256, np.float32)
+    b.recv_into(buf, idle=5)
+    assert got.seq == 42 and (buf == payload).all()
+    assert a.try_acquire(10)  # send_held released the lock
+    a.send_held([h.encode()[:0]])
+
+
+def test_try_acquire_refuses_while_another_thread_sends(tcp_pair):
+    a, _ = tcp_pair
+    assert a.try_acquire(10)
+    got: list[bool] = []
+    t = threading.Thread(target=lambda: got.append(a.try_acquire(10)))
+    t.start()
+    t.join()
+    assert got == [False]
+    a.send_held([])
+
+
+def test_try_acquire_refuses_when_the_peer_is_not_reading(tcp_pair):
+    """A frame the kernel could not take at once must be queued, never sent by a thread that blocks."""
+    a, _ = tcp_pair
+    chunk = np.zeros(1 << 16, np.uint8)
+    a.sock.setblocking(False)
+    try:
+        while True:  # fill the socket: the other end reads nothing
+            a.sock.send(chunk)
+    except BlockingIOError:
+        pass
+    a.sock.settimeout(0.5)
+    assert not a.try_acquire(HEADER_SIZE + 100)
+    # ...and the refusal left the lock free for the writer thread.
+    with pytest.raises(ConnectionClosed, match="not reading"):
+        a.send([b"x" * 100], idle=0.3)
