@@ -36,7 +36,7 @@ class DevicePlan:
 
     device: int
     src: DeviceBuffer | None  # copied into the input slot (None: this rank sends no data)
-    producer: int | None  # the stream `src` was produced on (None: no wait needed)
+    before: Any  # event on the caller's stream at the call: copies in and out wait for it (None: no wait)
     outputs: list[tuple[DeviceBuffer, int, int]]  # (destination, byte offset in the result, bytes)
     consumer: int | None  # the stream wait() orders the result before (None: decided at wait())
     library: str  # for the current stream at wait() when `consumer` is None
@@ -104,39 +104,53 @@ class DeviceIO:
     # -- copies ----------------------------------------------------------------------------------
 
     def producer_stream(self, buf: DeviceBuffer, explicit: int | None) -> int | None:
-        """The stream `buf`'s contents were produced on: the caller's, the interface's, or the current one."""
+        """The stream the caller works on `buf` with: the one passed, the interface's, or the current one.
+
+        (A DLPack export has also made the copy-in stream wait for its producer; this covers the
+        copy-out too, which must not write a buffer before the work enqueued on it is done.)
+        """
         if explicit is not None:
             return explicit
         if buf.stream_given:
             return buf.stream  # the producer said which (or that no synchronisation is needed)
-        if buf.via == "dlpack":
-            return None  # __dlpack__(stream=our copy-in stream) made it wait for the producer already
         return library_stream(self.rt, buf.library, buf.device)
+
+    def mark(self, stream: int | None, device: int) -> Any:
+        """An event at the current end of `stream` (None: nothing to wait for)."""
+        if stream is None:
+            return None
+        ev = self.rt.new_event(device)
+        self.rt.record(ev, stream, device)
+        return ev
 
     def consumer_stream(self, plan: DevicePlan) -> int:
         if plan.consumer is not None:
             return plan.consumer
         return library_stream(self.rt, plan.library, plan.device)
 
-    def copy_in(self, src: DeviceBuffer, dst: np.ndarray, producer: int | None) -> Any:
-        """Enqueue the device-to-host copy of `src` into `dst` after the producer's work; returns its event.
+    def copy_in(self, src: DeviceBuffer, dst: np.ndarray, before: Any) -> Any:
+        """Enqueue the device-to-host copy of `src` into `dst` after event `before`; returns its event.
 
         The copy-in stream waits for an event on the producer's stream: nothing else waits, and the
         producer's stream never waits for the copy.
         """
         lane = self.lane(src.device)
-        if producer is not None:
-            ready = self.rt.new_event(src.device)
-            self.rt.record(ready, producer, src.device)
-            self.rt.wait_event(lane.d2h, ready, src.device)
+        if before is not None:
+            self.rt.wait_event(lane.d2h, before, src.device)
         self.rt.copy_d2h(int(dst.ctypes.data), src.ptr, src.nbytes, lane.d2h, src.device)
         copied = self.rt.new_event(src.device)
         self.rt.record(copied, lane.d2h, src.device)
         return copied
 
-    def copy_out(self, device: int, parts: list[tuple[DeviceBuffer, np.ndarray]]) -> Any:
-        """Enqueue host-to-device copies of result bytes into device buffers; returns the event after them."""
+    def copy_out(self, device: int, parts: list[tuple[DeviceBuffer, np.ndarray]], before: Any) -> Any:
+        """Enqueue host-to-device copies of result bytes into device buffers; returns the event after them.
+
+        They wait for `before` first: a broadcast's or gather's destination may still have work of
+        the caller's queued on it (a buffer it was just filling, or zeroing).
+        """
         lane = self.lane(device)
+        if before is not None:
+            self.rt.wait_event(lane.h2d, before, device)
         for dst, src in parts:
             self.rt.copy_h2d(dst.ptr, int(src.ctypes.data), src.nbytes, lane.h2d, device)
         done = self.rt.new_event(device)

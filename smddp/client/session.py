@@ -426,9 +426,9 @@ class Client:
                 raise UnsupportedBufferError(
                     f"device buffers of one collective must be on one device: cuda:{b.device} and cuda:{like.device}"
                 )
-        producer = io.producer_stream(src, explicit) if src is not None else None
+        before = io.mark(io.producer_stream(like, explicit), like.device)
         consumer = explicit if explicit is not None else (like.stream if like.stream_given else None)
-        return DevicePlan(like.device, src, producer, outputs, consumer, like.library, keepalive)
+        return DevicePlan(like.device, src, before, outputs, consumer, like.library, keepalive)
 
     def _copy_in(self, plan: DevicePlan, src: DeviceBuffer, slot: Slot) -> Any:
         """Enqueue the copy of `src` into `slot` (lock held); on failure free the slot and raise."""
@@ -437,7 +437,7 @@ class Client:
         seg = self._arena.segments[slot.segment]
         try:
             io.pin(("in", seg.id), seg.array, readonly=False)
-            return io.copy_in(src, self._arena.view(slot), plan.producer)
+            return io.copy_in(src, self._arena.view(slot), plan.before)
         except BaseException:
             self._arena.free(slot)
             raise
@@ -571,7 +571,7 @@ class Client:
         assert io is not None
         io.pin(("out", seg.id), seg.array, readonly=True)
         parts = [(dst, view[off : off + n]) for dst, off, n in plan.outputs]
-        plan.done = io.copy_out(plan.device, parts)
+        plan.done = io.copy_out(plan.device, parts, plan.before)
 
         def release() -> None:
             if not self._closed and self._failure is None:

@@ -9,12 +9,14 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.futures import Future
 
 import smddp
 from smddp.errors import CollectiveError, CollectiveTimeoutError, ConfigError, SmddpError
+from smddp.proto.dtypes import DType
 
 BACKEND_NAME = "smddp"
 
@@ -69,15 +71,24 @@ class SmddpWork(dist.Work):
     future's error, a real C++ exception rather than a value.
     """
 
-    def __init__(self, name: str, result: Any, timeout: timedelta, trace: TraceEvent | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        result: Any,
+        timeout: timedelta,
+        trace: TraceEvent | None = None,
+        device: _Device | None = None,
+    ) -> None:
         super().__init__()
         self.name = name
         self._result = result
         self._timeout = timeout
         self._trace = trace
+        self._device: _Device = device if device is not None else _HOST
+        self._event: Any = None  # device Works: reached once the result is in the tensors
         self._error: BaseException | None = None
         self._done = threading.Event()
-        self._base: Future[None] = Future()
+        self._base: Future[None] = self._device.future()
         self._future: Future[Any] = self._base.then(self._unwrap)
 
     def _unwrap(self, _fut: Future[None]) -> Any:
@@ -93,7 +104,11 @@ class SmddpWork(dist.Work):
         self._done.set()
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        """Block until done; raises the collective's error. A zero/None timeout means the group's."""
+        """Block until done; raises the collective's error. A zero/None timeout means the group's.
+
+        CUDA tensors: the host blocks until the result has arrived and its copy to the device is
+        enqueued; the caller's current stream then waits for that copy (as with NCCL's Work).
+        """
         t = self._timeout if timeout is None or timeout <= timedelta(0) else timeout
         if not self._done.wait(t.total_seconds()):
             raise CollectiveTimeoutError(
@@ -104,6 +119,7 @@ class SmddpWork(dist.Work):
             if isinstance(err, SmddpError):
                 raise type(err)(str(err))
             raise CollectiveError(f"smddp {self.name} failed: {err!r}")
+        self._device.order(self)
         return True
 
     def get_future(self) -> Future[Any]:
@@ -123,10 +139,15 @@ class SmddpWork(dist.Work):
         return self._result
 
     def synchronize(self) -> None:
-        pass
+        """CUDA tensors: the current stream waits for the result (if it has arrived); else nothing."""
+        if self._done.is_set() and self._error is None:
+            self._device.order(self)
 
 
 # -- the completion thread ------------------------------------------------------------------------
+
+
+_Job = tuple[SmddpWork, list[smddp.Handle], Callable[[], None] | None, list[torch.Tensor]]
 
 
 class _Completer:
@@ -134,34 +155,44 @@ class _Completer:
 
     smddp handles have no callbacks, and DDP waits on a torch Future in C++, so someone must turn a
     finished handle into a completed future: this thread. Handles finish in sequence order, so a
-    FIFO costs nothing.
+    FIFO costs nothing. Device Works finish on a side stream per device (`side`), never on the
+    caller's.
     """
 
     def __init__(self) -> None:
-        self._q: queue.SimpleQueue[tuple[SmddpWork, list[smddp.Handle], Callable[[], None] | None]] = (
-            queue.SimpleQueue()
-        )
+        self._q: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+        self._sides: dict[Any, Any] = {}
+        self._sides_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="smddp-torch-completer", daemon=True)
         self._thread.start()
 
-    def put(self, work: SmddpWork, handles: list[smddp.Handle], finish: Callable[[], None] | None) -> None:
-        self._q.put((work, handles, finish))
+    def put(
+        self,
+        work: SmddpWork,
+        handles: list[smddp.Handle],
+        finish: Callable[[], None] | None,
+        touched: list[torch.Tensor] | None = None,
+    ) -> None:
+        self._q.put((work, handles, finish, touched or []))
+
+    def side(self, key: Any, make: Callable[[], Any]) -> Any:
+        """The side stream for `key` (a CUDA device, or a stand-in runtime), made on first use."""
+        with self._sides_lock:
+            s = self._sides.get(key)
+            if s is None:
+                s = self._sides[key] = make()
+            return s
 
     def _run(self) -> None:
         while True:
-            work, handles, finish = self._q.get()
-            error: BaseException | None = None
+            work, handles, finish, touched = self._q.get()
             try:
-                for h in handles:
-                    h.wait(work._timeout.total_seconds())
-                if finish is not None:
-                    finish()
+                work._device.complete(work, handles, finish, touched)
             except BaseException as e:  # smddp's errors, a timeout, or a bug in a copy-out
-                error = e
-            try:
-                work._complete(error)
-            except Exception:  # never let one bad Work stop every later one from completing
-                pass
+                try:
+                    work._complete(e)
+                except Exception:  # never let one bad Work stop every later one from completing
+                    pass
 
 
 _completer: _Completer | None = None
@@ -176,15 +207,151 @@ def _get_completer() -> _Completer:
         return _completer
 
 
+# -- where a collective's tensors live ------------------------------------------------------------
+
+
+class _Device:
+    """Host tensors: smddp takes them as they are, and a Work is complete once the handles are."""
+
+    def buf(self, t: torch.Tensor) -> Any:
+        """What to hand smddp for tensor `t`."""
+        return t
+
+    def kw(self) -> dict[str, Any]:
+        """Extra arguments of the smddp call (evaluated in the caller's thread, at the call)."""
+        return {}
+
+    def future(self) -> Future[None]:
+        return Future()
+
+    def complete(
+        self,
+        work: SmddpWork,
+        handles: list[smddp.Handle],
+        finish: Callable[[], None] | None,
+        touched: list[torch.Tensor],
+    ) -> None:
+        """In the completer thread: wait for the handles, run `finish`, complete the Work."""
+        for h in handles:
+            h.wait(work._timeout.total_seconds())
+        if finish is not None:
+            finish()
+        work._complete(None)
+
+    def order(self, work: SmddpWork) -> None:
+        """After a host wait on a completed Work: make the caller's stream see the result."""
+
+
+_HOST = _Device()
+
+
+class _CudaDevice(_Device):
+    """CUDA tensors: handed to smddp on the caller's current stream; finished on a side stream.
+
+    The completer makes the side stream wait for each result's copy to the device, runs the copy-
+    backs (`finish`) on it, records an event, and completes the CUDA-aware future there, so DDP's
+    reducer, `Work.wait()` and `future.wait()` order the caller's stream after it. Nothing waits
+    on the caller's stream but smddp's own copy-in stream.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.side_stream: torch.cuda.Stream = _get_completer().side(
+            device, lambda: torch.cuda.Stream(device=device)
+        )
+
+    def kw(self) -> dict[str, Any]:
+        return {"stream": torch.cuda.current_stream(self.device).cuda_stream}
+
+    def future(self) -> Future[None]:
+        return Future(devices=[self.device])
+
+    def complete(
+        self,
+        work: SmddpWork,
+        handles: list[smddp.Handle],
+        finish: Callable[[], None] | None,
+        touched: list[torch.Tensor],
+    ) -> None:
+        side = self.side_stream
+        with torch.cuda.device(self.device), torch.cuda.stream(side):
+            for h in handles:
+                h.wait(work._timeout.total_seconds(), stream=side.cuda_stream)
+            if finish is not None:
+                finish()
+            for t in touched:
+                # The caching allocator must not hand this memory out again before the side stream is past it.
+                t.record_stream(side)
+            ev = torch.cuda.Event()
+            ev.record(side)
+            work._event = ev
+            work._complete(None)  # the CUDA-aware future records its own event on `side`, the current stream
+
+    def order(self, work: SmddpWork) -> None:
+        if work._event is not None:
+            torch.cuda.current_stream(self.device).wait_event(work._event)
+
+
+class _StandinDevice(_Device):
+    """CPU tensors as the stand-in runtime's device memory (SMDDP_DEVICE_RUNTIME=standin), for tests.
+
+    The same route as CUDA: each tensor reaches smddp as a device buffer (an alias of its memory),
+    results come back by asynchronous copies, and `finish` runs on a side stream after them. torch
+    on CPU reads tensors without streams, so the completer then blocks until the side stream is
+    through, where CUDA would only record an event.
+    """
+
+    def __init__(self, rt: Any) -> None:
+        self.rt = rt
+        self.side_stream: int = _get_completer().side(rt, lambda: rt.new_stream(0))
+
+    def buf(self, t: torch.Tensor) -> Any:
+        if t.dtype == torch.bfloat16:
+            return self.rt.alias(t.view(torch.int16).numpy().view(np.uint16), wire=DType.BFLOAT16)
+        return self.rt.alias(t.numpy())
+
+    def complete(
+        self,
+        work: SmddpWork,
+        handles: list[smddp.Handle],
+        finish: Callable[[], None] | None,
+        touched: list[torch.Tensor],
+    ) -> None:
+        for h in handles:
+            h.wait(work._timeout.total_seconds(), stream=self.side_stream)
+        if finish is not None:
+            self.rt.launch(self.side_stream, finish)
+        ev = self.rt.new_event(0)
+        self.rt.record(ev, self.side_stream, 0)
+        self.rt.event_synchronize(ev)
+        work._complete(None)
+
+
+def _device_of(tensors: Sequence[torch.Tensor], what: str) -> _Device:
+    """Where one call's tensors live: all on the host, or all on one CUDA device."""
+    cuda = {t.device for t in tensors if t.device.type == "cuda"}
+    if cuda:
+        if len(cuda) > 1 or len(cuda) != len({t.device for t in tensors}):
+            names = ", ".join(sorted(str(d) for d in {t.device for t in tensors}))
+            raise UnsupportedCollectiveError(
+                f"smddp {what}: the tensors are on {names}; one call takes one device"
+            )
+        (device,) = cuda
+        return _CudaDevice(device)
+    if tensors and smddp.client().config.device_runtime == "standin":
+        return _StandinDevice(smddp.client().device_runtime())
+    return _HOST
+
+
 # -- helpers --------------------------------------------------------------------------------------
 
 
 def _check_tensor(t: Any, what: str) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise UnsupportedCollectiveError(f"smddp {what}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
+    if t.device.type not in ("cpu", "cuda"):
         raise UnsupportedCollectiveError(
-            f"smddp {what}: the tensor is on {t.device}; the smddp backend takes CPU tensors"
+            f"smddp {what}: the tensor is on {t.device}; the smddp backend takes CPU and CUDA tensors"
         )
     if t.layout != torch.strided:
         raise UnsupportedCollectiveError(f"smddp {what}: {t.layout} tensors are not supported")
@@ -212,6 +379,11 @@ def _op(opts: Any, what: str) -> smddp.ReduceOp:
     raise UnsupportedCollectiveError(
         f"smddp {what}: ReduceOp.{name} is not supported (supported: SUM, AVG, MIN, MAX)"
     )
+
+
+def _all(pairs: list[tuple[torch.Tensor, torch.Tensor, bool]]) -> list[torch.Tensor]:
+    """Every tensor of (tensor, contiguous buffer, copied) pairs: what a device Work touches."""
+    return [x for t, buf, copied in pairs for x in ((t, buf) if copied else (t,))]
 
 
 def _same_size(ts: Sequence[torch.Tensor], numel: int, dtype: torch.dtype, what: str) -> None:
@@ -264,19 +436,22 @@ class ProcessGroupSmddp(dist.ProcessGroup):
     def _submit(
         self,
         name: str,
-        start: Callable[[], list[smddp.Handle]],
+        start: Callable[[_Device], list[smddp.Handle]],
         result: Any,
         opts: Any = None,
         finish: Callable[[], None] | None = None,
         nbytes: int = 0,
+        tensors: Sequence[torch.Tensor] = (),
     ) -> SmddpWork:
+        """Run `start(device)` for this call's `tensors` (inputs, outputs and scratch) and queue its Work."""
+        device = _device_of(tensors, name)
         trace = None
         if self.trace is not None:
             trace = TraceEvent(name, nbytes, time.perf_counter())
             self.trace.append(trace)
-        work = SmddpWork(name, result, self._timeout_of(opts), trace)
-        handles = start()  # raises (nothing sent) on a bad argument, before the Work is queued
-        self._completer.put(work, handles, finish)
+        work = SmddpWork(name, result, self._timeout_of(opts), trace, device)
+        handles = start(device)  # raises (nothing sent) on a bad argument, before the Work is queued
+        self._completer.put(work, handles, finish, list(tensors) if device is not _HOST else None)
         return work
 
     # -- collectives
@@ -287,17 +462,16 @@ class ProcessGroupSmddp(dist.ProcessGroup):
         ts = [_check_tensor(t, "all_reduce") for t in tensors]
         pairs = [(t, *_contiguous(t)) for t in ts]
 
-        def start() -> list[smddp.Handle]:
-            return [smddp.allreduce_async(buf, op) for _, buf, _ in pairs]
+        def start(d: _Device) -> list[smddp.Handle]:
+            return [smddp.allreduce_async(d.buf(buf), op, **d.kw()) for _, buf, _ in pairs]
 
         def finish() -> None:
             for t, buf, copied in pairs:
                 if copied:
                     t.copy_(buf)
 
-        return self._submit(
-            "all_reduce", start, tensors, opts, finish, sum(t.numel() * t.element_size() for t in ts)
-        )
+        nbytes = sum(t.numel() * t.element_size() for t in ts)
+        return self._submit("all_reduce", start, tensors, opts, finish, nbytes, _all(pairs))
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> SmddpWork:
         o = dist.AllreduceOptions()
@@ -311,15 +485,15 @@ class ProcessGroupSmddp(dist.ProcessGroup):
         ts = [_check_tensor(t, "broadcast") for t in tensors]
         pairs = [(t, *_contiguous(t)) for t in ts]
 
-        def start() -> list[smddp.Handle]:
-            return [smddp.broadcast_async(buf, root) for _, buf, _ in pairs]
+        def start(d: _Device) -> list[smddp.Handle]:
+            return [smddp.broadcast_async(d.buf(buf), root, **d.kw()) for _, buf, _ in pairs]
 
         def finish() -> None:
             for t, buf, copied in pairs:
                 if copied:
                     t.copy_(buf)
 
-        return self._submit("broadcast", start, tensors, opts, finish)
+        return self._submit("broadcast", start, tensors, opts, finish, tensors=_all(pairs))
 
     def allgather(  # type: ignore[override]
         self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None
@@ -340,16 +514,16 @@ class ProcessGroupSmddp(dist.ProcessGroup):
     ) -> SmddpWork:
         """One smddp all-gather of `inp`; row r lands in outs[r] (empty `outs`: keep nothing)."""
         buf, _ = _contiguous(inp)
-        flat = torch.empty((self._size, inp.numel()), dtype=inp.dtype)
+        flat = torch.empty((self._size, inp.numel()), dtype=inp.dtype, device=inp.device)
 
-        def start() -> list[smddp.Handle]:
-            return [smddp.allgather_async(buf, out=flat)]
+        def start(d: _Device) -> list[smddp.Handle]:
+            return [smddp.allgather_async(d.buf(buf), out=d.buf(flat), **d.kw())]
 
         def finish() -> None:
             for i, o in enumerate(outs):
                 o.copy_(flat[i].view(o.shape))
 
-        return self._submit(name, start, output_tensors, opts, finish)
+        return self._submit(name, start, output_tensors, opts, finish, tensors=[inp, buf, flat, *outs])
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> SmddpWork:
         return self.all_gather_single(output, input, opts)
@@ -365,14 +539,16 @@ class ProcessGroupSmddp(dist.ProcessGroup):
         buf, _ = _contiguous(inp)
         obuf, copied = _contiguous(out)
 
-        def start() -> list[smddp.Handle]:
-            return [smddp.allgather_async(buf, out=obuf)]
+        def start(d: _Device) -> list[smddp.Handle]:
+            return [smddp.allgather_async(d.buf(buf), out=d.buf(obuf), **d.kw())]
 
         def finish() -> None:
             if copied:
                 out.copy_(obuf)
 
-        return self._submit("all_gather_into_tensor", start, output, opts, finish)
+        return self._submit(
+            "all_gather_into_tensor", start, output, opts, finish, tensors=[inp, buf, out, obuf]
+        )
 
     def allgather_into_tensor_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
@@ -421,14 +597,14 @@ class ProcessGroupSmddp(dist.ProcessGroup):
         op = _op(opts, name)
         obuf, copied = _contiguous(out)
 
-        def start() -> list[smddp.Handle]:
-            return [smddp.reduce_scatter_async(flat, op, out=obuf)]
+        def start(d: _Device) -> list[smddp.Handle]:
+            return [smddp.reduce_scatter_async(d.buf(flat), op, out=d.buf(obuf), **d.kw())]
 
         def finish() -> None:
             if copied:
                 out.copy_(obuf)
 
-        return self._submit(name, start, result, opts, finish)
+        return self._submit(name, start, result, opts, finish, tensors=[flat, out, obuf])
 
     def reduce_scatter_tensor_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
@@ -454,17 +630,17 @@ class ProcessGroupSmddp(dist.ProcessGroup):
             )
         works = [one(o, i, opts) for o, i in zip(outputs, inputs, strict=False)]
 
-        def start() -> list[smddp.Handle]:
+        def start(d: _Device) -> list[smddp.Handle]:
             return []
 
         def finish() -> None:
             for w in works:
                 w.wait()
 
-        return self._submit(f"{name} (coalesced)", start, outputs, opts, finish)
+        return self._submit(f"{name} (coalesced)", start, outputs, opts, finish, tensors=[*outputs, *inputs])
 
     def barrier(self, opts: Any = None) -> SmddpWork:
-        return self._submit("barrier", lambda: [smddp.barrier_async()], None, opts)
+        return self._submit("barrier", lambda d: [smddp.barrier_async()], None, opts)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> SmddpWork:  # type: ignore[override]
         """An all-reduce into a scratch copy; only the root's tensor receives the result."""
@@ -474,15 +650,15 @@ class ProcessGroupSmddp(dist.ProcessGroup):
         ts = [_check_tensor(t, "reduce") for t in tensors]
         scratch = [t.contiguous().clone() for t in ts]
 
-        def start() -> list[smddp.Handle]:
-            return [smddp.allreduce_async(s, op) for s in scratch]
+        def start(d: _Device) -> list[smddp.Handle]:
+            return [smddp.allreduce_async(d.buf(s), op, **d.kw()) for s in scratch]
 
         def finish() -> None:
             if self._rank == root:
                 for t, s in zip(ts, scratch, strict=False):
                     t.copy_(s)
 
-        return self._submit("reduce", start, tensors, opts, finish)
+        return self._submit("reduce", start, tensors, opts, finish, tensors=[*ts, *scratch])
 
     def gather(  # type: ignore[override]
         self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None
@@ -521,15 +697,15 @@ class ProcessGroupSmddp(dist.ProcessGroup):
             _same_size(ins, n, out.dtype, "scatter")
             flat = torch.cat([t.reshape(-1) for t in ins])
         else:
-            flat = torch.empty(self._size * n, dtype=out.dtype)
+            flat = torch.empty(self._size * n, dtype=out.dtype, device=out.device)
 
-        def start() -> list[smddp.Handle]:
-            return [smddp.broadcast_async(flat, root)]
+        def start(d: _Device) -> list[smddp.Handle]:
+            return [smddp.broadcast_async(d.buf(flat), root, **d.kw())]
 
         def finish() -> None:
             out.copy_(flat[self._rank * n : (self._rank + 1) * n].view(out.shape))
 
-        return self._submit("scatter", start, output_tensors, opts, finish)
+        return self._submit("scatter", start, output_tensors, opts, finish, tensors=[flat, out])
 
     # -- what smddp does not do: refuse by name, before anything is sent
 
@@ -591,5 +767,5 @@ def register() -> None:
     if _registered or BACKEND_NAME in dist.Backend.backend_list:
         _registered = True
         return
-    dist.Backend.register_backend(BACKEND_NAME, create_process_group, devices=["cpu"])
+    dist.Backend.register_backend(BACKEND_NAME, create_process_group, devices=["cpu", "cuda"])
     _registered = True

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.futures import Future
 
 import smddp
-from smddp.torch.backend import BACKEND_NAME, SmddpWork, _get_completer, register
+from smddp.torch.backend import BACKEND_NAME, SmddpWork, _device_of, _get_completer, register
 
 _TorchDDP = torch.nn.parallel.DistributedDataParallel
 _DDP_SIGNATURE = inspect.signature(_TorchDDP.__init__)
@@ -93,8 +93,10 @@ def allreduce_hook(state: Any, bucket: dist.GradBucket) -> Future[torch.Tensor]:
     del state
     smddp.init()
     buf = bucket.buffer()
-    work = SmddpWork("allreduce_hook", buf, timedelta(seconds=smddp.client().config.timeout_s))
-    _get_completer().put(work, [smddp.allreduce_async(buf, smddp.AVG)], None)
+    device = _device_of([buf], "allreduce_hook")
+    work = SmddpWork("allreduce_hook", buf, timedelta(seconds=smddp.client().config.timeout_s), device=device)
+    handle = smddp.allreduce_async(device.buf(buf), smddp.AVG, **device.kw())
+    _get_completer().put(work, [handle], None, [buf])
     return work.get_future()
 
 

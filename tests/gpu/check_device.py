@@ -203,6 +203,9 @@ def main() -> int:
     ap.add_argument("--errors", action="store_true", help="check the refusals first")
     ap.add_argument("--inflight", type=int, default=24)
     ap.add_argument("--big", action="store_true")
+    ap.add_argument(
+        "--unavailable", action="store_true", help="hand a stand-in array to a client whose runtime is CuPy"
+    )
     args = ap.parse_args()
     os.environ["SMDDP_DEVICE_RUNTIME"] = args.runtime
     os.environ["SMDDP_STANDIN_DELAY_MS"] = str(args.delay_ms)
@@ -212,6 +215,18 @@ def main() -> int:
     smddp.init()
     rank, world = smddp.rank(), smddp.size()
     result: dict[str, Any] = {"rank": rank, "world": world}
+    if args.unavailable:
+        from smddp.client.standin import StandinRuntime
+
+        own = StandinRuntime()  # not the client's: the client has to find a runtime itself
+        result["refused"] = refused(smddp.allreduce_async, own.asarray(np.ones(4, np.float32)))
+        x = np.full(4, rank + 1.0, np.float32)
+        result["after"] = smddp.allreduce(x).tolist()  # nothing was sent: the job goes on
+        own.close()
+        smddp.shutdown()
+        with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+            json.dump(result, f)
+        return 0
     dev: Any
     if args.array in ("dlpack", "cai"):
         rt = smddp.client().device_runtime()

@@ -1,0 +1,537 @@
+"""The device path without a GPU: stand-in stream and event semantics, reading CUDA buffers, DeviceIO ordering."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import sys
+import threading
+import time
+import weakref
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from smddp.client.device import (
+    DeviceBuffer,
+    device_kind,
+    library_stream,
+    load_runtime,
+    read_cai,
+    read_dlpack,
+    stream_handle,
+)
+from smddp.client.device_io import DeviceIO, DevicePlan
+from smddp.client.session import ClientConfig
+from smddp.client.standin import CaiOnly, StandinRuntime
+from smddp.errors import (
+    ConfigError,
+    DeviceError,
+    DeviceUnavailableError,
+    InvalidArgumentError,
+    SmddpError,
+    UnsupportedBufferError,
+)
+from smddp.proto import DType
+from smddp.transport.shm import Arena
+
+SLOW = 0.15  # a "long kernel": long enough that a copy which does not wait for it runs first
+
+
+@pytest.fixture
+def rt():
+    r = StandinRuntime()
+    yield r
+    r.close()
+
+
+def pinned(rt: StandinRuntime, nbytes: int) -> np.ndarray:
+    """Host memory registered with the stand-in runtime (as an arena segment would be)."""
+    a = np.zeros(nbytes, np.uint8)
+    rt.register_host(a.ctypes.data, a.nbytes, readonly=False)
+    return a
+
+
+# -- the stand-in runtime: streams are asynchronous and in order ---------------------------------------
+
+
+def test_copies_are_asynchronous_and_in_order(rt):
+    s = rt.new_stream()
+    dev = rt.asarray(np.arange(1000, dtype=np.float32))
+    host = pinned(rt, dev.nbytes)
+    rt.sleep(s, SLOW)
+    t0 = time.monotonic()
+    rt.copy_d2h(host.ctypes.data, dev.ptr, dev.nbytes, s)
+    assert time.monotonic() - t0 < SLOW / 3, "a copy into pinned memory must not block the host"
+    assert not host.any(), "the copy ran before the kernel enqueued ahead of it"
+    ev = rt.new_event()
+    rt.record(ev, s)
+    assert not rt.event_done(ev)
+    rt.event_synchronize(ev)
+    assert rt.event_done(ev)
+    assert np.array_equal(host.view(np.float32), np.arange(1000, dtype=np.float32))
+    assert rt.stats["pinned"] == 1 and rt.stats["pageable"] == 0
+
+
+def test_pageable_copies_block_the_caller(rt):
+    s = rt.new_stream()
+    dev = rt.asarray(np.ones(10, np.float64))
+    host = np.zeros(10, np.float64)  # not registered
+    rt.sleep(s, SLOW)
+    t0 = time.monotonic()
+    rt.copy_d2h(host.ctypes.data, dev.ptr, dev.nbytes, s)
+    assert time.monotonic() - t0 >= SLOW * 0.9, "a copy into pageable memory returns when it is done"
+    assert (host == 1).all()
+    assert rt.stats["pageable"] == 1
+
+
+def test_event_wait_orders_streams_and_a_missing_wait_reads_stale_data(rt):
+    producer, consumer = rt.new_stream(), rt.new_stream()
+    x = rt.asarray(np.zeros(100, np.int32))
+    seen_without: list[np.ndarray] = []
+    seen_with: list[np.ndarray] = []
+    rt.sleep(producer, SLOW)
+    rt.launch(producer, lambda v: v.fill(7), x)
+    # Without a wait the consumer runs now, before the producer's kernel wrote anything.
+    rt.launch(consumer, lambda v: seen_without.append(v.copy()), x)
+    ev = rt.new_event()
+    rt.record(ev, producer)
+    rt.wait_event(consumer, ev)
+    rt.launch(consumer, lambda v: seen_with.append(v.copy()), x)
+    rt.synchronize()
+    assert (seen_without[0] == 0).all(), "the stand-in must expose a missing wait as stale data"
+    assert (seen_with[0] == 7).all()
+
+
+def test_a_wait_refers_to_the_last_record_before_it(rt):
+    a, b = rt.new_stream(), rt.new_stream()
+    x = rt.asarray(np.zeros(4, np.int64))
+    ev = rt.new_event()
+    rt.record(ev, a)  # an early, empty point of stream a
+    rt.sleep(a, SLOW)
+    rt.launch(a, lambda v: v.fill(1), x)
+    seen: list[int] = []
+    rt.wait_event(b, ev)  # waits for the early record only
+    rt.launch(b, lambda v: seen.append(int(v[0])), x)
+    rt.record(ev, a)  # re-recorded after the write: later waits see it
+    rt.wait_event(b, ev)
+    rt.launch(b, lambda v: seen.append(int(v[0])), x)
+    rt.synchronize()
+    assert seen == [0, 1]
+
+
+def test_an_event_never_recorded_is_complete(rt):
+    ev = rt.new_event()
+    assert rt.event_done(ev)
+    rt.event_synchronize(ev)
+    rt.wait_event(rt.new_stream(), ev)  # no-op, as cudaStreamWaitEvent on a never-recorded event
+
+
+def test_errors_are_sticky_and_reported_at_synchronize(rt):
+    s = rt.new_stream()
+    x = rt.asarray(np.zeros(3, np.float32))
+    host = pinned(rt, x.nbytes)
+
+    def bad(v: np.ndarray) -> None:
+        raise ValueError("kernel fault")
+
+    rt.launch(s, bad, x)
+    rt.launch(s, lambda v: v.fill(5), x)  # skipped: the stream is in error
+    rt.copy_d2h(host.ctypes.data, x.ptr, x.nbytes, s)
+    ev = rt.new_event()
+    rt.record(ev, s)
+    with pytest.raises(DeviceError, match="kernel fault"):
+        rt.event_synchronize(ev)
+    assert not host.any()
+
+
+def test_memory_is_only_reachable_through_the_runtime(rt):
+    s = rt.new_stream()
+    x = rt.asarray(np.arange(4, dtype=np.float32))
+    host = np.zeros(4, np.float32)
+    assert x.ptr >= 1 << 63, "stand-in addresses are no valid host addresses"
+    with pytest.raises(DeviceError, match="not stand-in device memory"):
+        rt.copy_d2h(host.ctypes.data, host.ctypes.data, 16, s)  # a host pointer as the source
+    with pytest.raises(DeviceError, match="not stand-in device memory"):
+        rt.copy_d2h(host.ctypes.data, x.ptr, 17, s)  # one byte past the end
+    ref = weakref.ref(x)
+    ptr = x.ptr
+    del x
+    assert ref() is None
+    with pytest.raises(DeviceError, match="freed"):
+        rt.copy_d2h(host.ctypes.data, ptr, 16, s)
+
+
+def test_host_registration_rules(rt):
+    a = np.zeros(4096, np.uint8)
+    rt.register_host(a.ctypes.data, a.nbytes, readonly=True)
+    with pytest.raises(DeviceError, match="already registered"):
+        rt.register_host(a.ctypes.data + 100, 10, readonly=False)
+    x = rt.asarray(np.ones(8, np.uint8))
+    with pytest.raises(DeviceError, match="read-only"):
+        rt.copy_d2h(a.ctypes.data, x.ptr, 8, rt.new_stream())
+    rt.unregister_host(a.ctypes.data)
+    with pytest.raises(DeviceError, match="not registered"):
+        rt.unregister_host(a.ctypes.data)
+    assert rt.registered() == {}
+
+
+def test_streams_and_events_belong_to_a_device():
+    rt = StandinRuntime(devices=2)
+    try:
+        s1 = rt.new_stream(1)
+        with pytest.raises(DeviceError, match="device 1, not 0"):
+            rt.record(rt.new_event(0), s1, 0)
+        with pytest.raises(DeviceError, match="recorded on device 1"):
+            rt.record(rt.new_event(0), s1, 1)
+        x = rt.asarray(np.ones(4, np.float32), device=0)
+        with pytest.raises(DeviceError, match="device 0 copied on a stream of device 1"):
+            rt.copy_d2h(np.zeros(4, np.float32).ctypes.data, x.ptr, 16, s1, 1)
+        with pytest.raises(DeviceError, match="no device 2"):
+            rt.new_stream(2)
+    finally:
+        rt.close()
+
+
+def test_current_stream_is_per_thread(rt):
+    s = rt.new_stream()
+    seen: list[int] = []
+    with rt.use(s):
+        assert rt.current_stream() == s
+        t = threading.Thread(target=lambda: seen.append(rt.current_stream()))
+        t.start()
+        t.join()
+    assert rt.current_stream() == 1 and seen == [1]
+
+
+def test_get_and_set_run_on_the_current_stream(rt):
+    s = rt.new_stream()
+    x = rt.empty((3,), np.float32)
+    assert x.get().view(np.uint8).tolist() == [0xA5] * 12, "fresh device memory holds garbage, not zeros"
+    with rt.use(s):
+        rt.sleep(s, SLOW / 2)
+        x.set(np.array([1.0, 2.0, 3.0], np.float32))  # after the kernel on s
+        assert x.get().tolist() == [1.0, 2.0, 3.0]
+
+
+# -- the interfaces the client reads: CUDA Array Interface and DLPack ------------------------------
+
+
+def test_device_kind_asks_nothing_of_host_memory(rt):
+    import torch
+
+    assert device_kind(np.zeros(3)) is None
+    assert device_kind(torch.zeros(3)) is None
+    assert device_kind(memoryview(b"abc")) is None
+    assert device_kind(rt.asarray(np.zeros(3))) == ("dlpack", 0)
+    assert device_kind(CaiOnly(rt.asarray(np.zeros(3)))) == ("cai", -1)
+
+
+def test_rocm_and_broken_interfaces_are_refused():
+    class Rocm:
+        def __dlpack_device__(self):
+            return (10, 0)
+
+        def __dlpack__(self, **kw):
+            raise AssertionError("must not be exported")
+
+    class BrokenCai:
+        @property
+        def __cuda_array_interface__(self):
+            raise KeyError("bfloat16")  # what torch's raises for bfloat16
+
+    with pytest.raises(UnsupportedBufferError, match="ROCm"):
+        device_kind(Rocm())
+    assert device_kind(BrokenCai()) == ("cai", -1)
+    with pytest.raises(UnsupportedBufferError, match="__cuda_array_interface__ failed"):
+        read_cai(BrokenCai(), "buf")
+
+
+@pytest.mark.parametrize(
+    "np_dtype,wire",
+    [
+        (np.uint8, DType.UINT8),
+        (np.int32, DType.INT32),
+        (np.int64, DType.INT64),
+        (np.float16, DType.FLOAT16),
+        (ml_dtypes.bfloat16, DType.BFLOAT16),
+        (np.float32, DType.FLOAT32),
+        (np.float64, DType.FLOAT64),
+    ],
+    ids=lambda v: getattr(v, "__name__", str(v)),
+)
+def test_dlpack_and_cai_read_every_dtype(rt, np_dtype, wire):
+    x = rt.asarray(np.arange(12).reshape(3, 4).astype(np_dtype))
+    s = rt.new_stream()
+    d = read_dlpack(x, "buf", 0, s)
+    assert (d.ptr, d.dtype, d.shape, d.count, d.device, d.via) == (x.ptr, wire, (3, 4), 12, 0, "dlpack")
+    assert d.nbytes == 12 * wire.itemsize and d.library == "smddp"
+    if wire is DType.BFLOAT16:
+        assert d.result_dtype == np.uint16  # raw bits, as for a host DLPack bfloat16
+        with pytest.raises(UnsupportedBufferError, match="__cuda_array_interface__ failed"):
+            read_cai(CaiOnly(x), "buf")
+        return
+    c = read_cai(CaiOnly(x), "buf")
+    assert (c.ptr, c.dtype, c.shape, c.count, c.via, c.readonly) == (x.ptr, wire, (3, 4), 12, "cai", False)
+    assert c.result_dtype == np.dtype(np_dtype)
+
+
+def test_cai_stream_field_v2_v3(rt):
+    x = rt.asarray(np.zeros(4, np.float32))
+    s = rt.new_stream()
+    with rt.use(s):
+        v3 = read_cai(CaiOnly(x), "buf")
+    assert v3.stream_given and v3.stream == s
+    none = read_cai(CaiOnly(x, stream=None), "buf")
+    assert none.stream_given and none.stream is None  # the producer says: no synchronisation needed
+    v2 = read_cai(CaiOnly(x, version=2), "buf")
+    assert not v2.stream_given and v2.stream is None
+    with pytest.raises(UnsupportedBufferError, match="stream 0"):
+        read_cai(CaiOnly(x, stream=0), "buf")
+
+
+def test_non_contiguous_unsupported_and_masked_device_arrays_are_refused(rt):
+    x = rt.asarray(np.arange(10, dtype=np.float32))
+    with pytest.raises(UnsupportedBufferError, match="not C-contiguous"):
+        read_dlpack(x.every(2), "buf", 0, rt.new_stream())
+    with pytest.raises(UnsupportedBufferError, match="not C-contiguous"):
+        read_cai(CaiOnly(x.every(3)), "buf")
+    for dt in (np.int16, np.uint16, np.complex64, np.bool_, np.int8):
+        y = rt.asarray(np.zeros(4, dt))
+        with pytest.raises(UnsupportedBufferError, match="not supported"):
+            read_dlpack(y, "buf", 0, rt.new_stream())
+        with pytest.raises(UnsupportedBufferError, match="not supported"):
+            read_cai(CaiOnly(y), "buf")
+
+    class Masked:
+        __cuda_array_interface__ = {
+            "shape": (4,),
+            "typestr": "<f4",
+            "data": (x.ptr, True),
+            "version": 3,
+            "mask": object(),
+        }
+
+    with pytest.raises(UnsupportedBufferError, match="masked"):
+        read_cai(Masked(), "buf")
+    Masked.__cuda_array_interface__["mask"] = None
+    assert read_cai(Masked(), "buf").readonly
+
+
+def test_dlpack_export_makes_the_consumer_stream_wait_for_the_producer(rt):
+    producer, consumer = rt.new_stream(), rt.new_stream()
+    x = rt.empty((64,), np.float32)
+    with rt.use(producer):
+        rt.sleep(producer, SLOW)
+        rt.launch(producer, lambda v: v.fill(3.0), x)
+        read_dlpack(x, "buf", 0, consumer)
+    seen: list[float] = []
+    rt.launch(consumer, lambda v: seen.append(float(v[0])), x)
+    rt.synchronize()
+    assert seen == [3.0]
+
+
+def test_dlpack_capsules_do_not_leak(rt):
+    x = rt.asarray(np.ones(16, np.float32))
+    before = sys.getrefcount(x)
+    for _ in range(2000):
+        c = x.__dlpack__(stream=None)
+        del c
+    assert sys.getrefcount(x) == before
+    ref = weakref.ref(x)
+    held = read_dlpack(x, "buf", 0, rt.new_stream())
+    del x
+    assert ref() is not None, "a DeviceBuffer keeps its array alive"
+    del held
+    assert ref() is None
+
+
+def test_stream_handles():
+    class TorchLike:
+        cuda_stream = 0x7F00
+
+    class CupyLike:
+        ptr = 0x7F10
+
+    class Protocol:
+        def __cuda_stream__(self):
+            return (0, 0x7F20)
+
+    assert stream_handle(5) == 5 and stream_handle(np.int64(9)) == 9
+    assert stream_handle(TorchLike()) == 0x7F00
+    assert stream_handle(CupyLike()) == 0x7F10
+    assert stream_handle(Protocol()) == 0x7F20
+    for bad in (True, "s", 1.5, object()):
+        with pytest.raises(InvalidArgumentError, match="stream"):
+            stream_handle(bad)
+
+
+def test_runtime_selection():
+    with pytest.raises(ConfigError, match="SMDDP_DEVICE_RUNTIME"):
+        load_runtime("opencl")
+    with pytest.raises(ConfigError, match="SMDDP_DEVICE_RUNTIME"):
+        ClientConfig.from_env({"SMDDP_DEVICE_RUNTIME": "gpu"})
+    c = ClientConfig.from_env({"SMDDP_DEVICE_RUNTIME": "standin", "SMDDP_STANDIN_DELAY_MS": "2.5"})
+    assert c.device_runtime == "standin" and c.standin_delay_s == 0.0025
+    assert ClientConfig.from_env({}).device_runtime == "auto"
+    r = load_runtime("standin", 0.001)
+    try:
+        assert isinstance(r, StandinRuntime) and r.copy_delay_s == 0.001
+    finally:
+        r.close()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("cupy") is not None, reason="CuPy is installed here")
+def test_cupy_runtime_unavailable_is_a_clear_error():
+    for name in ("cupy", "auto"):
+        with pytest.raises(DeviceUnavailableError, match=r"CuPy.*smddp\[cuda12\]"):
+            load_runtime(name)
+
+
+# -- DeviceIO: the client's copy machinery, ordered by events ---------------------------------------
+
+
+def _io(rt: StandinRuntime, errors: list[SmddpError] | None = None) -> DeviceIO:
+    return DeviceIO(rt, (errors if errors is not None else []).append)
+
+
+def _segment(arena: Arena, nbytes: int) -> tuple[np.ndarray, np.ndarray]:
+    slot, _seg = arena.alloc(nbytes)
+    seg = arena.segments[slot.segment]
+    return seg.array, arena.view(slot)
+
+
+def dataclass_device(b: DeviceBuffer) -> DeviceBuffer:
+    """A CUDA Array Interface buffer with its device found (the client asks the runtime for it)."""
+    return dataclasses.replace(b, device=0)
+
+
+def test_copy_in_waits_for_the_producer_and_would_be_stale_without(rt):
+    io = _io(rt)
+    arena = Arena(1 << 20, "t")
+    try:
+        whole, slot = _segment(arena, 4000)
+        io.pin(("in", 0), whole, readonly=False)
+        io.pin(("in", 0), whole, readonly=False)  # once per segment
+        assert len(rt.registered()) == 1
+        compute = rt.new_stream()
+        for wait in (True, False):
+            x = rt.empty((1000,), np.float32)
+            with rt.use(compute):
+                rt.sleep(compute, SLOW)
+                rt.launch(compute, lambda v: v.fill(2.5), x)
+                b = dataclass_device(read_cai(CaiOnly(x), "buf"))
+                before = io.mark(io.producer_stream(b, None), 0) if wait else None
+            t0 = time.monotonic()
+            done = io.copy_in(b, slot, before)
+            assert time.monotonic() - t0 < SLOW / 3, "copy-in must not block the host"
+            io.host_wait(done)
+            got = slot.view(np.float32)
+            if wait:
+                assert (got == 2.5).all()
+            else:
+                assert not (got == 2.5).any(), "without the producer's event the copy reads garbage"
+            rt.synchronize()
+        assert rt.stats["pageable"] == 0
+        io.close()
+        assert rt.registered() == {}
+    finally:
+        arena.close()
+
+
+def test_copy_out_is_ordered_before_the_consumer_and_would_be_stale_without(rt):
+    io = _io(rt)
+    rt.copy_delay_s = SLOW  # every copy waits first: a reader that does not wait loses the race
+    result = pinned(rt, 400)
+    result.view(np.int32)[:] = np.arange(100, dtype=np.int32)
+    consumer = rt.new_stream()
+    for ordered in (True, False):
+        x = rt.asarray(np.full(100, -1, np.int32))
+        b = read_dlpack(x, "buf", 0, io.lane(0).d2h)
+        done = io.copy_out(0, [(b, result)], None)
+        if ordered:
+            io.stream_wait(consumer, done, 0)
+        seen: list[np.ndarray] = []
+        rt.launch(consumer, lambda v, seen=seen: seen.append(v.copy()), x)
+        rt.synchronize()
+        if ordered:
+            assert np.array_equal(seen[0], np.arange(100))
+        else:
+            assert (seen[0] == -1).all()
+    io.close()
+
+
+def test_copy_out_waits_for_work_queued_on_its_destination(rt):
+    """A broadcast's destination still being written by the caller: the result must land after that."""
+    io = _io(rt)
+    result = pinned(rt, 40)
+    result.view(np.float32)[:] = 9.0
+    compute = rt.new_stream()
+    for ordered in (True, False):
+        x = rt.empty((10,), np.float32)
+        with rt.use(compute):
+            rt.sleep(compute, SLOW)
+            rt.launch(compute, lambda v: v.fill(-1.0), x)  # the caller's own (old) contents, late
+            b = read_dlpack(x, "buf", 0, io.lane(0).d2h)
+            before = io.mark(io.producer_stream(b, None), 0) if ordered else None
+        io.host_wait(io.copy_out(0, [(b, result)], before))
+        rt.synchronize()
+        assert (x.get() == (9.0 if ordered else -1.0)).all()
+    io.close()
+
+
+def test_after_runs_in_order_once_the_copy_is_done_and_holds_its_buffers(rt):
+    io = _io(rt)
+    rt.copy_delay_s = 0.02
+    result = pinned(rt, 40)
+    order: list[int] = []
+    refs = []
+    for i in range(5):
+        x = rt.asarray(np.zeros(10, np.float32))
+        b = read_dlpack(x, "buf", 0, io.lane(0).d2h)
+        done = io.copy_out(0, [(b, result)], None)
+        refs.append(weakref.ref(x))
+        io.after(done, lambda i=i, done=done: order.append(i) if rt.event_done(done) else order.append(-1), b)
+        del x, b
+    assert any(r() is not None for r in refs), "buffers of pending copies stay alive"
+    assert io.drain(5.0)
+    assert order == [0, 1, 2, 3, 4]
+    io.close()
+    assert all(r() is None for r in refs)
+
+
+def test_unpinnable_memory_is_still_copied_correctly(rt):
+    errors: list[SmddpError] = []
+    io = _io(rt, errors)
+    seg = np.zeros(4096, np.uint8)
+    rt.register_host(seg.ctypes.data, 16, readonly=False)  # overlaps: pinning the segment fails
+    io.pin(("in", 3), seg, readonly=False)
+    x = rt.asarray(np.arange(256, dtype=np.int64))
+    done = io.copy_in(read_dlpack(x, "buf", 0, io.lane(0).d2h), seg[1024 : 1024 + 2048], None)
+    io.host_wait(done)
+    assert np.array_equal(seg[1024 : 1024 + 2048].view(np.int64), np.arange(256))
+    assert rt.stats["pageable"] == 1 and not errors
+    io.close()
+    rt.unregister_host(seg.ctypes.data)
+
+
+def test_producer_and_consumer_stream_resolution(rt):
+    io = _io(rt)
+    s = rt.new_stream()
+    x = rt.asarray(np.zeros(4, np.float32))
+    dl = read_dlpack(x, "buf", 0, io.lane(0).d2h)
+    with rt.use(s):
+        cai = dataclass_device(read_cai(CaiOnly(x), "buf"))
+    v2 = dataclass_device(read_cai(CaiOnly(x, version=2), "buf"))
+    assert io.producer_stream(dl, 77) == 77  # an explicit stream wins
+    assert io.producer_stream(dl, None) == 1  # the current stream (and DLPack's handshake, for copies in)
+    assert io.mark(None, 0) is None
+    assert io.producer_stream(cai, None) == s  # the interface named it
+    with rt.use(s):
+        assert io.producer_stream(v2, None) == s  # v2 names none: the current stream
+    plan = DevicePlan(0, None, None, [], None, "smddp")
+    with rt.use(s):
+        assert io.consumer_stream(plan) == s
+    assert library_stream(rt, "numpy", 0) == 1
+    io.close()
