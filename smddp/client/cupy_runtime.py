@@ -58,6 +58,10 @@ class CupyRuntime:
     def device_count(self) -> int:
         return self._count
 
+    def describe(self, device: int) -> str:
+        name = self._rt.getDeviceProperties(device)["name"]
+        return name.decode() if isinstance(name, bytes) else str(name)
+
     def pointer_device(self, ptr: int) -> int:
         if ptr == 0:
             return int(self._rt.getDevice())

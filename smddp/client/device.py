@@ -34,6 +34,10 @@ class DeviceRuntime(Protocol):
 
     def device_count(self) -> int: ...
 
+    def describe(self, device: int) -> str:
+        """The device's name, for reports ("NVIDIA H100 80GB HBM3")."""
+        ...
+
     def pointer_device(self, ptr: int) -> int:
         """The device that owns device pointer `ptr` (the CUDA Array Interface does not say)."""
         ...

@@ -122,6 +122,9 @@ class StandinRuntime:
     def device_count(self) -> int:
         return self.devices
 
+    def describe(self, device: int) -> str:
+        return f"stand-in device {device} (numpy memory, stream threads; no GPU)"
+
     def _check_device(self, device: int) -> None:
         if not 0 <= device < self.devices:
             raise DeviceError(f"stand-in device: no device {device} (it has {self.devices})")

@@ -1,0 +1,36 @@
+"""Worker wrapper: run a torch test script on the stand-in device runtime, then record what the runtime did.
+
+Usage: run_standin.py STATS_DIR SCRIPT [ARGS...]. The script runs unchanged; the wrapper only sets
+SMDDP_DEVICE_RUNTIME=standin (every torch tensor then goes the device route) and afterwards writes
+the runtime's copy and kernel counts, so the test can tell that the route was taken.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+
+
+def main() -> int:
+    stats_dir, script, *rest = sys.argv[1:]
+    os.environ["SMDDP_DEVICE_RUNTIME"] = "standin"
+    os.environ.setdefault("SMDDP_STANDIN_DELAY_MS", "1")
+    sys.argv = [script, *rest]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    code: object = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        code = e.code
+    import smddp
+
+    rt = smddp.client().device_runtime()
+    with open(os.path.join(stats_dir, f"stats{smddp.rank()}.json"), "w") as f:
+        json.dump({"runtime": rt.name, "stats": dict(rt.stats)}, f)
+    return int(code or 0) if isinstance(code, int) or code is None else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

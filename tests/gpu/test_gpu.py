@@ -1,0 +1,136 @@
+"""The device path on a real GPU (marked `gpu`): every dtype, the compute stream not blocked, DDP on CUDA.
+
+Skipped, with the reason shown, where CuPy cannot reach a CUDA device; the stand-in runs of the same
+worker scripts (tests/gpu/test_standin*.py) cover the path everywhere else.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import BIN, REPO, job_env
+
+
+def _gpus() -> int:
+    try:
+        import cupy
+
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:
+        return 0
+
+
+def _torch_cuda() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False
+
+
+GPUS = _gpus()
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(GPUS == 0, reason="no CUDA GPU reachable through CuPy here"),
+]
+needs_torch_cuda = pytest.mark.skipif(not _torch_cuda(), reason="torch has no CUDA here")
+
+HERE = Path(__file__).parent
+
+
+def launch(world: int, nodes: int, args: list[str], timeout: float = 900) -> None:
+    cmd = [str(BIN / "smddp-launch"), "-np", str(world), "--local-nodes", str(nodes), "--", sys.executable]
+    proc = subprocess.run(
+        [*cmd, *args], capture_output=True, text=True, timeout=timeout, env=job_env(), cwd=REPO
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+
+def results(out: Path, world: int) -> list[dict[str, Any]]:
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+@pytest.mark.parametrize(
+    ("world", "nodes", "array"),
+    [(2, 1, "cupy"), (4, 2, "cupy"), pytest.param(2, 1, "torch", marks=needs_torch_cuda)],
+    ids=["W2-N1-cupy", "W4-N2-cupy", "W2-N1-torch"],
+)
+def test_every_dtype_and_collective_on_the_gpu(
+    world: int, nodes: int, array: str, tmp_path: Path, clean_host: None
+):
+    """Workers share the GPU(s); results bit-exact against the reference (torch adds bfloat16)."""
+    from tests.gpu.test_standin import check_records
+
+    args = [str(HERE / "check_device.py"), "--out", str(tmp_path), "--nnodes", str(nodes)]
+    launch(world, nodes, [*args, "--runtime", "cupy", "--array", array, "--big"])
+    runs = results(tmp_path, world)
+    check_records([d["records"] for d in runs], inflight=24)
+    for d in runs:
+        assert d["runtime"] == "cupy"
+        dtypes = {rec["case"]["dtype"] for rec in d["records"]}
+        want = {"uint8", "int32", "int64", "float16", "float32", "float64"} | (
+            {"bfloat16"} if array == "torch" else set()
+        )
+        assert want <= dtypes, dtypes
+
+
+def test_compute_stream_is_not_blocked(tmp_path: Path, clean_host: None):
+    """The all-reduce finishes while a long kernel still runs on the stream that produced its buffer,
+    and that kernel takes no longer than alone."""
+    launch(1, 1, [str(HERE / "check_overlap.py"), "--out", str(tmp_path)])
+    (d,) = results(tmp_path, 1)
+    print(json.dumps(d, indent=1))  # the numbers, for BENCHMARKS.md
+    alone = d["kernel_alone_ms"]
+    assert alone > 100
+    for r in d["rounds"]:
+        assert r["correct"]
+        assert r["kernel_running_when_result_ready"], r
+        assert r["comm_ms"] < r["kernel_with_comm_ms"], r
+        assert r["kernel_with_comm_ms"] < 1.25 * alone, (r, alone)
+        assert r["submit_ms"] < 50, r
+
+
+@needs_torch_cuda
+def test_ddp_on_the_gpu_matches_the_cpu_path(tmp_path: Path, clean_host: None):
+    import torch
+
+    gpu, cpu = tmp_path / "gpu", tmp_path / "cpu"
+    gpu.mkdir()
+    cpu.mkdir()
+    script = str(HERE / "check_ddp_gpu.py")
+    launch(2, 1, [script, "--out", str(gpu), "--device", "cuda"])
+    launch(2, 1, [script, "--out", str(cpu), "--device", "cpu"])
+    g = [torch.load(gpu / f"rank{r}.pt") for r in range(2)]
+    c = [torch.load(cpu / f"rank{r}.pt") for r in range(2)]
+    for mode in g[0]:
+        for name, t in g[0][mode]["params"].items():
+            # Every rank holds the same bits (one all-reduce result), on the GPU as on the CPU ...
+            assert torch.equal(t, g[1][mode]["params"][name]), (mode, name)
+            assert torch.equal(g[0][mode]["grads"][name], g[1][mode]["grads"][name]), (mode, name)
+            # ... and the GPU run follows the CPU run to float32 rounding of the kernels.
+            assert torch.allclose(t, c[0][mode]["params"][name], rtol=1e-4, atol=1e-5), (mode, name)
+        assert all(abs(a - b) < 1e-4 for a, b in zip(g[0][mode]["losses"], c[0][mode]["losses"], strict=True))
+
+
+def test_gpu_benchmark_runs(tmp_path: Path, clean_host: None):
+    out = tmp_path / "bench"
+    cmd = [sys.executable, "-m", "smddp.bench.gpu", "--sizes", "1M,16M", "--workers", "1,2", "--repeats", "3"]
+    proc = subprocess.run(
+        [*cmd, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=job_env(),
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    report = json.loads((out / "gpu.json").read_text())
+    assert all(r["correct"] for run in report["allreduce"] for r in run["rows"])
+    assert all(r["arena_d2h_gbs"] > 0.5 * r["plain_d2h_gbs"] for r in report["copy"]["rows"][-1:])
