@@ -66,14 +66,15 @@ class CupyRuntime:
         if ptr == 0:
             return int(self._rt.getDevice())
         attrs = self._call("cudaPointerGetAttributes", self._rt.pointerGetAttributes, ptr)
-        if attrs.type not in (_MEMORY_DEVICE, _MEMORY_MANAGED):
-            raise DeviceError(
-                f"pointer {ptr:#x} is not CUDA device or managed memory (memory type {attrs.type})"
-            )
+        kind = getattr(attrs, "type", None)  # older CuPy does not report the memory type
+        if kind is not None and kind not in (_MEMORY_DEVICE, _MEMORY_MANAGED):
+            raise DeviceError(f"pointer {ptr:#x} is not CUDA device or managed memory (memory type {kind})")
         return int(attrs.device)
 
     def current_stream(self, device: int) -> int:
-        return int(self._cp.cuda.get_current_stream(device).ptr)
+        # Inside the device's context: CuPy before v13 takes no device argument here.
+        with self._device(device):
+            return int(self._cp.cuda.get_current_stream().ptr)
 
     def new_stream(self, device: int) -> int:
         with self._device(device):
