@@ -179,7 +179,6 @@ class _Deferred:
     header: Header
     ready: Any  # the copy-in's event; None for a host collective queued behind a device one
     handle: Handle
-    slot: Slot | None
 
 
 class Client:
@@ -354,7 +353,7 @@ class Client:
             )
             if lost is None and (ready is not None or self._deferred):
                 # SUBMITs leave in sequence order: this one waits for its copy-in, later ones for it.
-                self._deferred.append(_Deferred(h, ready, handle, slot))
+                self._deferred.append(_Deferred(h, ready, handle))
                 self._start_submitter()
                 self._deferred_cv.notify_all()
             elif lost is None:
