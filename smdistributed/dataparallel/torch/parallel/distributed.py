@@ -12,9 +12,9 @@ import smddp.torch
 class DistributedDataParallel(smddp.torch.DistributedDataParallel):
     """SageMaker's `smdistributed.dataparallel.torch.parallel.DistributedDataParallel`.
 
-    Same arguments as torch's DDP. SageMaker scripts pass `device_ids=[local_rank]` for a GPU module;
-    for a module on the CPU (the only place smddp's buffers live) `device_ids`/`output_device`
-    are dropped, as torch's DDP refuses them there.
+    Same arguments as torch's DDP. SageMaker scripts pass `device_ids=[local_rank]`: a GPU module
+    keeps them (smddp takes CUDA tensors, docs/gpu.md); for a module on the CPU `device_ids` and
+    `output_device` are dropped, as torch's DDP refuses them there.
     """
 
     def __init__(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
