@@ -6,8 +6,9 @@
 
 Every run processes the same global batch per step (--global-batch), so the step times compare
 directly. Rank 0 prints one JSON line of medians over --steps timed steps (after --warmup): the
-whole step, and on smddp also the step with a plain tape (the same local work, no reduction) and
-the reduction alone (the same gradients through smddp, nothing else running).
+whole step, and on smddp also the step with a plain tape (the same local work, no reduction),
+the reduction alone (the same gradients through the TensorFlow front end, nothing else running)
+and smddp's client alone on one numpy buffer of the same size.
 """
 
 from __future__ import annotations
@@ -124,6 +125,13 @@ def main() -> None:
         )
         reduce_only = tf.function(lambda: red.reduce(grads))
         out["reduction_alone_ms"] = median_ms(reduce_only, args.steps, args.warmup, sync)
+        # The client alone on one numpy buffer of the same size: what the front end adds is the rest.
+        import smddp
+
+        flat = np.ones(sum(int(np.prod(v.shape)) for v in variables), np.float32)
+        out["client_allreduce_ms"] = median_ms(
+            lambda: smddp.allreduce(flat, op=smddp.AVG), args.steps, args.warmup, sync
+        )
     if rank == 0:
         print(json.dumps(out), flush=True)
     if sdp is not None:

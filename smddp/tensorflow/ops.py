@@ -251,10 +251,9 @@ def allreduce(
     they are checked and otherwise unused: every call is one collective. Works eagerly and in tf.function.
     """
     del name  # Horovod's op name: the graph op is named smddp_allreduce_*
-    if isinstance(param_index, bool) or isinstance(num_params, bool):
-        raise InvalidArgumentError("param_index and num_params must be ints")
-    if not (isinstance(num_params, int) and num_params >= 1 and isinstance(param_index, int)):
-        raise InvalidArgumentError(f"num_params must be an int >= 1, got {num_params!r}")
+    for arg, value in (("param_index", param_index), ("num_params", num_params)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InvalidArgumentError(f"{arg} must be an int, got {value!r}")
     if not 0 <= param_index < num_params:
         raise InvalidArgumentError(f"param_index {param_index} is out of range for num_params={num_params}")
     rop = check_op(op)

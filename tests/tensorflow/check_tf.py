@@ -215,6 +215,7 @@ def bad_input(r: int, w: int, out: dict[str, Any]) -> None:
         "op": err(lambda: sdp.allreduce(x, op="prod")),
         "root": err(lambda: sdp.broadcast(x, root_rank=w)),
         "param_index": err(lambda: sdp.allreduce(x, 2, 2)),
+        "num_params_type": err(lambda: sdp.allreduce(x, 0, 1.5)),  # type: ignore[arg-type]
         "compression": err(lambda: sdp.allreduce(x, compression=object())),
         "tape_op": err(lambda: sdp.DistributedGradientTape(tape, op=sdp.ReduceOp.MIN)),
         "tape_device": err(lambda: sdp.DistributedGradientTape(tape, device_dense="/gpu:0")),
@@ -244,9 +245,13 @@ def train_tape(r: int, w: int, mode: str) -> tuple[keras.Model, int]:
         kw["bucket_cap_mb"] = 1 / 1024  # 1 KiB buffers: several per step
 
     def step(xb: Any, yb: Any) -> Any:
-        with tf.GradientTape() as tape:
-            loss = LOSS(yb, model(xb, training=True))
-        tape = sdp.DistributedGradientTape(tape, **kw)
+        if mode == "eager":  # Horovod's other spelling: the wrapper records, as the tape it wraps
+            with sdp.DistributedGradientTape(tf.GradientTape(), **kw) as tape:
+                loss = LOSS(yb, model(xb, training=True))
+        else:
+            with tf.GradientTape() as tape:
+                loss = LOSS(yb, model(xb, training=True))
+            tape = sdp.DistributedGradientTape(tape, **kw)
         grads = tape.gradient(loss, model.trainable_variables)
         opt.apply_gradients(zip(grads, model.trainable_variables, strict=True))
         return loss

@@ -276,6 +276,7 @@ def test_bad_input_raises_before_anything_is_sent(
             "op": "'prod'",
             "root": f"root_rank {world} is out of range",
             "param_index": "param_index 2",
+            "num_params_type": "num_params must be an int, got 1.5",
             "compression": "compression must be",
             "tape_op": "not reduced with MIN",
             "tape_device": "device_dense",
