@@ -211,10 +211,10 @@ def test_training_matches_one_process_on_the_global_batch(
         for r in range(world):
             assert _same_bits(npz[r][mode], npz[0][mode]), (mode, r)  # every rank holds the same bits
     ref_tape, ref_fit = npz[0]["reference/function"], npz[0]["reference/fit"]
-    for mode in ("tape/eager", "tape/function", "tape/buckets"):
+    for mode in ("tape/eager", "tape/function", "tape/buckets"):  # about 6e-8 apart here
         np.testing.assert_allclose(npz[0][mode], ref_tape, rtol=1e-4, atol=1e-5, err_msg=mode)
-    # float16 on the wire: close to the float32 run, but not the same.
-    np.testing.assert_allclose(npz[0]["tape/fp16"], ref_tape, rtol=1e-2, atol=3e-3)
+    # float16 on the wire: close to the float32 run (about 5e-5 apart here), but not the same.
+    np.testing.assert_allclose(npz[0]["tape/fp16"], ref_tape, rtol=0, atol=5e-4)
     assert not np.array_equal(npz[0]["tape/fp16"], npz[0]["tape/buckets"])
     submits = js[0]["submits"]
     assert submits["function"] == 1 and submits["buckets"] > 1 and submits["fp16"] > 1, submits
