@@ -195,16 +195,25 @@ class _Completer:
                     pass
 
 
-_completer: _Completer | None = None
-_completer_lock = threading.Lock()
+class _CompleterHolder:
+    """The process's one completion thread, started on first use (the groups and the hook share it)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.completer: _Completer | None = None
+
+    def get(self) -> _Completer:
+        with self.lock:
+            if self.completer is None:
+                self.completer = _Completer()
+            return self.completer
+
+
+_completer = _CompleterHolder()
 
 
 def _get_completer() -> _Completer:
-    global _completer
-    with _completer_lock:
-        if _completer is None:
-            _completer = _Completer()
-        return _completer
+    return _completer.get()
 
 
 # -- where a collective's tensors live ------------------------------------------------------------
@@ -758,14 +767,7 @@ def create_process_group(store: Any, rank: int, size: int, timeout: timedelta) -
     return ProcessGroupSmddp(rank, size, timeout)
 
 
-_registered = False
-
-
 def register() -> None:
     """Register backend "smddp" with torch.distributed (done on `import smddp.torch`; idempotent)."""
-    global _registered
-    if _registered or BACKEND_NAME in dist.Backend.backend_list:
-        _registered = True
-        return
-    dist.Backend.register_backend(BACKEND_NAME, create_process_group, devices=["cpu", "cuda"])
-    _registered = True
+    if BACKEND_NAME not in dist.Backend.backend_list:
+        dist.Backend.register_backend(BACKEND_NAME, create_process_group, devices=["cpu", "cuda"])

@@ -39,8 +39,22 @@ def init_process_group(**kwargs: Any) -> None:
     dist.init_process_group(**kwargs)
 
 
-_group: dist.ProcessGroup | None = None
-_group_lock = threading.Lock()
+class _SmddpGroup:
+    """The process's smddp group beside another default backend, made once (as torch keeps WORLD)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.group: dist.ProcessGroup | None = None
+
+    def get(self) -> dist.ProcessGroup:
+        with self.lock:
+            if self.group is None:
+                register()
+                self.group = dist.new_group(backend=BACKEND_NAME)
+            return self.group
+
+
+_side_group = _SmddpGroup()
 
 
 def process_group() -> dist.ProcessGroup:
@@ -48,15 +62,10 @@ def process_group() -> dist.ProcessGroup:
 
     Collective on its first call when the default group is another backend (it calls new_group).
     """
-    global _group
     init_process_group()
     if dist.get_backend() == BACKEND_NAME:
         return dist.group.WORLD  # type: ignore[return-value]
-    with _group_lock:
-        if _group is None:
-            register()
-            _group = dist.new_group(backend=BACKEND_NAME)
-        return _group
+    return _side_group.get()
 
 
 def fusion_mb() -> float:
