@@ -74,8 +74,16 @@ _FROM_NUMPY = {
 }
 
 
+# Native-order numpy dtypes by identity: a dict hit costs far less than `dtype.name` (computed in
+# Python by numpy on every access), and this runs on every collective call.
+_BY_DTYPE = {np.dtype(name): dt for name, dt in _FROM_NUMPY.items() if name != "bfloat16"}
+
+
 def dtype_from_numpy(dt: np.dtype) -> DType | None:
     """The wire dtype for a numpy dtype, or None when smddp does not carry it."""
+    hit = _BY_DTYPE.get(dt)
+    if hit is not None:
+        return hit
     if dt.byteorder == ">":
         return None
     return _FROM_NUMPY.get(dt.name)
