@@ -11,6 +11,7 @@ import shutil
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -481,6 +482,9 @@ class NodeDaemon:
             elif h.type is MsgType.BYE:
                 link.said_bye = True
                 conn.close()
+                self._check_left(
+                    self.job.describe_rank(link.rank), lambda op: op.inputs[link.local_rank] is None
+                )
                 self._maybe_finish()
                 return
             elif h.type is MsgType.ERROR:
@@ -559,6 +563,12 @@ class NodeDaemon:
                 )
             return op
         self._validate_new(seq, kind, dtype, count, rop, root, who)
+        gone = [self.job.describe_rank(w.rank) for w in self.workers if w is not None and w.said_bye]
+        gone += [f"every rank of {self.job.describe_node(j)}" for j, p in self.peers.items() if p.said_bye]
+        if gone:
+            raise CollectiveMismatchError(
+                _left_message(gone[0], seq, describe(kind, dtype, count, rop, root))
+            )
         op = OpState(seq, kind, dtype, count, rop, root, who)
         op.inputs = [None] * self.local_size
         op.traced = bool(self.cfg.timeline_dir)
@@ -606,6 +616,31 @@ class NodeDaemon:
         op.result = self.results.view(op.result_slot)
         self.ops[seq] = op
         return op
+
+    def _check_left(self, who: str, waits_for: Callable[[OpState], bool]) -> None:
+        """After a BYE: a collective still waiting for who said it can never complete, so fail now.
+
+        That happens when ranks did not issue the same collectives (one shut down early or skipped
+        a call); without this check the others would wait until their own timeout.
+        """
+        with self._lock:
+            stuck = [op for op in self.ops.values() if not op.done and waits_for(op)]
+        if stuck:
+            op = min(stuck, key=lambda o: o.seq)
+            raise CollectiveMismatchError(_left_message(who, op.seq, op.describe()))
+
+    def _lacks_from(self, op: OpState, j: int) -> bool:
+        """Whether `op` still waits for a frame from node `j` (lock held): a partial, result or block."""
+        if op.reduce is not None:
+            if any(not seen[j] for seen in op.partial_seen):
+                return True
+            if op.replicated or op.kind == Kind.REDUCE_SCATTER:
+                return False  # no RESULT comes from j
+            isz = op.dtype.itemsize
+            return any((j, c.start * isz) not in op.arrived for c in op.reduce.chunks(j))
+        if op.gather is not None:
+            return any((j, a) not in op.arrived for a, _ in op.gather.chunks(j))
+        return False
 
     def _replicates(self, kind: Kind, nbytes: int) -> bool:
         """Whether an all-reduce (or barrier) of `nbytes` goes replicated: it is latency-bound, so
@@ -1150,6 +1185,11 @@ class NodeDaemon:
                             self._report_cv.notify_all()
                 elif h.type is MsgType.BYE:
                     peer.said_bye = True
+                    # Its BYE follows all its frames: an op not done here never gets what it lacks.
+                    self._check_left(
+                        f"every rank of {self.job.describe_node(peer.node)}",
+                        lambda op: self._lacks_from(op, peer.node),
+                    )
                     self._maybe_finish()
                     return
                 elif h.type is MsgType.ERROR:
@@ -1225,6 +1265,13 @@ class NodeDaemon:
                 p.enqueue((None, None, None))
         if all(p.said_bye for p in self.peers.values()):
             self._finished.set()
+
+
+def _left_message(who: str, seq: int, what: str) -> str:
+    return (
+        f"{who} shut down while collective #{seq} {what} still needed it: every rank must issue the "
+        "same collectives in the same order (one rank called shutdown() early, or skipped a call)"
+    )
 
 
 def _process_fate(pid: int) -> str:

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -24,7 +25,7 @@ def refused(fn, *args, **kwargs) -> str:  # type: ignore[no-untyped-def]
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--mode", choices=["count", "root"], default="count")
+    ap.add_argument("--mode", choices=["count", "root", "early"], default="count")
     args = ap.parse_args()
     out: dict = {}
     try:
@@ -57,7 +58,21 @@ def main() -> int:
         # Nobody can be past this barrier while another rank still waits for the allreduce above, so
         # the mismatch below cannot fail that allreduce; it may fail the barrier on a slower rank.
         smddp.barrier(timeout=60)
-        if args.mode == "count":
+        if args.mode == "early":
+            # The last rank skips this all-reduce and shuts down: the others must hear so at once,
+            # not wait out their timeout.
+            if rank == world - 1:
+                smddp.shutdown()
+                out["mismatch"] = "LEFT EARLY"
+                with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+                    json.dump(out, f)
+                return 0
+            t0 = time.monotonic()
+            try:
+                smddp.allreduce(np.zeros(6, np.float32), timeout=60)
+            finally:
+                out["seconds"] = time.monotonic() - t0
+        elif args.mode == "count":
             # A mismatch: rank 0 reduces 10 elements, everyone else 12.
             smddp.allreduce(np.zeros(10 if rank == 0 else 12, np.float32), timeout=60)
         else:

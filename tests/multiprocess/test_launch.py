@@ -39,6 +39,24 @@ def test_bad_arguments_refused_and_mismatch_fails_every_rank(world, nodes, tmp_p
         assert "shut down" in out["after_shutdown"] or "init" in out["after_shutdown"]
 
 
+@pytest.mark.parametrize(("world", "nodes"), [(2, 1), (3, 3), (4, 2)])
+def test_a_rank_that_shuts_down_early_fails_the_others_at_once(world, nodes, tmp_path, clean_host):
+    """One rank skips a collective and shuts down: every other rank gets an error naming it, in
+    seconds (the node daemon of that rank, or its peers, see that it can never take part)."""
+    args = [str(HERE / "check_errors.py"), "--out", str(tmp_path), "--mode", "early"]
+    proc = smddp_launch(world, nodes, args, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    last = json.loads((tmp_path / f"rank{world - 1}.json").read_text())
+    assert last["mismatch"] == "LEFT EARLY"
+    for r in range(world - 1):
+        out = json.loads((tmp_path / f"rank{r}.json").read_text())
+        msg = out["mismatch"]
+        assert "shut down while collective" in msg and "same collectives" in msg, msg
+        assert f"rank {world - 1}" in msg or f"node {nodes - 1}" in msg, msg
+        assert out["seconds"] < 15, out["seconds"]
+        assert out["later_call"].startswith("CollectiveMismatchError"), out["later_call"]
+
+
 @pytest.mark.parametrize(("world", "nodes"), [(3, 1), (3, 3), (4, 2)])
 def test_failing_rank_sets_exit_status_and_tears_job_down(world, nodes, clean_host):
     t0 = time.monotonic()
