@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import BIN, REPO, job_env
+from tests.conftest import BIN, REPO, job_env, need_module
 
-torch = pytest.importorskip("torch")
+torch = need_module("torch", "pip install -e '.[torch]'")
 
 pytestmark = [pytest.mark.torch, pytest.mark.multiprocess]
 

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import REPO, smddp_launch
+from tests.conftest import REPO, need_module, smddp_launch
 
-torch = pytest.importorskip("torch")
+torch = need_module("torch", "pip install -e '.[torch]'")
 
 pytestmark = pytest.mark.torch
 

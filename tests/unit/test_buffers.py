@@ -11,6 +11,7 @@ import pytest
 from smddp.client.buffers import BufferView, as_buffer
 from smddp.errors import InvalidArgumentError, UnsupportedBufferError
 from smddp.proto import DType
+from tests.conftest import need_module
 
 NUMPY_DTYPES = [
     (np.uint8, DType.UINT8),
@@ -232,7 +233,7 @@ def test_refuses_non_buffers(obj):
 
 
 def test_torch_cpu_tensors():
-    torch = pytest.importorskip("torch")
+    torch = need_module("torch", "pip install -e '.[torch]'")
     t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     v = as_buffer(t, writable=True)
     assert v.dtype is DType.FLOAT32 and v.shape == (3, 4) and v.count == 12
