@@ -32,10 +32,12 @@ __all__ = [
     "allgather_async",
     "allreduce",
     "allreduce_async",
+    "allreduce_parts_async",
     "barrier",
     "barrier_async",
     "broadcast",
     "broadcast_async",
+    "broadcast_parts_async",
     "errors",
     "init",
     "is_initialized",
@@ -125,6 +127,17 @@ def allreduce_async(buf: Any, op: ReduceOp = SUM, *, stream: Any = None) -> Hand
 def allreduce(buf: Any, op: ReduceOp = SUM, timeout: float | None = None, *, stream: Any = None) -> Any:
     """All-reduce `buf` in place across every rank and return it."""
     return allreduce_async(buf, op, stream=stream).wait(timeout)
+
+
+def allreduce_parts_async(parts: Any, op: ReduceOp = SUM) -> Handle:
+    """All-reduce the concatenation of `parts` (host arrays of one dtype), each copied straight into
+    shared memory (a framework's fusion buffer without a packing copy); wait() returns a new 1-D array."""
+    return _c.allreduce_parts_async(_default.get(), parts, op)
+
+
+def broadcast_parts_async(parts: Any, root: int = 0) -> Handle:
+    """Root's `parts`, concatenated, on every rank: wait() returns a new 1-D array (see allreduce_parts_async)."""
+    return _c.broadcast_parts_async(_default.get(), parts, root)
 
 
 def broadcast_async(buf: Any, root: int = 0, *, stream: Any = None) -> Handle:

@@ -32,6 +32,43 @@ class BufferView:
     def nbytes(self) -> int:
         return self.array.nbytes
 
+    def copy_into(self, dst: np.ndarray) -> None:
+        """Copy the elements into `dst` (a shared slot, dtype.storage)."""
+        dst[:] = self.array
+
+
+@dataclass(frozen=True)
+class PartsView:
+    """Several arrays of one dtype sent as one buffer: each is copied straight into its place in the
+    shared slot, so a front end's fusion buffer needs no packing copy of its own."""
+
+    parts: tuple[BufferView, ...]
+    dtype: DType
+    keepalive: Any = None
+
+    @property
+    def count(self) -> int:
+        return sum(p.count for p in self.parts)
+
+    def copy_into(self, dst: np.ndarray) -> None:
+        at = 0
+        for p in self.parts:
+            dst[at : at + p.count] = p.array
+            at += p.count
+
+
+def as_parts(bufs: Any, what: str = "parts") -> PartsView:
+    """Host arrays of one dtype as a PartsView (read only); refused like as_buffer, before any I/O."""
+    views = tuple(as_buffer(b, writable=False, what=f"{what}[{i}]") for i, b in enumerate(bufs))
+    if not views:
+        raise UnsupportedBufferError(f"{what}: no arrays")
+    for i, v in enumerate(views):
+        if v.dtype != views[0].dtype:
+            raise UnsupportedBufferError(
+                f"{what}[{i}]: dtype {v.dtype.label} differs from {what}[0]'s {views[0].dtype.label}"
+            )
+    return PartsView(views, views[0].dtype, keepalive=tuple(v.keepalive for v in views))
+
 
 def as_buffer(buf: Any, writable: bool, what: str = "buffer") -> BufferView:
     """The caller's buffer as a BufferView; refuses anything smddp cannot use in place, before any I/O."""

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from smddp.client.buffers import BufferView, as_buffer
+from smddp.client.buffers import BufferView, as_buffer, as_parts
 from smddp.client.device import DeviceBuffer
 from smddp.client.session import Client, Handle, check_op
 from smddp.errors import InvalidArgumentError, UnsupportedBufferError
@@ -80,6 +81,30 @@ def allreduce_async(c: Client, buf: Any, op: Any = ReduceOp.SUM, stream: Any = N
         return buf
 
     return c.submit(Kind.ALLREDUCE, view, view.dtype, view.count, rop, 0, deliver)
+
+
+def _fresh_result(dtype: np.dtype | None, storage: np.dtype) -> Callable[[np.ndarray], np.ndarray]:
+    """deliver() of the fused collectives: the result, copied once out of shared memory into a new array."""
+    return lambda result: result.view(dtype if dtype is not None else storage).copy()
+
+
+def allreduce_parts_async(c: Client, parts: Sequence[Any], op: Any = ReduceOp.SUM) -> Handle:
+    """All-reduce the concatenation of `parts` (host arrays of one dtype) without packing them first:
+    each is copied straight into the shared slot. wait() returns a new 1-D array, the parts' result
+    one after another (the parts themselves are not written)."""
+    rop = check_op(op)
+    pv = as_parts(parts)
+    deliver = _fresh_result(pv.parts[0].result_dtype, pv.dtype.storage)
+    return c.submit(Kind.ALLREDUCE, pv, pv.dtype, pv.count, rop, 0, deliver)
+
+
+def broadcast_parts_async(c: Client, parts: Sequence[Any], root: int = 0) -> Handle:
+    """Root's `parts`, concatenated, on every rank, without packing them first (see allreduce_parts_async).
+    Every rank passes parts of the same sizes; only root's are read."""
+    root = _check_root(c, root)
+    pv = as_parts(parts)
+    deliver = _fresh_result(pv.parts[0].result_dtype, pv.dtype.storage)
+    return c.submit(Kind.BROADCAST, pv, pv.dtype, pv.count, None, root, deliver, send_data=c.rank == root)
 
 
 def broadcast_async(c: Client, buf: Any, root: int = 0, stream: Any = None) -> Handle:

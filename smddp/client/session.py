@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from smddp.client.buffers import BufferView
+from smddp.client.buffers import BufferView, PartsView
 from smddp.client.device import (
     RUNTIMES,
     DeviceBuffer,
@@ -296,7 +296,7 @@ class Client:
     def submit(
         self,
         kind: Kind,
-        buf: BufferView | None,
+        buf: BufferView | PartsView | None,
         dtype: DType,
         count: int,
         op: ReduceOp | None,
@@ -332,7 +332,7 @@ class Client:
                 if src is not None and device is not None:
                     ready = self._copy_in(device, src, slot)
                 elif buf is not None:
-                    self._arena.view(slot).view(dtype.storage)[:] = buf.array
+                    buf.copy_into(self._arena.view(slot).view(dtype.storage))
             seq = self._next_seq
             self._next_seq += 1
             keep = device.keepalive if device is not None else (buf.keepalive if buf else None)

@@ -150,16 +150,15 @@ class _Fused:
 
     def submit(self, *arrays: np.ndarray) -> np.int64:
         layout = [(a.shape, a.dtype) for a in arrays]
+        # The arrays may be TF's own memory: the client copies each straight into shared memory and
+        # hands back the result in a new array, so nothing is packed here and no input is written.
+        parts = [np.ascontiguousarray(a).reshape(-1) for a in arrays]
         if self.as_bytes:
-            parts = [np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in arrays]
-        else:
-            parts = [np.ravel(a) for a in arrays]
-        # A fresh buffer: the inputs may be TF's own memory, which the result must not overwrite.
-        buf = np.concatenate(parts)
+            parts = [p.view(np.uint8) for p in parts]
         if self.kind == "allreduce":
-            h = smddp.allreduce_async(buf, self.op)
+            h = smddp.allreduce_parts_async(parts, self.op)
         else:
-            h = smddp.broadcast_async(buf, self.root)
+            h = smddp.broadcast_parts_async(parts, self.root)
         self._pending[h.seq] = (h, layout)
         return np.int64(h.seq)
 

@@ -8,7 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from smddp.client.buffers import BufferView, as_buffer
+from smddp.client.buffers import BufferView, as_buffer, as_parts
 from smddp.errors import InvalidArgumentError, UnsupportedBufferError
 from smddp.proto import DType
 from tests.conftest import need_module
@@ -249,3 +249,22 @@ def test_torch_cpu_tensors():
         as_buffer(t.t(), writable=False)
     with pytest.raises(UnsupportedBufferError):
         as_buffer(torch.zeros(3, dtype=torch.int16), writable=False)
+
+
+def test_parts_are_copied_one_after_another_without_packing():
+    a, b = np.arange(5, dtype=np.float32), np.arange(10, 13, dtype=np.float32).reshape(3, 1)
+    pv = as_parts([a, b])
+    assert pv.dtype is DType.FLOAT32 and pv.count == 8
+    assert np.shares_memory(pv.parts[0].array, a) and np.shares_memory(pv.parts[1].array, b)  # no copies
+    dst = np.full(8, -1, np.float32)
+    pv.copy_into(dst)
+    assert dst.tolist() == [0, 1, 2, 3, 4, 10, 11, 12]
+
+
+def test_parts_of_different_dtypes_or_none_are_refused():
+    with pytest.raises(UnsupportedBufferError, match=r"parts\[1\]: dtype float64 differs"):
+        as_parts([np.ones(2, np.float32), np.ones(2, np.float64)])
+    with pytest.raises(UnsupportedBufferError, match="no arrays"):
+        as_parts([])
+    with pytest.raises(UnsupportedBufferError, match=r"parts\[0\].*C-contiguous"):
+        as_parts([np.ones((4, 4), np.float32)[:, 1]])
