@@ -204,6 +204,7 @@ class NodeDaemon:
         self._next_request = 1
         self._stall_warned: dict[int, float] = {}  # seq -> when we last warned about it
         self.timeline: list[dict] = []  # Chrome trace events, written at exit when enabled
+        self.reduce_kernel = Reducer(cfg.reduce_kernel).kernel  # what `smddp status` shows
         self._tls = threading.local()  # a Reducer per reader thread that runs small work inline
 
     # ------------------------------------------------------------------ lifecycle
@@ -538,7 +539,7 @@ class NodeDaemon:
         """Free an op's memory once every worker copied its result out and every send left (lock held)."""
         if op.released == self.local_size and op.pending_sends == 0 and op.done:
             del self.ops[op.seq]
-            if op.server_slot is not None:  # a replicated op's partial was sent from there
+            if op.server_slot is not None:  # (a replicated op's own partial is sent from there)
                 self.scratch.free(op.server_slot)
                 op.server_slot = None
                 op.server = None
@@ -939,7 +940,7 @@ class NodeDaemon:
             "address": f"{d.tcp_host}:{d.tcp_port}",
             "uptime_s": now - self._started,
             "state": state,
-            "reduce_kernel": Reducer(self.cfg.reduce_kernel).kernel,
+            "reduce_kernel": self.reduce_kernel,
             "workers": {
                 "connected": len(workers),
                 "expected": self.local_size,
@@ -1026,10 +1027,6 @@ class NodeDaemon:
             if op.done or op.completed < op.expected or op.submitted < self.local_size:
                 return
             op.done = True
-            if op.server_slot is not None and not op.replicated:  # every server reduce is behind us
-                self.scratch.free(op.server_slot)
-                op.server_slot = None
-                op.server = None
             workers = list(self.workers)
             assert op.result_slot is not None
             slot = op.result_slot
