@@ -140,6 +140,39 @@ _get_pointer.restype = ctypes.c_void_p
 _get_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
 
 
+def dl_tensor(capsule: Any, what: str) -> tuple[_DLTensor, DType, tuple[int, ...], int]:
+    """The DLTensor of a DLPack capsule, its dtype, shape and element count; refuses an unsupported
+    dtype or a non-contiguous layout (the device, host or CUDA, is for the caller to check)."""
+    try:
+        ptr = _get_pointer(capsule, b"dltensor")
+    except ValueError:
+        raise UnsupportedBufferError(f"{what}: __dlpack__ did not return a DLPack tensor capsule") from None
+    t = _DLTensor.from_address(ptr)
+    if t.dtype.lanes != 1 or (t.dtype.code, t.dtype.bits) not in _DL_DTYPES:
+        raise UnsupportedBufferError(
+            f"{what}: DLPack dtype (code={t.dtype.code}, bits={t.dtype.bits}, lanes={t.dtype.lanes}) "
+            f"is not supported (supported: {SUPPORTED})"
+        )
+    dt = _DL_DTYPES[(t.dtype.code, t.dtype.bits)]
+    shape = tuple(int(t.shape[i]) for i in range(t.ndim))
+    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    if t.strides and count > 1:
+        check_contiguous(shape, [int(t.strides[i]) for i in range(t.ndim)], what)
+    return t, dt, shape, count
+
+
+def check_contiguous(shape: tuple[int, ...], strides: list[int], what: str) -> None:
+    """Strides in elements; dimensions of extent 1 may have any stride."""
+    expect = 1
+    for i in reversed(range(len(shape))):
+        if shape[i] != 1 and strides[i] != expect:
+            raise UnsupportedBufferError(
+                f"{what}: the array is not C-contiguous (element strides {tuple(strides)}); "
+                "make a contiguous copy first (torch: .contiguous())"
+            )
+        expect *= shape[i]
+
+
 def _from_dlpack(buf: Any, writable: bool, what: str) -> BufferView:
     try:
         capsule = buf.__dlpack__()
@@ -147,32 +180,12 @@ def _from_dlpack(buf: Any, writable: bool, what: str) -> BufferView:
         raise UnsupportedBufferError(
             f"{what}: cannot export {type(buf).__name__} through DLPack: {e}"
         ) from None
-    try:
-        ptr = _get_pointer(capsule, b"dltensor")
-    except ValueError:
-        raise UnsupportedBufferError(f"{what}: __dlpack__ did not return a DLPack tensor capsule") from None
-    t = _DLTensor.from_address(ptr)
+    t, dt, shape, count = dl_tensor(capsule, what)
     if t.device.device_type != _KDL_CPU:
         dev = _DEVICES.get(t.device.device_type, f"device type {t.device.device_type}")
         raise UnsupportedBufferError(
             f"{what}: the tensor lives on {dev}:{t.device.device_id}; smddp takes CPU memory"
         )
-    if t.dtype.lanes != 1 or (t.dtype.code, t.dtype.bits) not in _DL_DTYPES:
-        raise UnsupportedBufferError(
-            f"{what}: DLPack dtype (code={t.dtype.code}, bits={t.dtype.bits}, lanes={t.dtype.lanes}) "
-            f"is not supported (supported: {SUPPORTED})"
-        )
-    dt = _DL_DTYPES[(t.dtype.code, t.dtype.bits)]
-    shape = tuple(t.shape[i] for i in range(t.ndim))
-    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
-    if t.strides and count > 1:
-        expect = 1
-        for i in reversed(range(t.ndim)):
-            if shape[i] != 1 and t.strides[i] != expect:
-                raise UnsupportedBufferError(
-                    f"{what}: the tensor is not contiguous (call .contiguous() first)"
-                )
-            expect *= shape[i]
     if count == 0:
         arr = np.empty(0, dt.storage)
     else:

@@ -8,7 +8,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from smddp.client.buffers import _DL_DTYPES, _DLTensor, _get_pointer
+from smddp.client.buffers import check_contiguous, dl_tensor
 from smddp.errors import ConfigError, InvalidArgumentError, UnsupportedBufferError
 from smddp.proto.dtypes import DType, dtype_from_numpy
 
@@ -166,7 +166,7 @@ def read_cai(buf: Any, what: str) -> DeviceBuffer:
     if strides is not None and count > 1:
         if any(int(s) % dt.itemsize for s in strides):
             raise UnsupportedBufferError(f"{what}: strides {tuple(strides)} are not whole elements")
-        _check_contiguous(shape, [int(s) // dt.itemsize for s in strides], what)
+        check_contiguous(shape, [int(s) // dt.itemsize for s in strides], what)
     stream_given = int(cai.get("version", 0)) >= 3 and "stream" in cai
     stream = cai.get("stream") if stream_given else None
     if stream is not None:
@@ -206,26 +206,12 @@ def read_dlpack(buf: Any, what: str, device: int, consumer_stream: int) -> Devic
         raise UnsupportedBufferError(
             f"{what}: cannot export {type(buf).__name__} through DLPack: {e}"
         ) from None
-    try:
-        addr = _get_pointer(capsule, b"dltensor")
-    except ValueError:
-        raise UnsupportedBufferError(f"{what}: __dlpack__ did not return a DLPack tensor capsule") from None
-    t = _DLTensor.from_address(addr)
+    t, dt, shape, count = dl_tensor(capsule, what)
     if t.device.device_type not in (KDL_CUDA, KDL_CUDA_MANAGED) or t.device.device_id != device:
         raise UnsupportedBufferError(
             f"{what}: __dlpack__ exported device ({t.device.device_type}, {t.device.device_id}), "
             f"but __dlpack_device__ said cuda:{device}"
         )
-    if t.dtype.lanes != 1 or (t.dtype.code, t.dtype.bits) not in _DL_DTYPES:
-        raise UnsupportedBufferError(
-            f"{what}: DLPack dtype (code={t.dtype.code}, bits={t.dtype.bits}, lanes={t.dtype.lanes}) "
-            f"is not supported (supported: {SUPPORTED})"
-        )
-    dt = _DL_DTYPES[(t.dtype.code, t.dtype.bits)]
-    shape = tuple(int(t.shape[i]) for i in range(t.ndim))
-    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
-    if t.strides and count > 1:
-        _check_contiguous(shape, [int(t.strides[i]) for i in range(t.ndim)], what)
     return DeviceBuffer(
         ptr=int(t.data or 0) + int(t.byte_offset),
         dtype=dt,
@@ -240,18 +226,6 @@ def read_dlpack(buf: Any, what: str, device: int, consumer_stream: int) -> Devic
         result_dtype=dt.storage,
         keepalive=(buf, capsule),
     )
-
-
-def _check_contiguous(shape: tuple[int, ...], strides: list[int], what: str) -> None:
-    """Strides in elements; dimensions of extent 1 may have any stride."""
-    expect = 1
-    for i in reversed(range(len(shape))):
-        if shape[i] != 1 and strides[i] != expect:
-            raise UnsupportedBufferError(
-                f"{what}: the device array is not C-contiguous (element strides {tuple(strides)}); "
-                "make a contiguous copy first"
-            )
-        expect *= shape[i]
 
 
 def _library(buf: Any) -> str:
