@@ -36,6 +36,10 @@ class BufferView:
         """Copy the elements into `dst` (a shared slot, dtype.storage)."""
         dst[:] = self.array
 
+    def piece(self, a: int, b: int) -> BufferView:
+        """Elements [a, b) as a 1-D view of the same memory (a piece of a pipelined collective)."""
+        return BufferView(self.array[a:b], self.dtype, (b - a,), self.keepalive, self.result_dtype)
+
 
 @dataclass(frozen=True)
 class PartsView:
@@ -55,6 +59,17 @@ class PartsView:
         for p in self.parts:
             dst[at : at + p.count] = p.array
             at += p.count
+
+    def piece(self, a: int, b: int) -> PartsView:
+        """Elements [a, b) of the concatenation, as the pieces of the parts that hold them."""
+        pieces: list[BufferView] = []
+        at = 0
+        for p in self.parts:
+            lo, hi = max(a, at), min(b, at + p.count)
+            if lo < hi:
+                pieces.append(p.piece(lo - at, hi - at))
+            at += p.count
+        return PartsView(tuple(pieces), self.dtype, self.keepalive)
 
 
 def as_parts(bufs: Any, what: str = "parts") -> PartsView:

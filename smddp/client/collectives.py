@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from smddp.client.buffers import BufferView, as_buffer, as_parts
+from smddp.client.buffers import BufferView, PartsView, as_buffer, as_parts
 from smddp.client.device import DeviceBuffer
-from smddp.client.session import Client, Handle, check_op
+from smddp.client.session import Client, Handle, PipelinedHandle, check_op
 from smddp.errors import InvalidArgumentError, UnsupportedBufferError
 from smddp.proto.dtypes import DType, Kind, ReduceOp
 
@@ -67,6 +68,42 @@ def _no_stream(stream: Any) -> None:
         raise InvalidArgumentError("stream= applies to device (CUDA) buffers; this buffer is host memory")
 
 
+def pieces(count: int, itemsize: int, piece_bytes: int) -> list[tuple[int, int]]:
+    """The element ranges a host all-reduce of `count` elements goes as: one, or near-equal pieces of
+    at most `piece_bytes` each. A function of the count alone, so every rank cuts alike."""
+    if piece_bytes <= 0 or count * itemsize <= piece_bytes:
+        return [(0, count)]
+    k = -(-count * itemsize // piece_bytes)
+    base, extra = divmod(count, k)
+    bounds = [0]
+    for i in range(k):
+        bounds.append(bounds[-1] + base + (1 if i < extra else 0))
+    return list(itertools.pairwise(bounds))
+
+
+def _allreduce_pieces(
+    c: Client, view: BufferView | PartsView, rop: ReduceOp, out: np.ndarray, result: Any
+) -> Handle:
+    """All-reduce `view` piece by piece, each piece's result copied into `out` (1-D, storage dtype)
+    as soon as it is back; the handle returns `result`."""
+    ranges = pieces(view.count, view.dtype.itemsize, c.config.pipeline_bytes)
+
+    def deliver(a: int, b: int) -> Callable[[np.ndarray], Any]:
+        def put(r: np.ndarray) -> Any:
+            out[a:b] = r.view(out.dtype)
+            return result
+
+        return put
+
+    if len(ranges) == 1:
+        return c.submit(Kind.ALLREDUCE, view, view.dtype, view.count, rop, 0, deliver(0, view.count))
+    handles = [
+        c.submit(Kind.ALLREDUCE, view.piece(a, b), view.dtype, b - a, rop, 0, deliver(a, b))
+        for a, b in ranges
+    ]
+    return PipelinedHandle(handles, view.count, result)
+
+
 def allreduce_async(c: Client, buf: Any, op: Any = ReduceOp.SUM, stream: Any = None) -> Handle:
     rop = check_op(op)
     dev = c.device_buffer(buf, "buffer", writable=True)
@@ -75,12 +112,7 @@ def allreduce_async(c: Client, buf: Any, op: Any = ReduceOp.SUM, stream: Any = N
         return c.submit(Kind.ALLREDUCE, None, dev.dtype, dev.count, rop, 0, lambda _r: buf, device=plan)
     _no_stream(stream)
     view = as_buffer(buf, writable=True)
-
-    def deliver(result: np.ndarray) -> Any:
-        view.array[:] = result.view(view.dtype.storage)
-        return buf
-
-    return c.submit(Kind.ALLREDUCE, view, view.dtype, view.count, rop, 0, deliver)
+    return _allreduce_pieces(c, view, rop, view.array, buf)
 
 
 def _fresh_result(dtype: np.dtype | None, storage: np.dtype) -> Callable[[np.ndarray], np.ndarray]:
@@ -94,8 +126,9 @@ def allreduce_parts_async(c: Client, parts: Sequence[Any], op: Any = ReduceOp.SU
     one after another (the parts themselves are not written)."""
     rop = check_op(op)
     pv = as_parts(parts)
-    deliver = _fresh_result(pv.parts[0].result_dtype, pv.dtype.storage)
-    return c.submit(Kind.ALLREDUCE, pv, pv.dtype, pv.count, rop, 0, deliver)
+    dtype = pv.parts[0].result_dtype
+    out = np.empty(pv.count, pv.dtype.storage)
+    return _allreduce_pieces(c, pv, rop, out, out.view(dtype) if dtype is not None else out)
 
 
 def broadcast_parts_async(c: Client, parts: Sequence[Any], root: int = 0) -> Handle:

@@ -60,6 +60,10 @@ class ClientConfig:
     timeout_s: float = 600.0  # default for wait(timeout=None) and shutdown
     arena_bytes: int = 256 << 20  # first input segment; pages are touched only when used
     fusion_bytes: int = 64 << 20  # fusion-buffer size the framework front ends use
+    # A host all-reduce larger than this goes as consecutive pieces of at most this size, so the
+    # daemon starts on the first while this rank copies the next, and results are copied out while
+    # later pieces are in flight (0 = never). Every rank must use the same value (smddp-launch sets it).
+    pipeline_bytes: int = 8 << 20
     connect_timeout_s: float = 60.0
     heartbeat_timeout_s: float = 20.0  # the daemon beats every quarter of this; silence fails the job
     timeline_dir: str = ""  # write this rank's Chrome trace events here at shutdown ("" = off)
@@ -79,6 +83,7 @@ class ClientConfig:
             timeout_s=float(e.get("SMDDP_TIMEOUT_S", "600")),
             arena_bytes=max(fusion * 2, 64 << 20),
             fusion_bytes=fusion,
+            pipeline_bytes=int(float(e.get("SMDDP_PIPELINE_KB", "8192")) * 1024),
             heartbeat_timeout_s=float(e.get("SMDDP_HEARTBEAT_TIMEOUT_S", "20")),
             timeline_dir=e.get("SMDDP_TIMELINE_DIR", ""),
             log_level=e.get("SMDDP_LOG_LEVEL", "WARNING"),
@@ -170,6 +175,38 @@ class Handle:
         self._error = error
         self._keepalive = None
         self._event.set()
+
+
+class PipelinedHandle(Handle):
+    """A collective submitted as consecutive pieces (ClientConfig.pipeline_bytes): one Handle to the caller."""
+
+    def __init__(self, pieces: list[Handle], count: int, result: Any) -> None:
+        first = pieces[0]
+        super().__init__(
+            first._client, first.seq, first.kind, first.dtype, count, lambda _r: result, None, None
+        )
+        self.pieces = pieces
+        self._result = result
+
+    def done(self) -> bool:
+        return all(h.done() for h in self.pieces)
+
+    def wait(self, timeout: float | None = None, stream: Any = None) -> Any:
+        t = self._client.config.timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + t
+        for h in self.pieces:
+            try:
+                h.wait(max(0.0, deadline - time.monotonic()), stream)
+            except CollectiveTimeoutError:
+                raise CollectiveTimeoutError(
+                    f"collective #{self.seq} ({self.kind.label}, {self.dtype.label}, count={self.count}, "
+                    f"in {len(self.pieces)} pieces #{self.seq}-#{self.pieces[-1].seq}) did not complete "
+                    f"within {t:g}s; it is still in flight"
+                ) from None
+        return self._result
+
+    def synchronize(self, timeout: float | None = None) -> Any:
+        return self.wait(timeout)
 
 
 @dataclass

@@ -40,6 +40,12 @@ def _launch_parser() -> argparse.ArgumentParser:
         default=256,
         help="small all-reduces (KiB x (nodes - 1) at most this) skip the second network step; 0 = never",
     )
+    p.add_argument(
+        "--pipeline-kb",
+        type=int,
+        default=8192,
+        help="workers send larger host all-reduces as pieces of this size, pipelined (KiB); 0 = never",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="default timeout of a blocking call (s)")
     p.add_argument(
         "--heartbeat-timeout",
@@ -92,6 +98,7 @@ def launch_main(argv: list[str] | None = None) -> int:
             chunk_kb=args.chunk_kb,
             threads=args.threads,
             replicate_kb=args.replicate_kb,
+            pipeline_kb=args.pipeline_kb,
             timeout_s=args.timeout,
             heartbeat_timeout_s=args.heartbeat_timeout,
             stall_warning_s=args.stall_warning_s,

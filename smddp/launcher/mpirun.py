@@ -33,6 +33,7 @@ class LaunchConfig:
     chunk_kb: int = 1024
     threads: int = 2
     replicate_kb: int = 256  # small all-reduces: one network step (smddp-daemon --replicate-kb)
+    pipeline_kb: int = 8192  # workers send larger host all-reduces as pieces of this size (0 = never)
     timeout_s: float = 600.0
     heartbeat_timeout_s: float = 20.0
     stall_warning_s: float = 60.0
@@ -67,6 +68,8 @@ class LaunchConfig:
             raise ConfigError(f"job id {self.job_id!r} must be 32 lowercase hex digits (SMDDP_JOB_ID)")
         if self.fusion_mb <= 0:
             raise ConfigError("--fusion-mb must be positive")
+        if self.pipeline_kb < 0:
+            raise ConfigError("--pipeline-kb must be 0 (never) or positive")
 
     def workers_per_host(self) -> int:
         """G: the same on every host (the design's W = N * G), checked against the slots."""
@@ -131,6 +134,7 @@ def build_command(cfg: LaunchConfig) -> list[str]:
     env = {
         "SMDDP_JOB_ID": cfg.job_id,
         "SMDDP_FUSION_MB": f"{cfg.fusion_mb:g}",
+        "SMDDP_PIPELINE_KB": str(cfg.pipeline_kb),
         "SMDDP_TIMEOUT_S": f"{cfg.timeout_s:g}",
         "SMDDP_HEARTBEAT_TIMEOUT_S": f"{cfg.heartbeat_timeout_s:g}",
         **({"SMDDP_TIMELINE_DIR": timeline_parts(cfg.timeline)} if cfg.timeline else {}),

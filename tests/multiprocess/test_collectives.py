@@ -43,15 +43,23 @@ def test_every_collective_bit_exact(world: int, nodes: int, tmp_path: Path, clea
 MULTI = [(w, n) for w, n in CONFIGS if n > 1]
 
 
-@pytest.mark.parametrize("replicate_kb", [0, 65536], ids=["never-replicated", "replicated-up-to-64MiB"])
+PATHS = {
+    "never-replicated": ["--replicate-kb", "0"],
+    "replicated-up-to-64MiB": ["--replicate-kb", "65536"],
+    # Every all-reduce over 16 KiB goes as pipelined pieces, some replicated and some not.
+    "pipelined-16KiB-pieces": ["--pipeline-kb", "16"],
+}
+
+
+@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize(("world", "nodes"), MULTI, ids=[f"W{w}-N{n}" for w, n in MULTI])
 def test_both_reduce_paths_bit_exact(
-    world: int, nodes: int, replicate_kb: int, tmp_path: Path, clean_host: None
+    world: int, nodes: int, path: str, tmp_path: Path, clean_host: None
 ) -> None:
     """The sharded path (two network steps) and the replicated one (small all-reduces: one step) give
     the reference's bits for every size: by default only the small sizes go replicated; here every
-    all-reduce and barrier up to 1 Mi + 3 elements goes one way or the other."""
-    extra = ["--replicate-kb", str(replicate_kb)]
+    all-reduce and barrier up to 1 Mi + 3 elements goes one way or the other, or in pieces."""
+    extra = PATHS[path]
     proc = smddp_launch(
         world, nodes, [SCRIPT, "--out", str(tmp_path), "--nnodes", str(nodes)], timeout=600, extra=extra
     )

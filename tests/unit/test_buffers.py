@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import array
+import itertools
 
 import ml_dtypes
 import numpy as np
 import pytest
 
 from smddp.client.buffers import BufferView, as_buffer, as_parts
+from smddp.client.collectives import pieces
 from smddp.errors import InvalidArgumentError, UnsupportedBufferError
 from smddp.proto import DType
 from tests.conftest import need_module
@@ -268,3 +270,32 @@ def test_parts_of_different_dtypes_or_none_are_refused():
         as_parts([])
     with pytest.raises(UnsupportedBufferError, match=r"parts\[0\].*C-contiguous"):
         as_parts([np.ones((4, 4), np.float32)[:, 1]])
+
+
+@pytest.mark.parametrize(
+    ("count", "itemsize", "piece_bytes"),
+    [(0, 4, 16), (4, 4, 16), (5, 4, 16), (1000, 4, 4096), (1001, 4, 4096), (16 << 20, 4, 8 << 20), (7, 2, 0)],
+)
+def test_pieces_cover_the_buffer_in_order_and_respect_the_size(count, itemsize, piece_bytes):
+    ranges = pieces(count, itemsize, piece_bytes)
+    assert ranges[0][0] == 0 and ranges[-1][1] == count
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
+    if piece_bytes and count * itemsize > piece_bytes:
+        sizes = [b - a for a, b in ranges]
+        assert len(ranges) > 1 and max(sizes) * itemsize <= piece_bytes and max(sizes) - min(sizes) <= 1
+    else:
+        assert ranges == [(0, count)]
+
+
+def test_pieces_of_parts_and_views_share_memory_and_cut_across_parts():
+    a = np.arange(5, dtype=np.float32)
+    b = np.arange(5, 12, dtype=np.float32)
+    pv = as_parts([a, b])
+    got = np.full(6, -1, np.float32)
+    piece = pv.piece(3, 9)
+    assert [p.count for p in piece.parts] == [2, 4] and piece.count == 6
+    assert all(np.shares_memory(p.array, src) for p, src in zip(piece.parts, (a, b), strict=True))
+    piece.copy_into(got)
+    assert got.tolist() == list(range(3, 9))
+    view = as_buffer(b, writable=True).piece(2, 5)
+    assert view.count == 3 and np.shares_memory(view.array, b) and view.array.tolist() == [7, 8, 9]
