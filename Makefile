@@ -39,7 +39,7 @@ test: lint typecheck $(STAMP)
 	$(BIN)/pytest -q -ra tests
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache build smddp/daemon/*.so
+	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache build smddp/daemon/*.so smddp/launcher/*.so
 
 # Benchmarks (issue 4): sweeps on one host and on 4 simulated nodes, the T1-T6 targets, the scaling
 # model, profiles, then BENCHMARKS.md from their JSON. Needs root (network namespaces and py-spy);

@@ -1,10 +1,17 @@
-"""A simulated multi-node cluster on one Linux host: network namespaces on a bridge, optionally rate-limited."""
+"""A simulated multi-node cluster on one Linux host: network namespaces on a bridge, optionally rate-limited and delayed."""
 
 # Topology (all names derive from ClusterConfig.prefix, "smddp" below):
 #
 #   namespace smddp-sw:  bridge br0, ports p0..p{N-1} (+ "uplink" when ClusterConfig.uplink)
 #   namespace smddp-n{i}: lo, eth0 = {subnet}.{10+i}/24, veth peer of p{i}; tbf on eth0 when rate_mbit is set
 #   root namespace:      nothing, unless uplink: veth smddp-up = {subnet}.1/24, peer "uplink" on br0
+#
+# With ClusterConfig.delay_ms the switch namespace has no bridge: its ports are plain veths that a
+# forwarder process (smddp.launcher.delayline, compiled in _delayline.c) switches between, holding
+# every frame for delay_ms. This kernel has no netem qdisc, so the delay has to be made in userspace.
+# A frame crosses the switch once on its way from one node to another, so delay_ms is the one-way
+# delay between two nodes (and between a node and the root namespace's uplink), and a round trip
+# takes 2 x delay_ms more than without it.
 #
 # The bridge lives in its own namespace so that, by default, the root namespace has no interface,
 # address or route into the cluster (a test checks it cannot reach the nodes). An mpirun started
@@ -44,6 +51,7 @@ import ipaddress
 import json
 import os
 import re
+import select
 import shlex
 import shutil
 import signal
@@ -61,6 +69,12 @@ from typing import Any
 IP_TIMEOUT_S = 15.0
 #: Default bound for exec() when the caller gives none.
 EXEC_TIMEOUT_S = 60.0
+#: How long up() waits for the delay line to open its ports (a Python start-up on a loaded machine).
+DELAYLINE_START_S = 20.0
+#: How long down() waits for the delay line to exit after SIGTERM, then after SIGKILL.
+DELAYLINE_STOP_S = 5.0
+#: One-way delays above this are refused: a typo, not a network.
+MAX_DELAY_MS = 1000.0
 #: Where the CLI keeps what `up` created, so that a later `down` or `exec` can find it (tmpfs: a
 #: reboot wipes it together with the namespaces it describes).
 STATE_DIR = Path("/run/smddp-simcluster")
@@ -82,7 +96,11 @@ class SimClusterError(RuntimeError):
 
 @dataclass(frozen=True)
 class ClusterConfig:
-    """What cluster to build; uplink=True also connects the root namespace (needed by mpirun)."""
+    """What cluster to build; uplink=True also connects the root namespace (needed by mpirun).
+
+    delay_ms: one-way delay added to every frame crossing the switch (a userspace delay line
+    replaces the bridge; see the module's notes).
+    """
 
     nodes: int
     rate_mbit: float | None = None
@@ -90,6 +108,7 @@ class ClusterConfig:
     prefix: str = "smddp"
     subnet: str = "10.77.0"
     uplink: bool = False
+    delay_ms: float | None = None
 
     def __post_init__(self) -> None:
         # Node addresses are {subnet}.10 .. {subnet}.254.
@@ -97,6 +116,8 @@ class ClusterConfig:
             raise SimClusterError(f"nodes must be 1..245, not {self.nodes}")
         if self.rate_mbit is not None and not self.rate_mbit > 0:
             raise SimClusterError(f"rate_mbit must be positive, not {self.rate_mbit}")
+        if self.delay_ms is not None and not 0 <= self.delay_ms <= MAX_DELAY_MS:
+            raise SimClusterError(f"delay_ms must be 0..{MAX_DELAY_MS:g}, not {self.delay_ms}")
         if not _PREFIX_RE.match(self.prefix):
             raise SimClusterError(
                 f"prefix {self.prefix!r}: 1-12 letters, digits or _, starting with a letter"
@@ -128,6 +149,10 @@ class ClusterConfig:
 
     def node_name(self, i: int) -> str:
         return f"{self.prefix}-n{i}"
+
+    def switch_ports(self) -> list[str]:
+        """The switch namespace's ports: p0..p{N-1}, then the uplink's if there is one."""
+        return [f"p{i}" for i in range(self.nodes)] + ([SWITCH_UPLINK_IF] if self.uplink else [])
 
     def node_addr(self, i: int) -> str:
         return f"{self.subnet}.{10 + i}"
@@ -305,6 +330,11 @@ class SimCluster:
         self._namespaces: list[str] = []  # created by us, in creation order
         self._root_links: list[str] = []
         self._is_up = False
+        # The delay line's process (delay_ms): a Popen when we started it, else a pid from the CLI's state.
+        self._delayline: subprocess.Popen[bytes] | None = None
+        self._delayline_pid: int | None = None
+        #: The delay line's counters (smddp.launcher.delayline.summarize), read when down() stopped it.
+        self.delayline_stats: dict[str, Any] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -313,6 +343,13 @@ class SimCluster:
         if self._is_up:
             return self
         cfg = self.config
+        if cfg.delay_ms is not None:
+            from smddp.launcher.delayline import DelayLineError, load_extension
+
+            try:
+                load_extension()  # before anything is built: say at once why a delayed cluster cannot start
+            except DelayLineError as e:
+                raise SimClusterError(f"delay_ms={cfg.delay_ms:g}: {e}") from e
         self._check_free()
         try:
             if self._workdir is None:
@@ -321,6 +358,8 @@ class SimCluster:
             self._write_hosts_file()
             self._write_agent()
             self._build_network()
+            if cfg.delay_ms is not None:
+                self._start_delayline()
         except BaseException:
             self.down()
             raise
@@ -330,6 +369,11 @@ class SimCluster:
     def down(self) -> None:
         """Remove everything up() created; idempotent, and safe after a partial up()."""
         errors: list[str] = []
+        # The delay line first: its sockets are on the ports that the deletions below remove.
+        try:
+            self._stop_delayline()
+        except Exception as e:
+            errors.append(str(e))
         for link in reversed(self._root_links):
             try:
                 _delete_root_link(link)
@@ -443,6 +487,7 @@ class SimCluster:
             "workdir": str(self.workdir),
             "namespaces": list(self._namespaces),
             "root_links": list(self._root_links),
+            "delayline_pid": self._delayline.pid if self._delayline is not None else self._delayline_pid,
         }
 
     @classmethod
@@ -452,6 +497,7 @@ class SimCluster:
         c._own_workdir = True
         c._namespaces = list(state["namespaces"])
         c._root_links = list(state["root_links"])
+        c._delayline_pid = state.get("delayline_pid")
         c._is_up = True
         return c
 
@@ -521,12 +567,30 @@ class SimCluster:
         self._namespaces.append(ns)  # recorded at once, so a failure right after still removes it
         self._ip("-n", ns, "link", "set", "dev", "lo", "up")
 
+    def _switch_port_up(self, port: str) -> None:
+        sw = self.config.switch_ns
+        if self.config.delay_ms is None:
+            self._ip("-n", sw, "link", "set", "dev", port, "master", BRIDGE, "up")
+        else:
+            self._ip("-n", sw, "link", "set", "dev", port, "up")  # the delay line's, not a bridge's
+
     def _build_network(self) -> None:
         cfg = self.config
         sw = cfg.switch_ns
         self._add_netns(sw)
-        self._ip("-n", sw, "link", "add", "name", BRIDGE, "type", "bridge")
-        self._ip("-n", sw, "link", "set", "dev", BRIDGE, "up")
+        if cfg.delay_ms is None:
+            self._ip("-n", sw, "link", "add", "name", BRIDGE, "type", "bridge")
+            self._ip("-n", sw, "link", "set", "dev", BRIDGE, "up")
+        elif Path("/proc/sys/net/ipv6").exists():
+            # The switch's ports are not bridge ports, so the switch namespace's own stack would send
+            # IPv6 router and neighbour solicitations on them, which the delay line would then forward
+            # to every node. "default" covers the ports created below.
+            _run(
+                [
+                    *(_tool("ip"), "netns", "exec", sw, _tool("sysctl"), "-q", "-w"),
+                    *("net.ipv6.conf.all.disable_ipv6=1", "net.ipv6.conf.default.disable_ipv6=1"),
+                ]
+            )
         for i in range(cfg.nodes):
             ns, port = cfg.node_name(i), f"p{i}"
             self._add_netns(ns)
@@ -534,7 +598,7 @@ class SimCluster:
             self._ip(
                 "link", "add", "name", NODE_IF, "netns", ns, "type", "veth", "peer", "name", port, "netns", sw
             )
-            self._ip("-n", sw, "link", "set", "dev", port, "master", BRIDGE, "up")
+            self._switch_port_up(port)
             self._ip("-n", ns, "addr", "add", f"{cfg.node_addr(i)}/24", "dev", NODE_IF)
             self._ip("-n", ns, "link", "set", "dev", NODE_IF, "up")
             if cfg.rate_mbit is not None:
@@ -561,9 +625,114 @@ class SimCluster:
                 sw,
             )
             self._root_links.append(cfg.uplink_if)
-            self._ip("-n", sw, "link", "set", "dev", SWITCH_UPLINK_IF, "master", BRIDGE, "up")
+            self._switch_port_up(SWITCH_UPLINK_IF)
             self._ip("addr", "add", f"{cfg.uplink_addr}/24", "dev", cfg.uplink_if)
             self._ip("link", "set", "dev", cfg.uplink_if, "up")
+
+    def _start_delayline(self) -> None:
+        """Start the forwarder in the switch namespace and wait until its ports are open."""
+        cfg = self.config
+        assert cfg.delay_ms is not None
+        # The package's own parent on the path, so that a source checkout that is not installed works too.
+        root = str(Path(__file__).resolve().parents[2])
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+        }
+        argv = [
+            *(_tool("ip"), "netns", "exec", cfg.switch_ns),
+            *(sys.executable, "-m", "smddp.launcher.delayline"),
+            *("--ports", ",".join(cfg.switch_ports())),
+            *("--delay-us", f"{cfg.delay_ms * 1000:g}"),
+            *("--stats", str(self._delayline_stats_path())),
+        ]
+        log = self._delayline_log_path()
+        with open(log, "wb") as err:
+            # Its own session: a Ctrl-C meant for the caller must not stop the switch before down() does.
+            self._delayline = proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                env=env,
+                start_new_session=True,
+            )
+        assert proc.stdout is not None
+        got = b""
+        deadline = time.monotonic() + DELAYLINE_START_S
+        try:
+            while b"ready\n" not in got:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise SimClusterError(
+                        f"delay line not ready after {DELAYLINE_START_S:g}s: {self._delayline_log_tail()}"
+                    )
+                if select.select([proc.stdout], [], [], left)[0]:
+                    chunk = os.read(proc.stdout.fileno(), 256)
+                    if not chunk:
+                        proc.wait(timeout=DELAYLINE_STOP_S)
+                        raise SimClusterError(
+                            f"delay line exited ({proc.returncode}) before it was ready: "
+                            f"{self._delayline_log_tail()}"
+                        )
+                    got += chunk
+        finally:
+            proc.stdout.close()  # it writes nothing else there
+
+    def _delayline_log_path(self) -> Path:
+        return self.workdir / "delayline.log"
+
+    def _delayline_stats_path(self) -> Path:
+        return self.workdir / "delayline.json"
+
+    def _delayline_log_tail(self) -> str:
+        try:
+            text = self._delayline_log_path().read_text(errors="replace").strip()
+        except OSError:
+            return "(no log)"
+        return text[-2000:] or "(empty log)"
+
+    def _stop_delayline(self) -> None:
+        """SIGTERM the delay line, SIGKILL it if it has not exited within DELAYLINE_STOP_S; keep its counters."""
+        proc, pid = self._delayline, self._delayline_pid
+        self._delayline, self._delayline_pid = None, None
+        if proc is not None:
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                if proc.poll() is not None:
+                    break
+                proc.send_signal(sig)
+                try:
+                    proc.wait(timeout=DELAYLINE_STOP_S)
+                except subprocess.TimeoutExpired:
+                    continue
+            if proc.poll() is None:
+                raise SimClusterError(f"delay line {proc.pid} survived SIGKILL")
+        elif pid is not None:
+            # Another process (the CLI's `up`) started it: end it by pid, if that pid is still it.
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                cmdline = b""
+            if b"smddp.launcher.delayline" in cmdline:
+                for sig in (signal.SIGTERM, signal.SIGKILL):
+                    try:
+                        os.kill(pid, sig)
+                    except ProcessLookupError:
+                        break
+                    deadline = time.monotonic() + DELAYLINE_STOP_S
+                    while _pid_alive(pid) and time.monotonic() < deadline:
+                        time.sleep(0.02)
+                    if not _pid_alive(pid):
+                        break
+        else:
+            return
+        try:
+            self.delayline_stats = json.loads(self._delayline_stats_path().read_text())
+        except (OSError, ValueError, SimClusterError):
+            self.delayline_stats = None
+        # Anything but a clean exit on SIGTERM (a failed port, a crash, a SIGKILL) is worth an error.
+        if proc is not None and proc.returncode != 0:
+            raise SimClusterError(f"delay line exited with {proc.returncode}: {self._delayline_log_tail()}")
 
 
 # -- command line ------------------------------------------------------------------------------
@@ -579,6 +748,12 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--nodes", type=int, required=True)
     up.add_argument("--rate-mbit", type=float, default=None, help="cap each node's egress (tc tbf)")
     up.add_argument("--burst", default="256kb", help="tbf burst (default 256kb)")
+    up.add_argument(
+        "--delay-ms",
+        type=float,
+        default=None,
+        help="one-way delay added to every frame (a userspace delay line replaces the bridge)",
+    )
     up.add_argument("--subnet", default="10.77.0", help="first three octets (default 10.77.0)")
     up.add_argument(
         "--uplink", action="store_true", help="connect the root namespace as SUBNET.1 (for mpirun)"
@@ -611,6 +786,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 prefix=args.prefix,
                 subnet=args.subnet,
                 uplink=args.uplink,
+                delay_ms=args.delay_ms,
             )
             if _state_file(cfg.prefix).exists():
                 raise SimClusterError(f"a cluster with prefix {cfg.prefix!r} is up; run `down` first")
@@ -627,6 +803,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             for i, h in enumerate(cluster.hosts()):
                 print(f"{h}\t{cluster.addr(i)}")
             print(f"agent\t{cluster.launch_agent_path()}")
+            if cfg.delay_ms is not None:
+                print(
+                    f"delay\t{cfg.delay_ms:g} ms one-way (delay line pid {cluster.state()['delayline_pid']})"
+                )
             if cfg.uplink:
                 print(f"mpirun\t{shlex.join(cluster.mpirun_args())} -H {cluster.host_list(1)}")
             return 0

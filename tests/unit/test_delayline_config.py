@@ -1,0 +1,99 @@
+"""The delay line's pure parts: its command line, config checks, counters, and ClusterConfig.delay_ms."""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+
+from smddp.launcher.delayline import (
+    MAX_DELAY_US,
+    DelayLineConfig,
+    DelayLineError,
+    parse_args,
+    summarize,
+)
+from smddp.launcher.simcluster import ClusterConfig, SimClusterError
+
+
+def test_parse_args_builds_the_config():
+    cfg = parse_args(["--ports", "p0, p1,p2,uplink", "--delay-us", "500", "--stats", "/tmp/x.json"])
+    assert cfg == DelayLineConfig(ports=("p0", "p1", "p2", "uplink"), delay_us=500.0, stats="/tmp/x.json")
+    assert cfg.delay_ns == 500_000
+    assert parse_args(["--ports", "a,b", "--delay-us", "0.25"]).delay_ns == 250
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--ports", "p0", "--delay-us", "500"],  # one port is no switch
+        ["--ports", "p0,p0", "--delay-us", "500"],
+        ["--ports", "p0,p1", "--delay-us", "-1"],
+        ["--ports", "p0,p1", "--delay-us", str(MAX_DELAY_US * 2)],
+        ["--ports", "p0,a-name-longer-than-15", "--delay-us", "1"],
+        ["--ports", "p0,p1", "--delay-us", "1", "--queue-mib", "0"],
+        ["--delay-us", "1"],
+    ],
+)
+def test_parse_args_rejects(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(argv)
+    assert e.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_config_checks_without_argparse():
+    with pytest.raises(DelayLineError, match="repeat"):
+        DelayLineConfig(ports=("p0", "p0"), delay_us=1)
+    assert DelayLineConfig(ports=("p0", "p1"), delay_us=0).delay_ns == 0
+
+
+def test_summarize_adds_the_mean_lateness():
+    out = summarize({"late_count": 4, "late_sum_ns": 200_000, "rx_frames": 4}, 500.0)
+    assert out == {
+        "delay_us": 500.0,
+        "late_count": 4,
+        "late_sum_ns": 200_000,
+        "rx_frames": 4,
+        "late_mean_us": 50.0,
+    }
+    assert summarize({}, 1.0)["late_mean_us"] == 0.0
+
+
+def test_cluster_config_delay():
+    cfg = ClusterConfig(nodes=3, delay_ms=0.5, uplink=True)
+    assert cfg.switch_ports() == ["p0", "p1", "p2", "uplink"]
+    assert ClusterConfig(nodes=2).switch_ports() == ["p0", "p1"]
+    assert ClusterConfig(nodes=2, delay_ms=0).delay_ms == 0
+    for bad in (-0.1, 1000.5, float("nan")):
+        with pytest.raises(SimClusterError, match="delay_ms"):
+            ClusterConfig(nodes=2, delay_ms=bad)
+
+
+def _extension():
+    try:
+        return importlib.import_module("smddp.launcher._delayline")
+    except ImportError:
+        msg = "smddp.launcher._delayline was not built (is a C compiler installed?)"
+        if os.environ.get("CI"):
+            pytest.fail(msg + "; CI must build it", pytrace=False)
+        pytest.skip(msg)
+
+
+def test_extension_checks_its_arguments_before_opening_anything():
+    ext = _extension()
+    r, w = os.pipe()
+    try:
+        with pytest.raises(ValueError, match="ports"):
+            ext.run(["p0"], 1000, r)
+        with pytest.raises(ValueError, match="delay_ns"):
+            ext.run(["p0", "p1"], -1, r)
+        with pytest.raises(ValueError, match="queue_bytes"):
+            ext.run(["p0", "p1"], 1000, r, queue_bytes=10)
+        # An interface that does not exist is named (needs no privilege: the name is looked up first).
+        with pytest.raises(OSError, match="no-such-if0"):
+            ext.run(["no-such-if0", "lo"], 1000, r)
+    finally:
+        os.close(r)
+        os.close(w)
