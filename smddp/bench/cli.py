@@ -47,6 +47,10 @@ def _options(a: argparse.Namespace) -> RunOptions:
     )
 
 
+def _topology(a: argparse.Namespace) -> Topology:
+    return Topology(nodes=a.nodes, per_node=a.per_node, sim=a.sim, rate_mbit=a.rate_mbit, delay_ms=a.delay_ms)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="smddp-bench",
@@ -64,6 +68,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--per-node", type=int, default=4, help="workers per node")
     s.add_argument("--sim", action="store_true", help="run on a simulated cluster (network namespaces, root)")
     s.add_argument("--rate-mbit", type=float, default=None, help="shape simulated links (tbf)")
+    s.add_argument(
+        "--delay-ms", type=float, default=None, help="one-way delay between simulated nodes (delay line)"
+    )
     s.add_argument("--name", default="sweep", help="output file stem")
     _common(s)
     t = sub.add_parser("targets", help="run the T1-T6 setups of issue 4 and write the ratio table")
@@ -83,6 +90,7 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--per-node", type=int, default=4)
     pr.add_argument("--sim", action="store_true")
     pr.add_argument("--rate-mbit", type=float, default=None)
+    pr.add_argument("--delay-ms", type=float, default=None, help="one-way delay between simulated nodes")
     pr.add_argument("--seconds", type=float, default=8.0, help="the measuring window")
     pr.add_argument("--py-spy", action="store_true", help="also sample one daemon and one worker")
     pr.add_argument("--name", default="profile")
@@ -122,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                 dtypes=_list(a.dtypes),
                 ops=_list(a.ops),
                 impls=_list(a.impls),
-                topology=Topology(nodes=a.nodes, per_node=a.per_node, sim=a.sim, rate_mbit=a.rate_mbit),
+                topology=_topology(a),
                 options=_options(a),
                 rounds=a.rounds or 1,
                 outdir=a.out,
@@ -158,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
 
             run_profile(
                 ProfileConfig(
-                    topology=Topology(nodes=a.nodes, per_node=a.per_node, sim=a.sim, rate_mbit=a.rate_mbit),
+                    topology=_topology(a),
                     nbytes=_size(a.size),
                     dtype=a.dtype,
                     seconds=a.seconds,

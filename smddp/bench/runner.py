@@ -42,12 +42,16 @@ class Topology:
     sim: bool = False  # network namespaces (smddp.launcher.simcluster); needs root
     rate_mbit: float | None = None  # tbf rate of every simulated node's egress
     burst: str = "256kb"
+    # One-way delay between simulated nodes: SimCluster's userspace delay line (the kernel has no netem).
+    delay_ms: float | None = None
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.per_node < 1:
             raise ValueError("nodes and per_node must be at least 1")
         if self.rate_mbit is not None and not self.sim:
             raise ValueError("rate_mbit shapes simulated links only (sim=True)")
+        if self.delay_ms is not None and not self.sim:
+            raise ValueError("delay_ms delays simulated links only (sim=True)")
 
     @property
     def workers(self) -> int:
@@ -58,8 +62,13 @@ class Topology:
             extra = f", smddp --local-nodes {self.nodes}" if self.nodes > 1 else ""
             return f"1 host, {self.workers} workers{extra}"
         rate = f", {self.rate_mbit:g} Mbit/s links (tbf burst {self.burst})" if self.rate_mbit else ""
+        delay = (
+            f", {self.delay_ms:g} ms one-way delay (userspace delay line)"
+            if self.delay_ms is not None
+            else ""
+        )
         per = f"{self.per_node} worker" + ("s" if self.per_node != 1 else "")
-        return f"{self.nodes} simulated nodes x {per}{rate}"
+        return f"{self.nodes} simulated nodes x {per}{rate}{delay}"
 
 
 @dataclass(frozen=True)
@@ -150,6 +159,8 @@ class Place:
     def __init__(self, topo: Topology, opts: RunOptions) -> None:
         self.topo, self.opts = topo, opts
         self.cluster: Any = None
+        #: The delay line's counters (delay_ms), once the cluster is down: frames, lateness, CPU seconds.
+        self.delayline_stats: dict[str, Any] | None = None
 
     def __enter__(self) -> Place:
         if self.topo.sim:
@@ -157,6 +168,8 @@ class Place:
 
             if os.geteuid() != 0:
                 raise BenchError("simulated nodes need root (network namespaces)")
+            from smddp.launcher.simcluster import SimClusterError
+
             cleanup_stale(self.opts.prefix)
             cfg = ClusterConfig(
                 nodes=self.topo.nodes,
@@ -165,8 +178,12 @@ class Place:
                 prefix=self.opts.prefix,
                 subnet=self.opts.subnet,
                 uplink=True,
+                delay_ms=self.topo.delay_ms,
             )
-            self.cluster = SimCluster(cfg).up()
+            try:
+                self.cluster = SimCluster(cfg).up()
+            except SimClusterError as e:
+                raise BenchError(f"simulated cluster: {e}") from e
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -175,6 +192,7 @@ class Place:
 
             try:
                 self.cluster.down()
+                self.delayline_stats = self.cluster.delayline_stats
             finally:
                 cleanup_stale(self.opts.prefix)
                 self.cluster = None

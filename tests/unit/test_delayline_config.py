@@ -22,6 +22,7 @@ def test_parse_args_builds_the_config():
     assert cfg == DelayLineConfig(ports=("p0", "p1", "p2", "uplink"), delay_us=500.0, stats="/tmp/x.json")
     assert cfg.delay_ns == 500_000
     assert parse_args(["--ports", "a,b", "--delay-us", "0.25"]).delay_ns == 250
+    assert cfg.realtime and not parse_args(["--ports", "a,b", "--delay-us", "1", "--no-realtime"]).realtime
 
 
 @pytest.mark.parametrize(
@@ -50,13 +51,14 @@ def test_config_checks_without_argparse():
 
 
 def test_summarize_adds_the_mean_lateness():
-    out = summarize({"late_count": 4, "late_sum_ns": 200_000, "rx_frames": 4}, 500.0)
+    out = summarize({"late_count": 4, "late_sum_ns": 200_000, "rx_frames": 4}, 500.0, 1.5)
     assert out == {
         "delay_us": 500.0,
         "late_count": 4,
         "late_sum_ns": 200_000,
         "rx_frames": 4,
         "late_mean_us": 50.0,
+        "cpu_s": 1.5,
     }
     assert summarize({}, 1.0)["late_mean_us"] == 0.0
 
@@ -97,3 +99,38 @@ def test_extension_checks_its_arguments_before_opening_anything():
     finally:
         os.close(r)
         os.close(w)
+
+
+def test_bench_topology_with_delay():
+    from smddp.bench.runner import Topology
+
+    t = Topology(nodes=4, per_node=1, sim=True, rate_mbit=1000.0, delay_ms=0.5)
+    assert t.label().endswith(
+        "1000 Mbit/s links (tbf burst 256kb), 0.5 ms one-way delay (userspace delay line)"
+    )
+    assert "delay" not in Topology(nodes=4, per_node=1, sim=True).label()
+    with pytest.raises(ValueError, match="simulated"):
+        Topology(nodes=2, delay_ms=0.5)
+
+
+def test_t2_is_checked_on_the_delayed_setup_only():
+    from smddp.bench.runner import CaseResult, ImplRun
+    from smddp.bench.targets import SIM4D, T2_BYTES, checks
+
+    def setup(times_ms: dict[str, list[float]]) -> dict:
+        def run(impl: str, t: float) -> dict:
+            case = CaseResult(T2_BYTES, "float32", "sum", iters=1, times=[t / 1e3], median_s=t / 1e3)
+            return ImplRun(impl, {}, 4, "", {}, 1.0, [case]).to_json()
+
+        return {
+            "runs": {i: run(i, sorted(ts)[len(ts) // 2]) for i, ts in times_ms.items()},
+            "rounds": {i: [run(i, t) for t in ts] for i, ts in times_ms.items()},
+        }
+
+    assert SIM4D.delay_ms == 0.5 and SIM4D.rate_mbit == 1000.0 and SIM4D.nodes == 4
+    times = {"smddp": [5.0, 6.0, 7.0], "mpi": [9.0, 10.0, 11.0], "gloo": [8.0, 12.0, 8.0]}
+    (t2,) = [c for c in checks({"setups": {"sim4d": setup(times)}}) if c.target == "T2"]
+    # Against the best baseline's pooled median (gloo 8.0): 6 / 8.
+    assert t2.value == pytest.approx(0.75) and not t2.met
+    assert t2.per_round == pytest.approx([5 / 8, 6 / 10, 7 / 8])
+    assert "0.5 ms one-way delay" in t2.name and "delay line" in t2.note
