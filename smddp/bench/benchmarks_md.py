@@ -161,9 +161,9 @@ def render(
             "simulated switch's namespace a learning Ethernet switch written in C "
             "(`smddp/launcher/_delayline.c`) replaces the bridge and holds every frame for 0.5 ms before "
             "sending it on. Checked by tests/multinode/test_delayline.py: a UDP round trip between two "
-            "nodes takes about 1.13 ms (0.03 ms through the bridge), so each crossing is 0.5 ms plus "
-            "about 50 us of timer wake-up on an idle machine, more under load; TCP through it reaches "
-            "0.95 Gbit/s on the 1 Gbit/s links, as without it. See "
+            "nodes takes about 1.13 ms on an idle machine (0.03 ms through the bridge), so each "
+            "crossing is 0.5 ms plus about 45 us of timer wake-up, and a frame is never sent early; "
+            "TCP through it reaches 0.95 Gbit/s on the 1 Gbit/s links, as without it. See "
             "[docs/performance.md](docs/performance.md#the-simulated-links).",
             "",
         ]
