@@ -101,6 +101,9 @@ class OpState:
         self.origin = origin  # who first issued it, for mismatch messages
         self.reduce: ReduceLayout | None = None
         self.replicated = False  # a small all-reduce: every node serves the whole buffer
+        # One worker on this node and a type reduced in place: its input is the node partial as it
+        # is, so the sharded path reads and sends it from the worker's slot instead of copying it.
+        self.own_in_input = False
         self.gather: GatherLayout | None = None
         self.result_slot: Slot | None = None
         self.result: np.ndarray = np.empty(0, np.uint8)
@@ -595,6 +598,12 @@ class NodeDaemon:
             else:
                 op.reduce = ReduceLayout.build(count, itemsize, N, self.cfg.chunk_bytes)
                 own = op.reduce.chunks(self.node)
+                op.own_in_input = (
+                    N > 1
+                    and self.local_size == 1
+                    and kind in (Kind.ALLREDUCE, Kind.REDUCE_SCATTER)
+                    and dtype.accumulator == dtype.storage  # 16-bit types are widened and rounded
+                )
                 # Every chunk completes exactly once here: by our local reduce (N == 1, or a
                 # reduce_scatter partial that left for its server), by our server reduce, or by a RESULT
                 # from its server. Counting the partials too means an op is never done while a local
@@ -774,20 +783,26 @@ class NodeDaemon:
                 self._send(j, op, hdr, dest)
             self._partial_arrived(op, c.index, self.node)
         elif c.shard == self.node:
-            assert op.server is not None
-            dest = op.server[self.node, c.start - op.own_start : c.end - op.own_start]
-            reducer.reduce(inputs, dest, op.dtype, partial_op)
-            self._reduced(op, "local reduce", inputs, t0, w0)
+            if not op.own_in_input:
+                assert op.server is not None
+                dest = op.server[self.node, c.start - op.own_start : c.end - op.own_start]
+                reducer.reduce(inputs, dest, op.dtype, partial_op)
+                self._reduced(op, "local reduce", inputs, t0, w0)
             self._partial_arrived(op, c.index, self.node)
         else:
+            isz = op.dtype.itemsize
+            hdr = self._header(MsgType.PARTIAL, op, c.shard, c.start * isz, c.count * isz)
+            if op.kind == Kind.ALLREDUCE and op.own_in_input:
+                # One local input is its own partial: it goes out from the worker's slot, which the
+                # worker reuses only after DONE, i.e. after this chunk's RESULT came back from a
+                # server that had received all of it.
+                self._send(c.shard, op, hdr, inputs[0])
+                return
             # The partial goes out from the result region: the result of this chunk only comes back
             # after the server has it, so nothing overwrites it before the send is done.
             reducer.reduce(inputs, res, op.dtype, partial_op)
             self._reduced(op, "local reduce", inputs, t0, w0)
-            isz = op.dtype.itemsize
-            self._send(
-                c.shard, op, self._header(MsgType.PARTIAL, op, c.shard, c.start * isz, c.count * isz), res
-            )
+            self._send(c.shard, op, hdr, res)
             if op.kind == Kind.REDUCE_SCATTER:
                 self._chunk_completed(op)  # no RESULT comes back for another node's shard
 
@@ -813,6 +828,10 @@ class NodeDaemon:
         res = self._typed(op)[c.start : c.end]
         rop = op.op if op.op is not None else ReduceOp.SUM
         inputs = [op.server[i, lo:hi] for i in range(self.nnodes)]
+        if op.own_in_input:
+            own = op.inputs[0]
+            assert own is not None
+            inputs[self.node] = own[c.start : c.end]
         t0, w0 = time.perf_counter(), time.time()
         reducer.reduce(inputs, res, op.dtype, rop, self.world)
         self._reduced(op, "server reduce", inputs, t0, w0)
