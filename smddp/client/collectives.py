@@ -86,7 +86,10 @@ def _allreduce_pieces(
 ) -> Handle:
     """All-reduce `view` piece by piece, each piece's result copied into `out` (1-D, storage dtype)
     as soon as it is back; the handle returns `result`."""
-    ranges = pieces(view.count, view.dtype.itemsize, c.config.pipeline_bytes)
+    # Pieces overlap this rank's copies with the network; on one node there is no network to
+    # overlap, and the extra collectives only cost (measured: 56 ms -> 65 ms for 64 MiB, 4 workers).
+    piece_bytes = c.config.pipeline_bytes if c.job.nnodes > 1 else 0
+    ranges = pieces(view.count, view.dtype.itemsize, piece_bytes)
 
     def deliver(a: int, b: int) -> Callable[[np.ndarray], Any]:
         def put(r: np.ndarray) -> Any:

@@ -60,9 +60,10 @@ class ClientConfig:
     timeout_s: float = 600.0  # default for wait(timeout=None) and shutdown
     arena_bytes: int = 256 << 20  # first input segment; pages are touched only when used
     fusion_bytes: int = 64 << 20  # fusion-buffer size the framework front ends use
-    # A host all-reduce larger than this goes as consecutive pieces of at most this size, so the
-    # daemon starts on the first while this rank copies the next, and results are copied out while
-    # later pieces are in flight (0 = never). Every rank must use the same value (smddp-launch sets it).
+    # In a job of several nodes, a host all-reduce larger than this goes as consecutive pieces of at
+    # most this size, so the daemon starts on the first while this rank copies the next, and results
+    # are copied out while later pieces are in flight (0 = never). Every rank must use the same value
+    # (smddp-launch sets it).
     pipeline_bytes: int = 8 << 20
     connect_timeout_s: float = 60.0
     heartbeat_timeout_s: float = 20.0  # the daemon beats every quarter of this; silence fails the job

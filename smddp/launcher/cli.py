@@ -44,7 +44,7 @@ def _launch_parser() -> argparse.ArgumentParser:
         "--pipeline-kb",
         type=int,
         default=8192,
-        help="workers send larger host all-reduces as pieces of this size, pipelined (KiB); 0 = never",
+        help="in jobs of several nodes, workers send larger host all-reduces as pipelined pieces of this size (KiB); 0 = never",
     )
     p.add_argument("--timeout", type=float, default=600.0, help="default timeout of a blocking call (s)")
     p.add_argument(
