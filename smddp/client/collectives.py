@@ -100,8 +100,11 @@ def _allreduce_pieces(
 
     if len(ranges) == 1:
         return c.submit(Kind.ALLREDUCE, view, view.dtype, view.count, rop, 0, deliver(0, view.count))
+    # Every piece names how many there are (SUBMIT's aux): ranks whose buffers differ but whose
+    # pieces happen to be the same size fail with a mismatch instead of reducing unrelated data.
+    k = len(ranges)
     handles = [
-        c.submit(Kind.ALLREDUCE, view.piece(a, b), view.dtype, b - a, rop, 0, deliver(a, b))
+        c.submit(Kind.ALLREDUCE, view.piece(a, b), view.dtype, b - a, rop, k, deliver(a, b))
         for a, b in ranges
     ]
     return PipelinedHandle(handles, view.count, result)

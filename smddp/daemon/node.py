@@ -47,6 +47,8 @@ def describe(kind: Kind, dtype: DType, count: int, op: ReduceOp | None, root: in
     extra = f", op={op.name.lower()}" if op is not None else ""
     if kind == Kind.BROADCAST:
         extra = f", root={root}"
+    elif kind == Kind.ALLREDUCE and root:
+        extra += f", one of {root} pieces"  # a large buffer pipelined as `root` all-reduces
     return f"{kind.label}({dtype.label}, count={count}{extra})"
 
 
@@ -670,7 +672,9 @@ class NodeDaemon:
             raise ProtocolError(f"{who}: collective #{seq} ({kind.label}) carries a reduce op")
         if kind == Kind.BROADCAST and root >= self.world:
             raise ProtocolError(f"{who}: broadcast root {root} out of range")
-        if kind != Kind.BROADCAST and root != 0:
+        # An all-reduce's aux counts the pieces of the caller's buffer (pipelined), so that ranks
+        # that cut different buffers into equal pieces still disagree on the fingerprint.
+        if kind not in (Kind.BROADCAST, Kind.ALLREDUCE) and root != 0:
             raise ProtocolError(f"{who}: root set on {kind.label}")
         if kind == Kind.REDUCE_SCATTER and count % self.world:
             raise ProtocolError(f"{who}: reduce_scatter of {count} elements over {self.world} ranks")

@@ -25,7 +25,7 @@ def refused(fn, *args, **kwargs) -> str:  # type: ignore[no-untyped-def]
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--mode", choices=["count", "root", "early"], default="count")
+    ap.add_argument("--mode", choices=["count", "root", "early", "pieces"], default="count")
     args = ap.parse_args()
     out: dict = {}
     try:
@@ -75,6 +75,10 @@ def main() -> int:
         elif args.mode == "count":
             # A mismatch: rank 0 reduces 10 elements, everyone else 12.
             smddp.allreduce(np.zeros(10 if rank == 0 else 12, np.float32), timeout=60)
+        elif args.mode == "pieces":
+            # Run with --pipeline-kb 4: rank 0's 16 KiB go as 4 pieces of 1024 elements, the others'
+            # 8 KiB as 2 pieces of the same size; the piece count in the fingerprint tells them apart.
+            smddp.allreduce(np.zeros(4096 if rank == 0 else 2048, np.float32), timeout=60)
         else:
             # Ranks disagree about the root: rank 0 names the last rank, the others rank 0.
             smddp.broadcast(np.zeros(5, np.float32), root=world - 1 if rank == 0 else 0, timeout=60)

@@ -92,6 +92,18 @@ def test_broadcast_root_mismatch_fails_instead_of_hanging(world, nodes, tmp_path
         assert "mismatch" in msg and f"root={world - 1}" in msg and "root=0" in msg, msg
 
 
+@pytest.mark.parametrize(("world", "nodes"), [(2, 2), (4, 2)])
+def test_buffers_cut_into_equal_pieces_still_mismatch(world, nodes, tmp_path, clean_host):
+    """A 16 KiB and an 8 KiB all-reduce, pipelined in 4 KiB pieces, have pieces of equal size: every
+    rank must still get a mismatch naming both, not a result made of unrelated pieces."""
+    args = [str(HERE / "check_errors.py"), "--out", str(tmp_path), "--mode", "pieces"]
+    proc = smddp_launch(world, nodes, args, timeout=180, extra=["--pipeline-kb", "4"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for r in range(world):
+        msg = json.loads((tmp_path / f"rank{r}.json").read_text())["mismatch"]
+        assert "mismatch" in msg and "one of 4 pieces" in msg and "one of 2 pieces" in msg, msg
+
+
 def test_dry_run_prints_mpmd_command():
     out = subprocess.run(
         [
