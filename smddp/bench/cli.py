@@ -29,6 +29,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-kb", type=int, default=1024, help="smddp-launch --chunk-kb")
     p.add_argument("--threads", type=int, default=2, help="smddp-launch --threads")
     p.add_argument("--replicate-kb", type=int, default=256, help="smddp-launch --replicate-kb")
+    p.add_argument("--pipeline-kb", type=int, default=8192, help="smddp-launch --pipeline-kb")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per launch")
     p.add_argument("--prefix", default="smddpb", help="simulated cluster name prefix")
     p.add_argument("--subnet", default="10.77.9", help="simulated cluster subnet (three octets)")
@@ -41,6 +42,7 @@ def _options(a: argparse.Namespace) -> RunOptions:
         chunk_kb=a.chunk_kb,
         threads=a.threads,
         replicate_kb=a.replicate_kb,
+        pipeline_kb=a.pipeline_kb,
         timeout_s=a.timeout,
         prefix=a.prefix,
         subnet=a.subnet,

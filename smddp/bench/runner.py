@@ -82,6 +82,7 @@ class RunOptions:
     chunk_kb: int = 1024  # smddp-launch --chunk-kb
     threads: int = 2  # smddp-launch --threads (daemon reduction threads)
     replicate_kb: int = 256  # smddp-launch --replicate-kb (small all-reduces: one network step)
+    pipeline_kb: int = 8192  # smddp-launch --pipeline-kb (large all-reduces in pieces, several nodes)
     torch_threads: int = 1  # gloo ranks: torch.set_num_threads
     progress: str = ""  # worker rank 0 writes its completed all-reduces here (smddp-bench profile)
     timeout_s: float = 900.0
@@ -259,11 +260,19 @@ def build_command(
         elif topo.nodes > 1:
             cmd += ["--local-nodes", str(topo.nodes)]
         cmd += ["--chunk-kb", str(opts.chunk_kb), "--threads", str(opts.threads)]
-        cmd += ["--replicate-kb", str(opts.replicate_kb), "--", *worker]
+        cmd += [
+            "--replicate-kb",
+            str(opts.replicate_kb),
+            "--pipeline-kb",
+            str(opts.pipeline_kb),
+            "--",
+            *worker,
+        ]
         settings = {
             "chunk_kb": opts.chunk_kb,
             "daemon_threads": opts.threads,
             "replicate_kb": opts.replicate_kb,
+            "pipeline_kb": opts.pipeline_kb,
         }
         env["SMDDP_JOB_ID"] = job_id or os.urandom(16).hex()
         return cmd, env, settings
