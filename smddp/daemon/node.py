@@ -544,7 +544,7 @@ class NodeDaemon:
         """Free an op's memory once every worker copied its result out and every send left (lock held)."""
         if op.released == self.local_size and op.pending_sends == 0 and op.done:
             del self.ops[op.seq]
-            if op.server_slot is not None:  # (a replicated op's own partial is sent from there)
+            if op.server_slot is not None:  # a replicated op: its own partial is sent from there
                 self.scratch.free(op.server_slot)
                 op.server_slot = None
                 op.server = None
@@ -1050,6 +1050,13 @@ class NodeDaemon:
             if op.done or op.completed < op.expected or op.submitted < self.local_size:
                 return
             op.done = True
+            if not op.replicated and op.server_slot is not None:
+                # Every server reduce has run and nothing is sent from the server rows (only a
+                # replicated op sends its own row): reuse the space now, not when the op retires,
+                # so the next collectives' server buffers land on pages already touched.
+                self.scratch.free(op.server_slot)
+                op.server_slot = None
+                op.server = None
             workers = list(self.workers)
             assert op.result_slot is not None
             slot = op.result_slot
@@ -1247,7 +1254,8 @@ class NodeDaemon:
                     if h.shard != (0 if op.replicated else self.node):
                         raise ProtocolError(f"{who} sent a partial of shard {h.shard} to {self.me}")
                     c = op.reduce.locate(h.shard, h.offset, h.length)
-                    assert op.server is not None
+                    if op.server is None:  # freed when the op completed: every partial was in
+                        raise ProtocolError(f"{who} sent a partial of #{h.seq} after it was complete")
                     dest = op.server[node, c.start - op.own_start : c.end - op.own_start]
                     index = c.index
                 else:
