@@ -23,8 +23,6 @@ _MAX_FDS = 8
 _POLL_S = 0.5
 
 Buffer = bytes | bytearray | memoryview | np.ndarray
-# What a blocking call raises when SO_RCVTIMEO / SO_SNDTIMEO expire with nothing moved (EAGAIN).
-_TICK = (BlockingIOError, TimeoutError)
 
 
 class ConnectionClosed(PeerLostError):
@@ -61,13 +59,7 @@ class Connection:
         self.is_unix = sock.family == socket.AF_UNIX
         self._send_lock = threading.Lock()
         self._closed = threading.Event()
-        # Blocking, with the kernel's own timeouts as the poll tick: a timeout socket would cost a
-        # poll() before every recv and send (CPython waits for readiness first), doubling the
-        # system calls per frame.
-        sock.settimeout(None)
-        tick = struct.pack("ll", int(_POLL_S), int(_POLL_S % 1 * 1e6))
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tick)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tick)
+        sock.settimeout(_POLL_S)
         if not self.is_unix:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._hdr = bytearray(HEADER_SIZE)
@@ -124,7 +116,7 @@ class Connection:
                     raise ConnectionClosed(f"connection to {self.peer} is closed")
                 try:
                     sent = self.sock.sendmsg(views[:64], anc) if anc else self.sock.sendmsg(views[:64])
-                except _TICK:
+                except TimeoutError:
                     why = clock.expired()
                     if why:
                         raise ConnectionClosed(f"sending to {self.peer} {why} (it is not reading)") from None
@@ -174,7 +166,7 @@ class Connection:
                     fds.extend(new_fds)
                 else:
                     n = self.sock.recv_into(view[got:])
-            except _TICK:
+            except TimeoutError:
                 if stop is not None and stop.is_set():
                     _close_fds(fds)
                     raise ConnectionClosed(f"stopped while reading from {self.peer}") from None
@@ -213,7 +205,7 @@ class Connection:
         while got < total:
             try:
                 n = self.sock.recv_into(view[got:])
-            except _TICK:
+            except TimeoutError:
                 why = clock.expired()
                 if why:
                     raise ConnectionClosed(f"{self.peer} {why} in the middle of a frame") from None
