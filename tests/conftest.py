@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 
@@ -78,13 +78,23 @@ def clean_host():
     assert not after, f"left behind: {after}"
 
 
+def skip_or_fail(msg: str) -> NoReturn:
+    """Skip a test whose requirement is missing on a developer machine, but fail it in CI (CI=true),
+    where `make setup` installs everything and runs as root, and no tier may skip silently."""
+    if os.environ.get("CI"):
+        pytest.fail(msg + "; they must not skip in CI", pytrace=False)
+    pytest.skip(msg, allow_module_level=True)
+
+
 def need_module(name: str, install: str) -> Any:
-    """Import `name` for a test module or test; a missing one skips here, but fails in CI (CI=true),
-    where `make setup` installs every extra and no tier may skip silently."""
+    """Import `name` for a test module or test; a missing one skips here, but fails in CI."""
     try:
         return importlib.import_module(name)
     except ImportError:
-        msg = f"these tests need {name} ({install}, or make setup)"
-        if os.environ.get("CI"):
-            pytest.fail(msg + "; they must not skip in CI", pytrace=False)
-        pytest.skip(msg, allow_module_level=True)
+        skip_or_fail(f"these tests need {name} ({install}, or make setup)")
+
+
+def need_root(what: str) -> None:
+    """Root on Linux (network namespaces, veth, tc, AF_PACKET); skips here without it, fails in CI."""
+    if not (sys.platform.startswith("linux") and os.geteuid() == 0):
+        skip_or_fail(f"{what} need root on Linux (network namespaces, veth, tc)")

@@ -121,9 +121,12 @@ def allreduce_async(c: Client, buf: Any, op: Any = ReduceOp.SUM, stream: Any = N
     return _allreduce_pieces(c, view, rop, view.array, buf)
 
 
-def _fresh_result(dtype: np.dtype | None, storage: np.dtype) -> Callable[[np.ndarray], np.ndarray]:
-    """deliver() of the fused collectives: the result, copied once out of shared memory into a new array."""
-    return lambda result: result.view(dtype if dtype is not None else storage).copy()
+def _parts_result(pv: PartsView) -> tuple[np.ndarray, np.ndarray]:
+    """Where a fused collective's result goes: one new 1-D array (storage dtype), and the same memory
+    as the parts' own dtype (ml_dtypes' bfloat16 stays itself) for wait() to return."""
+    out = np.empty(pv.count, pv.dtype.storage)
+    dtype = pv.parts[0].result_dtype
+    return out, out.view(dtype) if dtype is not None else out
 
 
 def allreduce_parts_async(c: Client, parts: Sequence[Any], op: Any = ReduceOp.SUM) -> Handle:
@@ -132,9 +135,7 @@ def allreduce_parts_async(c: Client, parts: Sequence[Any], op: Any = ReduceOp.SU
     one after another (the parts themselves are not written)."""
     rop = check_op(op)
     pv = as_parts(parts)
-    dtype = pv.parts[0].result_dtype
-    out = np.empty(pv.count, pv.dtype.storage)
-    return _allreduce_pieces(c, pv, rop, out, out.view(dtype) if dtype is not None else out)
+    return _allreduce_pieces(c, pv, rop, *_parts_result(pv))
 
 
 def broadcast_parts_async(c: Client, parts: Sequence[Any], root: int = 0) -> Handle:
@@ -142,7 +143,12 @@ def broadcast_parts_async(c: Client, parts: Sequence[Any], root: int = 0) -> Han
     Every rank passes parts of the same sizes; only root's are read."""
     root = _check_root(c, root)
     pv = as_parts(parts)
-    deliver = _fresh_result(pv.parts[0].result_dtype, pv.dtype.storage)
+    out, result = _parts_result(pv)
+
+    def deliver(r: np.ndarray) -> np.ndarray:
+        out[:] = r.view(out.dtype)
+        return result
+
     return c.submit(Kind.BROADCAST, pv, pv.dtype, pv.count, None, root, deliver, send_data=c.rank == root)
 
 

@@ -205,7 +205,11 @@ def _pid_alive(pid: int) -> bool:
 def _kill_netns_pids(ns: str, grace_s: float = 2.0) -> None:
     """End the processes still in a namespace, which would otherwise keep its veths alive."""
     out = _run([_tool("ip"), "netns", "pids", ns], check=False).stdout
-    pids = [int(p) for p in out.split() if p.isdigit() and int(p) != os.getpid()]
+    _end_pids([int(p) for p in out.split() if p.isdigit() and int(p) != os.getpid()], grace_s)
+
+
+def _end_pids(pids: list[int], grace_s: float) -> None:
+    """SIGTERM, and after `grace_s` SIGKILL, whichever of `pids` are still alive."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in pids:
             try:
@@ -697,16 +701,11 @@ class SimCluster:
         proc, pid = self._delayline, self._delayline_pid
         self._delayline, self._delayline_pid = None, None
         if proc is not None:
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                if proc.poll() is not None:
-                    break
-                proc.send_signal(sig)
-                try:
-                    proc.wait(timeout=DELAYLINE_STOP_S)
-                except subprocess.TimeoutExpired:
-                    continue
-            if proc.poll() is None:
-                raise SimClusterError(f"delay line {proc.pid} survived SIGKILL")
+            _end_pids([proc.pid], DELAYLINE_STOP_S)
+            try:
+                proc.wait(timeout=DELAYLINE_STOP_S)  # reap it, for its exit status
+            except subprocess.TimeoutExpired:
+                raise SimClusterError(f"delay line {proc.pid} survived SIGKILL") from None
         elif pid is not None:
             # Another process (the CLI's `up`) started it: end it by pid, if that pid is still it.
             try:
@@ -714,16 +713,7 @@ class SimCluster:
             except OSError:
                 cmdline = b""
             if b"smddp.launcher.delayline" in cmdline:
-                for sig in (signal.SIGTERM, signal.SIGKILL):
-                    try:
-                        os.kill(pid, sig)
-                    except ProcessLookupError:
-                        break
-                    deadline = time.monotonic() + DELAYLINE_STOP_S
-                    while _pid_alive(pid) and time.monotonic() < deadline:
-                        time.sleep(0.02)
-                    if not _pid_alive(pid):
-                        break
+                _end_pids([pid], DELAYLINE_STOP_S)
         else:
             return
         try:

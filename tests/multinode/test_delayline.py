@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import subprocess
@@ -14,7 +13,7 @@ from typing import Any
 import pytest
 
 from smddp.launcher.simcluster import ClusterConfig, SimCluster, cleanup_stale, list_netns, list_root_links
-from tests.conftest import REPO
+from tests.conftest import REPO, need_module, need_root
 from tests.multinode.test_jobs import CHECK, launch
 
 pytestmark = pytest.mark.multinode
@@ -27,20 +26,8 @@ DELAY_MS = 0.5
 
 
 def _need_root_and_extension() -> None:
-    problems = []
-    if not (sys.platform.startswith("linux") and os.geteuid() == 0):
-        problems.append("root on Linux (network namespaces, AF_PACKET)")
-    try:
-        importlib.import_module("smddp.launcher._delayline")
-    except ImportError:
-        problems.append(
-            "the compiled delay line smddp.launcher._delayline (pip install -e . with a C compiler)"
-        )
-    if problems:
-        msg = "the delay-line tests need " + " and ".join(problems)
-        if os.environ.get("CI"):
-            pytest.fail(msg + "; they must not skip in CI", pytrace=False)
-        pytest.skip(msg)
+    need_root("the delay-line tests")
+    need_module("smddp.launcher._delayline", "pip install -e . with a C compiler")
 
 
 def _delaylines() -> list[int]:

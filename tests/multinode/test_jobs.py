@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -13,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from smddp.launcher.simcluster import ClusterConfig, SimCluster, cleanup_stale
-from tests.conftest import BIN, REPO, job_env
+from tests.conftest import BIN, REPO, job_env, need_root
 
 pytestmark = pytest.mark.multinode
 
@@ -24,17 +23,10 @@ CHECK = str(REPO / "tests" / "multiprocess" / "check_collectives.py")
 BANDWIDTH = str(Path(__file__).parent / "check_bandwidth.py")
 
 
-def _need_root() -> None:
-    if os.geteuid() != 0:
-        if os.environ.get("CI"):
-            pytest.fail("multi-node tests need root (network namespaces) and must not skip in CI")
-        pytest.skip("multi-node tests need root for network namespaces")
-
-
 @pytest.fixture(scope="module")
 def clusters() -> Iterator[dict[int, SimCluster]]:
     """One unshaped cluster per node count, built on first use and always torn down."""
-    _need_root()
+    need_root("multi-node tests")
     cleanup_stale(PREFIX)
     made: dict[int, SimCluster] = {}
     try:
@@ -94,7 +86,7 @@ def test_every_collective_across_nodes(clusters, nodes, per_node, tmp_path):
 
 def test_shaped_links_bound_a_64mib_allreduce(tmp_path):
     """4 nodes at 1 Gbit/s: the all-reduce cannot beat 2 (N-1)/N * S / rate, so its data crossed the links."""
-    _need_root()
+    need_root("multi-node tests")
     cleanup_stale(PREFIX + "b")
     nodes, rate_mbit, mib = 4, 1000, 64
     cfg = ClusterConfig(nodes=nodes, rate_mbit=rate_mbit, prefix=PREFIX + "b", subnet="10.77.2", uplink=True)

@@ -20,20 +20,11 @@ from smddp.launcher.simcluster import (
     list_netns,
     list_root_links,
 )
-from tests.conftest import BIN, REPO
+from tests.conftest import BIN, REPO, need_root
 
 # Not the CLI's default prefix "smddp", so that the tests never touch a cluster someone brought up by hand.
 PREFIX = "smddpt"
 PY = sys.executable
-
-
-def _require_root() -> None:
-    if sys.platform.startswith("linux") and os.geteuid() == 0:
-        return
-    msg = "tests/multinode need root on Linux (network namespaces, veth, bridges, tc)"
-    if os.environ.get("CI"):
-        pytest.fail(msg, pytrace=False)  # CI must run them: a silent skip would hide a broken runner
-    pytest.skip(msg)
 
 
 def leftovers() -> list[str]:
@@ -45,7 +36,7 @@ def leftovers() -> list[str]:
 @pytest.fixture(scope="module", autouse=True)
 def clean_slate():
     """Starts from nothing (a crashed earlier run may have left namespaces) and leaves nothing."""
-    _require_root()
+    need_root("tests/multinode")
     cleanup_stale(PREFIX)
     yield
     cleanup_stale(PREFIX)

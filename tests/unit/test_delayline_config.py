@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import os
 
 import pytest
@@ -15,6 +14,7 @@ from smddp.launcher.delayline import (
     summarize,
 )
 from smddp.launcher.simcluster import ClusterConfig, SimClusterError
+from tests.conftest import need_module
 
 
 def test_parse_args_builds_the_config():
@@ -74,13 +74,7 @@ def test_cluster_config_delay():
 
 
 def _extension():
-    try:
-        return importlib.import_module("smddp.launcher._delayline")
-    except ImportError:
-        msg = "smddp.launcher._delayline was not built (is a C compiler installed?)"
-        if os.environ.get("CI"):
-            pytest.fail(msg + "; CI must build it", pytrace=False)
-        pytest.skip(msg)
+    return need_module("smddp.launcher._delayline", "pip install -e . with a C compiler")
 
 
 def test_extension_checks_its_arguments_before_opening_anything():
