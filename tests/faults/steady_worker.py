@@ -13,6 +13,21 @@ import numpy as np
 import smddp
 
 
+def publish(c: smddp.Client, out: str, with_secret: bool) -> None:
+    """Write the daemons' endpoints (and the secret, if asked) where the test finds them."""
+    eps = [
+        {"node": d.node, "tcp": [d.tcp_host, d.tcp_port], "unix": d.socket_path, "pid": d.pid}
+        for d in c.job.daemons
+    ]
+    info = {"endpoints": eps, "job_id": c.job.job_id.hex()}
+    if with_secret:
+        info["secret"] = c.job.secret.hex()
+    tmp = os.path.join(out, "endpoints.tmp")
+    with open(tmp, "w") as f:
+        json.dump(info, f)
+    os.rename(tmp, os.path.join(out, "endpoints.json"))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -22,18 +37,6 @@ def main() -> int:
     smddp.init()
     c = smddp.client()
     rank, world = smddp.rank(), smddp.size()
-    if rank == 0:
-        eps = [
-            {"node": d.node, "tcp": [d.tcp_host, d.tcp_port], "unix": d.socket_path, "pid": d.pid}
-            for d in c.job.daemons
-        ]
-        info = {"endpoints": eps, "job_id": c.job.job_id.hex()}
-        if args.secret_file:
-            info["secret"] = c.job.secret.hex()
-        tmp = os.path.join(args.out, "endpoints.tmp")
-        with open(tmp, "w") as f:
-            json.dump(info, f)
-        os.rename(tmp, os.path.join(args.out, "endpoints.json"))
     rng = np.random.default_rng(1234)  # the same sizes on every rank
     done = wrong = 0
     stop = os.path.join(args.out, "stop")
@@ -50,6 +53,10 @@ def main() -> int:
         want = world * np.arange(n, dtype=np.float64) + world * (world - 1) / 2
         wrong += int(not np.array_equal(x, want))
         done += 1
+        if rank == 0 and done == 1:
+            # Published only after a collective has completed everywhere, so a test that stops
+            # the job as soon as it has the endpoints still sees every rank with done > 0.
+            publish(c, args.out, args.secret_file)
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump({"done": done, "wrong": wrong}, f)
     smddp.shutdown()
