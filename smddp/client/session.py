@@ -50,6 +50,8 @@ from smddp.transport.conn import Connection, ConnectionClosed
 from smddp.transport.shm import Arena, Segment, Slot
 
 NO_SEGMENT = 2**32 - 1
+# Results up to this many bytes in all may wait for the next frame to be RELEASEd (Client._release).
+RELEASE_BATCH_BYTES = 256 << 10
 log = logging.getLogger("smddp.client")
 
 
@@ -240,6 +242,9 @@ class Client:
         self._failure: SmddpError | None = None
         self._closed = False
         self._timeline: list[dict] = []
+        # RELEASE frames of small host results, held to leave with the next frame (guarded by _lock).
+        self._releases: list[bytes] = []
+        self._released_bytes = 0
         # The device path, built when the first device buffer arrives (a CPU-only job never builds it).
         self._device_lock = threading.Lock()
         self._device: DeviceIO | None = None
@@ -303,7 +308,10 @@ class Client:
             self._submitter.join(timeout=5.0)
         if self._failure is None and not unfinished:
             try:
-                self._conn.send_frame(Header(MsgType.BYE, sender=self.rank), timeout=5.0)
+                with self._lock:
+                    parts = self._take_releases()
+                parts.append(Header(MsgType.BYE, sender=self.rank).encode())
+                self._conn.send(parts, timeout=5.0)
             except SmddpError:
                 pass
         self._conn.close()
@@ -396,7 +404,7 @@ class Client:
                 self._deferred_cv.notify_all()
             elif lost is None:
                 try:
-                    self._conn.send_frame(h, timeout=self.config.timeout_s)
+                    self._conn.send([*self._take_releases(), h.encode()], timeout=self.config.timeout_s)
                 except ConnectionClosed as e:
                     lost = e
             if lost is not None:
@@ -527,7 +535,8 @@ class Client:
                 self._deferred.popleft()
                 if error is None and self._failure is None and not self._closed:
                     try:
-                        self._conn.send_frame(item.header, timeout=self.config.timeout_s)
+                        parts = [*self._take_releases(), item.header.encode()]
+                        self._conn.send(parts, timeout=self.config.timeout_s)
                     except ConnectionClosed as e:
                         lost = e
             if error is not None:
@@ -594,13 +603,31 @@ class Client:
         if handle._slot is not None:
             self._arena.free(handle._slot)
         if plan is None:
-            self._release(h.seq)
+            self._release(h.seq, total)
         handle._finish(result)
 
-    def _release(self, seq: int) -> None:
-        self._conn.send_frame(
-            Header(MsgType.RELEASE, sender=self.rank, seq=seq), timeout=self.config.timeout_s
-        )
+    def _release(self, seq: int, nbytes: int | None = None) -> None:
+        """Tell the daemon a result slot is free; a small one's RELEASE waits for the next frame.
+
+        Sent on its own, a RELEASE wakes the daemon's reader once more per collective, which is a
+        good part of a small collective's cost. Held back, it leaves with the next SUBMIT (or BYE)
+        in the same send. At most RELEASE_BATCH_BYTES of results wait that way; a RELEASE that
+        would pass the bound, or one of a large result, goes at once with any held before it.
+        """
+        hdr = Header(MsgType.RELEASE, sender=self.rank, seq=seq).encode()
+        with self._lock:
+            if nbytes is not None and self._released_bytes + nbytes <= RELEASE_BATCH_BYTES:
+                self._releases.append(hdr)
+                self._released_bytes += nbytes
+                return
+            parts = self._take_releases()
+        parts.append(hdr)
+        self._conn.send(parts, timeout=self.config.timeout_s)
+
+    def _take_releases(self) -> list[bytes]:
+        """The held RELEASE frames, to go out ahead of the frame being sent (lock held)."""
+        parts, self._releases, self._released_bytes = self._releases, [], 0
+        return parts
 
     def _copy_out(self, plan: DevicePlan, seg: Segment, view: np.ndarray, seq: int, keepalive: Any) -> None:
         """Enqueue the result's copy to the device; RELEASE the result slot only once that copy is done."""

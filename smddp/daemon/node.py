@@ -184,6 +184,9 @@ class NodeDaemon:
         self.local_size = job.local_size
         self.world = job.size
         self.me = job.describe_node(node)
+        # Every frame names its sender in case of error: format those names once, not per frame.
+        self._rank_names = [job.describe_rank(r) for r in range(job.size)]
+        self._node_names = [job.describe_node(j) for j in range(job.nnodes)]
         self.tcp_sock = tcp_sock
         self.unix_sock = unix_sock
         self.socket_dir = socket_dir
@@ -500,7 +503,7 @@ class NodeDaemon:
                 raise ProtocolError(f"{conn.peer} sent {h.type.name}, which workers may not send")
 
     def _on_submit(self, link: WorkerLink, h: Header) -> None:
-        who = self.job.describe_rank(link.rank)
+        who = self._rank_names[link.rank]
         if h.seq != link.next_seq:
             raise ProtocolError(f"{who} submitted collective #{h.seq}, expected #{link.next_seq}")
         link.next_seq += 1
@@ -1233,7 +1236,7 @@ class NodeDaemon:
             raise PeerLostError(f"{self.me} lost contact: {e}{hint}") from None
 
     def _on_data(self, node: int, conn: Connection, h: Header) -> None:
-        who = self.job.describe_node(node)
+        who = self._node_names[node]
         if h.sender != node:
             raise ProtocolError(f"{who} sent a frame claiming to be from node {h.sender}")
         assert h.kind is not None and h.dtype is not None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from smddp.errors import ProtocolError
@@ -60,11 +61,10 @@ class ReduceLayout:
         return cls(count, itemsize, nshards, max(1, chunk_bytes // itemsize))
 
     def shards(self) -> list[tuple[int, int]]:
-        return shard_bounds(self.count, self.nshards)
+        return list(_shards(self.count, self.nshards))
 
     def chunks(self, shard: int) -> list[Chunk]:
-        start, end = self.shards()[shard]
-        return [Chunk(shard, i, a, b) for i, (a, b) in enumerate(split_range(start, end, self.chunk_elems))]
+        return list(_chunks(self.count, self.nshards, self.chunk_elems, shard))
 
     def all_chunks(self) -> list[list[Chunk]]:
         return [self.chunks(j) for j in range(self.nshards)]
@@ -75,7 +75,7 @@ class ReduceLayout:
             raise ProtocolError(f"shard {shard} out of range [0, {self.nshards})")
         if byte_offset % self.itemsize or byte_length % self.itemsize:
             raise ProtocolError(f"offset {byte_offset}/length {byte_length} not aligned to elements")
-        start, end = self.shards()[shard]
+        start, end = _shards(self.count, self.nshards)[shard]
         first = byte_offset // self.itemsize
         # An empty shard has one empty chunk at its start; otherwise a chunk starts inside the shard.
         if not (start <= first < end or first == start == end):
@@ -88,6 +88,18 @@ class ReduceLayout:
                 f"frame [{byte_offset}, +{byte_length}) does not match chunk {index} of shard {shard}"
             )
         return Chunk(shard, index, a, b)
+
+
+# A training job repeats the same few buffer sizes: every daemon and frame asks for their layout again.
+@functools.lru_cache(maxsize=512)
+def _shards(count: int, nshards: int) -> tuple[tuple[int, int], ...]:
+    return tuple(shard_bounds(count, nshards))
+
+
+@functools.lru_cache(maxsize=8192)  # all_chunks() asks for every shard: room for 1024 nodes' worth
+def _chunks(count: int, nshards: int, chunk_elems: int, shard: int) -> tuple[Chunk, ...]:
+    start, end = _shards(count, nshards)[shard]
+    return tuple(Chunk(shard, i, a, b) for i, (a, b) in enumerate(split_range(start, end, chunk_elems)))
 
 
 @dataclass(frozen=True)
