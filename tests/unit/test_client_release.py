@@ -95,7 +95,9 @@ def until_submits(daemon: ScriptedDaemon, k: int) -> list[Header]:
     return frames
 
 
-def roundtrip(client: Client, daemon: ScriptedDaemon, n: int, value: float) -> tuple[np.ndarray, list[Header]]:
+def roundtrip(
+    client: Client, daemon: ScriptedDaemon, n: int, value: float
+) -> tuple[np.ndarray, list[Header]]:
     """One all-reduce of `n` float32 through the scripted daemon: the result, and what the worker sent."""
     h = allreduce_async(client, np.zeros(n, np.float32))
     frames = until_submits(daemon, 1)
