@@ -9,25 +9,8 @@ import numpy as np
 import pytest
 
 from smddp.client.collectives import allreduce_async
-from smddp.client.session import Client, ClientConfig
 from smddp.errors import PeerLostError
-from smddp.proto.frames import Role
-from smddp.transport.bootstrap import Endpoint, Job, Membership, WorkerInfo
-from smddp.transport.conn import Connection
-
-
-def lonely_client() -> tuple[Client, socket.socket]:
-    job = Job(
-        job_id=b"j" * 16,
-        secret=b"s" * 32,
-        nnodes=1,
-        local_size=1,
-        daemons=(Endpoint(0, 0, "host", 1, "127.0.0.1", 1, "/nonexistent"),),
-        workers=(WorkerInfo(0, 0, 0, 1, "host", 2),),
-    )
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    cfg = ClientConfig(timeout_s=5.0, arena_bytes=1 << 20, heartbeat_timeout_s=60.0)
-    return Client(cfg, Membership(job, Role.WORKER, 0, 0), Connection(ours, "the daemon")), theirs
+from tests.unit.lonely import lonely_client
 
 
 @pytest.mark.timeout(30)  # the bug this guards against was a deadlock

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from smddp.client.collectives import allreduce_async
-from smddp.client.session import RELEASE_BATCH_BYTES, Client, ClientConfig
-from smddp.proto.frames import Header, MsgType, Role
-from smddp.transport.bootstrap import Endpoint, Job, Membership, WorkerInfo
+from smddp.client.session import RELEASE_BATCH_BYTES, Client
+from smddp.proto.frames import Header, MsgType
 from smddp.transport.conn import Connection
 from smddp.transport.shm import Segment
+from tests.unit.lonely import lonely_client
 
 RESULTS = 8 << 20  # the scripted daemon's result segment
 
@@ -70,17 +70,7 @@ class ScriptedDaemon:
 
 @pytest.fixture
 def pair():
-    job = Job(
-        job_id=b"j" * 16,
-        secret=b"s" * 32,
-        nnodes=1,
-        local_size=1,
-        daemons=(Endpoint(0, 0, "host", 1, "127.0.0.1", 1, "/nonexistent"),),
-        workers=(WorkerInfo(0, 0, 0, 1, "host", 2),),
-    )
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    cfg = ClientConfig(timeout_s=5.0, arena_bytes=4 << 20, heartbeat_timeout_s=60.0)
-    client = Client(cfg, Membership(job, Role.WORKER, 0, 0), Connection(ours, "the daemon"))
+    client, theirs = lonely_client()
     daemon = ScriptedDaemon(theirs)
     yield client, daemon
     client.shutdown(timeout=2)
