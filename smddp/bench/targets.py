@@ -8,13 +8,11 @@ round by round, so that slow periods of a shared machine hit all of them alike):
 - `sim4d`: the same nodes and links with 0.5 ms one-way delay between any two nodes. T2 (256 KiB).
   This kernel has no netem, so the delay comes from SimCluster's delay line: the switch namespace
   has no bridge, and a learning switch in C (smddp/launcher/_delayline.c) holds every frame for
-  0.5 ms before sending it on (never early). Each crossing takes about 45 us more than that on an
-  idle machine, this VM's timer wake-up latency: a UDP round trip between two nodes takes 1.13 ms,
-  against 0.03 ms through the bridge. Under this setup's load sends leave about 30 us after they
-  are due on average (the line runs SCHED_FIFO). TCP through it still reaches 0.95 Gbit/s on the
-  1 Gbit/s links (tests/multinode/test_delayline.py checks these bounds). Its cost is CPU on the
-  benchmark's own cores, one read and one write of every frame (a GSO super-frame of up to 64 KiB
-  at a time): about 13% of one core over this setup, recorded in `setups.sim4d.delayline`.
+  0.5 ms before sending it on (never early; tests/multinode/test_delayline.py checks the round
+  trip and the TCP rate it leaves, docs/performance.md has what they measured). Its cost is CPU on
+  the benchmark's own cores, one read and one write of every frame (a GSO super-frame of up to
+  64 KiB at a time): its counters over this setup (frames, lateness, CPU seconds) are recorded in
+  `setups.sim4d.delayline` and printed in BENCHMARKS.md.
 - `host4`: one host, 4 workers. T3 (64 MiB), T5 (float16/bfloat16).
 - T5 compares one gradient of 16 Mi elements: 64 MiB as float32 against 32 MiB as float16 or
   bfloat16 (the same model, half the bytes), all-reduced by smddp.

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -14,6 +13,7 @@ from smddp.client.device import DeviceBuffer
 from smddp.client.session import Client, Handle, PipelinedHandle, check_op
 from smddp.errors import InvalidArgumentError, UnsupportedBufferError
 from smddp.proto.dtypes import DType, Kind, ReduceOp
+from smddp.proto.layout import shard_bounds
 
 
 def _new_array(shape: tuple[int, ...], like: BufferView) -> np.ndarray:
@@ -73,12 +73,9 @@ def pieces(count: int, itemsize: int, piece_bytes: int) -> list[tuple[int, int]]
     at most `piece_bytes` each. A function of the count alone, so every rank cuts alike."""
     if piece_bytes <= 0 or count * itemsize <= piece_bytes:
         return [(0, count)]
-    k = -(-count * itemsize // piece_bytes)
-    base, extra = divmod(count, k)
-    bounds = [0]
-    for i in range(k):
-        bounds.append(bounds[-1] + base + (1 if i < extra else 0))
-    return list(itertools.pairwise(bounds))
+    # The same near-equal cut as the server shards: the first `count % k` pieces one element longer.
+    # (Never more pieces than elements: a piece smaller than one element would be empty.)
+    return shard_bounds(count, min(count, -(-count * itemsize // piece_bytes)))
 
 
 def _allreduce_pieces(

@@ -802,7 +802,8 @@ class NodeDaemon:
             if op.kind == Kind.ALLREDUCE and op.own_in_input:
                 # One local input is its own partial: it goes out from the worker's slot, which the
                 # worker reuses only after DONE, i.e. after this chunk's RESULT came back from a
-                # server that had received all of it.
+                # server that had received all of it. (A reduce_scatter gets no RESULT for this
+                # chunk, so its DONE can come before the send has left: it sends a copy.)
                 self._send(c.shard, op, hdr, inputs[0])
                 return
             # The partial goes out from the result region: the result of this chunk only comes back

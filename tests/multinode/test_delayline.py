@@ -14,6 +14,7 @@ import pytest
 
 from smddp.launcher.simcluster import ClusterConfig, SimCluster, cleanup_stale, list_netns, list_root_links
 from tests.conftest import REPO, need_module, need_root
+from tests.multinode.netcheck import ECHO_CLIENT, ECHO_SERVER, bulk_tcp, serve_and_call
 from tests.multinode.test_jobs import CHECK, launch
 
 pytestmark = pytest.mark.multinode
@@ -67,55 +68,8 @@ def cluster(nodes: int, delay_ms: float | None = DELAY_MS, **kw: Any) -> SimClus
     return SimCluster(ClusterConfig(nodes=nodes, prefix=PREFIX, subnet=SUBNET, delay_ms=delay_ms, **kw))
 
 
-# UDP echo: the server answers every datagram until "quit"; the client prints RTTs in ms.
-ECHO_SERVER = r"""
-import socket, sys
-s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-s.bind((sys.argv[1], 7700))
-s.settimeout(30)
-while True:
-    data, peer = s.recvfrom(2048)
-    if data == b"quit":
-        break
-    s.sendto(data, peer)
-"""
-
-ECHO_CLIENT = r"""
-import json, socket, sys, time
-host, n = sys.argv[1], int(sys.argv[2])
-s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-s.settimeout(0.2)
-rtts = []
-deadline = time.monotonic() + 20
-while len(rtts) < n and time.monotonic() < deadline:
-    t0 = time.perf_counter()
-    s.sendto(b"ping %d" % len(rtts), (host, 7700))
-    try:
-        data, _ = s.recvfrom(2048)
-    except socket.timeout:
-        continue  # the server was not up yet, or the first ARP exchange
-    if data == b"ping %d" % len(rtts):
-        rtts.append((time.perf_counter() - t0) * 1e3)
-    time.sleep(0.002)
-s.sendto(b"quit", (host, 7700))
-print(json.dumps(rtts))
-"""
-
-
 def _rtts(c: SimCluster, a: int, b: int, n: int = 100) -> list[float]:
-    srv = c.popen(b, [PY, "-c", ECHO_SERVER, c.addr(b)], stderr=subprocess.PIPE, text=True)
-    try:
-        res = c.exec(
-            a, [PY, "-c", ECHO_CLIENT, c.addr(b), str(n)], capture_output=True, text=True, timeout=60
-        )
-        assert res.returncode == 0, res.stderr
-        _, err = srv.communicate(timeout=30)
-        assert srv.returncode == 0, err
-    finally:
-        if srv.poll() is None:
-            srv.kill()
-            srv.wait(timeout=10)
-    rtts = json.loads(res.stdout)
+    rtts, _ = serve_and_call(c, (b, [ECHO_SERVER, c.addr(b)]), (a, [ECHO_CLIENT, c.addr(b), str(n)]))
     assert len(rtts) == n
     return sorted(rtts)
 
@@ -143,60 +97,14 @@ def test_round_trip_is_twice_the_delay_and_all_pairs_reach_each_other():
         for i in range(3):
             for j in range(3):
                 if i != j:
-                    srv = c.popen(j, [PY, "-c", ECHO_SERVER, c.addr(j)], stderr=subprocess.PIPE, text=True)
-                    try:
-                        res = c.exec(
-                            i, [PY, "-c", ECHO_CLIENT, c.hosts()[j], "3"], capture_output=True, text=True
-                        )
-                        assert res.returncode == 0, res.stderr
-                        assert len(json.loads(res.stdout)) == 3
-                        srv.communicate(timeout=30)
-                    finally:
-                        if srv.poll() is None:
-                            srv.kill()
-                            srv.wait(timeout=10)
+                    rtts, _ = serve_and_call(
+                        c, (j, [ECHO_SERVER, c.addr(j)]), (i, [ECHO_CLIENT, c.hosts()[j], "3"])
+                    )
+                    assert len(rtts) == 3
     stats = c.delayline_stats
     assert stats is not None
     assert stats["flooded"] > 0 and stats["rx_frames"] > 0, stats
     assert stats["oversize"] == stats["send_errors"] == 0, stats
-
-
-RECEIVER = r"""
-import hashlib, json, socket, sys, time
-srv = socket.create_server((sys.argv[1], 7701))
-srv.settimeout(30)
-conn, _ = srv.accept()
-h, n, t0 = hashlib.sha256(), 0, None
-while chunk := conn.recv(1 << 20):
-    if t0 is None:
-        t0 = time.monotonic()
-    n += len(chunk)
-    h.update(chunk)
-conn.sendall(h.hexdigest().encode())
-conn.close()
-print(json.dumps({"bytes": n, "sha256": h.hexdigest()}))
-"""
-
-SENDER = r"""
-import hashlib, json, os, socket, sys, time
-host, size = sys.argv[1], int(sys.argv[2])
-payload = os.urandom(size)
-deadline = time.monotonic() + 20
-while True:
-    try:
-        s = socket.create_connection((host, 7701), timeout=60)
-        break
-    except OSError:
-        if time.monotonic() > deadline:
-            raise
-        time.sleep(0.05)
-t0 = time.monotonic()
-s.sendall(payload)
-s.shutdown(socket.SHUT_WR)
-ack = s.recv(100).decode()  # the receiver's digest: it has every byte
-seconds = time.monotonic() - t0
-print(json.dumps({"seconds": seconds, "sha256": hashlib.sha256(payload).hexdigest(), "ack": ack}))
-"""
 
 
 @pytest.mark.parametrize("rate_mbit", [1000.0, None], ids=["tbf-1000mbit", "unshaped"])
@@ -205,16 +113,7 @@ def test_bulk_tcp_through_the_delay_line(rate_mbit):
     # 1 ms round trip are a few percent of it.
     size = 150_000_000
     with cluster(2, rate_mbit=rate_mbit) as c:
-        recv = c.popen(1, [PY, "-c", RECEIVER, c.addr(1)], stdout=subprocess.PIPE, text=True)
-        try:
-            send = c.exec(0, [PY, "-c", SENDER, c.addr(1), str(size)], capture_output=True, text=True)
-            assert send.returncode == 0, send.stderr
-            rout, _ = recv.communicate(timeout=30)
-        finally:
-            if recv.poll() is None:
-                recv.kill()
-                recv.wait(timeout=10)
-    sent, got = json.loads(send.stdout), json.loads(rout)
+        sent, got = bulk_tcp(c, 0, 1, size)
     # Every byte arrived unchanged: GSO frames and their checksum offload crossed intact.
     assert got["bytes"] == size
     assert sent["sha256"] == got["sha256"] == sent["ack"]

@@ -21,6 +21,7 @@ from smddp.launcher.simcluster import (
     list_root_links,
 )
 from tests.conftest import BIN, REPO, need_root
+from tests.multinode.netcheck import bulk_tcp
 
 # Not the CLI's default prefix "smddp", so that the tests never touch a cluster someone brought up by hand.
 PREFIX = "smddpt"
@@ -138,42 +139,6 @@ def test_every_node_reaches_every_other_and_root_reaches_none(nodes):
                 assert json.loads(route.stdout)[0].get("dev") in root_links_before
 
 
-RECEIVER = r"""
-import json, socket, sys, time
-srv = socket.create_server((sys.argv[1], int(sys.argv[2])))
-srv.settimeout(30)
-conn, _ = srv.accept()
-n, t0 = 0, None
-while chunk := conn.recv(1 << 16):
-    if t0 is None:
-        t0 = time.monotonic()
-    n += len(chunk)
-conn.sendall(str(n).encode())
-conn.close()
-print(json.dumps({"bytes": n, "seconds": time.monotonic() - t0}))
-"""
-
-SENDER = r"""
-import json, socket, sys, time
-host, port, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-deadline = time.monotonic() + 20
-while True:
-    try:
-        s = socket.create_connection((host, port), timeout=60)
-        break
-    except OSError:
-        if time.monotonic() > deadline:
-            raise
-        time.sleep(0.05)
-payload = b"x" * size
-t0 = time.monotonic()
-s.sendall(payload)
-s.shutdown(socket.SHUT_WR)
-ack = s.recv(64)  # the receiver has every byte only when it answers
-print(json.dumps({"ack": int(ack), "seconds": time.monotonic() - t0}))
-"""
-
-
 @pytest.mark.parametrize("rate_mbit", [None, 100.0])
 def test_rate_limit_bounds_transfer_time(rate_mbit):
     size = 20_000_000
@@ -182,17 +147,9 @@ def test_rate_limit_bounds_transfer_time(rate_mbit):
     with SimCluster(ClusterConfig(nodes=2, rate_mbit=rate_mbit, prefix=PREFIX)) as c:
         qdisc = c.exec(0, ["tc", "qdisc", "show", "dev", "eth0"], capture_output=True, text=True).stdout
         assert ("tbf" in qdisc and "rate 100Mbit" in qdisc) == (rate_mbit is not None), qdisc
-        recv = c.popen(1, [PY, "-c", RECEIVER, c.addr(1), "7400"], stdout=subprocess.PIPE, text=True)
-        try:
-            send = c.exec(0, [PY, "-c", SENDER, c.addr(1), "7400", str(size)], capture_output=True, text=True)
-            assert send.returncode == 0, send.stderr
-            rout, _ = recv.communicate(timeout=30)
-        finally:
-            if recv.poll() is None:
-                recv.kill()
-                recv.wait(timeout=10)
-    sent, got = json.loads(send.stdout), json.loads(rout)
-    assert sent["ack"] == got["bytes"] == size
+        sent, got = bulk_tcp(c, 0, 1, size, port=7400)
+    # The sender's clock stops at the receiver's digest of every byte.
+    assert got["bytes"] == size and sent["ack"] == got["sha256"] == sent["sha256"]
     if rate_mbit is None:
         # Unshaped veths move 20 MB in tens of ms: the shaped case's time is the tbf's doing.
         assert sent["seconds"] < bound_s / 3, sent
