@@ -70,7 +70,7 @@ _default = _Default()
 
 
 def init(config: ClientConfig | None = None) -> None:
-    """Join the job: bootstrap over MPI and connect to this node's daemon. Collective over all ranks."""
+    """Join the job: find this node's daemon (placed there by smddp-launch) and connect to it."""
     with _default.lock:
         if _default.client is not None:
             return

@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -45,7 +46,7 @@ from smddp.errors import (
 from smddp.proto.dtypes import DType, Kind, ReduceOp
 from smddp.proto.frames import Header, MsgType, Role
 from smddp.transport.auth import client_handshake
-from smddp.transport.bootstrap import Membership, bootstrap
+from smddp.transport.bootstrap import Membership, Placement, default_socket_dir, job_dir, join_job
 from smddp.transport.conn import Connection, ConnectionClosed
 from smddp.transport.shm import Arena, Segment, Slot
 
@@ -224,8 +225,13 @@ class _Deferred:
 class Client:
     """One worker's session with its node daemon. Build it with `Client.connect()`."""
 
-    def __init__(self, config: ClientConfig, membership: Membership, conn: Connection) -> None:
+    def __init__(
+        self, config: ClientConfig, membership: Membership, conn: Connection, job_dir: str = ""
+    ) -> None:
         self.config = config
+        self.job_dir = job_dir  # the daemon's private directory ("" = unknown: nothing is written there)
+        self._routed: dict[str, int] = {}  # calls a front end routed elsewhere (note_routed)
+        self._routed_at = 0.0
         self.membership = membership
         self.job = membership.job
         self.rank = membership.rank
@@ -257,9 +263,14 @@ class Client:
     # ------------------------------------------------------------------ setup / teardown
 
     @classmethod
-    def connect(cls, config: ClientConfig) -> Client:
-        """Bootstrap over MPI with the job, then connect and authenticate to this node's daemon."""
-        me = bootstrap(Role.WORKER, job_id_hex=config.job_id_hex)
+    def connect(cls, config: ClientConfig, env: dict[str, str] | None = None) -> Client:
+        """Find this node's daemon from where smddp-launch placed us, then connect and authenticate.
+
+        No MPI here: the workers' MPI world (if the script uses one) is the script's own.
+        """
+        environ = dict(os.environ) if env is None else env
+        place = Placement.from_env(environ)
+        me = join_job(place, default_socket_dir(), config.connect_timeout_s)
         _configure_logging(config.log_level, me.rank, me.node)
         ep = me.job.daemons[me.node]
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -284,7 +295,34 @@ class Client:
             conn.close()
             raise
         log.info("connected to %s", conn.peer)
-        return cls(config, me, conn)
+        _tell_wrapper_joined(environ)
+        return cls(config, me, conn, job_dir(default_socket_dir(), place.job_hex, place.node))
+
+    def note_routed(self, counts: dict[str, int]) -> None:
+        """Record which calls a front end sent elsewhere (its side group), for `smddp status`.
+
+        Written to `routed-<rank>.json` in the daemon's private directory, renamed into place; the
+        daemon adds every local rank's counts to its report. Written when a new kind of call
+        appears, else at most once a second, and at shutdown.
+        """
+        now = time.monotonic()
+        new_kind = counts.keys() != self._routed.keys()
+        self._routed = dict(counts)
+        if new_kind or now - self._routed_at >= 1.0:
+            self._write_routed()
+
+    def _write_routed(self) -> None:
+        self._routed_at = time.monotonic()
+        if not self.job_dir or not self._routed:
+            return
+        path = os.path.join(self.job_dir, f"routed-{self.rank}.json")
+        tmp = f"{path}.tmp"
+        try:
+            with open(tmp, "w") as f:
+                json.dump(self._routed, f)
+            os.replace(tmp, path)
+        except OSError:
+            pass  # the daemon has gone (the job is ending): nothing left to show them to
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Wait for in-flight collectives, tell the daemon goodbye, release everything. Idempotent."""
@@ -306,6 +344,7 @@ class Client:
             self._deferred_cv.notify_all()
         if self._submitter is not None:
             self._submitter.join(timeout=5.0)
+        self._write_routed()  # the final counts, before BYE lets the daemon finish
         if self._failure is None and not unfinished:
             try:
                 with self._lock:
@@ -709,3 +748,24 @@ def check_op(op: Any) -> ReduceOp:
         return ReduceOp(op)
     except ValueError:
         raise InvalidArgumentError(f"op must be one of smddp.SUM, AVG, MIN, MAX, got {op!r}") from None
+
+
+def _tell_wrapper_joined(env: dict[str, str]) -> None:
+    """Tell smddp-launch's wrapper of this worker that it joined (it writes EXITED for ranks that did not).
+
+    The wrapper passes the write end of a pipe as SMDDP_JOINED_FD; one byte, then the end is closed
+    so that nothing else (a child process of the script) can use it.
+    """
+    fd_s, _, ino_s = env.get("SMDDP_JOINED_FD", "").partition(":")
+    os.environ.pop("SMDDP_JOINED_FD", None)
+    if not (fd_s.isdigit() and ino_s.isdigit()):
+        return
+    fd = int(fd_s)
+    try:
+        # Only the pipe the wrapper made: the script may have closed that fd number and reused it.
+        st = os.fstat(fd)
+        if stat.S_ISFIFO(st.st_mode) and st.st_ino == int(ino_s):
+            os.write(fd, b"j")
+            os.close(fd)
+    except OSError:
+        pass  # gone: the wrapper then says EXITED for a rank that joined, which the daemon ignores

@@ -9,14 +9,12 @@ import os
 import signal
 import socket
 import stat
-import time
 
 from smddp.daemon.config import DaemonConfig, default_socket_dir
 from smddp.daemon.kernels import Reducer
 from smddp.daemon.node import NodeDaemon
 from smddp.errors import BootstrapError, ConfigError
-from smddp.proto.frames import Role
-from smddp.transport.bootstrap import Job, bootstrap
+from smddp.transport.bootstrap import JOB_FILE, SECRET_FILE, Job, bootstrap_daemons, job_description, job_dir
 from smddp.transport.netif import resolve_bind_address
 
 __all__ = ["DaemonConfig", "NodeDaemon", "private_dir", "run"]
@@ -70,7 +68,7 @@ def run(cfg: DaemonConfig) -> int:
         tcp.bind((host, 0))
         tcp.listen(128)
         base = private_dir(cfg.socket_dir or default_socket_dir())
-        jobdir = private_dir(os.path.join(base, f"job-{job_hex}-n{node}"))
+        jobdir = private_dir(job_dir(base, job_hex, node))
         path = os.path.join(jobdir, "daemon.sock")
         if os.path.exists(path):
             os.unlink(path)
@@ -81,7 +79,7 @@ def run(cfg: DaemonConfig) -> int:
         return host, tcp.getsockname()[1], path
 
     try:
-        me = bootstrap(Role.DAEMON, open_endpoint, cfg.job_id_hex)
+        me = bootstrap_daemons(open_endpoint, cfg.local_size, cfg.job_id_hex)
     except BootstrapError as e:
         logging.getLogger("smddp.daemon").error("bootstrap failed: %s", e)
         return 2
@@ -105,19 +103,14 @@ def run(cfg: DaemonConfig) -> int:
 
 
 def write_job_files(jobdir: str, job: Job, node: int) -> None:
-    """What `smddp status` needs to find and join this daemon: readable by this user alone (0600,
-    in a 0700 directory), as the shell that runs it is; never in argv, environment or logs."""
-    d = job.daemons[node]
-    info = {
-        "job": job.job_hex,
-        "node": node,
-        "nnodes": job.nnodes,
-        "host": d.host,
-        "pid": d.pid,
-        "started": time.time(),
-        "socket": d.socket_path,
-    }
-    for name, data in (("secret", job.secret), ("job.json", json.dumps(info).encode())):
-        fd = os.open(os.path.join(jobdir, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    """What a worker and `smddp status` need to find and join this daemon: readable by this user
+    alone (0600, in a 0700 directory), as the shell that runs it is; never in argv, environment or
+    logs. The secret goes first and job.json last, renamed into place: a reader that sees job.json
+    sees both whole."""
+    info = json.dumps(job_description(job, node)).encode()
+    for name, data in ((SECRET_FILE, job.secret), (JOB_FILE, info)):
+        tmp = os.path.join(jobdir, f".{name}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+        os.replace(tmp, os.path.join(jobdir, name))

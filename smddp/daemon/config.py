@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
 from dataclasses import dataclass
 
+from smddp.transport.bootstrap import default_socket_dir
 
-def default_socket_dir() -> str:
-    """Per-user parent of the jobs' private socket directories."""
-    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
-    return os.path.join(base, f"smddp-{os.getuid()}")
+__all__ = ["DaemonConfig", "default_socket_dir"]
 
 
 @dataclass(frozen=True)
 class DaemonConfig:
     """Knobs of one smddp-daemon; defaults suit a 2-16 core node."""
 
+    local_size: int = 1  # workers per node (G); smddp-launch passes it
     chunk_bytes: int = 1 << 20  # the pipelining unit
     threads: int = 2  # reduction threads
     iface: str = ""  # interface name, CIDR or address to listen on; "" = loopback on one host, else the first real interface
@@ -43,6 +40,8 @@ class DaemonConfig:
             raise ValueError("chunk_bytes must be between 4 KiB and 64 MiB")
         if not 0 <= self.replicate_bytes <= 1 << 30:
             raise ValueError("replicate_bytes must be between 0 and 1 GiB")
+        if self.local_size < 1:
+            raise ValueError("workers per node must be at least 1")
         if self.threads < 1:
             raise ValueError("threads must be at least 1")
         if not 0.2 <= self.heartbeat_timeout_s <= 3600:

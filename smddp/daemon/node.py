@@ -196,6 +196,9 @@ class NodeDaemon:
         self.failure: str | None = None
         self.ops: dict[int, OpState] = {}
         self.workers: list[WorkerLink | None] = [None] * self.local_size
+        # Local ranks whose process ended without ever joining (their launcher wrapper said so, with
+        # EXITED): local index -> what happened, for the error of any collective that needed them.
+        self.left_early: dict[int, str] = {}
         self.peers = {j: PeerLink(j) for j in range(self.nnodes) if j != node}
         self.results = Arena(cfg.result_segment_bytes, f"smddp-result-n{node}")
         self.scratch = Arena(cfg.result_segment_bytes, f"smddp-server-n{node}")
@@ -246,7 +249,7 @@ class NodeDaemon:
 
     def _all_connected(self) -> bool:
         with self._lock:
-            return all(w is not None for w in self.workers) and all(
+            return all(w is not None or i in self.left_early for i, w in enumerate(self.workers)) and all(
                 p.connected.is_set() for p in self.peers.values()
             )
 
@@ -254,7 +257,7 @@ class NodeDaemon:
         missing = [
             self.job.describe_rank(self.job.ranks_of(self.node)[i])
             for i, w in enumerate(self.workers)
-            if w is None
+            if w is None and i not in self.left_early
         ]
         missing += [self.job.describe_node(j) for j, p in self.peers.items() if not p.connected.is_set()]
         return f"{self.me}: not connected after {self.cfg.connect_timeout_s:.0f}s: {', '.join(missing)}"
@@ -413,12 +416,16 @@ class NodeDaemon:
         if hello.rank not in ranks:
             raise AuthenticationError(f"rank {hello.rank} does not belong to {self.me}")
         local = hello.rank - ranks.start
-        conn.peer = self.job.describe_rank(hello.rank)
-        link = WorkerLink(local, hello.rank, conn, conn.peer_pid())
+        pid = conn.peer_pid()
+        conn.peer = self.job.describe_rank(hello.rank, pid)
+        link = WorkerLink(local, hello.rank, conn, pid)
         with self._lock:
             if self.workers[local] is not None:
                 raise AuthenticationError(f"rank {hello.rank} connected twice")
+            if local in self.left_early:
+                raise AuthenticationError(f"rank {hello.rank} connected after its process was reported gone")
             self.workers[local] = link
+            self._rank_names[hello.rank] = conn.peer
             # Everything already in the result arena, so DONE can point anywhere in it.
             for seg in self.results.segments.values():
                 self._send_segment(link, seg)
@@ -447,7 +454,35 @@ class NodeDaemon:
                 return
 
     def _worker_lost(self, link: WorkerLink) -> str:
-        return f"{self.job.describe_rank(link.rank)} {_process_fate(link.pid)}"
+        return f"{self.job.describe_rank(link.rank, link.pid)} {_process_fate(link.pid)}"
+
+    def _on_exited(self, rank: int, status: int) -> None:
+        """The launcher's wrapper of local `rank` says its process ended with `status`.
+
+        A rank that never joined is gone for good: any collective that needs it fails now, naming
+        it as a lost rank, and a node whose ranks all left (or never came) finishes as after BYE.
+        A rank that joined needs no word: its connection's end says everything.
+        """
+        ranks = self.job.ranks_of(self.node)
+        if rank not in ranks:
+            raise ProtocolError(f"EXITED for rank {rank}, which does not belong to {self.me}")
+        local = rank - ranks.start
+        how = f"was killed by signal {status - 128}" if status > 128 else f"exited with status {status}"
+        reason = (
+            f"{self.job.describe_rank(rank)} {how} without joining the job (it never called smddp.init(), "
+            "or failed before it)"
+        )
+        with self._lock:
+            if self.workers[local] is not None or local in self.left_early:
+                return
+            self.left_early[local] = reason
+            stuck = [op for op in self.ops.values() if not op.done]
+        log.info("%s: %s", self.me, reason)
+        if stuck:
+            op = min(stuck, key=lambda o: o.seq)
+            self.fail(f"{reason}, while collective #{op.seq} {op.describe()} waits for it", PeerLostError)
+            return
+        self._maybe_finish()
 
     def _send_segment(self, link: WorkerLink, seg: Segment) -> None:
         header = Header(MsgType.SEGMENT, sender=self.node, shard=seg.id, offset=seg.size).encode()
@@ -572,6 +607,11 @@ class NodeDaemon:
                 )
             return op
         self._validate_new(seq, kind, dtype, count, rop, root, who)
+        if self.left_early:
+            reason = self.left_early[min(self.left_early)]
+            raise PeerLostError(
+                f"{reason}, but collective #{seq} {describe(kind, dtype, count, rop, root)} needs it"
+            )
         gone = [self.job.describe_rank(w.rank) for w in self.workers if w is not None and w.said_bye]
         gone += [f"every rank of {self.job.describe_node(j)}" for j, p in self.peers.items() if p.said_bye]
         if gone:
@@ -887,6 +927,9 @@ class NodeDaemon:
                 h, _ = conn.recv_header(self._stop)
                 if h.type is MsgType.BYE:
                     return
+                if h.type is MsgType.EXITED:
+                    self._on_exited(h.sender, h.aux)
+                    continue
                 if h.type is not MsgType.STATUS:
                     raise ProtocolError(f"{conn.peer} sent {h.type.name}")
                 body = json.dumps(self.job_report()).encode()
@@ -921,6 +964,27 @@ class NodeDaemon:
                 d = self.job.daemons[j]
                 daemons.append({"node": j, "host": d.host, "pid": d.pid, "state": "no answer"})
         return {"job": self.job.job_hex, "nnodes": self.nnodes, "world": self.world, "daemons": daemons}
+
+    def _routed_counts(self) -> dict[str, int]:
+        """Calls the local ranks' front ends sent to their side groups (Client.note_routed files)."""
+        total: dict[str, int] = {}
+        try:
+            names = [
+                n for n in os.listdir(self.socket_dir) if n.startswith("routed-") and n.endswith(".json")
+            ]
+        except OSError:
+            return total
+        for name in names:
+            try:
+                with open(os.path.join(self.socket_dir, name)) as f:
+                    counts = json.load(f)
+            except (OSError, ValueError):
+                continue
+            if isinstance(counts, dict):
+                for k, v in counts.items():
+                    if isinstance(k, str) and isinstance(v, int):
+                        total[k] = total.get(k, 0) + v
+        return total
 
     def local_report(self) -> dict:
         """What `smddp status` shows for this daemon (JSON-ready)."""
@@ -961,6 +1025,7 @@ class NodeDaemon:
         snap = self.stats.snapshot()
         d = self.job.daemons[self.node]
         return {
+            "routed": self._routed_counts(),
             "node": self.node,
             "host": d.host,
             "pid": os.getpid(),
@@ -1287,7 +1352,9 @@ class NodeDaemon:
     def _maybe_finish(self) -> None:
         """After the last local BYE: flush every queue, say BYE; finish when every peer has said it."""
         with self._lock:
-            if not all(w is not None and w.said_bye for w in self.workers):
+            if not all(
+                (w is not None and w.said_bye) or i in self.left_early for i, w in enumerate(self.workers)
+            ):
                 return
             first = self._bye_sent_at is None
             if first:

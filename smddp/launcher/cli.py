@@ -141,6 +141,7 @@ def daemon_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="smddp-daemon", description="The smddp node daemon (started by smddp-launch)."
     )
+    p.add_argument("--workers-per-node", type=int, default=1, help="G: the workers of each node")
     p.add_argument("--chunk-kb", type=int, default=1024)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument(
@@ -170,6 +171,7 @@ def daemon_main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         cfg = DaemonConfig(
+            local_size=args.workers_per_node,
             chunk_bytes=args.chunk_kb * 1024,
             threads=args.threads,
             replicate_bytes=args.replicate_kb * 1024,

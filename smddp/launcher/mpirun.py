@@ -1,4 +1,4 @@
-"""From a LaunchConfig to one MPMD mpirun command: N daemons, then W workers."""
+"""From a LaunchConfig to two mpirun commands, the N daemons' and the W workers', and the supervision of both."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 
 from smddp.daemon.config import default_socket_dir
@@ -120,8 +121,59 @@ def daemon_command() -> list[str]:
     return [found] if found else [sys.executable, "-m", "smddp.launcher.cli", "daemon"]
 
 
-def build_command(cfg: LaunchConfig) -> list[str]:
-    """The exact mpirun command line; --dry-run prints it."""
+@dataclass(frozen=True)
+class Commands:
+    """The two mpirun command lines of a job; --dry-run prints them, one a line.
+
+    Daemons and workers are separate MPI worlds: a script that uses MPI itself (mpi4py, Horovod-style
+    code, DeepSpeed's discovery) sees the workers alone, its MPI ranks equal to RANK; and a worker
+    that never calls smddp.init() cannot hold the daemons in an MPI collective.
+    """
+
+    daemons: list[str]
+    workers: list[str]
+
+
+def build_commands(cfg: LaunchConfig) -> Commands:
+    """The exact mpirun command lines."""
+    common = _common_options(cfg)
+    g = cfg.workers_per_host() if cfg.hosts else cfg.np // cfg.local_nodes
+    nodes = len(cfg.hosts) if cfg.hosts else cfg.local_nodes
+    daemon = [
+        *daemon_command(),
+        "--workers-per-node",
+        str(g),
+        "--chunk-kb",
+        str(cfg.chunk_kb),
+        "--threads",
+        str(cfg.threads),
+        "--replicate-kb",
+        str(cfg.replicate_kb),
+        "--log-level",
+        cfg.log_level,
+        "--heartbeat-timeout",
+        f"{cfg.heartbeat_timeout_s:g}",
+        "--stall-warning",
+        f"{cfg.stall_warning_s:g}",
+        *(["--metrics-port", str(cfg.metrics_port)] if cfg.metrics_port else []),
+        *(["--timeline-dir", timeline_parts(cfg.timeline)] if cfg.timeline else []),
+        *(["--iface", cfg.iface] if cfg.iface else []),
+    ]
+    master = cfg.hosts[0].name if cfg.hosts else "127.0.0.1"
+    worker = _with_worker_env(cfg.command, nodes, g, master, cfg.tag_output)
+    if cfg.hosts:
+        # One daemon per host; G workers per host in host order, so ranks are contiguous per node
+        # and worker rank r belongs to the daemon of node r // G (both worlds map by slot).
+        daemons = ["-np", str(nodes), "--host", ",".join(f"{h.name}:1" for h in cfg.hosts)]
+        workers = ["-np", str(cfg.world_size), "--host", ",".join(f"{h.name}:{g}" for h in cfg.hosts)]
+    else:
+        daemons = ["-np", str(nodes)]
+        workers = ["-np", str(cfg.np)]
+    return Commands([*common, *daemons, *daemon], [*common, *workers, *worker])
+
+
+def _common_options(cfg: LaunchConfig) -> list[str]:
+    """mpirun's options for both worlds, up to the application."""
     cmd = [find_mpirun(cfg.mpirun)]
     if os.geteuid() == 0:
         cmd.append("--allow-run-as-root")  # containers run as root; Open MPI refuses it otherwise
@@ -150,53 +202,22 @@ def build_command(cfg: LaunchConfig) -> list[str]:
         # network as smddp's.
         cmd += ["--prtemca", "oob_tcp_if_include", cfg.iface, "--mca", "btl_tcp_if_include", cfg.iface]
     cmd += list(cfg.mpi_args)
-    daemon = [
-        *daemon_command(),
-        "--chunk-kb",
-        str(cfg.chunk_kb),
-        "--threads",
-        str(cfg.threads),
-        "--replicate-kb",
-        str(cfg.replicate_kb),
-        "--log-level",
-        cfg.log_level,
-        "--heartbeat-timeout",
-        f"{cfg.heartbeat_timeout_s:g}",
-        "--stall-warning",
-        f"{cfg.stall_warning_s:g}",
-        *(["--metrics-port", str(cfg.metrics_port)] if cfg.metrics_port else []),
-        *(["--timeline-dir", timeline_parts(cfg.timeline)] if cfg.timeline else []),
-        *(["--iface", cfg.iface] if cfg.iface else []),
-    ]
-    if cfg.hosts:
-        # One daemon per host, then G workers per host in host order, so ranks are contiguous per node.
-        g = cfg.workers_per_host()
-        daemons = ",".join(f"{h.name}:1" for h in cfg.hosts)
-        workers = ",".join(f"{h.name}:{g}" for h in cfg.hosts)
-        worker = _with_torchrun_env(cfg.command, len(cfg.hosts), g, cfg.hosts[0].name, cfg.tag_output)
-        cmd += ["-np", str(len(cfg.hosts)), "--host", daemons, *daemon]
-        cmd += [":", "-np", str(cfg.world_size), "--host", workers, *worker]
-    else:
-        worker = _with_torchrun_env(
-            cfg.command, cfg.local_nodes, cfg.np // cfg.local_nodes, "127.0.0.1", cfg.tag_output
-        )
-        cmd += ["-np", str(cfg.local_nodes), *daemon, ":", "-np", str(cfg.np), *worker]
     return cmd
 
 
-def _with_torchrun_env(
-    command: tuple[str, ...], daemons: int, per_node: int, master: str, tag_output: bool
+def _with_worker_env(
+    command: tuple[str, ...], nodes: int, per_node: int, master: str, tag_output: bool
 ) -> list[str]:
     """The worker command behind `smddp.launcher.worker_env`, which sets RANK etc. as torchrun does.
 
-    Run by path, not with -m: it needs only the standard library, and importing the smddp package
-    (numpy and all) in every worker before its real start would cost time for nothing.
+    Run by path, not with -m: it starts on the standard library alone, and importing the smddp
+    package (numpy and all) in every worker before its real start would cost time for nothing.
     """
     return [
         sys.executable,
         os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker_env.py"),
-        "--daemons",
-        str(daemons),
+        "--nodes",
+        str(nodes),
         "--per-node",
         str(per_node),
         "--master-addr",
@@ -216,33 +237,101 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# After the workers have ended, how long the daemons get to finish by themselves (every rank said
+# BYE or EXITED; peers exchange BYE) before they are stopped.
+DAEMON_GRACE_S = 30.0
+# After the daemons failed, how long the workers get to hear why, report and leave (the daemons'
+# failure_linger_s) before they are stopped.
+WORKER_GRACE_S = 35.0
+
+
 def launch(cfg: LaunchConfig) -> int:
-    """Run the job to the end; the exit status is mpirun's, which is the first failing process's."""
-    cmd = build_command(cfg)
+    """Run the job to the end. The exit status is the workers' when they failed, else the daemons'.
+
+    Both worlds are children of this process: when the workers end, the daemons follow (at once,
+    or stopped after a grace period); when the daemons fail, the workers have heard why and follow.
+    """
+    cmds = build_commands(cfg)
     if cfg.dry_run:
         import shlex
 
-        print(shlex.join(cmd))
+        print(shlex.join(cmds.daemons))
+        print(shlex.join(cmds.workers))
         return 0
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
     if cfg.timeline:
         os.makedirs(timeline_parts(cfg.timeline), exist_ok=True)
-    # If smddp-launch is killed, mpirun gets SIGTERM and tears the job down rather than run on orphaned.
-    proc = subprocess.Popen(cmd, env=env, preexec_fn=_term_with_parent)
+    # If smddp-launch is killed, mpirun gets SIGTERM and tears its world down rather than run on orphaned.
+    daemons = subprocess.Popen(cmds.daemons, env=env, preexec_fn=_term_with_parent)
+    try:
+        workers = subprocess.Popen(cmds.workers, env=env, preexec_fn=_term_with_parent)
+    except BaseException:
+        _stop(daemons, 0.0)
+        raise
 
     def forward(signum: int, _frame: object) -> None:
-        proc.send_signal(signum)
+        for p in (workers, daemons):
+            if p.poll() is None:
+                p.send_signal(signum)
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return proc.wait()
+        return supervise(daemons, workers)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
         remove_job_dirs(cfg.job_id)
         if cfg.timeline:
             merge_timeline(cfg.timeline)
+
+
+def supervise(
+    daemons: subprocess.Popen,
+    workers: subprocess.Popen,
+    daemon_grace_s: float = DAEMON_GRACE_S,
+    worker_grace_s: float = WORKER_GRACE_S,
+    tick: float = 0.05,
+) -> int:
+    """Wait for both worlds; the exit status says what went wrong first."""
+    while True:
+        w = workers.poll()
+        if w is not None:
+            if not _wait(daemons, daemon_grace_s):
+                _stop(daemons, 10.0)  # the workers' status tells the story
+                return _status(w)
+            return _status(w) or _status(daemons.returncode)
+        d = daemons.poll()
+        if d is not None and d != 0:
+            # The daemons failed (at start, or a daemon died): connected workers hear it and leave.
+            if _wait(workers, worker_grace_s):
+                return _status(workers.returncode) or _status(d)
+            _stop(workers, 10.0)
+            return _status(d)
+        time.sleep(tick)
+
+
+def _status(code: int) -> int:
+    """A Popen return code as a shell reports it (128 + n for a process that signal n killed)."""
+    return code if code >= 0 else 128 - code
+
+
+def _wait(p: subprocess.Popen, seconds: float) -> bool:
+    try:
+        p.wait(timeout=seconds)
+        return True
+    except subprocess.TimeoutExpired:
+        return False
+
+
+def _stop(p: subprocess.Popen, seconds: float) -> None:
+    """SIGTERM (mpirun passes it on to its processes), then SIGKILL after `seconds`."""
+    if p.poll() is not None:
+        return
+    p.terminate()
+    if not _wait(p, seconds):
+        p.kill()
+        p.wait()
 
 
 def timeline_parts(path: str) -> str:

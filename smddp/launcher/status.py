@@ -139,6 +139,16 @@ def render_report(r: dict) -> str:
             f"{d['collectives']['done']:>8}{d['collectives']['in_flight']:>7}  {old:<16}"
             f"{_size(bin_):>11}{_size(bout):>11}{red['gbytes_per_s']:>9.2f} GB/s"
         )
+    routed: dict[str, int] = {}
+    for d in r["daemons"]:
+        for k, v in d.get("routed", {}).items():
+            routed[k] = routed.get(k, 0) + v
+    if routed:
+        out += [
+            "",
+            "calls smddp routed to the side group (all ranks): "
+            + ", ".join(f"{k} x{v}" for k, v in sorted(routed.items())),
+        ]
     traffic = [
         (d["node"], p)
         for d in r["daemons"]

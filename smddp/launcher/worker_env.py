@@ -1,4 +1,4 @@
-"""Exports torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, ...) to one worker, then execs its command."""
+"""The wrapper of every worker: exports its place (torchrun's, SageMaker's and smddp's variables), runs it, reports how it ended."""
 
 from __future__ import annotations
 
@@ -12,27 +12,37 @@ import threading
 from collections.abc import Mapping
 from typing import IO
 
+# How long a wrapper whose worker ended without joining waits for its daemon to hear of it.
+REPORT_TIMEOUT_S = 60.0
 
-def torchrun_env(
-    world_rank: int, daemons: int, per_node: int, master_addr: str, master_port: int, run_id: str = "smddp"
+
+def worker_env(
+    world_rank: int,
+    nodes: int,
+    per_node: int,
+    master_addr: str,
+    master_port: int,
+    run_id: str = "smddp",
 ) -> dict[str, str]:
-    """The variables torchrun sets, for the worker at MPI world rank `world_rank`.
+    """Every variable a worker gets, for the worker at rank `world_rank` of the workers' MPI world.
 
-    smddp-launch starts the daemons first (world ranks 0..N-1), then the workers in node order, G per
-    node, so worker rank = world rank - N: the same rank smddp's bootstrap assigns.
+    smddp-launch starts the workers in a world of their own (the daemons run in another), G per node
+    in node order, so the MPI rank is the smddp rank and the torchrun, SageMaker and Open MPI
+    variables agree. docs/launching.md lists them all.
     """
-    rank = world_rank - daemons
-    if rank < 0:
-        raise ValueError(f"world rank {world_rank} is a daemon's (there are {daemons} daemons)")
-    world = daemons * per_node
+    world = nodes * per_node
+    if not 0 <= world_rank < world:
+        raise ValueError(f"MPI rank {world_rank} is outside a job of {nodes} nodes x {per_node} workers")
+    rank = world_rank
     node, local = divmod(rank, per_node)
     return {
+        # torchrun's
         "RANK": str(rank),
         "LOCAL_RANK": str(local),
         "WORLD_SIZE": str(world),
         "LOCAL_WORLD_SIZE": str(per_node),
         "GROUP_RANK": str(node),
-        "GROUP_WORLD_SIZE": str(daemons),
+        "GROUP_WORLD_SIZE": str(nodes),
         "ROLE_RANK": str(rank),
         "ROLE_WORLD_SIZE": str(world),
         "NODE_RANK": str(node),
@@ -40,6 +50,25 @@ def torchrun_env(
         "MASTER_PORT": str(master_port),
         # torchrun's job id: what torch.distributed.is_torchelastic_launched() (and so Lightning) looks for.
         "TORCHELASTIC_RUN_ID": run_id,
+        # smddp's own: where the client finds its daemon
+        "SMDDP_RANK": str(rank),
+        "SMDDP_NODE": str(node),
+        "SMDDP_LOCAL_RANK": str(local),
+        "SMDDP_LOCAL_SIZE": str(per_node),
+        "SMDDP_NNODES": str(nodes),
+        "SMDDP_WORLD_SIZE": str(world),
+        # SageMaker's launcher for smdistributed.dataparallel (its mpirun -x and smddprun); Hugging
+        # Face's Trainer reads SMDATAPARALLEL_LOCAL_RANK in SageMaker data-parallel mode.
+        "SMDATAPARALLEL_LOCAL_RANK": str(local),
+        ("SMDATAPARALLEL_USE_SINGLENODE" if nodes == 1 else "SMDATAPARALLEL_USE_HOMOGENEOUS"): "1",
+        "SMDATAPARALLEL_SERVER_ADDR": master_addr,
+        "SMDATAPARALLEL_SERVER_PORT": str(master_port),
+        # Open MPI's per-node view, as smddp's nodes have it: the same values on real hosts, and
+        # consistent with LOCAL_RANK where --local-nodes puts several simulated nodes on one host
+        # (MPI itself takes locality from PMIx, not from these).
+        "OMPI_COMM_WORLD_LOCAL_RANK": str(local),
+        "OMPI_COMM_WORLD_LOCAL_SIZE": str(per_node),
+        "OMPI_COMM_WORLD_NODE_RANK": str(node),
     }
 
 
@@ -67,37 +96,109 @@ def _pump(src: IO[bytes], dst: IO[bytes], prefix: bytes) -> None:
     src.close()
 
 
-def run_tagged(command: list[str], prefix: str) -> int:
-    """Run the worker as a child whose stdout and stderr lines carry its rank; pass signals on.
+class _Joined:
+    """Whether the worker joined the job: its client writes one byte to a pipe we hand it."""
 
-    The exit status is the worker's (128 + n if a signal n killed it), as if it had been exec'd.
+    def __init__(self) -> None:
+        self.read_fd, self.write_fd = os.pipe()
+        os.set_inheritable(self.write_fd, True)
+        self.token = f"{self.write_fd}:{os.fstat(self.write_fd).st_ino}"
+        self.joined = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def start(self) -> None:
+        os.close(self.write_fd)  # the child holds it now: EOF once it (and its children) close it
+        self._thread.start()
+
+    def _watch(self) -> None:
+        try:
+            if os.read(self.read_fd, 1):
+                self.joined.set()
+        finally:
+            os.close(self.read_fd)
+
+    def settle(self) -> bool:
+        """After the worker exited: did it join? (Its children may hold the pipe on: wait briefly.)"""
+        self._thread.join(timeout=0.5)
+        return self.joined.is_set()
+
+
+def run_worker(command: list[str], prefix: str, report: Report | None) -> int:
+    """Run the worker as a child (lines tagged with `prefix` if given); pass signals on.
+
+    The exit status is the worker's (128 + n if a signal n killed it), as if it had been exec'd. A
+    worker that ended without joining the job is reported to its node's daemon, so that ranks that
+    wait for it fail at once, naming it, and a job of workers that never use smddp ends.
     """
+    joined = _Joined() if report is not None else None
+    env = dict(os.environ)
+    if joined is not None:
+        env["SMDDP_JOINED_FD"] = joined.token
+    pipe = subprocess.PIPE if prefix else None
     try:
         child = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_die_with_parent
+            command,
+            stdout=pipe,
+            stderr=pipe,
+            env=env,
+            preexec_fn=_die_with_parent,
+            pass_fds=(joined.write_fd,) if joined is not None else (),
         )
     except OSError as e:
         print(f"smddp worker_env: cannot run {command[0]}: {e.strerror}", file=sys.stderr)
-        return 127
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        code = 127
+        if report is not None:
+            report.send(code)
+        return code
+    if joined is not None:
+        joined.start()
+    forwarded = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+    for sig in forwarded:
         signal.signal(sig, lambda n, _f: child.send_signal(n))
-    tag = prefix.encode()
-    assert child.stdout is not None and child.stderr is not None
-    pumps = [
-        threading.Thread(target=_pump, args=(child.stdout, sys.stdout.buffer, tag), daemon=True),
-        threading.Thread(target=_pump, args=(child.stderr, sys.stderr.buffer, tag), daemon=True),
-    ]
+    pumps = []
+    if prefix:
+        tag = prefix.encode()
+        assert child.stdout is not None and child.stderr is not None
+        pumps = [
+            threading.Thread(target=_pump, args=(child.stdout, sys.stdout.buffer, tag), daemon=True),
+            threading.Thread(target=_pump, args=(child.stderr, sys.stderr.buffer, tag), daemon=True),
+        ]
     for t in pumps:
         t.start()
     code = child.wait()
+    for sig in forwarded:  # from here a SIGTERM (mpirun's teardown) ends the wrapper itself
+        signal.signal(sig, signal.SIG_DFL)
     for t in pumps:
         t.join(timeout=5)
-    return code if code >= 0 else 128 - code
+    code = code if code >= 0 else 128 - code
+    if joined is not None and report is not None and not joined.settle():
+        report.send(code)
+    return code
+
+
+class Report:
+    """Tells rank `rank`'s daemon that its process ended without joining (EXITED over a control connection)."""
+
+    def __init__(self, rank: int, node: int, job_hex: str, timeout: float = REPORT_TIMEOUT_S) -> None:
+        self.rank = rank
+        self.node = node
+        self.job_hex = job_hex
+        self.timeout = timeout
+
+    def send(self, status: int) -> None:
+        # Imported only here: most workers join, and the wrapper should start in no time.
+        from smddp.errors import SmddpError
+        from smddp.launcher.exited import report_exited
+
+        try:
+            report_exited(self.job_hex, self.node, self.rank, status, self.timeout)
+        except SmddpError as e:
+            print(f"smddp worker_env: rank {self.rank}: could not tell the daemon: {e}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m smddp.launcher.worker_env")
-    p.add_argument("--daemons", type=int, required=True)
+    p.add_argument("--nodes", type=int, required=True)
     p.add_argument("--per-node", type=int, required=True)
     p.add_argument("--master-addr", required=True)
     p.add_argument("--master-port", type=int, required=True)
@@ -107,27 +208,23 @@ def main(argv: list[str] | None = None) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         p.error("no command after --")
+    job = os.environ.get("SMDDP_JOB_ID", "")
     try:
-        env = torchrun_env(
+        env = worker_env(
             world_rank_from(os.environ),
-            args.daemons,
+            args.nodes,
             args.per_node,
             args.master_addr,
             args.master_port,
-            os.environ.get("SMDDP_JOB_ID") or "smddp",
+            job or "smddp",
         )
     except ValueError as e:
         print(f"smddp worker_env: {e}", file=sys.stderr)
         return 2
     os.environ.update(env)
-    if args.tag_output:
-        return run_tagged(command, f"[rank {env['RANK']}] ")
-    try:
-        os.execvp(command[0], command)
-    except OSError as e:
-        print(f"smddp worker_env: cannot run {command[0]}: {e.strerror}", file=sys.stderr)
-        return 127
-    return 0  # not reached
+    report = Report(int(env["SMDDP_RANK"]), int(env["SMDDP_NODE"]), job) if job else None
+    prefix = f"[rank {env['RANK']}] " if args.tag_output else ""
+    return run_worker(command, prefix, report)
 
 
 if __name__ == "__main__":

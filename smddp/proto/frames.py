@@ -51,6 +51,8 @@ class MsgType(enum.IntEnum):
     # status: a control client (smddp status) or a daemon asks, a daemon answers with JSON
     STATUS = 42
     REPORT = 43
+    # launcher wrapper -> daemon (control connection): rank `sender`'s process ended with status `aux`
+    EXITED = 44
 
 
 class Role(enum.IntEnum):
@@ -76,6 +78,7 @@ _EMPTY = {
     MsgType.HEARTBEAT,
     MsgType.BYE,
     MsgType.STATUS,
+    MsgType.EXITED,
 }
 # Messages that describe a collective carry its fingerprint: kind, dtype, op, count, root.
 _FINGERPRINTED = {MsgType.SUBMIT, MsgType.DONE} | _DATA

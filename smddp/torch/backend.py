@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import logging
+import os
 import queue
 import threading
 import time
@@ -12,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import GroupName
 from torch.futures import Future
 
 import smddp
@@ -19,6 +23,7 @@ from smddp.errors import CollectiveError, CollectiveTimeoutError, ConfigError, S
 from smddp.proto.dtypes import DType
 
 BACKEND_NAME = "smddp"
+log = logging.getLogger("smddp.torch")
 
 # torch dtypes smddp carries (see smddp.proto.dtypes); anything else is refused with its name.
 SUPPORTED_DTYPES = (
@@ -404,6 +409,106 @@ def _same_size(ts: Sequence[torch.Tensor], numel: int, dtype: torch.dtype, what:
             )
 
 
+# -- the side group: what smddp does not run itself ------------------------------------------------
+
+
+class SideGroup:
+    """Where the smddp group sends the calls smddp does not run itself, as SageMaker's library v2
+    hands them to NCCL: gloo for CPU tensors, NCCL for CUDA ones (where torch has it, else gloo).
+
+    gloo is built with the group (every member builds it together, from the group's own store)
+    but lazily connected (TORCH_GLOO_LAZY_INIT): no connection exists until a routed call needs
+    one, and a send/recv connects only its two ranks. NCCL makes its communicators on first use.
+    Each kind of call is logged once, with where it went and why; the counts go to this rank's
+    daemon for `smddp status` (Client.note_routed).
+    """
+
+    def __init__(self, store: Any, rank: int, size: int, timeout: timedelta) -> None:
+        self._store = store
+        self._rank = rank
+        self._size = size
+        self._timeout = timeout
+        self._lock = threading.Lock()
+        self._nccl: Any = None
+        self.counts: dict[str, int] = {}
+        self._gloo = self._make_gloo()
+
+    def _make_gloo(self) -> Any:
+        store = dist.PrefixStore("smddp-side-gloo/", self._store)
+        old = os.environ.get("TORCH_GLOO_LAZY_INIT")
+        os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
+        try:
+            return dist.ProcessGroupGloo(store, self._rank, self._size, self._timeout)
+        finally:
+            if old is None:
+                os.environ.pop("TORCH_GLOO_LAZY_INIT", None)
+            else:
+                os.environ["TORCH_GLOO_LAZY_INIT"] = old
+
+    def backend_for(self, tensors: Sequence[Any]) -> tuple[str, Any]:
+        """(name, backend) for a call on `tensors`: NCCL when they are CUDA tensors and torch has it."""
+        cuda = any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in tensors)
+        if cuda and dist.is_nccl_available():
+            with self._lock:
+                if self._nccl is None:
+                    store = dist.PrefixStore("smddp-side-nccl/", self._store)
+                    opts = dist.ProcessGroupNCCL.Options()  # CUDA builds of torch only (checked above)
+                    opts._timeout = self._timeout
+                    self._nccl = dist.ProcessGroupNCCL(store, self._rank, self._size, opts)
+                return "nccl", self._nccl
+        return "gloo", self._gloo
+
+    def run(self, call: str, method: str, args: tuple, reason: str, kwargs: dict | None = None) -> Any:
+        """Run `call` on the side backend (its `method`, with the arguments torch gave us)."""
+        tensors = _tensors_in((*args, *(kwargs or {}).values()))
+        name, backend = self.backend_for(tensors)
+        key = f"{call} ({name})"
+        with self._lock:
+            first = key not in self.counts
+            self.counts[key] = self.counts.get(key, 0) + 1
+            counts = dict(self.counts)
+        if first:
+            log.warning("smddp: %s runs on the %s side group: %s", call, name, reason)
+        try:
+            smddp.client().note_routed(counts)
+        except SmddpError:
+            pass  # not joined (a group made before init): nothing to show the counts
+        return getattr(backend, method)(*args, **(kwargs or {}))
+
+
+def _tensors_in(args: Any) -> list[Any]:
+    """Every tensor in a call's arguments (lists of tensors and lists of lists included)."""
+    out: list[Any] = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out.extend(_tensors_in(a))
+    return out
+
+
+def _routable(call: str, method: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A collective smddp runs itself when it can; what it refuses (an op, dtype or shape it does
+    not carry, or any call of a subgroup) goes to the side group instead. A refusal happens before
+    anything is sent, and depends only on what every rank passes alike, so all ranks route together."""
+
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def routed(self: ProcessGroupSmddp, *args: Any, **kwargs: Any) -> Any:
+            if self._side is not None and self._subgroup:
+                return self._side.run(call, method, args, "smddp runs groups of every rank only", kwargs)
+            try:
+                return fn(self, *args, **kwargs)
+            except UnsupportedCollectiveError as e:
+                if self._side is None:
+                    raise
+                return self._side.run(call, method, args, str(e), kwargs)
+
+        return routed
+
+    return wrap
+
+
 # -- the process group ----------------------------------------------------------------------------
 
 
@@ -414,11 +519,20 @@ class ProcessGroupSmddp(dist.ProcessGroup):
     `trace` to a list to record a `TraceEvent` per collective (used to measure overlap).
     """
 
-    def __init__(self, rank: int, size: int, timeout: timedelta = timedelta(minutes=30)) -> None:
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        timeout: timedelta = timedelta(minutes=30),
+        side: SideGroup | None = None,
+        subgroup: bool = False,
+    ) -> None:
         super().__init__(rank, size)  # type: ignore[call-arg]  # the (rank, size) constructor
         self._rank = rank
         self._size = size
         self._timeout = timeout
+        self._side = side  # None: refuse what smddp does not run (groups made directly, in tests)
+        self._subgroup = subgroup  # a group of some ranks: everything goes to the side group
         self._completer = _get_completer()
         self.trace: list[TraceEvent] | None = None
 
@@ -435,6 +549,25 @@ class ProcessGroupSmddp(dist.ProcessGroup):
 
     def __repr__(self) -> str:
         return f"ProcessGroupSmddp(rank={self._rank}, size={self._size})"
+
+    # torch keeps a group's name on its C++ backends, and a Python group has none: keep it here, so
+    # that DeviceMesh, FSDP2, DTensor and the functional collectives can find the group by its name.
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    @property
+    def group_name(self) -> GroupName:
+        name = getattr(self, "_group_name", None)
+        if name is None:
+            raise RuntimeError("ProcessGroup name not set")
+        return GroupName(name)
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    @property
+    def group_desc(self) -> str:
+        return getattr(self, "_group_desc", "undefined")
 
     # -- plumbing
 
@@ -465,7 +598,8 @@ class ProcessGroupSmddp(dist.ProcessGroup):
 
     # -- collectives
 
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> SmddpWork:  # type: ignore[override]
+    @_routable("all_reduce", "allreduce")
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> SmddpWork:
         opts = opts if opts is not None else dist.AllreduceOptions()
         op = _op(opts, "all_reduce")
         ts = [_check_tensor(t, "all_reduce") for t in tensors]
@@ -488,7 +622,8 @@ class ProcessGroupSmddp(dist.ProcessGroup):
             o.reduceOp = opts.reduceOp
         return self.allreduce(tensors, o)
 
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> SmddpWork:  # type: ignore[override]
+    @_routable("broadcast", "broadcast")
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> SmddpWork:
         opts = opts if opts is not None else dist.BroadcastOptions()
         root = int(opts.rootRank)
         ts = [_check_tensor(t, "broadcast") for t in tensors]
@@ -504,7 +639,8 @@ class ProcessGroupSmddp(dist.ProcessGroup):
 
         return self._submit("broadcast", start, tensors, opts, finish, tensors=_all(pairs))
 
-    def allgather(  # type: ignore[override]
+    @_routable("all_gather", "allgather")
+    def allgather(
         self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None
     ) -> SmddpWork:
         if len(input_tensors) != 1 or len(output_tensors) != 1:
@@ -537,6 +673,7 @@ class ProcessGroupSmddp(dist.ProcessGroup):
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> SmddpWork:
         return self.all_gather_single(output, input, opts)
 
+    @_routable("all_gather_into_tensor", "_allgather_base")
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> SmddpWork:
         inp = _check_tensor(input, "all_gather_into_tensor")
         out = _check_tensor(output, "all_gather_into_tensor output")
@@ -569,7 +706,8 @@ class ProcessGroupSmddp(dist.ProcessGroup):
     ) -> SmddpWork:
         return self._coalesced("all_gather_into_tensor", self.all_gather_single, outputs, inputs, opts)
 
-    def reduce_scatter(  # type: ignore[override]
+    @_routable("reduce_scatter", "reduce_scatter")
+    def reduce_scatter(
         self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any = None
     ) -> SmddpWork:
         opts = opts if opts is not None else dist.ReduceScatterOptions()
@@ -588,6 +726,7 @@ class ProcessGroupSmddp(dist.ProcessGroup):
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> SmddpWork:
         return self.reduce_scatter_single(output, input, opts)
 
+    @_routable("reduce_scatter_tensor", "_reduce_scatter_base")
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> SmddpWork:
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         out = _check_tensor(output, "reduce_scatter_tensor output")
@@ -648,10 +787,12 @@ class ProcessGroupSmddp(dist.ProcessGroup):
 
         return self._submit(f"{name} (coalesced)", start, outputs, opts, finish, tensors=[*outputs, *inputs])
 
+    @_routable("barrier", "barrier")
     def barrier(self, opts: Any = None) -> SmddpWork:
         return self._submit("barrier", lambda d: [smddp.barrier_async()], None, opts)
 
-    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> SmddpWork:  # type: ignore[override]
+    @_routable("reduce", "reduce")
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> SmddpWork:
         """An all-reduce into a scratch copy; only the root's tensor receives the result."""
         opts = opts if opts is not None else dist.ReduceOptions()
         root = int(opts.rootRank)
@@ -669,7 +810,8 @@ class ProcessGroupSmddp(dist.ProcessGroup):
 
         return self._submit("reduce", start, tensors, opts, finish, tensors=[*ts, *scratch])
 
-    def gather(  # type: ignore[override]
+    @_routable("gather", "gather")
+    def gather(
         self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None
     ) -> SmddpWork:
         """An all-gather whose result only the root keeps."""
@@ -687,7 +829,8 @@ class ProcessGroupSmddp(dist.ProcessGroup):
             _same_size(outs, inp.numel(), inp.dtype, "gather")
         return self._gather_rows("gather", inp, outs, output_tensors, opts)
 
-    def scatter(  # type: ignore[override]
+    @_routable("scatter", "scatter")
+    def scatter(
         self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any = None
     ) -> SmddpWork:
         """A broadcast of the root's whole list; each rank keeps its part."""
@@ -716,55 +859,57 @@ class ProcessGroupSmddp(dist.ProcessGroup):
 
         return self._submit("scatter", start, output_tensors, opts, finish, tensors=[flat, out])
 
-    # -- what smddp does not do: refuse by name, before anything is sent
+    # -- what smddp does not run itself: the side group runs it (refused by name without one)
 
-    def _unsupported(self, name: str) -> UnsupportedCollectiveError:
-        return UnsupportedCollectiveError(
-            f"the smddp backend does not support {name} (it has all_reduce, broadcast, all_gather, "
-            "all_gather_into_tensor, reduce_scatter, reduce_scatter_tensor, reduce, gather, scatter, barrier); "
-            "use another process group for it, e.g. dist.new_group(backend='gloo')"
-        )
+    def _elsewhere(self, call: str, method: str, args: tuple) -> Any:
+        if self._side is None:
+            raise UnsupportedCollectiveError(
+                f"the smddp backend does not run {call} and this group has no side group "
+                "(groups made by torch.distributed have one)"
+            )
+        return self._side.run(call, method, args, "smddp does not run it")
 
-    def alltoall(self, *args: Any) -> SmddpWork:
-        raise self._unsupported("all_to_all")
+    def alltoall(self, *args: Any) -> Any:
+        return self._elsewhere("all_to_all", "alltoall", args)
 
-    def alltoall_base(self, *args: Any) -> SmddpWork:
-        raise self._unsupported("all_to_all_single")
+    def alltoall_base(self, *args: Any) -> Any:
+        return self._elsewhere("all_to_all_single", "alltoall_base", args)
 
-    def all_to_all_single(self, *args: Any) -> SmddpWork:
-        raise self._unsupported("all_to_all_single")
+    def all_to_all_single(self, *args: Any) -> Any:
+        return self._elsewhere("all_to_all_single", "alltoall_base", args)
 
-    def allgather_coalesced(self, *args: Any) -> SmddpWork:
-        raise self._unsupported("all_gather_coalesced")
+    def allgather_coalesced(self, *args: Any) -> Any:
+        return self._elsewhere("all_gather_coalesced", "allgather_coalesced", args)
 
-    def send(self, *args: Any) -> SmddpWork:
-        raise self._unsupported("send (point-to-point)")
+    def send(self, *args: Any) -> Any:
+        return self._elsewhere("send", "send", args)
 
-    def recv(self, *args: Any) -> SmddpWork:
-        raise self._unsupported("recv (point-to-point)")
+    def recv(self, *args: Any) -> Any:
+        return self._elsewhere("recv", "recv", args)
 
-    def recv_anysource(self, *args: Any) -> SmddpWork:
-        raise self._unsupported("recv (point-to-point)")
+    def recv_anysource(self, *args: Any) -> Any:
+        return self._elsewhere("recv", "recv_anysource", args)
 
 
 # -- creation and registration --------------------------------------------------------------------
 
 
 def create_process_group(store: Any, rank: int, size: int, timeout: timedelta) -> ProcessGroupSmddp:
-    """torch.distributed's constructor for backend "smddp": joins the smddp job (collective)."""
-    del store  # smddp bootstraps over MPI; torch's store stays for torch's own use
+    """torch.distributed's constructor for backend "smddp": joins the smddp job (collective).
+
+    A group of every rank runs smddp's collectives and routes the rest to its side group; a group
+    of some ranks (`new_group([0, 1])`, DeviceMesh dimensions) routes every call there.
+    """
     smddp.init()
+    side = SideGroup(store, rank, size, timeout)  # torch's store for this group: its members only
     if size != smddp.size():
-        raise UnsupportedCollectiveError(
-            f"the smddp backend runs groups of every rank only: a group of {size} was asked for in a job "
-            f"of {smddp.size()} (use dist.new_group(ranks, backend='gloo') for subgroups)"
-        )
+        return ProcessGroupSmddp(rank, size, timeout, side, subgroup=True)
     if rank != smddp.rank():
         raise ConfigError(
             f"torch.distributed rank {rank} is smddp rank {smddp.rank()}: start the job with smddp-launch, "
             "which sets RANK to the smddp rank, or pass rank=smddp.rank()"
         )
-    return ProcessGroupSmddp(rank, size, timeout)
+    return ProcessGroupSmddp(rank, size, timeout, side)
 
 
 def register() -> None:

@@ -80,18 +80,23 @@ class MpirunCommand:
         return None
 
 
-def parse_mpirun(line: str) -> MpirunCommand:
-    """smddp's MPMD mpirun command: global options, then the daemons' context, `:`, the workers'."""
-    argv = shlex.split(line)
-    assert Path(argv[0]).name == "mpirun", line
-    split = argv.index(":")
-    first = argv[argv.index("-np") : split]
+def parse_mpirun(text: str) -> MpirunCommand:
+    """smddp's two mpirun commands, as --dry-run prints them: the daemons' line, then the workers'.
+
+    Both start with the same global options; `argv` is the daemons' line.
+    """
+    lines = [line for line in text.strip().splitlines() if line.strip()][-2:]
+    assert len(lines) == 2, text
+    argvs = [shlex.split(line) for line in lines]
     contexts = []
-    for ctx in (first, argv[split + 1 :]):
-        assert ctx[0] == "-np", ctx
+    for argv in argvs:
+        assert Path(argv[0]).name == "mpirun", argv
+        ctx = argv[argv.index("-np") :]
         np_, rest = int(ctx[1]), ctx[2:]
         hosts = ""
         if rest[:1] == ["--host"]:
             hosts, rest = rest[1], rest[2:]
         contexts.append(AppContext(np_, hosts, rest))
-    return MpirunCommand(argv, *contexts)
+    heads = [argv[: argv.index("-np")] for argv in argvs]
+    assert heads[0] == heads[1], "the daemons' and the workers' mpirun differ in their options"
+    return MpirunCommand(argvs[0], *contexts)

@@ -227,7 +227,7 @@ def test_the_launcher_pod_runs_the_expected_mpirun(tmp_path):
     launch_args, command = args[: args.index("--")], args[args.index("--") + 1 :]
     out = run([str(DEPLOY / "docker/entrypoint.sh"), *launch_args, "--dry-run", "--", *command], env)
     assert out.returncode == 0, out.stderr
-    cmd = parse_mpirun(out.stdout.strip().splitlines()[-1])
+    cmd = parse_mpirun(out.stdout)
     assert cmd.daemons.np == replicas
     assert cmd.daemons.hosts == ",".join(f"{h}:1" for h in hosts)
     assert any(a.endswith("smddp-daemon") for a in cmd.daemons.argv)

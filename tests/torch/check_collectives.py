@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import math
 import os
+import subprocess
+import sys
 from typing import Any
 
 import torch
@@ -113,19 +117,62 @@ def main() -> int:
     gl: list[Any] | None = [None] * w if r == 0 else None
     dist.gather_object(("g", r), gl, dst=0)
     checks["gather_object"] = r != 0 or gl == [("g", i) for i in range(w)]
-    # Refusals name what is unsupported, and send nothing (the job goes on below).
-    out["refused"] = {
-        "int16": refused(dist.all_reduce, torch.ones(3, dtype=torch.int16)),
-        "bool": refused(dist.all_reduce, torch.ones(3, dtype=torch.bool)),
-        "product": refused(dist.all_reduce, torch.ones(3), op=dist.ReduceOp.PRODUCT),
-        "band": refused(dist.all_reduce, torch.ones(3, dtype=torch.int32), op=dist.ReduceOp.BAND),
-        "all_to_all": refused(dist.all_to_all_single, torch.zeros(w), torch.ones(w)),
-        "send": refused(dist.send, torch.ones(1), dst=(r + 1) % w),
-        "uneven_all_gather": refused(dist.all_gather, [torch.zeros(i + 1) for i in range(w)], torch.zeros(1)),
-    }
+    # What smddp does not run itself goes to the group's side group (gloo here), with the values
+    # those calls must give; the job goes on below on smddp itself.
+    routed: dict[str, bool] = {}
+    x8 = torch.full((2,), r + 1, dtype=torch.int8)
+    dist.all_reduce(x8)
+    routed["int8"] = x8.tolist() == [w * (w + 1) // 2] * 2
+    xb = torch.tensor([r == 0, True, False])
+    dist.all_reduce(xb)  # SUM of bools is a logical or
+    routed["bool"] = xb.tolist() == [True, True, False]
+    xp = torch.full((3,), float(r + 1))
+    dist.all_reduce(xp, op=dist.ReduceOp.PRODUCT)
+    routed["product"] = xp.tolist() == [float(math.factorial(w))] * 3
+    xa = torch.tensor([r | 8, 15], dtype=torch.int32)
+    dist.all_reduce(xa, op=dist.ReduceOp.BAND)
+    routed["band"] = xa.tolist() == [functools.reduce(lambda a, b: a & b, [i | 8 for i in range(w)]), 15]
+    a2a = torch.empty(w)
+    dist.all_to_all_single(a2a, torch.arange(w, dtype=torch.float32) + 10 * r)
+    routed["all_to_all_single"] = a2a.tolist() == [float(r + 10 * i) for i in range(w)]
+    lists = [torch.empty(1) for _ in range(w)]
+    dist.all_to_all(lists, [torch.tensor([float(100 * r + i)]) for i in range(w)])
+    routed["all_to_all"] = [t.item() for t in lists] == [float(100 * i + r) for i in range(w)]
+    if r % 2 == 0:
+        dist.send(torch.tensor([r + 0.5]), dst=r + 1)
+        routed["send_recv"] = True
+    else:
+        got_p2p = torch.empty(1)
+        dist.recv(got_p2p, src=r - 1)
+        routed["send_recv"] = got_p2p.item() == r - 0.5
+    pair = dist.new_group([0, 1])  # a subgroup: every call of it goes to its side group
+    if r < 2:
+        xs = torch.full((2,), float(r + 1))
+        dist.all_reduce(xs, group=pair)
+        routed["subgroup"] = xs.tolist() == [3.0, 3.0] and dist.get_backend(pair) == "smddp"
+    else:
+        routed["subgroup"] = True
+    out["routed"] = routed
+    dist.barrier()  # every rank has routed (and recorded) its calls
+    if r == 0:
+        st = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "smddp.launcher.cli",
+                "status",
+                "--job",
+                os.environ["SMDDP_JOB_ID"],
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        out["status"] = st.stdout
     t = torch.ones(5)
     dist.all_reduce(t)
-    checks["after_refusals"] = bool((t == w).all())
+    checks["after_routed"] = bool((t == w).all())
     dist.destroy_process_group()
     with open(os.path.join(args.out, f"rank{r}.json"), "w") as f:
         json.dump(out, f)

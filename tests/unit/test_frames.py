@@ -34,6 +34,7 @@ EMPTY = [
     MsgType.HEARTBEAT,
     MsgType.BYE,
     MsgType.STATUS,
+    MsgType.EXITED,
 ]
 REPORT = [MsgType.REPORT]  # a JSON status report: larger than a control frame, far smaller than data
 FINGERPRINTED = [MsgType.SUBMIT, MsgType.DONE, *DATA]

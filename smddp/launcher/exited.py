@@ -1,0 +1,48 @@
+"""EXITED: the launcher's wrapper tells a daemon that its worker ended without joining the job."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+from smddp.errors import BootstrapError
+from smddp.proto.frames import Header, MsgType, Role
+from smddp.transport.auth import client_handshake
+from smddp.transport.bootstrap import default_socket_dir, job_dir, read_job
+from smddp.transport.conn import Connection
+
+
+def report_exited(job_hex: str, node: int, rank: int, status: int, timeout: float) -> None:
+    """Wait (at most `timeout` s) for node `node`'s daemon, then say that `rank` ended with `status`.
+
+    The wrapper runs as the job's user on the daemon's host, so it reads the job's secret where
+    the worker would have, and proves it in the handshake like any control client.
+    """
+    directory = job_dir(default_socket_dir(), job_hex, node)
+    deadline = time.monotonic() + timeout
+    while True:
+        job = read_job(directory)
+        if job is not None:
+            break
+        if time.monotonic() > deadline:
+            raise BootstrapError(f"no daemon of node {node} appeared within {timeout:g}s")
+        time.sleep(0.05)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(max(1.0, deadline - time.monotonic()))
+        sock.connect(job.daemons[node].socket_path)
+    except OSError as e:
+        sock.close()
+        raise BootstrapError(f"cannot reach the daemon of node {node}: {e}") from None
+    conn = Connection(sock, f"the daemon of node {node}")
+    try:
+        client_handshake(conn, job.secret, job.job_id, Role.CONTROL, rank, 10.0)
+        conn.send(
+            [
+                Header(MsgType.EXITED, sender=rank, aux=min(max(status, 0), 255)).encode(),
+                Header(MsgType.BYE, sender=rank).encode(),
+            ],
+            timeout=5.0,
+        )
+    finally:
+        conn.close()

@@ -1,0 +1,100 @@
+"""The workers' own MPI world: scripts that never call smddp.init(), use MPI themselves, or leave before joining."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import BIN, REPO, job_env, smddp_launch
+
+pytestmark = pytest.mark.multiprocess
+HERE = Path(__file__).parent
+
+
+def _launch(
+    np_: int, nodes: int, command: list[str], timeout: float = 120
+) -> tuple[subprocess.CompletedProcess, float]:
+    cmd = [str(BIN / "smddp-launch"), "-np", str(np_), "--local-nodes", str(nodes), "--", *command]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=job_env(), cwd=REPO)
+    return proc, time.monotonic() - t0
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        [sys.executable, "-c", "print('hello')"],
+        [sys.executable, str(HERE / "check_world.py"), "--help"],
+    ],
+    ids=["print", "help"],
+)
+def test_workers_that_never_join_end_the_job_with_0(command: list[str], clean_host: None) -> None:
+    """Issue 15: this used to hang, the daemons spinning in the MPI bootstrap until killed."""
+    proc, seconds = _launch(4, 2, command, timeout=90)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    for r in range(4):
+        assert any(line.startswith(f"[rank {r}] ") for line in proc.stdout.splitlines()), proc.stdout
+    assert seconds < 45, seconds
+
+
+def test_a_failing_worker_that_never_joined_gives_its_status(clean_host: None) -> None:
+    proc, _ = _launch(2, 1, [sys.executable, "-c", "import sys; sys.exit(5)"])
+    assert proc.returncode == 5, proc.stderr[-2000:]
+
+
+def test_mpi_script_sees_a_world_of_workers(tmp_path: Path, clean_host: None) -> None:
+    """A script that uses MPI alone (another backend): the world is the workers, ranks are RANK."""
+    proc, _ = _launch(
+        4, 2, [sys.executable, str(HERE / "check_world.py"), "--out", str(tmp_path), "--mode", "mpi_only"]
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    for r in range(4):
+        d = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert d["mpi"][:2] == [r, 4] and d["mpi_sum"] == 6
+
+
+@pytest.mark.parametrize(("world", "nodes"), [(2, 1), (4, 2)], ids=["W2-N1", "W4-N2"])
+def test_mpi4py_beside_smddp(world: int, nodes: int, tmp_path: Path, clean_host: None) -> None:
+    """mpi4py's COMM_WORLD is the workers' world, consistent with RANK, and works beside smddp."""
+    args = [sys.executable, str(HERE / "check_world.py"), "--out", str(tmp_path), "--mode", "mpi"]
+    proc, _ = _launch(world, nodes, args)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    g = world // nodes
+    expect = [sum(i + r for r in range(world)) for i in range(8)]
+    for r in range(world):
+        d = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert d["mpi"][:2] == [r, world] and d["mpi_sum"] == sum(range(world))
+        assert d["smddp"] == [r, world, r % g, g]
+        assert d["smddp_sum"] == expect and d["mpi_vec"] == expect
+        env = d["env"]
+        assert env["OMPI_COMM_WORLD_RANK"] == str(r) and env["OMPI_COMM_WORLD_SIZE"] == str(world)
+        assert env["OMPI_COMM_WORLD_LOCAL_RANK"] == str(r % g) and env["OMPI_COMM_WORLD_LOCAL_SIZE"] == str(g)
+        assert env["SMDATAPARALLEL_LOCAL_RANK"] == str(r % g)
+
+
+@pytest.mark.parametrize(("world", "nodes", "skip", "status"), [(3, 1, 1, 0), (4, 2, 3, 0), (4, 2, 0, 4)])
+def test_a_rank_that_leaves_before_joining_is_named(
+    world: int, nodes: int, skip: int, status: int, tmp_path: Path, clean_host: None
+) -> None:
+    """The others, waiting for it in a collective, fail at once naming it as a lost rank."""
+    args = [str(HERE / "check_world.py"), "--out", str(tmp_path), "--mode", "skip"]
+    args += ["--skip-rank", str(skip), "--skip-status", str(status)]
+    t0 = time.monotonic()
+    proc = smddp_launch(world, nodes, args, timeout=120)
+    seconds = time.monotonic() - t0
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    assert seconds < 60, seconds
+    for r in range(world):
+        d = json.loads((tmp_path / f"rank{r}.json").read_text())
+        if r == skip:
+            assert d == {"skipped": True}
+            continue
+        err = d["error"]
+        assert err is not None and f"rank {skip} (node {skip // (world // nodes)}" in err, err
+        assert f"exited with status {status} without joining the job" in err, err
+        assert d["seconds"] < 30, d
