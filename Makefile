@@ -8,13 +8,17 @@ STAMP := $(VENV)/.installed
 TORCH_PINS := 'torch==2.13.0' 'pytorch-lightning==2.6.6' 'scikit-learn==1.9.1'
 # The tensorflow extra's, likewise: TensorFlow's CPU build and the Keras 3 the tests were written against.
 TF_PINS := 'tensorflow-cpu==2.21.0' 'keras==3.15.1'
+# Real clients the tests run unchanged on smddp (issue 15): DeepSpeed (ZeRO-3 over init_distributed),
+# Hugging Face Trainer and accelerate (SageMaker data-parallel mode), and tf-keras, the Keras 2 that
+# TF_USE_LEGACY_KERAS=1 scripts (old SageMaker and Horovod model.fit scripts) use. Test-only, pinned.
+CLIENT_PINS := 'deepspeed==0.19.8' 'transformers==5.23.0' 'accelerate==1.15.0' 'tf-keras==2.21.0'
 
 .PHONY: setup demo test unit multiprocess lint typecheck clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev,torch,tensorflow]' $(TORCH_PINS) $(TF_PINS)
+	$(BIN)/pip install -q -e '.[dev,torch,tensorflow]' $(TORCH_PINS) $(TF_PINS) $(CLIENT_PINS)
 	touch $(STAMP)
 
 setup: $(STAMP)

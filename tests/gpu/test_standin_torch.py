@@ -56,7 +56,8 @@ def test_every_collective_on_the_device_route(
         d = json.loads((tmp_path / f"rank{r}.json").read_text())
         failed = [k for k, v in d["checks"].items() if not v]
         assert not failed and len(d["checks"]) > 45, failed
-        assert "int16" in d["refused"]["int16"] and "PRODUCT" in d["refused"]["product"]
+        # What smddp does not run went to the side group (gloo: stand-in tensors are CPU tensors).
+        assert d["routed"] and all(d["routed"].values()), d["routed"]
 
 
 def test_ddp_on_the_device_route_matches_the_host_route(tmp_path: Path, clean_host: None) -> None:
