@@ -1,4 +1,4 @@
-"""DistributedOptimizer: a Keras 3 optimizer whose apply() first averages the gradients across ranks."""
+"""DistributedOptimizer: a Keras optimizer (Keras 3 or tf-keras) that first averages the gradients across ranks."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ _MARK = "_smddp_reduction"
 
 
 def DistributedOptimizer(
-    optimizer: keras.optimizers.Optimizer,
+    optimizer: Any,
     name: str | None = None,
     use_locking: bool = False,
     device_dense: str = "",
@@ -24,23 +24,29 @@ def DistributedOptimizer(
     sparse_as_dense: bool = False,
     op: Any = ReduceOp.AVERAGE,
     bucket_cap_mb: float | None = None,
-) -> keras.optimizers.Optimizer:
+) -> Any:
     """A copy of `optimizer` (same class, same config) that averages gradients over every rank.
 
-    The copy is an instance of a subclass made for the optimizer's class, whose `apply()` (which
-    `apply_gradients()` and `model.fit` call) reduces the gradients in fusion buffers first, as
+    Keras 3 optimizers and tf-keras (Keras 2) ones, new and legacy: what `tf.keras.optimizers`
+    gives under TF_USE_LEGACY_KERAS=1, as old SageMaker and Horovod `model.fit` scripts use.
+
+    The copy is an instance of a subclass made for the optimizer's class, whose entry point for
+    gradients (`apply()` in Keras 3, which `apply_gradients()` and `model.fit` call;
+    `apply_gradients()` in Keras 2) reduces them in fusion buffers first, as
     DistributedGradientTape does; clipping, loss scaling and weight decay then act on the averaged
     gradients, as they would in one process on the global batch. Wrap before training: the copy
     is built from `optimizer.get_config()`, without its variables. Saved models record the
     original class, so they load without smddp.
 
-    `use_locking` is accepted for SageMaker's signature and has no effect (Keras 3 has no locking).
+    `use_locking` is accepted for SageMaker's signature and has no effect.
     """
     del use_locking
-    if not isinstance(optimizer, keras.optimizers.Optimizer):
+    keras2 = _is_tf_keras(optimizer)
+    if not (keras2 or isinstance(optimizer, keras.optimizers.Optimizer)):
         raise InvalidArgumentError(
-            f"DistributedOptimizer takes a keras.optimizers.Optimizer, got {type(optimizer).__name__}; "
-            "for other optimizers wrap the tape instead (smddp.tensorflow.DistributedGradientTape)"
+            f"DistributedOptimizer takes a Keras optimizer (keras.optimizers or tf-keras's "
+            f"tf.keras.optimizers), got {type(optimizer).__name__}; for other optimizers wrap the "
+            "tape instead (smddp.tensorflow.DistributedGradientTape)"
         )
     if getattr(optimizer, _MARK, None) is not None:
         raise InvalidArgumentError("the optimizer is already a DistributedOptimizer")
@@ -50,14 +56,32 @@ def DistributedOptimizer(
         op, compression, bucket_cap_mb, device_dense, device_sparse, "DistributedOptimizer"
     )
     base = type(optimizer)
+    _Distributed: type
+    if keras2:
 
-    class _Distributed(base):  # type: ignore[valid-type, misc]
-        @no_autograph
-        def apply(self, grads: Any, trainable_variables: Any = None) -> Any:
-            grads = list(grads)
-            if grads:
-                grads = getattr(self, _MARK).reduce(grads)
-            return super().apply(grads, trainable_variables)
+        class _Keras2(base):  # type: ignore[valid-type, misc]
+            @no_autograph
+            def apply_gradients(self, grads_and_vars: Any, *args: Any, **kwargs: Any) -> Any:
+                pairs = list(grads_and_vars)
+                grads = [g for g, _ in pairs]
+                if grads:
+                    grads = getattr(self, _MARK).reduce(grads)
+                return super().apply_gradients(
+                    list(zip(grads, [v for _, v in pairs], strict=True)), *args, **kwargs
+                )
+
+        _Distributed = _Keras2
+    else:
+
+        class _Keras3(base):  # type: ignore[valid-type, misc]
+            @no_autograph
+            def apply(self, grads: Any, trainable_variables: Any = None) -> Any:
+                grads = list(grads)
+                if grads:
+                    grads = getattr(self, _MARK).reduce(grads)
+                return super().apply(grads, trainable_variables)
+
+        _Distributed = _Keras3
 
     # The subclass passes for the original in messages and in saved models (Keras serializes
     # the class by module and name), so a checkpoint loads as a plain optimizer.
@@ -70,3 +94,13 @@ def DistributedOptimizer(
     dist = _Distributed.from_config(config)
     setattr(dist, _MARK, reduction)
     return dist
+
+
+def _is_tf_keras(optimizer: Any) -> bool:
+    """Whether `optimizer` is a tf-keras (Keras 2) optimizer, new or legacy, without importing tf-keras
+    where it is not in use."""
+    if not any(c.__module__.startswith("tf_keras.") for c in type(optimizer).__mro__):
+        return False
+    import tf_keras
+
+    return isinstance(optimizer, (tf_keras.optimizers.Optimizer, tf_keras.optimizers.legacy.Optimizer))

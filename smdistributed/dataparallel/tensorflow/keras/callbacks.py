@@ -1,5 +1,15 @@
 """smdistributed.dataparallel.tensorflow.keras.callbacks: smddp's Keras callbacks."""
 
-from smddp.tensorflow.keras.callbacks import BroadcastGlobalVariablesCallback, MetricAverageCallback
+from smddp.tensorflow.keras.callbacks import (
+    BroadcastGlobalVariablesCallback,
+    LearningRateScheduleCallback,
+    LearningRateWarmupCallback,
+    MetricAverageCallback,
+)
 
-__all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback"]
+__all__ = [
+    "BroadcastGlobalVariablesCallback",
+    "LearningRateScheduleCallback",
+    "LearningRateWarmupCallback",
+    "MetricAverageCallback",
+]
