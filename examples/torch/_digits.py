@@ -1,10 +1,13 @@
-"""The examples' shared data: scikit-learn's bundled handwritten digits (no download), split the same way on every rank."""
+"""What the torch examples share: the digits (scikit-learn's bundled set, no download), the device, the reports."""
 
 from __future__ import annotations
 
+import time
+
 import torch
+import torch.distributed as dist
 from sklearn.datasets import load_digits
-from torch.utils.data import TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
 
 def digits() -> tuple[TensorDataset, TensorDataset]:
@@ -23,3 +26,34 @@ def device_for(local_rank: int) -> torch.device:
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
+
+
+def accuracy(model: torch.nn.Module, loader: DataLoader, device: torch.device) -> torch.Tensor:
+    """(correct, seen) of this rank's part of the test set, to all-reduce."""
+    correct = torch.zeros(2, dtype=torch.int64, device=device)
+    with torch.no_grad():
+        for x, y in loader:
+            x, y = x.to(device), y.to(device)
+            correct += torch.tensor([int((model(x).argmax(1) == y).sum()), len(y)], device=device)
+    return correct
+
+
+def report_epoch(epoch: int, total: torch.Tensor, correct: torch.Tensor, t0: float) -> None:
+    """Sum (loss sum, samples) and (correct, seen) over the ranks; rank 0 prints the epoch's line."""
+    dist.all_reduce(total)
+    dist.all_reduce(correct)
+    if dist.get_rank() == 0:
+        print(
+            f"epoch {epoch}: loss {total[0] / total[1]:.4f}  "
+            f"test accuracy {int(correct[0]) / int(correct[1]):.4f}  time {time.perf_counter() - t0:.2f} s"
+        )
+
+
+def check_replicas(flat: torch.Tensor) -> None:
+    """All-gather every rank's flattened parameters; rank 0 says whether they are the same bits."""
+    world = dist.get_world_size()
+    rows = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(rows, flat)
+    if dist.get_rank() == 0:
+        agree = all(torch.equal(r, flat) for r in rows)
+        print(f"replicas agree bit for bit: {agree} ({flat.numel()} parameters, {world} workers)")

@@ -16,7 +16,7 @@ import time
 import deepspeed
 import torch
 import torch.distributed as dist
-from _digits import digits
+from _digits import accuracy, check_replicas, digits, report_epoch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -60,25 +60,10 @@ def main() -> None:
             engine.backward(loss)
             engine.step()
             total += torch.tensor([loss.item() * len(y), len(y)], dtype=torch.float64, device=device)
-        correct = torch.zeros(2, dtype=torch.int64, device=device)
-        with torch.no_grad():
-            for x, y in test:
-                x, y = x.to(device), y.to(device)
-                correct += torch.tensor([int((engine(x).argmax(1) == y).sum()), len(y)], device=device)
-        dist.all_reduce(total)
-        dist.all_reduce(correct)
-        if rank == 0:
-            print(
-                f"epoch {epoch}: loss {total[0] / total[1]:.4f}  "
-                f"test accuracy {int(correct[0]) / int(correct[1]):.4f}  time {time.perf_counter() - t0:.2f} s"
-            )
+        report_epoch(epoch, total, accuracy(engine, test, device), t0)
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
         flat = torch.cat([p.detach().reshape(-1).clone() for p in engine.module.parameters()])
-    rows = [torch.empty_like(flat) for _ in range(world)]
-    dist.all_gather(rows, flat)
-    if rank == 0:
-        agree = all(torch.equal(r, flat) for r in rows)
-        print(f"replicas agree bit for bit: {agree} ({flat.numel()} parameters, {world} workers)")
+    check_replicas(flat)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from _digits import accuracy, check_replicas, report_epoch
 from sklearn.datasets import load_digits
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -77,24 +78,9 @@ def main() -> None:
             loss.backward()  # DDP all-reduces gradient buckets on smddp while backward runs
             opt.step()
             total += torch.tensor([loss.item() * len(y), len(y)], dtype=torch.float64)
-        net.eval()
-        correct = torch.zeros(2, dtype=torch.int64)  # correct, seen
-        with torch.no_grad():
-            for x, y in test:
-                correct += torch.tensor([int((net(x).argmax(1) == y).sum()), len(y)])
-        dist.all_reduce(total)
-        dist.all_reduce(correct)
-        if rank == 0:
-            print(
-                f"epoch {epoch}: loss {total[0] / total[1]:.4f}  "
-                f"test accuracy {int(correct[0]) / int(correct[1]):.4f}  time {time.perf_counter() - t0:.2f} s"
-            )
-    flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
-    rows = [torch.empty_like(flat) for _ in range(world)]
-    dist.all_gather(rows, flat)
-    if rank == 0:
-        agree = all(torch.equal(r, flat) for r in rows)
-        print(f"replicas agree bit for bit: {agree} ({n_params} parameters, {world} workers)")
+        net.eval()  # BatchNorm: running statistics for the test
+        report_epoch(epoch, total, accuracy(net, test, torch.device("cpu")), t0)
+    check_replicas(torch.cat([p.detach().reshape(-1) for p in net.parameters()]))
     dist.destroy_process_group()
 
 

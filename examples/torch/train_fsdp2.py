@@ -15,7 +15,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from _digits import device_for, digits
+from _digits import accuracy, check_replicas, device_for, digits, report_epoch
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, DistributedSampler
@@ -63,25 +63,9 @@ def main() -> None:
             loss.backward()  # FSDP reduce-scatters the gradients on smddp
             opt.step()
             total += torch.tensor([loss.item() * len(y), len(y)], dtype=torch.float64, device=device)
-        correct = torch.zeros(2, dtype=torch.int64, device=device)
-        with torch.no_grad():
-            for x, y in test:
-                x, y = x.to(device), y.to(device)
-                correct += torch.tensor([int((model(x).argmax(1) == y).sum()), len(y)], device=device)
-        dist.all_reduce(total)
-        dist.all_reduce(correct)
-        if rank == 0:
-            print(
-                f"epoch {epoch}: loss {total[0] / total[1]:.4f}  "
-                f"test accuracy {int(correct[0]) / int(correct[1]):.4f}  time {time.perf_counter() - t0:.2f} s"
-            )
+        report_epoch(epoch, total, accuracy(model, test, device), t0)
     # The full parameters, gathered from the shards, agree on every rank.
-    flat = torch.cat([p.full_tensor().detach().reshape(-1) for p in model.parameters()])
-    rows = [torch.empty_like(flat) for _ in range(world)]
-    dist.all_gather(rows, flat)
-    if rank == 0:
-        agree = all(torch.equal(r, flat) for r in rows)
-        print(f"replicas agree bit for bit: {agree} ({flat.numel()} parameters, {world} workers)")
+    check_replicas(torch.cat([p.full_tensor().detach().reshape(-1) for p in model.parameters()]))
     dist.destroy_process_group()
 
 

@@ -8,7 +8,7 @@ import time
 from smddp.errors import BootstrapError
 from smddp.proto.frames import Header, MsgType, Role
 from smddp.transport.auth import client_handshake
-from smddp.transport.bootstrap import default_socket_dir, job_dir, read_job
+from smddp.transport.bootstrap import default_socket_dir, job_dir, wait_for_job
 from smddp.transport.conn import Connection
 
 
@@ -18,15 +18,8 @@ def report_exited(job_hex: str, node: int, rank: int, status: int, timeout: floa
     The wrapper runs as the job's user on the daemon's host, so it reads the job's secret where
     the worker would have, and proves it in the handshake like any control client.
     """
-    directory = job_dir(default_socket_dir(), job_hex, node)
     deadline = time.monotonic() + timeout
-    while True:
-        job = read_job(directory)
-        if job is not None:
-            break
-        if time.monotonic() > deadline:
-            raise BootstrapError(f"no daemon of node {node} appeared within {timeout:g}s")
-        time.sleep(0.05)
+    job = wait_for_job(job_dir(default_socket_dir(), job_hex, node), timeout, f"rank {rank}'s wrapper", node)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.settimeout(max(1.0, deadline - time.monotonic()))

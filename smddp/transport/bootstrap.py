@@ -269,6 +269,21 @@ class Placement:
         return p
 
 
+def wait_for_job(directory: str, timeout: float, who: str, node: int) -> Job:
+    """The job described in `directory`, once its daemon has written it (polled, at most `timeout` s)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        job = read_job(directory)
+        if job is not None:
+            return job
+        if time.monotonic() > deadline:
+            raise BootstrapError(
+                f"{who}: the smddp-daemon of node {node} did not start within {timeout:g}s "
+                f"(nothing in {directory}); see the daemons' log lines above"
+            )
+        time.sleep(0.02)
+
+
 def join_job(place: Placement, socket_dir: str, timeout: float) -> Membership:
     """A worker's bootstrap: wait (at most `timeout` s) for its node's daemon to describe the job.
 
@@ -276,17 +291,7 @@ def join_job(place: Placement, socket_dir: str, timeout: float) -> Membership:
     description (0600 files in a 0700 directory), and the daemon still checks the secret's proof.
     """
     directory = job_dir(socket_dir, place.job_hex, place.node)
-    deadline = time.monotonic() + timeout
-    while True:
-        job = read_job(directory)
-        if job is not None:
-            break
-        if time.monotonic() > deadline:
-            raise BootstrapError(
-                f"rank {place.rank}: the smddp-daemon of node {place.node} did not start within {timeout:g}s "
-                f"(nothing in {directory}); see the daemons' log lines above"
-            )
-        time.sleep(0.02)
+    job = wait_for_job(directory, timeout, f"rank {place.rank}", place.node)
     if job.nnodes != place.nnodes or job.local_size != place.local_size:
         raise BootstrapError(
             f"rank {place.rank}: the daemons run {job.nnodes} nodes x {job.local_size} workers, but this "
