@@ -44,9 +44,9 @@ def DistributedOptimizer(
     keras2 = _is_tf_keras(optimizer)
     if not (keras2 or isinstance(optimizer, keras.optimizers.Optimizer)):
         raise InvalidArgumentError(
-            f"DistributedOptimizer takes a Keras optimizer (keras.optimizers or tf-keras's "
-            f"tf.keras.optimizers), got {type(optimizer).__name__}; for other optimizers wrap the "
-            "tape instead (smddp.tensorflow.DistributedGradientTape)"
+            "DistributedOptimizer takes a keras.optimizers.Optimizer (Keras 3) or a tf-keras one "
+            f"(tf.keras.optimizers under TF_USE_LEGACY_KERAS=1), got {type(optimizer).__name__}; for "
+            "other optimizers wrap the tape instead (smddp.tensorflow.DistributedGradientTape)"
         )
     if getattr(optimizer, _MARK, None) is not None:
         raise InvalidArgumentError("the optimizer is already a DistributedOptimizer")
