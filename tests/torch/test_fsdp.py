@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -63,3 +64,15 @@ def test_fsdp_and_functional_collectives_match_gloo(tmp_path: Path, clean_host: 
         for name, t in ours[r].items():  # parameters agree on both ranks
             if "/params/" in name:
                 assert torch.equal(t, ours[0][name]), name
+
+
+def test_two_dimensional_device_mesh(tmp_path: Path, clean_host: None) -> None:
+    """A 2x2 DeviceMesh on smddp: its dimensions are smddp subgroups (run by the side group), and
+    DTensor shards and gathers over them to the exact values."""
+    proc = smddp_launch(4, 2, [str(HERE / "check_mesh.py"), str(tmp_path)], timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for r in range(4):
+        d = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert d["full"] and d["rows"] and d["local"] == [4, 3], d
+        assert d["backends"] == ["smddp", "smddp"] and d["sizes"] == [2, 2], d
+        assert d["world_backend"] == "smddp"
