@@ -6,6 +6,7 @@ import ctypes
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import stat
@@ -84,6 +85,14 @@ def run(cfg: DaemonConfig) -> int:
         logging.getLogger("smddp.daemon").error("bootstrap failed: %s", e)
         return 2
     jobdir = str(held["dir"])
+
+    def stopped(signum: int, _frame: object) -> None:
+        # mpirun stops the daemons with SIGTERM (another daemon failed, or smddp-launch ends the job):
+        # nothing of the job may stay behind, not even on a host smddp-launch does not run on.
+        shutil.rmtree(jobdir, ignore_errors=True)
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stopped)
     write_job_files(jobdir, me.job, me.node)
     daemon = NodeDaemon(
         cfg,

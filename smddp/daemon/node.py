@@ -194,6 +194,7 @@ class NodeDaemon:
         self._stop = threading.Event()
         self._finished = threading.Event()
         self.failure: str | None = None
+        self._failure_frame: bytes | None = None  # the ERROR every local rank gets, late joiners too
         self.ops: dict[int, OpState] = {}
         self.workers: list[WorkerLink | None] = [None] * self.local_size
         # Local ranks whose process ended without ever joining (their launcher wrapper said so, with
@@ -245,7 +246,19 @@ class NodeDaemon:
             if bye is not None and time.monotonic() > bye + self.cfg.shutdown_timeout_s:
                 waiting = [self.job.describe_node(j) for j, p in self.peers.items() if not p.said_bye]
                 self.fail(f"{self.me}: finished, but {', '.join(waiting)} did not finish", PeerLostError)
+        # A failure before every local rank came: keep the door open for the late ones (until the
+        # connect deadline), so that each hears why instead of waiting for a daemon that has gone.
+        while not self._locals_accounted() and time.monotonic() < deadline:
+            time.sleep(0.05)
         return self._teardown()
+
+    def _locals_accounted(self) -> bool:
+        """Whether every local rank and peer has connected (a rank may instead have been reported
+        gone before it could: EXITED)."""
+        with self._lock:
+            return all(w is not None or i in self.left_early for i, w in enumerate(self.workers)) and all(
+                p.conn is not None for p in self.peers.values()
+            )
 
     def _all_connected(self) -> bool:
         with self._lock:
@@ -320,25 +333,28 @@ class NodeDaemon:
 
     def fail(self, reason: str, kind: type[SmddpError] = CollectiveError) -> None:
         """Put the job in FAILED: tell every worker and peer why, once, then stop."""
+        frame = error_frame(f"{wire_error_name(kind)}: {reason}", sender=self.node)
         with self._lock:
             if self.failure is not None or self._finished.is_set():
                 return
             self.failure = reason
+            self._failure_frame = frame
+            # Every local rank and peer hears it once: those connected now here, later ones when
+            # they connect (_serve_worker, _peer_loop).
+            told = list(self.workers)
+            told_peers = [p.conn for p in self.peers.values() if p.conn is not None]
         self.stats.error("failed", reason)
-        # Nothing of a failed job may stay behind, even if mpirun kills us in a moment.
-        shutil.rmtree(self.socket_dir, ignore_errors=True)
         log.error("%s: job failed: %s", self.me, reason)
-        frame = error_frame(f"{wire_error_name(kind)}: {reason}", sender=self.node)
-        for w in list(self.workers):
+        for w in told:
             if w is not None and not w.said_bye:
                 try:
                     w.conn.send([frame], timeout=2.0)
                 except SmddpError:
                     pass
-        for p in self.peers.values():
-            if p.conn is not None and not p.conn.closed:
+        for c in told_peers:
+            if not c.closed:
                 try:
-                    p.conn.send([frame], timeout=2.0)
+                    c.send([frame], timeout=2.0)
                 except SmddpError:
                     pass
         self._finished.set()
@@ -426,10 +442,20 @@ class NodeDaemon:
                 raise AuthenticationError(f"rank {hello.rank} connected after its process was reported gone")
             self.workers[local] = link
             self._rank_names[hello.rank] = conn.peer
+            failed = self._failure_frame
             # Everything already in the result arena, so DONE can point anywhere in it.
             for seg in self.results.segments.values():
                 self._send_segment(link, seg)
         log.info("%s: %s connected", self.me, conn.peer)
+        if failed is not None:
+            # The job failed before this rank came: say why at once, then wait for it to leave.
+            try:
+                conn.send([failed], timeout=2.0)
+            except SmddpError:
+                pass
+            self._drain(conn)
+            conn.close()
+            return
         try:
             self._worker_loop(link)
         except ConnectionClosed:
@@ -1259,9 +1285,17 @@ class NodeDaemon:
         self._peer_loop(peer, conn)
 
     def _peer_loop(self, peer: PeerLink, conn: Connection) -> None:
-        peer.conn = conn
+        with self._lock:
+            peer.conn = conn
+            failed = self._failure_frame
         peer.connected.set()
         log.info("%s: connected to %s", self.me, conn.peer)
+        if failed is not None:
+            # The job failed before this peer came: it hears why first, and fails its own ranks.
+            try:
+                conn.send([failed], timeout=2.0)
+            except SmddpError:
+                pass
         try:
             while True:
                 h, _ = conn.recv_header(self._stop, idle=self.cfg.heartbeat_timeout_s)

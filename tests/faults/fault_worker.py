@@ -46,7 +46,30 @@ def main() -> int:
         record.update(outcome="timeout", message=str(e), time=time.time(), iterations=i)
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(record, f)
+    if record["outcome"] != "no error":
+        wait_for_reports(args.out, world)
     return 0 if record["outcome"] == "no error" else 1
+
+
+def wait_for_reports(out: str, world: int, timeout: float = 30.0) -> None:
+    """Leave only once every rank still alive has written its report: a non-zero exit makes mpirun
+    stop the other workers, possibly before they have written theirs (all ranks share this host)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        missing = [r for r in range(world) if not os.path.exists(os.path.join(out, f"rank{r}.json"))]
+        if not any(_alive(out, r) for r in missing):
+            return
+        time.sleep(0.05)
+
+
+def _alive(out: str, rank: int) -> bool:
+    try:
+        with open(os.path.join(out, f"pids{rank}.json")) as f:
+            pid = json.load(f)["pid"]
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, ValueError, KeyError, IndexError):
+        return False
 
 
 if __name__ == "__main__":
