@@ -11,7 +11,7 @@ import socket
 import stat
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -230,7 +230,9 @@ class Client:
     ) -> None:
         self.config = config
         self.job_dir = job_dir  # the daemon's private directory ("" = unknown: nothing is written there)
-        self._routed: dict[str, int] = {}  # calls a front end routed elsewhere (note_routed)
+        # Calls the front ends of this process routed elsewhere (count_routed), and when last written.
+        self._routed: dict[str, int] = {}
+        self._routed_lock = threading.Lock()
         self._routed_at = 0.0
         self.membership = membership
         self.job = membership.job
@@ -263,14 +265,15 @@ class Client:
     # ------------------------------------------------------------------ setup / teardown
 
     @classmethod
-    def connect(cls, config: ClientConfig, env: dict[str, str] | None = None) -> Client:
+    def connect(cls, config: ClientConfig, env: Mapping[str, str] | None = None) -> Client:
         """Find this node's daemon from where smddp-launch placed us, then connect and authenticate.
 
         No MPI here: the workers' MPI world (if the script uses one) is the script's own.
         """
-        environ = dict(os.environ) if env is None else env
+        environ = os.environ if env is None else env
         place = Placement.from_env(environ)
-        me = join_job(place, default_socket_dir(), config.connect_timeout_s)
+        directory = job_dir(default_socket_dir(), place.job_hex, place.node)
+        me = join_job(place, directory, config.connect_timeout_s)
         _configure_logging(config.log_level, me.rank, me.node)
         ep = me.job.daemons[me.node]
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -296,33 +299,36 @@ class Client:
             raise
         log.info("connected to %s", conn.peer)
         _tell_wrapper_joined(environ)
-        return cls(config, me, conn, job_dir(default_socket_dir(), place.job_hex, place.node))
+        return cls(config, me, conn, directory)
 
-    def note_routed(self, counts: dict[str, int]) -> None:
-        """Record which calls a front end sent elsewhere (its side group), for `smddp status`.
+    def count_routed(self, key: str) -> bool:
+        """Count one call a front end sent elsewhere (a side group), for `smddp status`; True the
+        first time `key` is seen in this process (every group of the process counts together).
 
-        Written to `routed-<rank>.json` in the daemon's private directory, renamed into place; the
-        daemon adds every local rank's counts to its report. Written when a new kind of call
+        The counts go to `routed-<rank>.json` in the daemon's private directory, renamed into place;
+        the daemon adds every local rank's counts to its report. Written when a new kind of call
         appears, else at most once a second, and at shutdown.
         """
-        now = time.monotonic()
-        new_kind = counts.keys() != self._routed.keys()
-        self._routed = dict(counts)
-        if new_kind or now - self._routed_at >= 1.0:
+        with self._routed_lock:
+            first = key not in self._routed
+            self._routed[key] = self._routed.get(key, 0) + 1
+            due = first or time.monotonic() - self._routed_at >= 1.0
+        if due:
             self._write_routed()
+        return first
 
     def _write_routed(self) -> None:
-        self._routed_at = time.monotonic()
-        if not self.job_dir or not self._routed:
-            return
-        path = os.path.join(self.job_dir, f"routed-{self.rank}.json")
-        tmp = f"{path}.tmp"
-        try:
-            with open(tmp, "w") as f:
-                json.dump(self._routed, f)
-            os.replace(tmp, path)
-        except OSError:
-            pass  # the daemon has gone (the job is ending): nothing left to show them to
+        with self._routed_lock:  # one writer of the file at a time
+            self._routed_at = time.monotonic()
+            if not self.job_dir or not self._routed:
+                return
+            path = os.path.join(self.job_dir, f"routed-{self.rank}.json")
+            try:
+                with open(f"{path}.tmp", "w") as f:
+                    json.dump(self._routed, f)
+                os.replace(f"{path}.tmp", path)
+            except OSError:
+                pass  # the daemon has gone (the job is ending): nothing left to show them to
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Wait for in-flight collectives, tell the daemon goodbye, release everything. Idempotent."""
@@ -750,7 +756,7 @@ def check_op(op: Any) -> ReduceOp:
         raise InvalidArgumentError(f"op must be one of smddp.SUM, AVG, MIN, MAX, got {op!r}") from None
 
 
-def _tell_wrapper_joined(env: dict[str, str]) -> None:
+def _tell_wrapper_joined(env: Mapping[str, str]) -> None:
     """Tell smddp-launch's wrapper of this worker that it joined (it writes EXITED for ranks that did not).
 
     The wrapper passes the write end of a pipe as SMDDP_JOINED_FD; one byte, then the end is closed

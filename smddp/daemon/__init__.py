@@ -11,11 +11,19 @@ import signal
 import socket
 import stat
 
-from smddp.daemon.config import DaemonConfig, default_socket_dir
+from smddp.daemon.config import DaemonConfig
 from smddp.daemon.kernels import Reducer
 from smddp.daemon.node import NodeDaemon
 from smddp.errors import BootstrapError, ConfigError
-from smddp.transport.bootstrap import JOB_FILE, SECRET_FILE, Job, bootstrap_daemons, job_description, job_dir
+from smddp.transport.bootstrap import (
+    JOB_FILE,
+    SECRET_FILE,
+    Job,
+    bootstrap_daemons,
+    default_socket_dir,
+    job_description,
+    job_dir,
+)
 from smddp.transport.netif import resolve_bind_address
 
 __all__ = ["DaemonConfig", "NodeDaemon", "private_dir", "run"]

@@ -4,10 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from smddp.transport.bootstrap import default_socket_dir
-
-__all__ = ["DaemonConfig", "default_socket_dir"]
-
 
 @dataclass(frozen=True)
 class DaemonConfig:

@@ -248,19 +248,13 @@ class NodeDaemon:
                 self.fail(f"{self.me}: finished, but {', '.join(waiting)} did not finish", PeerLostError)
         # A failure before every local rank came: keep the door open for the late ones (until the
         # connect deadline), so that each hears why instead of waiting for a daemon that has gone.
-        while not self._locals_accounted() and time.monotonic() < deadline:
+        while not self._all_connected() and time.monotonic() < deadline:
             time.sleep(0.05)
         return self._teardown()
 
-    def _locals_accounted(self) -> bool:
+    def _all_connected(self) -> bool:
         """Whether every local rank and peer has connected (a rank may instead have been reported
         gone before it could: EXITED)."""
-        with self._lock:
-            return all(w is not None or i in self.left_early for i, w in enumerate(self.workers)) and all(
-                p.conn is not None for p in self.peers.values()
-            )
-
-    def _all_connected(self) -> bool:
         with self._lock:
             return all(w is not None or i in self.left_early for i, w in enumerate(self.workers)) and all(
                 p.connected.is_set() for p in self.peers.values()
@@ -347,16 +341,10 @@ class NodeDaemon:
         log.error("%s: job failed: %s", self.me, reason)
         for w in told:
             if w is not None and not w.said_bye:
-                try:
-                    w.conn.send([frame], timeout=2.0)
-                except SmddpError:
-                    pass
+                _tell(w.conn, frame)
         for c in told_peers:
             if not c.closed:
-                try:
-                    c.send([frame], timeout=2.0)
-                except SmddpError:
-                    pass
+                _tell(c, frame)
         self._finished.set()
 
     # ------------------------------------------------------------------ accepting
@@ -449,10 +437,7 @@ class NodeDaemon:
         log.info("%s: %s connected", self.me, conn.peer)
         if failed is not None:
             # The job failed before this rank came: say why at once, then wait for it to leave.
-            try:
-                conn.send([failed], timeout=2.0)
-            except SmddpError:
-                pass
+            _tell(conn, failed)
             self._drain(conn)
             conn.close()
             return
@@ -1288,14 +1273,12 @@ class NodeDaemon:
         with self._lock:
             peer.conn = conn
             failed = self._failure_frame
+        if failed is not None:
+            # The job failed before this peer came: it hears why first (before `connected` lets
+            # the teardown close this connection), and fails its own ranks.
+            _tell(conn, failed)
         peer.connected.set()
         log.info("%s: connected to %s", self.me, conn.peer)
-        if failed is not None:
-            # The job failed before this peer came: it hears why first, and fails its own ranks.
-            try:
-                conn.send([failed], timeout=2.0)
-            except SmddpError:
-                pass
         try:
             while True:
                 h, _ = conn.recv_header(self._stop, idle=self.cfg.heartbeat_timeout_s)
@@ -1398,6 +1381,14 @@ class NodeDaemon:
                 p.enqueue((None, None, None))
         if all(p.said_bye for p in self.peers.values()):
             self._finished.set()
+
+
+def _tell(conn: Connection, frame: bytes) -> None:
+    """Send a failure's ERROR frame (2 s at most); a connection that has gone needs no telling."""
+    try:
+        conn.send([frame], timeout=2.0)
+    except SmddpError:
+        pass
 
 
 def _left_message(who: str, seq: int, what: str) -> str:

@@ -15,9 +15,10 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from smddp.daemon.config import default_socket_dir
 from smddp.errors import ConfigError
 from smddp.launcher.hosts import Host
+from smddp.launcher.worker_env import shell_status
+from smddp.transport.bootstrap import default_socket_dir
 
 
 @dataclass(frozen=True)
@@ -299,21 +300,16 @@ def supervise(
         if w is not None:
             if not _wait(daemons, daemon_grace_s):
                 _stop(daemons, 10.0)  # the workers' status tells the story
-                return _status(w)
-            return _status(w) or _status(daemons.returncode)
+                return shell_status(w)
+            return shell_status(w) or shell_status(daemons.returncode)
         d = daemons.poll()
         if d is not None and d != 0:
             # The daemons failed (at start, or a daemon died): connected workers hear it and leave.
             if _wait(workers, worker_grace_s):
-                return _status(workers.returncode) or _status(d)
+                return shell_status(workers.returncode) or shell_status(d)
             _stop(workers, 10.0)
-            return _status(d)
+            return shell_status(d)
         time.sleep(tick)
-
-
-def _status(code: int) -> int:
-    """A Popen return code as a shell reports it (128 + n for a process that signal n killed)."""
-    return code if code >= 0 else 128 - code
 
 
 def _wait(p: subprocess.Popen, seconds: float) -> bool:

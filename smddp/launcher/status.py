@@ -9,10 +9,10 @@ import sys
 import time
 from dataclasses import dataclass
 
-from smddp.daemon.config import default_socket_dir
 from smddp.errors import ConfigError, ProtocolError, SmddpError
 from smddp.proto.frames import Header, MsgType, Role
 from smddp.transport.auth import client_handshake
+from smddp.transport.bootstrap import default_socket_dir
 from smddp.transport.conn import Connection
 
 

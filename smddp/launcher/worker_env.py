@@ -68,8 +68,13 @@ def worker_env(
         # (MPI itself takes locality from PMIx, not from these).
         "OMPI_COMM_WORLD_LOCAL_RANK": str(local),
         "OMPI_COMM_WORLD_LOCAL_SIZE": str(per_node),
-        "OMPI_COMM_WORLD_NODE_RANK": str(node),
+        "OMPI_COMM_WORLD_NODE_RANK": str(local),  # Open MPI's: the rank among this node's processes
     }
+
+
+def shell_status(code: int) -> int:
+    """A Popen return code as a shell reports it (128 + n for a process that signal n killed)."""
+    return code if code >= 0 else 128 - code
 
 
 def world_rank_from(env: Mapping[str, str]) -> int:
@@ -170,8 +175,8 @@ def run_worker(command: list[str], prefix: str, report: Report | None) -> int:
         signal.signal(sig, signal.SIG_DFL)
     for t in pumps:
         t.join(timeout=5)
-    code = code if code >= 0 else 128 - code
-    if joined is not None and report is not None and not joined.settle():
+    code = shell_status(code)
+    if report is not None and joined is not None and not joined.settle():
         report.send(code)
     return code
 

@@ -41,7 +41,7 @@ def DistributedOptimizer(
     `use_locking` is accepted for SageMaker's signature and has no effect.
     """
     del use_locking
-    keras2 = _is_tf_keras(optimizer)
+    keras2 = _is_tf_keras_optimizer(optimizer)
     if not (keras2 or isinstance(optimizer, keras.optimizers.Optimizer)):
         raise InvalidArgumentError(
             "DistributedOptimizer takes a keras.optimizers.Optimizer (Keras 3) or a tf-keras one "
@@ -96,10 +96,15 @@ def DistributedOptimizer(
     return dist
 
 
-def _is_tf_keras(optimizer: Any) -> bool:
-    """Whether `optimizer` is a tf-keras (Keras 2) optimizer, new or legacy, without importing tf-keras
-    where it is not in use."""
-    if not any(c.__module__.startswith("tf_keras.") for c in type(optimizer).__mro__):
+def is_tf_keras(obj: Any) -> bool:
+    """Whether `obj` is a tf-keras (Keras 2) object (a model, an optimizer), without importing
+    tf-keras where it is not in use."""
+    return any(c.__module__.startswith("tf_keras.") for c in type(obj).__mro__)
+
+
+def _is_tf_keras_optimizer(optimizer: Any) -> bool:
+    """Whether `optimizer` is a tf-keras optimizer, new or legacy."""
+    if not is_tf_keras(optimizer):
         return False
     import tf_keras
 

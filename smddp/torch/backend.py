@@ -419,8 +419,8 @@ class SideGroup:
     gloo is built with the group (every member builds it together, from the group's own store)
     but lazily connected (TORCH_GLOO_LAZY_INIT): no connection exists until a routed call needs
     one, and a send/recv connects only its two ranks. NCCL makes its communicators on first use.
-    Each kind of call is logged once, with where it went and why; the counts go to this rank's
-    daemon for `smddp status` (Client.note_routed).
+    Each kind of call is logged once per process, with where it went and why; the client counts
+    them for `smddp status` (Client.count_routed).
     """
 
     def __init__(self, store: Any, rank: int, size: int, timeout: timedelta) -> None:
@@ -430,7 +430,6 @@ class SideGroup:
         self._timeout = timeout
         self._lock = threading.Lock()
         self._nccl: Any = None
-        self.counts: dict[str, int] = {}
         self._gloo = self._make_gloo()
 
     def _make_gloo(self) -> Any:
@@ -462,17 +461,12 @@ class SideGroup:
         """Run `call` on the side backend (its `method`, with the arguments torch gave us)."""
         tensors = _tensors_in((*args, *(kwargs or {}).values()))
         name, backend = self.backend_for(tensors)
-        key = f"{call} ({name})"
-        with self._lock:
-            first = key not in self.counts
-            self.counts[key] = self.counts.get(key, 0) + 1
-            counts = dict(self.counts)
+        try:
+            first = smddp.client().count_routed(f"{call} ({name})")
+        except SmddpError:  # smddp already shut down in this process: nothing counts the call
+            first = False
         if first:
             log.warning("smddp: %s runs on the %s side group: %s", call, name, reason)
-        try:
-            smddp.client().note_routed(counts)
-        except SmddpError:
-            pass  # not joined (a group made before init): nothing to show the counts
         return getattr(backend, method)(*args, **(kwargs or {}))
 
 
@@ -711,6 +705,7 @@ class ProcessGroupSmddp(dist.ProcessGroup):
         self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any = None
     ) -> SmddpWork:
         opts = opts if opts is not None else dist.ReduceScatterOptions()
+        op = _op(opts, "reduce_scatter")  # before the packing copy: a refused op goes elsewhere without it
         if len(output_tensors) != 1 or len(input_tensors) != 1:
             raise UnsupportedCollectiveError("smddp reduce_scatter: one output tensor per rank")
         out = _check_tensor(output_tensors[0], "reduce_scatter output")
@@ -721,7 +716,7 @@ class ProcessGroupSmddp(dist.ProcessGroup):
             )
         _same_size(ins, out.numel(), out.dtype, "reduce_scatter")
         flat = torch.cat([t.reshape(-1) for t in ins])
-        return self._reduce_scatter_into(out, flat, opts, "reduce_scatter", output_tensors)
+        return self._reduce_scatter_into(out, flat, op, opts, "reduce_scatter", output_tensors)
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> SmddpWork:
         return self.reduce_scatter_single(output, input, opts)
@@ -729,6 +724,7 @@ class ProcessGroupSmddp(dist.ProcessGroup):
     @_routable("reduce_scatter_tensor", "_reduce_scatter_base")
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> SmddpWork:
         opts = opts if opts is not None else dist.ReduceScatterOptions()
+        op = _op(opts, "reduce_scatter_tensor")
         out = _check_tensor(output, "reduce_scatter_tensor output")
         inp = _check_tensor(input, "reduce_scatter_tensor")
         if inp.numel() != out.numel() * self._size or inp.dtype != out.dtype:
@@ -737,12 +733,11 @@ class ProcessGroupSmddp(dist.ProcessGroup):
                 f"elements of {out.dtype} (got {inp.numel()} of {inp.dtype})"
             )
         buf, _ = _contiguous(inp)
-        return self._reduce_scatter_into(out, buf, opts, "reduce_scatter_tensor", output)
+        return self._reduce_scatter_into(out, buf, op, opts, "reduce_scatter_tensor", output)
 
     def _reduce_scatter_into(
-        self, out: torch.Tensor, flat: torch.Tensor, opts: Any, name: str, result: Any
+        self, out: torch.Tensor, flat: torch.Tensor, op: smddp.ReduceOp, opts: Any, name: str, result: Any
     ) -> SmddpWork:
-        op = _op(opts, name)
         obuf, copied = _contiguous(out)
 
         def start(d: _Device) -> list[smddp.Handle]:
@@ -861,34 +856,34 @@ class ProcessGroupSmddp(dist.ProcessGroup):
 
     # -- what smddp does not run itself: the side group runs it (refused by name without one)
 
-    def _elsewhere(self, call: str, method: str, args: tuple) -> Any:
+    def _elsewhere(self, call: str, method: str, args: tuple, kwargs: dict) -> Any:
         if self._side is None:
             raise UnsupportedCollectiveError(
                 f"the smddp backend does not run {call} and this group has no side group "
                 "(groups made by torch.distributed have one)"
             )
-        return self._side.run(call, method, args, "smddp does not run it")
+        return self._side.run(call, method, args, "smddp does not run it", kwargs)
 
-    def alltoall(self, *args: Any) -> Any:
-        return self._elsewhere("all_to_all", "alltoall", args)
+    def alltoall(self, *args: Any, **kwargs: Any) -> Any:
+        return self._elsewhere("all_to_all", "alltoall", args, kwargs)
 
-    def alltoall_base(self, *args: Any) -> Any:
-        return self._elsewhere("all_to_all_single", "alltoall_base", args)
+    def alltoall_base(self, *args: Any, **kwargs: Any) -> Any:
+        return self._elsewhere("all_to_all_single", "alltoall_base", args, kwargs)
 
-    def all_to_all_single(self, *args: Any) -> Any:
-        return self._elsewhere("all_to_all_single", "alltoall_base", args)
+    def all_to_all_single(self, *args: Any, **kwargs: Any) -> Any:
+        return self._elsewhere("all_to_all_single", "alltoall_base", args, kwargs)
 
-    def allgather_coalesced(self, *args: Any) -> Any:
-        return self._elsewhere("all_gather_coalesced", "allgather_coalesced", args)
+    def allgather_coalesced(self, *args: Any, **kwargs: Any) -> Any:
+        return self._elsewhere("all_gather_coalesced", "allgather_coalesced", args, kwargs)
 
-    def send(self, *args: Any) -> Any:
-        return self._elsewhere("send", "send", args)
+    def send(self, *args: Any, **kwargs: Any) -> Any:
+        return self._elsewhere("send", "send", args, kwargs)
 
-    def recv(self, *args: Any) -> Any:
-        return self._elsewhere("recv", "recv", args)
+    def recv(self, *args: Any, **kwargs: Any) -> Any:
+        return self._elsewhere("recv", "recv", args, kwargs)
 
-    def recv_anysource(self, *args: Any) -> Any:
-        return self._elsewhere("recv", "recv_anysource", args)
+    def recv_anysource(self, *args: Any, **kwargs: Any) -> Any:
+        return self._elsewhere("recv", "recv_anysource", args, kwargs)
 
 
 # -- creation and registration --------------------------------------------------------------------

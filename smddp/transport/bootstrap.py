@@ -21,7 +21,6 @@ class Endpoint:
     """Where daemon `node` listens: TCP for the other daemons, a unix socket for its workers."""
 
     node: int
-    world_rank: int
     host: str
     pid: int
     tcp_host: str
@@ -31,12 +30,12 @@ class Endpoint:
 
 @dataclass(frozen=True)
 class WorkerInfo:
+    """A rank's place. Its pid is known to its own daemon alone, once it connects (SO_PEERCRED)."""
+
     rank: int
     node: int
     local_rank: int
-    world_rank: int
     host: str
-    pid: int
 
 
 @dataclass(frozen=True)
@@ -72,7 +71,6 @@ class Job:
 
     def describe_rank(self, rank: int, pid: int = 0) -> str:
         w = self.workers[rank]
-        pid = pid or w.pid
         return f"rank {rank} (node {w.node}, {w.host}" + (f", pid {pid})" if pid else ")")
 
 
@@ -146,7 +144,7 @@ def bootstrap_daemons(open_endpoint: OpenEndpoint, local_size: int, job_id_hex: 
     daemons = []
     for n, ((host, pid), ep) in enumerate(zip(everyone, published, strict=True)):
         assert isinstance(ep, tuple)
-        daemons.append(Endpoint(n, n, host, pid, ep[0], ep[1], ep[2]))
+        daemons.append(Endpoint(n, host, pid, ep[0], ep[1], ep[2]))
     if not MPI.Is_finalized():
         # MPI is out of the data path from here on. Finalizing now, together, means no daemon later
         # blocks in MPI_Finalize at exit waiting for a peer that died, and mpirun sees a failing
@@ -158,9 +156,7 @@ def bootstrap_daemons(open_endpoint: OpenEndpoint, local_size: int, job_id_hex: 
 def make_job(job_id: bytes, secret: bytes, local_size: int, daemons: tuple[Endpoint, ...]) -> Job:
     """The job of `daemons`, each with `local_size` workers: ranks are contiguous per node."""
     workers = tuple(
-        WorkerInfo(n * local_size + i, n, i, n * local_size + i, d.host, 0)
-        for n, d in enumerate(daemons)
-        for i in range(local_size)
+        WorkerInfo(n * local_size + i, n, i, d.host) for n, d in enumerate(daemons) for i in range(local_size)
     )
     return Job(job_id, secret, len(daemons), local_size, daemons, workers)
 
@@ -168,15 +164,13 @@ def make_job(job_id: bytes, secret: bytes, local_size: int, daemons: tuple[Endpo
 # -- how a worker finds its daemon: the job description in the daemon's private directory --------
 
 JOB_FILE = "job.json"
+SECRET_FILE = "secret"
 
 
 def default_socket_dir() -> str:
     """Per-user parent of the jobs' private socket directories (the same for a node's daemon and workers)."""
     base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
     return os.path.join(base, f"smddp-{os.getuid()}")
-
-
-SECRET_FILE = "secret"
 
 
 def job_dir(socket_dir: str, job_hex: str, node: int) -> str:
@@ -204,7 +198,7 @@ def job_from_description(info: dict, secret: bytes) -> Job:
     """The inverse of `job_description` (plus the secret, kept in a file of its own)."""
     try:
         daemons = tuple(
-            Endpoint(n, n, str(h), int(p), str(th), int(tp), str(sp))
+            Endpoint(n, str(h), int(p), str(th), int(tp), str(sp))
             for n, (h, p, th, tp, sp) in enumerate(info["daemons"])
         )
         job = make_job(bytes.fromhex(info["job"]), secret, int(info["local_size"]), daemons)
@@ -245,8 +239,15 @@ class Placement:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Placement:
-        names = ("SMDDP_JOB_ID", "SMDDP_RANK", "SMDDP_NODE", "SMDDP_LOCAL_RANK", "SMDDP_LOCAL_SIZE")
-        missing = [n for n in (*names, "SMDDP_NNODES") if not env.get(n)]
+        names = (
+            "SMDDP_JOB_ID",
+            "SMDDP_RANK",
+            "SMDDP_NODE",
+            "SMDDP_LOCAL_RANK",
+            "SMDDP_LOCAL_SIZE",
+            "SMDDP_NNODES",
+        )
+        missing = [n for n in names if not env.get(n)]
         if missing:
             raise BootstrapError(
                 f"{', '.join(missing)} not set: start the workers with smddp-launch -np W -- COMMAND"
@@ -284,13 +285,13 @@ def wait_for_job(directory: str, timeout: float, who: str, node: int) -> Job:
         time.sleep(0.02)
 
 
-def join_job(place: Placement, socket_dir: str, timeout: float) -> Membership:
-    """A worker's bootstrap: wait (at most `timeout` s) for its node's daemon to describe the job.
+def join_job(place: Placement, directory: str, timeout: float) -> Membership:
+    """A worker's bootstrap: wait (at most `timeout` s) for its node's daemon to describe the job
+    in `directory` (`job_dir`).
 
     No MPI: the workers' own world is the user's. Only processes of the job's user can read the
     description (0600 files in a 0700 directory), and the daemon still checks the secret's proof.
     """
-    directory = job_dir(socket_dir, place.job_hex, place.node)
     job = wait_for_job(directory, timeout, f"rank {place.rank}", place.node)
     if job.nnodes != place.nnodes or job.local_size != place.local_size:
         raise BootstrapError(

@@ -3,39 +3,36 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tests.conftest import BIN, REPO, job_env, smddp_launch
+from tests.conftest import smddp_launch
 
 pytestmark = pytest.mark.multiprocess
 HERE = Path(__file__).parent
 
 
-def _launch(
-    np_: int, nodes: int, command: list[str], timeout: float = 120
-) -> tuple[subprocess.CompletedProcess, float]:
-    cmd = [str(BIN / "smddp-launch"), "-np", str(np_), "--local-nodes", str(nodes), "--", *command]
+def _launch(np_: int, nodes: int, args: list[str], timeout: float = 120) -> tuple[Any, float]:
+    """smddp_launch (python ARGS on every worker), and how long the job took."""
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=job_env(), cwd=REPO)
+    proc = smddp_launch(np_, nodes, args, timeout=timeout)
     return proc, time.monotonic() - t0
 
 
 @pytest.mark.parametrize(
-    "command",
+    "args",
     [
-        [sys.executable, "-c", "print('hello')"],
-        [sys.executable, str(HERE / "check_world.py"), "--help"],
+        ["-c", "print('hello')"],
+        [str(HERE / "check_world.py"), "--help"],
     ],
     ids=["print", "help"],
 )
-def test_workers_that_never_join_end_the_job_with_0(command: list[str], clean_host: None) -> None:
+def test_workers_that_never_join_end_the_job_with_0(args: list[str], clean_host: None) -> None:
     """Issue 15: this used to hang, the daemons spinning in the MPI bootstrap until killed."""
-    proc, seconds = _launch(4, 2, command, timeout=90)
+    proc, seconds = _launch(4, 2, args, timeout=90)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     for r in range(4):
         assert any(line.startswith(f"[rank {r}] ") for line in proc.stdout.splitlines()), proc.stdout
@@ -43,15 +40,13 @@ def test_workers_that_never_join_end_the_job_with_0(command: list[str], clean_ho
 
 
 def test_a_failing_worker_that_never_joined_gives_its_status(clean_host: None) -> None:
-    proc, _ = _launch(2, 1, [sys.executable, "-c", "import sys; sys.exit(5)"])
+    proc, _ = _launch(2, 1, ["-c", "import sys; sys.exit(5)"])
     assert proc.returncode == 5, proc.stderr[-2000:]
 
 
 def test_mpi_script_sees_a_world_of_workers(tmp_path: Path, clean_host: None) -> None:
     """A script that uses MPI alone (another backend): the world is the workers, ranks are RANK."""
-    proc, _ = _launch(
-        4, 2, [sys.executable, str(HERE / "check_world.py"), "--out", str(tmp_path), "--mode", "mpi_only"]
-    )
+    proc, _ = _launch(4, 2, [str(HERE / "check_world.py"), "--out", str(tmp_path), "--mode", "mpi_only"])
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     for r in range(4):
         d = json.loads((tmp_path / f"rank{r}.json").read_text())
@@ -61,7 +56,7 @@ def test_mpi_script_sees_a_world_of_workers(tmp_path: Path, clean_host: None) ->
 @pytest.mark.parametrize(("world", "nodes"), [(2, 1), (4, 2)], ids=["W2-N1", "W4-N2"])
 def test_mpi4py_beside_smddp(world: int, nodes: int, tmp_path: Path, clean_host: None) -> None:
     """mpi4py's COMM_WORLD is the workers' world, consistent with RANK, and works beside smddp."""
-    args = [sys.executable, str(HERE / "check_world.py"), "--out", str(tmp_path), "--mode", "mpi"]
+    args = [str(HERE / "check_world.py"), "--out", str(tmp_path), "--mode", "mpi"]
     proc, _ = _launch(world, nodes, args)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     g = world // nodes

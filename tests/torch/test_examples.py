@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,8 @@ AGREE = "[rank 0] replicas agree bit for bit: True"
 
 @pytest.mark.parametrize("script", ["train_fsdp2.py", "train_deepspeed.py"])
 def test_sharded_examples_train_on_two_nodes(script: str, clean_host: None) -> None:
-    need_module("deepspeed", "make setup installs it")
+    if script == "train_deepspeed.py":
+        need_module("deepspeed", "make setup installs it")
     proc = smddp_launch(4, 2, [str(EXAMPLES / script), "--epochs", "3"], timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
@@ -68,4 +68,3 @@ def test_hf_sagemaker_dp_route_starts_smddp(
         assert (d["backend"], d["rank"], d["world"]) == ("smddp", r, 2), d
         if not torch.cuda.is_available():
             assert d["stopped_at"] is not None and d["where"] == "set_device", d
-    assert os.environ.get("SM_FRAMEWORK_PARAMS")  # (monkeypatch restores it after the test)

@@ -17,8 +17,8 @@ def lonely_client() -> tuple[Client, socket.socket]:
         secret=b"s" * 32,
         nnodes=1,
         local_size=1,
-        daemons=(Endpoint(0, 0, "host", 1, "127.0.0.1", 1, "/nonexistent"),),
-        workers=(WorkerInfo(0, 0, 0, 1, "host", 2),),
+        daemons=(Endpoint(0, "host", 1, "127.0.0.1", 1, "/nonexistent"),),
+        workers=(WorkerInfo(0, 0, 0, "host"),),
     )
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     cfg = ClientConfig(timeout_s=5.0, arena_bytes=1 << 20, heartbeat_timeout_s=60.0)

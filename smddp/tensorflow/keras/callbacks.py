@@ -12,6 +12,7 @@ import tensorflow as tf
 import smddp
 from smddp.tensorflow.errors import InvalidArgumentError
 from smddp.tensorflow.ops import broadcast_variables, check_root
+from smddp.tensorflow.optimizer import is_tf_keras
 
 __all__ = [
     "BroadcastGlobalVariablesCallback",
@@ -25,10 +26,6 @@ log = logging.getLogger("smddp.tensorflow")
 # tf.keras's Callback: Keras 3's, or tf-keras's (Keras 2) under TF_USE_LEGACY_KERAS=1, as the
 # model.fit these callbacks are given to. Keras 2's fit cannot drive a Keras 3 callback.
 _Callback: Any = tf.keras.callbacks.Callback
-
-
-def _keras2(model: Any) -> bool:
-    return any(c.__module__.startswith("tf_keras.") for c in type(model).__mro__)
 
 
 def _optimizer_variables(opt: Any) -> list[Any]:
@@ -63,7 +60,7 @@ class BroadcastGlobalVariablesCallback(_Callback):
             return
         model = self.model
         opt = getattr(model, "optimizer", None)
-        if _keras2(model):
+        if is_tf_keras(model):
             if not after_first_batch:
                 return
         else:
