@@ -977,7 +977,7 @@ class NodeDaemon:
         return {"job": self.job.job_hex, "nnodes": self.nnodes, "world": self.world, "daemons": daemons}
 
     def _routed_counts(self) -> dict[str, int]:
-        """Calls the local ranks' front ends sent to their side groups (Client.note_routed files)."""
+        """Calls the local ranks' front ends sent to their side groups (Client.count_routed files)."""
         total: dict[str, int] = {}
         try:
             names = [
