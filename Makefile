@@ -15,23 +15,35 @@ CLIENT_PINS := 'deepspeed==0.19.8' 'transformers==5.23.0' 'accelerate==1.15.0' '
 
 .PHONY: setup demo test unit multiprocess lint typecheck clean
 
-$(STAMP): pyproject.toml Makefile
+# rigs/: the development rigs (simulated cluster, delay line, CUDA stand-in, benchmark targets),
+# a separate distribution so that smddp's own wheel never ships them.
+$(STAMP): pyproject.toml setup.py rigs/pyproject.toml rigs/setup.py Makefile
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev,torch,tensorflow]' $(TORCH_PINS) $(TF_PINS) $(CLIENT_PINS)
+	$(BIN)/pip install -q -e '.[dev,torch,tensorflow]' -e rigs/ $(TORCH_PINS) $(TF_PINS) $(CLIENT_PINS)
 	touch $(STAMP)
 
 setup: $(STAMP)
 
-demo: $(STAMP)
-	$(BIN)/smddp-launch -np 4 --local-nodes 2 -- $(BIN)/python examples/mlp_numpy.py
+# The demo needs smddp alone (numpy, mpi4py, Open MPI): its own light environment, seconds to set up
+# instead of the minutes torch and TensorFlow take.
+DEMO_VENV ?= .venv-demo
+DEMO_STAMP := $(DEMO_VENV)/.installed
+$(DEMO_STAMP): pyproject.toml setup.py Makefile
+	$(PY) -m venv $(DEMO_VENV)
+	$(DEMO_VENV)/bin/pip install -q --upgrade pip
+	$(DEMO_VENV)/bin/pip install -q -e .
+	touch $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
+	$(DEMO_VENV)/bin/smddp-launch -np 4 --local-nodes 2 -- $(DEMO_VENV)/bin/python examples/mlp_numpy.py
 
 lint: $(STAMP)
-	$(BIN)/ruff check smddp smdistributed tests examples setup.py
-	$(BIN)/ruff format --check smddp smdistributed tests examples setup.py
+	$(BIN)/ruff check smddp smdistributed rigs tests examples setup.py
+	$(BIN)/ruff format --check smddp smdistributed rigs tests examples setup.py
 
 typecheck: $(STAMP)
-	$(BIN)/mypy smddp smdistributed
+	$(BIN)/mypy smddp smdistributed rigs/smddp_rigs
 
 unit: $(STAMP)
 	$(BIN)/pytest -q tests/unit
@@ -43,7 +55,7 @@ test: lint typecheck $(STAMP)
 	$(BIN)/pytest -q -ra tests
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache build smddp/daemon/*.so smddp/launcher/*.so
+	rm -rf $(VENV) $(DEMO_VENV) *.egg-info rigs/*.egg-info rigs/build .pytest_cache .mypy_cache .ruff_cache build smddp/daemon/*.so rigs/smddp_rigs/*.so
 
 # Benchmarks (issue 4): sweeps on one host and on 4 simulated nodes, the T1-T6 targets, the scaling
 # model, profiles, then BENCHMARKS.md from their JSON. Needs root (network namespaces and py-spy);
@@ -60,6 +72,6 @@ bench: $(STAMP)
 	$(BIN)/smddp-bench profile --sim --nodes 4 --per-node 1 --rate-mbit 1000 --size 4K --py-spy --name profile-sim4-4k --out $(BENCH_OUT)
 	$(BIN)/smddp-bench profile --sim --nodes 4 --per-node 1 --rate-mbit 1000 --size 64M --seconds 12 --py-spy --name profile-sim4-64m --out $(BENCH_OUT)
 	$(BIN)/smddp-bench profile --sim --nodes 4 --per-node 1 --rate-mbit 1000 --delay-ms 0.5 --size 256K --py-spy --name profile-sim4d-256k --out $(BENCH_OUT)
-	$(BIN)/smddp-bench targets --out $(BENCH_OUT)
-	$(BIN)/smddp-bench model --check --out $(BENCH_OUT)
-	$(BIN)/smddp-bench report --targets $(BENCH_OUT)/targets.json --model $(BENCH_OUT)/model.json --sweeps $(BENCH_OUT) --out BENCHMARKS.md
+	$(BIN)/python -m smddp_rigs.bench targets --out $(BENCH_OUT)
+	$(BIN)/python -m smddp_rigs.bench model --check --out $(BENCH_OUT)
+	$(BIN)/python -m smddp_rigs.bench benchmarks --targets $(BENCH_OUT)/targets.json --model $(BENCH_OUT)/model.json --sweeps $(BENCH_OUT) --out BENCHMARKS.md

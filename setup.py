@@ -1,6 +1,4 @@
-"""Build hook for the compiled parts: the 16-bit reduction kernel and the simulated cluster's delay line (metadata lives in pyproject.toml)."""
-
-import sys
+"""Build hook for the compiled part: the 16-bit reduction kernel (metadata lives in pyproject.toml)."""
 
 from setuptools import Extension, setup
 
@@ -14,15 +12,4 @@ extensions = [
         optional=True,
     )
 ]
-# The delay line (ClusterConfig.delay_ms) speaks Linux's AF_PACKET; without it SimCluster still works,
-# only a cluster with added delay refuses to start (and CI fails the tests that need it).
-if sys.platform.startswith("linux"):
-    extensions.append(
-        Extension(
-            "smddp.launcher._delayline",
-            ["smddp/launcher/_delayline.c"],
-            extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-missing-field-initializers"],
-            optional=True,
-        )
-    )
 setup(ext_modules=extensions)

@@ -9,7 +9,7 @@ import sys
 from smddp.bench.runner import IMPLS, BenchError, RunOptions, Topology
 
 
-def _size(text: str) -> int:
+def parse_size(text: str) -> int:
     t = text.strip().upper().removesuffix("B").removesuffix("I")
     mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     if t and t[-1] in mult:
@@ -17,11 +17,11 @@ def _size(text: str) -> int:
     return int(t)
 
 
-def _list(text: str) -> tuple[str, ...]:
+def parse_list(text: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
-def _common(p: argparse.ArgumentParser) -> None:
+def common_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=5, help="timed rounds per launch")
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds before them")
     p.add_argument("--rounds", type=int, default=None, help="launches per implementation, interleaved")
@@ -35,7 +35,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--subnet", default="10.77.9", help="simulated cluster subnet (three octets)")
 
 
-def _options(a: argparse.Namespace) -> RunOptions:
+def run_options(a: argparse.Namespace) -> RunOptions:
     return RunOptions(
         repeats=a.repeats,
         warmup=a.warmup,
@@ -74,17 +74,7 @@ def _parser() -> argparse.ArgumentParser:
         "--delay-ms", type=float, default=None, help="one-way delay between simulated nodes (delay line)"
     )
     s.add_argument("--name", default="sweep", help="output file stem")
-    _common(s)
-    t = sub.add_parser("targets", help="run the T1-T6 setups of issue 4 and write the ratio table")
-    t.add_argument("--only", default="", help="comma list of T1..T6 (default: all)")
-    t.add_argument("--t6-collectives", type=int, default=10000)
-    _common(t)
-    m = sub.add_parser("model", help="the scaling model: all-reduce time against node count")
-    m.add_argument("--from", dest="source", default="", help="targets.json with measured parameters")
-    m.add_argument("--size", default="64M", help="all-reduce size")
-    m.add_argument("--check", action="store_true", help="measure 2, 4 and 8 simulated nodes against it")
-    m.add_argument("--out", default="bench-results")
-    m.add_argument("--repeats", type=int, default=3)
+    common_flags(s)
     pr = sub.add_parser("profile", help="CPU per all-reduce of every smddp process (and py-spy)")
     pr.add_argument("--size", default="4K")
     pr.add_argument("--dtype", default="float32")
@@ -96,25 +86,23 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--seconds", type=float, default=8.0, help="the measuring window")
     pr.add_argument("--py-spy", action="store_true", help="also sample one daemon and one worker")
     pr.add_argument("--name", default="profile")
-    _common(pr)
-    r = sub.add_parser("report", help="write BENCHMARKS.md from a targets JSON (and model JSON)")
-    r.add_argument("--targets", default="bench-results/targets.json")
-    r.add_argument("--model", default="bench-results/model.json")
-    r.add_argument("--sweeps", default="bench-results", help="directory with sweep-*.json to include")
-    r.add_argument("--out", default="BENCHMARKS.md")
+    common_flags(pr)
+    r = sub.add_parser("report", help="write the markdown (and PNG) of sweep results again from their JSON")
+    r.add_argument("results", nargs="+", help="sweep JSON files (NAME.json, as `sweep` wrote them)")
+    r.add_argument("--out", default="", help="output directory (default: beside each JSON file)")
     return p
 
 
-def _sizes(text: str) -> tuple[int, ...]:
+def parse_sizes(text: str) -> tuple[int, ...]:
     if "-" in text and "," not in text:
-        lo, hi = (_size(x) for x in text.split("-"))
+        lo, hi = (parse_size(x) for x in text.split("-"))
         out = []
         s = lo
         while s <= hi:
             out.append(s)
             s *= 4
         return tuple(out)
-    return tuple(_size(x) for x in _list(text))
+    return tuple(parse_size(x) for x in parse_list(text))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,12 +116,12 @@ def main(argv: list[str] | None = None) -> int:
             from smddp.bench.sweep import SweepConfig, run_sweep
 
             cfg = SweepConfig(
-                sizes=_sizes(a.sizes),
-                dtypes=_list(a.dtypes),
-                ops=_list(a.ops),
-                impls=_list(a.impls),
+                sizes=parse_sizes(a.sizes),
+                dtypes=parse_list(a.dtypes),
+                ops=parse_list(a.ops),
+                impls=parse_list(a.impls),
                 topology=_topology(a),
-                options=_options(a),
+                options=run_options(a),
                 rounds=a.rounds or 1,
                 outdir=a.out,
                 name=a.name,
@@ -141,48 +129,27 @@ def main(argv: list[str] | None = None) -> int:
             )
             run_sweep(cfg)
             return 0
-        if a.cmd == "targets":
-            from smddp.bench.targets import TargetsConfig, run_targets
-
-            tcfg = TargetsConfig(
-                only=_list(a.only),
-                options=_options(a),
-                rounds=a.rounds or 5,
-                t6_collectives=a.t6_collectives,
-                outdir=a.out,
-                command=command,
-            )
-            run_targets(tcfg)
-            return 0
-        if a.cmd == "model":
-            from smddp.bench.model import ModelConfig, run_model
-
-            run_model(
-                ModelConfig(
-                    source=a.source, size=_size(a.size), check=a.check, outdir=a.out, repeats=a.repeats
-                )
-            )
-            return 0
         if a.cmd == "profile":
             from smddp.bench.profile import ProfileConfig, run_profile
 
             run_profile(
                 ProfileConfig(
                     topology=_topology(a),
-                    nbytes=_size(a.size),
+                    nbytes=parse_size(a.size),
                     dtype=a.dtype,
                     seconds=a.seconds,
                     pyspy=a.py_spy,
-                    options=_options(a),
+                    options=run_options(a),
                     outdir=a.out,
                     name=a.name,
                 )
             )
             return 0
         if a.cmd == "report":
-            from smddp.bench.benchmarks_md import ReportConfig, write_benchmarks_md
+            from smddp.bench.sweep import rewrite_outputs
 
-            write_benchmarks_md(ReportConfig(targets=a.targets, model=a.model, sweeps=a.sweeps, out=a.out))
+            for path in a.results:
+                rewrite_outputs(path, a.out)
             return 0
     except (BenchError, ValueError, OSError) as e:
         print(f"smddp-bench: {e}", file=sys.stderr)

@@ -29,9 +29,10 @@ from typing import Any
 
 import numpy as np
 
-from smddp.bench.cli import _list, _sizes
-from smddp.client.device import DeviceBuffer, DeviceRuntime, load_runtime
-from smddp.client.device_io import DeviceIO
+from smddp.bench.cli import parse_list, parse_sizes
+from smddp.client.device.buffers import DeviceBuffer
+from smddp.client.device.copies import DeviceIO
+from smddp.client.device.runtime import DeviceRuntime, load_runtime
 from smddp.errors import SmddpError
 from smddp.proto.dtypes import DType
 from smddp.transport.shm import Arena
@@ -143,7 +144,7 @@ def _worker(args: argparse.Namespace) -> int:
     dev = smddp.local_rank() % rt.device_count()
     stream = rt.new_stream(dev)
     rows = []
-    for nbytes in _sizes(args.sizes):
+    for nbytes in parse_sizes(args.sizes):
         count = nbytes // 4
         darr, dptr = rt.new_array((count,), np.dtype(np.float32), dev)
         fill = np.full(count, rank + 1.0, np.float32)
@@ -260,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.worker:
         return _worker(args)
-    sizes = _sizes(args.sizes)
+    sizes = parse_sizes(args.sizes)
     report: dict[str, Any] = {
         "runtime": args.runtime,
         "command": shlex.join(["python", "-m", "smddp.bench.gpu", *argv]),
@@ -268,7 +269,11 @@ def main(argv: list[str] | None = None) -> int:
         "allreduce": []
         if args.skip_allreduce
         else allreduce_bench(
-            args.runtime, args.sizes, tuple(int(w) for w in _list(args.workers)), args.repeats, args.timeout
+            args.runtime,
+            args.sizes,
+            tuple(int(w) for w in parse_list(args.workers)),
+            args.repeats,
+            args.timeout,
         ),
     }
     out = Path(args.out)

@@ -39,7 +39,7 @@ class Topology:
 
     nodes: int = 1
     per_node: int = 4
-    sim: bool = False  # network namespaces (smddp.launcher.simcluster); needs root
+    sim: bool = False  # network namespaces (smddp_rigs.simcluster); needs root
     rate_mbit: float | None = None  # tbf rate of every simulated node's egress
     burst: str = "256kb"
     # One-way delay between simulated nodes: SimCluster's userspace delay line (the kernel has no netem).
@@ -165,11 +165,15 @@ class Place:
 
     def __enter__(self) -> Place:
         if self.topo.sim:
-            from smddp.launcher.simcluster import ClusterConfig, SimCluster, cleanup_stale
-
+            try:
+                from smddp_rigs.simcluster import ClusterConfig, SimCluster, SimClusterError, cleanup_stale
+            except ImportError as e:
+                raise BenchError(
+                    "simulated nodes run on the simulated cluster of smddp's development rigs, which the "
+                    f"installed package does not ship ({e}); from a source checkout: pip install -e rigs/"
+                ) from e
             if os.geteuid() != 0:
                 raise BenchError("simulated nodes need root (network namespaces)")
-            from smddp.launcher.simcluster import SimClusterError
 
             cleanup_stale(self.opts.prefix)
             cfg = ClusterConfig(
@@ -189,7 +193,7 @@ class Place:
 
     def __exit__(self, *exc: object) -> None:
         if self.cluster is not None:
-            from smddp.launcher.simcluster import cleanup_stale
+            from smddp_rigs.simcluster import cleanup_stale
 
             try:
                 self.cluster.down()

@@ -102,3 +102,15 @@ def write_outputs(result: dict[str, Any], outdir: Path, name: str, log: TextIO) 
         print(f"smddp-bench: wrote {outdir}/{name}.json, .md, .png", file=log)
     else:
         print(f"smddp-bench: wrote {outdir}/{name}.json, .md (no matplotlib: no plot)", file=log)
+
+
+def rewrite_outputs(path: str, outdir: str = "", log: TextIO = sys.stderr) -> None:
+    """NAME.md and NAME.png again from a sweep's NAME.json (after merging or moving results)."""
+    src = Path(path)
+    try:
+        result = json.loads(src.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: not a readable sweep result ({e})") from e
+    if not isinstance(result, dict) or result.get("kind") != "sweep":
+        raise ValueError(f'{path}: not a sweep result (its JSON has no "kind": "sweep")')
+    write_outputs(result, Path(outdir) if outdir else src.parent, src.stem, log)

@@ -8,10 +8,9 @@ from typing import Any
 
 import numpy as np
 
+from smddp.client.device.dlpack import DEVICE_NAMES, KDL_CPU, SUPPORTED, dl_tensor
 from smddp.errors import UnsupportedBufferError
 from smddp.proto.dtypes import DType, dtype_from_numpy
-
-SUPPORTED = "float16, bfloat16, float32, float64, int32, int64, uint8"
 
 
 @dataclass(frozen=True)
@@ -115,79 +114,6 @@ def _from_numpy(arr: np.ndarray, writable: bool, what: str) -> BufferView:
     return BufferView(flat, dt, tuple(arr.shape), result_dtype=arr.dtype)
 
 
-# -- DLPack, read with ctypes so that torch tensors (bfloat16 too) work without importing torch -------
-
-
-class _DLDevice(ctypes.Structure):
-    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
-
-
-class _DLDataType(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
-
-
-class _DLTensor(ctypes.Structure):
-    _fields_ = [
-        ("data", ctypes.c_void_p),
-        ("device", _DLDevice),
-        ("ndim", ctypes.c_int32),
-        ("dtype", _DLDataType),
-        ("shape", ctypes.POINTER(ctypes.c_int64)),
-        ("strides", ctypes.POINTER(ctypes.c_int64)),
-        ("byte_offset", ctypes.c_uint64),
-    ]
-
-
-_KDL_CPU = 1
-_DL_DTYPES = {
-    (0, 32): DType.INT32,
-    (0, 64): DType.INT64,
-    (1, 8): DType.UINT8,
-    (2, 16): DType.FLOAT16,
-    (2, 32): DType.FLOAT32,
-    (2, 64): DType.FLOAT64,
-    (4, 16): DType.BFLOAT16,
-}
-_DEVICES = {2: "cuda", 3: "cuda_host", 4: "opencl", 7: "vulkan", 8: "metal", 10: "rocm", 13: "cuda_managed"}
-
-_get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
-_get_pointer.restype = ctypes.c_void_p
-_get_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
-
-
-def dl_tensor(capsule: Any, what: str) -> tuple[_DLTensor, DType, tuple[int, ...], int]:
-    """The DLTensor of a DLPack capsule, its dtype, shape and element count; refuses an unsupported
-    dtype or a non-contiguous layout (the device, host or CUDA, is for the caller to check)."""
-    try:
-        ptr = _get_pointer(capsule, b"dltensor")
-    except ValueError:
-        raise UnsupportedBufferError(f"{what}: __dlpack__ did not return a DLPack tensor capsule") from None
-    t = _DLTensor.from_address(ptr)
-    if t.dtype.lanes != 1 or (t.dtype.code, t.dtype.bits) not in _DL_DTYPES:
-        raise UnsupportedBufferError(
-            f"{what}: DLPack dtype (code={t.dtype.code}, bits={t.dtype.bits}, lanes={t.dtype.lanes}) "
-            f"is not supported (supported: {SUPPORTED})"
-        )
-    dt = _DL_DTYPES[(t.dtype.code, t.dtype.bits)]
-    shape = tuple(int(t.shape[i]) for i in range(t.ndim))
-    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
-    if t.strides and count > 1:
-        check_contiguous(shape, [int(t.strides[i]) for i in range(t.ndim)], what)
-    return t, dt, shape, count
-
-
-def check_contiguous(shape: tuple[int, ...], strides: list[int], what: str) -> None:
-    """Strides in elements; dimensions of extent 1 may have any stride."""
-    expect = 1
-    for i in reversed(range(len(shape))):
-        if shape[i] != 1 and strides[i] != expect:
-            raise UnsupportedBufferError(
-                f"{what}: the array is not C-contiguous (element strides {tuple(strides)}); "
-                "make a contiguous copy first (torch: .contiguous())"
-            )
-        expect *= shape[i]
-
-
 def _from_dlpack(buf: Any, writable: bool, what: str) -> BufferView:
     try:
         capsule = buf.__dlpack__()
@@ -196,8 +122,8 @@ def _from_dlpack(buf: Any, writable: bool, what: str) -> BufferView:
             f"{what}: cannot export {type(buf).__name__} through DLPack: {e}"
         ) from None
     t, dt, shape, count = dl_tensor(capsule, what)
-    if t.device.device_type != _KDL_CPU:
-        dev = _DEVICES.get(t.device.device_type, f"device type {t.device.device_type}")
+    if t.device.device_type != KDL_CPU:
+        dev = DEVICE_NAMES.get(t.device.device_type, f"device type {t.device.device_type}")
         raise UnsupportedBufferError(
             f"{what}: the tensor lives on {dev}:{t.device.device_id}; smddp takes CPU memory"
         )

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from smddp.client.buffers import BufferView, PartsView, as_buffer, as_parts
-from smddp.client.device import DeviceBuffer
+from smddp.client.device.buffers import DeviceBuffer
 from smddp.client.session import Client, Handle, PipelinedHandle, check_op
 from smddp.errors import InvalidArgumentError, UnsupportedBufferError
 from smddp.proto.dtypes import DType, Kind, ReduceOp

@@ -18,22 +18,13 @@ from typing import Any
 import numpy as np
 
 from smddp.client.buffers import BufferView, PartsView
-from smddp.client.device import (
-    RUNTIMES,
-    DeviceBuffer,
-    DeviceRuntime,
-    device_kind,
-    load_runtime,
-    read_cai,
-    read_dlpack,
-    stream_handle,
-)
-from smddp.client.device_io import DeviceIO, DevicePlan
+from smddp.client.device.buffers import DeviceBuffer, device_kind, read_cai, read_dlpack, stream_handle
+from smddp.client.device.copies import DeviceIO, DevicePlan
+from smddp.client.device.runtime import DeviceRuntime, check_runtime_name, load_runtime
 from smddp.errors import (
     CollectiveError,
     CollectiveMismatchError,
     CollectiveTimeoutError,
-    ConfigError,
     DeviceError,
     DeviceUnavailableError,
     InvalidArgumentError,
@@ -74,15 +65,13 @@ class ClientConfig:
     log_level: str = "WARNING"
     job_id_hex: str = ""
     device_runtime: str = "auto"  # for CUDA buffers: auto (CuPy), cupy, or standin (numpy-backed, for tests)
-    standin_delay_s: float = 0.0  # stand-in runtime only: every asynchronous copy waits this long first
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> ClientConfig:
         e = os.environ if env is None else env
         fusion = int(float(e.get("SMDDP_FUSION_MB", "64")) * (1 << 20))
         runtime = e.get("SMDDP_DEVICE_RUNTIME", "auto") or "auto"
-        if runtime not in RUNTIMES:
-            raise ConfigError(f"SMDDP_DEVICE_RUNTIME={runtime!r}: expected one of {', '.join(RUNTIMES)}")
+        check_runtime_name(runtime)
         return cls(
             timeout_s=float(e.get("SMDDP_TIMEOUT_S", "600")),
             arena_bytes=max(fusion * 2, 64 << 20),
@@ -93,7 +82,6 @@ class ClientConfig:
             log_level=e.get("SMDDP_LOG_LEVEL", "WARNING"),
             job_id_hex=e.get("SMDDP_JOB_ID", ""),
             device_runtime=runtime,
-            standin_delay_s=float(e.get("SMDDP_STANDIN_DELAY_MS", "0")) / 1000.0,
         )
 
 
@@ -112,7 +100,6 @@ class Handle:
 
     def __init__(
         self,
-        client: Client,
         seq: int,
         kind: Kind,
         dtype: DType,
@@ -120,9 +107,10 @@ class Handle:
         deliver: Callable[[np.ndarray], Any],
         slot: Slot | None,
         keepalive: Any,
+        default_timeout_s: float,
         device: DevicePlan | None = None,
+        io: DeviceIO | None = None,
     ) -> None:
-        self._client = client
         self.seq = seq
         self.kind = kind
         self.dtype = dtype
@@ -130,8 +118,12 @@ class Handle:
         self._deliver = deliver
         self._slot = slot
         self._keepalive = keepalive
+        self._default_timeout_s = default_timeout_s
         self._device = device
+        self._io = io  # the client's device machinery, for a device plan's events (None for host buffers)
         self._event = threading.Event()
+        self._lock = threading.Lock()  # orders add_done_callback against _finish
+        self._callbacks: list[Callable[[Handle], None]] = []
         self._result: Any = None
         self._error: SmddpError | None = None
         self.times: list[float] = []  # submit started, SUBMIT sent (wall clock), for the timeline
@@ -141,9 +133,22 @@ class Handle:
         if not self._event.is_set():
             return False
         plan = self._device
-        if plan is None or plan.done is None or self._error is not None:
+        if plan is None or plan.done is None or self._error is not None or self._io is None:
             return True
-        return self._client._device_rt_done(plan.done)
+        return self._io.rt.event_done(plan.done)
+
+    def add_done_callback(self, fn: Callable[[Handle], None]) -> None:
+        """Call `fn(handle)` once the collective has finished (or failed), when `wait()` would no longer block.
+
+        It runs in the thread that finishes the collective (the client's reader), or at once in
+        this thread if that has happened: keep it short, and never wait on another collective in
+        it. An exception it raises is logged and goes no further.
+        """
+        with self._lock:
+            if not self._event.is_set():
+                self._callbacks.append(fn)
+                return
+        _call_back(fn, self)
 
     def wait(self, timeout: float | None = None, stream: Any = None) -> Any:
         """Block until complete; `timeout=None` means the job's default (SMDDP_TIMEOUT_S).
@@ -153,7 +158,7 @@ class Handle:
         to the collective, else the buffer's CUDA Array Interface stream, else the current stream
         (torch's for a torch tensor, the device runtime's otherwise) of the thread calling wait().
         """
-        t = self._client.config.timeout_s if timeout is None else timeout
+        t = self._default_timeout_s if timeout is None else timeout
         if not self._event.wait(t):
             raise CollectiveTimeoutError(
                 f"collective #{self.seq} ({self.kind.label}, {self.dtype.label}, count={self.count}) "
@@ -161,24 +166,36 @@ class Handle:
             )
         if self._error is not None:
             raise type(self._error)(str(self._error))
-        plan = self._device
-        if plan is not None and plan.done is not None:
-            self._client._order_result(plan, None if stream is None else stream_handle(stream))
+        plan, io = self._device, self._io
+        if plan is not None and plan.done is not None and io is not None:
+            consumer = io.consumer_stream(plan) if stream is None else stream_handle(stream)
+            io.stream_wait(consumer, plan.done, plan.device)
         return self._result
 
     def synchronize(self, timeout: float | None = None) -> Any:
         """wait(), then block the host until a device result is in device memory (any stream may read it)."""
         result = self.wait(timeout)
-        plan = self._device
-        if plan is not None and plan.done is not None:
-            self._client._host_wait(plan.done)
+        plan, io = self._device, self._io
+        if plan is not None and plan.done is not None and io is not None:
+            io.host_wait(plan.done)
         return result
 
     def _finish(self, result: Any = None, error: SmddpError | None = None) -> None:
         self._result = result
         self._error = error
         self._keepalive = None
-        self._event.set()
+        with self._lock:
+            self._event.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            _call_back(fn, self)
+
+
+def _call_back(fn: Callable[[Handle], None], handle: Handle) -> None:
+    try:
+        fn(handle)
+    except Exception:  # a caller's callback must not stop the reader that finished the handle
+        log.exception("smddp: a done-callback of collective #%d raised", handle.seq)
 
 
 class PipelinedHandle(Handle):
@@ -187,16 +204,31 @@ class PipelinedHandle(Handle):
     def __init__(self, pieces: list[Handle], count: int, result: Any) -> None:
         first = pieces[0]
         super().__init__(
-            first._client, first.seq, first.kind, first.dtype, count, lambda _r: result, None, None
+            first.seq, first.kind, first.dtype, count, lambda _r: result, None, None, first._default_timeout_s
         )
         self.pieces = pieces
         self._result = result
+
+    def add_done_callback(self, fn: Callable[[Handle], None]) -> None:
+        """`fn(self)` once every piece has finished."""
+        left = [len(self.pieces)]
+        lock = threading.Lock()
+
+        def one(_piece: Handle) -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                fn(self)
+
+        for h in self.pieces:
+            h.add_done_callback(one)
 
     def done(self) -> bool:
         return all(h.done() for h in self.pieces)
 
     def wait(self, timeout: float | None = None, stream: Any = None) -> Any:
-        t = self._client.config.timeout_s if timeout is None else timeout
+        t = self._default_timeout_s if timeout is None else timeout
         deadline = time.monotonic() + t
         for h in self.pieces:
             try:
@@ -427,7 +459,9 @@ class Client:
             seq = self._next_seq
             self._next_seq += 1
             keep = device.keepalive if device is not None else (buf.keepalive if buf else None)
-            handle = Handle(self, seq, kind, dtype, count, deliver, slot, keep, device)
+            handle = Handle(
+                seq, kind, dtype, count, deliver, slot, keep, self.config.timeout_s, device, self._device
+            )
             handle.times = [t_start, time.time()]
             self._handles[seq] = handle
             h = Header(
@@ -472,7 +506,7 @@ class Client:
         with self._device_lock:
             if self._device is None:
                 self._check_open()
-                rt = load_runtime(self.config.device_runtime, self.config.standin_delay_s)
+                rt = load_runtime(self.config.device_runtime)
                 self._device = DeviceIO(rt, self._device_failed)
             return self._device
 
@@ -532,20 +566,6 @@ class Client:
             self._arena.free(slot)
             raise
 
-    def _order_result(self, plan: DevicePlan, stream: int | None) -> None:
-        io = self._device
-        assert io is not None
-        io.stream_wait(stream if stream is not None else io.consumer_stream(plan), plan.done, plan.device)
-
-    def _host_wait(self, event: Any) -> None:
-        io = self._device
-        assert io is not None
-        io.host_wait(event)
-
-    def _device_rt_done(self, event: Any) -> bool:
-        io = self._device
-        return io is None or io.rt.event_done(event)
-
     def _device_failed(self, err: SmddpError) -> None:
         """A device copy failed: fail here, and hang up so the daemon fails the job for every rank."""
         self._fail(err if isinstance(err, CollectiveError) else CollectiveError(f"rank {self.rank}: {err}"))
@@ -570,7 +590,8 @@ class Client:
             error: SmddpError | None = None
             if item.ready is not None:
                 try:
-                    self._host_wait(item.ready)
+                    assert self._device is not None  # a device copy-in made it
+                    self._device.host_wait(item.ready)
                 except SmddpError as e:
                     error = e
                 except Exception as e:

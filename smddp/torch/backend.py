@@ -12,15 +12,14 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import GroupName
 from torch.futures import Future
 
 import smddp
+from smddp.client.device.runtime import BUILTIN as BUILTIN_RUNTIMES
 from smddp.errors import CollectiveError, CollectiveTimeoutError, ConfigError, SmddpError
-from smddp.proto.dtypes import DType
 
 BACKEND_NAME = "smddp"
 log = logging.getLogger("smddp.torch")
@@ -67,6 +66,10 @@ class TraceEvent:
 # -- Work ----------------------------------------------------------------------------------------
 
 
+def _nothing() -> None:
+    pass
+
+
 class SmddpWork(dist.Work):
     """An in-flight smddp collective as a torch Work.
 
@@ -93,6 +96,9 @@ class SmddpWork(dist.Work):
         self._event: Any = None  # device Works: reached once the result is in the tensors
         self._error: BaseException | None = None
         self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._completing = False
+        self._unwatch: Callable[[], None] = _nothing  # the watchdog's, once it watches this Work
         self._base: Future[None] = self._device.future()
         self._future: Future[Any] = self._base.then(self._unwrap)
 
@@ -102,9 +108,15 @@ class SmddpWork(dist.Work):
         return self._result
 
     def _complete(self, error: BaseException | None) -> None:
+        """Complete once: the first of the handles' callback and the watchdog's timeout wins."""
+        with self._lock:
+            if self._completing:
+                return
+            self._completing = True
         if self._trace is not None:
             self._trace.done = time.perf_counter()
         self._error = error
+        self._unwatch()
         self._base.set_result(None)  # runs _unwrap: the chained future gets the value or the error
         self._done.set()
 
@@ -155,13 +167,103 @@ class SmddpWork(dist.Work):
 _Job = tuple[SmddpWork, list[smddp.Handle], Callable[[], None] | None, list[torch.Tensor]]
 
 
-class _Completer:
-    """One thread per process that waits for smddp handles in submission order and completes Works.
+def _complete_on_done(
+    work: SmddpWork, handles: list[smddp.Handle], finish: Callable[[], None] | None
+) -> None:
+    """Host tensors: complete `work` from the handles' done-callbacks, in the thread that finished the last.
 
-    smddp handles have no callbacks, and DDP waits on a torch Future in C++, so someone must turn a
-    finished handle into a completed future: this thread. Handles finish in sequence order, so a
-    FIFO costs nothing. Device Works finish on a side stream per device (`side`), never on the
-    caller's.
+    No thread hop: the client's reader delivers the result, runs `finish` (copies back into
+    non-contiguous tensors) and completes the torch future in one go.
+    """
+    left = [len(handles)]
+    lock = threading.Lock()
+
+    def one(_h: smddp.Handle | None) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0] > 0:
+                return
+        try:
+            for h in handles:
+                h.wait(0.0)  # all finished: raises the first one's error, if any
+            if finish is not None:
+                finish()
+        except BaseException as e:
+            work._complete(e)
+            return
+        work._complete(None)
+
+    if not handles:
+        one(None)
+        return
+    for h in handles:
+        h.add_done_callback(one)
+
+
+class _Watchdog:
+    """Fails host Works still running at their timeout, so that a torch future (which DDP waits on in
+    C++, with no timeout) ends with CollectiveTimeoutError instead of hanging on a stopped rank.
+
+    One thread per process, started on first use. It sleeps until the earliest deadline: it wakes
+    for no collective that completes in time. Works are kept per timeout value in submission
+    order (so, in deadline order), and leave as they complete.
+    """
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._by_timeout: dict[timedelta, dict[int, tuple[float, SmddpWork]]] = {}
+        self._thread: threading.Thread | None = None
+
+    def watch(self, work: SmddpWork) -> None:
+        deadline = time.monotonic() + work._timeout.total_seconds()
+        key = id(work)
+        with self._cv:
+            queue_ = self._by_timeout.setdefault(work._timeout, {})
+            first = not queue_
+            queue_[key] = (deadline, work)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="smddp-torch-watchdog", daemon=True)
+                self._thread.start()
+            elif first:
+                self._cv.notify()
+        work._unwatch = lambda: self._forget(work._timeout, key)
+
+    def _forget(self, timeout: timedelta, key: int) -> None:
+        with self._cv:
+            q = self._by_timeout.get(timeout)
+            if q is not None:
+                q.pop(key, None)
+
+    def _run(self) -> None:
+        while True:
+            expired: list[SmddpWork] = []
+            with self._cv:
+                now = time.monotonic()
+                earliest = None
+                for q in self._by_timeout.values():
+                    while q:
+                        key, (deadline, work) = next(iter(q.items()))
+                        if deadline > now:
+                            earliest = deadline if earliest is None else min(earliest, deadline)
+                            break
+                        del q[key]
+                        expired.append(work)
+                if not expired:
+                    self._cv.wait(None if earliest is None else earliest - now)
+            for work in expired:
+                work._complete(
+                    CollectiveTimeoutError(
+                        f"smddp {work.name} did not complete within {work._timeout.total_seconds():g}s"
+                    )
+                )
+
+
+class _Completer:
+    """One thread per process that completes device Works: waits for their handles in submission
+    order and finishes each on a side stream per device (`side`), never on the caller's.
+
+    Host Works need no thread (`_complete_on_done`); device ones do, because their copy-backs and
+    event records run on a stream the caller does not own.
     """
 
     def __init__(self) -> None:
@@ -201,11 +303,12 @@ class _Completer:
 
 
 class _CompleterHolder:
-    """The process's one completion thread, started on first use (the groups and the hook share it)."""
+    """The process's one completion thread and watchdog, started on first use (groups and hook share them)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.completer: _Completer | None = None
+        self.watchdog = _Watchdog()
 
     def get(self) -> _Completer:
         with self.lock:
@@ -219,6 +322,20 @@ _completer = _CompleterHolder()
 
 def _get_completer() -> _Completer:
     return _completer.get()
+
+
+def _queue_work(
+    work: SmddpWork,
+    handles: list[smddp.Handle],
+    finish: Callable[[], None] | None,
+    touched: list[torch.Tensor] | None,
+) -> None:
+    """Arrange for `work` to complete: by the handles' callbacks (host), or on the completer (device)."""
+    if work._device is _HOST:
+        _completer.watchdog.watch(work)
+        _complete_on_done(work, handles, finish)
+    else:
+        _get_completer().put(work, handles, finish, touched)
 
 
 # -- where a collective's tensors live ------------------------------------------------------------
@@ -306,41 +423,6 @@ class _CudaDevice(_Device):
             torch.cuda.current_stream(self.device).wait_event(work._event)
 
 
-class _StandinDevice(_Device):
-    """CPU tensors as the stand-in runtime's device memory (SMDDP_DEVICE_RUNTIME=standin), for tests.
-
-    The same route as CUDA: each tensor reaches smddp as a device buffer (an alias of its memory),
-    results come back by asynchronous copies, and `finish` runs on a side stream after them. torch
-    on CPU reads tensors without streams, so the completer then blocks until the side stream is
-    through, where CUDA would only record an event.
-    """
-
-    def __init__(self, rt: Any) -> None:
-        self.rt = rt
-        self.side_stream: int = _get_completer().side(rt, lambda: rt.new_stream(0))
-
-    def buf(self, t: torch.Tensor) -> Any:
-        if t.dtype == torch.bfloat16:
-            return self.rt.alias(t.view(torch.int16).numpy().view(np.uint16), wire=DType.BFLOAT16)
-        return self.rt.alias(t.numpy())
-
-    def complete(
-        self,
-        work: SmddpWork,
-        handles: list[smddp.Handle],
-        finish: Callable[[], None] | None,
-        touched: list[torch.Tensor],
-    ) -> None:
-        for h in handles:
-            h.wait(work._timeout.total_seconds(), stream=self.side_stream)
-        if finish is not None:
-            self.rt.launch(self.side_stream, finish)
-        ev = self.rt.new_event(0)
-        self.rt.record(ev, self.side_stream, 0)
-        self.rt.event_synchronize(ev)
-        work._complete(None)
-
-
 def _device_of(tensors: Sequence[torch.Tensor], what: str) -> _Device:
     """Where one call's tensors live: all on the host, or all on one CUDA device."""
     cuda = {t.device for t in tensors if t.device.type == "cuda"}
@@ -352,8 +434,13 @@ def _device_of(tensors: Sequence[torch.Tensor], what: str) -> _Device:
             )
         (device,) = cuda
         return _CudaDevice(device)
-    if tensors and smddp.client().config.device_runtime == "standin":
-        return _StandinDevice(smddp.client().device_runtime())
+    if tensors and smddp.client().config.device_runtime not in BUILTIN_RUNTIMES:
+        # A registered runtime whose device memory is host memory (smddp's test rigs' stand-in for
+        # CUDA) may claim CPU tensors with a `torch_device()` of its own.
+        claim = getattr(smddp.client().device_runtime(), "torch_device", None)
+        if claim is not None:
+            dev: _Device = claim()
+            return dev
     return _HOST
 
 
@@ -527,7 +614,6 @@ class ProcessGroupSmddp(dist.ProcessGroup):
         self._timeout = timeout
         self._side = side  # None: refuse what smddp does not run (groups made directly, in tests)
         self._subgroup = subgroup  # a group of some ranks: everything goes to the side group
-        self._completer = _get_completer()
         self.trace: list[TraceEvent] | None = None
 
     # -- identity
@@ -587,7 +673,7 @@ class ProcessGroupSmddp(dist.ProcessGroup):
             self.trace.append(trace)
         work = SmddpWork(name, result, self._timeout_of(opts), trace, device)
         handles = start(device)  # raises (nothing sent) on a bad argument, before the Work is queued
-        self._completer.put(work, handles, finish, list(tensors) if device is not _HOST else None)
+        _queue_work(work, handles, finish, list(tensors) if device is not _HOST else None)
         return work
 
     # -- collectives

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.futures import Future
 
 import smddp
-from smddp.torch.backend import BACKEND_NAME, SmddpWork, _device_of, _get_completer, register
+from smddp.torch.backend import BACKEND_NAME, SmddpWork, _device_of, _queue_work, register
 
 _TorchDDP = torch.nn.parallel.DistributedDataParallel
 _DDP_SIGNATURE = inspect.signature(_TorchDDP.__init__)
@@ -105,7 +105,7 @@ def allreduce_hook(state: Any, bucket: dist.GradBucket) -> Future[torch.Tensor]:
     device = _device_of([buf], "allreduce_hook")
     work = SmddpWork("allreduce_hook", buf, timedelta(seconds=smddp.client().config.timeout_s), device=device)
     handle = smddp.allreduce_async(device.buf(buf), smddp.AVG, **device.kw())
-    _get_completer().put(work, [handle], None, [buf])
+    _queue_work(work, [handle], None, [buf])
     return work.get_future()
 
 

@@ -85,8 +85,8 @@ def test_module_entry_point_prints_help():
 
 
 def test_target_checks_and_table():
-    from smddp.bench.benchmarks_md import _miss
-    from smddp.bench.targets import Check, target_table
+    from smddp_rigs.bench.benchmarks_md import _miss
+    from smddp_rigs.bench.targets import Check, target_table
 
     ok = Check("T1", "busbw", 0.95, 0.93, ">=", "Gbit/s", [0.94, 0.96])
     bad = Check("T4", "time ratio", 3.0, 2.0, "<=")

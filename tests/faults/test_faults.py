@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
+from smddp_rigs.simcluster import ClusterConfig, SimCluster, cleanup_stale
 
-from smddp.launcher.simcluster import ClusterConfig, SimCluster, cleanup_stale
 from tests.conftest import BIN, REPO, job_env
 
 pytestmark = pytest.mark.faults

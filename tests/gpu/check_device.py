@@ -26,7 +26,7 @@ class StandinDev:
     """Arrays of the client's stand-in runtime; `cai` hides DLPack so the CUDA Array Interface path runs."""
 
     def __init__(self, rt: Any, via: str) -> None:
-        from smddp.client.standin import CaiOnly
+        from smddp_rigs.standin import CaiOnly
 
         self.rt = rt
         self.via = via
@@ -166,8 +166,9 @@ class ForeignCai:
 
 def error_cases(rt: Any) -> dict[str, str]:
     """Bad device buffers are refused with a clear smddp error before anything is sent."""
+    from smddp_rigs.standin import CaiOnly, StandinRuntime
+
     import smddp
-    from smddp.client.standin import CaiOnly, StandinRuntime
 
     ok = rt.asarray(np.arange(8, dtype=np.float32))
     other = StandinRuntime()
@@ -216,7 +217,7 @@ def main() -> int:
     rank, world = smddp.rank(), smddp.size()
     result: dict[str, Any] = {"rank": rank, "world": world}
     if args.unavailable:
-        from smddp.client.standin import StandinRuntime
+        from smddp_rigs.standin import StandinRuntime
 
         own = StandinRuntime()  # not the client's: the client has to find a runtime itself
         result["refused"] = refused(smddp.allreduce_async, own.asarray(np.ones(4, np.float32)))

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from typing import Any
 
-from smddp.launcher.simcluster import SimCluster
+from smddp_rigs.simcluster import SimCluster
 
 PY = sys.executable
 

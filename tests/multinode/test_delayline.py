@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from smddp_rigs.simcluster import ClusterConfig, SimCluster, cleanup_stale, list_netns, list_root_links
 
-from smddp.launcher.simcluster import ClusterConfig, SimCluster, cleanup_stale, list_netns, list_root_links
 from tests.conftest import REPO, need_module, need_root
 from tests.multinode.netcheck import ECHO_CLIENT, ECHO_SERVER, bulk_tcp, serve_and_call
 from tests.multinode.test_jobs import CHECK, launch
@@ -28,7 +28,7 @@ DELAY_MS = 0.5
 
 def _need_root_and_extension() -> None:
     need_root("the delay-line tests")
-    need_module("smddp.launcher._delayline", "pip install -e . with a C compiler")
+    need_module("smddp_rigs._delayline", "pip install -e . with a C compiler")
 
 
 def _delaylines() -> list[int]:
@@ -42,7 +42,7 @@ def _delaylines() -> list[int]:
                 argv = f.read().split(b"\0")
         except OSError:
             continue
-        if b"smddp.launcher.delayline" in argv and any(f"/{PREFIX}-simcluster-".encode() in a for a in argv):
+        if b"smddp_rigs.delayline" in argv and any(f"/{PREFIX}-simcluster-".encode() in a for a in argv):
             found.append(int(d))
     return found
 
@@ -162,7 +162,7 @@ def test_down_stops_the_line_and_removes_everything():
 
 
 def test_cli_up_with_delay_then_down():
-    base = [PY, "-m", "smddp.launcher.simcluster"]
+    base = [PY, "-m", "smddp_rigs.simcluster"]
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([*base, *args], capture_output=True, text=True, timeout=60, cwd=REPO)
@@ -181,13 +181,13 @@ def test_cli_up_with_delay_then_down():
 
 
 def test_missing_extension_is_named(monkeypatch):
-    import smddp.launcher.delayline as dl
+    import smddp_rigs.delayline as dl
 
     def missing() -> object:
-        raise dl.DelayLineError("the compiled delay line smddp.launcher._delayline is not built (test)")
+        raise dl.DelayLineError("the compiled delay line smddp_rigs._delayline is not built (test)")
 
     monkeypatch.setattr(dl, "load_extension", missing)
-    from smddp.launcher.simcluster import SimClusterError
+    from smddp_rigs.simcluster import SimClusterError
 
     with pytest.raises(SimClusterError, match="_delayline is not built"):
         cluster(2).up()

@@ -10,8 +10,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from smddp_rigs.simcluster import ClusterConfig, SimCluster, cleanup_stale
 
-from smddp.launcher.simcluster import ClusterConfig, SimCluster, cleanup_stale
 from tests.conftest import BIN, REPO, job_env, need_root
 
 pytestmark = pytest.mark.multinode

@@ -11,8 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-from smddp.launcher.simcluster import (
+from smddp_rigs.simcluster import (
     ClusterConfig,
     SimCluster,
     SimClusterError,
@@ -20,6 +19,7 @@ from smddp.launcher.simcluster import (
     list_netns,
     list_root_links,
 )
+
 from tests.conftest import BIN, REPO, need_root
 from tests.multinode.netcheck import bulk_tcp
 
@@ -314,7 +314,7 @@ def test_agent_parses_ssh_options_and_quotes_like_ssh():
 
 
 def test_cli_up_exec_down():
-    base = [PY, "-m", "smddp.launcher.simcluster"]
+    base = [PY, "-m", "smddp_rigs.simcluster"]
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([*base, *args], capture_output=True, text=True, timeout=60, cwd=REPO)

@@ -15,11 +15,11 @@ from typing import Any
 
 import numpy as np
 import pytest
+from smddp_rigs.standin import StandinArray, StandinEvent, StandinRuntime
 
-from smddp.client.cupy_runtime import HOST_REGISTER_PORTABLE, HOST_REGISTER_READ_ONLY, CupyRuntime
-from smddp.client.device import read_cai, read_dlpack
-from smddp.client.device_io import DeviceIO
-from smddp.client.standin import StandinArray, StandinEvent, StandinRuntime
+from smddp.client.device.buffers import read_cai, read_dlpack
+from smddp.client.device.copies import DeviceIO
+from smddp.client.device.cupy_runtime import HOST_REGISTER_PORTABLE, HOST_REGISTER_READ_ONLY, CupyRuntime
 from smddp.errors import DeviceError
 
 

@@ -5,15 +5,15 @@ from __future__ import annotations
 import os
 
 import pytest
-
-from smddp.launcher.delayline import (
+from smddp_rigs.delayline import (
     MAX_DELAY_US,
     DelayLineConfig,
     DelayLineError,
     parse_args,
     summarize,
 )
-from smddp.launcher.simcluster import ClusterConfig, SimClusterError
+from smddp_rigs.simcluster import ClusterConfig, SimClusterError
+
 from tests.conftest import need_module
 
 
@@ -74,7 +74,7 @@ def test_cluster_config_delay():
 
 
 def _extension():
-    return need_module("smddp.launcher._delayline", "pip install -e . with a C compiler")
+    return need_module("smddp_rigs._delayline", "pip install -e . with a C compiler")
 
 
 def test_extension_checks_its_arguments_before_opening_anything():
@@ -108,8 +108,9 @@ def test_bench_topology_with_delay():
 
 
 def test_t2_is_checked_on_the_delayed_setup_only():
+    from smddp_rigs.bench.targets import SIM4D, T2_BYTES, checks
+
     from smddp.bench.runner import CaseResult, ImplRun
-    from smddp.bench.targets import SIM4D, T2_BYTES, checks
 
     def setup(times_ms: dict[str, list[float]]) -> dict:
         def run(impl: str, t: float) -> dict:

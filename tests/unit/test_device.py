@@ -12,19 +12,19 @@ import weakref
 import ml_dtypes
 import numpy as np
 import pytest
+from smddp_rigs.standin import CaiOnly, StandinRuntime
 
-from smddp.client.device import (
+from smddp.client.device.buffers import (
     DeviceBuffer,
     device_kind,
     library_stream,
-    load_runtime,
     read_cai,
     read_dlpack,
     stream_handle,
 )
-from smddp.client.device_io import DeviceIO, DevicePlan
+from smddp.client.device.copies import DeviceIO, DevicePlan
+from smddp.client.device.runtime import load_runtime, runtime_names
 from smddp.client.session import ClientConfig
-from smddp.client.standin import CaiOnly, StandinRuntime
 from smddp.errors import (
     ConfigError,
     DeviceError,
@@ -266,7 +266,7 @@ def test_dlpack_and_cai_read_every_dtype(rt, np_dtype, wire):
     s = rt.new_stream()
     d = read_dlpack(x, "buf", 0, s)
     assert (d.ptr, d.dtype, d.shape, d.count, d.device, d.via) == (x.ptr, wire, (3, 4), 12, 0, "dlpack")
-    assert d.nbytes == 12 * wire.itemsize and d.library == "smddp"
+    assert d.nbytes == 12 * wire.itemsize and d.library == "smddp_rigs"
     if wire is DType.BFLOAT16:
         assert d.result_dtype == np.uint16  # raw bits, as for a host DLPack bfloat16
         with pytest.raises(UnsupportedBufferError, match="__cuda_array_interface__ failed"):
@@ -367,17 +367,21 @@ def test_stream_handles():
             stream_handle(bad)
 
 
-def test_runtime_selection():
+def test_runtime_selection(monkeypatch):
     with pytest.raises(ConfigError, match="SMDDP_DEVICE_RUNTIME"):
         load_runtime("opencl")
     with pytest.raises(ConfigError, match="SMDDP_DEVICE_RUNTIME"):
         ClientConfig.from_env({"SMDDP_DEVICE_RUNTIME": "gpu"})
-    c = ClientConfig.from_env({"SMDDP_DEVICE_RUNTIME": "standin", "SMDDP_STANDIN_DELAY_MS": "2.5"})
-    assert c.device_runtime == "standin" and c.standin_delay_s == 0.0025
+    c = ClientConfig.from_env({"SMDDP_DEVICE_RUNTIME": "standin"})
+    assert c.device_runtime == "standin"
     assert ClientConfig.from_env({}).device_runtime == "auto"
-    r = load_runtime("standin", 0.001)
+    # The stand-in is not part of smddp: the registry finds it through the rigs' entry point, and it
+    # reads its own setting (SMDDP_STANDIN_DELAY_MS) itself.
+    assert runtime_names() == ["auto", "cupy", "standin"]
+    monkeypatch.setenv("SMDDP_STANDIN_DELAY_MS", "2.5")
+    r = load_runtime("standin")
     try:
-        assert isinstance(r, StandinRuntime) and r.copy_delay_s == 0.001
+        assert isinstance(r, StandinRuntime) and r.copy_delay_s == 0.0025
     finally:
         r.close()
 

@@ -141,8 +141,9 @@ class CupyRuntime:
         return arr, int(arr.data.ptr)
 
     def refuse(self, buf: Any) -> str | None:
-        if getattr(buf, "__smddp_standin__", None) is not None:
-            return "it is a stand-in array; set SMDDP_DEVICE_RUNTIME=standin to use the stand-in device"
+        other = getattr(buf, "__smddp_device_runtime__", None)
+        if isinstance(other, str) and other != self.name:
+            return f"it is memory of the {other!r} device runtime; set SMDDP_DEVICE_RUNTIME={other} to use it"
         return None
 
     def close(self) -> None:

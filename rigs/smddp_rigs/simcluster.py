@@ -7,7 +7,7 @@
 #   root namespace:      nothing, unless uplink: veth smddp-up = {subnet}.1/24, peer "uplink" on br0
 #
 # With ClusterConfig.delay_ms the switch namespace has no bridge: its ports are plain veths that a
-# forwarder process (smddp.launcher.delayline, compiled in _delayline.c) switches between, holding
+# forwarder process (smddp_rigs.delayline, compiled in _delayline.c) switches between, holding
 # every frame for delay_ms. This kernel has no netem qdisc, so the delay has to be made in userspace.
 # A frame crosses the switch once on its way from one node to another, so delay_ms is the one-way
 # delay between two nodes (and between a node and the root namespace's uplink), and a round trip
@@ -337,7 +337,7 @@ class SimCluster:
         # The delay line's process (delay_ms): a Popen when we started it, else a pid from the CLI's state.
         self._delayline: subprocess.Popen[bytes] | None = None
         self._delayline_pid: int | None = None
-        #: The delay line's counters (smddp.launcher.delayline.summarize), read when down() stopped it.
+        #: The delay line's counters (smddp_rigs.delayline.summarize), read when down() stopped it.
         self.delayline_stats: dict[str, Any] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -348,7 +348,7 @@ class SimCluster:
             return self
         cfg = self.config
         if cfg.delay_ms is not None:
-            from smddp.launcher.delayline import DelayLineError, load_extension
+            from smddp_rigs.delayline import DelayLineError, load_extension
 
             try:
                 load_extension()  # before anything is built: say at once why a delayed cluster cannot start
@@ -521,7 +521,7 @@ class SimCluster:
         if taken:
             raise SimClusterError(
                 f"already in use: {taken}; remove a crashed run's leftovers with "
-                f"cleanup_stale({cfg.prefix!r}) or `python -m smddp.launcher.simcluster down --prefix {cfg.prefix}`"
+                f"cleanup_stale({cfg.prefix!r}) or `python -m smddp_rigs.simcluster down --prefix {cfg.prefix}`"
             )
         if cfg.uplink:
             # A root route to (part of) our /24 would make the uplink's own route ambiguous.
@@ -552,7 +552,7 @@ class SimCluster:
             nodes[cfg.node_name(i)] = nodes[cfg.node_addr(i)] = (cfg.node_name(i), cfg.node_name(i))
         header = [
             f"#!{sys.executable}",
-            '"""ssh stand-in for a smddp SimCluster; written by smddp.launcher.simcluster."""',
+            '"""ssh stand-in for a smddp SimCluster; written by smddp_rigs.simcluster."""',
             f"NODES = {nodes!r}",
             f"HOSTS = {str(self.hosts_file_path())!r}",
             f"IP = {_tool('ip')!r}",
@@ -645,7 +645,7 @@ class SimCluster:
         }
         argv = [
             *(_tool("ip"), "netns", "exec", cfg.switch_ns),
-            *(sys.executable, "-m", "smddp.launcher.delayline"),
+            *(sys.executable, "-m", "smddp_rigs.delayline"),
             *("--ports", ",".join(cfg.switch_ports())),
             *("--delay-us", f"{cfg.delay_ms * 1000:g}"),
             *("--stats", str(self._delayline_stats_path())),
@@ -712,7 +712,7 @@ class SimCluster:
                 cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
             except OSError:
                 cmdline = b""
-            if b"smddp.launcher.delayline" in cmdline:
+            if b"smddp_rigs.delayline" in cmdline:
                 _end_pids([pid], DELAYLINE_STOP_S)
         else:
             return
@@ -730,7 +730,7 @@ class SimCluster:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m smddp.launcher.simcluster",
+        prog="python -m smddp_rigs.simcluster",
         description="A simulated multi-node cluster of network namespaces (needs root).",
     )
     sub = p.add_subparsers(dest="cmd", required=True)

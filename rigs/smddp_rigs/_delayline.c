@@ -1,7 +1,7 @@
 /* The simulated cluster's delay line: a learning Ethernet switch that holds every frame for a fixed time.
  *
  * This kernel has no netem (nor fq/etf), so SimCluster(ClusterConfig(delay_ms=...)) replaces its
- * bridge with this forwarder, run in the switch namespace by smddp.launcher.delayline. One AF_PACKET
+ * bridge with this forwarder, run in the switch namespace by smddp_rigs.delayline. One AF_PACKET
  * SOCK_RAW socket per port (a veth whose peer is a node's eth0, or the uplink):
  *
  * - every frame read from a port is stamped with its arrival time and queued in one FIFO; it is sent

@@ -7,7 +7,7 @@ round by round, so that slow periods of a shared machine hit all of them alike):
   T4 (4 KiB), T5 (float16/bfloat16).
 - `sim4d`: the same nodes and links with 0.5 ms one-way delay between any two nodes. T2 (256 KiB).
   This kernel has no netem, so the delay comes from SimCluster's delay line: the switch namespace
-  has no bridge, and a learning switch in C (smddp/launcher/_delayline.c) holds every frame for
+  has no bridge, and a learning switch in C (rigs/smddp_rigs/_delayline.c) holds every frame for
   0.5 ms before sending it on (never early; tests/multinode/test_delayline.py checks the round
   trip and the TCP rate it leaves, docs/performance.md has what they measured). Its cost is CPU on
   the benchmark's own cores, one read and one write of every frame (a GSO super-frame of up to
@@ -54,7 +54,7 @@ from smddp.bench.worker import Case
 MiB = 1 << 20
 ALL = ("T1", "T2", "T3", "T4", "T5", "T6")
 #: T1's busbw floor. The TCP payload ceiling of the shaped link is about 0.955 Gbit/s (one TCP stream
-#: through the tbf measured 0.960: `smddp-bench model --check` records it).
+#: through the tbf measured 0.960: `python -m smddp_rigs.bench model --check` records it).
 T1_BUSBW_GBIT = 0.93
 
 SIM4 = Topology(nodes=4, per_node=1, sim=True, rate_mbit=1000.0, burst="256kb")
@@ -133,7 +133,7 @@ def run_setup(
         for r in range(rounds):
             for impl, cs in cases.items():
                 print(
-                    f"smddp-bench targets: {topo.label()}: round {r + 1}/{rounds} {impl}",
+                    f"python -m smddp_rigs.bench targets: {topo.label()}: round {r + 1}/{rounds} {impl}",
                     file=log,
                     flush=True,
                 )

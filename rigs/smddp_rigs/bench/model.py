@@ -132,7 +132,7 @@ def link_bandwidth(p: Any, nbytes: int = 64 * MiB) -> float:
 
 def measure(cfg: ModelConfig, log: TextIO) -> dict[str, Any]:
     """4 KiB and `size` all-reduces of smddp and a forced ring at 2, 4, 8 nodes; the link; the kernel."""
-    from smddp.bench.targets import kernel_speed
+    from smddp_rigs.bench.targets import kernel_speed
 
     opts = RunOptions(repeats=cfg.repeats, prefix="smddpm", subnet="10.77.10")
     cases = [Case(4096, "float32", "sum"), Case(cfg.size, "float32", "sum")]
@@ -144,7 +144,7 @@ def measure(cfg: ModelConfig, log: TextIO) -> dict[str, Any]:
             if n == CHECK_NODES[0]:
                 link = [link_bandwidth(p) for _ in range(3)]
             for impl in ("smddp", "mpi-ring"):
-                print(f"smddp-bench model: {n} nodes {impl}", file=log, flush=True)
+                print(f"python -m smddp_rigs.bench model: {n} nodes {impl}", file=log, flush=True)
                 runs.setdefault(impl, {})[str(n)] = run_impl(impl, p, cases, log).to_json()
     return {"runs": runs, "link_bps": link, "kernel": kernel_speed()}
 
@@ -239,7 +239,7 @@ def run_model(cfg: ModelConfig, log: TextIO = sys.stderr) -> dict[str, Any]:
         src = Path(cfg.source or outdir / "model.json")
         if not src.exists():
             raise BenchError(
-                f"{src} missing: run `smddp-bench model --check` (root) to measure the parameters"
+                f"{src} missing: run `python -m smddp_rigs.bench model --check` (root) to measure the parameters"
             )
         res = json.loads(src.read_text())
         if res.get("size") != cfg.size:  # the checks were measured at another size

@@ -1,88 +1,24 @@
-"""Device (CUDA) memory on the client: the runtime interface, and reading CUDA buffers (CAI, DLPack) in place."""
+"""CUDA buffers read in place: the CUDA Array Interface and DLPack, and the caller's streams."""
 
 from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
-from smddp.client.buffers import check_contiguous, dl_tensor
-from smddp.errors import ConfigError, InvalidArgumentError, UnsupportedBufferError
+from smddp.client.device.dlpack import (
+    KDL_CUDA,
+    KDL_CUDA_MANAGED,
+    KDL_ROCM,
+    SUPPORTED,
+    check_contiguous,
+    dl_tensor,
+)
+from smddp.client.device.runtime import DeviceRuntime
+from smddp.errors import InvalidArgumentError, UnsupportedBufferError
 from smddp.proto.dtypes import DType, dtype_from_numpy
-
-SUPPORTED = "float16, bfloat16, float32, float64, int32, int64, uint8"
-RUNTIMES = ("auto", "cupy", "standin")
-
-KDL_CUDA = 2
-KDL_CUDA_MANAGED = 13
-_KDL_ROCM = 10
-# CUDA's special stream handles (also the values the CUDA Array Interface and DLPack use for them).
-STREAM_LEGACY = 1
-STREAM_PER_THREAD = 2
-
-
-class DeviceRuntime(Protocol):
-    """What smddp needs from a CUDA runtime. Streams are raw handles (cudaStream_t as int), events opaque.
-
-    `CupyRuntime` drives a real GPU; `StandinRuntime` is the numpy-backed test double with the same
-    semantics (asynchronous in-order streams, events, pinned-host bookkeeping).
-    """
-
-    name: str
-
-    def device_count(self) -> int: ...
-
-    def describe(self, device: int) -> str:
-        """The device's name, for reports ("NVIDIA H100 80GB HBM3")."""
-        ...
-
-    def pointer_device(self, ptr: int) -> int:
-        """The device that owns device pointer `ptr` (the CUDA Array Interface does not say)."""
-        ...
-
-    def current_stream(self, device: int) -> int:
-        """The calling thread's current stream on `device` (the runtime's own notion of it)."""
-        ...
-
-    def new_stream(self, device: int) -> int:
-        """A new non-blocking stream on `device`, owned (and destroyed at close) by the runtime."""
-        ...
-
-    def new_event(self, device: int) -> Any: ...
-
-    def record(self, event: Any, stream: int, device: int) -> None: ...
-
-    def wait_event(self, stream: int, event: Any, device: int) -> None:
-        """Later work on `stream` waits for the event's last record (the host does not block)."""
-        ...
-
-    def event_synchronize(self, event: Any) -> None:
-        """Block the calling thread until the event's last record has been reached."""
-        ...
-
-    def event_done(self, event: Any) -> bool: ...
-
-    def register_host(self, ptr: int, nbytes: int, readonly: bool) -> None:
-        """Page-lock host memory so that copies to and from it are asynchronous DMA."""
-        ...
-
-    def unregister_host(self, ptr: int) -> None: ...
-
-    def copy_d2h(self, dst: int, src: int, nbytes: int, stream: int, device: int) -> None: ...
-
-    def copy_h2d(self, dst: int, src: int, nbytes: int, stream: int, device: int) -> None: ...
-
-    def new_array(self, shape: tuple[int, ...], dtype: np.dtype, device: int) -> tuple[Any, int]:
-        """A new device array of the runtime's own kind (for results smddp allocates), and its address."""
-        ...
-
-    def refuse(self, buf: Any) -> str | None:
-        """Why this runtime cannot use buffer `buf` (another runtime's memory), or None."""
-        ...
-
-    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -123,7 +59,7 @@ def device_kind(buf: Any) -> tuple[str, int] | None:
             dev_type, dev_id = None, -1
         if dev_type in (KDL_CUDA, KDL_CUDA_MANAGED):
             return "dlpack", int(dev_id)
-        if dev_type == _KDL_ROCM:
+        if dev_type == KDL_ROCM:
             raise UnsupportedBufferError(
                 "buffer: the tensor lives on a ROCm device; smddp's device path is CUDA"
             )
@@ -256,16 +192,3 @@ def library_stream(rt: DeviceRuntime, library: str, device: int) -> int:
         if torch is not None:
             return int(torch.cuda.current_stream(device).cuda_stream)
     return rt.current_stream(device)
-
-
-def load_runtime(name: str, standin_delay_s: float = 0.0) -> DeviceRuntime:
-    """The device runtime `name` ("auto" means CuPy); raises DeviceUnavailableError naming what is missing."""
-    if name not in RUNTIMES:
-        raise ConfigError(f"SMDDP_DEVICE_RUNTIME={name!r}: expected one of {', '.join(RUNTIMES)}")
-    if name == "standin":
-        from smddp.client.standin import StandinRuntime
-
-        return StandinRuntime(copy_delay_s=standin_delay_s)
-    from smddp.client.cupy_runtime import CupyRuntime
-
-    return CupyRuntime()

@@ -1,8 +1,8 @@
-"""The simulated cluster's delay line: `python -m smddp.launcher.delayline --ports p0,p1 --delay-us 500`."""
+"""The simulated cluster's delay line: `python -m smddp_rigs.delayline --ports p0,p1 --delay-us 500`."""
 
 # This kernel has no netem, so a SimCluster with ClusterConfig.delay_ms runs this in its switch
 # namespace instead of a bridge: a learning switch over one AF_PACKET socket per port that holds every
-# frame for the delay (smddp/launcher/_delayline.c has the details). The process runs until SIGTERM or
+# frame for the delay (rigs/smddp_rigs/_delayline.c has the details). The process runs until SIGTERM or
 # SIGINT, then prints its counters to stderr (and to --stats as JSON) and exits 0.
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class DelayLineConfig:
 
 def parse_args(argv: Sequence[str]) -> DelayLineConfig:
     p = argparse.ArgumentParser(
-        prog="python -m smddp.launcher.delayline",
+        prog="python -m smddp_rigs.delayline",
         description="A learning Ethernet switch that delays every frame (run in a SimCluster's switch namespace).",
     )
     p.add_argument("--ports", required=True, help="comma-separated interfaces: p0,p1,...,uplink")
@@ -90,10 +90,10 @@ def parse_args(argv: Sequence[str]) -> DelayLineConfig:
 def load_extension() -> ModuleType:
     """The compiled forwarder, or DelayLineError saying how to get it."""
     try:
-        return importlib.import_module("smddp.launcher._delayline")
+        return importlib.import_module("smddp_rigs._delayline")
     except ImportError as e:
         raise DelayLineError(
-            f"the compiled delay line smddp.launcher._delayline is not built ({e}); it needs Linux and a "
+            f"the compiled delay line smddp_rigs._delayline is not built ({e}); it needs Linux and a "
             "C compiler: `pip install -e .` or `python setup.py build_ext --inplace`"
         ) from e
 

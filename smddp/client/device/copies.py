@@ -11,7 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from smddp.client.device import DeviceBuffer, DeviceRuntime, library_stream
+from smddp.client.device.buffers import DeviceBuffer, library_stream
+from smddp.client.device.runtime import DeviceRuntime
 from smddp.errors import DeviceError, SmddpError
 
 log = logging.getLogger("smddp.client")

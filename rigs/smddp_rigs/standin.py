@@ -6,6 +6,7 @@ import bisect
 import contextlib
 import ctypes
 import itertools
+import os
 import queue
 import threading
 import time
@@ -15,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from smddp.client.buffers import _DL_DTYPES, _DLDataType, _DLDevice, _DLTensor
-from smddp.client.device import KDL_CUDA, STREAM_LEGACY, STREAM_PER_THREAD
+from smddp.client.device.dlpack import CAPSULE_NAME, DL_DTYPES, KDL_CUDA, DLDataType, DLDevice, DLTensor
+from smddp.client.device.runtime import STREAM_LEGACY, STREAM_PER_THREAD
 from smddp.errors import DeviceError
 from smddp.proto.dtypes import DType, dtype_from_numpy
 
@@ -26,7 +27,7 @@ _DEVICE_BASE = 0xD000_0000_0000_0000
 _ALIGN = 256
 _GUARD = 1 << 20  # address gap between allocations: an overrun lands on no allocation
 _UNSET = 0xA5  # fresh allocations hold this byte, as cudaMalloc'd memory holds garbage
-_DL_CODES = {dt: code for code, dt in _DL_DTYPES.items()}
+_DL_CODES = {dt: code for code, dt in DL_DTYPES.items()}
 _NUMPY_DL_CODES = {"i": 0, "u": 1, "f": 2, "c": 5, "b": 6}
 
 
@@ -88,6 +89,11 @@ class _Stream:
     def stop(self) -> None:
         self._q.put(None)
         self._thread.join(timeout=10.0)
+
+
+def make_runtime() -> StandinRuntime:
+    """The registry's factory (entry point smddp.device_runtimes:standin); SMDDP_STANDIN_DELAY_MS delays every copy."""
+    return StandinRuntime(copy_delay_s=float(os.environ.get("SMDDP_STANDIN_DELAY_MS", "0") or 0) / 1000.0)
 
 
 class StandinRuntime:
@@ -410,6 +416,12 @@ class StandinRuntime:
         """A kernel that keeps `stream` busy for `seconds` (a long compute kernel)."""
         self.launch(stream, lambda: time.sleep(seconds), device=device)
 
+    def torch_device(self) -> Any:
+        """The smddp torch backend's device for CPU tensors under this runtime (it claims them all)."""
+        from smddp_rigs.standin_torch import StandinTorchDevice
+
+        return StandinTorchDevice(self)
+
     def close(self) -> None:
         with self._lock:
             if self._closed:
@@ -447,6 +459,8 @@ class StandinArray:
         self.strides = strides  # in elements; None: C-contiguous
         self.wire = wire if wire is not None else dtype_from_numpy(dtype)
         self._owner = owner  # a view keeps the allocation's owner alive
+
+    __smddp_device_runtime__ = "standin"
 
     @property
     def __smddp_standin__(self) -> StandinRuntime:
@@ -555,6 +569,8 @@ class CaiOnly:
         self._stream = stream
         self._version = version
 
+    __smddp_device_runtime__ = "standin"
+
     @property
     def __smddp_standin__(self) -> StandinRuntime:
         return self._arr.runtime
@@ -575,7 +591,7 @@ class CaiOnly:
 
 class _DLManagedTensor(ctypes.Structure):
     _fields_ = [
-        ("dl_tensor", _DLTensor),
+        ("dl_tensor", DLTensor),
         ("manager_ctx", ctypes.c_void_p),
         ("deleter", ctypes.CFUNCTYPE(None, ctypes.c_void_p)),
     ]
@@ -593,7 +609,7 @@ _capsule_get_context = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(
 )
 _incref = ctypes.PYFUNCTYPE(None, ctypes.py_object)(("Py_IncRef", ctypes.pythonapi))
 _decref = ctypes.PYFUNCTYPE(None, ctypes.py_object)(("Py_DecRef", ctypes.pythonapi))
-_DLTENSOR_NAME = b"dltensor"  # lives as long as the module: the capsule keeps a pointer to it
+_DLTENSOR_NAME = CAPSULE_NAME  # lives as long as the module: the capsule keeps a pointer to it
 
 
 def _release_capsule(capsule: int) -> None:
@@ -614,13 +630,13 @@ def _capsule(arr: StandinArray) -> Any:
     mt = _DLManagedTensor()
     t = mt.dl_tensor
     t.data = arr.ptr if arr.size else 0
-    t.device = _DLDevice(KDL_CUDA, arr.device_id)
+    t.device = DLDevice(KDL_CUDA, arr.device_id)
     t.ndim = ndim
     if arr.wire is not None:
         code, bits = _DL_CODES[arr.wire]
     else:
         code, bits = _NUMPY_DL_CODES.get(arr.dtype.kind, 7), arr.dtype.itemsize * 8
-    t.dtype = _DLDataType(code, bits, 1)
+    t.dtype = DLDataType(code, bits, 1)
     t.shape = ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64))
     t.strides = ctypes.cast(strides, ctypes.POINTER(ctypes.c_int64)) if strides is not None else None
     t.byte_offset = 0
