@@ -54,6 +54,11 @@ multiprocess: $(STAMP)
 test: lint typecheck $(STAMP)
 	$(BIN)/pytest -q -ra tests
 
+# docs/configuration.md is generated from the settings table (tests/unit/test_settings.py checks it).
+.PHONY: configuration-doc
+configuration-doc: $(STAMP)
+	$(BIN)/python -c 'from smddp.settings import markdown; print(markdown(), end="")' > docs/configuration.md
+
 clean:
 	rm -rf $(VENV) $(DEMO_VENV) *.egg-info rigs/*.egg-info rigs/build .pytest_cache .mypy_cache .ruff_cache build smddp/daemon/*.so rigs/smddp_rigs/*.so
 

@@ -7,6 +7,7 @@ import shlex
 import sys
 
 from smddp.bench.runner import IMPLS, BenchError, RunOptions, Topology
+from smddp.settings import default
 
 
 def parse_size(text: str) -> int:
@@ -26,10 +27,13 @@ def common_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds before them")
     p.add_argument("--rounds", type=int, default=None, help="launches per implementation, interleaved")
     p.add_argument("--out", default="bench-results", help="output directory")
-    p.add_argument("--chunk-kb", type=int, default=1024, help="smddp-launch --chunk-kb")
-    p.add_argument("--threads", type=int, default=2, help="smddp-launch --threads")
-    p.add_argument("--replicate-kb", type=int, default=256, help="smddp-launch --replicate-kb")
-    p.add_argument("--pipeline-kb", type=int, default=8192, help="smddp-launch --pipeline-kb")
+    for name, flag in (
+        ("chunk_kb", "--chunk-kb"),
+        ("threads", "--threads"),
+        ("replicate_kb", "--replicate-kb"),
+        ("pipeline_kb", "--pipeline-kb"),
+    ):
+        p.add_argument(flag, dest=name, type=int, default=default(name), help=f"smddp-launch {flag}")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per launch")
     p.add_argument("--prefix", default="smddpb", help="simulated cluster name prefix")
     p.add_argument("--subnet", default="10.77.9", help="simulated cluster subnet (three octets)")

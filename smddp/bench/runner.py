@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from smddp.bench.worker import ITEMSIZE, Case
+from smddp.settings import default
 
 #: Every implementation the bench knows; "mpi-ring" is Open MPI with the ring algorithm forced.
 IMPLS = ("smddp", "mpi", "mpi-ring", "gloo")
@@ -79,10 +80,10 @@ class RunOptions:
     warmup: int = 1
     budget_bytes: int = 4 << 20  # bytes moved per timed round at most (small sizes loop)
     max_iters: int = 50
-    chunk_kb: int = 1024  # smddp-launch --chunk-kb
-    threads: int = 2  # smddp-launch --threads (daemon reduction threads)
-    replicate_kb: int = 256  # smddp-launch --replicate-kb (small all-reduces: one network step)
-    pipeline_kb: int = 8192  # smddp-launch --pipeline-kb (large all-reduces in pieces, several nodes)
+    chunk_kb: int = default("chunk_kb")  # smddp-launch's settings (smddp.settings)
+    threads: int = default("threads")
+    replicate_kb: int = default("replicate_kb")
+    pipeline_kb: int = default("pipeline_kb")
     torch_threads: int = 1  # gloo ranks: torch.set_num_threads
     progress: str = ""  # worker rank 0 writes its completed all-reduces here (smddp-bench profile)
     timeout_s: float = 900.0

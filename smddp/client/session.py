@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from smddp import settings
 from smddp.client.buffers import BufferView, PartsView
 from smddp.client.device.buffers import DeviceBuffer, device_kind, read_cai, read_dlpack, stream_handle
 from smddp.client.device.copies import DeviceIO, DevicePlan
@@ -36,6 +37,7 @@ from smddp.errors import (
 )
 from smddp.proto.dtypes import DType, Kind, ReduceOp
 from smddp.proto.frames import Header, MsgType, Role
+from smddp.settings import default
 from smddp.transport.auth import client_handshake
 from smddp.transport.bootstrap import Membership, Placement, default_socket_dir, job_dir, join_job
 from smddp.transport.conn import Connection, ConnectionClosed
@@ -45,43 +47,41 @@ NO_SEGMENT = 2**32 - 1
 # Results up to this many bytes in all may wait for the next frame to be RELEASEd (Client._release).
 RELEASE_BATCH_BYTES = 256 << 10
 log = logging.getLogger("smddp.client")
+KiB, MiB = 1 << 10, 1 << 20
 
 
 @dataclass(frozen=True)
 class ClientConfig:
-    """The worker's knobs; `from_env` reads what smddp-launch exported."""
+    """The worker's knobs; `from_env` reads what smddp-launch exported (declared in smddp.settings)."""
 
-    timeout_s: float = 600.0  # default for wait(timeout=None) and shutdown
-    arena_bytes: int = 256 << 20  # first input segment; pages are touched only when used
-    fusion_bytes: int = 64 << 20  # fusion-buffer size the framework front ends use
+    timeout_s: float = default("timeout_s")  # default for wait(timeout=None) and shutdown
+    arena_bytes: int = 256 << 20  # first input segment (from_env: twice the fusion buffer, 64 MiB at least)
+    fusion_bytes: int = int(default("fusion_mb") * MiB)
     # In a job of several nodes, a host all-reduce larger than this goes as consecutive pieces of at
     # most this size, so the daemon starts on the first while this rank copies the next, and results
-    # are copied out while later pieces are in flight (0 = never). Every rank must use the same value
-    # (smddp-launch sets it).
-    pipeline_bytes: int = 8 << 20
-    connect_timeout_s: float = 60.0
-    heartbeat_timeout_s: float = 20.0  # the daemon beats every quarter of this; silence fails the job
-    timeline_dir: str = ""  # write this rank's Chrome trace events here at shutdown ("" = off)
-    log_level: str = "WARNING"
-    job_id_hex: str = ""
-    device_runtime: str = "auto"  # for CUDA buffers: auto (CuPy), cupy, or standin (numpy-backed, for tests)
+    # are copied out while later pieces are in flight (0 = never). Every rank must use the same value.
+    pipeline_bytes: int = default("pipeline_kb") * KiB
+    connect_timeout_s: float = 60.0  # fixed: how long a worker waits for its daemon's job.json
+    heartbeat_timeout_s: float = default("heartbeat_timeout_s")  # the daemon beats every quarter of this
+    timeline_dir: str = default("timeline_dir")
+    log_level: str = default("log_level")
+    job_id_hex: str = default("job_id")
+    device_runtime: str = default("device_runtime")
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None) -> ClientConfig:
-        e = os.environ if env is None else env
-        fusion = int(float(e.get("SMDDP_FUSION_MB", "64")) * (1 << 20))
-        runtime = e.get("SMDDP_DEVICE_RUNTIME", "auto") or "auto"
-        check_runtime_name(runtime)
+    def from_env(cls, env: Mapping[str, str] | None = None) -> ClientConfig:
+        v = settings.from_env(settings.WORKER, env)
+        fusion = int(v["fusion_mb"] * MiB)
         return cls(
-            timeout_s=float(e.get("SMDDP_TIMEOUT_S", "600")),
+            timeout_s=v["timeout_s"],
             arena_bytes=max(fusion * 2, 64 << 20),
             fusion_bytes=fusion,
-            pipeline_bytes=int(float(e.get("SMDDP_PIPELINE_KB", "8192")) * 1024),
-            heartbeat_timeout_s=float(e.get("SMDDP_HEARTBEAT_TIMEOUT_S", "20")),
-            timeline_dir=e.get("SMDDP_TIMELINE_DIR", ""),
-            log_level=e.get("SMDDP_LOG_LEVEL", "WARNING"),
-            job_id_hex=e.get("SMDDP_JOB_ID", ""),
-            device_runtime=runtime,
+            pipeline_bytes=int(v["pipeline_kb"] * KiB),
+            heartbeat_timeout_s=v["heartbeat_timeout_s"],
+            timeline_dir=v["timeline_dir"],
+            log_level=v["log_level"],
+            job_id_hex=v["job_id"],
+            device_runtime=check_runtime_name(v["device_runtime"] or "auto"),
         )
 
 

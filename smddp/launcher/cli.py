@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from smddp import settings
 from smddp.errors import ConfigError
 from smddp.launcher.hosts import Host
 
@@ -15,63 +16,9 @@ def _launch_parser() -> argparse.ArgumentParser:
         prog="smddp-launch",
         description="Run a data-parallel job: one smddp-daemon per node plus W workers, through mpirun.",
         usage="smddp-launch -np W [options] -- COMMAND [ARGS ...]",
+        epilog="Every setting, its environment variable and default: docs/configuration.md.",
     )
-    p.add_argument(
-        "-np", "--np", type=int, default=0, help="number of worker processes W (default: one per host slot)"
-    )
-    p.add_argument("-H", "--hosts", default="", help="hosts and their worker slots: host1:G,host2:G")
-    p.add_argument("--hostfile", default="", help="Open MPI (host slots=G) or MPICH (host:G) hostfile")
-    p.add_argument("--iface", default="", help="network for smddp and mpirun traffic: interface name or CIDR")
-    p.add_argument(
-        "--launch-agent", default="", help="how mpirun starts processes on other hosts (default: ssh)"
-    )
-    p.add_argument(
-        "--local-nodes",
-        type=int,
-        default=1,
-        help="run N daemons on this host, each owning W/N workers, talking over loopback TCP",
-    )
-    p.add_argument("--fusion-mb", type=float, default=64.0, help="fusion buffer size for front ends (MiB)")
-    p.add_argument("--chunk-kb", type=int, default=1024, help="pipelining chunk (KiB)")
-    p.add_argument("--threads", type=int, default=2, help="reduction threads per daemon")
-    p.add_argument(
-        "--replicate-kb",
-        type=int,
-        default=256,
-        help="small all-reduces (KiB x (nodes - 1) at most this) skip the second network step; 0 = never",
-    )
-    p.add_argument(
-        "--pipeline-kb",
-        type=int,
-        default=8192,
-        help="in jobs of several nodes, workers send larger host all-reduces as pipelined pieces of this size (KiB); 0 = never",
-    )
-    p.add_argument("--timeout", type=float, default=600.0, help="default timeout of a blocking call (s)")
-    p.add_argument(
-        "--heartbeat-timeout",
-        type=float,
-        default=20.0,
-        help="a daemon silent this long counts as lost (frozen, link down) (s)",
-    )
-    p.add_argument(
-        "--stall-warning-s",
-        type=float,
-        default=60.0,
-        help="log collectives that wait longer, and for whom (s)",
-    )
-    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics: node n serves on PORT+n")
-    p.add_argument(
-        "--timeline",
-        default=os.environ.get("SMDDP_TIMELINE", ""),
-        help="write one Chrome/Perfetto trace of every collective on every rank and daemon to FILE",
-    )
-    p.add_argument("--log-level", default=os.environ.get("SMDDP_LOG_LEVEL", "WARNING"))
-    p.add_argument("--mpi-args", default="", help="extra arguments for mpirun, as one string")
-    p.add_argument("--mpirun", default="", help="the mpirun to use (default: the one beside this Python)")
-    p.add_argument("--dry-run", action="store_true", help="print the mpirun command and exit")
-    p.add_argument(
-        "--no-tag-output", action="store_true", help="do not prefix each worker's output lines with [rank R]"
-    )
+    settings.add_flags(p, settings.LAUNCH)
     p.add_argument("command", nargs=argparse.REMAINDER, help="the worker command, after --")
     return p
 
@@ -81,7 +28,11 @@ def launch_main(argv: list[str] | None = None) -> int:
 
     from smddp.launcher.mpirun import LaunchConfig, launch
 
-    args = _launch_parser().parse_args(argv)
+    try:
+        args = _launch_parser().parse_args(argv)
+    except ConfigError as e:  # a bad value in a setting's environment variable
+        print(f"smddp-launch: {e}", file=sys.stderr)
+        return 2
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
@@ -99,12 +50,12 @@ def launch_main(argv: list[str] | None = None) -> int:
             threads=args.threads,
             replicate_kb=args.replicate_kb,
             pipeline_kb=args.pipeline_kb,
-            timeout_s=args.timeout,
-            heartbeat_timeout_s=args.heartbeat_timeout,
+            timeout_s=args.timeout_s,
+            heartbeat_timeout_s=args.heartbeat_timeout_s,
             stall_warning_s=args.stall_warning_s,
             metrics_port=args.metrics_port,
             timeline=args.timeline,
-            tag_output=not args.no_tag_output,
+            tag_output=args.tag_output,
             log_level=args.log_level,
             mpi_args=tuple(shlex.split(args.mpi_args)),
             dry_run=args.dry_run,
@@ -139,54 +90,30 @@ def daemon_main(argv: list[str] | None = None) -> int:
     from smddp.daemon import DaemonConfig, run
 
     p = argparse.ArgumentParser(
-        prog="smddp-daemon", description="The smddp node daemon (started by smddp-launch)."
+        prog="smddp-daemon",
+        description="The smddp node daemon (started by smddp-launch).",
+        epilog="Every setting, its environment variable and default: docs/configuration.md.",
     )
-    p.add_argument("--workers-per-node", type=int, default=1, help="G: the workers of each node")
-    p.add_argument("--chunk-kb", type=int, default=1024)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument(
-        "--replicate-kb",
-        type=int,
-        default=256,
-        help="all-reduces of at most this many KiB x (nodes - 1) take one network step (0 = never)",
-    )
-    p.add_argument(
-        "--iface",
-        default=os.environ.get("SMDDP_IFACE", ""),
-        help="interface name, CIDR or address to listen on for the other daemons",
-    )
-    p.add_argument("--socket-dir", default="")
-    p.add_argument("--connect-timeout", type=float, default=120.0)
-    p.add_argument("--heartbeat-timeout", type=float, default=20.0)
-    p.add_argument("--stall-warning", type=float, default=60.0)
-    p.add_argument("--metrics-port", type=int, default=0)
-    p.add_argument("--timeline-dir", default="")
-    p.add_argument("--log-level", default=os.environ.get("SMDDP_LOG_LEVEL", "WARNING"))
-    p.add_argument(
-        "--reduce-kernel",
-        choices=["auto", "compiled", "numpy"],
-        default=os.environ.get("SMDDP_REDUCE_KERNEL", "auto"),
-        help="how float16/bfloat16 are summed: the compiled kernel, numpy, or auto (compiled where built)",
-    )
-    args = p.parse_args(argv)
+    settings.add_flags(p, settings.DAEMON)
     try:
+        args = p.parse_args(argv)
         cfg = DaemonConfig(
-            local_size=args.workers_per_node,
+            local_size=args.local_size,
             chunk_bytes=args.chunk_kb * 1024,
             threads=args.threads,
             replicate_bytes=args.replicate_kb * 1024,
             iface=args.iface,
             socket_dir=args.socket_dir,
-            job_id_hex=os.environ.get("SMDDP_JOB_ID", ""),
-            connect_timeout_s=args.connect_timeout,
-            heartbeat_timeout_s=args.heartbeat_timeout,
-            stall_warning_s=args.stall_warning,
+            job_id_hex=settings.from_env(settings.DAEMON)["job_id"],
+            connect_timeout_s=args.connect_timeout_s,
+            heartbeat_timeout_s=args.heartbeat_timeout_s,
+            stall_warning_s=args.stall_warning_s,
             metrics_port=args.metrics_port,
             timeline_dir=args.timeline_dir,
             log_level=args.log_level,
             reduce_kernel=args.reduce_kernel,
         )
-    except ValueError as e:
+    except ConfigError as e:
         print(f"smddp-daemon: {e}", file=sys.stderr)
         return 2
     return run(cfg)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from smddp.errors import ConfigError
 from smddp.launcher.hosts import Host
 from smddp.launcher.worker_env import shell_status
+from smddp.settings import daemon_args, default, worker_env
 from smddp.transport.bootstrap import default_socket_dir
 
 
@@ -27,27 +28,27 @@ class LaunchConfig:
 
     np: int  # workers; 0 = one per slot of `hosts`
     command: tuple[str, ...]
-    local_nodes: int = 1
+    local_nodes: int = default("local_nodes")
     hosts: tuple[Host, ...] = ()  # empty = this host only
-    iface: str = ""  # interface name or CIDR for smddp's traffic and mpirun's own
-    launch_agent: str = ""  # mpirun's remote launch agent; "" = its default (ssh)
-    fusion_mb: float = 64.0
-    chunk_kb: int = 1024
-    threads: int = 2
-    replicate_kb: int = 256  # small all-reduces: one network step (smddp-daemon --replicate-kb)
-    pipeline_kb: int = 8192  # workers send larger host all-reduces as pieces of this size (0 = never)
-    timeout_s: float = 600.0
-    heartbeat_timeout_s: float = 20.0
-    stall_warning_s: float = 60.0
-    metrics_port: int = 0  # daemon of node n serves /metrics on port + n
-    timeline: str = ""  # write one Chrome trace of the whole job here
-    tag_output: bool = True  # prefix each worker's output lines with [rank R]
-    log_level: str = "WARNING"
+    iface: str = default("iface")
+    launch_agent: str = default("launch_agent")
+    fusion_mb: float = default("fusion_mb")
+    chunk_kb: int = default("chunk_kb")
+    threads: int = default("threads")
+    replicate_kb: int = default("replicate_kb")
+    pipeline_kb: int = default("pipeline_kb")
+    timeout_s: float = default("timeout_s")
+    heartbeat_timeout_s: float = default("heartbeat_timeout_s")
+    stall_warning_s: float = default("stall_warning_s")
+    metrics_port: int = default("metrics_port")  # daemon of node n serves /metrics on port + n
+    timeline: str = default("timeline")
+    tag_output: bool = default("tag_output")
+    log_level: str = default("log_level")
     mpi_args: tuple[str, ...] = ()
-    dry_run: bool = False
+    dry_run: bool = default("dry_run")
     # $SMDDP_JOB_ID names the job (to find it later); otherwise a fresh random id.
     job_id: str = field(default_factory=lambda: os.environ.get("SMDDP_JOB_ID") or secrets.token_hex(16))
-    mpirun: str = ""  # "" finds the mpirun of the PyPI Open MPI beside this Python
+    mpirun: str = default("mpirun")
 
     def __post_init__(self) -> None:
         if self.np < 0 or (self.np == 0 and not self.hosts):
@@ -142,23 +143,20 @@ def build_commands(cfg: LaunchConfig) -> Commands:
     nodes = len(cfg.hosts) if cfg.hosts else cfg.local_nodes
     daemon = [
         *daemon_command(),
-        "--workers-per-node",
-        str(g),
-        "--chunk-kb",
-        str(cfg.chunk_kb),
-        "--threads",
-        str(cfg.threads),
-        "--replicate-kb",
-        str(cfg.replicate_kb),
-        "--log-level",
-        cfg.log_level,
-        "--heartbeat-timeout",
-        f"{cfg.heartbeat_timeout_s:g}",
-        "--stall-warning",
-        f"{cfg.stall_warning_s:g}",
-        *(["--metrics-port", str(cfg.metrics_port)] if cfg.metrics_port else []),
-        *(["--timeline-dir", timeline_parts(cfg.timeline)] if cfg.timeline else []),
-        *(["--iface", cfg.iface] if cfg.iface else []),
+        *daemon_args(
+            {
+                "local_size": g,
+                "iface": cfg.iface,
+                "chunk_kb": cfg.chunk_kb,
+                "threads": cfg.threads,
+                "replicate_kb": cfg.replicate_kb,
+                "heartbeat_timeout_s": cfg.heartbeat_timeout_s,
+                "stall_warning_s": cfg.stall_warning_s,
+                "metrics_port": cfg.metrics_port,
+                "timeline_dir": timeline_parts(cfg.timeline) if cfg.timeline else "",
+                "log_level": cfg.log_level,
+            }
+        ),
     ]
     master = cfg.hosts[0].name if cfg.hosts else "127.0.0.1"
     worker = _with_worker_env(cfg.command, nodes, g, master, cfg.tag_output)
@@ -184,15 +182,17 @@ def _common_options(cfg: LaunchConfig) -> list[str]:
         # MPI carries only the bootstrap's few small messages: TCP does that, and Open MPI's
         # shared-memory transport would leave its /dev/shm segment behind if a process were killed.
         cmd += ["--mca", "btl", "self,tcp"]
-    env = {
-        "SMDDP_JOB_ID": cfg.job_id,
-        "SMDDP_FUSION_MB": f"{cfg.fusion_mb:g}",
-        "SMDDP_PIPELINE_KB": str(cfg.pipeline_kb),
-        "SMDDP_TIMEOUT_S": f"{cfg.timeout_s:g}",
-        "SMDDP_HEARTBEAT_TIMEOUT_S": f"{cfg.heartbeat_timeout_s:g}",
-        **({"SMDDP_TIMELINE_DIR": timeline_parts(cfg.timeline)} if cfg.timeline else {}),
-        "SMDDP_LOG_LEVEL": cfg.log_level,
-    }
+    env = worker_env(
+        {
+            "job_id": cfg.job_id,
+            "fusion_mb": cfg.fusion_mb,
+            "pipeline_kb": cfg.pipeline_kb,
+            "timeout_s": cfg.timeout_s,
+            "heartbeat_timeout_s": cfg.heartbeat_timeout_s,
+            **({"timeline_dir": timeline_parts(cfg.timeline)} if cfg.timeline else {}),
+            "log_level": cfg.log_level,
+        }
+    )
     for k, v in env.items():
         cmd += ["-x", f"{k}={v}"]
     if cfg.launch_agent:

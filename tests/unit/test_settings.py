@@ -1,0 +1,115 @@
+"""The settings table: the configs, the flags, the environment and docs/configuration.md all come from it."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from smddp import settings
+from smddp.client.session import ClientConfig
+from smddp.daemon.config import DaemonConfig
+from smddp.errors import ConfigError
+from smddp.launcher.cli import _launch_parser
+from smddp.launcher.mpirun import LaunchConfig, build_commands
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_configuration_doc_is_the_table():
+    doc = (REPO / "docs" / "configuration.md").read_text()
+    assert doc == settings.markdown(), "docs/configuration.md is stale: run `make configuration-doc`"
+    for s in settings.SETTINGS:
+        assert f"| {s.name} |" in doc
+
+
+def test_names_flags_and_env_are_unique():
+    names = [s.name for s in settings.SETTINGS]
+    assert len(names) == len(set(names))
+    for program in (settings.LAUNCH, settings.DAEMON):
+        flags = [f for s in settings.SETTINGS if program in s.programs for f in s.flags]
+        assert len(flags) == len(set(flags)), program
+    envs = [s.env for s in settings.SETTINGS if s.env]
+    assert len(envs) == len(set(envs)) and all(e.startswith("SMDDP_") for e in envs)
+
+
+def test_config_defaults_are_the_tables():
+    launch = LaunchConfig(np=1, command=("true",))
+    daemon, client = DaemonConfig(), ClientConfig()
+    fields = {f.name for f in dataclasses.fields(LaunchConfig)} - {"np", "job_id", "hosts", "mpi_args"}
+    for s in settings.SETTINGS:
+        if settings.LAUNCH in s.programs and s.name in fields:  # (hosts, mpi_args: parsed into tuples)
+            assert getattr(launch, s.name) == s.default, s.name
+    assert daemon.chunk_bytes == settings.default("chunk_kb") * 1024
+    assert daemon.replicate_bytes == settings.default("replicate_kb") * 1024
+    for name in ("threads", "heartbeat_timeout_s", "connect_timeout_s", "stall_warning_s", "log_level"):
+        assert getattr(daemon, name) == settings.default(name), name
+    assert client.fusion_bytes == int(settings.default("fusion_mb") * (1 << 20))
+    assert client.pipeline_bytes == settings.default("pipeline_kb") * 1024
+    for name in ("timeout_s", "heartbeat_timeout_s", "log_level", "device_runtime"):
+        assert getattr(client, name) == settings.default(name), name
+
+
+def test_every_launch_flag_parses_to_its_setting():
+    p = _launch_parser()
+    dests = {a.dest for a in p._actions}
+    for s in settings.SETTINGS:
+        if settings.LAUNCH in s.programs and s.flags:
+            assert s.name in dests, s.name
+    a = p.parse_args(["-np", "2", "--heartbeat-timeout", "7.5", "--no-tag-output", "--", "x"])
+    assert a.np == 2 and a.heartbeat_timeout_s == 7.5 and a.tag_output is False
+    assert p.parse_args(["-np", "1", "x"]).tag_output is True
+
+
+def test_environment_is_the_flags_default_and_a_bad_value_is_named():
+    p = argparse.ArgumentParser()
+    settings.add_flags(p, settings.LAUNCH, env={"SMDDP_TIMEOUT_S": "42", "SMDDP_LOG_LEVEL": "DEBUG"})
+    a = p.parse_args([])
+    assert a.timeout_s == 42.0 and a.log_level == "DEBUG"
+    assert p.parse_args(["--timeout", "3"]).timeout_s == 3.0  # the flag wins over the environment
+    with pytest.raises(ConfigError, match=r"SMDDP_TIMEOUT_S='soon'"):
+        settings.add_flags(argparse.ArgumentParser(), settings.LAUNCH, env={"SMDDP_TIMEOUT_S": "soon"})
+    with pytest.raises(ConfigError, match=r"SMDDP_PIPELINE_KB='lots'"):
+        ClientConfig.from_env({"SMDDP_PIPELINE_KB": "lots"})
+    with pytest.raises(ConfigError, match=r"SMDDP_REDUCE_KERNEL='fast'.*auto, compiled, numpy"):
+        settings.from_env(settings.DAEMON, {"SMDDP_REDUCE_KERNEL": "fast"})
+
+
+def test_what_the_launcher_exports_is_what_workers_read():
+    cfg = LaunchConfig(
+        np=2, command=("true",), fusion_mb=12.5, pipeline_kb=512, timeout_s=33.0, heartbeat_timeout_s=4.0
+    )
+    cmds = build_commands(cfg)
+    env = {}
+    for i, arg in enumerate(cmds.workers):
+        if arg == "-x":
+            k, _, v = cmds.workers[i + 1].partition("=")
+            env[k] = v
+    c = ClientConfig.from_env(env)
+    assert c.fusion_bytes == int(12.5 * (1 << 20)) and c.pipeline_bytes == 512 * 1024
+    assert c.timeout_s == 33.0 and c.heartbeat_timeout_s == 4.0 and c.job_id_hex == cfg.job_id
+
+
+def test_what_the_launcher_passes_is_what_the_daemon_parses():
+    cfg = LaunchConfig(
+        np=4, command=("true",), local_nodes=2, chunk_kb=256, threads=3, heartbeat_timeout_s=5.0,
+        stall_warning_s=9.0, replicate_kb=0, log_level="INFO",
+    )  # fmt: skip
+    daemon = build_commands(cfg).daemons
+    argv = daemon[daemon.index("--workers-per-node") :]
+    p = argparse.ArgumentParser()
+    settings.add_flags(p, settings.DAEMON, env={})
+    a = p.parse_args(argv)
+    assert (a.local_size, a.chunk_kb, a.threads, a.replicate_kb) == (2, 256, 3, 0)
+    assert (a.heartbeat_timeout_s, a.stall_warning_s, a.log_level) == (5.0, 9.0, "INFO")
+
+
+def test_daemon_config_errors_are_config_errors():
+    with pytest.raises(ConfigError, match="chunk_bytes"):
+        DaemonConfig(chunk_bytes=10)
+    with pytest.raises(ConfigError, match="heartbeat"):
+        DaemonConfig(heartbeat_timeout_s=0.0)
+    with pytest.raises(ConfigError, match="reduce kernel"):
+        DaemonConfig(reduce_kernel="gpu")
