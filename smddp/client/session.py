@@ -37,6 +37,7 @@ from smddp.errors import (
 )
 from smddp.proto.dtypes import DType, Kind, ReduceOp
 from smddp.proto.frames import Header, MsgType, Role
+from smddp.proto.messages import Attach, Bye, Done, Release, SegmentMsg, Submit
 from smddp.settings import default
 from smddp.transport.auth import client_handshake
 from smddp.transport.bootstrap import Membership, Placement, default_socket_dir, job_dir, join_job
@@ -387,7 +388,7 @@ class Client:
             try:
                 with self._lock:
                     parts = self._take_releases()
-                parts.append(Header(MsgType.BYE, sender=self.rank).encode())
+                parts.append(Bye(self.rank).header().encode())
                 self._conn.send(parts, timeout=5.0)
             except SmddpError:
                 pass
@@ -446,7 +447,7 @@ class Client:
                 if seg is not None:
                     try:
                         self._conn.send_frame(
-                            Header(MsgType.ATTACH, sender=self.rank, shard=seg.id, offset=seg.size),
+                            Attach(self.rank, seg.id, seg.size).header(),
                             fds=[seg.fd],
                             timeout=self.config.timeout_s,
                         )
@@ -464,18 +465,17 @@ class Client:
             )
             handle.times = [t_start, time.time()]
             self._handles[seq] = handle
-            h = Header(
-                MsgType.SUBMIT,
-                sender=self.rank,
-                seq=seq,
-                shard=slot.segment if slot else NO_SEGMENT,
+            h = Submit(
+                self.rank,
+                seq,
+                segment=slot.segment if slot else NO_SEGMENT,
                 offset=slot.offset if slot else 0,
-                aux=root,
+                root=root,
                 count=count,
                 dtype=dtype,
                 op=op,
                 kind=kind,
-            )
+            ).header()
             if lost is None and (ready is not None or self._deferred):
                 # SUBMITs leave in sequence order: this one waits for its copy-in, later ones for it.
                 self._deferred.append(_Deferred(h, ready, handle))
@@ -625,11 +625,14 @@ class Client:
                 elif h.type is MsgType.HEARTBEAT:
                     continue
                 elif h.type is MsgType.SEGMENT:
-                    if len(fds) != 1 or h.shard in self._results:
+                    given = SegmentMsg.of(h)
+                    if len(fds) != 1 or given.segment in self._results:
                         for fd in fds:
                             os.close(fd)
-                        raise ProtocolError(f"SEGMENT {h.shard} with {len(fds)} fds (or sent twice)")
-                    self._results[h.shard] = Segment.attach(h.shard, fds[0], h.offset, writable=False)
+                        raise ProtocolError(f"SEGMENT {given.segment} with {len(fds)} fds (or sent twice)")
+                    self._results[given.segment] = Segment.attach(
+                        given.segment, fds[0], given.size, writable=False
+                    )
                 elif h.type is MsgType.ERROR:
                     text = self._conn.recv_bytes(h.length, timeout=5.0).decode("utf-8", "replace")
                     name, _, why = text.partition(": ")
@@ -649,14 +652,15 @@ class Client:
             log.exception("smddp client reader crashed")
             self._fail(CollectiveError(f"rank {self.rank}: internal error in the client: {e!r}"))
 
-    def _on_done(self, h: Header) -> None:
+    def _on_done(self, header: Header) -> None:
+        h = Done.of(header)
         with self._lock:
             handle = self._handles.pop(h.seq, None)
         if handle is None or (h.kind, h.dtype, h.count) != (handle.kind, handle.dtype, handle.count):
             raise ProtocolError(f"DONE for collective #{h.seq} does not match anything this rank submitted")
-        seg = self._results.get(h.shard)
+        seg = self._results.get(h.segment)
         if seg is None:
-            raise ProtocolError(f"DONE for #{h.seq} names result segment {h.shard}, which was never sent")
+            raise ProtocolError(f"DONE for #{h.seq} names result segment {h.segment}, which was never sent")
         total = _result_bytes(handle.kind, h.count * handle.dtype.itemsize, self.size)
         t_done = time.time()
         view = seg.view(h.offset, total)
@@ -680,7 +684,7 @@ class Client:
         in the same send. At most RELEASE_BATCH_BYTES of results wait that way; a RELEASE that
         would pass the bound, or one of a large result, goes at once with any held before it.
         """
-        hdr = Header(MsgType.RELEASE, sender=self.rank, seq=seq).encode()
+        hdr = Release(self.rank, seq).header().encode()
         with self._lock:
             if nbytes is not None and self._released_bytes + nbytes <= RELEASE_BATCH_BYTES:
                 self._releases.append(hdr)

@@ -31,6 +31,18 @@ from smddp.proto import handshake as hs
 from smddp.proto.dtypes import DType, Kind, ReduceOp
 from smddp.proto.frames import HEADER_SIZE, Header, MsgType, Role, error_frame
 from smddp.proto.layout import Chunk, GatherLayout, ReduceLayout
+from smddp.proto.messages import (
+    Attach,
+    Bye,
+    Data,
+    Done,
+    Exited,
+    Heartbeat,
+    Report,
+    SegmentMsg,
+    StatusRequest,
+    Submit,
+)
 from smddp.transport.auth import client_handshake
 from smddp.transport.bootstrap import Job
 from smddp.transport.conn import Connection, ConnectionClosed
@@ -496,7 +508,7 @@ class NodeDaemon:
         self._maybe_finish()
 
     def _send_segment(self, link: WorkerLink, seg: Segment) -> None:
-        header = Header(MsgType.SEGMENT, sender=self.node, shard=seg.id, offset=seg.size).encode()
+        header = SegmentMsg(self.node, seg.id, seg.size).header().encode()
         self._to_worker(link, [header], fds=[seg.fd])
 
     def _to_worker(self, link: WorkerLink, parts: list[bytes], fds: list[int] | None = None) -> None:
@@ -530,10 +542,11 @@ class NodeDaemon:
             elif h.type is MsgType.ATTACH:
                 if len(fds) != 1:
                     raise ProtocolError(f"{conn.peer}: ATTACH must carry exactly one fd, got {len(fds)}")
-                if h.shard in link.segments:
+                att = Attach.of(h)
+                if att.segment in link.segments:
                     os.close(fds[0])
-                    raise ProtocolError(f"{conn.peer}: segment {h.shard} attached twice")
-                link.segments[h.shard] = Segment.attach(h.shard, fds[0], h.offset, writable=False)
+                    raise ProtocolError(f"{conn.peer}: segment {att.segment} attached twice")
+                link.segments[att.segment] = Segment.attach(att.segment, fds[0], att.size, writable=False)
             elif h.type is MsgType.BYE:
                 link.said_bye = True
                 conn.close()
@@ -548,30 +561,30 @@ class NodeDaemon:
             else:
                 raise ProtocolError(f"{conn.peer} sent {h.type.name}, which workers may not send")
 
-    def _on_submit(self, link: WorkerLink, h: Header) -> None:
+    def _on_submit(self, link: WorkerLink, header: Header) -> None:
         who = self._rank_names[link.rank]
-        if h.seq != link.next_seq:
-            raise ProtocolError(f"{who} submitted collective #{h.seq}, expected #{link.next_seq}")
+        m = Submit.of(header)
+        if m.seq != link.next_seq:
+            raise ProtocolError(f"{who} submitted collective #{m.seq}, expected #{link.next_seq}")
         link.next_seq += 1
-        assert h.kind is not None and h.dtype is not None
-        kind, dtype = h.kind, h.dtype
-        nbytes = h.count * dtype.itemsize
-        if h.shard == NO_SEGMENT:
+        kind, dtype = m.kind, m.dtype
+        nbytes = m.count * dtype.itemsize
+        if m.segment == NO_SEGMENT:
             data = np.empty(0, dtype.storage) if nbytes == 0 else None
         else:
-            seg = link.segments.get(h.shard)
+            seg = link.segments.get(m.segment)
             if seg is None:
-                raise ProtocolError(f"{who} named segment {h.shard}, which it never attached")
-            data = seg.view(h.offset, nbytes).view(dtype.storage)
-        if data is None and not (kind == Kind.BROADCAST and h.aux != link.rank):
-            raise ProtocolError(f"{who} submitted collective #{h.seq} without data")
+                raise ProtocolError(f"{who} named segment {m.segment}, which it never attached")
+            data = seg.view(m.offset, nbytes).view(dtype.storage)
+        if data is None and not (kind == Kind.BROADCAST and m.root != link.rank):
+            raise ProtocolError(f"{who} submitted collective #{m.seq} without data")
         tasks: list = []
         with self._lock:
             if self.failure is not None:
                 return
-            op = self._op_for(h.seq, kind, dtype, h.count, h.op, h.aux, who)
+            op = self._op_for(m.seq, kind, dtype, m.count, m.op, m.root, who)
             if op.inputs[link.local_rank] is not None or op.submitted == self.local_size:
-                raise ProtocolError(f"{who} submitted collective #{h.seq} twice")
+                raise ProtocolError(f"{who} submitted collective #{m.seq} twice")
             op.inputs[link.local_rank] = data if data is not None else np.empty(0, dtype.storage)
             op.submitted += 1
             op.phase("wait for local ranks", op.wall0, time.time())
@@ -738,19 +751,12 @@ class NodeDaemon:
             raise ProtocolError(f"{who}: collective #{seq} is larger than 1 TiB")
 
     def _header(self, t: MsgType, op: OpState, shard: int, offset: int, length: int) -> bytes:
-        return Header(
-            t,
-            sender=self.node,
-            seq=op.seq,
-            shard=shard,
-            aux=op.root,
-            offset=offset,
-            length=length,
-            count=op.count,
-            dtype=op.dtype,
-            op=op.op,
-            kind=op.kind,
-        ).encode()
+        """The header of a PARTIAL, RESULT or BLOCK of `op`: `length` bytes at byte `offset` of `shard`."""
+        return (
+            Data(t, self.node, op.seq, shard, offset, length, op.root, op.count, op.dtype, op.op, op.kind)
+            .header()
+            .encode()
+        )
 
     # ------------------------------------------------------------------ scheduling
 
@@ -939,14 +945,13 @@ class NodeDaemon:
                 if h.type is MsgType.BYE:
                     return
                 if h.type is MsgType.EXITED:
-                    self._on_exited(h.sender, h.aux)
+                    gone = Exited.of(h)
+                    self._on_exited(gone.rank, gone.status)
                     continue
                 if h.type is not MsgType.STATUS:
                     raise ProtocolError(f"{conn.peer} sent {h.type.name}")
                 body = json.dumps(self.job_report()).encode()
-                conn.send_frame(
-                    Header(MsgType.REPORT, sender=self.node, length=len(body)), body, timeout=10.0
-                )
+                conn.send_frame(Report(self.node, 0, len(body)).header(), body, timeout=10.0)
         except SmddpError as e:
             log.info("%s: %s left: %s", self.me, conn.peer, e)  # a status client never fails the job
         finally:
@@ -958,7 +963,7 @@ class NodeDaemon:
             req = self._next_request
             self._next_request += 1
             self._reports[req] = {self.node: self.local_report()}
-        ask = Header(MsgType.STATUS, sender=self.node, seq=req).encode()
+        ask = StatusRequest(self.node, req).header().encode()
         asked = [p for p in self.peers.values() if p.connected.is_set() and not p.said_bye]
         for p in asked:
             p.enqueue((ask, None, None))
@@ -1141,18 +1146,11 @@ class NodeDaemon:
             assert op.result_slot is not None
             slot = op.result_slot
         self.stats.done(op.kind.label, op.dtype.label, op.count * op.dtype.itemsize, time.monotonic() - op.t0)
-        done = Header(
-            MsgType.DONE,
-            sender=self.node,
-            seq=op.seq,
-            shard=slot.segment,
-            aux=op.root,
-            offset=slot.offset,
-            count=op.count,
-            dtype=op.dtype,
-            op=op.op,
-            kind=op.kind,
-        ).encode()
+        done = (
+            Done(self.node, op.seq, slot.segment, slot.offset, op.root, op.count, op.dtype, op.op, op.kind)
+            .header()
+            .encode()
+        )
         for w in workers:
             assert w is not None
             self._to_worker(w, [done])
@@ -1212,7 +1210,7 @@ class NodeDaemon:
             idle = self.cfg.heartbeat_timeout_s
             try:
                 if hdr is None:  # BYE marker: everything before it has left
-                    peer.conn.send_frame(Header(MsgType.BYE, sender=self.node), idle=idle)
+                    peer.conn.send_frame(Bye(self.node).header(), idle=idle)
                 elif op is None:  # a heartbeat, a status request or report
                     peer.conn.send([hdr] if payload is None else [hdr, payload], idle=idle)
                 else:
@@ -1228,7 +1226,7 @@ class NodeDaemon:
 
         Peers go through the writer queue: behind a large frame the frame itself is the sign of life.
         """
-        beat = Header(MsgType.HEARTBEAT, sender=self.node).encode()
+        beat = Heartbeat(self.node).header().encode()
         period = self.cfg.heartbeat_timeout_s / 4
         while not self._finished.wait(period):
             for p in self.peers.values():
@@ -1288,7 +1286,7 @@ class NodeDaemon:
                     continue
                 elif h.type is MsgType.STATUS:
                     body = json.dumps(self.local_report()).encode()
-                    reply = Header(MsgType.REPORT, sender=self.node, seq=h.seq, length=len(body)).encode()
+                    reply = Report(self.node, h.seq, len(body)).header().encode()
                     peer.enqueue((reply, body, None))
                 elif h.type is MsgType.REPORT:
                     report = json.loads(conn.recv_bytes(h.length, timeout=10.0))
@@ -1318,15 +1316,15 @@ class NodeDaemon:
             hint = " (frozen, or the link is down)" if "silent" in str(e) else ""
             raise PeerLostError(f"{self.me} lost contact: {e}{hint}") from None
 
-    def _on_data(self, node: int, conn: Connection, h: Header) -> None:
+    def _on_data(self, node: int, conn: Connection, header: Header) -> None:
         who = self._node_names[node]
+        h = Data.of(header)
         if h.sender != node:
             raise ProtocolError(f"{who} sent a frame claiming to be from node {h.sender}")
-        assert h.kind is not None and h.dtype is not None
         with self._lock:
             if self.failure is not None:
                 raise ConnectionClosed("job failed")
-            op = self._op_for(h.seq, h.kind, h.dtype, h.count, h.op, h.aux, who)
+            op = self._op_for(h.seq, h.kind, h.dtype, h.count, h.op, h.root, who)
             if h.type is MsgType.BLOCK:
                 if op.gather is None:
                     raise ProtocolError(f"{who} sent BLOCK for {op.kind.label} #{h.seq}")

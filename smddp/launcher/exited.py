@@ -6,7 +6,8 @@ import socket
 import time
 
 from smddp.errors import BootstrapError
-from smddp.proto.frames import Header, MsgType, Role
+from smddp.proto.frames import Role
+from smddp.proto.messages import Bye, Exited
 from smddp.transport.auth import client_handshake
 from smddp.transport.bootstrap import default_socket_dir, job_dir, wait_for_job
 from smddp.transport.conn import Connection
@@ -32,8 +33,8 @@ def report_exited(job_hex: str, node: int, rank: int, status: int, timeout: floa
         client_handshake(conn, job.secret, job.job_id, Role.CONTROL, rank, 10.0)
         conn.send(
             [
-                Header(MsgType.EXITED, sender=rank, aux=min(max(status, 0), 255)).encode(),
-                Header(MsgType.BYE, sender=rank).encode(),
+                Exited(rank, min(max(status, 0), 255)).header().encode(),
+                Bye(rank).header().encode(),
             ],
             timeout=5.0,
         )

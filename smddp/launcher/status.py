@@ -10,7 +10,8 @@ import time
 from dataclasses import dataclass
 
 from smddp.errors import ConfigError, ProtocolError, SmddpError
-from smddp.proto.frames import Header, MsgType, Role
+from smddp.proto.frames import MsgType, Role
+from smddp.proto.messages import Bye, StatusRequest
 from smddp.transport.auth import client_handshake
 from smddp.transport.bootstrap import default_socket_dir
 from smddp.transport.conn import Connection
@@ -64,14 +65,14 @@ def fetch_report(d: LocalDaemon, timeout: float) -> dict:
     conn = Connection(sock, f"the daemon of node {d.node}")
     try:
         client_handshake(conn, secret, bytes.fromhex(d.job), Role.CONTROL, os.getpid() & 0x7FFFFFFF, timeout)
-        conn.send_frame(Header(MsgType.STATUS), timeout=timeout)
+        conn.send_frame(StatusRequest().header(), timeout=timeout)
         h, fds = conn.recv_header(timeout=timeout)
         for fd in fds:
             os.close(fd)
         if h.type is not MsgType.REPORT:
             raise ProtocolError(f"expected REPORT, got {h.type.name}")
         report = json.loads(conn.recv_bytes(h.length, timeout=timeout))
-        conn.send_frame(Header(MsgType.BYE), timeout=timeout)
+        conn.send_frame(Bye().header(), timeout=timeout)
         return report
     finally:
         conn.close()

@@ -1,0 +1,233 @@
+"""Typed messages: each frame's header fields under the names they mean, encoding to the same 56 bytes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from smddp.proto.dtypes import DType, Kind, ReduceOp
+from smddp.proto.frames import Header, MsgType
+
+# A SUBMIT or DONE names the arena segment of its buffer in the header field `shard`, the byte
+# offset in that segment in `offset`, the root rank (or node) in `aux`. ATTACH and SEGMENT name
+# a segment in `shard` and its size in `offset`. Data frames use `shard`, `offset` and `aux` as
+# what they are called: the shard, the byte offset in it, the root. docs/protocol.md has the table.
+
+
+def _check(h: Header, t: MsgType) -> None:
+    if h.type is not t:
+        raise TypeError(f"a {h.type.name} header is not {t.name}")
+
+
+@dataclass(frozen=True, slots=True)
+class Attach:
+    """worker -> daemon: the memfd passed with this frame is input segment `segment` of `size` bytes."""
+
+    sender: int  # the worker's rank
+    segment: int
+    size: int
+
+    def header(self) -> Header:
+        return Header(MsgType.ATTACH, sender=self.sender, shard=self.segment, offset=self.size)
+
+    @classmethod
+    def of(cls, h: Header) -> Attach:
+        _check(h, MsgType.ATTACH)
+        return cls(h.sender, h.shard, h.offset)
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentMsg:
+    """daemon -> worker: the memfd passed with this frame is result segment `segment` of `size` bytes."""
+
+    sender: int  # the daemon's node
+    segment: int
+    size: int
+
+    def header(self) -> Header:
+        return Header(MsgType.SEGMENT, sender=self.sender, shard=self.segment, offset=self.size)
+
+    @classmethod
+    def of(cls, h: Header) -> SegmentMsg:
+        _check(h, MsgType.SEGMENT)
+        return cls(h.sender, h.shard, h.offset)
+
+
+@dataclass(frozen=True, slots=True)
+class Submit:
+    """worker -> daemon: collective `seq`; its input is `segment` at `offset` (NO_SEGMENT: no input)."""
+
+    sender: int  # the worker's rank
+    seq: int
+    segment: int
+    offset: int
+    root: int
+    count: int
+    dtype: DType
+    op: ReduceOp | None
+    kind: Kind
+
+    def header(self) -> Header:
+        return Header(
+            MsgType.SUBMIT,
+            sender=self.sender,
+            seq=self.seq,
+            shard=self.segment,
+            offset=self.offset,
+            aux=self.root,
+            count=self.count,
+            dtype=self.dtype,
+            op=self.op,
+            kind=self.kind,
+        )
+
+    @classmethod
+    def of(cls, h: Header) -> Submit:
+        _check(h, MsgType.SUBMIT)
+        assert h.dtype is not None and h.kind is not None  # decode_header checked them
+        return cls(h.sender, h.seq, h.shard, h.offset, h.aux, h.count, h.dtype, h.op, h.kind)
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    """daemon -> worker: collective `seq` is complete; its result is in result segment `segment` at `offset`."""
+
+    sender: int  # the daemon's node
+    seq: int
+    segment: int
+    offset: int
+    root: int
+    count: int
+    dtype: DType
+    op: ReduceOp | None
+    kind: Kind
+
+    def header(self) -> Header:
+        return Header(
+            MsgType.DONE,
+            sender=self.sender,
+            seq=self.seq,
+            shard=self.segment,
+            offset=self.offset,
+            aux=self.root,
+            count=self.count,
+            dtype=self.dtype,
+            op=self.op,
+            kind=self.kind,
+        )
+
+    @classmethod
+    def of(cls, h: Header) -> Done:
+        _check(h, MsgType.DONE)
+        assert h.dtype is not None and h.kind is not None
+        return cls(h.sender, h.seq, h.shard, h.offset, h.aux, h.count, h.dtype, h.op, h.kind)
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """worker -> daemon: the result slot of collective `seq` may be reused."""
+
+    sender: int
+    seq: int
+
+    def header(self) -> Header:
+        return Header(MsgType.RELEASE, sender=self.sender, seq=self.seq)
+
+
+@dataclass(frozen=True, slots=True)
+class Exited:
+    """launcher wrapper -> daemon: rank `rank`'s process ended with `status` without joining the job."""
+
+    rank: int
+    status: int  # 0-255
+
+    def header(self) -> Header:
+        return Header(MsgType.EXITED, sender=self.rank, aux=self.status)
+
+    @classmethod
+    def of(cls, h: Header) -> Exited:
+        _check(h, MsgType.EXITED)
+        return cls(h.sender, h.aux)
+
+
+@dataclass(frozen=True, slots=True)
+class StatusRequest:
+    """control client or daemon -> daemon: report; `request` numbers the question (echoed in REPORT)."""
+
+    sender: int = 0
+    request: int = 0
+
+    def header(self) -> Header:
+        return Header(MsgType.STATUS, sender=self.sender, seq=self.request)
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    """daemon -> asker: the answer to STATUS `request`, `length` bytes of JSON after the header."""
+
+    sender: int
+    request: int
+    length: int
+
+    def header(self) -> Header:
+        return Header(MsgType.REPORT, sender=self.sender, seq=self.request, length=self.length)
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """daemon -> daemon, daemon -> worker: still here."""
+
+    sender: int
+
+    def header(self) -> Header:
+        return Header(MsgType.HEARTBEAT, sender=self.sender)
+
+
+@dataclass(frozen=True, slots=True)
+class Bye:
+    """any direction: this side is done and will close."""
+
+    sender: int = 0
+
+    def header(self) -> Header:
+        return Header(MsgType.BYE, sender=self.sender)
+
+
+@dataclass(frozen=True, slots=True)
+class Data:
+    """daemon -> daemon: PARTIAL, RESULT or BLOCK: `length` bytes at byte `offset` of `shard` of collective `seq`."""
+
+    type: MsgType
+    sender: int  # the sending node
+    seq: int
+    shard: int
+    offset: int
+    length: int
+    root: int
+    count: int
+    dtype: DType
+    op: ReduceOp | None
+    kind: Kind
+
+    def header(self) -> Header:
+        return Header(
+            self.type,
+            sender=self.sender,
+            seq=self.seq,
+            shard=self.shard,
+            aux=self.root,
+            offset=self.offset,
+            length=self.length,
+            count=self.count,
+            dtype=self.dtype,
+            op=self.op,
+            kind=self.kind,
+        )
+
+    @classmethod
+    def of(cls, h: Header) -> Data:
+        if h.type not in (MsgType.PARTIAL, MsgType.RESULT, MsgType.BLOCK):
+            raise TypeError(f"a {h.type.name} header is not a data frame")
+        assert h.dtype is not None and h.kind is not None
+        return cls(
+            h.type, h.sender, h.seq, h.shard, h.offset, h.length, h.aux, h.count, h.dtype, h.op, h.kind
+        )
