@@ -35,6 +35,11 @@ class NotInitializedError(SmddpError, RuntimeError):
     """A call was made before smddp.init() or after smddp.shutdown()."""
 
 
+class TransportError(SmddpError, ConnectionError):
+    """A connection ended, broke or went silent. Whether that fails the job is for the layer above to
+    say: a peer's end of stream after its BYE is the normal end, before it a PeerLostError."""
+
+
 class CollectiveError(SmddpError, RuntimeError):
     """The job has FAILED; every pending and later collective raises this with the cause."""
 

@@ -24,7 +24,6 @@ from smddp.client.device.copies import DeviceIO, DevicePlan
 from smddp.client.device.runtime import DeviceRuntime, check_runtime_name, load_runtime
 from smddp.errors import (
     CollectiveError,
-    CollectiveMismatchError,
     CollectiveTimeoutError,
     DeviceError,
     DeviceUnavailableError,
@@ -33,9 +32,11 @@ from smddp.errors import (
     PeerLostError,
     ProtocolError,
     SmddpError,
+    TransportError,
     UnsupportedBufferError,
 )
 from smddp.proto.dtypes import DType, Kind, ReduceOp
+from smddp.proto.failure import read_failure
 from smddp.proto.frames import Header, MsgType, Role
 from smddp.proto.messages import Attach, Bye, Done, Release, SegmentMsg, Submit
 from smddp.settings import default
@@ -84,11 +85,6 @@ class ClientConfig:
             job_id_hex=v["job_id"],
             device_runtime=check_runtime_name(v["device_runtime"] or "auto"),
         )
-
-
-_ERRORS: dict[str, type[SmddpError]] = {
-    c.__name__: c for c in (CollectiveError, CollectiveMismatchError, PeerLostError, ProtocolError)
-}
 
 
 class Handle:
@@ -567,7 +563,10 @@ class Client:
             raise
 
     def _device_failed(self, err: SmddpError) -> None:
-        """A device copy failed: fail here, and hang up so the daemon fails the job for every rank."""
+        """A device copy failed (or its RELEASE found the daemon gone): fail here, and hang up so the
+        daemon fails the job for every rank."""
+        if isinstance(err, TransportError):
+            err = PeerLostError(f"rank {self.rank}: lost the node daemon: {err}")
         self._fail(err if isinstance(err, CollectiveError) else CollectiveError(f"rank {self.rank}: {err}"))
         self._conn.close()
 
@@ -635,8 +634,8 @@ class Client:
                     )
                 elif h.type is MsgType.ERROR:
                     text = self._conn.recv_bytes(h.length, timeout=5.0).decode("utf-8", "replace")
-                    name, _, why = text.partition(": ")
-                    self._fail(_ERRORS.get(name, CollectiveError)(why or text))
+                    kind, why = read_failure(text)
+                    self._fail(kind(why))
                     return
                 else:
                     raise ProtocolError(f"the daemon sent {h.type.name}, which workers do not expect")

@@ -29,6 +29,7 @@ from smddp.errors import (
 )
 from smddp.proto import handshake as hs
 from smddp.proto.dtypes import DType, Kind, ReduceOp
+from smddp.proto.failure import failure_frame, read_failure
 from smddp.proto.frames import HEADER_SIZE, Header, MsgType, Role, error_frame
 from smddp.proto.layout import Chunk, GatherLayout, ReduceLayout
 from smddp.proto.messages import (
@@ -339,7 +340,7 @@ class NodeDaemon:
 
     def fail(self, reason: str, kind: type[SmddpError] = CollectiveError) -> None:
         """Put the job in FAILED: tell every worker and peer why, once, then stop."""
-        frame = error_frame(f"{wire_error_name(kind)}: {reason}", sender=self.node)
+        frame = failure_frame(kind, reason, sender=self.node)
         with self._lock:
             if self.failure is not None or self._finished.is_set():
                 return
@@ -1305,8 +1306,8 @@ class NodeDaemon:
                     return
                 elif h.type is MsgType.ERROR:
                     text = conn.recv_bytes(h.length, timeout=5.0).decode("utf-8", "replace")
-                    kind, _, why = text.partition(": ")
-                    self.fail(why or text, _ERRORS.get(kind, CollectiveError))
+                    kind, why = read_failure(text)
+                    self.fail(why, kind)
                     return
                 else:
                     raise ProtocolError(f"{conn.peer} sent {h.type.name}, which daemons may not send")
@@ -1416,18 +1417,3 @@ def _process_fate(pid: int) -> str:
     if state == "T":
         return "was stopped (SIGSTOP) and closed its connection"
     return "closed its connection without shutting down"
-
-
-def wire_error_name(kind: type[SmddpError]) -> str:
-    """The class a worker raises for a failed job: always a CollectiveError, the most specific one."""
-    for cls in (CollectiveMismatchError, PeerLostError, CollectiveError):
-        if issubclass(kind, cls):
-            return cls.__name__
-    if issubclass(kind, AuthenticationError):
-        return PeerLostError.__name__
-    return CollectiveError.__name__
-
-
-_ERRORS: dict[str, type[SmddpError]] = {
-    cls.__name__: cls for cls in (CollectiveError, CollectiveMismatchError, PeerLostError, ProtocolError)
-}

@@ -15,7 +15,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from smddp.errors import PeerLostError, ProtocolError
+from smddp.errors import ProtocolError, TransportError
 from smddp.proto import HEADER_SIZE, Header, decode_header
 
 _MAX_FDS = 8
@@ -25,7 +25,7 @@ _POLL_S = 0.5
 Buffer = bytes | bytearray | memoryview | np.ndarray
 
 
-class ConnectionClosed(PeerLostError):
+class ConnectionClosed(TransportError):
     """The other end closed the connection (or it broke, or went silent past a timeout)."""
 
 

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from smddp.errors import PeerLostError, ProtocolError
+from smddp.errors import CollectiveError, ProtocolError, TransportError
 from smddp.proto import HEADER_SIZE, DType, Header, Kind, MsgType, ReduceOp
 from smddp.transport.conn import Connection, ConnectionClosed
 
@@ -44,8 +44,10 @@ def data_header(length: int, offset: int = 0) -> Header:
     )
 
 
-def test_closed_is_a_peer_lost_error():
-    assert issubclass(ConnectionClosed, PeerLostError)
+def test_closed_is_a_transport_error_not_a_job_failure():
+    # The end of a stream is the transport's news; the daemon and client decide whether the job failed.
+    assert issubclass(ConnectionClosed, TransportError)
+    assert not issubclass(ConnectionClosed, CollectiveError)
 
 
 def test_large_payload_round_trip(pair):
