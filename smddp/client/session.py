@@ -40,6 +40,7 @@ from smddp.proto.failure import read_failure
 from smddp.proto.frames import Header, MsgType, Role
 from smddp.proto.messages import Attach, Bye, Done, Release, SegmentMsg, Submit
 from smddp.settings import default
+from smddp.trace import span
 from smddp.transport.auth import client_handshake
 from smddp.transport.bootstrap import Membership, Placement, default_socket_dir, job_dir, join_job
 from smddp.transport.conn import Connection, ConnectionClosed
@@ -718,18 +719,7 @@ class Client:
         t0, t1 = handle.times
         what = {"seq": handle.seq, "what": f"{handle.kind.label}({handle.dtype.label}, count={handle.count})"}
         for name, a, b in (("copy in", t0, t1), ("in flight", t1, t_done), ("copy out", t_done, t_copied)):
-            self._timeline.append(
-                {
-                    "name": f"#{handle.seq} {name}",
-                    "cat": name,
-                    "ph": "X",
-                    "ts": a * 1e6,
-                    "dur": max(b - a, 0.0) * 1e6,
-                    "pid": f"rank {self.rank}",
-                    "tid": name,
-                    "args": what,
-                }
-            )
+            self._timeline.append(span(f"#{handle.seq} {name}", a, b, f"rank {self.rank}", name, what))
 
     def _write_timeline(self) -> None:
         if not self.config.timeline_dir:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
@@ -15,6 +14,7 @@ from smddp.daemon.config import DaemonConfig
 from smddp.daemon.kernels import Reducer
 from smddp.daemon.node import NodeDaemon
 from smddp.errors import BootstrapError, ConfigError
+from smddp.lifetime import signal_on_parent_death
 from smddp.transport.bootstrap import (
     JOB_FILE,
     SECRET_FILE,
@@ -28,8 +28,6 @@ from smddp.transport.netif import resolve_bind_address
 
 __all__ = ["DaemonConfig", "NodeDaemon", "private_dir", "run"]
 
-_PR_SET_PDEATHSIG = 1
-
 
 def private_dir(path: str) -> str:
     """Create (or check) a directory only its owner can enter; refuse one anyone else could use."""
@@ -42,20 +40,10 @@ def private_dir(path: str) -> str:
     return path
 
 
-def die_with_parent() -> None:
-    """Ask the kernel to kill us when our launcher (mpirun's local daemon) dies: no orphaned daemons."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        return  # not Linux: mpirun's own teardown is all we have
-    if os.getppid() == 1:  # the parent died before prctl took effect
-        os._exit(1)
-
-
 def run(cfg: DaemonConfig) -> int:
     """Bootstrap with the job's workers and serve until the job ends; the exit status is the result."""
-    die_with_parent()
+    # The kernel kills us when our launcher (mpirun's local daemon) dies: no orphaned daemons.
+    signal_on_parent_death(signal.SIGKILL, exit_if_orphaned=True)
     # One line per event; the message itself starts with "node N (host, ranks ...)".
     logging.basicConfig(
         level=cfg.log_level.upper(),

@@ -44,6 +44,7 @@ from smddp.proto.messages import (
     StatusRequest,
     Submit,
 )
+from smddp.trace import span
 from smddp.transport.auth import client_handshake
 from smddp.transport.bootstrap import Job
 from smddp.transport.conn import Connection, ConnectionClosed
@@ -157,16 +158,7 @@ class OpState:
         """Chrome trace events: one lane per phase, one box per collective."""
         args = {"seq": self.seq, "what": self.describe()}
         return [
-            {
-                "name": f"#{self.seq} {name}",
-                "cat": name,
-                "ph": "X",
-                "ts": start * 1e6,
-                "dur": max(end - start, 0.0) * 1e6,
-                "pid": process,
-                "tid": name,
-                "args": args,
-            }
+            span(f"#{self.seq} {name}", start, end, process, name, args)
             for name, (start, end) in self.phases.items()
         ]
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import ipaddress
 import json
 import os
@@ -18,8 +17,9 @@ from dataclasses import dataclass, field
 from smddp.errors import ConfigError
 from smddp.launcher.hosts import Host
 from smddp.launcher.worker_env import shell_status
+from smddp.lifetime import signal_on_parent_death
 from smddp.settings import daemon_args, default, worker_env
-from smddp.transport.bootstrap import default_socket_dir
+from smddp.transport.bootstrap import default_socket_dir, job_dirs
 
 
 @dataclass(frozen=True)
@@ -359,16 +359,10 @@ def merge_timeline(path: str) -> int:
 
 
 def _term_with_parent() -> None:
-    try:
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    signal_on_parent_death(signal.SIGTERM)
 
 
 def remove_job_dirs(job_id: str) -> None:
     """Daemons remove their socket directories; this catches the ones a SIGKILL stopped short."""
-    base = default_socket_dir()
-    if os.path.isdir(base):
-        for name in os.listdir(base):
-            if name.startswith(f"job-{job_id}-"):
-                shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+    for path in job_dirs(default_socket_dir(), job_id):
+        shutil.rmtree(path, ignore_errors=True)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import ctypes
+import importlib.util
 import os
 import signal
 import subprocess
 import sys
 import threading
 from collections.abc import Mapping
+from types import ModuleType
 from typing import IO
 
 # How long a wrapper whose worker ended without joining waits for its daemon to hear of it.
@@ -85,12 +86,19 @@ def world_rank_from(env: Mapping[str, str]) -> int:
     raise ValueError("not started by mpirun: OMPI_COMM_WORLD_RANK and PMIX_RANK are unset")
 
 
+def _lifetime() -> ModuleType:
+    """smddp/lifetime.py loaded by its path: this wrapper never imports the smddp package (numpy and all)."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lifetime.py")
+    spec = importlib.util.spec_from_file_location("_smddp_lifetime", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _die_with_parent() -> None:
     """In the child: if this wrapper dies, the worker gets SIGKILL too (Linux)."""
-    try:
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    _lifetime().signal_on_parent_death(signal.SIGKILL)
 
 
 def _pump(src: IO[bytes], dst: IO[bytes], prefix: bytes) -> None:

@@ -178,6 +178,20 @@ def job_dir(socket_dir: str, job_hex: str, node: int) -> str:
     return os.path.join(socket_dir, f"job-{job_hex}-n{node}")
 
 
+def job_dirs(socket_dir: str, job_hex: str) -> list[str]:
+    """The directories of job `job_hex`'s daemons that exist under `socket_dir` (named by job_dir)."""
+    try:
+        names = os.listdir(socket_dir)
+    except OSError:
+        return []
+    found = []
+    for name in sorted(names):
+        job, sep, node = name.removeprefix("job-").rpartition("-n")
+        if name.startswith("job-") and sep and job == job_hex and node.isdigit():
+            found.append(os.path.join(socket_dir, name))
+    return found
+
+
 def job_description(job: Job, node: int) -> dict:
     """What job.json holds: enough for `smddp status` and for a worker to join (never the secret)."""
     d = job.daemons[node]

@@ -19,7 +19,9 @@ from smddp import errors
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--mode", choices=["mismatch_wait", "ddp_mismatch", "ddp_rank_dies"], required=True)
+    ap.add_argument(
+        "--mode", choices=["mismatch_wait", "ddp_mismatch", "ddp_rank_dies", "late_rank"], required=True
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group(backend="smddp")
@@ -29,6 +31,35 @@ def main() -> int:
     def save() -> None:
         with open(os.path.join(args.out, f"rank{r}.json"), "w") as f:
             json.dump(out, f)
+
+    if args.mode == "late_rank":
+        # Rank 1 is 6 s late. Rank 0's Work has a 1 s timeout: its future (what DDP waits on in C++,
+        # with no timeout of its own) must fail with the timeout, not wait for rank 1; the collective
+        # itself stays in flight and completes once rank 1 comes.
+        import time
+        from datetime import timedelta
+
+        if r == 1:
+            time.sleep(6.0)
+            dist.all_reduce(torch.ones(4))
+        else:
+            opts = dist.AllreduceOptions()
+            opts.timeout = timedelta(seconds=1)
+            t = torch.ones(4)
+            work = dist.group.WORLD.allreduce([t], opts)
+            t0 = time.monotonic()
+            try:
+                work.get_future().wait()
+                out["future"] = "NOT RAISED"
+            except Exception as e:
+                out["future"] = f"{type(e).__name__}: {e}"
+            out["future_s"] = time.monotonic() - t0
+            out["completed"] = work.is_completed()
+            time.sleep(6.5)  # rank 1 submits: the late completion must be ignored quietly
+            out["after"] = t.tolist()
+        dist.barrier()
+        save()
+        return 0
 
     if args.mode == "mismatch_wait":
         t = torch.ones(4 + r)  # a different count on every rank: the daemons refuse the collective

@@ -122,14 +122,20 @@ def test_ddp_four_workers_two_nodes(tmp_path: Path, clean_host: None) -> None:
                 )
 
 
-@pytest.mark.parametrize("mode", ["mismatch_wait", "ddp_mismatch", "ddp_rank_dies"])
+@pytest.mark.parametrize("mode", ["mismatch_wait", "ddp_mismatch", "ddp_rank_dies", "late_rank"])
 def test_failure_raises(mode: str, tmp_path: Path, clean_host: None) -> None:
     proc = smddp_launch(
         2, 1, [str(HERE / "check_fail.py"), "--out", str(tmp_path), "--mode", mode], timeout=240
     )
     if mode != "ddp_rank_dies":
         _ok(proc)
-    if mode == "mismatch_wait":
+    if mode == "late_rank":
+        d = _json(tmp_path, 2)[0]
+        # The watchdog failed the Work at its 1 s timeout (not 6 s, when rank 1 came).
+        assert d["future"].startswith("RuntimeError") and "CollectiveTimeoutError" in d["future"], d
+        assert d["future_s"] < 4.0 and d["completed"], d
+        assert d["after"] == [2.0] * 4, d  # the collective itself completed later
+    elif mode == "mismatch_wait":
         for d in _json(tmp_path, 2):
             assert d["wait"].startswith("CollectiveMismatchError: ") and "count=4" in d["wait"], d
             assert d["is_collective_error"] and d["work_success"] is False
