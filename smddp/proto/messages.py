@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar, TypeVar
 
 from smddp.proto.dtypes import DType, Kind, ReduceOp
 from smddp.proto.frames import Header, MsgType
@@ -19,44 +20,44 @@ def _check(h: Header, t: MsgType) -> None:
 
 
 @dataclass(frozen=True, slots=True)
-class Attach:
-    """worker -> daemon: the memfd passed with this frame is input segment `segment` of `size` bytes."""
+class _SegmentNotice:
+    """A memfd passed with this frame is segment `segment` of `size` bytes."""
 
-    sender: int  # the worker's rank
+    TYPE: ClassVar[MsgType]
+    sender: int
     segment: int
     size: int
 
     def header(self) -> Header:
-        return Header(MsgType.ATTACH, sender=self.sender, shard=self.segment, offset=self.size)
+        return Header(self.TYPE, sender=self.sender, shard=self.segment, offset=self.size)
 
     @classmethod
-    def of(cls, h: Header) -> Attach:
-        _check(h, MsgType.ATTACH)
+    def of(cls: type[_SN], h: Header) -> _SN:
+        _check(h, cls.TYPE)
         return cls(h.sender, h.shard, h.offset)
 
 
-@dataclass(frozen=True, slots=True)
-class SegmentMsg:
-    """daemon -> worker: the memfd passed with this frame is result segment `segment` of `size` bytes."""
+_SN = TypeVar("_SN", bound=_SegmentNotice)
 
-    sender: int  # the daemon's node
-    segment: int
-    size: int
 
-    def header(self) -> Header:
-        return Header(MsgType.SEGMENT, sender=self.sender, shard=self.segment, offset=self.size)
+class Attach(_SegmentNotice):
+    """worker (rank `sender`) -> daemon: the memfd passed with this frame is input segment `segment`."""
 
-    @classmethod
-    def of(cls, h: Header) -> SegmentMsg:
-        _check(h, MsgType.SEGMENT)
-        return cls(h.sender, h.shard, h.offset)
+    TYPE = MsgType.ATTACH
+
+
+class SegmentMsg(_SegmentNotice):
+    """daemon (node `sender`) -> worker: the memfd passed with this frame is result segment `segment`."""
+
+    TYPE = MsgType.SEGMENT
 
 
 @dataclass(frozen=True, slots=True)
-class Submit:
-    """worker -> daemon: collective `seq`; its input is `segment` at `offset` (NO_SEGMENT: no input)."""
+class _CollectiveNotice:
+    """Collective `seq`, its fingerprint, and its buffer: `segment` at byte `offset`."""
 
-    sender: int  # the worker's rank
+    TYPE: ClassVar[MsgType]
+    sender: int
     seq: int
     segment: int
     offset: int
@@ -68,7 +69,7 @@ class Submit:
 
     def header(self) -> Header:
         return Header(
-            MsgType.SUBMIT,
+            self.TYPE,
             sender=self.sender,
             seq=self.seq,
             shard=self.segment,
@@ -81,45 +82,27 @@ class Submit:
         )
 
     @classmethod
-    def of(cls, h: Header) -> Submit:
-        _check(h, MsgType.SUBMIT)
+    def of(cls: type[_CN], h: Header) -> _CN:
+        _check(h, cls.TYPE)
         assert h.dtype is not None and h.kind is not None  # decode_header checked them
         return cls(h.sender, h.seq, h.shard, h.offset, h.aux, h.count, h.dtype, h.op, h.kind)
 
 
-@dataclass(frozen=True, slots=True)
-class Done:
-    """daemon -> worker: collective `seq` is complete; its result is in result segment `segment` at `offset`."""
+_CN = TypeVar("_CN", bound=_CollectiveNotice)
 
-    sender: int  # the daemon's node
-    seq: int
-    segment: int
-    offset: int
-    root: int
-    count: int
-    dtype: DType
-    op: ReduceOp | None
-    kind: Kind
 
-    def header(self) -> Header:
-        return Header(
-            MsgType.DONE,
-            sender=self.sender,
-            seq=self.seq,
-            shard=self.segment,
-            offset=self.offset,
-            aux=self.root,
-            count=self.count,
-            dtype=self.dtype,
-            op=self.op,
-            kind=self.kind,
-        )
+class Submit(_CollectiveNotice):
+    """worker (rank `sender`) -> daemon: collective `seq`; its input is `segment` at `offset`
+    (NO_SEGMENT: this rank sends no data)."""
 
-    @classmethod
-    def of(cls, h: Header) -> Done:
-        _check(h, MsgType.DONE)
-        assert h.dtype is not None and h.kind is not None
-        return cls(h.sender, h.seq, h.shard, h.offset, h.aux, h.count, h.dtype, h.op, h.kind)
+    TYPE = MsgType.SUBMIT
+
+
+class Done(_CollectiveNotice):
+    """daemon (node `sender`) -> worker: collective `seq` is complete; its result is in result
+    segment `segment` at `offset`."""
+
+    TYPE = MsgType.DONE
 
 
 @dataclass(frozen=True, slots=True)
