@@ -17,7 +17,7 @@ CLIENT_PINS := 'deepspeed==0.19.8' 'transformers==5.23.0' 'accelerate==1.15.0' '
 
 # rigs/: the development rigs (simulated cluster, delay line, CUDA stand-in, benchmark targets),
 # a separate distribution so that smddp's own wheel never ships them.
-$(STAMP): pyproject.toml setup.py rigs/pyproject.toml rigs/setup.py Makefile
+$(STAMP): pyproject.toml setup.py $(wildcard smddp/engine/*) rigs/pyproject.toml rigs/setup.py Makefile
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[dev,torch,tensorflow]' -e rigs/ $(TORCH_PINS) $(TF_PINS) $(CLIENT_PINS)
@@ -29,7 +29,7 @@ setup: $(STAMP)
 # instead of the minutes torch and TensorFlow take.
 DEMO_VENV ?= .venv-demo
 DEMO_STAMP := $(DEMO_VENV)/.installed
-$(DEMO_STAMP): pyproject.toml setup.py Makefile
+$(DEMO_STAMP): pyproject.toml setup.py $(wildcard smddp/engine/*) Makefile
 	$(PY) -m venv $(DEMO_VENV)
 	$(DEMO_VENV)/bin/pip install -q --upgrade pip
 	$(DEMO_VENV)/bin/pip install -q -e .
@@ -51,8 +51,23 @@ unit: $(STAMP)
 multiprocess: $(STAMP)
 	$(BIN)/pytest -q tests/multiprocess
 
-test: lint typecheck $(STAMP)
+test: lint typecheck engine-sanitize $(STAMP)
 	$(BIN)/pytest -q -ra tests
+
+# The engine built with AddressSanitizer+UndefinedBehaviorSanitizer and with ThreadSanitizer, and its
+# decoders fuzzed under both for a bounded time (tests/engine/fuzz_*.cc): any bytes give a header or
+# a reason, never a crash or a read out of bounds. Warnings are errors here too.
+SAN_DIR := build/sanitize
+SAN_FLAGS := -std=c++17 -O1 -g -Wall -Wextra -Wshadow -Werror -fno-omit-frame-pointer -Ismddp/engine -pthread
+ENGINE_CORE := smddp/engine/frame.cc
+FUZZ_SECONDS ?= 20
+.PHONY: engine-sanitize
+engine-sanitize:
+	mkdir -p $(SAN_DIR)
+	g++ $(SAN_FLAGS) -fsanitize=address,undefined -fno-sanitize-recover=all tests/engine/fuzz_frame.cc $(ENGINE_CORE) -o $(SAN_DIR)/fuzz_frame_asan
+	$(SAN_DIR)/fuzz_frame_asan --seconds $(FUZZ_SECONDS)
+	g++ $(SAN_FLAGS) -fsanitize=thread tests/engine/fuzz_frame.cc $(ENGINE_CORE) -o $(SAN_DIR)/fuzz_frame_tsan
+	$(SAN_DIR)/fuzz_frame_tsan --seconds $(FUZZ_SECONDS) --threads 2
 
 # docs/configuration.md is generated from the settings table (tests/unit/test_settings.py checks it).
 .PHONY: configuration-doc
@@ -60,7 +75,7 @@ configuration-doc: $(STAMP)
 	$(BIN)/python -c 'from smddp.settings import markdown; print(markdown(), end="")' > docs/configuration.md
 
 clean:
-	rm -rf $(VENV) $(DEMO_VENV) *.egg-info rigs/*.egg-info rigs/build .pytest_cache .mypy_cache .ruff_cache build smddp/daemon/*.so rigs/smddp_rigs/*.so
+	rm -rf $(VENV) $(DEMO_VENV) *.egg-info rigs/*.egg-info rigs/build build .pytest_cache .mypy_cache .ruff_cache build smddp/*.so smddp/daemon/*.so rigs/smddp_rigs/*.so
 
 # Benchmarks (issue 4): sweeps on one host and on 4 simulated nodes, the T1-T6 targets, the scaling
 # model, profiles, then BENCHMARKS.md from their JSON. Needs root (network namespaces and py-spy);

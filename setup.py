@@ -1,15 +1,48 @@
-"""Build hook for the compiled part: the 16-bit reduction kernel (metadata lives in pyproject.toml)."""
+"""Build hook for the compiled parts: the engine (C++17, required) and the 16-bit reduction kernel (metadata: pyproject.toml)."""
+
+import shutil
+import sysconfig
 
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
-# optional=True: without a C compiler the install still succeeds and the daemon uses its numpy path
-# (smddp.daemon.kernels says which one it runs; CI asserts the compiled one is there).
+# Warnings are errors in the engine: what the compiler doubts, the wire will find.
+ENGINE_FLAGS = ["-std=c++17", "-O2", "-Wall", "-Wextra", "-Wshadow", "-Werror", "-fvisibility=hidden"]
+
+
+class BuildExt(build_ext):
+    """Says exactly what is missing when there is no C++ compiler, instead of a compiler's traceback."""
+
+    def build_extensions(self) -> None:
+        cxx = (sysconfig.get_config_var("CXX") or "g++").split()[0]
+        if (
+            self.compiler.compiler_type == "unix"
+            and shutil.which(cxx) is None
+            and shutil.which("g++") is None
+        ):
+            raise SystemExit(
+                f"smddp: building from source needs a C++17 compiler for its engine (smddp._engine), and "
+                f"neither {cxx!r} (Python's CXX) nor 'g++' is on PATH. Install one (Debian/Ubuntu: "
+                "apt install g++; RHEL: dnf install gcc-c++) or set CXX, or install a built wheel "
+                "(pip wheel . on a machine with a compiler), which needs none."
+            )
+        super().build_extensions()
+
+
 extensions = [
+    Extension(
+        "smddp._engine",
+        ["smddp/engine/frame.cc", "smddp/engine/module.cc"],
+        language="c++",
+        extra_compile_args=ENGINE_FLAGS,
+    ),
+    # optional=True: without a C compiler the install still succeeds and the daemon uses its numpy path
+    # (smddp.daemon.kernels says which one it runs; CI asserts the compiled one is there).
     Extension(
         "smddp.daemon._reduce16",
         ["smddp/daemon/_reduce16.c"],
         extra_compile_args=["-O3", "-fno-fast-math"],
         optional=True,
-    )
+    ),
 ]
-setup(ext_modules=extensions)
+setup(ext_modules=extensions, cmdclass={"build_ext": BuildExt})

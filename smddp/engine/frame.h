@@ -1,0 +1,66 @@
+// The engine's frame header codec (docs/protocol.md): every field checked before anything trusts it.
+//
+// Pure: no I/O, no allocation but the error text, no Python. The Python reference of the same rules
+// is smddp/proto/frames.py; tests/engine checks that both take and refuse the same bytes.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace smddp {
+
+constexpr std::size_t kHeaderSize = 56;
+constexpr std::uint8_t kVersion = 1;
+constexpr std::uint64_t kMaxU63 = (std::uint64_t{1} << 63) - 1;
+constexpr std::uint64_t kMaxControlPayload = 64 * 1024;
+constexpr std::uint64_t kMaxReportPayload = 1 << 20;
+constexpr std::uint64_t kMaxDataPayload = 256ull * 1024 * 1024;
+
+enum class Msg : std::uint8_t {
+  kChallenge = 1,
+  kHello = 2,
+  kWelcome = 3,
+  kAttach = 10,
+  kSubmit = 11,
+  kRelease = 12,
+  kSegment = 20,
+  kDone = 21,
+  kPartial = 30,
+  kResult = 31,
+  kBlock = 32,
+  kHeartbeat = 33,
+  kError = 40,
+  kBye = 41,
+  kStatus = 42,
+  kReport = 43,
+  kExited = 44,
+};
+
+// One decoded header. dtype, op and kind are wire codes (0 where the type carries none).
+struct Header {
+  Msg type = Msg::kBye;
+  std::uint16_t flags = 0;
+  std::uint8_t dtype = 0;
+  std::uint8_t op = 0;
+  std::uint8_t kind = 0;
+  std::uint32_t sender = 0;
+  std::uint64_t seq = 0;
+  std::uint32_t shard = 0;
+  std::uint32_t aux = 0;
+  std::uint64_t offset = 0;
+  std::uint64_t length = 0;
+  std::uint64_t count = 0;
+};
+
+// The name of a known message type, or nullptr for a code that is none.
+const char* msg_name(std::uint8_t code);
+
+// Decodes `n` bytes at `data` into `*out`. Returns the empty string on success, else why the bytes
+// are not a header (then `*out` is unspecified). Reads exactly kHeaderSize bytes and no more.
+std::string decode_header(const std::uint8_t* data, std::size_t n, Header* out);
+
+// Encodes `h` into `out`; refuses (returns why) what decode_header would refuse.
+std::string encode_header(const Header& h, std::uint8_t out[kHeaderSize]);
+
+}  // namespace smddp

@@ -1,0 +1,115 @@
+// smddp._engine: the compiled engine's Python face (plain CPython API: no binding library to pin or ship).
+//
+// Only this file touches Python objects; the engine's own code (frame.*) never does.
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <cstdint>
+#include <string>
+
+#include "frame.h"
+
+namespace {
+
+struct ModuleState {
+  PyObject* protocol_error;  // smddp.errors.ProtocolError, owned by the module
+};
+
+ModuleState* state(PyObject* module) { return static_cast<ModuleState*>(PyModule_GetState(module)); }
+
+PyObject* raise_protocol(PyObject* module, const std::string& why) {
+  PyErr_SetString(state(module)->protocol_error, why.c_str());
+  return nullptr;
+}
+
+// decode_header(data) -> (type, flags, dtype, op, kind, sender, seq, shard, aux, offset, length, count)
+PyObject* py_decode_header(PyObject* module, PyObject* arg) {
+  Py_buffer view;
+  if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) != 0) return nullptr;
+  smddp::Header h;
+  const std::string why = smddp::decode_header(static_cast<const std::uint8_t*>(view.buf),
+                                               static_cast<std::size_t>(view.len), &h);
+  PyBuffer_Release(&view);
+  if (!why.empty()) return raise_protocol(module, why);
+  return Py_BuildValue("(BHBBBkKkkKKK)", static_cast<unsigned char>(h.type), h.flags, h.dtype, h.op, h.kind,
+                       static_cast<unsigned long>(h.sender), static_cast<unsigned long long>(h.seq),
+                       static_cast<unsigned long>(h.shard), static_cast<unsigned long>(h.aux),
+                       static_cast<unsigned long long>(h.offset), static_cast<unsigned long long>(h.length),
+                       static_cast<unsigned long long>(h.count));
+}
+
+// encode_header(type, sender, seq, shard, aux, offset, length, count, dtype, op, kind) -> bytes
+PyObject* py_encode_header(PyObject* module, PyObject* args) {
+  unsigned int type = 0, dtype = 0, op = 0, kind = 0;
+  unsigned long long sender = 0, seq = 0, shard = 0, aux = 0, offset = 0, length = 0, count = 0;
+  if (!PyArg_ParseTuple(args, "IKKKKKKKIII", &type, &sender, &seq, &shard, &aux, &offset, &length, &count,
+                        &dtype, &op, &kind))
+    return nullptr;
+  if (type > 255 || dtype > 255 || op > 255 || kind > 255 || sender > UINT32_MAX || shard > UINT32_MAX ||
+      aux > UINT32_MAX)
+    return raise_protocol(module, "cannot encode: a field is out of range");
+  smddp::Header h;
+  h.type = static_cast<smddp::Msg>(type);
+  h.sender = static_cast<std::uint32_t>(sender);
+  h.seq = seq;
+  h.shard = static_cast<std::uint32_t>(shard);
+  h.aux = static_cast<std::uint32_t>(aux);
+  h.offset = offset;
+  h.length = length;
+  h.count = count;
+  h.dtype = static_cast<std::uint8_t>(dtype);
+  h.op = static_cast<std::uint8_t>(op);
+  h.kind = static_cast<std::uint8_t>(kind);
+  std::uint8_t out[smddp::kHeaderSize];
+  const std::string why = smddp::encode_header(h, out);
+  if (!why.empty()) return raise_protocol(module, why);
+  return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(out), smddp::kHeaderSize);
+}
+
+PyMethodDef kMethods[] = {
+    {"decode_header", py_decode_header, METH_O,
+     "decode_header(data) -> (type, flags, dtype, op, kind, sender, seq, shard, aux, offset, length, count)"},
+    {"encode_header", py_encode_header, METH_VARARGS,
+     "encode_header(type, sender, seq, shard, aux, offset, length, count, dtype, op, kind) -> bytes"},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+int exec_module(PyObject* module) {
+  PyObject* errors = PyImport_ImportModule("smddp.errors");
+  if (errors == nullptr) return -1;
+  state(module)->protocol_error = PyObject_GetAttrString(errors, "ProtocolError");
+  Py_DECREF(errors);
+  if (state(module)->protocol_error == nullptr) return -1;
+  if (PyModule_AddIntConstant(module, "HEADER_SIZE", static_cast<long>(smddp::kHeaderSize)) != 0) return -1;
+  return 0;
+}
+
+int traverse(PyObject* module, visitproc visit, void* arg) {
+  Py_VISIT(state(module)->protocol_error);
+  return 0;
+}
+
+int clear(PyObject* module) {
+  Py_CLEAR(state(module)->protocol_error);
+  return 0;
+}
+
+void free_module(void* module) { clear(static_cast<PyObject*>(module)); }
+
+PyModuleDef_Slot kSlots[] = {{Py_mod_exec, reinterpret_cast<void*>(exec_module)}, {0, nullptr}};
+
+PyModuleDef kModule = {
+    PyModuleDef_HEAD_INIT,
+    "smddp._engine",
+    "smddp's compiled engine: the data plane's code, called from Python for setup and checks.",
+    sizeof(ModuleState),
+    kMethods,
+    kSlots,
+    traverse,
+    clear,
+    free_module,
+};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__engine() { return PyModuleDef_Init(&kModule); }
