@@ -59,15 +59,18 @@ test: lint typecheck engine-sanitize $(STAMP)
 # a reason, never a crash or a read out of bounds. Warnings are errors here too.
 SAN_DIR := build/sanitize
 SAN_FLAGS := -std=c++17 -O1 -g -Wall -Wextra -Wshadow -Werror -fno-omit-frame-pointer -Ismddp/engine -pthread
-ENGINE_CORE := smddp/engine/frame.cc
-FUZZ_SECONDS ?= 20
+ENGINE_CORE := smddp/engine/frame.cc smddp/engine/layout.cc
+FUZZ_SECONDS ?= 15
+FUZZERS := fuzz_frame fuzz_layout
 .PHONY: engine-sanitize
 engine-sanitize:
 	mkdir -p $(SAN_DIR)
-	g++ $(SAN_FLAGS) -fsanitize=address,undefined -fno-sanitize-recover=all tests/engine/fuzz_frame.cc $(ENGINE_CORE) -o $(SAN_DIR)/fuzz_frame_asan
-	$(SAN_DIR)/fuzz_frame_asan --seconds $(FUZZ_SECONDS)
-	g++ $(SAN_FLAGS) -fsanitize=thread tests/engine/fuzz_frame.cc $(ENGINE_CORE) -o $(SAN_DIR)/fuzz_frame_tsan
-	$(SAN_DIR)/fuzz_frame_tsan --seconds $(FUZZ_SECONDS) --threads 2
+	for f in $(FUZZERS); do \
+	  g++ $(SAN_FLAGS) -fsanitize=address,undefined -fno-sanitize-recover=all tests/engine/$$f.cc $(ENGINE_CORE) -o $(SAN_DIR)/$$f-asan && \
+	  $(SAN_DIR)/$$f-asan --seconds $(FUZZ_SECONDS) && \
+	  g++ $(SAN_FLAGS) -fsanitize=thread tests/engine/$$f.cc $(ENGINE_CORE) -o $(SAN_DIR)/$$f-tsan && \
+	  $(SAN_DIR)/$$f-tsan --seconds $(FUZZ_SECONDS) --threads 2 || exit 1; \
+	done
 
 # docs/configuration.md is generated from the settings table (tests/unit/test_settings.py checks it).
 .PHONY: configuration-doc

@@ -32,7 +32,7 @@ class BuildExt(build_ext):
 extensions = [
     Extension(
         "smddp._engine",
-        ["smddp/engine/frame.cc", "smddp/engine/module.cc"],
+        ["smddp/engine/frame.cc", "smddp/engine/layout.cc", "smddp/engine/module.cc"],
         language="c++",
         extra_compile_args=ENGINE_FLAGS,
     ),

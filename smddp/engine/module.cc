@@ -5,9 +5,11 @@
 #include <Python.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 
 #include "frame.h"
+#include "layout.h"
 
 namespace {
 
@@ -66,11 +68,69 @@ PyObject* py_encode_header(PyObject* module, PyObject* args) {
   return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(out), smddp::kHeaderSize);
 }
 
+// Every argument as a signed 64-bit integer, refused if negative: values come from the wire.
+bool non_negative(PyObject* module, std::initializer_list<long long> values) {
+  for (long long v : values) {
+    if (v < 0) {
+      raise_protocol(module, "out of range: a negative offset, length, shard or size");
+      return false;
+    }
+  }
+  return true;
+}
+
+// locate_reduce(count, itemsize, nshards, chunk_elems, shard, byte_offset, byte_length) -> (index, start, end)
+PyObject* py_locate_reduce(PyObject* module, PyObject* args) {
+  long long count = 0, itemsize = 0, nshards = 0, chunk_elems = 0, shard = 0, offset = 0, length = 0;
+  if (!PyArg_ParseTuple(args, "LLLLLLL", &count, &itemsize, &nshards, &chunk_elems, &shard, &offset, &length))
+    return nullptr;
+  if (!non_negative(module, {count, itemsize, nshards, chunk_elems, shard, offset, length})) return nullptr;
+  if (nshards > static_cast<long long>(UINT32_MAX)) return raise_protocol(module, "too many shards");
+  smddp::ChunkAt c;
+  const std::string why = smddp::locate_reduce(
+      static_cast<std::uint64_t>(count), static_cast<std::uint64_t>(itemsize), static_cast<std::uint32_t>(nshards),
+      static_cast<std::uint64_t>(chunk_elems), static_cast<std::uint64_t>(shard), static_cast<std::uint64_t>(offset),
+      static_cast<std::uint64_t>(length), &c);
+  if (!why.empty()) return raise_protocol(module, why);
+  return Py_BuildValue("(KKK)", static_cast<unsigned long long>(c.index),
+                       static_cast<unsigned long long>(c.elems.start), static_cast<unsigned long long>(c.elems.end));
+}
+
+// shard_range(count, nshards, shard) -> (start, end)
+PyObject* py_shard_range(PyObject* module, PyObject* args) {
+  long long count = 0, nshards = 0, shard = 0;
+  if (!PyArg_ParseTuple(args, "LLL", &count, &nshards, &shard)) return nullptr;
+  if (!non_negative(module, {count, nshards, shard})) return nullptr;
+  if (nshards == 0 || nshards > static_cast<long long>(UINT32_MAX) || shard >= nshards)
+    return raise_protocol(module, "shard out of range");
+  const smddp::Range r = smddp::shard_range(static_cast<std::uint64_t>(count), static_cast<std::uint32_t>(nshards),
+                                            static_cast<std::uint32_t>(shard));
+  return Py_BuildValue("(KK)", static_cast<unsigned long long>(r.start), static_cast<unsigned long long>(r.end));
+}
+
+// locate_block(start, end, chunk_bytes, byte_offset, byte_length) -> index
+PyObject* py_locate_block(PyObject* module, PyObject* args) {
+  long long start = 0, end = 0, chunk = 0, offset = 0, length = 0;
+  if (!PyArg_ParseTuple(args, "LLLLL", &start, &end, &chunk, &offset, &length)) return nullptr;
+  if (!non_negative(module, {start, end, chunk, offset, length})) return nullptr;
+  std::uint64_t index = 0;
+  const std::string why = smddp::locate_block(
+      {static_cast<std::uint64_t>(start), static_cast<std::uint64_t>(end)}, static_cast<std::uint64_t>(chunk),
+      static_cast<std::uint64_t>(offset), static_cast<std::uint64_t>(length), &index);
+  if (!why.empty()) return raise_protocol(module, why);
+  return PyLong_FromUnsignedLongLong(index);
+}
+
 PyMethodDef kMethods[] = {
     {"decode_header", py_decode_header, METH_O,
      "decode_header(data) -> (type, flags, dtype, op, kind, sender, seq, shard, aux, offset, length, count)"},
     {"encode_header", py_encode_header, METH_VARARGS,
      "encode_header(type, sender, seq, shard, aux, offset, length, count, dtype, op, kind) -> bytes"},
+    {"locate_reduce", py_locate_reduce, METH_VARARGS,
+     "locate_reduce(count, itemsize, nshards, chunk_elems, shard, byte_offset, byte_length) -> (index, start, end)"},
+    {"shard_range", py_shard_range, METH_VARARGS, "shard_range(count, nshards, shard) -> (start, end)"},
+    {"locate_block", py_locate_block, METH_VARARGS,
+     "locate_block(start, end, chunk_bytes, byte_offset, byte_length) -> index"},
     {nullptr, nullptr, 0, nullptr},
 };
 

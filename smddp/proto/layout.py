@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from smddp import _engine
 from smddp.errors import ProtocolError
 
 
@@ -70,23 +71,13 @@ class ReduceLayout:
         return [self.chunks(j) for j in range(self.nshards)]
 
     def locate(self, shard: int, byte_offset: int, byte_length: int) -> Chunk:
-        """The chunk a data frame claims to carry; raises ProtocolError unless it is exactly one chunk."""
-        if not 0 <= shard < self.nshards:
-            raise ProtocolError(f"shard {shard} out of range [0, {self.nshards})")
-        if byte_offset % self.itemsize or byte_length % self.itemsize:
-            raise ProtocolError(f"offset {byte_offset}/length {byte_length} not aligned to elements")
-        start, end = _shards(self.count, self.nshards)[shard]
-        first = byte_offset // self.itemsize
-        # An empty shard has one empty chunk at its start; otherwise a chunk starts inside the shard.
-        if not (start <= first < end or first == start == end):
-            raise ProtocolError(f"offset {byte_offset} outside shard {shard}")
-        index = (first - start) // self.chunk_elems
-        a = start + index * self.chunk_elems
-        b = min(a + self.chunk_elems, end)
-        if a != first or (b - a) * self.itemsize != byte_length:
-            raise ProtocolError(
-                f"frame [{byte_offset}, +{byte_length}) does not match chunk {index} of shard {shard}"
-            )
+        """The chunk a data frame claims to carry; raises ProtocolError unless it is exactly one chunk.
+
+        The check is the engine's (smddp/engine/layout.cc), the one every offset from the wire passes.
+        """
+        index, a, b = _engine.locate_reduce(
+            self.count, self.itemsize, self.nshards, self.chunk_elems, shard, byte_offset, byte_length
+        )
         return Chunk(shard, index, a, b)
 
 
@@ -146,7 +137,4 @@ class GatherLayout:
         blk = self.block_of(node)
         if blk is None:
             raise ProtocolError(f"node {node} contributes no block to this collective")
-        for i, (a, b) in enumerate(self.chunks(node)):
-            if a == byte_offset and b - a == byte_length:
-                return i
-        raise ProtocolError(f"frame [{byte_offset}, +{byte_length}) is not a chunk of node {node}'s block")
+        return int(_engine.locate_block(blk[0], blk[1], self.chunk_bytes, byte_offset, byte_length))

