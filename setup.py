@@ -1,4 +1,4 @@
-"""Build hook for the compiled parts: the engine (C++17, required) and the 16-bit reduction kernel (metadata: pyproject.toml)."""
+"""Build hook for the compiled part, the engine (C++17, required; metadata lives in pyproject.toml)."""
 
 import shutil
 import sysconfig
@@ -7,7 +7,7 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 # Warnings are errors in the engine: what the compiler doubts, the wire will find.
-ENGINE_FLAGS = ["-std=c++17", "-O2", "-Wall", "-Wextra", "-Wshadow", "-Werror", "-fvisibility=hidden"]
+ENGINE_FLAGS = ["-std=c++17", "-O3", "-Wall", "-Wextra", "-Wshadow", "-Werror", "-fvisibility=hidden"]
 
 
 class BuildExt(build_ext):
@@ -32,17 +32,14 @@ class BuildExt(build_ext):
 extensions = [
     Extension(
         "smddp._engine",
-        ["smddp/engine/frame.cc", "smddp/engine/layout.cc", "smddp/engine/module.cc"],
+        [
+            "smddp/engine/frame.cc",
+            "smddp/engine/layout.cc",
+            "smddp/engine/reduce16.cc",
+            "smddp/engine/module.cc",
+        ],
         language="c++",
         extra_compile_args=ENGINE_FLAGS,
-    ),
-    # optional=True: without a C compiler the install still succeeds and the daemon uses its numpy path
-    # (smddp.daemon.kernels says which one it runs; CI asserts the compiled one is there).
-    Extension(
-        "smddp.daemon._reduce16",
-        ["smddp/daemon/_reduce16.c"],
-        extra_compile_args=["-O3", "-fno-fast-math"],
-        optional=True,
     ),
 ]
 setup(ext_modules=extensions, cmdclass={"build_ext": BuildExt})

@@ -14,9 +14,9 @@ KERNELS = ("auto", "compiled", "numpy")
 
 
 def load_compiled() -> ModuleType | None:
-    """The compiled 16-bit kernel (smddp/daemon/_reduce16.c), or None where it was not built."""
+    """The engine's 16-bit kernel (smddp/engine/reduce16.cc, in smddp._engine), or None without the engine."""
     try:
-        return importlib.import_module("smddp.daemon._reduce16")
+        return importlib.import_module("smddp._engine")
     except ImportError:
         return None
 
@@ -71,7 +71,7 @@ class Reducer:
         self._tmp = np.empty(0, np.float32)
         self._c = None if kernel == "numpy" else load_compiled()
         if kernel == "compiled" and self._c is None:
-            raise RuntimeError("the compiled reduction kernel smddp.daemon._reduce16 is not built")
+            raise RuntimeError("the compiled reduction kernel (smddp._engine) is not built")
         # float16 needs the CPU's F16C conversions; bfloat16 is plain C everywhere.
         self._c_f16 = self._c is not None and bool(self._c.has_f16c())
 

@@ -6,10 +6,13 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <new>
 #include <string>
+#include <vector>
 
 #include "frame.h"
 #include "layout.h"
+#include "reduce16.h"
 
 namespace {
 
@@ -121,6 +124,88 @@ PyObject* py_locate_block(PyObject* module, PyObject* args) {
   return PyLong_FromUnsignedLongLong(index);
 }
 
+constexpr Py_ssize_t kMaxInputs = 4096;
+
+// Owns the buffers a reduce16 call reads and writes; released in the destructor, with the GIL held.
+struct Views {
+  std::vector<Py_buffer> views;
+  ~Views() {
+    for (Py_buffer& v : views) PyBuffer_Release(&v);
+  }
+  bool get(PyObject* obj, int flags) {
+    views.emplace_back();
+    if (PyObject_GetBuffer(obj, &views.back(), flags) == 0) return true;
+    views.pop_back();
+    return false;
+  }
+};
+
+// reduce16(kind, op, inputs, out, divisor) -> block indices left for the caller (their result holds a NaN).
+// kind: 0 float16, 1 bfloat16; op: 0 sum, 1 min, 2 max; divisor 0.0 for none. Inputs and out are
+// C-contiguous buffers of equally many 16-bit elements; out may alias an input element-wise.
+PyObject* py_reduce16(PyObject*, PyObject* args) {
+  int kind = 0, op = 0;
+  PyObject *inputs = nullptr, *out_obj = nullptr;
+  float divisor = 0.0f;
+  if (!PyArg_ParseTuple(args, "iiOOf", &kind, &op, &inputs, &out_obj, &divisor)) return nullptr;
+  if (kind != 0 && kind != 1) return PyErr_Format(PyExc_ValueError, "unknown kind %d", kind);
+  if (op < 0 || op > 2) return PyErr_Format(PyExc_ValueError, "unknown op %d", op);
+  if (kind == 0 && !smddp::have_f16c()) return PyErr_Format(PyExc_NotImplementedError, "float16 needs a CPU with F16C");
+  PyObject* seq = PySequence_Fast(inputs, "inputs must be a sequence");
+  if (seq == nullptr) return nullptr;
+  const Py_ssize_t k = PySequence_Fast_GET_SIZE(seq);
+  PyObject* result = nullptr;
+  {
+    Views v;
+    std::vector<const std::uint16_t*> ptrs;
+    std::vector<std::size_t> nan_blocks;
+    if (k < 1 || k > kMaxInputs) {
+      PyErr_Format(PyExc_ValueError, "between 1 and %zd inputs, not %zd", kMaxInputs, k);
+    } else if (v.get(out_obj, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE)) {
+      const Py_ssize_t len = v.views[0].len;
+      bool ok = len % 2 == 0;
+      if (!ok) PyErr_SetString(PyExc_ValueError, "out holds an odd number of bytes");
+      for (Py_ssize_t j = 0; ok && j < k; j++) {
+        ok = v.get(PySequence_Fast_GET_ITEM(seq, j), PyBUF_C_CONTIGUOUS);
+        if (ok && v.views.back().len != len) {
+          PyErr_Format(PyExc_ValueError, "input %zd holds %zd bytes, out %zd", j, v.views.back().len, len);
+          ok = false;
+        }
+        if (ok) ptrs.push_back(static_cast<const std::uint16_t*>(v.views.back().buf));
+      }
+      if (ok) {
+        bool oom = false;
+        auto* out = static_cast<std::uint16_t*>(v.views[0].buf);
+        Py_BEGIN_ALLOW_THREADS
+        try {
+          smddp::reduce16(static_cast<smddp::Half>(kind), static_cast<smddp::Fold>(op), ptrs.data(),
+                          static_cast<std::size_t>(k), static_cast<std::size_t>(len / 2), out, divisor, &nan_blocks);
+        } catch (const std::bad_alloc&) {
+          oom = true;
+        }
+        Py_END_ALLOW_THREADS
+        if (oom) {
+          PyErr_NoMemory();
+        } else {
+          result = PyList_New(static_cast<Py_ssize_t>(nan_blocks.size()));
+          for (std::size_t i = 0; result != nullptr && i < nan_blocks.size(); i++) {
+            PyObject* b = PyLong_FromSize_t(nan_blocks[i]);
+            if (b == nullptr) {
+              Py_CLEAR(result);
+              break;
+            }
+            PyList_SET_ITEM(result, static_cast<Py_ssize_t>(i), b);
+          }
+        }
+      }
+    }
+  }
+  Py_DECREF(seq);
+  return result;
+}
+
+PyObject* py_has_f16c(PyObject*, PyObject*) { return PyBool_FromLong(smddp::have_f16c() ? 1 : 0); }
+
 PyMethodDef kMethods[] = {
     {"decode_header", py_decode_header, METH_O,
      "decode_header(data) -> (type, flags, dtype, op, kind, sender, seq, shard, aux, offset, length, count)"},
@@ -128,6 +213,9 @@ PyMethodDef kMethods[] = {
      "encode_header(type, sender, seq, shard, aux, offset, length, count, dtype, op, kind) -> bytes"},
     {"locate_reduce", py_locate_reduce, METH_VARARGS,
      "locate_reduce(count, itemsize, nshards, chunk_elems, shard, byte_offset, byte_length) -> (index, start, end)"},
+    {"reduce16", py_reduce16, METH_VARARGS,
+     "reduce16(kind, op, inputs, out, divisor) -> block indices (NaN) left for the caller"},
+    {"has_f16c", py_has_f16c, METH_NOARGS, "Whether float16 can be reduced here (x86-64 with AVX2 and F16C)"},
     {"shard_range", py_shard_range, METH_VARARGS, "shard_range(count, nshards, shard) -> (start, end)"},
     {"locate_block", py_locate_block, METH_VARARGS,
      "locate_block(start, end, chunk_bytes, byte_offset, byte_length) -> index"},
@@ -141,6 +229,7 @@ int exec_module(PyObject* module) {
   Py_DECREF(errors);
   if (state(module)->protocol_error == nullptr) return -1;
   if (PyModule_AddIntConstant(module, "HEADER_SIZE", static_cast<long>(smddp::kHeaderSize)) != 0) return -1;
+  if (PyModule_AddIntConstant(module, "BLOCK", static_cast<long>(smddp::kReduceBlock)) != 0) return -1;
   return 0;
 }
 

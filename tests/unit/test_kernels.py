@@ -174,7 +174,7 @@ def test_reference_other_collectives():
 
 
 # -- Reducer against the reference ---------------------------------------------------------------
-# Every Reducer test runs on both kernels: the numpy path and the compiled one (smddp/daemon/_reduce16.c,
+# Every Reducer test runs on both kernels: the numpy path and the compiled one (smddp/engine/reduce16.cc,
 # used for float16/bfloat16); both must give the reference's bits.
 
 
@@ -182,9 +182,7 @@ def test_reference_other_collectives():
 def kernel(request):
     if request.param == "compiled" and load_compiled() is None:
         if os.environ.get("CI"):
-            pytest.fail(
-                "the compiled kernel smddp.daemon._reduce16 was not built (is a C compiler installed?)"
-            )
+            pytest.fail("the engine smddp._engine was not built (is a C++ compiler installed?)")
         pytest.skip("the compiled kernel is not built here")
     return request.param
 
@@ -456,9 +454,7 @@ def compiled():
     c = load_compiled()
     if c is None:
         if os.environ.get("CI"):
-            pytest.fail(
-                "the compiled kernel smddp.daemon._reduce16 was not built (is a C compiler installed?)"
-            )
+            pytest.fail("the engine smddp._engine was not built (is a C++ compiler installed?)")
         pytest.skip("the compiled kernel is not built here")
     return c
 

@@ -1,0 +1,31 @@
+// The 16-bit float reduction kernel (float16, bfloat16), accumulated in float32.
+//
+// It computes exactly what smddp.daemon.kernels' numpy path computes: widen every input to float32,
+// fold left to right (+, or numpy's minimum/maximum, which keep the first operand only when it is
+// strictly smaller/larger or NaN), divide once for an average, round to nearest even once at the
+// end. NaN payload rules are where compiled code and numpy could disagree (which NaN a+b returns,
+// how a signalling NaN narrows), so a block whose float32 result holds a NaN is not written: its
+// index is reported and the caller reduces that block with numpy. Pure: no Python, no allocation.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace smddp {
+
+enum class Half : int { kFloat16 = 0, kBfloat16 = 1 };
+enum class Fold : int { kSum = 0, kMin = 1, kMax = 2 };
+
+constexpr std::size_t kReduceBlock = 2048;  // elements per block: 8 KiB of float32 accumulator, in L1
+
+// Whether float16 can be reduced here (x86-64 with AVX2 and F16C); bfloat16 always can.
+bool have_f16c();
+
+// out[i] = fold(in[0][i], in[1][i], ...) / divisor (divisor 0: none) for i < n; `out` may alias an
+// input element-wise. Appends to `nan_blocks` the blocks left unwritten because they hold a NaN.
+// Requires k >= 1, every in[j] and out holding n elements, and have_f16c() for float16.
+void reduce16(Half kind, Fold op, const std::uint16_t* const* in, std::size_t k, std::size_t n,
+              std::uint16_t* out, float divisor, std::vector<std::size_t>* nan_blocks);
+
+}  // namespace smddp
