@@ -58,7 +58,7 @@ test: lint typecheck engine-sanitize $(STAMP)
 # decoders fuzzed under both for a bounded time (tests/engine/fuzz_*.cc): any bytes give a header or
 # a reason, never a crash or a read out of bounds. Warnings are errors here too.
 SAN_DIR := build/sanitize
-SAN_FLAGS := -std=c++17 -O1 -g -Wall -Wextra -Wshadow -Werror -fno-omit-frame-pointer -Ismddp/engine -pthread
+SAN_FLAGS := -std=c++17 -O1 -g -Wall -Wextra -Wshadow -Werror -fno-omit-frame-pointer -Ismddp/engine -Itests/engine -pthread
 ENGINE_CORE := smddp/engine/frame.cc smddp/engine/layout.cc smddp/engine/reduce16.cc
 FUZZ_SECONDS ?= 15
 FUZZERS := fuzz_frame fuzz_layout

@@ -128,7 +128,12 @@ def smddp_main(argv: list[str] | None = None) -> int:
     sub.add_parser("daemon", help="same as smddp-daemon", add_help=False)
     sub.add_parser("version", help="print the version")
     st = sub.add_parser("status", help="look inside the running jobs on this host")
-    st.add_argument("--job", default="", help="job id (or a unique prefix); without it, list the jobs")
+    st.add_argument(
+        "--job",
+        default="",
+        help="job id (or a unique prefix); without it, the one job's table, or the list of several",
+    )
+    st.add_argument("--list", action="store_true", help="list the jobs even when there is one")
     st.add_argument("--json", action="store_true", help="machine-readable output")
     st.add_argument("--watch", nargs="?", type=float, const=2.0, default=0.0, help="redraw every N seconds")
     st.add_argument("--socket-dir", default="")
@@ -160,7 +165,9 @@ def smddp_main(argv: list[str] | None = None) -> int:
 
         try:
             return status(
-                StatusConfig(job=args.job, json=args.json, watch=args.watch, socket_dir=args.socket_dir)
+                StatusConfig(
+                    job=args.job, json=args.json, list=args.list, watch=args.watch, socket_dir=args.socket_dir
+                )
             )
         except KeyboardInterrupt:
             return 0

@@ -19,8 +19,9 @@ from smddp.transport.conn import Connection
 
 @dataclass(frozen=True)
 class StatusConfig:
-    job: str = ""  # a job id or a unique prefix of one; "" lists the jobs
-    json: bool = False
+    job: str = ""  # a job id or a unique prefix of one; "": the one job's table, or the list of several
+    json: bool = False  # without a job: the list of daemons, however many jobs (scripts read it)
+    list: bool = False  # the list even when there is one job
     watch: float = 0.0  # redraw every this many seconds (0 = once)
     socket_dir: str = ""
     timeout_s: float = 10.0
@@ -180,10 +181,17 @@ def render_report(r: dict) -> str:
 
 
 def status(cfg: StatusConfig) -> int:
-    """Print the jobs (no job named) or the named job's table; with watch, redraw in place."""
+    """Print the named job's table, else the one job's table, else the list of jobs; with watch, redraw."""
     while True:
         daemons = local_daemons(cfg.socket_dir)
-        if not cfg.job:
+        jobs = {d.job for d in daemons}
+        if not cfg.job and len(jobs) == 1 and not (cfg.json or cfg.list):
+            (only,) = jobs
+            try:
+                text = render_report(fetch_report(pick(daemons, only), cfg.timeout_s))
+            except (SmddpError, OSError) as e:  # ending as we ask: the list says what is left
+                text = f"{render_jobs(daemons)}\n(its daemon did not answer: {e})"
+        elif not cfg.job:
             text = json.dumps([d.info for d in daemons], indent=2) if cfg.json else render_jobs(daemons)
         else:
             report = fetch_report(pick(daemons, cfg.job), cfg.timeout_s)

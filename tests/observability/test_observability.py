@@ -55,8 +55,9 @@ def test_status_of_a_running_multi_node_job(clean_host):
     proc = launch([], ["--iterations", "400", "--pause", "0.01"], env)
     try:
         wait_for_job(proc, job)
-        listing = smddp_status()
-        assert job in listing.stdout
+        # One job on the host: plain `smddp status` shows its table; --list the one-line list.
+        single = smddp_status()
+        listing = smddp_status("--list")
         time.sleep(1.0)
         first = json.loads(smddp_status("--job", job[:10], "--json").stdout)
         time.sleep(1.5)
@@ -65,6 +66,8 @@ def test_status_of_a_running_multi_node_job(clean_host):
     finally:
         out = proc.communicate(timeout=120)[0]
     assert proc.returncode == 0, out[-2000:]
+    assert single.returncode == 0 and f"job {job}" in single.stdout and "NODE" in single.stdout, single.stdout
+    assert listing.stdout.splitlines()[0].startswith("JOB") and job in listing.stdout, listing.stdout
     assert first["job"] == job and first["nnodes"] == 2 and first["world"] == 4
     for a, b in zip(first["daemons"], second["daemons"], strict=True):
         # Every daemon, not only the local one: node, host, pid, state, workers, peers, numbers.
