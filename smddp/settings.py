@@ -10,6 +10,8 @@ from typing import Any
 
 from smddp.errors import ConfigError
 
+KiB, MiB = 1 << 10, 1 << 20  # the units the settings' names end in (_kb, _mb)
+
 LAUNCH = "smddp-launch"
 DAEMON = "smddp-daemon"
 WORKER = "worker"  # read from the environment by each worker (smddp-launch exports it)
@@ -138,7 +140,8 @@ SETTINGS: tuple[Setting, ...] = (
         "reduce_kernel",
         str,
         "auto",
-        "how float16/bfloat16 are summed: the compiled kernel, numpy, or auto (compiled where built)",
+        "how float16/bfloat16 are summed: the engine's compiled kernel, numpy, or auto (compiled; float16 "
+        "on a CPU without F16C: numpy)",
         ("--reduce-kernel",),
         (DAEMON,),
         env="SMDDP_REDUCE_KERNEL",

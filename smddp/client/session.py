@@ -11,7 +11,7 @@ import socket
 import stat
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +39,7 @@ from smddp.proto.dtypes import DType, Kind, ReduceOp
 from smddp.proto.failure import read_failure
 from smddp.proto.frames import Header, MsgType, Role
 from smddp.proto.messages import Attach, Bye, Done, Release, SegmentMsg, Submit
-from smddp.settings import default
+from smddp.settings import KiB, MiB, default
 from smddp.trace import span
 from smddp.transport.auth import client_handshake
 from smddp.transport.bootstrap import Membership, Placement, default_socket_dir, job_dir, join_job
@@ -50,7 +50,6 @@ NO_SEGMENT = 2**32 - 1
 # Results up to this many bytes in all may wait for the next frame to be RELEASEd (Client._release).
 RELEASE_BATCH_BYTES = 256 << 10
 log = logging.getLogger("smddp.client")
-KiB, MiB = 1 << 10, 1 << 20
 
 
 @dataclass(frozen=True)
@@ -79,12 +78,12 @@ class ClientConfig:
             timeout_s=v["timeout_s"],
             arena_bytes=max(fusion * 2, 64 << 20),
             fusion_bytes=fusion,
-            pipeline_bytes=int(v["pipeline_kb"] * KiB),
+            pipeline_bytes=v["pipeline_kb"] * KiB,
             heartbeat_timeout_s=v["heartbeat_timeout_s"],
             timeline_dir=v["timeline_dir"],
             log_level=v["log_level"],
             job_id_hex=v["job_id"],
-            device_runtime=check_runtime_name(v["device_runtime"] or "auto"),
+            device_runtime=check_runtime_name(v["device_runtime"]),
         )
 
 
@@ -189,6 +188,26 @@ class Handle:
             _call_back(fn, self)
 
 
+def when_all(handles: Sequence[Handle], fn: Callable[[], None]) -> None:
+    """Call `fn()` once every handle has finished (at once if there are none), in the thread that
+    finishes the last; the same rules as Handle.add_done_callback."""
+    if not handles:
+        fn()
+        return
+    left = [len(handles)]
+    lock = threading.Lock()
+
+    def one(_h: Handle) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        fn()
+
+    for h in handles:
+        h.add_done_callback(one)
+
+
 def _call_back(fn: Callable[[Handle], None], handle: Handle) -> None:
     try:
         fn(handle)
@@ -209,18 +228,7 @@ class PipelinedHandle(Handle):
 
     def add_done_callback(self, fn: Callable[[Handle], None]) -> None:
         """`fn(self)` once every piece has finished."""
-        left = [len(self.pieces)]
-        lock = threading.Lock()
-
-        def one(_piece: Handle) -> None:
-            with lock:
-                left[0] -= 1
-                last = left[0] == 0
-            if last:
-                fn(self)
-
-        for h in self.pieces:
-            h.add_done_callback(one)
+        when_all(self.pieces, lambda: fn(self))
 
     def done(self) -> bool:
         return all(h.done() for h in self.pieces)

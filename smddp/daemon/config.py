@@ -5,9 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from smddp.errors import ConfigError
-from smddp.settings import default
-
-KiB = 1 << 10
+from smddp.settings import KiB, default
 
 
 @dataclass(frozen=True)

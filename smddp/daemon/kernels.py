@@ -2,23 +2,14 @@
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Sequence
-from types import ModuleType
 
 import numpy as np
 
+from smddp import _engine
 from smddp.proto.dtypes import DType, ReduceOp
 
 KERNELS = ("auto", "compiled", "numpy")
-
-
-def load_compiled() -> ModuleType | None:
-    """The engine's 16-bit kernel (smddp/engine/reduce16.cc, in smddp._engine), or None without the engine."""
-    try:
-        return importlib.import_module("smddp._engine")
-    except ImportError:
-        return None
 
 
 def bf16_to_f32(bits: np.ndarray, out: np.ndarray) -> np.ndarray:
@@ -60,8 +51,8 @@ _COMPILED_OP = {ReduceOp.SUM: 0, ReduceOp.AVG: 0, ReduceOp.MIN: 1, ReduceOp.MAX:
 class Reducer:
     """Reduces equally long inputs into `out` in list order; owns scratch, so one per thread.
 
-    `kernel` picks how 16-bit floats are reduced: "compiled" (the C kernel; an error if it is missing),
-    "numpy", or "auto" (compiled where built, numpy otherwise). Both give the same bits.
+    `kernel` picks how 16-bit floats are reduced: "compiled" or "auto" (the engine's kernel; float16
+    needs F16C, else numpy), or "numpy". Both give the same bits.
     """
 
     def __init__(self, kernel: str = "auto") -> None:
@@ -69,9 +60,7 @@ class Reducer:
             raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, not {kernel!r}")
         self._acc = np.empty(0, np.float32)
         self._tmp = np.empty(0, np.float32)
-        self._c = None if kernel == "numpy" else load_compiled()
-        if kernel == "compiled" and self._c is None:
-            raise RuntimeError("the compiled reduction kernel (smddp._engine) is not built")
+        self._c = None if kernel == "numpy" else _engine
         # float16 needs the CPU's F16C conversions; bfloat16 is plain C everywhere.
         self._c_f16 = self._c is not None and bool(self._c.has_f16c())
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import os
 import signal
@@ -96,11 +97,6 @@ def _lifetime() -> ModuleType:
     return module
 
 
-def _die_with_parent() -> None:
-    """In the child: if this wrapper dies, the worker gets SIGKILL too (Linux)."""
-    _lifetime().signal_on_parent_death(signal.SIGKILL)
-
-
 def _pump(src: IO[bytes], dst: IO[bytes], prefix: bytes) -> None:
     """Copy lines from the worker to our own stream, each behind the prefix."""
     for line in iter(src.readline, b""):
@@ -154,7 +150,9 @@ def run_worker(command: list[str], prefix: str, report: Report | None) -> int:
             stdout=pipe,
             stderr=pipe,
             env=env,
-            preexec_fn=_die_with_parent,
+            # In the child, between fork and exec: if this wrapper dies, the worker gets SIGKILL too.
+            # Loaded here, in the parent: the forked child only calls it.
+            preexec_fn=functools.partial(_lifetime().signal_on_parent_death, signal.SIGKILL),
             pass_fds=(joined.write_fd,) if joined is not None else (),
         )
     except OSError as e:

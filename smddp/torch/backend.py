@@ -19,6 +19,7 @@ from torch.futures import Future
 
 import smddp
 from smddp.client.device.runtime import BUILTIN as BUILTIN_RUNTIMES
+from smddp.client.session import when_all
 from smddp.errors import CollectiveError, CollectiveTimeoutError, ConfigError, SmddpError
 
 BACKEND_NAME = "smddp"
@@ -175,14 +176,8 @@ def _complete_on_done(
     No thread hop: the client's reader delivers the result, runs `finish` (copies back into
     non-contiguous tensors) and completes the torch future in one go.
     """
-    left = [len(handles)]
-    lock = threading.Lock()
 
-    def one(_h: smddp.Handle | None) -> None:
-        with lock:
-            left[0] -= 1
-            if left[0] > 0:
-                return
+    def complete() -> None:
         try:
             for h in handles:
                 h.wait(0.0)  # all finished: raises the first one's error, if any
@@ -193,11 +188,7 @@ def _complete_on_done(
             return
         work._complete(None)
 
-    if not handles:
-        one(None)
-        return
-    for h in handles:
-        h.add_done_callback(one)
+    when_all(handles, complete)
 
 
 class _Watchdog:
