@@ -35,12 +35,40 @@ class LocalDaemon:
     info: dict
 
 
-def local_daemons(socket_dir: str = "") -> list[LocalDaemon]:
-    """The daemons of every job on this host that this user can see (their private directories)."""
+_FIELDS = {"job": str, "node": int, "nnodes": int, "pid": int, "started": float, "socket": str}
+
+
+def _well_formed(info: object) -> bool:
+    return isinstance(info, dict) and all(
+        isinstance(info.get(k), (int, float) if t is float else t) for k, t in _FIELDS.items()
+    )
+
+
+def daemon_alive(pid: int) -> bool:
+    """Whether process `pid` lives and is a daemon of ours: a daemon killed by SIGKILL leaves its
+    directory behind, and a recycled pid must not bring its job back."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return False  # another user's process: our daemons run as us, so the pid was recycled
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read()
+    except OSError:
+        return True  # no /proc: the pid's existence is all we can know
+    return b"smddp-daemon" in cmdline or b"smddp.daemon" in cmdline
+
+
+def scan(socket_dir: str = "") -> tuple[list[LocalDaemon], list[str]]:
+    """The live daemons of every job on this host that this user can see (their private directories),
+    and the directories that daemons which are gone left behind (killed before they could clean up)."""
     base = socket_dir or default_socket_dir()
     found: list[LocalDaemon] = []
+    stale: list[str] = []
     if not os.path.isdir(base):
-        return found
+        return found, stale
     for name in sorted(os.listdir(base)):
         path = os.path.join(base, name)
         try:
@@ -48,8 +76,16 @@ def local_daemons(socket_dir: str = "") -> list[LocalDaemon]:
                 info = json.load(f)
         except (OSError, ValueError):
             continue  # starting, finished, or not ours
-        found.append(LocalDaemon(info["job"], int(info["node"]), path, info))
-    return found
+        if not _well_formed(info) or not daemon_alive(info["pid"]):
+            stale.append(path)
+        else:
+            found.append(LocalDaemon(info["job"], int(info["node"]), path, info))
+    return found, stale
+
+
+def local_daemons(socket_dir: str = "") -> list[LocalDaemon]:
+    """The live daemons of every job on this host that this user can see."""
+    return scan(socket_dir)[0]
 
 
 def fetch_report(d: LocalDaemon, timeout: float) -> dict:
@@ -183,7 +219,7 @@ def render_report(r: dict) -> str:
 def status(cfg: StatusConfig) -> int:
     """Print the named job's table, else the one job's table, else the list of jobs; with watch, redraw."""
     while True:
-        daemons = local_daemons(cfg.socket_dir)
+        daemons, stale = scan(cfg.socket_dir)
         jobs = {d.job for d in daemons}
         if not cfg.job and len(jobs) == 1 and not (cfg.json or cfg.list):
             (only,) = jobs
@@ -193,6 +229,8 @@ def status(cfg: StatusConfig) -> int:
                 text = f"{render_jobs(daemons)}\n(its daemon did not answer: {e})"
         elif not cfg.job:
             text = json.dumps([d.info for d in daemons], indent=2) if cfg.json else render_jobs(daemons)
+            if stale and not cfg.json:
+                text += "\n(left behind by daemons that are gone, safe to remove: " + ", ".join(stale) + ")"
         else:
             report = fetch_report(pick(daemons, cfg.job), cfg.timeout_s)
             text = json.dumps(report, indent=2) if cfg.json else render_report(report)

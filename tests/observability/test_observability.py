@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -49,7 +51,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_status_of_a_running_multi_node_job(clean_host):
+@pytest.fixture
+def own_runtime_dir(monkeypatch):
+    """A private XDG_RUNTIME_DIR: the jobs `smddp status` finds are this test's only, whatever else
+    runs on the machine (short, for the 108-byte limit of a unix socket's path)."""
+    path = tempfile.mkdtemp(prefix="smddp-st-", dir="/tmp")
+    monkeypatch.setenv("XDG_RUNTIME_DIR", path)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_status_of_a_running_multi_node_job(own_runtime_dir, clean_host):
     env = job_env()
     job = env["SMDDP_JOB_ID"]
     proc = launch([], ["--iterations", "400", "--pause", "0.01"], env)
