@@ -59,9 +59,11 @@ test: lint typecheck engine-sanitize $(STAMP)
 # a reason, never a crash or a read out of bounds. Warnings are errors here too.
 SAN_DIR := build/sanitize
 SAN_FLAGS := -std=c++17 -O1 -g -Wall -Wextra -Wshadow -Werror -fno-omit-frame-pointer -Ismddp/engine -Itests/engine -pthread
-ENGINE_CORE := smddp/engine/frame.cc smddp/engine/layout.cc smddp/engine/reduce16.cc
+ENGINE_CORE := smddp/engine/frame.cc smddp/engine/layout.cc smddp/engine/reduce16.cc smddp/engine/collective.cc \
+  smddp/engine/tcp_fabric.cc smddp/engine/ring.cc
 FUZZ_SECONDS ?= 15
-FUZZERS := fuzz_frame fuzz_layout
+FUZZERS := fuzz_frame fuzz_layout fuzz_collective
+ENGINE_TESTS := test_fabric test_ring
 .PHONY: engine-sanitize
 engine-sanitize:
 	mkdir -p $(SAN_DIR)
@@ -70,6 +72,12 @@ engine-sanitize:
 	  $(SAN_DIR)/$$f-asan --seconds $(FUZZ_SECONDS) && \
 	  g++ $(SAN_FLAGS) -fsanitize=thread tests/engine/$$f.cc $(ENGINE_CORE) -o $(SAN_DIR)/$$f-tsan && \
 	  $(SAN_DIR)/$$f-tsan --seconds $(FUZZ_SECONDS) --threads 2 || exit 1; \
+	done
+	for t in $(ENGINE_TESTS); do \
+	  g++ $(SAN_FLAGS) -fsanitize=address,undefined -fno-sanitize-recover=all tests/engine/$$t.cc $(ENGINE_CORE) -o $(SAN_DIR)/$$t-asan && \
+	  $(SAN_DIR)/$$t-asan && \
+	  g++ $(SAN_FLAGS) -fsanitize=thread tests/engine/$$t.cc $(ENGINE_CORE) -o $(SAN_DIR)/$$t-tsan && \
+	  $(SAN_DIR)/$$t-tsan || exit 1; \
 	done
 
 # docs/configuration.md is generated from the settings table (tests/unit/test_settings.py checks it).

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from smddp import _engine
 from smddp.daemon.config import DaemonConfig
 from smddp.daemon.kernels import Reducer
 from smddp.daemon.stats import Stats
@@ -31,7 +32,7 @@ from smddp.proto import handshake as hs
 from smddp.proto.dtypes import DType, Kind, ReduceOp
 from smddp.proto.failure import failure_frame, read_failure
 from smddp.proto.frames import HEADER_SIZE, Header, MsgType, Role, error_frame
-from smddp.proto.layout import Chunk, GatherLayout, ReduceLayout
+from smddp.proto.layout import Chunk
 from smddp.proto.messages import (
     Attach,
     Bye,
@@ -106,7 +107,15 @@ class OpState:
     """One collective as this daemon sees it, from the first frame that mentions it to the last RELEASE."""
 
     def __init__(
-        self, seq: int, kind: Kind, dtype: DType, count: int, op: ReduceOp | None, root: int, origin: str
+        self,
+        seq: int,
+        kind: Kind,
+        dtype: DType,
+        count: int,
+        op: ReduceOp | None,
+        root: int,
+        origin: str,
+        sm: _engine.Collective,
     ):
         self.seq = seq
         self.kind = kind
@@ -115,29 +124,15 @@ class OpState:
         self.op = op
         self.root = root
         self.origin = origin  # who first issued it, for mismatch messages
-        self.reduce: ReduceLayout | None = None
-        self.replicated = False  # a small all-reduce: every node serves the whole buffer
-        # One worker on this node and a type reduced in place: its input is the node partial as it
-        # is, so the sharded path reads and sends it from the worker's slot instead of copying it.
-        self.own_in_input = False
-        self.gather: GatherLayout | None = None
+        # Layout, arrivals, completion and release: the engine's state machine (smddp/engine/collective.h),
+        # which checks every chunk a frame claims before this daemon touches memory for it.
+        self.sm = sm
         self.result_slot: Slot | None = None
         self.result: np.ndarray = np.empty(0, np.uint8)
         self.server_slot: Slot | None = None
-        self.server: np.ndarray | None = None  # (nnodes, own shard) partials, node order
-        self.own_start = 0
-        self.own_chunks: list[Chunk] = []
+        self.server: np.ndarray | None = None  # (nnodes, own range) partials, node order
+        self.own_start = sm.own_range[0]
         self.inputs: list[np.ndarray | None] = []
-        self.submitted = 0
-        self.partial_seen: list[bytearray] = []
-        self.partial_count: list[int] = []
-        self.arrived: set[tuple[int, int]] = set()  # (node or shard, byte offset) of RESULT/BLOCK frames
-        self.expected = 0
-        self.completed = 0
-        self.pending_sends = 0
-        self.released = 0
-        self.released_by = bytearray()
-        self.done = False
         self.t0 = time.monotonic()
         self.wall0 = time.time()
         self.phases: dict[str, list[float]] = {}  # phase -> [first start, last end], wall clock
@@ -161,6 +156,21 @@ class OpState:
             span(f"#{self.seq} {name}", start, end, process, name, args)
             for name, (start, end) in self.phases.items()
         ]
+
+    @property
+    def done(self) -> bool:
+        return self.sm.done
+
+    @property
+    def replicated(self) -> bool:
+        """A small all-reduce: every node serves the whole buffer."""
+        return self.sm.replicated
+
+    @property
+    def own_in_input(self) -> bool:
+        """One worker on this node and a type reduced in place: its input is the node partial as it
+        is, so the sharded path reads and sends it from the worker's slot instead of copying it."""
+        return self.sm.own_in_input
 
     @property
     def fingerprint(self) -> tuple:
@@ -576,12 +586,10 @@ class NodeDaemon:
             if self.failure is not None:
                 return
             op = self._op_for(m.seq, kind, dtype, m.count, m.op, m.root, who)
-            if op.inputs[link.local_rank] is not None or op.submitted == self.local_size:
-                raise ProtocolError(f"{who} submitted collective #{m.seq} twice")
+            all_in = op.sm.submit(link.local_rank, who)
             op.inputs[link.local_rank] = data if data is not None else np.empty(0, dtype.storage)
-            op.submitted += 1
             op.phase("wait for local ranks", op.wall0, time.time())
-            if op.submitted == self.local_size:
+            if all_in:
                 tasks = self._local_tasks_for(op)
         if tasks:
             self._dispatch(op, tasks, local=True)
@@ -589,25 +597,23 @@ class NodeDaemon:
     def _on_release(self, link: WorkerLink, h: Header) -> None:
         with self._lock:
             op = self.ops.get(h.seq)
-            if op is None or not op.done or op.released_by[link.local_rank]:
+            if op is None:
                 raise ProtocolError(f"{link.conn.peer} released collective #{h.seq}, which it does not hold")
-            op.released_by[link.local_rank] = 1
-            op.released += 1
-            self._maybe_retire(op)
+            if op.sm.release(link.local_rank, link.conn.peer):
+                self._retire(op)
 
-    def _maybe_retire(self, op: OpState) -> None:
-        """Free an op's memory once every worker copied its result out and every send left (lock held)."""
-        if op.released == self.local_size and op.pending_sends == 0 and op.done:
-            del self.ops[op.seq]
-            if op.server_slot is not None:  # a replicated op: its own partial is sent from there
-                self.scratch.free(op.server_slot)
-                op.server_slot = None
-                op.server = None
-            self._stall_warned.pop(op.seq, None)
-            if self.cfg.timeline_dir:
-                self.timeline.extend(op.trace_events(f"node {self.node} daemon", self.node))
-            if op.result_slot is not None:
-                self.results.free(op.result_slot)
+    def _retire(self, op: OpState) -> None:
+        """Free an op's memory: every worker copied its result out and every send left (lock held)."""
+        del self.ops[op.seq]
+        if op.server_slot is not None:  # a replicated op: its own partial is sent from there
+            self.scratch.free(op.server_slot)
+            op.server_slot = None
+            op.server = None
+        self._stall_warned.pop(op.seq, None)
+        if self.cfg.timeline_dir:
+            self.timeline.extend(op.trace_events(f"node {self.node} daemon", self.node))
+        if op.result_slot is not None:
+            self.results.free(op.result_slot)
 
     # ------------------------------------------------------------------ op state
 
@@ -623,7 +629,23 @@ class NodeDaemon:
                     f"but {who} called {describe(kind, dtype, count, rop, root)}"
                 )
             return op
-        self._validate_new(seq, kind, dtype, count, rop, root, who)
+        # The engine checks the collective (a reduce op where one belongs, the root, the size) first.
+        sm = _engine.Collective(
+            who,
+            seq,
+            int(kind),
+            dtype.itemsize,
+            dtype.accumulator != dtype.storage,  # 16-bit types are widened and rounded
+            count,
+            rop is not None,
+            root,
+            self.node,
+            self.nnodes,
+            self.local_size,
+            self.world,
+            self.cfg.chunk_bytes,
+            self.cfg.replicate_bytes,
+        )
         if self.left_early:
             reason = self.left_early[min(self.left_early)]
             raise PeerLostError(
@@ -635,51 +657,15 @@ class NodeDaemon:
             raise CollectiveMismatchError(
                 _left_message(gone[0], seq, describe(kind, dtype, count, rop, root))
             )
-        op = OpState(seq, kind, dtype, count, rop, root, who)
+        op = OpState(seq, kind, dtype, count, rop, root, who, sm)
         op.inputs = [None] * self.local_size
         op.traced = bool(self.cfg.timeline_dir)
-        op.released_by = bytearray(self.local_size)
-        itemsize = dtype.itemsize
-        N = self.nnodes
-        if kind.is_gather:
-            nbytes = count * itemsize
-            if kind == Kind.ALLGATHER:
-                op.gather = GatherLayout.allgather(nbytes, N, self.local_size, self.cfg.chunk_bytes)
-            else:
-                op.gather = GatherLayout.broadcast(nbytes, N, root // self.local_size, self.cfg.chunk_bytes)
-            op.expected = op.gather.total_chunks()
-            total = op.gather.total_bytes
-        else:
-            op.replicated = self._replicates(kind, count * itemsize)
-            if op.replicated:
-                # Small: every node receives every node's partial and reduces the whole buffer itself,
-                # in the same node order, so all get the same bits in one network step, not two.
-                op.reduce = ReduceLayout.build(count, itemsize, 1, self.cfg.chunk_bytes)
-                own = op.reduce.chunks(0)
-                op.expected = len(own)  # completed by our server reduces only
-            else:
-                op.reduce = ReduceLayout.build(count, itemsize, N, self.cfg.chunk_bytes)
-                own = op.reduce.chunks(self.node)
-                op.own_in_input = (
-                    N > 1
-                    and self.local_size == 1
-                    and kind in (Kind.ALLREDUCE, Kind.REDUCE_SCATTER)
-                    and dtype.accumulator == dtype.storage  # 16-bit types are widened and rounded
-                )
-                # Every chunk completes exactly once here: by our local reduce (N == 1, or a
-                # reduce_scatter partial that left for its server), by our server reduce, or by a RESULT
-                # from its server. Counting the partials too means an op is never done while a local
-                # task still reads it.
-                op.expected = sum(len(c) for c in op.reduce.all_chunks())
-            if N > 1:
-                a, b = op.reduce.shards()[0 if op.replicated else self.node]
-                op.own_start = a
-                op.own_chunks = own
-                op.server_slot, _ = self.scratch.alloc(N * (b - a) * itemsize)
-                op.server = self.scratch.view(op.server_slot).view(dtype.storage).reshape(N, b - a)
-                op.partial_seen = [bytearray(N) for _ in own]
-                op.partial_count = [0] * len(own)
-            total = count * itemsize
+        if sm.server_rows:
+            # Every node's partial of the range we serve, one row each (ours too), in node order.
+            a, b = sm.own_range
+            op.server_slot, _ = self.scratch.alloc(sm.server_rows * (b - a) * dtype.itemsize)
+            op.server = self.scratch.view(op.server_slot).view(dtype.storage).reshape(sm.server_rows, b - a)
+        total = sm.result_bytes
         op.result_slot, new_seg = self.results.alloc(total)
         if new_seg is not None:
             for w in self.workers:
@@ -703,45 +689,7 @@ class NodeDaemon:
 
     def _lacks_from(self, op: OpState, j: int) -> bool:
         """Whether `op` still waits for a frame from node `j` (lock held): a partial, result or block."""
-        if op.reduce is not None:
-            if any(not seen[j] for seen in op.partial_seen):
-                return True
-            if op.replicated or op.kind == Kind.REDUCE_SCATTER:
-                return False  # no RESULT comes from j
-            isz = op.dtype.itemsize
-            return any((j, c.start * isz) not in op.arrived for c in op.reduce.chunks(j))
-        if op.gather is not None:
-            return any((j, a) not in op.arrived for a, _ in op.gather.chunks(j))
-        return False
-
-    def _replicates(self, kind: Kind, nbytes: int) -> bool:
-        """Whether an all-reduce (or barrier) of `nbytes` goes replicated: it is latency-bound, so
-        sending the whole partial to every node, (N - 1) x nbytes out, costs less than the second
-        network step. Every daemon has the same threshold (smddp-launch passes it), so all agree."""
-        if self.nnodes == 1 or kind not in (Kind.ALLREDUCE, Kind.BARRIER):
-            return False
-        return nbytes * (self.nnodes - 1) <= self.cfg.replicate_bytes
-
-    def _validate_new(
-        self, seq: int, kind: Kind, dtype: DType, count: int, rop: ReduceOp | None, root: int, who: str
-    ) -> None:
-        reduces = kind in (Kind.ALLREDUCE, Kind.REDUCE_SCATTER)
-        if reduces and rop is None:
-            raise ProtocolError(f"{who}: collective #{seq} ({kind.label}) without a reduce op")
-        if not reduces and rop is not None:
-            raise ProtocolError(f"{who}: collective #{seq} ({kind.label}) carries a reduce op")
-        if kind == Kind.BROADCAST and root >= self.world:
-            raise ProtocolError(f"{who}: broadcast root {root} out of range")
-        # An all-reduce's aux counts the pieces of the caller's buffer (pipelined), so that ranks
-        # that cut different buffers into equal pieces still disagree on the fingerprint.
-        if kind not in (Kind.BROADCAST, Kind.ALLREDUCE) and root != 0:
-            raise ProtocolError(f"{who}: root set on {kind.label}")
-        if kind == Kind.REDUCE_SCATTER and count % self.world:
-            raise ProtocolError(f"{who}: reduce_scatter of {count} elements over {self.world} ranks")
-        if kind == Kind.BARRIER and count != 0:
-            raise ProtocolError(f"{who}: barrier with data")
-        if count * dtype.itemsize * (self.world if kind == Kind.ALLGATHER else 1) > 2**40:
-            raise ProtocolError(f"{who}: collective #{seq} is larger than 1 TiB")
+        return op.sm.lacks_from(j)
 
     def _header(self, t: MsgType, op: OpState, shard: int, offset: int, length: int) -> bytes:
         """The header of a PARTIAL, RESULT or BLOCK of `op`: `length` bytes at byte `offset` of `shard`."""
@@ -754,21 +702,12 @@ class NodeDaemon:
     # ------------------------------------------------------------------ scheduling
 
     def _local_tasks_for(self, op: OpState) -> list:
-        """Work that starts once all local ranks submitted; shards interleaved so every server starts early."""
-        if op.gather is not None:
+        """Work that starts once all local ranks submitted, in the engine's order (for a sharded
+        reduction every shard's chunks interleaved, the next node's first, so every server starts early)."""
+        if op.sm.is_gather:
             # Never empty: every node has a block in a gather collective, if only an empty one.
-            return [(self._local_gather, op, a, b) for a, b in op.gather.chunks(self.node)]
-        assert op.reduce is not None
-        if op.replicated:
-            return [(self._local_reduce, op, c) for c in op.reduce.chunks(0)]
-        per_shard = op.reduce.all_chunks()
-        order = [(self.node + 1 + k) % self.nnodes for k in range(self.nnodes)]
-        tasks = []
-        for i in range(max(len(c) for c in per_shard)):
-            for j in order:
-                if i < len(per_shard[j]):
-                    tasks.append((self._local_reduce, op, per_shard[j][i]))
-        return tasks
+            return [(self._local_gather, op, a, b) for _, _, a, b in op.sm.local_tasks()]
+        return [(self._local_reduce, op, Chunk(*c)) for c in op.sm.local_tasks()]
 
     def _dispatch(self, op: OpState, tasks: list, local: bool) -> None:
         """Run a small collective's work here, on the thread that made it ready; queue the rest.
@@ -870,15 +809,9 @@ class NodeDaemon:
 
     def _partial_arrived(self, op: OpState, index: int, node: int) -> None:
         with self._lock:
-            seen = op.partial_seen[index]
-            if seen[node]:
-                raise ProtocolError(f"{self.job.describe_node(node)} sent chunk {index} of #{op.seq} twice")
-            seen[node] = 1
-            op.partial_count[index] += 1
-            ready = op.partial_count[index] == self.nnodes
+            ready = op.sm.partial_arrived(index, node, self._node_names[node])
         if ready:
-            assert op.reduce is not None
-            self._dispatch(op, [(self._server_reduce, op, op.own_chunks[index])], local=False)
+            self._dispatch(op, [(self._server_reduce, op, Chunk(*op.sm.own_chunk(index)))], local=False)
 
     def _server_reduce(self, reducer: Reducer, op: OpState, c: Chunk) -> None:
         assert op.server is not None
@@ -903,9 +836,7 @@ class NodeDaemon:
     # ------------------------------------------------------------------ gather path
 
     def _local_gather(self, reducer: Reducer, op: OpState, a: int, b: int) -> None:
-        assert op.gather is not None
-        block = op.gather.block_of(self.node)
-        assert block is not None
+        block = op.sm.own_range
         w0 = time.time()
         if b == a:
             pass  # an empty block still travels: it carries our fingerprint
@@ -1080,15 +1011,8 @@ class NodeDaemon:
         """Who has not yet done their part of `op` (lock held): local ranks, then nodes."""
         ranks = self.job.ranks_of(self.node)
         missing = [self.job.describe_rank(ranks[i]) for i, x in enumerate(op.inputs) if x is None]
-        if op.reduce is not None and self.nnodes > 1 and op.partial_seen:
-            # (Our own partial waits for our own ranks, named above.)
-            late = {
-                j for seen in op.partial_seen for j in range(self.nnodes) if not seen[j] and j != self.node
-            }
-            missing += [self.job.describe_node(j) for j in sorted(late)]
-        elif op.gather is not None:
-            have = {k for k, _ in op.arrived} | ({self.node} if op.submitted == self.local_size else set())
-            missing += [self.job.describe_node(j) for j, _, _ in op.gather.blocks if j not in have]
+        # (Our own partial waits for our own ranks, named above.)
+        missing += [self.job.describe_node(j) for j in op.sm.late_nodes()]
         return missing
 
     def _inspect_stalls(self, now: float) -> None:
@@ -1124,11 +1048,9 @@ class NodeDaemon:
 
     def _chunk_completed(self, op: OpState) -> None:
         with self._lock:
-            op.completed += 1
-            if op.done or op.completed < op.expected or op.submitted < self.local_size:
+            if not op.sm.chunk_completed():
                 return
-            op.done = True
-            if not op.replicated and op.server_slot is not None:
+            if op.server_slot is not None and not op.sm.server_live:
                 # Every server reduce has run and nothing is sent from the server rows (only a
                 # replicated op sends its own row): reuse the space now, not when the op retires,
                 # so the next collectives' server buffers land on pages already touched.
@@ -1152,7 +1074,7 @@ class NodeDaemon:
 
     def _send(self, node: int, op: OpState, hdr: bytes, payload: np.ndarray) -> None:
         with self._lock:
-            op.pending_sends += 1
+            op.sm.send_started()
         peer = self.peers[node]
         if payload.nbytes <= DIRECT_BYTES and self._send_direct(peer, op, hdr, payload):
             return
@@ -1185,8 +1107,8 @@ class NodeDaemon:
         self.stats.add_out(peer.node, nbytes)
         op.phase("send", t0, time.time())
         with self._lock:
-            op.pending_sends -= 1
-            self._maybe_retire(op)
+            if op.sm.send_finished():
+                self._retire(op)
 
     def _writer_loop(self, peer: PeerLink) -> None:
         while not peer.connected.wait(0.5):
@@ -1318,36 +1240,19 @@ class NodeDaemon:
             if self.failure is not None:
                 raise ConnectionClosed("job failed")
             op = self._op_for(h.seq, h.kind, h.dtype, h.count, h.op, h.root, who)
+            # The engine locates the frame as exactly one chunk it still expects, or refuses it.
             if h.type is MsgType.BLOCK:
-                if op.gather is None:
-                    raise ProtocolError(f"{who} sent BLOCK for {op.kind.label} #{h.seq}")
-                op.gather.locate(node, h.offset, h.length)
-                dest = op.result[h.offset : h.offset + h.length]
+                _, a, b = op.sm.locate_block(node, h.offset, h.length, who)
+                dest = op.result[a:b]
                 index = -1
+            elif h.type is MsgType.PARTIAL:
+                index, a, b = op.sm.locate_partial(node, h.shard, h.offset, h.length, who, self.me)
+                assert op.server is not None  # live while a partial is due (the engine checked)
+                dest = op.server[node, a - op.own_start : b - op.own_start]
             else:
-                if op.reduce is None:
-                    raise ProtocolError(f"{who} sent {h.type.name} for {op.kind.label} #{h.seq}")
-                if h.type is MsgType.PARTIAL:
-                    if h.shard != (0 if op.replicated else self.node):
-                        raise ProtocolError(f"{who} sent a partial of shard {h.shard} to {self.me}")
-                    c = op.reduce.locate(h.shard, h.offset, h.length)
-                    if op.server is None:  # freed when the op completed: every partial was in
-                        raise ProtocolError(f"{who} sent a partial of #{h.seq} after it was complete")
-                    dest = op.server[node, c.start - op.own_start : c.end - op.own_start]
-                    index = c.index
-                else:
-                    if h.shard != node or op.kind == Kind.REDUCE_SCATTER or op.replicated:
-                        raise ProtocolError(f"{who} sent a result of shard {h.shard}")
-                    c = op.reduce.locate(h.shard, h.offset, h.length)
-                    dest = self._typed(op)[c.start : c.end]
-                    index = -1
-            if index < 0:
-                key = (h.shard if h.type is MsgType.RESULT else node, h.offset)
-                if key in op.arrived:
-                    raise ProtocolError(
-                        f"{who} sent {h.type.name} [{h.offset}, +{h.length}) of #{h.seq} twice"
-                    )
-                op.arrived.add(key)
+                _, a, b = op.sm.locate_result(node, h.shard, h.offset, h.length, who)
+                dest = self._typed(op)[a:b]
+                index = -1
         t0 = time.time()
         conn.recv_into(dest, idle=self.cfg.heartbeat_timeout_s)
         op.phase("receive", t0, time.time())

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "collective.h"
 #include "frame.h"
 #include "layout.h"
 #include "reduce16.h"
@@ -17,7 +18,8 @@
 namespace {
 
 struct ModuleState {
-  PyObject* protocol_error;  // smddp.errors.ProtocolError, owned by the module
+  PyObject* protocol_error;   // smddp.errors.ProtocolError, owned by the module
+  PyObject* collective_type;  // the Collective class, owned by the module
 };
 
 ModuleState* state(PyObject* module) { return static_cast<ModuleState*>(PyModule_GetState(module)); }
@@ -206,6 +208,343 @@ PyObject* py_reduce16(PyObject*, PyObject* args) {
 
 PyObject* py_has_f16c(PyObject*, PyObject*) { return PyBool_FromLong(smddp::have_f16c() ? 1 : 0); }
 
+
+// ---------------------------------------------------------------------------------------- Collective
+
+// A Python object holding one smddp::Collective, which it owns alone (created in tp_new, deleted in
+// tp_dealloc). Its methods hold the GIL throughout: each is a few comparisons, never a wait.
+struct CollectiveObject {
+  PyObject_HEAD
+  smddp::Collective* c;
+};
+
+PyObject* module_of(PyObject* self) { return PyType_GetModule(Py_TYPE(self)); }
+
+smddp::Collective& coll(PyObject* self) { return *reinterpret_cast<CollectiveObject*>(self)->c; }
+
+// A Python str as UTF-8 (for the names in error messages).
+bool text(PyObject* obj, std::string* out) {
+  Py_ssize_t n = 0;
+  const char* p = PyUnicode_AsUTF8AndSize(obj, &n);
+  if (p == nullptr) return false;
+  out->assign(p, static_cast<std::size_t>(n));
+  return true;
+}
+
+PyObject* chunk_tuple(const smddp::Chunk& c) {
+  return Py_BuildValue("(KKK)", static_cast<unsigned long long>(c.index), static_cast<unsigned long long>(c.start),
+                       static_cast<unsigned long long>(c.end));
+}
+
+PyObject* raise_from(PyObject* self, const std::string& why) { return raise_protocol(module_of(self), why); }
+
+// Collective(who, seq, kind, itemsize, widened, count, has_op, root,
+//            node, nnodes, local_size, world, chunk_bytes, replicate_bytes)
+PyObject* collective_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
+  PyObject* who_obj = nullptr;
+  long long seq = 0, kind = 0, itemsize = 0, count = 0, root = 0, node = 0, nnodes = 0, local_size = 0, world = 0,
+            chunk_bytes = 0, replicate_bytes = 0;
+  int widened = 0, has_op = 0;
+  static const char* kw[] = {"who", "seq", "kind", "itemsize", "widened", "count", "has_op", "root", "node",
+                             "nnodes", "local_size", "world", "chunk_bytes", "replicate_bytes", nullptr};
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "ULLLpLpLLLLLLL", const_cast<char**>(kw), &who_obj, &seq, &kind,
+                                   &itemsize, &widened, &count, &has_op, &root, &node, &nnodes, &local_size, &world,
+                                   &chunk_bytes, &replicate_bytes))
+    return nullptr;
+  PyObject* module = PyType_GetModule(type);
+  if (!non_negative(module, {seq, kind, itemsize, count, root, node, nnodes, local_size, world, chunk_bytes,
+                             replicate_bytes}))
+    return nullptr;
+  for (long long v : {kind, itemsize, root, node, nnodes, local_size, world})
+    if (v > static_cast<long long>(UINT32_MAX)) return raise_protocol(module, "out of range: a field over 32 bits");
+  smddp::Spec spec;
+  spec.seq = static_cast<std::uint64_t>(seq);
+  spec.kind = kind > 255 ? 0 : static_cast<std::uint8_t>(kind);
+  spec.itemsize = static_cast<std::uint32_t>(itemsize);
+  spec.widened = widened != 0;
+  spec.count = static_cast<std::uint64_t>(count);
+  spec.has_op = has_op != 0;
+  spec.root = static_cast<std::uint32_t>(root);
+  smddp::Topology topo;
+  topo.node = static_cast<std::uint32_t>(node);
+  topo.nnodes = static_cast<std::uint32_t>(nnodes);
+  topo.local_size = static_cast<std::uint32_t>(local_size);
+  topo.world = static_cast<std::uint32_t>(world);
+  topo.chunk_bytes = static_cast<std::uint64_t>(chunk_bytes);
+  topo.replicate_bytes = static_cast<std::uint64_t>(replicate_bytes);
+  std::string who;
+  if (!text(who_obj, &who)) return nullptr;
+  const std::string why = smddp::Collective::check(spec, topo);
+  if (!why.empty()) return raise_protocol(module, who + ": " + why);
+  PyObject* self = type->tp_alloc(type, 0);
+  if (self == nullptr) return nullptr;
+  try {
+    reinterpret_cast<CollectiveObject*>(self)->c = new smddp::Collective(spec, topo);
+  } catch (const std::bad_alloc&) {
+    Py_DECREF(self);
+    return PyErr_NoMemory();
+  }
+  return self;
+}
+
+void collective_dealloc(PyObject* self) {
+  PyTypeObject* type = Py_TYPE(self);
+  delete reinterpret_cast<CollectiveObject*>(self)->c;
+  type->tp_free(self);
+  Py_DECREF(type);  // heap types: every instance holds a reference to its type
+}
+
+// submit(local_rank, who) -> whether every local rank has now submitted
+PyObject* collective_submit(PyObject* self, PyObject* args) {
+  long long local = 0;
+  PyObject* who_obj = nullptr;
+  std::string who;
+  if (!PyArg_ParseTuple(args, "LU", &local, &who_obj) || !text(who_obj, &who)) return nullptr;
+  if (local < 0 || local > static_cast<long long>(UINT32_MAX)) return raise_from(self, who + " is not a local rank");
+  bool all_in = false;
+  const std::string why = coll(self).submit(static_cast<std::uint32_t>(local), who, &all_in);
+  if (!why.empty()) return raise_from(self, why);
+  return PyBool_FromLong(all_in ? 1 : 0);
+}
+
+// local_tasks() -> [(shard, index, start, end)]
+PyObject* collective_local_tasks(PyObject* self, PyObject*) {
+  std::vector<smddp::Chunk> tasks;
+  try {
+    tasks = coll(self).local_tasks();
+  } catch (const std::bad_alloc&) {
+    return PyErr_NoMemory();
+  }
+  PyObject* list = PyList_New(static_cast<Py_ssize_t>(tasks.size()));
+  for (std::size_t i = 0; list != nullptr && i < tasks.size(); i++) {
+    const smddp::Chunk& c = tasks[i];
+    PyObject* t = Py_BuildValue("(kKKK)", static_cast<unsigned long>(c.shard), static_cast<unsigned long long>(c.index),
+                                static_cast<unsigned long long>(c.start), static_cast<unsigned long long>(c.end));
+    if (t == nullptr) {
+      Py_CLEAR(list);
+      break;
+    }
+    PyList_SET_ITEM(list, static_cast<Py_ssize_t>(i), t);
+  }
+  return list;
+}
+
+// The (node, shard, offset, length) of a data frame: from the wire, so checked before anything else.
+bool frame_args(PyObject* self, long long from, const std::initializer_list<long long>& wire) {
+  if (from < 0 || from > static_cast<long long>(UINT32_MAX)) {
+    raise_from(self, "out of range: node " + std::to_string(from));
+    return false;
+  }
+  return non_negative(module_of(self), wire);
+}
+
+// locate_partial(from, shard, offset, length, who, me) -> (index, start, end)
+PyObject* collective_locate_partial(PyObject* self, PyObject* args) {
+  long long from = 0, shard = 0, offset = 0, length = 0;
+  PyObject *who_obj = nullptr, *me_obj = nullptr;
+  std::string who, me;
+  if (!PyArg_ParseTuple(args, "LLLLUU", &from, &shard, &offset, &length, &who_obj, &me_obj) || !text(who_obj, &who) ||
+      !text(me_obj, &me) || !frame_args(self, from, {shard, offset, length}))
+    return nullptr;
+  smddp::Chunk c;
+  const std::string why =
+      coll(self).locate_partial(static_cast<std::uint32_t>(from), static_cast<std::uint64_t>(shard),
+                                static_cast<std::uint64_t>(offset), static_cast<std::uint64_t>(length), who, me, &c);
+  if (!why.empty()) return raise_from(self, why);
+  return chunk_tuple(c);
+}
+
+// partial_arrived(index, from, who) -> whether every node's partial of that chunk is in
+PyObject* collective_partial_arrived(PyObject* self, PyObject* args) {
+  long long index = 0, from = 0;
+  PyObject* who_obj = nullptr;
+  std::string who;
+  if (!PyArg_ParseTuple(args, "LLU", &index, &from, &who_obj) || !text(who_obj, &who) ||
+      !frame_args(self, from, {index}))
+    return nullptr;
+  bool ready = false;
+  const std::string why =
+      coll(self).partial_arrived(static_cast<std::uint64_t>(index), static_cast<std::uint32_t>(from), who, &ready);
+  if (!why.empty()) return raise_from(self, why);
+  return PyBool_FromLong(ready ? 1 : 0);
+}
+
+// locate_result(from, shard, offset, length, who) -> (index, start, end), marked as arriving
+PyObject* collective_locate_result(PyObject* self, PyObject* args) {
+  long long from = 0, shard = 0, offset = 0, length = 0;
+  PyObject* who_obj = nullptr;
+  std::string who;
+  if (!PyArg_ParseTuple(args, "LLLLU", &from, &shard, &offset, &length, &who_obj) || !text(who_obj, &who) ||
+      !frame_args(self, from, {shard, offset, length}))
+    return nullptr;
+  smddp::Chunk c;
+  std::string why;
+  try {
+    why = coll(self).locate_result(static_cast<std::uint32_t>(from), static_cast<std::uint64_t>(shard),
+                                   static_cast<std::uint64_t>(offset), static_cast<std::uint64_t>(length), who, &c);
+  } catch (const std::bad_alloc&) {
+    return PyErr_NoMemory();
+  }
+  if (!why.empty()) return raise_from(self, why);
+  return chunk_tuple(c);
+}
+
+// locate_block(from, offset, length, who) -> (index, start, end) in bytes, marked as arriving
+PyObject* collective_locate_block(PyObject* self, PyObject* args) {
+  long long from = 0, offset = 0, length = 0;
+  PyObject* who_obj = nullptr;
+  std::string who;
+  if (!PyArg_ParseTuple(args, "LLLU", &from, &offset, &length, &who_obj) || !text(who_obj, &who) ||
+      !frame_args(self, from, {offset, length}))
+    return nullptr;
+  smddp::Chunk c;
+  std::string why;
+  try {
+    why = coll(self).locate_block(static_cast<std::uint32_t>(from), static_cast<std::uint64_t>(offset),
+                                  static_cast<std::uint64_t>(length), who, &c);
+  } catch (const std::bad_alloc&) {
+    return PyErr_NoMemory();
+  }
+  if (!why.empty()) return raise_from(self, why);
+  return chunk_tuple(c);
+}
+
+// own_chunk(index) -> (shard, index, start, end) of what this node serves
+PyObject* collective_own_chunk(PyObject* self, PyObject* arg) {
+  const long long i = PyLong_AsLongLong(arg);
+  if (i == -1 && PyErr_Occurred()) return nullptr;
+  if (i < 0 || static_cast<unsigned long long>(i) >= coll(self).own_chunks())
+    return raise_from(self, "chunk " + std::to_string(i) + " is not one this node serves");
+  const smddp::Chunk c = coll(self).own_chunk(static_cast<std::uint64_t>(i));
+  return Py_BuildValue("(kKKK)", static_cast<unsigned long>(c.shard), static_cast<unsigned long long>(c.index),
+                       static_cast<unsigned long long>(c.start), static_cast<unsigned long long>(c.end));
+}
+
+PyObject* collective_chunk_completed(PyObject* self, PyObject*) {
+  return PyBool_FromLong(coll(self).chunk_completed() ? 1 : 0);
+}
+
+PyObject* collective_send_started(PyObject* self, PyObject*) {
+  coll(self).send_started();
+  Py_RETURN_NONE;
+}
+
+PyObject* collective_send_finished(PyObject* self, PyObject*) {
+  return PyBool_FromLong(coll(self).send_finished() ? 1 : 0);
+}
+
+// release(local_rank, who) -> whether the collective may now retire
+PyObject* collective_release(PyObject* self, PyObject* args) {
+  long long local = 0;
+  PyObject* who_obj = nullptr;
+  std::string who;
+  if (!PyArg_ParseTuple(args, "LU", &local, &who_obj) || !text(who_obj, &who)) return nullptr;
+  if (local < 0 || local > static_cast<long long>(UINT32_MAX)) return raise_from(self, who + " is not a local rank");
+  bool retire = false;
+  const std::string why = coll(self).release(static_cast<std::uint32_t>(local), who, &retire);
+  if (!why.empty()) return raise_from(self, why);
+  return PyBool_FromLong(retire ? 1 : 0);
+}
+
+PyObject* collective_lacks_from(PyObject* self, PyObject* arg) {
+  const long long j = PyLong_AsLongLong(arg);
+  if (j == -1 && PyErr_Occurred()) return nullptr;
+  if (j < 0 || j > static_cast<long long>(UINT32_MAX)) return PyBool_FromLong(0);
+  return PyBool_FromLong(coll(self).lacks_from(static_cast<std::uint32_t>(j)) ? 1 : 0);
+}
+
+PyObject* collective_submitted_by(PyObject* self, PyObject* arg) {
+  const long long i = PyLong_AsLongLong(arg);
+  if (i == -1 && PyErr_Occurred()) return nullptr;
+  if (i < 0 || i > static_cast<long long>(UINT32_MAX)) return PyBool_FromLong(0);
+  return PyBool_FromLong(coll(self).submitted_by(static_cast<std::uint32_t>(i)) ? 1 : 0);
+}
+
+PyObject* collective_late_nodes(PyObject* self, PyObject*) {
+  const std::vector<std::uint32_t> late = coll(self).late_nodes();
+  PyObject* list = PyList_New(static_cast<Py_ssize_t>(late.size()));
+  for (std::size_t i = 0; list != nullptr && i < late.size(); i++) {
+    PyObject* v = PyLong_FromUnsignedLong(late[i]);
+    if (v == nullptr) {
+      Py_CLEAR(list);
+      break;
+    }
+    PyList_SET_ITEM(list, static_cast<Py_ssize_t>(i), v);
+  }
+  return list;
+}
+
+PyObject* get_replicated(PyObject* self, void*) { return PyBool_FromLong(coll(self).replicated() ? 1 : 0); }
+PyObject* get_own_in_input(PyObject* self, void*) { return PyBool_FromLong(coll(self).own_in_input() ? 1 : 0); }
+PyObject* get_is_gather(PyObject* self, void*) { return PyBool_FromLong(coll(self).is_gather() ? 1 : 0); }
+PyObject* get_done(PyObject* self, void*) { return PyBool_FromLong(coll(self).done() ? 1 : 0); }
+PyObject* get_may_retire(PyObject* self, void*) { return PyBool_FromLong(coll(self).may_retire() ? 1 : 0); }
+PyObject* get_server_live(PyObject* self, void*) { return PyBool_FromLong(coll(self).server_live() ? 1 : 0); }
+PyObject* get_submitted(PyObject* self, void*) { return PyLong_FromUnsignedLong(coll(self).submitted()); }
+PyObject* get_server_rows(PyObject* self, void*) { return PyLong_FromUnsignedLong(coll(self).server_rows()); }
+PyObject* get_result_bytes(PyObject* self, void*) {
+  return PyLong_FromUnsignedLongLong(coll(self).result_bytes());
+}
+PyObject* get_own_range(PyObject* self, void*) {
+  const smddp::Range r = coll(self).own_range();
+  return Py_BuildValue("(KK)", static_cast<unsigned long long>(r.start), static_cast<unsigned long long>(r.end));
+}
+
+PyMethodDef kCollectiveMethods[] = {
+    {"submit", collective_submit, METH_VARARGS, "submit(local_rank, who) -> every local rank is in"},
+    {"local_tasks", collective_local_tasks, METH_NOARGS, "local_tasks() -> [(shard, index, start, end)]"},
+    {"locate_partial", collective_locate_partial, METH_VARARGS,
+     "locate_partial(from, shard, offset, length, who, me) -> (index, start, end)"},
+    {"partial_arrived", collective_partial_arrived, METH_VARARGS,
+     "partial_arrived(index, from, who) -> every node's partial of the chunk is in"},
+    {"locate_result", collective_locate_result, METH_VARARGS,
+     "locate_result(from, shard, offset, length, who) -> (index, start, end)"},
+    {"locate_block", collective_locate_block, METH_VARARGS,
+     "locate_block(from, offset, length, who) -> (index, start, end)"},
+    {"own_chunk", collective_own_chunk, METH_O, "own_chunk(index) -> (shard, index, start, end)"},
+    {"chunk_completed", collective_chunk_completed, METH_NOARGS, "chunk_completed() -> it just became done"},
+    {"send_started", collective_send_started, METH_NOARGS, "send_started()"},
+    {"send_finished", collective_send_finished, METH_NOARGS, "send_finished() -> it may now retire"},
+    {"release", collective_release, METH_VARARGS, "release(local_rank, who) -> it may now retire"},
+    {"lacks_from", collective_lacks_from, METH_O, "lacks_from(node) -> a frame from that node is still due"},
+    {"submitted_by", collective_submitted_by, METH_O, "submitted_by(local_rank) -> that rank submitted"},
+    {"late_nodes", collective_late_nodes, METH_NOARGS, "late_nodes() -> nodes whose part is missing"},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyGetSetDef kCollectiveGetters[] = {
+    {"replicated", get_replicated, nullptr, "every node serves the whole buffer (one network step)", nullptr},
+    {"own_in_input", get_own_in_input, nullptr, "the one local input is the node partial as it is", nullptr},
+    {"is_gather", get_is_gather, nullptr, "a broadcast or all-gather", nullptr},
+    {"done", get_done, nullptr, "every chunk is complete", nullptr},
+    {"may_retire", get_may_retire, nullptr, "done, released by every local rank, every send left", nullptr},
+    {"server_live", get_server_live, nullptr, "its server rows are still in use", nullptr},
+    {"submitted", get_submitted, nullptr, "how many local ranks submitted", nullptr},
+    {"server_rows", get_server_rows, nullptr, "rows of own_range() held for every node's partial (0: none)",
+     nullptr},
+    {"result_bytes", get_result_bytes, nullptr, "bytes of the result every local rank reads", nullptr},
+    {"own_range", get_own_range, nullptr, "(start, end): the elements (or block bytes) this node serves", nullptr},
+    {nullptr, nullptr, nullptr, nullptr, nullptr},
+};
+
+PyType_Slot kCollectiveSlots[] = {
+    {Py_tp_new, reinterpret_cast<void*>(collective_new)},
+    {Py_tp_dealloc, reinterpret_cast<void*>(collective_dealloc)},
+    {Py_tp_methods, kCollectiveMethods},
+    {Py_tp_getset, kCollectiveGetters},
+    {Py_tp_doc, const_cast<char*>("One collective as a daemon sees it: the state machine without I/O "
+                                  "(smddp/engine/collective.h).")},
+    {0, nullptr},
+};
+
+PyType_Spec kCollectiveSpec = {
+    "smddp._engine.Collective",
+    sizeof(CollectiveObject),
+    0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
+    kCollectiveSlots,
+};
+
 PyMethodDef kMethods[] = {
     {"decode_header", py_decode_header, METH_O,
      "decode_header(data) -> (type, flags, dtype, op, kind, sender, seq, shard, aux, offset, length, count)"},
@@ -228,6 +567,9 @@ int exec_module(PyObject* module) {
   state(module)->protocol_error = PyObject_GetAttrString(errors, "ProtocolError");
   Py_DECREF(errors);
   if (state(module)->protocol_error == nullptr) return -1;
+  state(module)->collective_type = PyType_FromModuleAndSpec(module, &kCollectiveSpec, nullptr);
+  if (state(module)->collective_type == nullptr) return -1;
+  if (PyModule_AddObjectRef(module, "Collective", state(module)->collective_type) != 0) return -1;
   if (PyModule_AddIntConstant(module, "HEADER_SIZE", static_cast<long>(smddp::kHeaderSize)) != 0) return -1;
   if (PyModule_AddIntConstant(module, "BLOCK", static_cast<long>(smddp::kReduceBlock)) != 0) return -1;
   return 0;
@@ -235,11 +577,13 @@ int exec_module(PyObject* module) {
 
 int traverse(PyObject* module, visitproc visit, void* arg) {
   Py_VISIT(state(module)->protocol_error);
+  Py_VISIT(state(module)->collective_type);
   return 0;
 }
 
 int clear(PyObject* module) {
   Py_CLEAR(state(module)->protocol_error);
+  Py_CLEAR(state(module)->collective_type);
   return 0;
 }
 

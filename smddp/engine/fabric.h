@@ -1,0 +1,63 @@
+// How daemons move frames to each other: one small interface, TCP beside it now, libfabric (EFA) next.
+//
+// A fabric carries whole frames (the 56-byte header of docs/protocol.md, then its payload) between
+// this daemon and its peers over links that the control plane has already authenticated. Payloads
+// go out from, and come in straight to, memory the owner names: on a header the fabric asks its Sink
+// where the payload belongs (the collective state machine locates the chunk, or refuses the frame),
+// and reads it there. Nothing is copied on the way but by the kernel.
+//
+// Threads: progress() runs on one thread (the daemon's progress thread) and calls the Sink from it;
+// send() and wake() may be called from any thread. Ownership: the fabric owns its links' sockets
+// (adopted in add_peer, closed when the fabric is destroyed or the link fails) and its queues; the
+// payload memory of a send belongs to the caller, who must keep it unchanged until on_sent(cookie);
+// the destination a Sink hands out must stay valid until on_frame or on_link_down for that peer.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "frame.h"
+
+namespace smddp {
+
+class Sink {
+ public:
+  virtual ~Sink() = default;
+  // A valid header arrived from `peer`. Return "" and set *dest to where its h.length payload bytes
+  // go (nullptr only when h.length is 0), or return why the frame is refused: the link then fails
+  // with that reason and nothing is read into memory.
+  virtual std::string on_header(std::uint32_t peer, const Header& h, std::uint8_t** dest) = 0;
+  // The payload of the frame whose header came last from `peer` is in place.
+  virtual void on_frame(std::uint32_t peer, const Header& h) = 0;
+  // The send posted with `cookie` has left this process: its memory may be reused.
+  virtual void on_sent(std::uint32_t peer, std::uint64_t cookie) = 0;
+  // The link to `peer` is gone, with why. Called once per link; sends still queued on it are dropped
+  // (on_sent is not called for them).
+  virtual void on_link_down(std::uint32_t peer, const std::string& why) = 0;
+};
+
+class Fabric {
+ public:
+  virtual ~Fabric() = default;
+  virtual const char* name() const = 0;
+  // Adopt `fd`, an authenticated stream connected to `peer`, which this fabric owns from now on.
+  virtual std::string add_peer(std::uint32_t peer, int fd) = 0;
+  // Queue a frame to `peer`: `header` (copied) then `length` bytes at `payload` (not copied: see
+  // above). Returns "" or why not (no such link, or it is down). Any thread.
+  virtual std::string send(std::uint32_t peer, const std::uint8_t header[kHeaderSize], const std::uint8_t* payload,
+                           std::uint64_t length, std::uint64_t cookie) = 0;
+  // Move bytes and call the Sink; waits up to `timeout_ms` (0: not at all) when there is nothing to
+  // do. A link silent for longer than its idle limit goes down ("silent for N s"). Returns how many
+  // Sink calls it made. One thread only.
+  virtual int progress(int timeout_ms) = 0;
+  // Make a progress() that waits return at once. Any thread.
+  virtual void wake() = 0;
+};
+
+// The TCP fabric: non-blocking sockets, epoll, vectored sends of header and payload, payloads read
+// straight into place. A link that delivers nothing for `idle_ms` milliseconds (heartbeats included)
+// goes down as silent (0: never).
+std::unique_ptr<Fabric> make_tcp_fabric(Sink* sink, std::int64_t idle_ms, std::string* why);
+
+}  // namespace smddp

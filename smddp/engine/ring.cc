@@ -1,0 +1,150 @@
+// The shared-memory descriptor ring: release/acquire publication, bounded spinning, futex sleeps.
+#include "ring.h"
+
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <ctime>
+#include <new>
+
+namespace smddp {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// A sleeper re-checks at least this often: a wake-up lost to a broken or hostile peer costs latency,
+// never a hang, and every wait still ends at its own timeout.
+constexpr std::int64_t kSleepSliceNs = 50'000'000;
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+std::int64_t since(Clock::time_point t0) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();
+}
+
+}  // namespace
+
+void futex_wait(std::atomic<std::uint32_t>* word, std::uint32_t expected, std::int64_t timeout_ns) {
+  if (timeout_ns <= 0) return;
+  timespec ts{static_cast<time_t>(timeout_ns / 1'000'000'000), static_cast<long>(timeout_ns % 1'000'000'000)};
+  // Shared (not FUTEX_PRIVATE_FLAG): the word lives in memory another process maps. EINTR, EAGAIN
+  // (the word changed) and ETIMEDOUT all mean: look again.
+  (void)syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(word), FUTEX_WAIT, expected, &ts, nullptr, 0);
+}
+
+void futex_wake(std::atomic<std::uint32_t>* word, int n) {
+  (void)syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(word), FUTEX_WAKE, n, nullptr, nullptr, 0);
+}
+
+std::size_t ring_bytes(std::uint32_t capacity) { return sizeof(RingShared) + std::size_t{capacity} * kSlotBytes; }
+
+RingView::RingView(void* base, std::uint32_t capacity, bool init)
+    : shared_(static_cast<RingShared*>(base)),
+      slots_(static_cast<std::uint8_t*>(base) + sizeof(RingShared)),
+      capacity_(capacity),
+      mine_(0) {
+  if (init) {
+    new (shared_) RingShared{};
+    shared_->head.store(0, std::memory_order_relaxed);
+    shared_->tail.store(0, std::memory_order_relaxed);
+    shared_->data_bell.store(0, std::memory_order_relaxed);
+    shared_->data_sleepers.store(0, std::memory_order_relaxed);
+    shared_->space_bell.store(0, std::memory_order_relaxed);
+    shared_->space_sleepers.store(0, std::memory_order_release);
+  }
+}
+
+bool RingView::sane(std::uint64_t head, std::uint64_t tail) {
+  if (head - tail <= capacity_) return true;  // unsigned: a tail past the head is huge too
+  why_ = "ring indices out of bounds (head " + std::to_string(head) + ", tail " + std::to_string(tail) +
+         ", capacity " + std::to_string(capacity_) + "): the other side broke it";
+  return false;
+}
+
+void RingView::ring_bell(std::atomic<std::uint32_t>* bell, std::atomic<std::uint32_t>* sleepers) {
+  // The index was published with a seq_cst store and a sleeper counts itself with a seq_cst RMW
+  // before it re-reads the index (seq_cst): of the two, one sees the other. A sleeper that counted
+  // itself before our check is woken; one that counts itself after it sees what we published. (No
+  // fence: ThreadSanitizer does not model fences, and these four operations need none.)
+  if (sleepers->load(std::memory_order_seq_cst) != 0) {
+    bell->fetch_add(1, std::memory_order_seq_cst);
+    futex_wake(bell, 1);
+  }
+}
+
+RingWait RingView::push(const void* data, std::size_t n, std::int64_t timeout_ns, std::int64_t spin_ns) {
+  if (n > kSlotBytes) {
+    why_ = "descriptor of " + std::to_string(n) + " bytes is larger than a slot";
+    return RingWait::kCorrupt;
+  }
+  const Clock::time_point t0 = Clock::now();
+  for (;;) {
+    const std::uint64_t tail = shared_->tail.load(std::memory_order_acquire);
+    if (!sane(mine_, tail)) return RingWait::kCorrupt;
+    if (mine_ - tail < capacity_) {
+      std::uint8_t* s = slot(mine_);
+      std::memcpy(s, data, n);
+      std::memset(s + n, 0, kSlotBytes - n);
+      mine_++;
+      shared_->head.store(mine_, std::memory_order_seq_cst);  // release, and ordered before ring_bell's check
+      ring_bell(&shared_->data_bell, &shared_->data_sleepers);
+      return RingWait::kReady;
+    }
+    const std::int64_t waited = since(t0);
+    if (waited >= timeout_ns) return RingWait::kTimeout;
+    if (waited < spin_ns) {
+      cpu_relax();
+      continue;
+    }
+    const std::uint32_t bell = shared_->space_bell.load(std::memory_order_seq_cst);
+    shared_->space_sleepers.fetch_add(1, std::memory_order_seq_cst);
+    if (mine_ - shared_->tail.load(std::memory_order_seq_cst) >= capacity_) {
+      const std::int64_t left = timeout_ns - waited;
+      futex_wait(&shared_->space_bell, bell, left < kSleepSliceNs ? left : kSleepSliceNs);
+    }
+    shared_->space_sleepers.fetch_sub(1, std::memory_order_seq_cst);
+  }
+}
+
+RingWait RingView::peek() {
+  const std::uint64_t head = shared_->head.load(std::memory_order_acquire);
+  if (!sane(head, mine_)) return RingWait::kCorrupt;
+  return head != mine_ ? RingWait::kReady : RingWait::kTimeout;
+}
+
+RingWait RingView::pop(void* out, std::int64_t timeout_ns, std::int64_t spin_ns) {
+  const Clock::time_point t0 = Clock::now();
+  for (;;) {
+    const std::uint64_t head = shared_->head.load(std::memory_order_acquire);
+    if (!sane(head, mine_)) return RingWait::kCorrupt;
+    if (head != mine_) {
+      std::memcpy(out, slot(mine_), kSlotBytes);
+      mine_++;
+      shared_->tail.store(mine_, std::memory_order_seq_cst);  // release, and ordered before ring_bell's check
+      ring_bell(&shared_->space_bell, &shared_->space_sleepers);
+      return RingWait::kReady;
+    }
+    const std::int64_t waited = since(t0);
+    if (waited >= timeout_ns) return RingWait::kTimeout;
+    if (waited < spin_ns) {
+      cpu_relax();
+      continue;
+    }
+    const std::uint32_t bell = shared_->data_bell.load(std::memory_order_seq_cst);
+    shared_->data_sleepers.fetch_add(1, std::memory_order_seq_cst);
+    if (shared_->head.load(std::memory_order_seq_cst) == mine_) {
+      const std::int64_t left = timeout_ns - waited;
+      futex_wait(&shared_->data_bell, bell, left < kSleepSliceNs ? left : kSleepSliceNs);
+    }
+    shared_->data_sleepers.fetch_sub(1, std::memory_order_seq_cst);
+  }
+}
+
+}  // namespace smddp
