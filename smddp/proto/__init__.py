@@ -2,17 +2,15 @@
 
 from smddp.proto.dtypes import DType, Kind, ReduceOp, dtype_from_numpy
 from smddp.proto.frames import HEADER_SIZE, Header, MsgType, Role, decode_header, encode_header
-from smddp.proto.layout import Chunk, GatherLayout, ReduceLayout, shard_bounds, split_range
+from smddp.proto.layout import Chunk, shard_bounds, split_range
 
 __all__ = [
     "HEADER_SIZE",
     "Chunk",
     "DType",
-    "GatherLayout",
     "Header",
     "Kind",
     "MsgType",
-    "ReduceLayout",
     "ReduceOp",
     "Role",
     "decode_header",

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from smddp import _engine
 from smddp.errors import ProtocolError
 from smddp.proto.dtypes import Kind
-from smddp.proto.layout import GatherLayout, ReduceLayout
+from tests.layout_reference import GatherLayout, ReduceLayout
 
 CHUNK = 4096
 

@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 
 from smddp import _engine
 from smddp.errors import ProtocolError
-from smddp.proto.layout import GatherLayout, ReduceLayout, shard_bounds, split_range
+from smddp.proto.layout import shard_bounds, split_range
+from tests.layout_reference import GatherLayout, ReduceLayout
 
 
 @settings(max_examples=1500, deadline=None)

@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from smddp.errors import ProtocolError
-from smddp.proto import Chunk, GatherLayout, ReduceLayout, shard_bounds, split_range
+from smddp.proto import Chunk, shard_bounds, split_range
+from tests.layout_reference import GatherLayout, ReduceLayout
 
 
 @settings(max_examples=300, deadline=None)
