@@ -59,10 +59,10 @@ test: lint typecheck engine-sanitize $(STAMP)
 # a reason, never a crash or a read out of bounds. Warnings are errors here too.
 SAN_DIR := build/sanitize
 SAN_FLAGS := -std=c++17 -O1 -g -Wall -Wextra -Wshadow -Werror -fno-omit-frame-pointer -Ismddp/engine -Itests/engine -pthread
-ENGINE_CORE := smddp/engine/frame.cc smddp/engine/layout.cc smddp/engine/reduce16.cc smddp/engine/collective.cc \
+ENGINE_CORE := smddp/engine/frame.cc smddp/engine/layout.cc smddp/engine/reduce16.cc smddp/engine/reduce.cc smddp/engine/collective.cc \
   smddp/engine/tcp_fabric.cc smddp/engine/ring.cc
 FUZZ_SECONDS ?= 15
-FUZZERS := fuzz_frame fuzz_layout fuzz_collective
+FUZZERS := fuzz_frame fuzz_layout fuzz_collective fuzz_reduce
 ENGINE_TESTS := test_fabric test_ring
 .PHONY: engine-sanitize
 engine-sanitize:

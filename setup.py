@@ -36,6 +36,7 @@ extensions = [
             "smddp/engine/frame.cc",
             "smddp/engine/layout.cc",
             "smddp/engine/reduce16.cc",
+            "smddp/engine/reduce.cc",
             "smddp/engine/collective.cc",
             "smddp/engine/module.cc",
         ],

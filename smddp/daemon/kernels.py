@@ -51,8 +51,9 @@ _COMPILED_OP = {ReduceOp.SUM: 0, ReduceOp.AVG: 0, ReduceOp.MIN: 1, ReduceOp.MAX:
 class Reducer:
     """Reduces equally long inputs into `out` in list order; owns scratch, so one per thread.
 
-    `kernel` picks how 16-bit floats are reduced: "compiled" or "auto" (the engine's kernel; float16
-    needs F16C, else numpy), or "numpy". Both give the same bits.
+    `kernel` picks the implementation: "compiled" or "auto" (the engine's kernels; float16 needs F16C,
+    else numpy), or "numpy". Both give the same bits, except which payload a result keeps where two
+    NaNs meet (numpy's depends on the array's length; the engine keeps the first, docs/engine.md).
     """
 
     def __init__(self, kernel: str = "auto") -> None:
@@ -66,10 +67,10 @@ class Reducer:
 
     @property
     def kernel(self) -> str:
-        """Which kernel reduces float16 / bfloat16 here: "compiled" or "numpy" (per dtype)."""
+        """Which kernel reduces what here: "compiled" or "numpy" (float16 per CPU)."""
         f16 = "compiled" if self._c_f16 else "numpy"
-        bf16 = "compiled" if self._c is not None else "numpy"
-        return f"float16: {f16}, bfloat16: {bf16}"
+        rest = "compiled" if self._c is not None else "numpy"
+        return f"float16: {f16}, bfloat16: {rest}, other types: {rest}"
 
     def _scratch(self, n: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
         need = n * dtype.itemsize
@@ -119,6 +120,15 @@ class Reducer:
         else:
             fold = np.maximum
 
+        if (
+            not widen
+            and self._c is not None
+            and out.flags.c_contiguous
+            and all(x.flags.c_contiguous for x in inputs)
+        ):
+            n_div = divisor if op == ReduceOp.AVG and divisor is not None else 0
+            self._c.reduce(int(dtype), int(op), inputs, out, n_div)
+            return
         if not widen:
             last = op != ReduceOp.AVG or divisor is None
             if len(inputs) == 1:

@@ -13,6 +13,7 @@
 #include "collective.h"
 #include "frame.h"
 #include "layout.h"
+#include "reduce.h"
 #include "reduce16.h"
 
 namespace {
@@ -204,6 +205,59 @@ PyObject* py_reduce16(PyObject*, PyObject* args) {
   }
   Py_DECREF(seq);
   return result;
+}
+
+// reduce(dtype, op, inputs, out, divisor) -> None, for uint8, int32, int64, float32, float64 (wire
+// codes). Inputs and out are C-contiguous buffers of equally many bytes, a multiple of the itemsize;
+// out may alias an input element-wise. divisor: 0 for none (a plain sum for an average).
+PyObject* py_reduce(PyObject*, PyObject* args) {
+  int dtype = 0, op = 0;
+  PyObject *inputs = nullptr, *out_obj = nullptr;
+  unsigned long long divisor = 0;
+  if (!PyArg_ParseTuple(args, "iiOOK", &dtype, &op, &inputs, &out_obj, &divisor)) return nullptr;
+  if (dtype < 0 || dtype > 255 || !smddp::reduce_supports(static_cast<std::uint8_t>(dtype)))
+    return PyErr_Format(PyExc_ValueError, "dtype %d has no kernel here", dtype);
+  if (op < 1 || op > 4) return PyErr_Format(PyExc_ValueError, "unknown op %d", op);
+  const std::size_t size = smddp::dtype_size(static_cast<std::uint8_t>(dtype));
+  PyObject* seq = PySequence_Fast(inputs, "inputs must be a sequence");
+  if (seq == nullptr) return nullptr;
+  const Py_ssize_t k = PySequence_Fast_GET_SIZE(seq);
+  bool ok = false;
+  {
+    Views v;
+    std::vector<const void*> ptrs;
+    if (k < 1 || k > kMaxInputs) {
+      PyErr_Format(PyExc_ValueError, "between 1 and %zd inputs, not %zd", kMaxInputs, k);
+    } else if (v.get(out_obj, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE)) {
+      const Py_ssize_t len = v.views[0].len;
+      ok = len % static_cast<Py_ssize_t>(size) == 0;
+      if (!ok) PyErr_Format(PyExc_ValueError, "out holds %zd bytes, not whole elements of %zu", len, size);
+      for (Py_ssize_t j = 0; ok && j < k; j++) {
+        ok = v.get(PySequence_Fast_GET_ITEM(seq, j), PyBUF_C_CONTIGUOUS);
+        if (ok && v.views.back().len != len) {
+          PyErr_Format(PyExc_ValueError, "input %zd holds %zd bytes, out %zd", j, v.views.back().len, len);
+          ok = false;
+        }
+        if (ok) ptrs.push_back(v.views.back().buf);
+      }
+      if (ok) {
+        void* out = v.views[0].buf;
+        const std::size_t n = static_cast<std::size_t>(len) / size;
+        std::string why;
+        Py_BEGIN_ALLOW_THREADS
+        why = smddp::reduce(static_cast<std::uint8_t>(dtype), static_cast<std::uint8_t>(op), ptrs.data(),
+                            static_cast<std::size_t>(k), n, out, divisor);
+        Py_END_ALLOW_THREADS
+        if (!why.empty()) {
+          PyErr_SetString(PyExc_ValueError, why.c_str());
+          ok = false;
+        }
+      }
+    }
+  }
+  Py_DECREF(seq);
+  if (!ok) return nullptr;
+  Py_RETURN_NONE;
 }
 
 PyObject* py_has_f16c(PyObject*, PyObject*) { return PyBool_FromLong(smddp::have_f16c() ? 1 : 0); }
@@ -554,6 +608,8 @@ PyMethodDef kMethods[] = {
      "locate_reduce(count, itemsize, nshards, chunk_elems, shard, byte_offset, byte_length) -> (index, start, end)"},
     {"reduce16", py_reduce16, METH_VARARGS,
      "reduce16(kind, op, inputs, out, divisor) -> block indices (NaN) left for the caller"},
+    {"reduce", py_reduce, METH_VARARGS,
+     "reduce(dtype, op, inputs, out, divisor) -> None: uint8, int32, int64, float32, float64"},
     {"has_f16c", py_has_f16c, METH_NOARGS, "Whether float16 can be reduced here (x86-64 with AVX2 and F16C)"},
     {"shard_range", py_shard_range, METH_VARARGS, "shard_range(count, nshards, shard) -> (start, end)"},
     {"locate_block", py_locate_block, METH_VARARGS,

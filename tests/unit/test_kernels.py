@@ -173,8 +173,8 @@ def test_reference_other_collectives():
 
 
 # -- Reducer against the reference ---------------------------------------------------------------
-# Every Reducer test runs on both kernels: the numpy path and the compiled one (smddp/engine/reduce16.cc,
-# used for float16/bfloat16); both must give the reference's bits.
+# Every Reducer test runs on both kernels: the numpy path and the compiled ones (smddp/engine/reduce16.cc
+# for float16/bfloat16, smddp/engine/reduce.cc for every other type); both must give the reference's bits.
 
 
 @pytest.fixture(params=["numpy", "compiled"])
@@ -512,4 +512,5 @@ def test_reducer_kernel_choice():
     assert "numpy" in Reducer("numpy").kernel
     with pytest.raises(ValueError, match="kernel must be one of"):
         Reducer("fortran")
-    assert Reducer("auto").kernel.endswith("bfloat16: compiled")
+    assert Reducer("auto").kernel.endswith("bfloat16: compiled, other types: compiled")
+    assert Reducer("numpy").kernel == "float16: numpy, bfloat16: numpy, other types: numpy"
