@@ -117,3 +117,16 @@ def test_target_checks_and_table():
     assert "| T1 | busbw | 0.95 Gbit/s | >= 0.93 Gbit/s | 0.94, 0.96 | - | met |" in table
     assert "**missed**" in table
     assert _miss(ok) == "" and "1.50x the limit" in _miss(bad)
+
+
+def test_kernels_benchmark_writes_both_kernels(tmp_path):
+    """`python -m smddp_rigs.bench kernels`: one row per dtype and size, both kernels timed."""
+    from smddp_rigs.bench.kernels import KernelsConfig, run_kernels
+
+    from smddp.proto.dtypes import DType
+
+    cfg = KernelsConfig(sizes=(4096,), rounds=1, dtypes=(DType.FLOAT32, DType.BFLOAT16), outdir=str(tmp_path))
+    rows = run_kernels(cfg)
+    saved = json.loads((tmp_path / "kernels.json").read_text())
+    assert saved == rows and [r["dtype"] for r in rows] == ["float32", "bfloat16"]
+    assert all(r["numpy_s"] > 0 and r["compiled_s"] > 0 and r["bytes"] == 4096 for r in rows)

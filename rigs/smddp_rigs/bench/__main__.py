@@ -1,4 +1,4 @@
-"""`python -m smddp_rigs.bench {targets,model,benchmarks}`: the runs behind BENCHMARKS.md (make bench)."""
+"""`python -m smddp_rigs.bench {targets,model,kernels,benchmarks}`: the runs behind BENCHMARKS.md (make bench)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,9 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--check", action="store_true", help="measure 2, 4 and 8 simulated nodes against it")
     m.add_argument("--out", default="bench-results")
     m.add_argument("--repeats", type=int, default=3)
+    k = sub.add_parser("kernels", help="the reduction kernels on one thread: the engine's against numpy")
+    k.add_argument("--rounds", type=int, default=7)
+    k.add_argument("--out", default="bench-results")
     r = sub.add_parser("benchmarks", help="write BENCHMARKS.md from the targets, model and sweep JSON")
     r.add_argument("--targets", default="bench-results/targets.json")
     r.add_argument("--model", default="bench-results/model.json")
@@ -56,6 +59,10 @@ def main(argv: list[str] | None = None) -> int:
                     source=a.source, size=parse_size(a.size), check=a.check, outdir=a.out, repeats=a.repeats
                 )
             )
+        elif a.cmd == "kernels":
+            from smddp_rigs.bench.kernels import KernelsConfig, run_kernels
+
+            run_kernels(KernelsConfig(rounds=a.rounds, outdir=a.out))
         else:
             from smddp_rigs.bench.benchmarks_md import ReportConfig, write_benchmarks_md
 
