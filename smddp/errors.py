@@ -43,6 +43,19 @@ class TransportError(SmddpError, ConnectionError):
 class CollectiveError(SmddpError, RuntimeError):
     """The job has FAILED; every pending and later collective raises this with the cause."""
 
+    #: The exit status of the rank whose end failed the job, when that was the cause and its status
+    #: is known (its launcher wrapper reported it); smddp-launch's wrappers then end every failed rank
+    #: with it, so the job's exit status is the cause's, not a consequence's.
+    exit_status: int | None = None
+
+
+def fresh(err: SmddpError) -> SmddpError:
+    """A new instance of `err` to raise again (its own traceback), keeping what it carries."""
+    again = type(err)(str(err))
+    if isinstance(err, CollectiveError) and isinstance(again, CollectiveError):
+        again.exit_status = err.exit_status
+    return again
+
 
 class CollectiveMismatchError(CollectiveError):
     """Ranks issued different collectives at the same sequence number."""

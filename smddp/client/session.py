@@ -34,9 +34,10 @@ from smddp.errors import (
     SmddpError,
     TransportError,
     UnsupportedBufferError,
+    fresh,
 )
 from smddp.proto.dtypes import DType, Kind, ReduceOp
-from smddp.proto.failure import read_failure
+from smddp.proto.failure import exit_status_of, read_failure
 from smddp.proto.frames import Header, MsgType, Role
 from smddp.proto.messages import Attach, Bye, Done, Release, SegmentMsg, Submit
 from smddp.settings import KiB, MiB, default
@@ -162,7 +163,7 @@ class Handle:
                 f"did not complete within {t:g}s; it is still in flight"
             )
         if self._error is not None:
-            raise type(self._error)(str(self._error))
+            raise fresh(self._error)
         plan, io = self._device, self._io
         if plan is not None and plan.done is not None and io is not None:
             consumer = io.consumer_stream(plan) if stream is None else stream_handle(stream)
@@ -286,6 +287,7 @@ class Client:
         self._results: dict[int, Segment] = {}
         self._arena = Arena(config.arena_bytes, f"smddp-rank{self.rank}")
         self._failure: SmddpError | None = None
+        self._wrapper: WrapperPipe | None = None  # smddp-launch's wrapper listens here (set by connect)
         self._closed = False
         self._timeline: list[dict] = []
         # RELEASE frames of small host results, held to leave with the next frame (guarded by _lock).
@@ -336,8 +338,9 @@ class Client:
             conn.close()
             raise
         log.info("connected to %s", conn.peer)
-        _tell_wrapper_joined(environ)
-        return cls(config, me, conn, directory)
+        client = cls(config, me, conn, directory)
+        client._wrapper = WrapperPipe.open(environ)
+        return client
 
     def count_routed(self, key: str) -> bool:
         """Count one call a front end sent elsewhere (a side group), for `smddp status`; True the
@@ -408,6 +411,8 @@ class Client:
         for seg in self._results.values():
             seg.close()
         self._results.clear()
+        if self._wrapper is not None:
+            self._wrapper.close()
         if unfinished:
             # Leaving without BYE tells the daemon this rank is gone, so the job fails instead of hanging.
             raise CollectiveTimeoutError(
@@ -420,7 +425,7 @@ class Client:
         if self._closed:
             raise NotInitializedError("smddp has been shut down")
         if self._failure is not None:
-            raise type(self._failure)(str(self._failure))
+            raise fresh(self._failure)
 
     def submit(
         self,
@@ -498,7 +503,8 @@ class Client:
         if lost is not None:
             # Outside the lock: _fail takes it too (the reader thread may be failing us right now).
             self._fail(PeerLostError(f"rank {self.rank}: lost the node daemon: {lost}"))
-            raise type(self._failure)(str(self._failure)) from None  # type: ignore[misc]
+            assert self._failure is not None  # set by _fail, now or by the reader before it
+            raise fresh(self._failure) from None
         return handle
 
     # ------------------------------------------------------------------ the device path
@@ -644,7 +650,11 @@ class Client:
                 elif h.type is MsgType.ERROR:
                     text = self._conn.recv_bytes(h.length, timeout=5.0).decode("utf-8", "replace")
                     kind, why = read_failure(text)
-                    self._fail(kind(why))
+                    err = kind(why)
+                    status = exit_status_of(h.aux)
+                    if status is not None and isinstance(err, CollectiveError):
+                        err.exit_status = status
+                    self._fail(err)
                     return
                 else:
                     raise ProtocolError(f"the daemon sent {h.type.name}, which workers do not expect")
@@ -740,13 +750,17 @@ class Client:
 
     def _fail(self, err: SmddpError) -> None:
         with self._lock:
-            if self._failure is None:
+            first = self._failure is None
+            if first:
                 self._failure = err
             handles = list(self._handles.values())
             self._handles.clear()
             self._deferred_cv.notify_all()
         for h in handles:
             h._finish(error=self._failure)
+        status = getattr(err, "exit_status", None)
+        if first and status is not None and self._wrapper is not None:
+            self._wrapper.cause(status)
 
 
 def _configure_logging(level: str, rank: int, node: int) -> None:
@@ -778,22 +792,50 @@ def check_op(op: Any) -> ReduceOp:
         raise InvalidArgumentError(f"op must be one of smddp.SUM, AVG, MIN, MAX, got {op!r}") from None
 
 
-def _tell_wrapper_joined(env: Mapping[str, str]) -> None:
-    """Tell smddp-launch's wrapper of this worker that it joined (it writes EXITED for ranks that did not).
+class WrapperPipe:
+    """The pipe smddp-launch's wrapper of this worker listens on (SMDDP_JOINED_FD): "j" once the
+    worker joined (the wrapper reports EXITED for ranks that did not), and "c<status>" when the job
+    failed because another rank ended with that exit status (the wrapper then ends with it too).
+    The fd is taken out of the environment and never inherited by programs the script runs."""
 
-    The wrapper passes the write end of a pipe as SMDDP_JOINED_FD; one byte, then the end is closed
-    so that nothing else (a child process of the script) can use it.
-    """
-    fd_s, _, ino_s = env.get("SMDDP_JOINED_FD", "").partition(":")
-    os.environ.pop("SMDDP_JOINED_FD", None)
-    if not (fd_s.isdigit() and ino_s.isdigit()):
-        return
-    fd = int(fd_s)
-    try:
-        # Only the pipe the wrapper made: the script may have closed that fd number and reused it.
-        st = os.fstat(fd)
-        if stat.S_ISFIFO(st.st_mode) and st.st_ino == int(ino_s):
-            os.write(fd, b"j")
-            os.close(fd)
-    except OSError:
-        pass  # gone: the wrapper then says EXITED for a rank that joined, which the daemon ignores
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._lock = threading.Lock()
+
+    @classmethod
+    def open(cls, env: Mapping[str, str]) -> WrapperPipe | None:
+        fd_s, _, ino_s = env.get("SMDDP_JOINED_FD", "").partition(":")
+        os.environ.pop("SMDDP_JOINED_FD", None)
+        if not (fd_s.isdigit() and ino_s.isdigit()):
+            return None
+        fd = int(fd_s)
+        try:
+            # Only the pipe the wrapper made: the script may have closed that fd number and reused it.
+            st = os.fstat(fd)
+            if not (stat.S_ISFIFO(st.st_mode) and st.st_ino == int(ino_s)):
+                return None
+            os.set_inheritable(fd, False)
+        except OSError:
+            return None  # gone: the wrapper then says EXITED for a rank that joined, which the daemon ignores
+        pipe = cls(fd)
+        pipe._write(b"j")
+        return pipe
+
+    def cause(self, exit_status: int) -> None:
+        self._write(b"c%d\n" % exit_status)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+
+    def _write(self, data: bytes) -> None:
+        with self._lock:
+            if self._fd < 0:
+                return
+            try:
+                os.write(self._fd, data)
+            except OSError:
+                os.close(self._fd)  # the wrapper is gone
+                self._fd = -1

@@ -30,7 +30,7 @@ from smddp.errors import (
 )
 from smddp.proto import handshake as hs
 from smddp.proto.dtypes import DType, Kind, ReduceOp
-from smddp.proto.failure import failure_frame, read_failure
+from smddp.proto.failure import exit_status_of, failure_frame, read_failure
 from smddp.proto.frames import HEADER_SIZE, Header, MsgType, Role, error_frame
 from smddp.proto.layout import Chunk
 from smddp.proto.messages import (
@@ -101,6 +101,10 @@ INLINE_BYTES = 64 << 10
 # Frames of at most this many payload bytes are sent by the thread that makes them, when the peer's
 # writer is idle; larger ones always go through the writer (a long send must not hold up a reader).
 DIRECT_BYTES = 64 << 10
+# A worker that hung up without BYE: how long to wait for its wrapper's EXITED (its exit status, the
+# cause's status every rank's wrapper then ends with) before failing the job without it. The wrapper
+# has the report ready when its worker exits, so it comes within milliseconds unless it died too.
+EXIT_REPORT_WAIT_S = 1.0
 
 
 class OpState:
@@ -215,6 +219,9 @@ class NodeDaemon:
         # Local ranks whose process ended without ever joining (their launcher wrapper said so, with
         # EXITED): local index -> what happened, for the error of any collective that needed them.
         self.left_early: dict[int, str] = {}
+        # Exit statuses of local ranks that joined and then ended badly (their wrapper's EXITED).
+        self._exit_status: list[int | None] = [None] * self.local_size
+        self._exit_reported = [threading.Event() for _ in range(self.local_size)]
         self.peers = {j: PeerLink(j) for j in range(self.nnodes) if j != node}
         self.results = Arena(cfg.result_segment_bytes, f"smddp-result-n{node}")
         self.scratch = Arena(cfg.result_segment_bytes, f"smddp-server-n{node}")
@@ -340,9 +347,12 @@ class NodeDaemon:
         self._threads.append(t)
         t.start()
 
-    def fail(self, reason: str, kind: type[SmddpError] = CollectiveError) -> None:
-        """Put the job in FAILED: tell every worker and peer why, once, then stop."""
-        frame = failure_frame(kind, reason, sender=self.node)
+    def fail(
+        self, reason: str, kind: type[SmddpError] = CollectiveError, exit_status: int | None = None
+    ) -> None:
+        """Put the job in FAILED: tell every worker and peer why (and the exit status of the rank whose
+        end caused it, when known), once, then stop."""
+        frame = failure_frame(kind, reason, sender=self.node, exit_status=exit_status)
         with self._lock:
             if self.failure is not None or self._finished.is_set():
                 return
@@ -460,7 +470,12 @@ class NodeDaemon:
             self._worker_loop(link)
         except ConnectionClosed:
             if not (link.said_bye or self._finished.is_set()):
-                self.fail(self._worker_lost(link), PeerLostError)
+                reason = self._worker_lost(link)
+                status = self._await_exit_status(link.local_rank)
+                if status is not None:
+                    how = f"killed by signal {status - 128}" if status > 128 else f"exit status {status}"
+                    reason += f" ({how})"
+                self.fail(reason, PeerLostError, exit_status=status)
         except SmddpError as e:
             # Keep the connection open until the worker leaves, so that it reads the ERROR rather
             # than a broken pipe (teardown closes it at the end of the linger time regardless).
@@ -482,17 +497,27 @@ class NodeDaemon:
     def _worker_lost(self, link: WorkerLink) -> str:
         return f"{self.job.describe_rank(link.rank, link.pid)} {_process_fate(link.pid)}"
 
+    def _await_exit_status(self, local: int) -> int | None:
+        """The exit status the wrapper of local rank `local` reports, waited for a moment; None if none."""
+        self._exit_reported[local].wait(EXIT_REPORT_WAIT_S)
+        return self._exit_status[local]
+
     def _on_exited(self, rank: int, status: int) -> None:
         """The launcher's wrapper of local `rank` says its process ended with `status`.
 
         A rank that never joined is gone for good: any collective that needs it fails now, naming
         it as a lost rank, and a node whose ranks all left (or never came) finishes as after BYE.
-        A rank that joined needs no word: its connection's end says everything.
+        A rank that joined and ended badly is named by its connection's end; its status is recorded
+        for the failure (the cause's exit status, which every rank's wrapper then ends with).
         """
         ranks = self.job.ranks_of(self.node)
         if rank not in ranks:
             raise ProtocolError(f"EXITED for rank {rank}, which does not belong to {self.me}")
         local = rank - ranks.start
+        if self.workers[local] is not None:
+            self._exit_status[local] = status
+            self._exit_reported[local].set()
+            return
         how = f"was killed by signal {status - 128}" if status > 128 else f"exited with status {status}"
         reason = (
             f"{self.job.describe_rank(rank)} {how} without joining the job (it never called smddp.init(), "
@@ -1221,7 +1246,7 @@ class NodeDaemon:
                 elif h.type is MsgType.ERROR:
                     text = conn.recv_bytes(h.length, timeout=5.0).decode("utf-8", "replace")
                     kind, why = read_failure(text)
-                    self.fail(why, kind)
+                    self.fail(why, kind, exit_status=exit_status_of(h.aux))
                     return
                 else:
                     raise ProtocolError(f"{conn.peer} sent {h.type.name}, which daemons may not send")

@@ -106,13 +106,16 @@ def _pump(src: IO[bytes], dst: IO[bytes], prefix: bytes) -> None:
 
 
 class _Joined:
-    """Whether the worker joined the job: its client writes one byte to a pipe we hand it."""
+    """What the worker's client tells us over a pipe we hand it (smddp.client.session.WrapperPipe):
+    "j" once it joined the job, and "c<status>" when the job failed because another rank ended with
+    that exit status."""
 
     def __init__(self) -> None:
         self.read_fd, self.write_fd = os.pipe()
         os.set_inheritable(self.write_fd, True)
         self.token = f"{self.write_fd}:{os.fstat(self.write_fd).st_ino}"
         self.joined = threading.Event()
+        self.cause: int | None = None
         self._thread = threading.Thread(target=self._watch, daemon=True)
 
     def start(self) -> None:
@@ -120,9 +123,17 @@ class _Joined:
         self._thread.start()
 
     def _watch(self) -> None:
+        data = b""
         try:
-            if os.read(self.read_fd, 1):
-                self.joined.set()
+            while chunk := os.read(self.read_fd, 64):
+                data += chunk
+                if data.startswith(b"j"):
+                    self.joined.set()
+                for line in data[1:].split(b"\n")[:-1]:  # whole "c<status>" lines only
+                    if line[:1] == b"c" and line[1:].isdigit() and self.cause is None:
+                        self.cause = int(line[1:])
+                if len(data) > 4096:
+                    break  # not our client talking: stop listening
         finally:
             os.close(self.read_fd)
 
@@ -137,7 +148,10 @@ def run_worker(command: list[str], prefix: str, report: Report | None) -> int:
 
     The exit status is the worker's (128 + n if a signal n killed it), as if it had been exec'd. A
     worker that ended without joining the job is reported to its node's daemon, so that ranks that
-    wait for it fail at once, naming it, and a job of workers that never use smddp ends.
+    wait for it fail at once, naming it, and a job of workers that never use smddp ends. A worker
+    that joined and ended badly is reported too: its status is the cause's, which its daemon passes
+    to every rank; a worker that failed because of another rank's end exits with that cause's status
+    (whichever rank's exit mpirun sees first, the job's status is the cause's).
     """
     joined = _Joined() if report is not None else None
     env = dict(os.environ)
@@ -176,14 +190,18 @@ def run_worker(command: list[str], prefix: str, report: Report | None) -> int:
         ]
     for t in pumps:
         t.start()
-    code = child.wait()
+    code = shell_status(child.wait())
     for sig in forwarded:  # from here a SIGTERM (mpirun's teardown) ends the wrapper itself
         signal.signal(sig, signal.SIG_DFL)
+    if report is not None and joined is not None:
+        if not joined.settle():
+            report.send(code)
+        elif code != 0:
+            report.send(code, wait=False)  # its daemon waits a moment for this before failing the job
     for t in pumps:
         t.join(timeout=5)
-    code = shell_status(code)
-    if report is not None and joined is not None and not joined.settle():
-        report.send(code)
+    if code != 0 and joined is not None and joined.cause is not None:
+        return joined.cause
     return code
 
 
@@ -196,15 +214,17 @@ class Report:
         self.job_hex = job_hex
         self.timeout = timeout
 
-    def send(self, status: int) -> None:
+    def send(self, status: int, wait: bool = True) -> None:
+        """Report `status`; without `wait`, only to a daemon that is there now (not one still starting)."""
         # Imported only here: most workers join, and the wrapper should start in no time.
         from smddp.errors import SmddpError
         from smddp.launcher.exited import report_exited
 
         try:
-            report_exited(self.job_hex, self.node, self.rank, status, self.timeout)
+            report_exited(self.job_hex, self.node, self.rank, status, self.timeout if wait else 0.0)
         except SmddpError as e:
-            print(f"smddp worker_env: rank {self.rank}: could not tell the daemon: {e}", file=sys.stderr)
+            if wait:  # without waiting, a daemon that has finished is no news
+                print(f"smddp worker_env: rank {self.rank}: could not tell the daemon: {e}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:

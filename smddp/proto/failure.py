@@ -36,9 +36,22 @@ def failure_text(kind: type[SmddpError], reason: str) -> str:
     return f"{wire_name(kind)}: {reason}"
 
 
-def failure_frame(kind: type[SmddpError], reason: str, sender: int = 0) -> bytes:
-    """The ERROR frame that tells a worker or a peer why the job failed."""
-    return error_frame(failure_text(kind, reason), sender=sender)
+def failure_frame(
+    kind: type[SmddpError], reason: str, sender: int = 0, exit_status: int | None = None
+) -> bytes:
+    """The ERROR frame that tells a worker or a peer why the job failed.
+
+    `exit_status`: the exit status of the rank whose end failed the job, when that is the cause and
+    its status is known; it travels in `aux` as status + 1 (0: none), so that every rank's wrapper
+    can end with the cause's status rather than its own consequence.
+    """
+    aux = 0 if exit_status is None else min(max(exit_status, 0), 255) + 1
+    return error_frame(failure_text(kind, reason), sender=sender, aux=aux)
+
+
+def exit_status_of(aux: int) -> int | None:
+    """The cause's exit status an ERROR frame carries in `aux`, or None."""
+    return aux - 1 if 1 <= aux <= 256 else None
 
 
 def read_failure(text: str) -> tuple[type[SmddpError], str]:

@@ -223,7 +223,7 @@ def _check_length(t: MsgType, length: int) -> None:
         raise ProtocolError(f"{t.name}: payload length {length} exceeds the limit of {limit} bytes")
 
 
-def error_frame(text: str, sender: int = 0) -> bytes:
-    """An ERROR frame with its UTF-8 reason, cut to fit the control limit."""
+def error_frame(text: str, sender: int = 0, aux: int = 0) -> bytes:
+    """An ERROR frame with its UTF-8 reason, cut to fit the control limit (`aux`: see proto.failure)."""
     body = text.encode("utf-8", "replace")[:MAX_CONTROL_PAYLOAD]
-    return encode_header(Header(MsgType.ERROR, sender=sender, length=len(body))) + body
+    return encode_header(Header(MsgType.ERROR, sender=sender, aux=aux, length=len(body))) + body

@@ -20,7 +20,7 @@ from torch.futures import Future
 import smddp
 from smddp.client.device.runtime import BUILTIN as BUILTIN_RUNTIMES
 from smddp.client.session import when_all
-from smddp.errors import CollectiveError, CollectiveTimeoutError, ConfigError, SmddpError
+from smddp.errors import CollectiveError, CollectiveTimeoutError, ConfigError, SmddpError, fresh
 
 BACKEND_NAME = "smddp"
 log = logging.getLogger("smddp.torch")
@@ -135,7 +135,7 @@ class SmddpWork(dist.Work):
         if self._error is not None:
             err = self._error
             if isinstance(err, SmddpError):
-                raise type(err)(str(err))
+                raise fresh(err)
             raise CollectiveError(f"smddp {self.name} failed: {err!r}")
         self._device.order(self)
         return True

@@ -69,6 +69,20 @@ def test_failing_rank_sets_exit_status_and_tears_job_down(world, nodes, clean_ho
     saw = [line for line in proc.stdout.splitlines() if " saw: " in line]
     assert saw, out[-3000:]
     assert all("saw: rank 1 " in line for line in saw), saw
+    # The cause's status reached every survivor, so whichever rank's exit mpirun saw first, it was 3.
+    assert all("(exit status 3)" in line and "[exit_status=3]" in line for line in saw), saw
+
+
+def test_exit_status_is_the_cause_even_when_a_consequence_exits_first(clean_host):
+    """Rank 1 exits 3; its wrapper ends 3 s later (a grandchild holds its output), so mpirun sees a
+    survivor's exit first: that survivor's wrapper ends with the cause's status, 3, not its own 1."""
+    t0 = time.monotonic()
+    proc = smddp_launch(4, 2, [str(HERE / "check_exit.py"), "--slow-cause"], timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 3, out[-3000:]
+    assert time.monotonic() - t0 < 30
+    saw = [line for line in proc.stdout.splitlines() if " saw: " in line]
+    assert saw and all("[exit_status=3]" in line for line in saw), out[-3000:]
 
 
 @pytest.mark.parametrize(

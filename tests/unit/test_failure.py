@@ -43,3 +43,26 @@ def test_frame_and_unknown_text():
     assert read_failure(frame[HEADER_SIZE:].decode()) == (PeerLostError, "rank 3 exited")
     assert read_failure("Whatever: x") == (CollectiveError, "Whatever: x")
     assert read_failure("no name here") == (CollectiveError, "no name here")
+
+
+@pytest.mark.parametrize("status", [None, 0, 1, 3, 137, 255, 300, -5])
+def test_the_causes_exit_status_travels_in_aux(status):
+    """aux = status + 1 (0: none), clamped to a shell status; old readers ignore it."""
+    from smddp.proto.failure import exit_status_of
+
+    frame = failure_frame(PeerLostError, "rank 1 died", sender=2, exit_status=status)
+    h = decode_header(frame[:HEADER_SIZE])
+    want = None if status is None else min(max(status, 0), 255)
+    assert exit_status_of(h.aux) == want
+    assert read_failure(frame[HEADER_SIZE:].decode()) == (PeerLostError, "rank 1 died")
+    assert exit_status_of(0) is None and exit_status_of(257) is None
+
+
+def test_a_raised_again_error_keeps_the_causes_status():
+    from smddp.errors import fresh
+
+    err = PeerLostError("rank 1 died")
+    err.exit_status = 3
+    again = fresh(err)
+    assert again is not err and type(again) is PeerLostError and again.exit_status == 3
+    assert str(again) == "rank 1 died" and fresh(ProtocolError("x")).args == ("x",)
