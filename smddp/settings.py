@@ -106,6 +106,16 @@ SETTINGS: tuple[Setting, ...] = (
         (LAUNCH, DAEMON, WORKER),
         env="SMDDP_JOB_ID",
     ),
+    S(
+        "restart_count",
+        int,
+        0,
+        "which attempt of the job this is: 0 the first, n after n restarts (smddp-launch sets it; "
+        "torch scripts also see TORCHELASTIC_RESTART_COUNT)",
+        (),
+        (DAEMON, WORKER),
+        env="SMDDP_RESTART_COUNT",
+    ),
     # -- the data path
     S(
         "fusion_mb",
@@ -255,6 +265,33 @@ SETTINGS: tuple[Setting, ...] = (
         (LAUNCH,),
     ),
     S("dry_run", bool, False, "print the mpirun commands and exit", ("--dry-run",), (LAUNCH,)),
+    # -- restarts
+    S(
+        "max_restarts",
+        int,
+        0,
+        "restart a failed job up to this many times, each time as a fresh job (0: fail at once)",
+        ("--max-restarts",),
+        (LAUNCH,),
+    ),
+    S(
+        "restart_delay_s",
+        float,
+        1.0,
+        "wait this long between a failed attempt and the next (s)",
+        ("--restart-delay",),
+        (LAUNCH,),
+    ),
+    S(
+        "restart_on",
+        str,
+        "crash",
+        "which failures restart the job: crash (a rank killed by a signal, a daemon or node lost) or "
+        "any (also a script's own non-zero exit, a collective mismatch)",
+        ("--restart-on",),
+        (LAUNCH,),
+        choices=("crash", "any"),
+    ),
 )
 del S
 

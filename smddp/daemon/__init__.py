@@ -89,7 +89,7 @@ def run(cfg: DaemonConfig) -> int:
         os._exit(128 + signum)
 
     signal.signal(signal.SIGTERM, stopped)
-    write_job_files(jobdir, me.job, me.node)
+    write_job_files(jobdir, me.job, me.node, cfg.restart_count)
     daemon = NodeDaemon(
         cfg,
         me.job,
@@ -107,12 +107,12 @@ def run(cfg: DaemonConfig) -> int:
     return daemon.serve()
 
 
-def write_job_files(jobdir: str, job: Job, node: int) -> None:
+def write_job_files(jobdir: str, job: Job, node: int, attempt: int = 0) -> None:
     """What a worker and `smddp status` need to find and join this daemon: readable by this user
     alone (0600, in a 0700 directory), as the shell that runs it is; never in argv, environment or
     logs. The secret goes first and job.json last, renamed into place: a reader that sees job.json
     sees both whole."""
-    info = json.dumps(job_description(job, node)).encode()
+    info = json.dumps({**job_description(job, node), "attempt": attempt}).encode()
     for name, data in ((SECRET_FILE, job.secret), (JOB_FILE, info)):
         tmp = os.path.join(jobdir, f".{name}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)

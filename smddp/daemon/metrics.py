@@ -77,6 +77,13 @@ class DaemonCollector:
         for kind, n in snap["errors"].items():
             errors.add_metric([node, kind], n)
         yield errors
+        attempt = GaugeMetricFamily(
+            "smddp_job_attempt",
+            "Which attempt of the job this is (0: the first; smddp-launch --max-restarts)",
+            labels=["node"],
+        )
+        attempt.add_metric([node], d.cfg.restart_count)
+        yield attempt
 
 
 def serve_metrics(daemon: NodeDaemon, host: str, port: int) -> None:

@@ -928,7 +928,13 @@ class NodeDaemon:
             else:
                 d = self.job.daemons[j]
                 daemons.append({"node": j, "host": d.host, "pid": d.pid, "state": "no answer"})
-        return {"job": self.job.job_hex, "nnodes": self.nnodes, "world": self.world, "daemons": daemons}
+        return {
+            "job": self.job.job_hex,
+            "nnodes": self.nnodes,
+            "world": self.world,
+            "attempt": self.cfg.restart_count,
+            "daemons": daemons,
+        }
 
     def _routed_counts(self) -> dict[str, int]:
         """Calls the local ranks' front ends sent to their side groups (Client.count_routed files)."""

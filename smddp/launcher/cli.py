@@ -60,6 +60,9 @@ def launch_main(argv: list[str] | None = None) -> int:
             mpi_args=tuple(shlex.split(args.mpi_args)),
             dry_run=args.dry_run,
             mpirun=args.mpirun,
+            max_restarts=args.max_restarts,
+            restart_delay_s=args.restart_delay_s,
+            restart_on=args.restart_on,
         )
         return launch(cfg)
     except ConfigError as e:
@@ -105,6 +108,7 @@ def daemon_main(argv: list[str] | None = None) -> int:
             iface=args.iface,
             socket_dir=args.socket_dir,
             job_id_hex=settings.from_env(settings.DAEMON)["job_id"],
+            restart_count=settings.from_env(settings.DAEMON)["restart_count"],
             connect_timeout_s=args.connect_timeout_s,
             heartbeat_timeout_s=args.heartbeat_timeout_s,
             stall_warning_s=args.stall_warning_s,

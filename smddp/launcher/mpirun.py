@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import json
 import os
@@ -12,7 +13,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from smddp.errors import ConfigError
 from smddp.launcher.hosts import Host
@@ -49,6 +50,10 @@ class LaunchConfig:
     # $SMDDP_JOB_ID names the job (to find it later); otherwise a fresh random id.
     job_id: str = field(default_factory=lambda: os.environ.get("SMDDP_JOB_ID") or secrets.token_hex(16))
     mpirun: str = default("mpirun")
+    max_restarts: int = default("max_restarts")
+    restart_delay_s: float = default("restart_delay_s")
+    restart_on: str = default("restart_on")
+    restart_count: int = 0  # which attempt this config runs (launch() sets it)
 
     def __post_init__(self) -> None:
         if self.np < 0 or (self.np == 0 and not self.hosts):
@@ -73,6 +78,10 @@ class LaunchConfig:
             raise ConfigError("--fusion-mb must be positive")
         if self.pipeline_kb < 0:
             raise ConfigError("--pipeline-kb must be 0 (never) or positive")
+        if self.max_restarts < 0 or self.restart_delay_s < 0:
+            raise ConfigError("--max-restarts and --restart-delay must not be negative")
+        if self.restart_on not in ("crash", "any"):
+            raise ConfigError("--restart-on must be crash or any")
 
     def workers_per_host(self) -> int:
         """G: the same on every host (the design's W = N * G), checked against the slots."""
@@ -185,6 +194,7 @@ def _common_options(cfg: LaunchConfig) -> list[str]:
     env = worker_env(
         {
             "job_id": cfg.job_id,
+            "restart_count": cfg.restart_count,
             "fusion_mb": cfg.fusion_mb,
             "pipeline_kb": cfg.pipeline_kb,
             "timeout_s": cfg.timeout_s,
@@ -193,6 +203,8 @@ def _common_options(cfg: LaunchConfig) -> list[str]:
             "log_level": cfg.log_level,
         }
     )
+    # torchrun's name for the attempt number, so that torch scripts written for torchrun resume the same way.
+    env["TORCHELASTIC_RESTART_COUNT"] = str(cfg.restart_count)
     for k, v in env.items():
         cmd += ["-x", f"{k}={v}"]
     if cfg.launch_agent:
@@ -247,7 +259,64 @@ WORKER_GRACE_S = 35.0
 
 
 def launch(cfg: LaunchConfig) -> int:
-    """Run the job to the end. The exit status is the workers' when they failed, else the daemons'.
+    """Run the job to the end, and again as a fresh job after a failure worth it (--max-restarts).
+
+    The exit status is the last attempt's (launching.md, "Exit status" and "Restarts").
+    """
+    attempt = cfg
+    while True:
+        outcome = run_attempt(attempt)
+        if cfg.dry_run or outcome.status == 0 or cfg.max_restarts == 0:
+            return outcome.status
+        worth = outcome.crash or cfg.restart_on == "any"
+        n = attempt.restart_count + 1
+        if not worth:
+            then = "not restarted (--restart-on any would)"
+        elif n > cfg.max_restarts:
+            then = f"no restart left (--max-restarts {cfg.max_restarts})"
+        else:
+            then = f"restart {n} of {cfg.max_restarts} in {cfg.restart_delay_s:g}s"
+        print(
+            f"smddp-launch: attempt {attempt.restart_count} of job {attempt.job_id} failed with status "
+            f"{outcome.status}: {outcome.describe()}; {then}",
+            file=sys.stderr,
+            flush=True,
+        )
+        if not worth or n > cfg.max_restarts:
+            return outcome.status
+        try:
+            time.sleep(cfg.restart_delay_s)
+        except KeyboardInterrupt:  # Ctrl-C between attempts: nothing is running, stop here
+            return 130
+        # A fresh job: its own id (and so its own secret, socket directories and shared memory).
+        attempt = replace(attempt, restart_count=n, job_id=attempt_job_id(cfg.job_id, n))
+
+
+def attempt_job_id(first: str, attempt: int) -> str:
+    """The job id of restart `attempt` of the job first launched as `first` (derived, so findable)."""
+    if attempt == 0:
+        return first
+    return hashlib.sha256(f"{first}:{attempt}".encode()).hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How one attempt ended: its exit status, and whether that was a crash (worth a restart by default)."""
+
+    status: int
+    crash: bool
+    daemons_failed: bool = False
+
+    def describe(self) -> str:
+        if self.daemons_failed:
+            return "a daemon failed or was lost (a crash)"
+        if self.status > 128:
+            return f"a rank was killed by signal {self.status - 128} (a crash)"
+        return "a rank's own exit status (the script failed, or a collective mismatch): not a crash"
+
+
+def run_attempt(cfg: LaunchConfig) -> Outcome:
+    """Run one attempt of the job. The exit status is the workers' when they failed, else the daemons'.
 
     Both worlds are children of this process: when the workers end, the daemons follow (at once,
     or stopped after a grace period); when the daemons fail, the workers have heard why and follow.
@@ -258,7 +327,7 @@ def launch(cfg: LaunchConfig) -> int:
 
         print(shlex.join(cmds.daemons))
         print(shlex.join(cmds.workers))
-        return 0
+        return Outcome(0, crash=False)
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
     if cfg.timeline:
@@ -278,7 +347,10 @@ def launch(cfg: LaunchConfig) -> int:
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return supervise(daemons, workers)
+        status, daemons_first = supervise(daemons, workers)
+        # A crash: a rank killed by a signal (its status, passed to every rank, is 128 + n), or the
+        # daemons' world failing before the workers' (a daemon died, its node or link was lost).
+        return Outcome(status, crash=status > 128 or daemons_first, daemons_failed=daemons_first)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
@@ -293,22 +365,23 @@ def supervise(
     daemon_grace_s: float = DAEMON_GRACE_S,
     worker_grace_s: float = WORKER_GRACE_S,
     tick: float = 0.05,
-) -> int:
-    """Wait for both worlds; the exit status says what went wrong first."""
+) -> tuple[int, bool]:
+    """Wait for both worlds; the exit status says what went wrong first, and whether the daemons'
+    world failed first (while the workers still ran)."""
     while True:
         w = workers.poll()
         if w is not None:
             if not _wait(daemons, daemon_grace_s):
                 _stop(daemons, 10.0)  # the workers' status tells the story
-                return shell_status(w)
-            return shell_status(w) or shell_status(daemons.returncode)
+                return shell_status(w), False
+            return shell_status(w) or shell_status(daemons.returncode), False
         d = daemons.poll()
         if d is not None and d != 0:
             # The daemons failed (at start, or a daemon died): connected workers hear it and leave.
             if _wait(workers, worker_grace_s):
-                return shell_status(workers.returncode) or shell_status(d)
+                return shell_status(workers.returncode) or shell_status(d), True
             _stop(workers, 10.0)
-            return shell_status(d)
+            return shell_status(d), True
         time.sleep(tick)
 
 

@@ -154,7 +154,8 @@ def render_jobs(daemons: list[LocalDaemon]) -> str:
 
 def render_report(r: dict) -> str:
     """The live table: one row per daemon, then per-peer traffic, stalls and recent errors."""
-    out = [f"job {r['job']}  ·  {r['nnodes']} nodes  ·  {r['world']} ranks"]
+    attempt = f"  ·  attempt {r['attempt']} (restarted)" if r.get("attempt") else ""
+    out = [f"job {r['job']}  ·  {r['nnodes']} nodes  ·  {r['world']} ranks{attempt}"]
     head = (
         f"{'NODE':<5}{'HOST':<14}{'PID':<8}{'UP':<8}{'STATE':<10}{'WORKERS':<9}{'PEERS':<7}"
         f"{'DONE':>8}{'INFLT':>7}  {'OLDEST':<16}{'IN':>11}{'OUT':>11}{'REDUCE':>12}"

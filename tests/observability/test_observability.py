@@ -128,6 +128,8 @@ def test_metrics_scrape_parses(clean_host):
             s for s in families["smddp_collective_latency_seconds"].samples if s.name.endswith("_bucket")
         ]
         assert any(s.labels["le"] == "+Inf" and s.value > 0 for s in buckets)
+        # The first attempt of the job (smddp-launch --max-restarts counts them).
+        assert [s.value for s in families["smddp_job_attempt"].samples] == [0], (node, sorted(families))
 
 
 def test_timeline_has_every_phase_of_every_collective(tmp_path, clean_host):

@@ -63,3 +63,12 @@ def test_status_lists_no_dead_job_and_names_what_it_left(tmp_path: Path, capsys)
     assert out.startswith("no smddp jobs on this host") and str(dead) in out, out
     assert status(StatusConfig(socket_dir=str(tmp_path), json=True)) == 0
     assert json.loads(capsys.readouterr().out) == []
+
+
+def test_the_table_says_which_attempt() -> None:
+    from smddp.launcher.status import render_report
+
+    report = {"job": "e" * 32, "nnodes": 1, "world": 2, "daemons": []}
+    assert "attempt" not in render_report({**report, "attempt": 0}).splitlines()[0]
+    assert render_report({**report, "attempt": 2}).splitlines()[0].endswith("attempt 2 (restarted)")
+    assert "attempt" not in render_report(report)  # a daemon from before restarts existed

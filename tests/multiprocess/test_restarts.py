@@ -1,0 +1,55 @@
+"""smddp-launch --max-restarts and --restart-on: which failures restart a job, and what a restart sees."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from smddp.launcher.mpirun import attempt_job_id
+from tests.conftest import LAUNCHED, smddp_launch
+
+SCRIPT = (
+    "import os, smddp\n"
+    "smddp.init()\n"
+    "n = int(os.environ['SMDDP_RESTART_COUNT'])\n"
+    "assert os.environ['TORCHELASTIC_RESTART_COUNT'] == str(n)\n"
+    "print('attempt', n, 'job', os.environ['SMDDP_JOB_ID'], flush=True)\n"
+    "smddp.barrier(timeout=60)\n"
+    "smddp.shutdown()\n"
+    "raise SystemExit(4 if n < 1 else 0)\n"
+)
+
+
+def test_a_scripts_own_failure_is_not_restarted_unless_asked(tmp_path: Path, clean_host: None) -> None:
+    """A script's own non-zero exit is not a crash: no restart, unless --restart-on any; a restart is
+    a fresh job (another id) that sees its attempt number."""
+    script = tmp_path / "fail.py"
+    script.write_text(SCRIPT)
+    proc = smddp_launch(2, 2, [str(script)], extra=["--max-restarts", "3", "--restart-delay", "0"])
+    LAUNCHED.append(attempt_job_id(LAUNCHED[-1], 1))
+    assert proc.returncode == 4, proc.stderr[-2000:]
+    assert "not a crash; not restarted (--restart-on any would)" in proc.stderr, proc.stderr[-2000:]
+    assert proc.stdout.count("attempt 0 job") == 2 and "attempt 1" not in proc.stdout, proc.stdout
+
+    extra = ["--max-restarts", "3", "--restart-delay", "0", "--restart-on", "any"]
+    proc = smddp_launch(2, 2, [str(script)], extra=extra)
+    first = LAUNCHED[-1]
+    LAUNCHED.append(attempt_job_id(first, 1))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "not a crash; restart 1 of 3 in 0s" in proc.stderr, proc.stderr[-2000:]
+    assert proc.stdout.count(f"attempt 0 job {first}") == 2, proc.stdout
+    assert proc.stdout.count(f"attempt 1 job {attempt_job_id(first, 1)}") == 2, proc.stdout
+
+
+def test_restart_flags_are_checked() -> None:
+    import subprocess
+    import sys
+
+    from tests.conftest import BIN
+
+    for bad in (["--max-restarts", "-1"], ["--restart-on", "sometimes"], ["--restart-delay", "-2"]):
+        proc = subprocess.run(
+            [str(BIN / "smddp-launch"), "-np", "1", *bad, "--", sys.executable, "-c", "pass"],
+            capture_output=True,
+            text=True,
+        )
+        assert proc.returncode == 2 and "smddp-launch:" in proc.stderr, (bad, proc.stderr)
