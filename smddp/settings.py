@@ -116,6 +116,15 @@ SETTINGS: tuple[Setting, ...] = (
         (DAEMON, WORKER),
         env="SMDDP_RESTART_COUNT",
     ),
+    S(
+        "ledger",
+        str,
+        "",
+        "where each daemon tells smddp-launch that it is up and how it ended (set by smddp-launch)",
+        (),
+        (DAEMON,),
+        env="SMDDP_LEDGER",
+    ),
     # -- the data path
     S(
         "fusion_mb",
@@ -280,6 +289,15 @@ SETTINGS: tuple[Setting, ...] = (
         1.0,
         "wait this long between a failed attempt and the next (s)",
         ("--restart-delay",),
+        (LAUNCH,),
+    ),
+    S(
+        "min_nodes",
+        int,
+        0,
+        "before a restart, drop the hosts that do not answer and go on if at least this many do "
+        "(0: every host must)",
+        ("--min-nodes",),
         (LAUNCH,),
     ),
     S(

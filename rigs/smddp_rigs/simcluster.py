@@ -408,6 +408,22 @@ class SimCluster:
     ) -> None:
         self.down()
 
+    def lose(self, i: int) -> None:
+        """Node i is lost, as if it lost power: every process in it SIGKILLed at once, then its
+        namespace (and with it its link to the switch) deleted, so nothing reaches it any more."""
+        ns = self.netns(i)
+        out = _run([_tool("ip"), "netns", "pids", ns], check=False).stdout
+        pids = [int(p) for p in out.split() if p.isdigit() and int(p) != os.getpid()]
+        for pid in pids:  # no SIGTERM first: nothing on a lost node gets to clean up or say goodbye
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 5.0
+        while any(_pid_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        _delete_netns(ns)
+
     # -- queries ---------------------------------------------------------------------------
 
     def hosts(self) -> list[str]:

@@ -24,6 +24,7 @@ from smddp.transport.bootstrap import (
     job_description,
     job_dir,
 )
+from smddp.transport.ledger import LedgerClient
 from smddp.transport.netif import resolve_bind_address
 
 __all__ = ["DaemonConfig", "NodeDaemon", "private_dir", "run"]
@@ -82,10 +83,16 @@ def run(cfg: DaemonConfig) -> int:
         return 2
     jobdir = str(held["dir"])
 
+    # Tell smddp-launch we are up, and later how we ended: mpirun alone may report a job that lost a
+    # node as a success (transport/ledger.py).
+    ledger = LedgerClient.connect(cfg.ledger, me.node) if cfg.ledger else None
+
     def stopped(signum: int, _frame: object) -> None:
         # mpirun stops the daemons with SIGTERM (another daemon failed, or smddp-launch ends the job):
         # nothing of the job may stay behind, not even on a host smddp-launch does not run on.
         shutil.rmtree(jobdir, ignore_errors=True)
+        if ledger is not None:
+            ledger.end(False, f"stopped by signal {signum} (mpirun tore the job down)")
         os._exit(128 + signum)
 
     signal.signal(signal.SIGTERM, stopped)
@@ -104,7 +111,10 @@ def run(cfg: DaemonConfig) -> int:
         serve_metrics(
             daemon, me.job.daemons[me.node].tcp_host, cfg.metrics_port + me.node
         )  # node n: port P + n
-    return daemon.serve()
+    status = daemon.serve()
+    if ledger is not None:
+        ledger.end(daemon.failure is None, daemon.failure or "")
+    return status
 
 
 def write_job_files(jobdir: str, job: Job, node: int, attempt: int = 0) -> None:

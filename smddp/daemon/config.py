@@ -26,7 +26,10 @@ class DaemonConfig:
     log_level: str = default("log_level")
     replicate_bytes: int = default("replicate_kb") * KiB
     reduce_kernel: str = default("reduce_kernel")
-    restart_count: int = default("restart_count")  # which attempt of the job (smddp status shows it)
+    restart_count: int = default("restart_count")
+    ledger: str = default(
+        "ledger"
+    )  # smddp-launch's ledger (transport/ledger.py); "": none  # which attempt of the job (smddp status shows it)
     # Fixed, not settings: internal bounds of the daemon's own housekeeping.
     result_segment_bytes: int = 256 << 20  # result arena growth step (pages are touched lazily)
     handshake_timeout_s: float = 10.0  # a connection that has not authenticated by then is dropped

@@ -63,6 +63,7 @@ def launch_main(argv: list[str] | None = None) -> int:
             max_restarts=args.max_restarts,
             restart_delay_s=args.restart_delay_s,
             restart_on=args.restart_on,
+            min_nodes=args.min_nodes,
         )
         return launch(cfg)
     except ConfigError as e:
@@ -109,6 +110,7 @@ def daemon_main(argv: list[str] | None = None) -> int:
             socket_dir=args.socket_dir,
             job_id_hex=settings.from_env(settings.DAEMON)["job_id"],
             restart_count=settings.from_env(settings.DAEMON)["restart_count"],
+            ledger=settings.from_env(settings.DAEMON)["ledger"],
             connect_timeout_s=args.connect_timeout_s,
             heartbeat_timeout_s=args.heartbeat_timeout_s,
             stall_warning_s=args.stall_warning_s,

@@ -21,6 +21,7 @@ from smddp.launcher.worker_env import shell_status
 from smddp.lifetime import signal_on_parent_death
 from smddp.settings import daemon_args, default, worker_env
 from smddp.transport.bootstrap import default_socket_dir, job_dirs
+from smddp.transport.ledger import NEVER_SAID, Ledger
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class LaunchConfig:
     max_restarts: int = default("max_restarts")
     restart_delay_s: float = default("restart_delay_s")
     restart_on: str = default("restart_on")
+    min_nodes: int = default("min_nodes")
     restart_count: int = 0  # which attempt this config runs (launch() sets it)
 
     def __post_init__(self) -> None:
@@ -80,6 +82,8 @@ class LaunchConfig:
             raise ConfigError("--pipeline-kb must be 0 (never) or positive")
         if self.max_restarts < 0 or self.restart_delay_s < 0:
             raise ConfigError("--max-restarts and --restart-delay must not be negative")
+        if self.min_nodes < 0 or (self.hosts and self.min_nodes > len(self.hosts)):
+            raise ConfigError(f"--min-nodes must be between 0 and the number of hosts ({len(self.hosts)})")
         if self.restart_on not in ("crash", "any"):
             raise ConfigError("--restart-on must be crash or any")
 
@@ -268,14 +272,26 @@ def launch(cfg: LaunchConfig) -> int:
         outcome = run_attempt(attempt)
         if cfg.dry_run or outcome.status == 0 or cfg.max_restarts == 0:
             return outcome.status
+        # Which hosts are still there: a host that does not answer is a node lost (a crash), and the
+        # next attempt runs without it if enough remain.
+        alive, gone = probe_hosts(attempt) if attempt.hosts else (list(attempt.hosts), [])
+        if gone:
+            outcome = replace(outcome, crash=True, lost=tuple(f"{h.name} ({why})" for h, why in gone))
         worth = outcome.crash or cfg.restart_on == "any"
         n = attempt.restart_count + 1
+        need = cfg.min_nodes or len(cfg.hosts)
         if not worth:
             then = "not restarted (--restart-on any would)"
         elif n > cfg.max_restarts:
             then = f"no restart left (--max-restarts {cfg.max_restarts})"
+        elif len(alive) < need:
+            then = (
+                f"not restarted: {len(alive)} of {len(cfg.hosts)} hosts answer, {need} needed (--min-nodes)"
+            )
+            worth = False
         else:
-            then = f"restart {n} of {cfg.max_restarts} in {cfg.restart_delay_s:g}s"
+            where = f" on {len(alive)} hosts" if gone else ""
+            then = f"restart {n} of {cfg.max_restarts}{where} in {cfg.restart_delay_s:g}s"
         print(
             f"smddp-launch: attempt {attempt.restart_count} of job {attempt.job_id} failed with status "
             f"{outcome.status}: {outcome.describe()}; {then}",
@@ -284,6 +300,9 @@ def launch(cfg: LaunchConfig) -> int:
         )
         if not worth or n > cfg.max_restarts:
             return outcome.status
+        if gone:
+            per_host = attempt.workers_per_host()
+            attempt = replace(attempt, hosts=tuple(alive), np=per_host * len(alive) if attempt.np else 0)
         try:
             time.sleep(cfg.restart_delay_s)
         except KeyboardInterrupt:  # Ctrl-C between attempts: nothing is running, stop here
@@ -306,13 +325,66 @@ class Outcome:
     status: int
     crash: bool
     daemons_failed: bool = False
+    lost: tuple[str, ...] = ()  # hosts (or nodes) lost, with why
 
     def describe(self) -> str:
+        if self.lost:
+            return f"{len(self.lost)} node(s) lost (a crash): " + ", ".join(self.lost)
         if self.daemons_failed:
             return "a daemon failed or was lost (a crash)"
         if self.status > 128:
             return f"a rank was killed by signal {self.status - 128} (a crash)"
         return "a rank's own exit status (the script failed, or a collective mismatch): not a crash"
+
+
+PROBE_TIMEOUT_S = 30.0
+
+
+def probe_hosts(cfg: LaunchConfig) -> tuple[list[Host], list[tuple[Host, str]]]:
+    """The job's hosts split into those that answer (the launch agent reaches them and smddp-daemon
+    starts there) and those that do not, with why; probed in parallel, each within PROBE_TIMEOUT_S."""
+    import shlex
+    from concurrent.futures import ThreadPoolExecutor
+
+    agent = shlex.split(cfg.launch_agent) if cfg.launch_agent else ["ssh", "-o", "BatchMode=yes"]
+    probe = [*daemon_command(), "--help"]
+
+    def one(h: Host) -> str:
+        try:
+            p = subprocess.run(
+                [*agent, h.name, *probe], capture_output=True, text=True, timeout=PROBE_TIMEOUT_S
+            )
+        except subprocess.TimeoutExpired:
+            return f"no answer within {PROBE_TIMEOUT_S:g}s"
+        except OSError as e:
+            return f"the launch agent cannot run: {e.strerror}"
+        if p.returncode != 0:
+            last = (p.stderr.strip().splitlines() or [f"status {p.returncode}"])[-1]
+            return f"it does not answer: {last[:200]}"
+        return ""
+
+    with ThreadPoolExecutor(max_workers=min(32, len(cfg.hosts))) as pool:
+        why = list(pool.map(one, cfg.hosts))
+    alive = [h for h, w in zip(cfg.hosts, why, strict=True) if not w]
+    return alive, [(h, w) for h, w in zip(cfg.hosts, why, strict=True) if w]
+
+
+def ledger_addresses(cfg: LaunchConfig) -> list[str]:
+    """Where the daemons can reach this launcher: loopback for a one-host job, else this host's
+    addresses, those on the job's network (--iface) first."""
+    if not cfg.hosts:
+        return ["127.0.0.1"]
+    from smddp.transport.netif import interfaces
+
+    up = [i for i in interfaces() if i.up and not i.loopback]
+    first: list[str] = []
+    if cfg.iface:
+        if "/" in cfg.iface:
+            net = ipaddress.IPv4Network(cfg.iface, strict=False)
+            first = [i.address for i in up if ipaddress.IPv4Address(i.address) in net]
+        else:
+            first = [i.address for i in up if i.name == cfg.iface or i.address == cfg.iface]
+    return first + [i.address for i in up if i.address not in first] or ["127.0.0.1"]
 
 
 def run_attempt(cfg: LaunchConfig) -> Outcome:
@@ -332,12 +404,23 @@ def run_attempt(cfg: LaunchConfig) -> Outcome:
     env.setdefault("PYTHONUNBUFFERED", "1")
     if cfg.timeline:
         os.makedirs(timeline_parts(cfg.timeline), exist_ok=True)
+    ledger = Ledger(ledger_addresses(cfg))
+    env["SMDDP_LEDGER"] = ledger.spec
+    cmds = Commands(
+        [cmds.daemons[0], "-x", "SMDDP_LEDGER", *cmds.daemons[1:]],
+        cmds.workers,
+    )
     # If smddp-launch is killed, mpirun gets SIGTERM and tears its world down rather than run on orphaned.
-    daemons = subprocess.Popen(cmds.daemons, env=env, preexec_fn=_term_with_parent)
+    try:
+        daemons = subprocess.Popen(cmds.daemons, env=env, preexec_fn=_term_with_parent)
+    except BaseException:
+        ledger.close()
+        raise
     try:
         workers = subprocess.Popen(cmds.workers, env=env, preexec_fn=_term_with_parent)
     except BaseException:
         _stop(daemons, 0.0)
+        ledger.close()
         raise
 
     def forward(signum: int, _frame: object) -> None:
@@ -348,15 +431,33 @@ def run_attempt(cfg: LaunchConfig) -> Outcome:
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         status, daemons_first = supervise(daemons, workers)
+        unfinished = ledger.unfinished()
+        if status == 0 and any(why == NEVER_SAID for _, why in unfinished):
+            # mpirun reports success after it lost a node and tore the job down (the wheel's Open
+            # MPI does): a daemon that was up and never said how it ended says otherwise. (A daemon
+            # that reported a failed job is no such sign: its workers heard it, and their exit
+            # statuses are the job's.)
+            lost = tuple(f"{_node_name(cfg, j)} ({why})" for j, why in unfinished)
+            print(
+                f"smddp-launch: mpirun reported success, but the job did not finish: {', '.join(lost)}",
+                file=sys.stderr,
+                flush=True,
+            )
+            return Outcome(1, crash=True, lost=lost)
         # A crash: a rank killed by a signal (its status, passed to every rank, is 128 + n), or the
         # daemons' world failing before the workers' (a daemon died, its node or link was lost).
         return Outcome(status, crash=status > 128 or daemons_first, daemons_failed=daemons_first)
     finally:
+        ledger.close()
         for s, h in old.items():
             signal.signal(s, h)
         remove_job_dirs(cfg.job_id)
         if cfg.timeline:
             merge_timeline(cfg.timeline)
+
+
+def _node_name(cfg: LaunchConfig, node: int) -> str:
+    return f"node {node} ({cfg.hosts[node].name})" if node < len(cfg.hosts) else f"node {node}"
 
 
 def supervise(

@@ -1,0 +1,80 @@
+"""A node lost in the middle of training: smddp-launch notices (mpirun alone reports success), and with
+--max-restarts --min-nodes drops it and resumes on the nodes that are left, from the last checkpoint."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from smddp_rigs.simcluster import ClusterConfig, SimCluster, cleanup_stale
+
+from smddp.launcher.mpirun import attempt_job_id
+from tests.conftest import BIN, LAUNCHED, REPO, job_env, need_module, need_root
+
+pytestmark = pytest.mark.multinode
+
+need_module("torch", "pip install -e '.[torch]'")
+
+PREFIX = "smddpr"
+SUBNET = "10.77.3"
+EXAMPLE = str(REPO / "examples" / "torch" / "train_resume.py")
+
+
+def _run_and_lose_node(cluster: SimCluster, ckpt: Path, restart: list[str]) -> tuple[int, str, str]:
+    env = job_env()
+    LAUNCHED.append(attempt_job_id(env["SMDDP_JOB_ID"], 1))
+    cmd = [
+        str(BIN / "smddp-launch"),
+        *("-H", cluster.host_list(1)),
+        *("--iface", cluster.config.cidr),
+        *("--launch-agent", cluster.launch_agent_path()),
+        *("--heartbeat-timeout", "3"),
+        *restart,
+        *("--", sys.executable, EXAMPLE, "--steps", "2000", "--ckpt-every", "100", "--ckpt-dir", str(ckpt)),
+    ]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    try:
+        deadline = time.monotonic() + 180
+        while not (ckpt / "ckpt-000100.pt").exists():
+            assert p.poll() is None and time.monotonic() < deadline, "no checkpoint came"
+            time.sleep(0.05)
+        cluster.lose(2)  # power off node 2: its rank, its daemon, mpirun's prted there, its link
+        out, err = p.communicate(timeout=300)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    return p.returncode, out, err
+
+
+def test_a_lost_node_fails_the_job_then_a_restart_goes_on_without_it(tmp_path: Path) -> None:
+    need_root("multi-node tests")
+    cleanup_stale(PREFIX)
+    cluster = SimCluster(ClusterConfig(nodes=3, prefix=PREFIX, subnet=SUBNET, uplink=True)).up()
+    try:
+        # Without restarts: mpirun itself exits 0 after losing the node; smddp-launch does not.
+        status, out, err = _run_and_lose_node(cluster, tmp_path / "a", [])
+        lost = cluster.hosts()[2]
+        assert status == 1, out[-2000:] + err[-3000:]
+        # The nodes left were torn down by mpirun and said so; the lost one never said anything.
+        hosts = cluster.hosts()
+        assert f"the job did not finish: node 0 ({hosts[0]}) (stopped by signal 15" in err, err[-3000:]
+        assert f"node 2 ({lost}) (its daemon never said how it ended)" in err, err[-3000:]
+    finally:
+        cluster.down()
+    cluster = SimCluster(ClusterConfig(nodes=3, prefix=PREFIX, subnet=SUBNET, uplink=True)).up()
+    try:
+        restart = ["--max-restarts", "1", "--min-nodes", "2", "--restart-delay", "0.5"]
+        status, out, err = _run_and_lose_node(cluster, tmp_path / "b", restart)
+        assert status == 0, out[-2000:] + err[-3000:]
+        assert f"1 node(s) lost (a crash): {lost} (it does not answer" in err, err[-3000:]
+        assert "restart 1 of 1 on 2 hosts in 0.5s" in err, err[-3000:]
+        resumed = [line for line in out.splitlines() if "attempt 1: 2 workers, starting at step" in line]
+        assert resumed and int(resumed[0].split("step ")[1].split()[0]) >= 100, out[-3000:]
+        assert "attempt 1: trained to step 2000" in out, out[-3000:]
+    finally:
+        cluster.down()
+        cleanup_stale(PREFIX)

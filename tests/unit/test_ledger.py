@@ -1,0 +1,64 @@
+"""The job ledger: daemons say they are up and how they ended; strangers and garbage are ignored."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+from smddp.transport.ledger import Ledger, LedgerClient
+
+
+def _until(check, timeout: float = 5.0) -> None:
+    """The ledger reads on its own threads: wait for what the clients sent to be read."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_up_and_ended_cleanly_or_not() -> None:
+    ledger = Ledger(["127.0.0.1"])
+    try:
+        a = LedgerClient.connect(ledger.spec, 0)
+        b = LedgerClient.connect(ledger.spec, 1)
+        c = LedgerClient.connect(ledger.spec, 2)
+        assert a and b and c
+        _until(lambda: ledger.up == {0, 1, 2})
+        a.end(True)
+        b.end(False, "node 1 lost contact:\nnode 2 closed the connection")
+        t0 = time.monotonic()
+        # c never says how it ended, and its connection stays open: the wait is bounded.
+        never = "its daemon never said how it ended"
+        want = [(1, "node 1 lost contact: node 2 closed the connection"), (2, never)]
+        assert ledger.unfinished(settle_s=0.3) == want
+        assert time.monotonic() - t0 < 2.0
+        assert ledger.ended[1] == (False, "node 1 lost contact: node 2 closed the connection")
+        c._sock.close()  # a daemon killed: its connection ends without a word
+        assert ledger.unfinished(settle_s=1.0) == want
+    finally:
+        ledger.close()
+
+
+def test_strangers_and_garbage_count_for_nothing() -> None:
+    ledger = Ledger(["127.0.0.1"])
+    try:
+        port = int(ledger.spec.rsplit(":", 1)[1])
+        for line in (b"up 0000 0\nend ok\n", b"GET / HTTP/1.1\r\n\r\n", b"end ok\n", b"\xff" * 10000):
+            with socket.create_connection(("127.0.0.1", port)) as s:
+                s.sendall(line)
+        good = LedgerClient.connect(ledger.spec, 5)
+        assert good is not None
+        _until(lambda: ledger.up == {5})
+        good.end(True)
+        assert ledger.unfinished() == [] and ledger.up == {5}
+    finally:
+        ledger.close()
+
+
+def test_no_ledger_or_none_reachable() -> None:
+    assert LedgerClient.connect("", 0) is None
+    assert LedgerClient.connect("garbage", 0) is None
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here once closed
+    assert LedgerClient.connect(f"{'a' * 32}@127.0.0.1:{port}", 0, timeout=1.0) is None
