@@ -8,6 +8,7 @@ import secrets
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -98,3 +99,23 @@ def need_root(what: str) -> None:
     """Root on Linux (network namespaces, veth, tc, AF_PACKET); skips here without it, fails in CI."""
     if not (sys.platform.startswith("linux") and os.geteuid() == 0):
         skip_or_fail(f"{what} need root on Linux (network namespaces, veth, tc)")
+
+
+def fault_at_checkpoint(
+    cmd: list[str], env: dict[str, str], checkpoint: Path, fault: Callable[[], None], timeout: float = 180
+) -> tuple[int, str, str]:
+    """Run `cmd`; once `checkpoint` exists, call `fault` (kill a rank, lose a node); then wait for the
+    end. Returns (status, stdout, stderr); the process never outlives the call."""
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    try:
+        deadline = time.monotonic() + timeout
+        while not checkpoint.exists():
+            assert p.poll() is None and time.monotonic() < deadline, "no checkpoint came"
+            time.sleep(0.05)
+        fault()
+        out, err = p.communicate(timeout=300)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    return p.returncode, out, err

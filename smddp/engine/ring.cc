@@ -43,6 +43,29 @@ void futex_wake(std::atomic<std::uint32_t>* word, int n) {
   (void)syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(word), FUTEX_WAKE, n, nullptr, nullptr, 0);
 }
 
+// One wait of a producer for space or a consumer for data, once its attempt found none: false when
+// `timeout_ns` since `t0` is spent; else spins (up to `spin_ns` since t0), or counts itself among the
+// sleepers, re-checks `blocked` (seq_cst, against the other side's publication) and sleeps on `bell`
+// for at most a slice. The caller then tries again.
+template <class Blocked>
+bool wait_turn(Clock::time_point t0, std::int64_t timeout_ns, std::int64_t spin_ns, std::atomic<std::uint32_t>* bell,
+               std::atomic<std::uint32_t>* sleepers, Blocked blocked) {
+  const std::int64_t waited = since(t0);
+  if (waited >= timeout_ns) return false;
+  if (waited < spin_ns) {
+    cpu_relax();
+    return true;
+  }
+  const std::uint32_t rung = bell->load(std::memory_order_seq_cst);
+  sleepers->fetch_add(1, std::memory_order_seq_cst);
+  if (blocked()) {
+    const std::int64_t left = timeout_ns - waited;
+    futex_wait(bell, rung, left < kSleepSliceNs ? left : kSleepSliceNs);
+  }
+  sleepers->fetch_sub(1, std::memory_order_seq_cst);
+  return true;
+}
+
 std::size_t ring_bytes(std::uint32_t capacity) { return sizeof(RingShared) + std::size_t{capacity} * kSlotBytes; }
 
 RingView::RingView(void* base, std::uint32_t capacity, bool init)
@@ -97,19 +120,9 @@ RingWait RingView::push(const void* data, std::size_t n, std::int64_t timeout_ns
       ring_bell(&shared_->data_bell, &shared_->data_sleepers);
       return RingWait::kReady;
     }
-    const std::int64_t waited = since(t0);
-    if (waited >= timeout_ns) return RingWait::kTimeout;
-    if (waited < spin_ns) {
-      cpu_relax();
-      continue;
-    }
-    const std::uint32_t bell = shared_->space_bell.load(std::memory_order_seq_cst);
-    shared_->space_sleepers.fetch_add(1, std::memory_order_seq_cst);
-    if (mine_ - shared_->tail.load(std::memory_order_seq_cst) >= capacity_) {
-      const std::int64_t left = timeout_ns - waited;
-      futex_wait(&shared_->space_bell, bell, left < kSleepSliceNs ? left : kSleepSliceNs);
-    }
-    shared_->space_sleepers.fetch_sub(1, std::memory_order_seq_cst);
+    if (!wait_turn(t0, timeout_ns, spin_ns, &shared_->space_bell, &shared_->space_sleepers,
+                   [this] { return mine_ - shared_->tail.load(std::memory_order_seq_cst) >= capacity_; }))
+      return RingWait::kTimeout;
   }
 }
 
@@ -131,19 +144,9 @@ RingWait RingView::pop(void* out, std::int64_t timeout_ns, std::int64_t spin_ns)
       ring_bell(&shared_->space_bell, &shared_->space_sleepers);
       return RingWait::kReady;
     }
-    const std::int64_t waited = since(t0);
-    if (waited >= timeout_ns) return RingWait::kTimeout;
-    if (waited < spin_ns) {
-      cpu_relax();
-      continue;
-    }
-    const std::uint32_t bell = shared_->data_bell.load(std::memory_order_seq_cst);
-    shared_->data_sleepers.fetch_add(1, std::memory_order_seq_cst);
-    if (shared_->head.load(std::memory_order_seq_cst) == mine_) {
-      const std::int64_t left = timeout_ns - waited;
-      futex_wait(&shared_->data_bell, bell, left < kSleepSliceNs ? left : kSleepSliceNs);
-    }
-    shared_->data_sleepers.fetch_sub(1, std::memory_order_seq_cst);
+    if (!wait_turn(t0, timeout_ns, spin_ns, &shared_->data_bell, &shared_->data_sleepers,
+                   [this] { return shared_->head.load(std::memory_order_seq_cst) == mine_; }))
+      return RingWait::kTimeout;
   }
 }
 

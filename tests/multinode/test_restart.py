@@ -3,16 +3,14 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from smddp_rigs.simcluster import ClusterConfig, SimCluster, cleanup_stale
 
 from smddp.launcher.mpirun import attempt_job_id
-from tests.conftest import BIN, LAUNCHED, REPO, job_env, need_module, need_root
+from tests.conftest import BIN, LAUNCHED, REPO, fault_at_checkpoint, job_env, need_module, need_root
 
 pytestmark = pytest.mark.multinode
 
@@ -35,19 +33,8 @@ def _run_and_lose_node(cluster: SimCluster, ckpt: Path, restart: list[str]) -> t
         *restart,
         *("--", sys.executable, EXAMPLE, "--steps", "2000", "--ckpt-every", "100", "--ckpt-dir", str(ckpt)),
     ]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
-    try:
-        deadline = time.monotonic() + 180
-        while not (ckpt / "ckpt-000100.pt").exists():
-            assert p.poll() is None and time.monotonic() < deadline, "no checkpoint came"
-            time.sleep(0.05)
-        cluster.lose(2)  # power off node 2: its rank, its daemon, mpirun's prted there, its link
-        out, err = p.communicate(timeout=300)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.communicate()
-    return p.returncode, out, err
+    # Power off node 2 once the first checkpoint is in: its rank, its daemon, mpirun's prted, its link.
+    return fault_at_checkpoint(cmd, env, ckpt / "ckpt-000100.pt", lambda: cluster.lose(2))
 
 
 def test_a_lost_node_fails_the_job_then_a_restart_goes_on_without_it(tmp_path: Path) -> None:

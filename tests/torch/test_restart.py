@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from smddp.launcher.mpirun import attempt_job_id
-from tests.conftest import BIN, LAUNCHED, REPO, job_env, need_module, smddp_launch
+from tests.conftest import BIN, LAUNCHED, REPO, fault_at_checkpoint, job_env, need_module, smddp_launch
 
 torch = need_module("torch", "pip install -e '.[torch]'")
 
@@ -55,22 +53,14 @@ def test_a_killed_rank_restarts_the_job_which_resumes_exactly(tmp_path: Path, cl
     cmd = [str(BIN / "smddp-launch"), "-np", "2", "--local-nodes", "2", "--max-restarts", "2"]
     cmd += ["--restart-delay", "0.2", "--", sys.executable, EXAMPLE, *STEPS, "--ckpt-dir", str(run)]
     cmd += ["--save", str(run / "final.pt")]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
-    try:
-        # Once the first checkpoint is in, kill rank 1's worker (as the OOM killer or a crash would).
-        deadline = time.monotonic() + 120
-        while not (run / "ckpt-000100.pt").exists():
-            assert p.poll() is None and time.monotonic() < deadline, "no checkpoint came"
-            time.sleep(0.05)
+
+    def kill_rank_1() -> None:  # as the OOM killer or a crash would
         pid = _rank_process(job, 1)
         assert pid is not None, "rank 1 is not running"
         os.kill(pid, signal.SIGKILL)
-        out, err = p.communicate(timeout=300)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.communicate()
-    assert p.returncode == 0, out[-2000:] + err[-3000:]
+
+    status, out, err = fault_at_checkpoint(cmd, env, run / "ckpt-000100.pt", kill_rank_1, timeout=120)
+    assert status == 0, out[-2000:] + err[-3000:]
     assert f"attempt 0 of job {job} failed with status 137" in err, err[-3000:]
     assert "a rank was killed by signal 9 (a crash); restart 1 of 2 in 0.2s" in err, err[-3000:]
     resumed = [line for line in out.splitlines() if "attempt 1: 2 workers, starting at step" in line]
