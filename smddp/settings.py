@@ -98,6 +98,18 @@ SETTINGS: tuple[Setting, ...] = (
         (LAUNCH,),
     ),
     S(
+        "forward_env",
+        str,
+        "",
+        "more environment variables for every host of a multi-host job, comma-separated names or "
+        "patterns such as NCCL_* (PATH, VIRTUAL_ENV, CONDA_PREFIX, PYTHONPATH, LD_LIBRARY_PATH, "
+        "SMDDP_* and FI_* always go)",
+        ("--forward-env",),
+        (LAUNCH,),
+        env="SMDDP_FORWARD_ENV",
+        metavar="NAMES",
+    ),
+    S(
         "job_id",
         str,
         "",

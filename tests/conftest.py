@@ -95,6 +95,18 @@ def need_module(name: str, install: str) -> Any:
         skip_or_fail(f"these tests need {name} ({install}, or make setup)")
 
 
+def need_programs(*names: str, install: str) -> None:
+    """Programs a test runs for real (sshd, slurmd, prometheus); missing ones skip here, fail in CI."""
+    import shutil
+
+    dirs = ("/usr/sbin", "/usr/bin", "/sbin", "/bin")
+    missing = [
+        n for n in names if not shutil.which(n) and not any(os.access(f"{d}/{n}", os.X_OK) for d in dirs)
+    ]
+    if missing:
+        skip_or_fail(f"these tests need {', '.join(missing)} (apt-get install {install}; .ci/run does)")
+
+
 def need_root(what: str) -> None:
     """Root on Linux (network namespaces, veth, tc, AF_PACKET); skips here without it, fails in CI."""
     if not (sys.platform.startswith("linux") and os.geteuid() == 0):

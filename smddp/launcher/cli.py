@@ -43,6 +43,7 @@ def launch_main(argv: list[str] | None = None) -> int:
             hosts=tuple(hosts),
             iface=args.iface,
             launch_agent=args.launch_agent,
+            forward_env=args.forward_env,
             command=tuple(command),
             local_nodes=args.local_nodes,
             fusion_mb=args.fusion_mb,

@@ -6,6 +6,7 @@ import hashlib
 import ipaddress
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -13,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 from smddp.errors import ConfigError
@@ -34,6 +36,7 @@ class LaunchConfig:
     hosts: tuple[Host, ...] = ()  # empty = this host only
     iface: str = default("iface")
     launch_agent: str = default("launch_agent")
+    forward_env: str = default("forward_env")
     fusion_mb: float = default("fusion_mb")
     chunk_kb: int = default("chunk_kb")
     threads: int = default("threads")
@@ -86,6 +89,11 @@ class LaunchConfig:
             raise ConfigError(f"--min-nodes must be between 0 and the number of hosts ({len(self.hosts)})")
         if self.restart_on not in ("crash", "any"):
             raise ConfigError("--restart-on must be crash or any")
+        bad = [p for p in _patterns(self.forward_env) if not _ENV_PATTERN.fullmatch(p)]
+        if bad:
+            raise ConfigError(
+                f"--forward-env: {', '.join(map(repr, bad))} is not a variable name or NAME* pattern"
+            )
 
     def workers_per_host(self) -> int:
         """G: the same on every host (the design's W = N * G), checked against the slots."""
@@ -108,6 +116,29 @@ class LaunchConfig:
     @property
     def world_size(self) -> int:
         return len(self.hosts) * self.workers_per_host() if self.hosts else self.np
+
+
+#: What every host of a multi-host job gets from the launching environment, whatever the remote login
+#: shell sets: where the interpreter and smddp are (a virtual environment or conda), their libraries,
+#: smddp's own settings and libfabric's (which must agree on every node). docs/multi-node.md lists them.
+FORWARDED_ENV = ("PATH", "VIRTUAL_ENV", "CONDA_PREFIX", "PYTHONPATH", "LD_LIBRARY_PATH", "SMDDP_*", "FI_*")
+_ENV_PATTERN = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\*?")
+
+
+def _patterns(spec: str) -> list[str]:
+    return [p.strip() for p in spec.split(",") if p.strip()]
+
+
+def forwarded_names(env: Mapping[str, str], extra: str, exclude: Iterable[str] = ()) -> list[str]:
+    """The variables of `env` that a multi-host job forwards (FORWARDED_ENV and the user's `extra`
+    patterns), sorted, less `exclude` (what the job sets itself)."""
+    patterns = [*FORWARDED_ENV, *_patterns(extra)]
+    skip = set(exclude)
+    return sorted(
+        n
+        for n in env
+        if n not in skip and any(n == p or (p.endswith("*") and n.startswith(p[:-1])) for p in patterns)
+    )
 
 
 def _is_address(spec: str) -> bool:
@@ -211,6 +242,12 @@ def _common_options(cfg: LaunchConfig) -> list[str]:
     env["TORCHELASTIC_RESTART_COUNT"] = str(cfg.restart_count)
     for k, v in env.items():
         cmd += ["-x", f"{k}={v}"]
+    if cfg.hosts:
+        # A remote host's processes start from its login shell's environment, not this one: without
+        # these a `python` on PATH is another interpreter there (horovodrun forwards the same way).
+        # By name: mpirun takes the values from its own environment, this process's.
+        for name in forwarded_names(os.environ, cfg.forward_env, exclude=(*env, "SMDDP_LEDGER")):
+            cmd += ["-x", name]
     if cfg.launch_agent:
         # PRRTE's name for what Open MPI 4 called plm_rsh_agent.
         cmd += ["--prtemca", "plm_ssh_agent", cfg.launch_agent]
@@ -270,13 +307,22 @@ def launch(cfg: LaunchConfig) -> int:
     attempt = cfg
     while True:
         outcome = run_attempt(attempt)
-        if cfg.dry_run or outcome.status == 0 or cfg.max_restarts == 0:
+        if cfg.dry_run or outcome.status == 0:
             return outcome.status
-        # Which hosts are still there: a host that does not answer is a node lost (a crash), and the
-        # next attempt runs without it if enough remain.
+        # Which hosts are still there: a host that does not answer (ssh refused, no smddp there, gone)
+        # is named, is a node lost (a crash), and the next attempt runs without it if enough remain.
         alive, gone = probe_hosts(attempt) if attempt.hosts else (list(attempt.hosts), [])
         if gone:
             outcome = replace(outcome, crash=True, lost=tuple(f"{h.name} ({why})" for h, why in gone))
+        if cfg.max_restarts == 0:
+            if gone:  # mpirun's own words for it ("A daemon failed to report back") do not say why
+                print(
+                    f"smddp-launch: job {attempt.job_id} failed with status {outcome.status}: "
+                    f"{outcome.describe()}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            return outcome.status
         worth = outcome.crash or cfg.restart_on == "any"
         n = attempt.restart_count + 1
         need = cfg.min_nodes or len(cfg.hosts)
@@ -329,7 +375,7 @@ class Outcome:
 
     def describe(self) -> str:
         if self.lost:
-            return f"{len(self.lost)} node(s) lost (a crash): " + ", ".join(self.lost)
+            return f"{len(self.lost)} node(s) lost or unreachable (a crash): " + ", ".join(self.lost)
         if self.daemons_failed:
             return "a daemon failed or was lost (a crash)"
         if self.status > 128:
@@ -346,7 +392,10 @@ def probe_hosts(cfg: LaunchConfig) -> tuple[list[Host], list[tuple[Host, str]]]:
     import shlex
     from concurrent.futures import ThreadPoolExecutor
 
-    agent = shlex.split(cfg.launch_agent) if cfg.launch_agent else ["ssh", "-o", "BatchMode=yes"]
+    # The same ssh mpirun runs: with PRRTE's own knob for its arguments (an ssh_config, a key), if set.
+    ssh_args = os.environ.get("PRTE_MCA_plm_ssh_args", "")  # noqa: SIM112 (PRRTE's spelling)
+    ssh = ["ssh", *shlex.split(ssh_args), "-o", "BatchMode=yes"]
+    agent = shlex.split(cfg.launch_agent) if cfg.launch_agent else ssh
     probe = [*daemon_command(), "--help"]
 
     def one(h: Host) -> str:

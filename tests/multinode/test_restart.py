@@ -57,7 +57,7 @@ def test_a_lost_node_fails_the_job_then_a_restart_goes_on_without_it(tmp_path: P
         restart = ["--max-restarts", "1", "--min-nodes", "2", "--restart-delay", "0.5"]
         status, out, err = _run_and_lose_node(cluster, tmp_path / "b", restart)
         assert status == 0, out[-2000:] + err[-3000:]
-        assert f"1 node(s) lost (a crash): {lost} (it does not answer" in err, err[-3000:]
+        assert f"1 node(s) lost or unreachable (a crash): {lost} (it does not answer" in err, err[-3000:]
         assert "restart 1 of 1 on 2 hosts in 0.5s" in err, err[-3000:]
         resumed = [line for line in out.splitlines() if "attempt 1: 2 workers, starting at step" in line]
         assert resumed and int(resumed[0].split("step ")[1].split()[0]) >= 100, out[-3000:]

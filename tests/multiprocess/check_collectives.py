@@ -6,6 +6,7 @@ import argparse
 import hashlib
 import json
 import os
+import socket
 import sys
 
 import numpy as np
@@ -60,10 +61,10 @@ def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     return a8.shape == b8.shape and bool(np.array_equal(a8, b8))
 
 
-def cases(world: int, big: bool) -> list[dict]:
+def cases(world: int, big: bool, dtypes: list[str] = DTYPES) -> list[dict]:
     out: list[dict] = []
     sizes = [0, 1, 7]
-    for dtype in DTYPES:
+    for dtype in dtypes:
         counts = [*sizes, MIB // ITEMSIZE[dtype] + 3]
         for op in OPS:
             for n in counts:
@@ -135,12 +136,16 @@ def main() -> int:
     ap.add_argument("--nnodes", type=int, required=True)
     ap.add_argument("--big", action="store_true", help="include the 64 MiB cases")
     ap.add_argument("--inflight", type=int, default=32)
+    ap.add_argument("--dtypes", default=",".join(DTYPES), help="a subset of the matrix: these dtypes only")
     args = ap.parse_args()
+    dtypes = args.dtypes.split(",")
+    if not set(dtypes) <= set(DTYPES):
+        ap.error(f"--dtypes: not among {DTYPES}")
 
     smddp.init()
     rank, world = smddp.rank(), smddp.size()
     records = []
-    all_cases = cases(world, args.big)
+    all_cases = cases(world, args.big, dtypes)
 
     # One at a time, each waited for before the next.
     for c in all_cases:
@@ -163,7 +168,10 @@ def main() -> int:
     daemons = [{"node": d.node, "host": d.host, "tcp_host": d.tcp_host} for d in job.daemons]
     smddp.shutdown()
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
-        json.dump({"rank": rank, "world": world, "records": records, "daemons": daemons}, f)
+        # Where it ran: which interpreter, and what it got from the launching environment.
+        env = {k: os.environ.get(k) for k in ("VIRTUAL_ENV", "SMDDP_CHECK_FORWARDED", "CHECK_USER_VAR")}
+        where = {"executable": sys.executable, "host": socket.gethostname(), "env": env}
+        json.dump({"rank": rank, "world": world, "records": records, "daemons": daemons, **where}, f)
     return 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from pathlib import Path
 
 import pytest
@@ -113,3 +114,32 @@ def test_daemon_config_errors_are_config_errors():
         DaemonConfig(heartbeat_timeout_s=0.0)
     with pytest.raises(ConfigError, match="reduce kernel"):
         DaemonConfig(reduce_kernel="gpu")
+
+
+def test_multi_host_jobs_forward_the_launching_environment(monkeypatch):
+    from smddp.launcher.hosts import Host
+    from smddp.launcher.mpirun import forwarded_names
+
+    env = {"PATH": "/v/bin:/usr/bin", "VIRTUAL_ENV": "/v", "HOME": "/root", "SMDDP_X": "1", "FI_PROVIDER": "tcp",
+           "NCCL_DEBUG": "INFO", "MY_VAR": "2", "MY_VARIANT": "3", "SMDDP_JOB_ID": "a" * 32}  # fmt: skip
+    assert forwarded_names(env, "") == ["FI_PROVIDER", "PATH", "SMDDP_JOB_ID", "SMDDP_X", "VIRTUAL_ENV"]
+    got = forwarded_names(env, "NCCL_*, MY_VAR", exclude=["SMDDP_JOB_ID"])
+    assert got == ["FI_PROVIDER", "MY_VAR", "NCCL_DEBUG", "PATH", "SMDDP_X", "VIRTUAL_ENV"]
+    for k in list(os.environ):
+        monkeypatch.delenv(k)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    hosts = (Host("a", 1), Host("b", 1))
+    cmds = build_commands(
+        LaunchConfig(np=2, command=("t",), hosts=hosts, forward_env="MY_*", job_id="b" * 32)
+    )
+    for line in (cmds.daemons, cmds.workers):
+        named = [line[i + 1] for i, a in enumerate(line) if a == "-x" and "=" not in line[i + 1]]
+        # By name (mpirun takes the values from its environment); the job's own settings set, not forwarded.
+        assert named == ["FI_PROVIDER", "MY_VAR", "MY_VARIANT", "PATH", "SMDDP_X", "VIRTUAL_ENV"]
+        assert f"SMDDP_JOB_ID={'b' * 32}" in line
+    # One host: mpirun's local children inherit the environment; nothing is added.
+    one = build_commands(LaunchConfig(np=2, command=("t",), job_id="b" * 32))
+    assert "PATH" not in one.workers
+    with pytest.raises(ConfigError, match="--forward-env"):
+        LaunchConfig(np=2, command=("t",), forward_env="OK,NOT OK")
