@@ -17,6 +17,8 @@ def main() -> int:
     ap.add_argument("--pause", type=float, default=0.0, help="seconds between collectives")
     ap.add_argument("--late-rank", type=int, default=-1)
     ap.add_argument("--late-s", type=float, default=0.0)
+    ap.add_argument("--quiet-file", default="", help="rank 0 writes it when no collective is left")
+    ap.add_argument("--linger-s", type=float, default=0.0, help="then every rank waits this long")
     args = ap.parse_args()
     smddp.init()
     rank = smddp.rank()
@@ -29,6 +31,10 @@ def main() -> int:
     if rank == args.late_rank:
         time.sleep(args.late_s)
     smddp.allreduce(np.ones(10), timeout=120)
+    if args.quiet_file and rank == 0:
+        with open(args.quiet_file, "w") as f:
+            f.write(str(time.time()))
+    time.sleep(args.linger_s)
     smddp.shutdown()
     return 0
 

@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import BIN, REPO, job_env
+from tests.conftest import BIN, REPO, job_env, need_programs
 
 pytestmark = pytest.mark.observability
 
@@ -179,3 +181,125 @@ def test_stalled_rank_named_by_inspector_and_status(clean_host):
     warnings = [line for line in out.splitlines() if "has waited" in line]
     assert any("rank 3 (node 1" in line for line in warnings), out[-2000:]
     assert any("node 0" in line and "node 1 (" in line for line in warnings)  # node 0 waits for node 1
+
+
+def _doc_scrape_config() -> str:
+    """The scrape configuration docs/observability.md gives users."""
+    doc = (REPO / "docs" / "observability.md").read_text()
+    block = re.search(r"```yaml\n(scrape_configs:.*?)```", doc, re.S)
+    assert block, "docs/observability.md has no scrape configuration"
+    return block.group(1)
+
+
+def _prom_query(port: int, query: str) -> list[dict]:
+    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": query})
+    with urllib.request.urlopen(url, timeout=10) as r:
+        body = json.loads(r.read())
+    assert body["status"] == "success", body
+    return body["data"]["result"]
+
+
+def _per_node(port: int, query: str) -> dict[int, float]:
+    return {int(s["metric"]["node"]): float(s["value"][1]) for s in _prom_query(port, query)}
+
+
+def test_prometheus_scrapes_a_job(tmp_path, own_runtime_dir, clean_host):
+    """A real Prometheus with the documented scrape configuration: counters read back through its
+    HTTP API rise during the job and, once it is quiet, equal what `smddp status --json` says."""
+    need_programs("prometheus", install="prometheus")
+    metrics, prom_port = free_port(), free_port()
+    while metrics + 1 == prom_port:
+        prom_port = free_port()
+    config = _doc_scrape_config()
+    config = re.sub(r"scrape_interval: \S+", "scrape_interval: 500ms", config)
+    config = re.sub(
+        r"- targets: \[.*\]", f'- targets: ["127.0.0.1:{metrics}", "127.0.0.1:{metrics + 1}"]', config
+    )
+    (tmp_path / "prometheus.yml").write_text(config)
+    prom_log = open(tmp_path / "prometheus.log", "wb")  # noqa: SIM115 (closed in finally)
+    prom = subprocess.Popen(
+        [
+            shutil.which("prometheus") or "/usr/bin/prometheus",
+            f"--config.file={tmp_path / 'prometheus.yml'}",
+            f"--storage.tsdb.path={tmp_path / 'data'}",
+            f"--web.listen-address=127.0.0.1:{prom_port}",
+        ],
+        stdout=prom_log,
+        stderr=prom_log,
+        start_new_session=True,
+    )
+    # Prometheus up and scraping (its first scrapes follow target discovery by seconds) before the
+    # job starts, so that it sees the counters rise; the targets are down until then.
+    ready = time.monotonic() + 60
+    while True:
+        try:
+            url = f"http://127.0.0.1:{prom_port}/api/v1/targets"
+            with urllib.request.urlopen(url, timeout=2) as r:
+                targets = json.loads(r.read())["data"]["activeTargets"]
+            if len(targets) == 2 and all(t["lastScrape"] > "2000" for t in targets):
+                break
+        except OSError:
+            pass
+        assert prom.poll() is None and time.monotonic() < ready, (tmp_path / "prometheus.log").read_text()[
+            -2000:
+        ]
+        time.sleep(0.1)
+    quiet = tmp_path / "quiet"
+    env = job_env()
+    job = env["SMDDP_JOB_ID"]
+    proc = launch(
+        ["--metrics-port", str(metrics)],
+        ["--iterations", "400", "--pause", "0.01", "--quiet-file", str(quiet), "--linger-s", "8"],
+        env,
+    )
+    try:
+        wait_for_job(proc, job)
+        rising: list[dict[int, float]] = []
+        deadline = time.monotonic() + 60
+        while not quiet.exists() and time.monotonic() < deadline:
+            try:
+                got = _per_node(prom_port, "sum by (node) (smddp_collectives_total)")
+            except OSError:  # Prometheus still starting
+                got = {}
+            if len(got) == 2 and (not rising or got != rising[-1]):
+                rising.append(got)
+            time.sleep(0.3)
+        assert quiet.exists(), "the job did not finish its collectives"
+        # Quiet now: wait for a scrape of both targets that started after the last collective.
+        since = float(quiet.read_text())
+        while time.monotonic() < deadline:
+            last = _per_node(prom_port, "timestamp(smddp_collectives_in_flight)")
+            if len(last) == 2 and min(last.values()) > since + 0.2:
+                break
+            time.sleep(0.2)
+        from_prom = {
+            "done": _per_node(prom_port, "sum by (node) (smddp_collectives_total)"),
+            "bytes_out": _per_node(prom_port, 'sum by (node) (smddp_peer_bytes_total{direction="out"})'),
+            "bytes_in": _per_node(prom_port, 'sum by (node) (smddp_peer_bytes_total{direction="in"})'),
+            "reduced": _per_node(prom_port, "smddp_reduced_bytes_total"),
+        }
+        status = json.loads(smddp_status("--job", job, "--json").stdout)
+        up = [float(r["value"][1]) for r in _prom_query(prom_port, 'up{job="smddp"}')]
+    finally:
+        out = proc.communicate(timeout=120)[0]
+        prom.terminate()
+        try:
+            prom.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            prom.kill()
+            prom.wait()
+        prom_log.close()
+    assert proc.returncode == 0, out[-2000:]
+    assert up == [1.0, 1.0], up  # both targets scraped
+    # They moved: distinct readings during the job, each node's count never falling.
+    assert len(rising) >= 2, (rising, (tmp_path / "prometheus.log").read_text()[-2000:])
+    for node in (0, 1):
+        seq = [r[node] for r in rising]
+        assert seq == sorted(seq) and seq[-1] > seq[0], seq
+    for d in status["daemons"]:
+        n = d["node"]
+        assert from_prom["done"][n] == d["collectives"]["done"], (n, from_prom, d["collectives"])
+        assert from_prom["bytes_out"][n] == sum(p["bytes_out"] for p in d["peers"])
+        assert from_prom["bytes_in"][n] == sum(p["bytes_in"] for p in d["peers"])
+        assert from_prom["reduced"][n] == d["reduction"]["bytes"]
+        assert d["collectives"]["done"] >= 403  # the 400 all-reduces and the 3 after them
