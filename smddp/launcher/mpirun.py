@@ -249,14 +249,26 @@ def _common_options(cfg: LaunchConfig) -> list[str]:
         for name in forwarded_names(os.environ, cfg.forward_env, exclude=(*env, "SMDDP_LEDGER")):
             cmd += ["-x", name]
     if cfg.launch_agent:
-        # PRRTE's name for what Open MPI 4 called plm_rsh_agent.
-        cmd += ["--prtemca", "plm_ssh_agent", cfg.launch_agent]
+        # PRRTE's name for what Open MPI 4 called plm_rsh_agent. The agent belongs to the ssh
+        # launcher, which PRRTE would pass over for its Slurm one inside an allocation: named.
+        cmd += ["--prtemca", "plm", "ssh", "--prtemca", "plm_ssh_agent", cfg.launch_agent]
+    elif in_slurm_allocation(os.environ) and not any("plm" in a for a in cfg.mpi_args):
+        # Inside an allocation PRRTE starts its helpers with srun, one job step per mpirun. A step
+        # takes its CPUs for itself by default, so the second mpirun's step (the workers', or the
+        # daemons') would wait for the first to end: the job hangs until the workers time out.
+        # --overlap (Slurm 20.11+) lets the two steps, and the job's own, share the nodes.
+        cmd += ["--prtemca", "plm_slurm_args", "--overlap"]
     if cfg.iface and not _is_address(cfg.iface):
         # mpirun's own traffic (daemon wire-up, and MPI's TCP transport during bootstrap) on the same
         # network as smddp's.
         cmd += ["--prtemca", "oob_tcp_if_include", cfg.iface, "--mca", "btl_tcp_if_include", cfg.iface]
     cmd += list(cfg.mpi_args)
     return cmd
+
+
+def in_slurm_allocation(env: Mapping[str, str]) -> bool:
+    """Whether PRRTE will launch through Slurm: it looks for the job id Slurm sets in a job's environment."""
+    return bool(env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID"))
 
 
 def _with_worker_env(

@@ -72,7 +72,9 @@ def test_two_nodes_eight_gpus_with_an_explicit_network():
     assert cmd.prtemca("oob_tcp_if_include") == "ib0"
     assert "btl_tcp_if_include" in cmd.option("--mca")
     assert cmd.workers.argv[-4:] == ["python", "train.py", "--epochs", "3"]
-    assert cmd.prtemca("plm_ssh_agent") is None  # ssh, the default
+    # PRRTE's own Slurm launcher (srun), its steps sharing the allocation with the job's.
+    assert cmd.prtemca("plm_ssh_agent") is None and cmd.prtemca("plm") is None
+    assert cmd.prtemca("plm_slurm_args") == "--overlap"
     assert "job 4242: 2 nodes (gpu01 gpu02), 8 workers per node" in out.stderr
 
 
@@ -121,6 +123,7 @@ def test_srun_as_the_launch_agent():
     assert out.returncode == 0, out.stderr
     cmd = parse_mpirun(out.stdout.strip())
     assert cmd.prtemca("plm_ssh_agent") == str(AGENT)
+    assert cmd.prtemca("plm") == "ssh"  # the agent is the ssh launcher's: chosen over the Slurm one
     assert cmd.prtemca("plm_ssh_no_tree_spawn") == "1"
     assert "--tag-output" in cmd.argv[: cmd.argv.index("-np")]
 
