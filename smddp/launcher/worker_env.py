@@ -236,6 +236,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tag-output", action="store_true", help="prefix every output line with [rank R]")
     p.add_argument("command", nargs=argparse.REMAINDER)
     args = p.parse_args(argv)
+    # The wrapper ends with whoever started it (mpirun, prted): an orphaned wrapper would keep its
+    # worker running outside the job, where no teardown (mpirun's, or Slurm's on scancel, which
+    # finds a job's processes by parentage) reaches it. SIGTERM: it is passed on to the worker.
+    _lifetime().signal_on_parent_death(signal.SIGTERM, exit_if_orphaned=True)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         p.error("no command after --")

@@ -118,8 +118,9 @@ class SmddpWork(dist.Work):
             self._trace.done = time.perf_counter()
         self._error = error
         self._unwatch()
-        self._base.set_result(None)  # runs _unwrap: the chained future gets the value or the error
+        # Completed before the future says so: whoever the future wakes sees is_completed() true.
         self._done.set()
+        self._base.set_result(None)  # runs _unwrap: the chained future gets the value or the error
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         """Block until done; raises the collective's error. A zero/None timeout means the group's.

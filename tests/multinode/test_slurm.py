@@ -100,7 +100,11 @@ def processes_on_nodes(site: Site) -> list[str]:
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
             except OSError:
                 continue
-            found.append(f"{site.cluster.hosts()[i]}: {pid} {cmd[:150]}")
+            try:  # its state and parent, so that a failure says how it escaped
+                state, ppid = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[:2]
+            except (OSError, ValueError):
+                state, ppid = "?", "?"
+            found.append(f"{site.cluster.hosts()[i]}: {pid} (state {state}, parent {ppid}) {cmd[:150]}")
     return found
 
 

@@ -48,3 +48,36 @@ def test_job_dirs_are_the_ones_job_dir_names(tmp_path):
         os.mkdir(d)
     assert job_dirs(str(tmp_path), JOB) == sorted(mine)
     assert job_dirs(str(tmp_path / "absent"), JOB) == []
+
+
+# The middle process stands for mpirun: it starts a worker's wrapper, reads the worker's pid, and
+# dies without a word (as mpirun or prted killed with SIGKILL).
+_LAUNCHER = """
+import os, subprocess, sys
+env = {**os.environ, "OMPI_COMM_WORLD_RANK": "0"}
+env.pop("SMDDP_JOB_ID", None)
+worker = "import os, time; print(os.getpid(), flush=True); time.sleep(60)"
+p = subprocess.Popen(
+    [sys.executable, sys.argv[1], "--nodes", "1", "--per-node", "1", "--master-addr", "127.0.0.1",
+     "--master-port", "1", "--", sys.executable, "-c", worker],
+    stdout=subprocess.PIPE, text=True, env=env,
+)
+print(p.pid, p.stdout.readline().strip(), flush=True)
+os._exit(0)
+"""
+
+
+def test_a_workers_wrapper_and_its_worker_end_with_the_launcher():
+    """Orphaned, the wrapper is told (SIGTERM), passes it on, and the worker ends: nothing of the job
+    runs on outside it (Slurm's scancel finds a job's processes by parentage)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    wrapper = os.path.join(root, "smddp", "launcher", "worker_env.py")
+    out = subprocess.run(
+        [sys.executable, "-c", _LAUNCHER, wrapper], capture_output=True, text=True, timeout=30
+    )
+    pids = [int(p) for p in out.stdout.split()]
+    assert len(pids) == 2, out
+    deadline = time.monotonic() + 10
+    while any(map(_alive, pids)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(map(_alive, pids)), "the wrapper or its worker outlived the launcher"
