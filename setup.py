@@ -38,6 +38,7 @@ extensions = [
             "smddp/engine/reduce16.cc",
             "smddp/engine/reduce.cc",
             "smddp/engine/collective.cc",
+            "smddp/engine/node_state.cc",
             "smddp/engine/module.cc",
         ],
         language="c++",

@@ -95,3 +95,56 @@ class Collective:
     def lacks_from(self, node: int, /) -> bool: ...
     def submitted_by(self, local_rank: int, /) -> bool: ...
     def late_nodes(self) -> list[int]: ...
+
+class NodeState:
+    """The daemon's collectives in flight and the job-wide rules around them (smddp/engine/node_state.h).
+
+    Verdicts raise smddp.errors: ProtocolError, CollectiveMismatchError or PeerLostError.
+    """
+
+    def __new__(
+        cls,
+        node: int,
+        nnodes: int,
+        local_size: int,
+        world: int,
+        chunk_bytes: int,
+        replicate_bytes: int,
+        node_names: list[str],
+        rank_names: list[str],
+    ) -> NodeState: ...
+    def __len__(self) -> int: ...
+    def name_rank(self, local: int, name: str, /) -> None: ...
+    def op_for(
+        self,
+        seq: int,
+        kind: int,
+        dtype: int,
+        itemsize: int,
+        widened: bool,
+        count: int,
+        op: int,
+        root: int,
+        who: str,
+        /,
+    ) -> Collective | None: ...
+    def submit(
+        self,
+        local: int,
+        seq: int,
+        kind: int,
+        dtype: int,
+        itemsize: int,
+        widened: bool,
+        count: int,
+        op: int,
+        root: int,
+        /,
+    ) -> tuple[Collective | None, bool]: ...
+    def release(self, local: int, seq: int, /) -> bool: ...
+    def send_finished(self, seq: int, /) -> bool: ...
+    def rank_said_bye(self, local: int, /) -> None: ...
+    def peer_said_bye(self, node: int, /) -> None: ...
+    def rank_left_early(self, local: int, joined: bool, reason: str, /) -> bool: ...
+    def all_ranks_gone(self) -> bool: ...
+    def left_early(self, local: int, /) -> bool: ...

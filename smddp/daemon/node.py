@@ -11,7 +11,6 @@ import shutil
 import socket
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,7 +22,6 @@ from smddp.daemon.stats import Stats
 from smddp.errors import (
     AuthenticationError,
     CollectiveError,
-    CollectiveMismatchError,
     PeerLostError,
     ProtocolError,
     SmddpError,
@@ -74,7 +72,6 @@ class WorkerLink:
     conn: Connection
     pid: int
     segments: dict[int, Segment] = field(default_factory=dict)
-    next_seq: int = 1
     said_bye: bool = False
 
 
@@ -118,7 +115,6 @@ class OpState:
         count: int,
         op: ReduceOp | None,
         root: int,
-        origin: str,
         sm: _engine.Collective,
     ):
         self.seq = seq
@@ -127,7 +123,6 @@ class OpState:
         self.count = count
         self.op = op
         self.root = root
-        self.origin = origin  # who first issued it, for mismatch messages
         # Layout, arrivals, completion and release: the engine's state machine (smddp/engine/collective.h),
         # which checks every chunk a frame claims before this daemon touches memory for it.
         self.sm = sm
@@ -176,10 +171,6 @@ class OpState:
         is, so the sharded path reads and sends it from the worker's slot instead of copying it."""
         return self.sm.own_in_input
 
-    @property
-    def fingerprint(self) -> tuple:
-        return (self.kind, self.dtype, self.count, self.op, self.root)
-
     def describe(self) -> str:
         return describe(self.kind, self.dtype, self.count, self.op, self.root)
 
@@ -214,11 +205,21 @@ class NodeDaemon:
         self._finished = threading.Event()
         self.failure: str | None = None
         self._failure_frame: bytes | None = None  # the ERROR every local rank gets, late joiners too
+        # The collectives in flight and the job-wide rules around them (fingerprints, sequence order,
+        # ranks and nodes that left): the engine's table (smddp/engine/node_state.h). self.ops holds
+        # this daemon's memory for each of them, created and dropped with the table's entries.
+        self.table = _engine.NodeState(
+            node,
+            self.nnodes,
+            self.local_size,
+            self.world,
+            cfg.chunk_bytes,
+            cfg.replicate_bytes,
+            self._node_names,
+            [job.describe_rank(r) for r in job.ranks_of(node)],
+        )
         self.ops: dict[int, OpState] = {}
         self.workers: list[WorkerLink | None] = [None] * self.local_size
-        # Local ranks whose process ended without ever joining (their launcher wrapper said so, with
-        # EXITED): local index -> what happened, for the error of any collective that needed them.
-        self.left_early: dict[int, str] = {}
         # Exit statuses of local ranks that joined and then ended badly (their wrapper's EXITED).
         self._exit_status: list[int | None] = [None] * self.local_size
         self._exit_reported = [threading.Event() for _ in range(self.local_size)]
@@ -278,7 +279,7 @@ class NodeDaemon:
         """Whether every local rank and peer has connected (a rank may instead have been reported
         gone before it could: EXITED)."""
         with self._lock:
-            return all(w is not None or i in self.left_early for i, w in enumerate(self.workers)) and all(
+            return all(w is not None or self.table.left_early(i) for i, w in enumerate(self.workers)) and all(
                 p.connected.is_set() for p in self.peers.values()
             )
 
@@ -286,7 +287,7 @@ class NodeDaemon:
         missing = [
             self.job.describe_rank(self.job.ranks_of(self.node)[i])
             for i, w in enumerate(self.workers)
-            if w is None and i not in self.left_early
+            if w is None and not self.table.left_early(i)
         ]
         missing += [self.job.describe_node(j) for j, p in self.peers.items() if not p.connected.is_set()]
         return f"{self.me}: not connected after {self.cfg.connect_timeout_s:.0f}s: {', '.join(missing)}"
@@ -451,10 +452,11 @@ class NodeDaemon:
         with self._lock:
             if self.workers[local] is not None:
                 raise AuthenticationError(f"rank {hello.rank} connected twice")
-            if local in self.left_early:
+            if self.table.left_early(local):
                 raise AuthenticationError(f"rank {hello.rank} connected after its process was reported gone")
             self.workers[local] = link
             self._rank_names[hello.rank] = conn.peer
+            self.table.name_rank(local, conn.peer)
             failed = self._failure_frame
             # Everything already in the result arena, so DONE can point anywhere in it.
             for seg in self.results.segments.values():
@@ -523,17 +525,16 @@ class NodeDaemon:
             f"{self.job.describe_rank(rank)} {how} without joining the job (it never called smddp.init(), "
             "or failed before it)"
         )
-        with self._lock:
-            if self.workers[local] is not None or local in self.left_early:
-                return
-            self.left_early[local] = reason
-            stuck = [op for op in self.ops.values() if not op.done]
-        log.info("%s: %s", self.me, reason)
-        if stuck:
-            op = min(stuck, key=lambda o: o.seq)
-            self.fail(f"{reason}, while collective #{op.seq} {op.describe()} waits for it", PeerLostError)
+        try:
+            with self._lock:
+                recorded = self.table.rank_left_early(local, self.workers[local] is not None, reason)
+        except PeerLostError as e:  # a collective in flight waits for it, and never gets it
+            log.info("%s: %s", self.me, reason)
+            self.fail(str(e), PeerLostError)
             return
-        self._maybe_finish()
+        if recorded:
+            log.info("%s: %s", self.me, reason)
+            self._maybe_finish()
 
     def _send_segment(self, link: WorkerLink, seg: Segment) -> None:
         header = SegmentMsg(self.node, seg.id, seg.size).header().encode()
@@ -578,9 +579,8 @@ class NodeDaemon:
             elif h.type is MsgType.BYE:
                 link.said_bye = True
                 conn.close()
-                self._check_left(
-                    self.job.describe_rank(link.rank), lambda op: op.inputs[link.local_rank] is None
-                )
+                with self._lock:  # raises if a collective still needed this rank (a mismatch)
+                    self.table.rank_said_bye(link.local_rank)
                 self._maybe_finish()
                 return
             elif h.type is MsgType.ERROR:
@@ -592,9 +592,6 @@ class NodeDaemon:
     def _on_submit(self, link: WorkerLink, header: Header) -> None:
         who = self._rank_names[link.rank]
         m = Submit.of(header)
-        if m.seq != link.next_seq:
-            raise ProtocolError(f"{who} submitted collective #{m.seq}, expected #{link.next_seq}")
-        link.next_seq += 1
         kind, dtype = m.kind, m.dtype
         nbytes = m.count * dtype.itemsize
         if m.segment == NO_SEGMENT:
@@ -603,15 +600,33 @@ class NodeDaemon:
             seg = link.segments.get(m.segment)
             if seg is None:
                 raise ProtocolError(f"{who} named segment {m.segment}, which it never attached")
-            data = seg.view(m.offset, nbytes).view(dtype.storage)
+            try:
+                data = seg.view(m.offset, nbytes).view(dtype.storage)
+            except ProtocolError as e:  # named: every rank's error says who sent it
+                raise ProtocolError(f"{who} submitted collective #{m.seq} outside its memory: {e}") from None
         if data is None and not (kind == Kind.BROADCAST and m.root != link.rank):
             raise ProtocolError(f"{who} submitted collective #{m.seq} without data")
         tasks: list = []
         with self._lock:
             if self.failure is not None:
                 return
-            op = self._op_for(m.seq, kind, dtype, m.count, m.op, m.root, who)
-            all_in = op.sm.submit(link.local_rank, who)
+            # In sequence order, the same fingerprint as every other sight of it, nobody gone.
+            sm, all_in = self.table.submit(
+                link.local_rank,
+                m.seq,
+                kind,
+                dtype,
+                dtype.itemsize,
+                _widened(dtype),
+                m.count,
+                m.op or 0,
+                m.root,
+            )
+            op = (
+                self._new_op(sm, m.seq, kind, dtype, m.count, m.op, m.root)
+                if sm is not None
+                else self.ops[m.seq]
+            )
             op.inputs[link.local_rank] = data if data is not None else np.empty(0, dtype.storage)
             op.phase("wait for local ranks", op.wall0, time.time())
             if all_in:
@@ -621,11 +636,8 @@ class NodeDaemon:
 
     def _on_release(self, link: WorkerLink, h: Header) -> None:
         with self._lock:
-            op = self.ops.get(h.seq)
-            if op is None:
-                raise ProtocolError(f"{link.conn.peer} released collective #{h.seq}, which it does not hold")
-            if op.sm.release(link.local_rank, link.conn.peer):
-                self._retire(op)
+            if self.table.release(link.local_rank, h.seq):
+                self._retire(self.ops[h.seq])
 
     def _retire(self, op: OpState) -> None:
         """Free an op's memory: every worker copied its result out and every send left (lock held)."""
@@ -645,44 +657,23 @@ class NodeDaemon:
     def _op_for(
         self, seq: int, kind: Kind, dtype: DType, count: int, rop: ReduceOp | None, root: int, who: str
     ) -> OpState:
-        """The state of collective `seq`, created on first sight and checked against its fingerprint (lock held)."""
-        op = self.ops.get(seq)
-        if op is not None:
-            if op.fingerprint != (kind, dtype, count, rop, root):
-                raise CollectiveMismatchError(
-                    f"collective #{seq} mismatch: {op.origin} called {op.describe()} "
-                    f"but {who} called {describe(kind, dtype, count, rop, root)}"
-                )
-            return op
-        # The engine checks the collective (a reduce op where one belongs, the root, the size) first.
-        sm = _engine.Collective(
-            who,
-            seq,
-            int(kind),
-            dtype.itemsize,
-            dtype.accumulator != dtype.storage,  # 16-bit types are widened and rounded
-            count,
-            rop is not None,
-            root,
-            self.node,
-            self.nnodes,
-            self.local_size,
-            self.world,
-            self.cfg.chunk_bytes,
-            self.cfg.replicate_bytes,
-        )
-        if self.left_early:
-            reason = self.left_early[min(self.left_early)]
-            raise PeerLostError(
-                f"{reason}, but collective #{seq} {describe(kind, dtype, count, rop, root)} needs it"
-            )
-        gone = [self.job.describe_rank(w.rank) for w in self.workers if w is not None and w.said_bye]
-        gone += [f"every rank of {self.job.describe_node(j)}" for j, p in self.peers.items() if p.said_bye]
-        if gone:
-            raise CollectiveMismatchError(
-                _left_message(gone[0], seq, describe(kind, dtype, count, rop, root))
-            )
-        op = OpState(seq, kind, dtype, count, rop, root, who, sm)
+        """The state of collective `seq` as a peer's frame names it: created on first sight, else
+        checked against its fingerprint by the table (lock held)."""
+        sm = self.table.op_for(seq, kind, dtype, dtype.itemsize, _widened(dtype), count, rop or 0, root, who)
+        return self.ops[seq] if sm is None else self._new_op(sm, seq, kind, dtype, count, rop, root)
+
+    def _new_op(
+        self,
+        sm: _engine.Collective,
+        seq: int,
+        kind: Kind,
+        dtype: DType,
+        count: int,
+        rop: ReduceOp | None,
+        root: int,
+    ) -> OpState:
+        """Memory for a collective the table just created: its server rows and its result (lock held)."""
+        op = OpState(seq, kind, dtype, count, rop, root, sm)
         op.inputs = [None] * self.local_size
         op.traced = bool(self.cfg.timeline_dir)
         if sm.server_rows:
@@ -699,22 +690,6 @@ class NodeDaemon:
         op.result = self.results.view(op.result_slot)
         self.ops[seq] = op
         return op
-
-    def _check_left(self, who: str, waits_for: Callable[[OpState], bool]) -> None:
-        """After a BYE: a collective still waiting for who said it can never complete, so fail now.
-
-        That happens when ranks did not issue the same collectives (one shut down early or skipped
-        a call); without this check the others would wait until their own timeout.
-        """
-        with self._lock:
-            stuck = [op for op in self.ops.values() if not op.done and waits_for(op)]
-        if stuck:
-            op = min(stuck, key=lambda o: o.seq)
-            raise CollectiveMismatchError(_left_message(who, op.seq, op.describe()))
-
-    def _lacks_from(self, op: OpState, j: int) -> bool:
-        """Whether `op` still waits for a frame from node `j` (lock held): a partial, result or block."""
-        return op.sm.lacks_from(j)
 
     def _header(self, t: MsgType, op: OpState, shard: int, offset: int, length: int) -> bytes:
         """The header of a PARTIAL, RESULT or BLOCK of `op`: `length` bytes at byte `offset` of `shard`."""
@@ -1138,7 +1113,7 @@ class NodeDaemon:
         self.stats.add_out(peer.node, nbytes)
         op.phase("send", t0, time.time())
         with self._lock:
-            if op.sm.send_finished():
+            if self.table.send_finished(op.seq):
                 self._retire(op)
 
     def _writer_loop(self, peer: PeerLink) -> None:
@@ -1243,10 +1218,8 @@ class NodeDaemon:
                 elif h.type is MsgType.BYE:
                     peer.said_bye = True
                     # Its BYE follows all its frames: an op not done here never gets what it lacks.
-                    self._check_left(
-                        f"every rank of {self.job.describe_node(peer.node)}",
-                        lambda op: self._lacks_from(op, peer.node),
-                    )
+                    with self._lock:
+                        self.table.peer_said_bye(peer.node)
                     self._maybe_finish()
                     return
                 elif h.type is MsgType.ERROR:
@@ -1296,9 +1269,7 @@ class NodeDaemon:
     def _maybe_finish(self) -> None:
         """After the last local BYE: flush every queue, say BYE; finish when every peer has said it."""
         with self._lock:
-            if not all(
-                (w is not None and w.said_bye) or i in self.left_early for i, w in enumerate(self.workers)
-            ):
+            if not self.table.all_ranks_gone():
                 return
             first = self._bye_sent_at is None
             if first:
@@ -1318,11 +1289,9 @@ def _tell(conn: Connection, frame: bytes) -> None:
         pass
 
 
-def _left_message(who: str, seq: int, what: str) -> str:
-    return (
-        f"{who} shut down while collective #{seq} {what} still needed it: every rank must issue the "
-        "same collectives in the same order (one rank called shutdown() early, or skipped a call)"
-    )
+def _widened(dtype: DType) -> bool:
+    """Summed in a wider type (float16, bfloat16): never reduced in place."""
+    return dtype.accumulator != dtype.storage
 
 
 def _process_fate(pid: int) -> str:

@@ -121,7 +121,8 @@ std::uint64_t Collective::chunks_of_block(std::uint32_t j) const {
 
 bool Collective::same_fingerprint(const Spec& o) const {
   return o.kind == spec_.kind && o.itemsize == spec_.itemsize && o.widened == spec_.widened &&
-         o.count == spec_.count && o.has_op == spec_.has_op && o.root == spec_.root;
+         o.count == spec_.count && o.has_op == spec_.has_op && o.root == spec_.root && o.dtype == spec_.dtype &&
+         o.op == spec_.op;
 }
 
 std::uint64_t Collective::result_bytes() const {

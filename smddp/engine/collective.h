@@ -41,6 +41,8 @@ struct Spec {
   std::uint64_t count = 0;    // elements per rank (the input of reduce-scatter: world x its output)
   bool has_op = false;        // a reduce op is set
   std::uint32_t root = 0;     // broadcast: the root rank; all-reduce: the caller's piece count
+  std::uint8_t dtype = 0;     // the wire's dtype code (fingerprint and messages; itemsize is what counts)
+  std::uint8_t op = 0;        // the wire's reduce op code, 0 when has_op is false
 };
 
 // One unit of work or of transfer: for reductions an element range of shard `shard`, for gathers a

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <memory>
 #include <new>
 #include <string>
 #include <vector>
@@ -13,6 +14,7 @@
 #include "collective.h"
 #include "frame.h"
 #include "layout.h"
+#include "node_state.h"
 #include "reduce.h"
 #include "reduce16.h"
 
@@ -20,7 +22,10 @@ namespace {
 
 struct ModuleState {
   PyObject* protocol_error;   // smddp.errors.ProtocolError, owned by the module
+  PyObject* mismatch_error;   // smddp.errors.CollectiveMismatchError
+  PyObject* peer_lost_error;  // smddp.errors.PeerLostError
   PyObject* collective_type;  // the Collective class, owned by the module
+  PyObject* node_state_type;  // the NodeState class
 };
 
 ModuleState* state(PyObject* module) { return static_cast<ModuleState*>(PyModule_GetState(module)); }
@@ -265,16 +270,31 @@ PyObject* py_has_f16c(PyObject*, PyObject*) { return PyBool_FromLong(smddp::have
 
 // ---------------------------------------------------------------------------------------- Collective
 
-// A Python object holding one smddp::Collective, which it owns alone (created in tp_new, deleted in
-// tp_dealloc). Its methods hold the GIL throughout: each is a few comparisons, never a wait.
+// A Python object holding one smddp::Collective, shared with the NodeState whose table holds it
+// (made by Collective() or handed out by NodeState; the last holder deletes it). Its methods hold
+// the GIL throughout: each is a few comparisons, never a wait.
 struct CollectiveObject {
   PyObject_HEAD
-  smddp::Collective* c;
+  std::shared_ptr<smddp::Collective>* c;  // new'd with the object, deleted in tp_dealloc
 };
 
 PyObject* module_of(PyObject* self) { return PyType_GetModule(Py_TYPE(self)); }
 
-smddp::Collective& coll(PyObject* self) { return *reinterpret_cast<CollectiveObject*>(self)->c; }
+smddp::Collective& coll(PyObject* self) { return **reinterpret_cast<CollectiveObject*>(self)->c; }
+
+// A new Python Collective sharing `c`.
+PyObject* wrap_collective(PyObject* module, const std::shared_ptr<smddp::Collective>& c) {
+  auto* type = reinterpret_cast<PyTypeObject*>(state(module)->collective_type);
+  PyObject* self = type->tp_alloc(type, 0);
+  if (self == nullptr) return nullptr;
+  try {
+    reinterpret_cast<CollectiveObject*>(self)->c = new std::shared_ptr<smddp::Collective>(c);
+  } catch (const std::bad_alloc&) {
+    Py_DECREF(self);
+    return PyErr_NoMemory();
+  }
+  return self;
+}
 
 // A Python str as UTF-8 (for the names in error messages).
 bool text(PyObject* obj, std::string* out) {
@@ -333,7 +353,8 @@ PyObject* collective_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   PyObject* self = type->tp_alloc(type, 0);
   if (self == nullptr) return nullptr;
   try {
-    reinterpret_cast<CollectiveObject*>(self)->c = new smddp::Collective(spec, topo);
+    reinterpret_cast<CollectiveObject*>(self)->c =
+        new std::shared_ptr<smddp::Collective>(std::make_shared<smddp::Collective>(spec, topo));
   } catch (const std::bad_alloc&) {
     Py_DECREF(self);
     return PyErr_NoMemory();
@@ -599,6 +620,286 @@ PyType_Spec kCollectiveSpec = {
     kCollectiveSlots,
 };
 
+// ---------------------------------------------------------------------------------------- NodeState
+
+// A Python object holding the daemon's smddp::NodeState, which it owns alone. Methods hold the GIL
+// (the daemon calls them under its own lock); none waits.
+struct NodeStateObject {
+  PyObject_HEAD
+  smddp::NodeState* s;
+};
+
+smddp::NodeState& table(PyObject* self) { return *reinterpret_cast<NodeStateObject*>(self)->s; }
+
+// A verdict as the smddp.errors exception of its fault; nullptr always (for `return`).
+PyObject* raise_verdict(PyObject* self, const smddp::Verdict& v) {
+  ModuleState* st = state(module_of(self));
+  PyObject* cls = v.fault == smddp::Fault::kMismatch   ? st->mismatch_error
+                  : v.fault == smddp::Fault::kPeerLost ? st->peer_lost_error
+                                                       : st->protocol_error;
+  PyErr_SetString(cls, v.why.c_str());
+  return nullptr;
+}
+
+bool strings(PyObject* seq, std::vector<std::string>* out) {
+  PyObject* fast = PySequence_Fast(seq, "expected a sequence of str");
+  if (fast == nullptr) return false;
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+  bool ok = true;
+  for (Py_ssize_t i = 0; ok && i < n; i++) {
+    std::string one;
+    PyObject* item = PySequence_Fast_GET_ITEM(fast, i);
+    ok = PyUnicode_Check(item) && text(item, &one);
+    if (ok) out->push_back(one);
+    else if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "expected a sequence of str");
+  }
+  Py_DECREF(fast);
+  return ok;
+}
+
+// NodeState(node, nnodes, local_size, world, chunk_bytes, replicate_bytes, node_names, rank_names)
+PyObject* node_state_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
+  long long node = 0, nnodes = 0, local_size = 0, world = 0, chunk_bytes = 0, replicate_bytes = 0;
+  PyObject *node_names_obj = nullptr, *rank_names_obj = nullptr;
+  static const char* kw[] = {"node", "nnodes", "local_size", "world", "chunk_bytes", "replicate_bytes",
+                             "node_names", "rank_names", nullptr};
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "LLLLLLOO", const_cast<char**>(kw), &node, &nnodes, &local_size,
+                                   &world, &chunk_bytes, &replicate_bytes, &node_names_obj, &rank_names_obj))
+    return nullptr;
+  PyObject* module = PyType_GetModule(type);
+  if (!non_negative(module, {node, nnodes, local_size, world, chunk_bytes, replicate_bytes})) return nullptr;
+  for (long long v : {node, nnodes, local_size, world})
+    if (v > static_cast<long long>(UINT32_MAX)) return raise_protocol(module, "out of range: a field over 32 bits");
+  if (nnodes == 0 || local_size == 0 || node >= nnodes || world != nnodes * local_size || chunk_bytes == 0)
+    return raise_protocol(module, "an impossible job layout");
+  std::vector<std::string> node_names, rank_names;
+  if (!strings(node_names_obj, &node_names) || !strings(rank_names_obj, &rank_names)) return nullptr;
+  smddp::Topology topo;
+  topo.node = static_cast<std::uint32_t>(node);
+  topo.nnodes = static_cast<std::uint32_t>(nnodes);
+  topo.local_size = static_cast<std::uint32_t>(local_size);
+  topo.world = static_cast<std::uint32_t>(world);
+  topo.chunk_bytes = static_cast<std::uint64_t>(chunk_bytes);
+  topo.replicate_bytes = static_cast<std::uint64_t>(replicate_bytes);
+  PyObject* self = type->tp_alloc(type, 0);
+  if (self == nullptr) return nullptr;
+  try {
+    reinterpret_cast<NodeStateObject*>(self)->s = new smddp::NodeState(topo, node_names, rank_names);
+  } catch (const std::bad_alloc&) {
+    Py_DECREF(self);
+    return PyErr_NoMemory();
+  }
+  return self;
+}
+
+void node_state_dealloc(PyObject* self) {
+  PyTypeObject* type = Py_TYPE(self);
+  delete reinterpret_cast<NodeStateObject*>(self)->s;
+  type->tp_free(self);
+  Py_DECREF(type);
+}
+
+// A local rank or node index from Python, checked against the table's size.
+bool index_arg(PyObject* self, long long v, std::uint32_t limit, const char* what, std::uint32_t* out) {
+  if (v < 0 || v >= static_cast<long long>(limit)) {
+    raise_from(self, std::string(what) + " " + std::to_string(v) + " out of range");
+    return false;
+  }
+  *out = static_cast<std::uint32_t>(v);
+  return true;
+}
+
+// The fingerprint arguments (seq, kind, dtype, itemsize, widened, count, op, root) as a Spec.
+bool spec_args(PyObject* self, long long seq, long long kind, long long dtype, long long itemsize, int widened,
+               long long count, long long op, long long root, smddp::Spec* out) {
+  if (!non_negative(module_of(self), {seq, kind, dtype, itemsize, count, op, root})) return false;
+  if (kind > 255 || dtype > 255 || op > 255 || itemsize > static_cast<long long>(UINT32_MAX) ||
+      root > static_cast<long long>(UINT32_MAX)) {
+    raise_from(self, "out of range: a fingerprint field");
+    return false;
+  }
+  out->seq = static_cast<std::uint64_t>(seq);
+  out->kind = static_cast<std::uint8_t>(kind);
+  out->dtype = static_cast<std::uint8_t>(dtype);
+  out->itemsize = static_cast<std::uint32_t>(itemsize);
+  out->widened = widened != 0;
+  out->count = static_cast<std::uint64_t>(count);
+  out->op = static_cast<std::uint8_t>(op);
+  out->has_op = op != 0;
+  out->root = static_cast<std::uint32_t>(root);
+  return true;
+}
+
+std::uint32_t local_size_of(PyObject* self) { return static_cast<std::uint32_t>(table(self).rank_count()); }
+
+// name_rank(local, name)
+PyObject* node_state_name_rank(PyObject* self, PyObject* args) {
+  long long local = 0;
+  PyObject* name_obj = nullptr;
+  std::string name;
+  std::uint32_t i = 0;
+  if (!PyArg_ParseTuple(args, "LU", &local, &name_obj) || !text(name_obj, &name) ||
+      !index_arg(self, local, local_size_of(self), "local rank", &i))
+    return nullptr;
+  table(self).name_rank(i, name);
+  Py_RETURN_NONE;
+}
+
+// op_for(seq, kind, dtype, itemsize, widened, count, op, root, who) -> the new Collective, or None when
+// it existed (same fingerprint)
+PyObject* node_state_op_for(PyObject* self, PyObject* args) {
+  long long seq = 0, kind = 0, dtype = 0, itemsize = 0, count = 0, op = 0, root = 0;
+  int widened = 0;
+  PyObject* who_obj = nullptr;
+  std::string who;
+  smddp::Spec spec;
+  if (!PyArg_ParseTuple(args, "LLLLpLLLU", &seq, &kind, &dtype, &itemsize, &widened, &count, &op, &root, &who_obj) ||
+      !text(who_obj, &who) || !spec_args(self, seq, kind, dtype, itemsize, widened, count, op, root, &spec))
+    return nullptr;
+  std::shared_ptr<smddp::Collective> c;
+  bool created = false;
+  smddp::Verdict v;
+  try {
+    v = table(self).op_for(spec, who, &c, &created);
+  } catch (const std::bad_alloc&) {
+    return PyErr_NoMemory();
+  }
+  if (!v.ok()) return raise_verdict(self, v);
+  if (!created) Py_RETURN_NONE;
+  return wrap_collective(module_of(self), c);
+}
+
+// submit(local, seq, kind, dtype, itemsize, widened, count, op, root) -> (new Collective or None, all_in)
+PyObject* node_state_submit(PyObject* self, PyObject* args) {
+  long long local = 0, seq = 0, kind = 0, dtype = 0, itemsize = 0, count = 0, op = 0, root = 0;
+  int widened = 0;
+  std::uint32_t i = 0;
+  smddp::Spec spec;
+  if (!PyArg_ParseTuple(args, "LLLLLpLLL", &local, &seq, &kind, &dtype, &itemsize, &widened, &count, &op, &root) ||
+      !index_arg(self, local, local_size_of(self), "local rank", &i) ||
+      !spec_args(self, seq, kind, dtype, itemsize, widened, count, op, root, &spec))
+    return nullptr;
+  std::shared_ptr<smddp::Collective> c;
+  bool created = false, all_in = false;
+  smddp::Verdict v;
+  try {
+    v = table(self).submit(i, spec, &c, &created, &all_in);
+  } catch (const std::bad_alloc&) {
+    return PyErr_NoMemory();
+  }
+  if (!v.ok()) return raise_verdict(self, v);
+  PyObject* fresh = created ? wrap_collective(module_of(self), c) : Py_NewRef(Py_None);
+  if (fresh == nullptr) return nullptr;
+  return Py_BuildValue("(NO)", fresh, all_in ? Py_True : Py_False);
+}
+
+// release(local, seq) -> whether it left the table
+PyObject* node_state_release(PyObject* self, PyObject* args) {
+  long long local = 0, seq = 0;
+  std::uint32_t i = 0;
+  if (!PyArg_ParseTuple(args, "LL", &local, &seq) || !index_arg(self, local, local_size_of(self), "local rank", &i) ||
+      !non_negative(module_of(self), {seq}))
+    return nullptr;
+  bool retire = false;
+  const smddp::Verdict v = table(self).release(i, static_cast<std::uint64_t>(seq), &retire);
+  if (!v.ok()) return raise_verdict(self, v);
+  return PyBool_FromLong(retire ? 1 : 0);
+}
+
+// send_finished(seq) -> whether it left the table
+PyObject* node_state_send_finished(PyObject* self, PyObject* arg) {
+  const long long seq = PyLong_AsLongLong(arg);
+  if (seq == -1 && PyErr_Occurred()) return nullptr;
+  if (seq < 0) return PyBool_FromLong(0);
+  return PyBool_FromLong(table(self).send_finished(static_cast<std::uint64_t>(seq)) ? 1 : 0);
+}
+
+// rank_said_bye(local): raises when a collective still needed it
+PyObject* node_state_rank_said_bye(PyObject* self, PyObject* arg) {
+  const long long local = PyLong_AsLongLong(arg);
+  std::uint32_t i = 0;
+  if ((local == -1 && PyErr_Occurred()) || !index_arg(self, local, local_size_of(self), "local rank", &i))
+    return nullptr;
+  const smddp::Verdict v = table(self).rank_said_bye(i);
+  if (!v.ok()) return raise_verdict(self, v);
+  Py_RETURN_NONE;
+}
+
+// peer_said_bye(node): raises when a collective still waited for it
+PyObject* node_state_peer_said_bye(PyObject* self, PyObject* arg) {
+  const long long j = PyLong_AsLongLong(arg);
+  if ((j == -1 && PyErr_Occurred()) || !non_negative(module_of(self), {j})) return nullptr;
+  if (j > static_cast<long long>(UINT32_MAX)) return raise_from(self, "node out of range");
+  const smddp::Verdict v = table(self).peer_said_bye(static_cast<std::uint32_t>(j));
+  if (!v.ok()) return raise_verdict(self, v);
+  Py_RETURN_NONE;
+}
+
+// rank_left_early(local, joined, reason) -> whether it was recorded; raises when a collective waits
+PyObject* node_state_rank_left_early(PyObject* self, PyObject* args) {
+  long long local = 0;
+  int joined = 0;
+  PyObject* reason_obj = nullptr;
+  std::string reason;
+  std::uint32_t i = 0;
+  if (!PyArg_ParseTuple(args, "LpU", &local, &joined, &reason_obj) || !text(reason_obj, &reason) ||
+      !index_arg(self, local, local_size_of(self), "local rank", &i))
+    return nullptr;
+  bool recorded = false;
+  const smddp::Verdict v = table(self).rank_left_early(i, joined != 0, reason, &recorded);
+  if (!v.ok()) return raise_verdict(self, v);
+  return PyBool_FromLong(recorded ? 1 : 0);
+}
+
+PyObject* node_state_all_ranks_gone(PyObject* self, PyObject*) {
+  return PyBool_FromLong(table(self).all_ranks_gone() ? 1 : 0);
+}
+
+PyObject* node_state_left_early(PyObject* self, PyObject* arg) {
+  const long long local = PyLong_AsLongLong(arg);
+  std::uint32_t i = 0;
+  if ((local == -1 && PyErr_Occurred()) || !index_arg(self, local, local_size_of(self), "local rank", &i))
+    return nullptr;
+  return PyBool_FromLong(table(self).left_early(i) ? 1 : 0);
+}
+
+Py_ssize_t node_state_len(PyObject* self) { return static_cast<Py_ssize_t>(table(self).size()); }
+
+PyMethodDef kNodeStateMethods[] = {
+    {"name_rank", node_state_name_rank, METH_VARARGS, "name_rank(local, name): how the rank is named from now on"},
+    {"op_for", node_state_op_for, METH_VARARGS,
+     "op_for(seq, kind, dtype, itemsize, widened, count, op, root, who) -> new Collective, or None if it existed"},
+    {"submit", node_state_submit, METH_VARARGS,
+     "submit(local, seq, kind, dtype, itemsize, widened, count, op, root) -> (new Collective or None, all_in)"},
+    {"release", node_state_release, METH_VARARGS, "release(local, seq) -> it left the table"},
+    {"send_finished", node_state_send_finished, METH_O, "send_finished(seq) -> it left the table"},
+    {"rank_said_bye", node_state_rank_said_bye, METH_O, "rank_said_bye(local): raises if a collective needed it"},
+    {"peer_said_bye", node_state_peer_said_bye, METH_O, "peer_said_bye(node): raises if a collective waited for it"},
+    {"rank_left_early", node_state_rank_left_early, METH_VARARGS,
+     "rank_left_early(local, joined, reason) -> recorded; raises if a collective waits for it"},
+    {"all_ranks_gone", node_state_all_ranks_gone, METH_NOARGS, "every local rank said BYE or left early"},
+    {"left_early", node_state_left_early, METH_O, "left_early(local) -> its process ended without joining"},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyType_Slot kNodeStateSlots[] = {
+    {Py_tp_new, reinterpret_cast<void*>(node_state_new)},
+    {Py_tp_dealloc, reinterpret_cast<void*>(node_state_dealloc)},
+    {Py_tp_methods, kNodeStateMethods},
+    {Py_sq_length, reinterpret_cast<void*>(node_state_len)},
+    {Py_tp_doc, const_cast<char*>("The daemon's collectives in flight and the job-wide rules around them "
+                                  "(smddp/engine/node_state.h).")},
+    {0, nullptr},
+};
+
+PyType_Spec kNodeStateSpec = {
+    "smddp._engine.NodeState",
+    sizeof(NodeStateObject),
+    0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
+    kNodeStateSlots,
+};
+
 PyMethodDef kMethods[] = {
     {"decode_header", py_decode_header, METH_O,
      "decode_header(data) -> (type, flags, dtype, op, kind, sender, seq, shard, aux, offset, length, count)"},
@@ -621,11 +922,18 @@ int exec_module(PyObject* module) {
   PyObject* errors = PyImport_ImportModule("smddp.errors");
   if (errors == nullptr) return -1;
   state(module)->protocol_error = PyObject_GetAttrString(errors, "ProtocolError");
+  state(module)->mismatch_error = PyObject_GetAttrString(errors, "CollectiveMismatchError");
+  state(module)->peer_lost_error = PyObject_GetAttrString(errors, "PeerLostError");
   Py_DECREF(errors);
-  if (state(module)->protocol_error == nullptr) return -1;
+  if (state(module)->protocol_error == nullptr || state(module)->mismatch_error == nullptr ||
+      state(module)->peer_lost_error == nullptr)
+    return -1;
   state(module)->collective_type = PyType_FromModuleAndSpec(module, &kCollectiveSpec, nullptr);
   if (state(module)->collective_type == nullptr) return -1;
   if (PyModule_AddObjectRef(module, "Collective", state(module)->collective_type) != 0) return -1;
+  state(module)->node_state_type = PyType_FromModuleAndSpec(module, &kNodeStateSpec, nullptr);
+  if (state(module)->node_state_type == nullptr) return -1;
+  if (PyModule_AddObjectRef(module, "NodeState", state(module)->node_state_type) != 0) return -1;
   if (PyModule_AddIntConstant(module, "HEADER_SIZE", static_cast<long>(smddp::kHeaderSize)) != 0) return -1;
   if (PyModule_AddIntConstant(module, "BLOCK", static_cast<long>(smddp::kReduceBlock)) != 0) return -1;
   return 0;
@@ -633,13 +941,19 @@ int exec_module(PyObject* module) {
 
 int traverse(PyObject* module, visitproc visit, void* arg) {
   Py_VISIT(state(module)->protocol_error);
+  Py_VISIT(state(module)->mismatch_error);
+  Py_VISIT(state(module)->peer_lost_error);
   Py_VISIT(state(module)->collective_type);
+  Py_VISIT(state(module)->node_state_type);
   return 0;
 }
 
 int clear(PyObject* module) {
   Py_CLEAR(state(module)->protocol_error);
+  Py_CLEAR(state(module)->mismatch_error);
+  Py_CLEAR(state(module)->peer_lost_error);
   Py_CLEAR(state(module)->collective_type);
+  Py_CLEAR(state(module)->node_state_type);
   return 0;
 }
 
