@@ -39,6 +39,7 @@ extensions = [
             "smddp/engine/reduce.cc",
             "smddp/engine/collective.cc",
             "smddp/engine/node_state.cc",
+            "smddp/engine/arena.cc",
             "smddp/engine/module.cc",
         ],
         language="c++",

@@ -3,6 +3,7 @@
 // Only this file touches Python objects; the engine's own code (frame.*) never does.
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <unistd.h>
 
 #include <cstdint>
 #include <initializer_list>
@@ -11,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "arena.h"
 #include "collective.h"
 #include "frame.h"
 #include "layout.h"
@@ -26,6 +28,8 @@ struct ModuleState {
   PyObject* peer_lost_error;  // smddp.errors.PeerLostError
   PyObject* collective_type;  // the Collective class, owned by the module
   PyObject* node_state_type;  // the NodeState class
+  PyObject* segment_type;     // the Segment class
+  PyObject* arena_type;       // the Arena class
 };
 
 ModuleState* state(PyObject* module) { return static_cast<ModuleState*>(PyModule_GetState(module)); }
@@ -900,6 +904,255 @@ PyType_Spec kNodeStateSpec = {
     kNodeStateSlots,
 };
 
+// ---------------------------------------------------------------------------------------- Segment
+
+// A Python object sharing one smddp::Segment: its buffer is the whole mapping (read-only when the
+// segment is), so a numpy array made from it keeps the mapping alive for as long as it lives.
+struct SegmentObject {
+  PyObject_HEAD
+  std::shared_ptr<smddp::Segment>* seg;  // new'd with the object, deleted in tp_dealloc
+};
+
+smddp::Segment& segment_of(PyObject* self) { return **reinterpret_cast<SegmentObject*>(self)->seg; }
+
+PyObject* wrap_segment(PyObject* module, const std::shared_ptr<smddp::Segment>& seg) {
+  auto* type = reinterpret_cast<PyTypeObject*>(state(module)->segment_type);
+  PyObject* self = type->tp_alloc(type, 0);
+  if (self == nullptr) return nullptr;
+  try {
+    reinterpret_cast<SegmentObject*>(self)->seg = new std::shared_ptr<smddp::Segment>(seg);
+  } catch (const std::bad_alloc&) {
+    Py_DECREF(self);
+    return PyErr_NoMemory();
+  }
+  return self;
+}
+
+void segment_dealloc(PyObject* self) {
+  PyTypeObject* type = Py_TYPE(self);
+  delete reinterpret_cast<SegmentObject*>(self)->seg;
+  type->tp_free(self);
+  Py_DECREF(type);
+}
+
+int segment_getbuffer(PyObject* self, Py_buffer* view, int flags) {
+  smddp::Segment& seg = segment_of(self);
+  return PyBuffer_FillInfo(view, self, seg.base(), static_cast<Py_ssize_t>(seg.size()), seg.writable() ? 0 : 1,
+                           flags);
+}
+
+// segment_create(id, size, name) -> Segment: a new sealed memfd, mapped read-write
+PyObject* py_segment_create(PyObject* module, PyObject* args) {
+  long long id = 0, size = 0;
+  PyObject* name_obj = nullptr;
+  std::string name;
+  if (!PyArg_ParseTuple(args, "LLU", &id, &size, &name_obj) || !text(name_obj, &name)) return nullptr;
+  if (!non_negative(module, {id, size})) return nullptr;
+  if (id > static_cast<long long>(UINT32_MAX)) return raise_protocol(module, "segment id out of range");
+  std::string why;
+  std::shared_ptr<smddp::Segment> seg;
+  PyThreadState* ts = PyEval_SaveThread();  // memfd_create, ftruncate and mmap: system calls
+  try {
+    seg = smddp::Segment::create(static_cast<std::uint32_t>(id), static_cast<std::uint64_t>(size), name, &why);
+  } catch (const std::bad_alloc&) {
+    why = "out of memory";
+  }
+  PyEval_RestoreThread(ts);
+  if (!seg) {
+    PyErr_SetString(PyExc_OSError, why.c_str());
+    return nullptr;
+  }
+  return wrap_segment(module, seg);
+}
+
+// segment_attach(id, fd, size, writable) -> Segment; takes the fd over (closed on refusal too)
+PyObject* py_segment_attach(PyObject* module, PyObject* args) {
+  long long id = 0, size = 0;
+  int fd = -1, writable = 0;
+  if (!PyArg_ParseTuple(args, "LiLp", &id, &fd, &size, &writable)) return nullptr;
+  if (id < 0 || id > static_cast<long long>(UINT32_MAX) || size < 0) {
+    if (fd >= 0) close(fd);
+    return raise_protocol(module, "segment " + std::to_string(id) + ": id or size out of range");
+  }
+  std::string why;
+  const std::shared_ptr<smddp::Segment> seg =
+      smddp::Segment::attach(static_cast<std::uint32_t>(id), fd, static_cast<std::uint64_t>(size), writable != 0, &why);
+  if (!seg) return raise_protocol(module, why);
+  return wrap_segment(module, seg);
+}
+
+// check(offset, nbytes): raises ProtocolError unless the range lies inside the segment
+PyObject* segment_check(PyObject* self, PyObject* args) {
+  long long offset = 0, nbytes = 0;
+  if (!PyArg_ParseTuple(args, "LL", &offset, &nbytes)) return nullptr;
+  smddp::Segment& seg = segment_of(self);
+  std::uint8_t* p = nullptr;
+  const std::string why =
+      offset < 0 || nbytes < 0
+          ? "segment " + std::to_string(seg.id()) + ": range [" + std::to_string(offset) + ", +" +
+                std::to_string(nbytes) + ") outside its " + std::to_string(seg.size()) + " bytes"
+          : seg.range(static_cast<std::uint64_t>(offset), static_cast<std::uint64_t>(nbytes), &p);
+  if (!why.empty()) return raise_from(self, why);
+  Py_RETURN_NONE;
+}
+
+PyObject* segment_close_fd(PyObject* self, PyObject*) {
+  segment_of(self).close_fd();
+  Py_RETURN_NONE;
+}
+
+PyObject* get_seg_id(PyObject* self, void*) { return PyLong_FromUnsignedLong(segment_of(self).id()); }
+PyObject* get_seg_size(PyObject* self, void*) { return PyLong_FromUnsignedLongLong(segment_of(self).size()); }
+PyObject* get_seg_fd(PyObject* self, void*) { return PyLong_FromLong(segment_of(self).fd()); }
+PyObject* get_seg_writable(PyObject* self, void*) { return PyBool_FromLong(segment_of(self).writable() ? 1 : 0); }
+
+PyMethodDef kSegmentMethods[] = {
+    {"check", segment_check, METH_VARARGS, "check(offset, nbytes): raises ProtocolError if outside the segment"},
+    {"close_fd", segment_close_fd, METH_NOARGS, "close_fd(): the fd goes now, the mapping with its last holder"},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyGetSetDef kSegmentGetters[] = {
+    {"id", get_seg_id, nullptr, "its id within its owner", nullptr},
+    {"size", get_seg_size, nullptr, "bytes", nullptr},
+    {"fd", get_seg_fd, nullptr, "its memfd (-1 once closed)", nullptr},
+    {"writable", get_seg_writable, nullptr, "mapped read-write", nullptr},
+    {nullptr, nullptr, nullptr, nullptr, nullptr},
+};
+
+PyType_Slot kSegmentSlots[] = {
+    {Py_tp_dealloc, reinterpret_cast<void*>(segment_dealloc)},
+    {Py_tp_methods, kSegmentMethods},
+    {Py_tp_getset, kSegmentGetters},
+    {Py_bf_getbuffer, reinterpret_cast<void*>(segment_getbuffer)},
+    {Py_tp_doc, const_cast<char*>("A sealed memfd segment, mapped (smddp/engine/arena.h); its buffer is the mapping.")},
+    {0, nullptr},
+};
+
+PyType_Spec kSegmentSpec = {
+    "smddp._engine.Segment",
+    sizeof(SegmentObject),
+    0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    kSegmentSlots,
+};
+
+// ------------------------------------------------------------------------------------------ Arena
+
+struct ArenaObject {
+  PyObject_HEAD
+  smddp::Arena* arena;
+};
+
+smddp::Arena& arena_of(PyObject* self) { return *reinterpret_cast<ArenaObject*>(self)->arena; }
+
+// Arena(name, segment_bytes)
+PyObject* arena_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
+  PyObject* name_obj = nullptr;
+  long long segment_bytes = 0;
+  std::string name;
+  static const char* kw[] = {"name", "segment_bytes", nullptr};
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "UL", const_cast<char**>(kw), &name_obj, &segment_bytes) ||
+      !text(name_obj, &name))
+    return nullptr;
+  if (segment_bytes < 0) return raise_protocol(PyType_GetModule(type), "segment_bytes must not be negative");
+  PyObject* self = type->tp_alloc(type, 0);
+  if (self == nullptr) return nullptr;
+  try {
+    reinterpret_cast<ArenaObject*>(self)->arena = new smddp::Arena(name, static_cast<std::uint64_t>(segment_bytes));
+  } catch (const std::bad_alloc&) {
+    Py_DECREF(self);
+    return PyErr_NoMemory();
+  }
+  return self;
+}
+
+void arena_dealloc(PyObject* self) {
+  PyTypeObject* type = Py_TYPE(self);
+  delete reinterpret_cast<ArenaObject*>(self)->arena;
+  type->tp_free(self);
+  Py_DECREF(type);
+}
+
+// alloc(nbytes) -> (segment, offset, new Segment or None)
+PyObject* arena_alloc(PyObject* self, PyObject* arg) {
+  const long long nbytes = PyLong_AsLongLong(arg);
+  if (nbytes == -1 && PyErr_Occurred()) return nullptr;
+  if (nbytes < 0) return raise_from(self, "a slot of a negative size");
+  smddp::Slot slot;
+  std::shared_ptr<smddp::Segment> fresh;
+  std::string why;
+  bool oom = false;
+  PyThreadState* ts = PyEval_SaveThread();  // may wait for the arena's lock, or make a segment
+  try {
+    why = arena_of(self).alloc(static_cast<std::uint64_t>(nbytes), &slot, &fresh);
+  } catch (const std::bad_alloc&) {
+    oom = true;
+  }
+  PyEval_RestoreThread(ts);
+  if (oom) return PyErr_NoMemory();
+  if (!why.empty()) {
+    PyErr_SetString(PyExc_OSError, why.c_str());
+    return nullptr;
+  }
+  PyObject* seg = fresh ? wrap_segment(module_of(self), fresh) : Py_NewRef(Py_None);
+  if (seg == nullptr) return nullptr;
+  return Py_BuildValue("(kKN)", static_cast<unsigned long>(slot.segment), static_cast<unsigned long long>(slot.offset), seg);
+}
+
+// free(segment, offset, nbytes): ValueError unless it is exactly a live slot
+PyObject* arena_free(PyObject* self, PyObject* args) {
+  long long segment = 0, offset = 0, nbytes = 0;
+  if (!PyArg_ParseTuple(args, "LLL", &segment, &offset, &nbytes)) return nullptr;
+  if (segment < 0 || segment > static_cast<long long>(UINT32_MAX) || offset < 0 || nbytes < 0) {
+    PyErr_SetString(PyExc_ValueError, "not a slot of this arena");
+    return nullptr;
+  }
+  const std::string why = arena_of(self).free(
+      smddp::Slot{static_cast<std::uint32_t>(segment), static_cast<std::uint64_t>(offset), static_cast<std::uint64_t>(nbytes)});
+  if (!why.empty()) {
+    PyErr_SetString(PyExc_ValueError, why.c_str());
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
+PyObject* arena_close(PyObject* self, PyObject*) {
+  arena_of(self).close();
+  Py_RETURN_NONE;
+}
+
+PyObject* get_in_use(PyObject* self, void*) { return PyLong_FromUnsignedLongLong(arena_of(self).in_use()); }
+
+PyMethodDef kArenaMethods[] = {
+    {"alloc", arena_alloc, METH_O, "alloc(nbytes) -> (segment, offset, new Segment or None)"},
+    {"free", arena_free, METH_VARARGS, "free(segment, offset, nbytes): ValueError unless a live slot"},
+    {"close", arena_close, METH_NOARGS, "close(): drop every segment and slot"},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyGetSetDef kArenaGetters[] = {
+    {"in_use", get_in_use, nullptr, "bytes in live slots (rounded to the slot alignment)", nullptr},
+    {nullptr, nullptr, nullptr, nullptr, nullptr},
+};
+
+PyType_Slot kArenaSlots[] = {
+    {Py_tp_new, reinterpret_cast<void*>(arena_new)},
+    {Py_tp_dealloc, reinterpret_cast<void*>(arena_dealloc)},
+    {Py_tp_methods, kArenaMethods},
+    {Py_tp_getset, kArenaGetters},
+    {Py_tp_doc, const_cast<char*>("First fit over growing memfd segments (smddp/engine/arena.h); thread-safe.")},
+    {0, nullptr},
+};
+
+PyType_Spec kArenaSpec = {
+    "smddp._engine.Arena",
+    sizeof(ArenaObject),
+    0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
+    kArenaSlots,
+};
+
 PyMethodDef kMethods[] = {
     {"decode_header", py_decode_header, METH_O,
      "decode_header(data) -> (type, flags, dtype, op, kind, sender, seq, shard, aux, offset, length, count)"},
@@ -911,6 +1164,9 @@ PyMethodDef kMethods[] = {
      "reduce16(kind, op, inputs, out, divisor) -> block indices (NaN) left for the caller"},
     {"reduce", py_reduce, METH_VARARGS,
      "reduce(dtype, op, inputs, out, divisor) -> None: uint8, int32, int64, float32, float64"},
+    {"segment_create", py_segment_create, METH_VARARGS, "segment_create(id, size, name) -> Segment (sealed memfd)"},
+    {"segment_attach", py_segment_attach, METH_VARARGS,
+     "segment_attach(id, fd, size, writable) -> Segment; takes the fd over"},
     {"has_f16c", py_has_f16c, METH_NOARGS, "Whether float16 can be reduced here (x86-64 with AVX2 and F16C)"},
     {"shard_range", py_shard_range, METH_VARARGS, "shard_range(count, nshards, shard) -> (start, end)"},
     {"locate_block", py_locate_block, METH_VARARGS,
@@ -934,8 +1190,15 @@ int exec_module(PyObject* module) {
   state(module)->node_state_type = PyType_FromModuleAndSpec(module, &kNodeStateSpec, nullptr);
   if (state(module)->node_state_type == nullptr) return -1;
   if (PyModule_AddObjectRef(module, "NodeState", state(module)->node_state_type) != 0) return -1;
+  state(module)->segment_type = PyType_FromModuleAndSpec(module, &kSegmentSpec, nullptr);
+  if (state(module)->segment_type == nullptr) return -1;
+  if (PyModule_AddObjectRef(module, "Segment", state(module)->segment_type) != 0) return -1;
+  state(module)->arena_type = PyType_FromModuleAndSpec(module, &kArenaSpec, nullptr);
+  if (state(module)->arena_type == nullptr) return -1;
+  if (PyModule_AddObjectRef(module, "Arena", state(module)->arena_type) != 0) return -1;
   if (PyModule_AddIntConstant(module, "HEADER_SIZE", static_cast<long>(smddp::kHeaderSize)) != 0) return -1;
   if (PyModule_AddIntConstant(module, "BLOCK", static_cast<long>(smddp::kReduceBlock)) != 0) return -1;
+  if (PyModule_AddIntConstant(module, "SLOT_ALIGN", static_cast<long>(smddp::kSlotAlign)) != 0) return -1;
   return 0;
 }
 
@@ -945,6 +1208,8 @@ int traverse(PyObject* module, visitproc visit, void* arg) {
   Py_VISIT(state(module)->peer_lost_error);
   Py_VISIT(state(module)->collective_type);
   Py_VISIT(state(module)->node_state_type);
+  Py_VISIT(state(module)->segment_type);
+  Py_VISIT(state(module)->arena_type);
   return 0;
 }
 
@@ -954,6 +1219,8 @@ int clear(PyObject* module) {
   Py_CLEAR(state(module)->peer_lost_error);
   Py_CLEAR(state(module)->collective_type);
   Py_CLEAR(state(module)->node_state_type);
+  Py_CLEAR(state(module)->segment_type);
+  Py_CLEAR(state(module)->arena_type);
   return 0;
 }
 
