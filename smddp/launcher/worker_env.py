@@ -178,8 +178,15 @@ def run_worker(command: list[str], prefix: str, report: Report | None) -> int:
     if joined is not None:
         joined.start()
     forwarded = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+    torn_down = threading.Event()  # told to end (teardown, scancel, the launcher gone): no report
+
+    def forward(n: int, _f: object) -> None:
+        if n in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            torn_down.set()
+        child.send_signal(n)
+
     for sig in forwarded:
-        signal.signal(sig, lambda n, _f: child.send_signal(n))
+        signal.signal(sig, forward)
     pumps = []
     if prefix:
         tag = prefix.encode()
@@ -193,7 +200,9 @@ def run_worker(command: list[str], prefix: str, report: Report | None) -> int:
     code = shell_status(child.wait())
     for sig in forwarded:  # from here a SIGTERM (mpirun's teardown) ends the wrapper itself
         signal.signal(sig, signal.SIG_DFL)
-    if report is not None and joined is not None:
+    # A wrapper told to end does not wait on a daemon that is being torn down too (up to
+    # REPORT_TIMEOUT_S): it ends with its worker.
+    if report is not None and joined is not None and not torn_down.is_set():
         if not joined.settle():
             report.send(code)
         elif code != 0:
