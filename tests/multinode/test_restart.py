@@ -46,10 +46,15 @@ def test_a_lost_node_fails_the_job_then_a_restart_goes_on_without_it(tmp_path: P
         status, out, err = _run_and_lose_node(cluster, tmp_path / "a", [])
         lost = cluster.hosts()[2]
         assert status == 1, out[-2000:] + err[-3000:]
-        # The nodes left were torn down by mpirun and said so; the lost one never said anything.
+        # The lost node is named either way: by the ledger when mpirun reports success (the nodes
+        # left were torn down by mpirun and said so; the lost one never said anything), or by the
+        # probe of the hosts when mpirun itself reports the failure (which it does in some runs).
         hosts = cluster.hosts()
-        assert f"the job did not finish: node 0 ({hosts[0]}) (stopped by signal 15" in err, err[-3000:]
-        assert f"node 2 ({lost}) (its daemon never said how it ended)" in err, err[-3000:]
+        by_ledger = f"node 2 ({lost}) (its daemon never said how it ended)" in err
+        by_probe = f"1 node(s) lost or unreachable (a crash): {lost} (it does not answer" in err
+        assert by_ledger or by_probe, err[-3000:]
+        if by_ledger:
+            assert f"the job did not finish: node 0 ({hosts[0]}) (stopped by signal 15" in err, err[-3000:]
     finally:
         cluster.down()
     cluster = SimCluster(ClusterConfig(nodes=3, prefix=PREFIX, subnet=SUBNET, uplink=True)).up()
