@@ -107,6 +107,24 @@ def need_programs(*names: str, install: str) -> None:
         skip_or_fail(f"these tests need {', '.join(missing)} (apt-get install {install}; .ci/run does)")
 
 
+def processes_in_nodes(namespaces: list[str], hosts: list[str], keep: set[int]) -> list[str]:
+    """Every live process in the simulated nodes' namespaces but `keep` (the servers a rig started):
+    what a job, a login or a launcher left running, each with its state and parent."""
+    found = []
+    for ns, host in zip(namespaces, hosts, strict=True):
+        out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout
+        for pid in (int(p) for p in out.split()):
+            if pid in keep:
+                continue
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+                state, ppid = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[:2]
+            except (OSError, ValueError):
+                continue  # gone meanwhile
+            found.append(f"{host}: {pid} (state {state}, parent {ppid}) {cmd[:150]}")
+    return found
+
+
 def need_root(what: str) -> None:
     """Root on Linux (network namespaces, veth, tc, AF_PACKET); skips here without it, fails in CI."""
     if not (sys.platform.startswith("linux") and os.geteuid() == 0):

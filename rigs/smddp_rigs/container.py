@@ -26,7 +26,7 @@ from types import TracebackType
 from typing import Any
 
 from smddp_rigs.simcluster import SimCluster, SimClusterError, _end_pids
-from smddp_rigs.sshd import KEY_PARENT, _find
+from smddp_rigs.sshd import KEY_PARENT, keygen
 
 #: How long start() waits for every node's sshd.
 SSHD_START_S = 30.0
@@ -56,23 +56,7 @@ class ContainerNodes:
             self.dir = Path(tempfile.mkdtemp(prefix=f"{self.cluster.config.prefix}-ctr-", dir=KEY_PARENT))
             secret = self.dir / "secret"
             secret.mkdir(mode=0o700)
-            subprocess.run(
-                [
-                    _find("ssh-keygen"),
-                    "-q",
-                    "-t",
-                    "ed25519",
-                    "-N",
-                    "",
-                    "-C",
-                    "smddp-mpijob",
-                    "-f",
-                    str(secret / "id_ed25519"),
-                ],
-                check=True,
-                capture_output=True,
-                timeout=30,
-            )
+            keygen(secret / "id_ed25519", "smddp-mpijob")
             shutil.copy(secret / "id_ed25519.pub", secret / "authorized_keys")
             for i in range(self.cluster.config.nodes):
                 self._image_etc_ssh(i)

@@ -28,6 +28,7 @@ from pathlib import Path
 from types import TracebackType
 
 from smddp_rigs.simcluster import SimCluster, SimClusterError, _end_pids
+from smddp_rigs.sshd import find_program
 
 #: How long start() waits for every node to be idle in sinfo.
 SLURM_START_S = 60.0
@@ -40,13 +41,7 @@ STOP_S = 5.0
 
 
 def _find(name: str) -> str:
-    for d in ("/usr/sbin", "/usr/bin", "/sbin", "/bin"):
-        if os.access(path := f"{d}/{name}", os.X_OK):
-            return path
-    found = shutil.which(name)
-    if not found:
-        raise SimClusterError(f"{name} not found: install munge slurmctld slurmd slurm-client (apt)")
-    return found
+    return find_program(name, "munge slurmctld slurmd slurm-client")
 
 
 class SlurmCluster:

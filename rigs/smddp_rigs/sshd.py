@@ -33,14 +33,25 @@ KEY_PARENT = "/run"
 SSHD_START_S = 20.0
 
 
-def _find(name: str) -> str:
+def find_program(name: str, install: str = "openssh-server openssh-client") -> str:
+    """A server program's absolute path (sbin first: PATH may lack it); says what to install if none."""
     for d in ("/usr/sbin", "/usr/bin", "/sbin", "/bin"):
         if os.access(path := f"{d}/{name}", os.X_OK):
             return path
     found = shutil.which(name)
     if not found:
-        raise SimClusterError(f"{name} not found: install openssh-server and openssh-client (apt)")
+        raise SimClusterError(f"{name} not found: install {install} (apt)")
     return found
+
+
+def keygen(path: Path, comment: str) -> None:
+    """A new ed25519 key pair without a passphrase at `path` and `path`.pub."""
+    subprocess.run(
+        [find_program("ssh-keygen"), "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(path)],
+        check=True,
+        capture_output=True,
+        timeout=30,
+    )
 
 
 class SshNodes:
@@ -82,7 +93,7 @@ class SshNodes:
         with open(d / f"sshd-{name}.log", "ab") as log:
             self._servers[i] = self.cluster.popen(
                 i,
-                [_find("sshd"), "-D", "-e", "-f", str(conf)],
+                [find_program("sshd"), "-D", "-e", "-f", str(conf)],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=log,
@@ -171,24 +182,7 @@ class SshNodes:
         return self.dir
 
     def _keygen(self, name: str) -> None:
-        path = self._dir() / name
-        subprocess.run(
-            [
-                _find("ssh-keygen"),
-                "-q",
-                "-t",
-                "ed25519",
-                "-N",
-                "",
-                "-C",
-                f"smddp-rig-{name}",
-                "-f",
-                str(path),
-            ],
-            check=True,
-            capture_output=True,
-            timeout=30,
-        )
+        keygen(self._dir() / name, f"smddp-rig-{name}")
 
     def _write_client_files(self) -> None:
         d, cfg = self._dir(), self.cluster.config

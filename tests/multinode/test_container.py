@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +13,7 @@ import pytest
 from smddp_rigs.container import ContainerNodes
 from smddp_rigs.simcluster import ClusterConfig, SimCluster, cleanup_stale
 
-from tests.conftest import BIN, REPO, job_env, need_programs, need_root
+from tests.conftest import BIN, REPO, job_env, need_programs, need_root, processes_in_nodes
 
 pytestmark = pytest.mark.multinode
 
@@ -72,14 +71,9 @@ def test_launcher_pod_runs_a_job_across_the_worker_pods(pods, tmp_path, clean_ho
     assert _host_ssh_state() == before
     # Nothing but each pod's sshd is left in the pods.
     deadline = time.monotonic() + 10
-    while True:
-        left = []
-        for i in range(WORKERS + 1):
-            out = subprocess.run(
-                ["ip", "netns", "pids", cluster.netns(i)], capture_output=True, text=True
-            ).stdout
-            left += [p for p in map(int, out.split()) if p not in ctr.server_pids()]
-        if not left or time.monotonic() > deadline:
-            break
+    namespaces = [cluster.netns(i) for i in range(WORKERS + 1)]
+    while (
+        left := processes_in_nodes(namespaces, cluster.hosts(), ctr.server_pids())
+    ) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not left, left

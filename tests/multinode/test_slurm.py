@@ -4,7 +4,6 @@ squeue and scontrol, over ssh and over the srun agent; scancel in the middle of 
 from __future__ import annotations
 
 import json
-import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -15,7 +14,7 @@ from smddp_rigs.simcluster import ClusterConfig, SimCluster, cleanup_stale
 from smddp_rigs.slurm import SlurmCluster
 from smddp_rigs.sshd import SshNodes
 
-from tests.conftest import BIN, REPO, job_env, need_programs, need_root
+from tests.conftest import BIN, REPO, job_env, need_programs, need_root, processes_in_nodes
 
 pytestmark = pytest.mark.multinode
 
@@ -87,25 +86,10 @@ def wait_done(site: Site, job: str, timeout: float = 240) -> dict[str, str]:
 
 def processes_on_nodes(site: Site) -> list[str]:
     """Every process in the nodes but the servers the rigs started (sshd, slurmctld, slurmd)."""
-    servers = site.ssh.server_pids() | site.slurm.daemon_pids()
-    found = []
-    for i in range(NODES):
-        out = subprocess.run(
-            ["ip", "netns", "pids", site.cluster.netns(i)], capture_output=True, text=True
-        ).stdout
-        for pid in map(int, out.split()):
-            if pid in servers:
-                continue
-            try:
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-            except OSError:
-                continue
-            try:  # its state and parent, so that a failure says how it escaped
-                state, ppid = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[:2]
-            except (OSError, ValueError):
-                state, ppid = "?", "?"
-            found.append(f"{site.cluster.hosts()[i]}: {pid} (state {state}, parent {ppid}) {cmd[:150]}")
-    return found
+    namespaces = [site.cluster.netns(i) for i in range(NODES)]
+    return processes_in_nodes(
+        namespaces, site.cluster.hosts(), site.ssh.server_pids() | site.slurm.daemon_pids()
+    )
 
 
 def assert_nothing_left(site: Site, within: float = 20) -> None:

@@ -7,13 +7,12 @@ import os
 import subprocess
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from smddp_rigs.simcluster import ClusterConfig, SimCluster, cleanup_stale
 from smddp_rigs.sshd import SshNodes
 
-from tests.conftest import BIN, REPO, job_env, need_programs, need_root
+from tests.conftest import BIN, REPO, job_env, need_programs, need_root, processes_in_nodes
 
 pytestmark = pytest.mark.multinode
 
@@ -56,18 +55,7 @@ def launch(cluster: SimCluster, env: dict[str, str], args: list[str], timeout: f
 
 def left_on_nodes(cluster: SimCluster, ssh: SshNodes) -> list[str]:
     """Processes in the nodes other than their listening sshd: what a job or a login left running."""
-    servers = ssh.server_pids()
-    found = []
-    for i in range(NODES):
-        out = subprocess.run(["ip", "netns", "pids", cluster.netns(i)], capture_output=True, text=True).stdout
-        for pid in (int(p) for p in out.split()):
-            if pid not in servers:
-                try:
-                    cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-                except OSError:
-                    continue
-                found.append(f"{cluster.hosts()[i]}: {pid} {cmd[:120]}")
-    return found
+    return processes_in_nodes([cluster.netns(i) for i in range(NODES)], cluster.hosts(), ssh.server_pids())
 
 
 def assert_nothing_left(cluster: SimCluster, ssh: SshNodes) -> None:
