@@ -22,6 +22,7 @@ from typing import Any
 
 from smddp.bench.worker import ITEMSIZE, Case
 from smddp.settings import default
+from smddp.transport.netif import service_port
 
 #: Every implementation the bench knows; "mpi-ring" is Open MPI with the ring algorithm forced.
 IMPLS = ("smddp", "mpi", "mpi-ring", "gloo")
@@ -220,12 +221,6 @@ def _bin(name: str) -> str:
     return found
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
-
-
 def mpi_settings(impl: str, ranks_here: int, cores: int) -> list[str]:
     """The Open MPI options of a baseline run: the fair defaults, plus the forced ring for mpi-ring."""
     args = ["--oversubscribe", "--bind-to", "none"]
@@ -290,7 +285,7 @@ def build_command(
     if impl == "gloo":
         master = p.cluster.addr(0) if p.cluster is not None else "127.0.0.1"
         ifname = "eth0" if p.cluster is not None else "lo"
-        gloo_env = {"MASTER_ADDR": master, "MASTER_PORT": str(_free_port()), "GLOO_SOCKET_IFNAME": ifname}
+        gloo_env = {"MASTER_ADDR": master, "MASTER_PORT": str(service_port()), "GLOO_SOCKET_IFNAME": ifname}
         for k, v in gloo_env.items():
             cmd += ["-x", f"{k}={v}"]
         settings.update(gloo_env, torch_threads=opts.torch_threads)

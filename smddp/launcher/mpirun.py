@@ -10,7 +10,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from smddp.lifetime import signal_on_parent_death
 from smddp.settings import daemon_args, default, worker_env
 from smddp.transport.bootstrap import default_socket_dir, job_dirs
 from smddp.transport.ledger import NEVER_SAID, Ledger
+from smddp.transport.netif import service_port
 
 
 @dataclass(frozen=True)
@@ -289,18 +289,11 @@ def _with_worker_env(
         "--master-addr",
         master,
         "--master-port",
-        str(_free_port()),
+        str(service_port()),
         *(["--tag-output"] if tag_output else []),
         "--",
         *command,
     ]
-
-
-def _free_port() -> int:
-    """A TCP port free on this host now, for torch.distributed's store (MASTER_PORT)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
 
 
 # After the workers have ended, how long the daemons get to finish by themselves (every rank said

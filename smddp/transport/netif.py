@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import ipaddress
+import random
 import socket
 import struct
 from dataclasses import dataclass
@@ -44,6 +45,38 @@ def interfaces() -> list[Interface]:
                 continue  # no IPv4 address on this interface
             out.append(Interface(name, addr, mask, bool(flags & _IFF_UP), bool(flags & _IFF_LOOPBACK)))
     return out
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def service_port(attempts: int = 200) -> int:
+    """A TCP port free on this host now and outside the kernel's ephemeral range, for a server that
+    another process will bind later (torch.distributed's store: MASTER_PORT).
+
+    A port the kernel handed out for ("", 0) is released when we close it, and the kernel may hand it
+    out again before its real owner binds it: to a daemon's listener (bound to port 0), whose peers
+    then take the store's connections (seen in CI: a TCPStore read the daemon's magic), or to an
+    outgoing connection. Ports outside the ephemeral range are never handed out by the kernel.
+    """
+    lo, hi = _ephemeral_range()
+    below, above = (10000, lo) if lo > 10000 else (1024, lo)
+    pool = list(range(below, above)) + list(range(hi + 1, 65536))
+    rng = random.Random()  # its own generator: a job's seeded `random` must not pick the same ports
+    for port in rng.sample(pool, min(attempts, len(pool))):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    raise ConfigError(f"no free TCP port outside the ephemeral range {lo}-{hi} after {attempts} tries")
 
 
 def resolve_bind_address(spec: str, single_host: bool) -> str:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from smddp.transport.netif import service_port
 from tests.conftest import BIN, REPO, job_env, need_programs
 
 pytestmark = pytest.mark.observability
@@ -48,9 +48,7 @@ def wait_for_job(proc: subprocess.Popen, job: str, timeout: float = 60) -> None:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return service_port()  # never one the kernel may hand a daemon's listener meanwhile
 
 
 @pytest.fixture

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
 from smddp.errors import ConfigError
@@ -13,7 +15,7 @@ from smddp.launcher.hosts import (
     parse_hostfile,
     slurm_hosts,
 )
-from smddp.transport.netif import interfaces, resolve_bind_address
+from smddp.transport.netif import interfaces, resolve_bind_address, service_port
 
 
 def test_host_list():
@@ -73,3 +75,15 @@ def test_bind_address():
     for bad in ("no-such-if0", "203.0.113.0/24", "10.0.0.0/99"):
         with pytest.raises(ConfigError):
             resolve_bind_address(bad, single_host=False)
+
+
+def test_service_port_is_never_one_the_kernel_hands_out():
+    """MASTER_PORT must not be a port a daemon's listener (bound to port 0) can get meanwhile."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        lo, hi = (int(x) for x in f.read().split())
+    ports = {service_port() for _ in range(50)}
+    assert all(not lo <= p <= hi for p in ports), ports
+    assert len(ports) > 1  # drawn, not a fixed port two jobs would fight over
+    for port in ports:
+        with socket.socket() as s:
+            s.bind(("", port))  # and free
