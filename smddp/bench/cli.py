@@ -22,9 +22,11 @@ def parse_list(text: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
-def common_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--repeats", type=int, default=5, help="timed rounds per launch")
-    p.add_argument("--warmup", type=int, default=1, help="untimed rounds before them")
+def common_flags(p: argparse.ArgumentParser, rounds: bool = True) -> None:
+    """Flags every subcommand shares; `rounds`: the all-reduce loop's timed and untimed rounds too."""
+    if rounds:
+        p.add_argument("--repeats", type=int, default=5, help="timed rounds per launch")
+        p.add_argument("--warmup", type=int, default=1, help="untimed rounds before them")
     p.add_argument("--rounds", type=int, default=None, help="launches per implementation, interleaved")
     p.add_argument("--out", default="bench-results", help="output directory")
     for name, flag in (
@@ -41,8 +43,8 @@ def common_flags(p: argparse.ArgumentParser) -> None:
 
 def run_options(a: argparse.Namespace) -> RunOptions:
     return RunOptions(
-        repeats=a.repeats,
-        warmup=a.warmup,
+        repeats=getattr(a, "repeats", RunOptions.repeats),
+        warmup=getattr(a, "warmup", RunOptions.warmup),
         chunk_kb=a.chunk_kb,
         threads=a.threads,
         replicate_kb=a.replicate_kb,
@@ -91,6 +93,21 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--py-spy", action="store_true", help="also sample one daemon and one worker")
     pr.add_argument("--name", default="profile")
     common_flags(pr)
+    d = sub.add_parser("ddp", help="a DDP training step on smddp against gloo (the user's number)")
+    d.add_argument(
+        "--nodes", type=int, default=2, help="nodes (simulated with --sim, else smddp --local-nodes)"
+    )
+    d.add_argument("--per-node", type=int, default=2, help="workers per node")
+    d.add_argument("--sim", action="store_true", help="run on a simulated cluster (network namespaces, root)")
+    d.add_argument("--rate-mbit", type=float, default=None, help="shape simulated links (tbf)")
+    d.add_argument("--width", type=int, default=1024, help="the MLP's hidden width")
+    d.add_argument("--depth", type=int, default=11, help="hidden layers (11 x 1024 wide: 11.8 M parameters)")
+    d.add_argument("--batch", type=int, default=64, help="samples per rank and step")
+    d.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb")
+    d.add_argument("--steps", type=int, default=20, help="timed steps per launch")
+    d.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
+    d.add_argument("--name", default="ddp", help="output file stem")
+    common_flags(d, rounds=False)
     r = sub.add_parser("report", help="write the markdown (and PNG) of sweep results again from their JSON")
     r.add_argument("results", nargs="+", help="sweep JSON files (NAME.json, as `sweep` wrote them)")
     r.add_argument("--out", default="", help="output directory (default: beside each JSON file)")
@@ -146,6 +163,26 @@ def main(argv: list[str] | None = None) -> int:
                     options=run_options(a),
                     outdir=a.out,
                     name=a.name,
+                )
+            )
+            return 0
+        if a.cmd == "ddp":
+            from smddp.bench.ddp import DdpConfig, run_ddp
+
+            run_ddp(
+                DdpConfig(
+                    topology=Topology(nodes=a.nodes, per_node=a.per_node, sim=a.sim, rate_mbit=a.rate_mbit),
+                    options=run_options(a),
+                    width=a.width,
+                    depth=a.depth,
+                    batch=a.batch,
+                    bucket_mb=a.bucket_mb,
+                    steps=a.steps,
+                    warmup=a.warmup,
+                    rounds=a.rounds or 3,
+                    outdir=a.out,
+                    name=a.name,
+                    command=command,
                 )
             )
             return 0

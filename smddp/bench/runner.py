@@ -237,9 +237,18 @@ def mpi_settings(impl: str, ranks_here: int, cores: int) -> list[str]:
 
 
 def build_command(
-    impl: str, p: Place, cases: Sequence[Case], outdir: str, job_id: str = "", opts: RunOptions | None = None
+    impl: str,
+    p: Place,
+    cases: Sequence[Case],
+    outdir: str,
+    job_id: str = "",
+    opts: RunOptions | None = None,
+    program: Sequence[str] = (),
 ) -> tuple[list[str], dict[str, str], dict[str, Any]]:
-    """The command line, extra environment and printed settings of one implementation's run."""
+    """The command line, extra environment and printed settings of one implementation's run.
+
+    Every rank runs the all-reduce loop of `smddp.bench.worker` over `cases`, or `program` instead.
+    """
     topo, opts = p.topo, opts or p.opts
     cores = os.cpu_count() or 1
     worker = [sys.executable, "-m", "smddp.bench.worker", "--impl", impl.split("-")[0]]
@@ -250,6 +259,8 @@ def build_command(
         worker += ["--progress", opts.progress]
     for c in cases:
         worker += ["--case", c.spec()]
+    if program:
+        worker = list(program)
     env: dict[str, str] = {"PYTHONUNBUFFERED": "1"}
     settings: dict[str, Any] = {}
     if impl == "smddp":
@@ -296,7 +307,7 @@ def build_command(
     return cmd, env, settings
 
 
-def _run(cmd: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
+def run_command(cmd: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
     proc = subprocess.Popen(
         cmd,
         env={**os.environ, **env},
@@ -335,7 +346,7 @@ def run_impl(
         if log is not None:
             print(f"# {impl}: {shlex.join(cmd)}", file=log, flush=True)
         t0 = time.monotonic()
-        proc = _run(cmd, env, (opts or p.opts).timeout_s)
+        proc = run_command(cmd, env, (opts or p.opts).timeout_s)
         wall = time.monotonic() - t0
         ranks = p.topo.workers
         files = [Path(outdir) / f"rank{r}.json" for r in range(ranks)]

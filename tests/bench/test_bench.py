@@ -11,7 +11,7 @@ import pytest
 
 from smddp.bench.cli import parse_sizes
 from smddp.bench.runner import OMPI_RING, busbw_factor, mpi_settings
-from tests.conftest import BIN, REPO
+from tests.conftest import BIN, REPO, need_module
 
 pytestmark = pytest.mark.bench
 
@@ -87,12 +87,42 @@ def test_tiny_sweep_writes_consistent_json_and_markdown(tmp_path):
     assert (again / "tiny.md").read_text() == md
 
 
+@pytest.mark.timeout(150)
+def test_tiny_ddp_step_benchmark(tmp_path):
+    """`smddp-bench ddp`: stock DDP on smddp (2 local nodes) and on gloo, launches interleaved."""
+    need_module("torch", "make setup installs it")
+    cmd = [
+        str(BIN / "smddp-bench"),
+        *("ddp", "--width", "64", "--depth", "1", "--steps", "3", "--warmup", "1", "--rounds", "2"),
+        *("--out", str(tmp_path), "--name", "tinyddp", "--timeout", "120"),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=140, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # Interleaved: smddp, gloo, smddp, gloo.
+    order = [line.split()[-1] for line in proc.stderr.splitlines() if "smddp-bench ddp: round" in line]
+    assert order == ["smddp", "gloo", "smddp", "gloo"], proc.stderr
+    res = json.loads((tmp_path / "tinyddp.json").read_text())
+    assert res["kind"] == "ddp" and res["ranks"] == 4
+    assert res["params"] == 256 * 64 + 64 + 64 * 64 + 64 + 64 * 10 + 10
+    for impl in ("smddp", "gloo"):
+        runs = res["runs"][impl]
+        assert len(runs) == 2
+        for r in runs:
+            assert len(r["step_s"]) == 3 and all(s > 0 for s in r["step_s"])
+            assert r["torch_threads"] == 1
+    assert "--local-nodes 2" in res["runs"]["smddp"][0]["command"]
+    assert res["runs"]["gloo"][0]["command"].split()[0].endswith("mpirun")
+    assert res["ratio"] == pytest.approx(res["median_s"]["smddp"] / res["median_s"]["gloo"])
+    md = (tmp_path / "tinyddp.md").read_text()
+    assert f"smddp / gloo: **{res['ratio']:.3f}**" in md and "| gloo |" in md
+
+
 def test_module_entry_point_prints_help():
     proc = subprocess.run(
         [sys.executable, "-m", "smddp.bench", "--help"], capture_output=True, text=True, timeout=60, cwd=REPO
     )
     assert proc.returncode == 0
-    assert all(cmd in proc.stdout for cmd in ("sweep", "profile", "report")), proc.stdout
+    assert all(cmd in proc.stdout for cmd in ("sweep", "profile", "ddp", "report")), proc.stdout
     # The runs behind BENCHMARKS.md are rigs, outside the package.
     assert "targets" not in proc.stdout and "model" not in proc.stdout
     proc = subprocess.run(

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from smddp.bench.ddp import ddp_markdown
 from smddp.bench.profile import profile_markdown
 from smddp.bench.report import comparison_table, settings_lines
 from smddp.bench.runner import ImplRun, Topology
@@ -23,6 +24,8 @@ MAKE_BENCH = (
     "smddp-bench profile --sim --nodes 4 --per-node 1 --rate-mbit 1000 --size 4K --py-spy --name profile-sim4-4k --out bench-results",
     "smddp-bench profile --sim --nodes 4 --per-node 1 --rate-mbit 1000 --size 64M --seconds 12 --py-spy --name profile-sim4-64m --out bench-results",
     "smddp-bench profile --sim --nodes 4 --per-node 1 --rate-mbit 1000 --delay-ms 0.5 --size 256K --py-spy --name profile-sim4d-256k --out bench-results",
+    "smddp-bench ddp --nodes 2 --per-node 2 --out bench-results --name ddp-host4",
+    "smddp-bench ddp --sim --nodes 4 --per-node 1 --rate-mbit 1000 --out bench-results --name ddp-sim4",
     "python -m smddp_rigs.bench targets --out bench-results",
     "python -m smddp_rigs.bench model --check --out bench-results",
     "python -m smddp_rigs.bench benchmarks --targets bench-results/targets.json --model bench-results/model.json --sweeps bench-results --out BENCHMARKS.md",
@@ -117,6 +120,7 @@ def render(
     sweeps: list[dict[str, Any]],
     profiles: list[dict[str, Any]] | None = None,
     gpu_md: str | None = None,
+    ddps: list[dict[str, Any]] | None = None,
 ) -> str:
     cks = [Check(**{k: v for k, v in c.items() if k != "met"}) for c in targets["checks"]]
     misses = [m for m in (_miss(c) for c in cks) if m]
@@ -235,6 +239,16 @@ def render(
                 settings_lines(runs),
                 "",
             ]
+    if ddps:
+        out += [
+            "## DDP training step (the user's number, issue 17)",
+            "",
+            "`smddp-bench ddp`: stock torch DDP on the `smddp` backend against gloo, the same script "
+            "(`smddp/bench/ddp_worker.py`) under smddp-launch and under a plain mpirun.",
+            "",
+        ]
+        for d in ddps:
+            out += [f"Command: `{d['command']}` ({d['wall_s'] / 60:.1f} min).", "", ddp_markdown(d), ""]
     if profiles:
         out += [
             "## Profiles",
@@ -276,10 +290,11 @@ def write_benchmarks_md(cfg: ReportConfig, log: TextIO = sys.stderr) -> None:
             (c for c in MAKE_BENCH if f"--name {name} " in c), f"smddp-bench profile ({name})"
         )
         profiles.append(pr)
+    ddps = [json.loads(path.read_text()) for path in sorted(Path(cfg.sweeps).glob("ddp*.json"))]
     gpu = Path(cfg.sweeps) / "gpu" / "gpu.json"
     # Only a run on a real device goes in: the stand-in's numbers say nothing about a GPU.
     gpu_md = None
     if gpu.exists() and json.loads(gpu.read_text()).get("runtime") not in (None, "standin"):
         gpu_md = gpu.with_suffix(".md").read_text()
-    Path(cfg.out).write_text(render(targets, model, sweeps, profiles, gpu_md))
+    Path(cfg.out).write_text(render(targets, model, sweeps, profiles, gpu_md, ddps))
     print(f"smddp-bench: wrote {cfg.out}", file=log)

@@ -1,0 +1,156 @@
+"""`smddp-bench ddp`: the user's number, a DDP training step's time on smddp against gloo, interleaved."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from smddp.bench.runner import (
+    BenchError,
+    RunOptions,
+    Topology,
+    build_command,
+    have_torch,
+    machine_info,
+    place,
+    run_command,
+)
+
+IMPLS = ("smddp", "gloo")
+
+
+@dataclass(frozen=True)
+class DdpConfig:
+    topology: Topology = field(default_factory=lambda: Topology(nodes=2, per_node=2))
+    options: RunOptions = field(default_factory=RunOptions)
+    width: int = 1024
+    depth: int = 11  # with width 1024 and 256 inputs: 11.8 M parameters, 45 MiB of float32 gradients
+    inputs: int = 256
+    batch: int = 64
+    bucket_mb: float = 25.0  # torch DDP's default bucket_cap_mb
+    steps: int = 20
+    warmup: int = 3
+    rounds: int = 3  # launches per implementation, interleaved
+    outdir: str = "bench-results"
+    name: str = "ddp"
+    command: str = ""
+
+    def __post_init__(self) -> None:
+        if self.rounds < 1 or self.steps < 1 or self.warmup < 0:
+            raise ValueError("rounds and steps must be at least 1, warmup at least 0")
+
+    def program(self, impl: str, outdir: str) -> list[str]:
+        return [
+            sys.executable,
+            *("-m", "smddp.bench.ddp_worker", "--impl", impl, "--out", outdir),
+            *("--width", str(self.width), "--depth", str(self.depth), "--inputs", str(self.inputs)),
+            *("--batch", str(self.batch), "--bucket-mb", f"{self.bucket_mb:g}"),
+            *("--steps", str(self.steps), "--warmup", str(self.warmup)),
+            *("--threads", str(self.options.torch_threads)),
+        ]
+
+
+def run_once(cfg: DdpConfig, impl: str, p: Any, log: TextIO) -> dict[str, Any]:
+    """One launch of `impl`: per step the slowest rank's time, and the parameters' digest checked equal."""
+    ranks = cfg.topology.workers
+    with tempfile.TemporaryDirectory(prefix="smddp-bench-ddp-") as outdir:
+        os.chmod(outdir, 0o755)
+        cmd, env, settings = build_command(impl, p, (), outdir, program=cfg.program(impl, outdir))
+        print(f"# {impl}: {shlex.join(cmd)}", file=log, flush=True)
+        t0 = time.monotonic()
+        proc = run_command(cmd, env, cfg.options.timeout_s)
+        wall = time.monotonic() - t0
+        files = [Path(outdir) / f"rank{r}.json" for r in range(ranks)]
+        missing = [f.name for f in files if not f.exists()]
+        if proc.returncode or missing:
+            raise BenchError(
+                f"{impl} run failed (exit {proc.returncode}, missing {missing}): {shlex.join(cmd)}\n"
+                + proc.stdout[-4000:]
+            )
+        per_rank = [json.loads(f.read_text()) for f in files]
+    digests = {r["params_sha256"] for r in per_rank}
+    if len(digests) != 1:
+        raise BenchError(f"{impl}: the ranks' parameters differ after training ({len(digests)} digests)")
+    steps = [max(s) for s in zip(*(r["step_s"] for r in per_rank), strict=True)]
+    return {
+        "impl": impl,
+        "command": shlex.join(cmd),
+        "settings": settings,
+        "wall_s": wall,
+        "params": per_rank[0]["params"],
+        "torch": per_rank[0]["torch"],
+        "torch_threads": per_rank[0]["torch_threads"],
+        "step_s": steps,
+        "median_s": statistics.median(steps),
+    }
+
+
+def run_ddp(cfg: DdpConfig, log: TextIO = sys.stderr) -> dict[str, Any]:
+    """Run `rounds` launches of each implementation, interleaved; write NAME.json and NAME.md."""
+    if not have_torch():
+        raise BenchError("smddp-bench ddp needs torch (pip install torch)")
+    machine = machine_info()
+    runs: dict[str, list[dict[str, Any]]] = {i: [] for i in IMPLS}
+    t0 = time.monotonic()
+    with place(cfg.topology, cfg.options) as p:
+        for rnd in range(cfg.rounds):
+            for impl in IMPLS:
+                print(f"smddp-bench ddp: round {rnd + 1}/{cfg.rounds} {impl}", file=log, flush=True)
+                runs[impl].append(run_once(cfg, impl, p, log))
+    machine["loadavg_after"] = list(os.getloadavg())
+    pooled = {i: statistics.median(s for r in runs[i] for s in r["step_s"]) for i in IMPLS}
+    result: dict[str, Any] = {
+        "kind": "ddp",
+        "command": cfg.command,
+        "config": asdict(cfg),
+        "topology_label": cfg.topology.label(),
+        "ranks": cfg.topology.workers,
+        "machine": machine,
+        "wall_s": time.monotonic() - t0,
+        "params": runs["smddp"][0]["params"],
+        "runs": runs,
+        "median_s": pooled,
+        "ratio": pooled["smddp"] / pooled["gloo"],
+        "ratio_per_round": [
+            s["median_s"] / g["median_s"] for s, g in zip(runs["smddp"], runs["gloo"], strict=True)
+        ],
+    }
+    out = Path(cfg.outdir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{cfg.name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / f"{cfg.name}.md").write_text(ddp_markdown(result))
+    print(f"smddp-bench ddp: wrote {out}/{cfg.name}.json, .md", file=log)
+    return result
+
+
+def ddp_markdown(res: dict[str, Any]) -> str:
+    """The result as a table: step time per implementation, the ratio, and what ran."""
+    c = res["config"]
+    lines = [
+        f"DDP training step, {res['topology_label']}: an MLP of {res['params'] / 1e6:.1f} M parameters "
+        f"(width {c['width']}, depth {c['depth']}), batch {c['batch']} per rank, {c['bucket_mb']:g} MiB "
+        f"buckets, stock `torch.nn.parallel.DistributedDataParallel`, one torch thread per rank; "
+        f"{c['steps']} timed steps after {c['warmup']} untimed, {c['rounds']} launches per "
+        "implementation, interleaved. A step's time is the slowest rank's, from a barrier to the end "
+        "of its optimizer step; every rank's parameters were the same bits after training.",
+        "",
+        "| implementation | median step ms | per launch (median ms) |",
+        "| --- | ---: | --- |",
+    ]
+    for impl in IMPLS:
+        per = ", ".join(f"{r['median_s'] * 1e3:.1f}" for r in res["runs"][impl])
+        lines.append(f"| {impl} | {res['median_s'][impl] * 1e3:.1f} | {per} |")
+    rounds = ", ".join(f"{x:.3f}" for x in res["ratio_per_round"])
+    lines += ["", f"smddp / gloo: **{res['ratio']:.3f}** (per launch: {rounds}).", ""]
+    lines += ["Launched as (the first launch; the output directory differs per launch):", ""]
+    lines += [f"- {impl}: `{res['runs'][impl][0]['command']}`" for impl in IMPLS]
+    lines.append("")
+    return "\n".join(lines)
