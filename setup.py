@@ -40,6 +40,8 @@ extensions = [
             "smddp/engine/collective.cc",
             "smddp/engine/node_state.cc",
             "smddp/engine/arena.cc",
+            "smddp/engine/ring.cc",
+            "smddp/engine/local_plane.cc",
             "smddp/engine/module.cc",
         ],
         language="c++",

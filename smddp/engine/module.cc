@@ -8,7 +8,9 @@
 #include <cstdint>
 #include <initializer_list>
 #include <memory>
+#include <cstring>
 #include <new>
+#include <system_error>
 #include <string>
 #include <vector>
 
@@ -16,6 +18,7 @@
 #include "collective.h"
 #include "frame.h"
 #include "layout.h"
+#include "local_plane.h"
 #include "node_state.h"
 #include "reduce.h"
 #include "reduce16.h"
@@ -30,6 +33,8 @@ struct ModuleState {
   PyObject* node_state_type;  // the NodeState class
   PyObject* segment_type;     // the Segment class
   PyObject* arena_type;       // the Arena class
+  PyObject* plane_type;       // the LocalPlane class
+  PyObject* channel_type;     // the WorkerChannel class
 };
 
 ModuleState* state(PyObject* module) { return static_cast<ModuleState*>(PyModule_GetState(module)); }
@@ -1153,6 +1158,425 @@ PyType_Spec kArenaSpec = {
     kArenaSlots,
 };
 
+// ------------------------------------------------------------------------------------- LocalPlane
+
+// The Segment a Python argument holds, or nullptr with TypeError set.
+std::shared_ptr<smddp::Segment> segment_arg(PyObject* module, PyObject* obj) {
+  if (!PyObject_TypeCheck(obj, reinterpret_cast<PyTypeObject*>(state(module)->segment_type))) {
+    PyErr_SetString(PyExc_TypeError, "expected an smddp._engine.Segment");
+    return nullptr;
+  }
+  return *reinterpret_cast<SegmentObject*>(obj)->seg;
+}
+
+struct PlaneObject {
+  PyObject_HEAD
+  smddp::LocalPlane* plane;
+  PyObject* arena;  // the result Arena object, kept alive while the plane uses it
+};
+
+smddp::LocalPlane& plane_of(PyObject* self) { return *reinterpret_cast<PlaneObject*>(self)->plane; }
+
+// LocalPlane(node, local_size, chunk_bytes, rank_names, me, results, spin_us, push_timeout_s, attach_wait_s)
+PyObject* plane_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
+  long long node = 0, local_size = 0, chunk_bytes = 0;
+  PyObject *names_obj = nullptr, *me_obj = nullptr, *arena_obj = nullptr;
+  double spin_us = 0, push_timeout_s = 0, attach_wait_s = 0;
+  static const char* kw[] = {"node",    "local_size",     "chunk_bytes",   "rank_names", "me", "results",
+                             "spin_us", "push_timeout_s", "attach_wait_s", nullptr};
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "LLLOUOddd", const_cast<char**>(kw), &node, &local_size,
+                                   &chunk_bytes, &names_obj, &me_obj, &arena_obj, &spin_us, &push_timeout_s,
+                                   &attach_wait_s))
+    return nullptr;
+  PyObject* module = PyType_GetModule(type);
+  if (!non_negative(module, {node, local_size, chunk_bytes})) return nullptr;
+  if (local_size == 0 || chunk_bytes == 0 || node > static_cast<long long>(UINT32_MAX) ||
+      local_size > static_cast<long long>(UINT32_MAX))
+    return raise_protocol(module, "an impossible job layout");
+  if (!PyObject_TypeCheck(arena_obj, reinterpret_cast<PyTypeObject*>(state(module)->arena_type))) {
+    PyErr_SetString(PyExc_TypeError, "results must be an smddp._engine.Arena");
+    return nullptr;
+  }
+  if (spin_us < 0 || push_timeout_s <= 0 || attach_wait_s <= 0) {
+    PyErr_SetString(PyExc_ValueError, "spin_us must not be negative, the timeouts must be positive");
+    return nullptr;
+  }
+  smddp::PlaneConfig cfg;
+  if (!strings(names_obj, &cfg.rank_names) || !text(me_obj, &cfg.me)) return nullptr;
+  if (cfg.rank_names.size() != static_cast<std::size_t>(local_size)) {
+    PyErr_SetString(PyExc_ValueError, "one rank name per local rank");
+    return nullptr;
+  }
+  cfg.topo.node = static_cast<std::uint32_t>(node);
+  cfg.topo.nnodes = 1;
+  cfg.topo.local_size = static_cast<std::uint32_t>(local_size);
+  cfg.topo.world = static_cast<std::uint32_t>(local_size);  // one node: its ranks are the job
+  cfg.topo.first_rank = 0;
+  cfg.topo.chunk_bytes = static_cast<std::uint64_t>(chunk_bytes);
+  cfg.spin_ns = static_cast<std::int64_t>(spin_us * 1e3);
+  cfg.push_timeout_ns = static_cast<std::int64_t>(push_timeout_s * 1e9);
+  cfg.attach_wait_ns = static_cast<std::int64_t>(attach_wait_s * 1e9);
+  PyObject* self = type->tp_alloc(type, 0);
+  if (self == nullptr) return nullptr;
+  try {
+    reinterpret_cast<PlaneObject*>(self)->plane =
+        new smddp::LocalPlane(std::move(cfg), reinterpret_cast<ArenaObject*>(arena_obj)->arena);
+  } catch (const std::bad_alloc&) {
+    Py_DECREF(self);
+    return PyErr_NoMemory();
+  }
+  reinterpret_cast<PlaneObject*>(self)->arena = Py_NewRef(arena_obj);
+  return self;
+}
+
+void plane_dealloc(PyObject* self) {
+  PyTypeObject* type = Py_TYPE(self);
+  auto* obj = reinterpret_cast<PlaneObject*>(self);
+  if (obj->plane != nullptr) {
+    Py_BEGIN_ALLOW_THREADS  // joins the link threads
+    delete obj->plane;
+    Py_END_ALLOW_THREADS
+  }
+  Py_XDECREF(obj->arena);
+  type->tp_free(self);
+  Py_DECREF(type);
+}
+
+bool local_arg(PyObject* self, long long v, std::uint32_t* out) {
+  (void)self;
+  if (v < 0 || v > static_cast<long long>(UINT32_MAX)) {
+    PyErr_SetString(PyExc_ValueError, "local rank out of range");
+    return false;
+  }
+  *out = static_cast<std::uint32_t>(v);
+  return true;
+}
+
+// add_worker(local, rank, name, channel)
+PyObject* plane_add_worker(PyObject* self, PyObject* args) {
+  long long local = 0, rank = 0;
+  PyObject *name_obj = nullptr, *seg_obj = nullptr;
+  std::string name;
+  std::uint32_t i = 0;
+  if (!PyArg_ParseTuple(args, "LLUO", &local, &rank, &name_obj, &seg_obj) || !text(name_obj, &name) ||
+      !local_arg(self, local, &i) || !non_negative(module_of(self), {rank}))
+    return nullptr;
+  std::shared_ptr<smddp::Segment> seg = segment_arg(module_of(self), seg_obj);
+  if (!seg) return nullptr;
+  std::string why;
+  try {
+    why = plane_of(self).add_worker(i, static_cast<std::uint32_t>(rank), name, std::move(seg));
+  } catch (const std::system_error& e) {
+    why = std::string("cannot start its thread: ") + e.what();
+  }
+  if (!why.empty()) return raise_from(self, why);
+  Py_RETURN_NONE;
+}
+
+// add_segment(local, segment)
+PyObject* plane_add_segment(PyObject* self, PyObject* args) {
+  long long local = 0;
+  PyObject* seg_obj = nullptr;
+  std::uint32_t i = 0;
+  if (!PyArg_ParseTuple(args, "LO", &local, &seg_obj) || !local_arg(self, local, &i)) return nullptr;
+  std::shared_ptr<smddp::Segment> seg = segment_arg(module_of(self), seg_obj);
+  if (!seg) return nullptr;
+  const std::string why = plane_of(self).add_segment(i, std::move(seg));
+  if (!why.empty()) return raise_from(self, why);
+  Py_RETURN_NONE;
+}
+
+// remove_worker(local) -> whether it said BYE
+PyObject* plane_remove_worker(PyObject* self, PyObject* arg) {
+  const long long local = PyLong_AsLongLong(arg);
+  std::uint32_t i = 0;
+  if ((local == -1 && PyErr_Occurred()) || !local_arg(self, local, &i)) return nullptr;
+  bool bye = false;
+  Py_BEGIN_ALLOW_THREADS
+  bye = plane_of(self).remove_worker(i);
+  Py_END_ALLOW_THREADS
+  return PyBool_FromLong(bye ? 1 : 0);
+}
+
+// rank_left_early(local, joined, reason) -> recorded; raises when a collective waits for it
+PyObject* plane_rank_left_early(PyObject* self, PyObject* args) {
+  long long local = 0;
+  int joined = 0;
+  PyObject* reason_obj = nullptr;
+  std::string reason;
+  std::uint32_t i = 0;
+  if (!PyArg_ParseTuple(args, "LpU", &local, &joined, &reason_obj) || !text(reason_obj, &reason) ||
+      !local_arg(self, local, &i))
+    return nullptr;
+  bool recorded = false;
+  smddp::Verdict v;
+  Py_BEGIN_ALLOW_THREADS
+  v = plane_of(self).rank_left_early(i, joined != 0, reason, &recorded);
+  Py_END_ALLOW_THREADS
+  if (!v.ok()) return raise_verdict(self, v);
+  return PyBool_FromLong(recorded ? 1 : 0);
+}
+
+PyObject* plane_left_early(PyObject* self, PyObject* arg) {
+  const long long local = PyLong_AsLongLong(arg);
+  std::uint32_t i = 0;
+  if ((local == -1 && PyErr_Occurred()) || !local_arg(self, local, &i)) return nullptr;
+  return PyBool_FromLong(plane_of(self).left_early(i) ? 1 : 0);
+}
+
+PyObject* plane_all_ranks_gone(PyObject* self, PyObject*) {
+  return PyBool_FromLong(plane_of(self).all_ranks_gone() ? 1 : 0);
+}
+
+// name_rank(local, name)
+PyObject* plane_name_rank(PyObject* self, PyObject* args) {
+  long long local = 0;
+  PyObject* name_obj = nullptr;
+  std::string name;
+  std::uint32_t i = 0;
+  if (!PyArg_ParseTuple(args, "LU", &local, &name_obj) || !text(name_obj, &name) || !local_arg(self, local, &i))
+    return nullptr;
+  plane_of(self).name_rank(i, name);
+  Py_RETURN_NONE;
+}
+
+// waiting() -> [(seq, [local ranks not submitted yet])]
+PyObject* plane_waiting(PyObject* self, PyObject*) {
+  const auto rows = plane_of(self).waiting();
+  PyObject* out = PyList_New(0);
+  if (out == nullptr) return nullptr;
+  for (const auto& [seq, late] : rows) {
+    PyObject* ranks = PyList_New(0);
+    if (ranks == nullptr) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+    for (std::uint32_t r : late) {
+      PyObject* v = PyLong_FromUnsignedLong(r);
+      if (v == nullptr || PyList_Append(ranks, v) != 0) {
+        Py_XDECREF(v);
+        Py_DECREF(ranks);
+        Py_DECREF(out);
+        return nullptr;
+      }
+      Py_DECREF(v);
+    }
+    PyObject* row = Py_BuildValue("(KN)", static_cast<unsigned long long>(seq), ranks);
+    if (row == nullptr || PyList_Append(out, row) != 0) {
+      Py_XDECREF(row);
+      Py_DECREF(out);
+      return nullptr;
+    }
+    Py_DECREF(row);
+  }
+  return out;
+}
+
+PyObject* plane_abort(PyObject* self, PyObject*) {
+  plane_of(self).abort();
+  Py_RETURN_NONE;
+}
+
+// next_event(timeout_s) -> None, ("segment", Segment) or ("failed", fault, why)
+PyObject* plane_next_event(PyObject* self, PyObject* arg) {
+  const double timeout = PyFloat_AsDouble(arg);
+  if (timeout == -1.0 && PyErr_Occurred()) return nullptr;
+  smddp::PlaneEvent e;
+  bool got = false;
+  Py_BEGIN_ALLOW_THREADS
+  got = plane_of(self).next_event(static_cast<std::int64_t>((timeout > 0 ? timeout : 0) * 1e9), &e);
+  Py_END_ALLOW_THREADS
+  if (!got) Py_RETURN_NONE;
+  if (e.kind == smddp::PlaneEvent::kSegment) {
+    PyObject* seg = wrap_segment(module_of(self), e.segment);
+    if (seg == nullptr) return nullptr;
+    return Py_BuildValue("(sN)", "segment", seg);
+  }
+  return Py_BuildValue("(sis)", "failed", static_cast<int>(e.verdict.fault), e.verdict.why.c_str());
+}
+
+// take_completions() -> [(kind, dtype, nbytes, seconds)]
+PyObject* plane_take_completions(PyObject* self, PyObject*) {
+  const std::vector<smddp::Completion> done = plane_of(self).take_completions();
+  PyObject* out = PyList_New(static_cast<Py_ssize_t>(done.size()));
+  if (out == nullptr) return nullptr;
+  for (std::size_t i = 0; i < done.size(); i++) {
+    PyObject* row = Py_BuildValue("(BBKd)", done[i].kind, done[i].dtype, static_cast<unsigned long long>(done[i].nbytes),
+                                  done[i].seconds);
+    if (row == nullptr) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+    PyList_SET_ITEM(out, static_cast<Py_ssize_t>(i), row);
+  }
+  return out;
+}
+
+// counters() -> (collectives, reduced_bytes, reduce_seconds)
+PyObject* plane_counters(PyObject* self, PyObject*) {
+  const smddp::PlaneCounters c = plane_of(self).counters();
+  return Py_BuildValue("(KKd)", static_cast<unsigned long long>(c.collectives),
+                       static_cast<unsigned long long>(c.reduced_bytes), c.reduce_seconds);
+}
+
+PyObject* plane_close(PyObject* self, PyObject*) {
+  Py_BEGIN_ALLOW_THREADS
+  plane_of(self).close();
+  Py_END_ALLOW_THREADS
+  Py_RETURN_NONE;
+}
+
+Py_ssize_t plane_len(PyObject* self) { return static_cast<Py_ssize_t>(plane_of(self).in_flight()); }
+
+PyMethodDef kPlaneMethods[] = {
+    {"add_worker", plane_add_worker, METH_VARARGS, "add_worker(local, rank, name, channel): its thread starts"},
+    {"add_segment", plane_add_segment, METH_VARARGS, "add_segment(local, segment): an input segment it attached"},
+    {"remove_worker", plane_remove_worker, METH_O, "remove_worker(local) -> it said BYE (its ring handled first)"},
+    {"rank_left_early", plane_rank_left_early, METH_VARARGS,
+     "rank_left_early(local, joined, reason) -> recorded; raises if a collective waits for it"},
+    {"left_early", plane_left_early, METH_O, "left_early(local) -> its process ended without joining"},
+    {"all_ranks_gone", plane_all_ranks_gone, METH_NOARGS, "every local rank said BYE or left early"},
+    {"name_rank", plane_name_rank, METH_VARARGS, "name_rank(local, name)"},
+    {"waiting", plane_waiting, METH_NOARGS, "waiting() -> [(seq, [local ranks not submitted])]"},
+    {"abort", plane_abort, METH_NOARGS, "abort(): the job failed, handle nothing more"},
+    {"next_event", plane_next_event, METH_O,
+     "next_event(timeout_s) -> None, ('segment', Segment) or ('failed', fault, why)"},
+    {"take_completions", plane_take_completions, METH_NOARGS, "take_completions() -> [(kind, dtype, nbytes, s)]"},
+    {"counters", plane_counters, METH_NOARGS, "counters() -> (collectives, reduced_bytes, reduce_seconds)"},
+    {"close", plane_close, METH_NOARGS, "close(): stop every thread"},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyType_Slot kPlaneSlots[] = {
+    {Py_tp_new, reinterpret_cast<void*>(plane_new)},
+    {Py_tp_dealloc, reinterpret_cast<void*>(plane_dealloc)},
+    {Py_tp_methods, kPlaneMethods},
+    {Py_sq_length, reinterpret_cast<void*>(plane_len)},
+    {Py_tp_doc, const_cast<char*>("The daemon's data plane for a job on one node (smddp/engine/local_plane.h).")},
+    {0, nullptr},
+};
+
+PyType_Spec kPlaneSpec = {
+    "smddp._engine.LocalPlane",
+    sizeof(PlaneObject),
+    0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
+    kPlaneSlots,
+};
+
+// ---------------------------------------------------------------------------------- WorkerChannel
+
+struct ChannelObject {
+  PyObject_HEAD
+  smddp::WorkerChannel* ch;
+};
+
+smddp::WorkerChannel& channel_of(PyObject* self) { return *reinterpret_cast<ChannelObject*>(self)->ch; }
+
+// WorkerChannel(name)
+PyObject* channel_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
+  PyObject* name_obj = nullptr;
+  std::string name, why;
+  static const char* kw[] = {"name", nullptr};
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "U", const_cast<char**>(kw), &name_obj) || !text(name_obj, &name))
+    return nullptr;
+  std::unique_ptr<smddp::WorkerChannel> ch = smddp::WorkerChannel::create(name, &why);
+  if (!ch) {
+    PyErr_SetString(PyExc_OSError, why.c_str());
+    return nullptr;
+  }
+  PyObject* self = type->tp_alloc(type, 0);
+  if (self == nullptr) return nullptr;
+  reinterpret_cast<ChannelObject*>(self)->ch = ch.release();
+  return self;
+}
+
+void channel_dealloc(PyObject* self) {
+  PyTypeObject* type = Py_TYPE(self);
+  delete reinterpret_cast<ChannelObject*>(self)->ch;
+  type->tp_free(self);
+  Py_DECREF(type);
+}
+
+PyObject* channel_ring_error(PyObject* self, smddp::RingWait r, const char* what) {
+  if (r == smddp::RingWait::kTimeout) {
+    PyErr_SetString(PyExc_TimeoutError, what);
+    return nullptr;
+  }
+  return raise_from(self, channel_of(self).why());
+}
+
+// push(header, timeout_s, spin_us): TimeoutError when the ring stayed full
+PyObject* channel_push(PyObject* self, PyObject* args) {
+  Py_buffer view;
+  double timeout = 0, spin_us = 0;
+  if (!PyArg_ParseTuple(args, "y*dd", &view, &timeout, &spin_us)) return nullptr;
+  if (view.len != static_cast<Py_ssize_t>(smddp::kHeaderSize)) {
+    PyBuffer_Release(&view);
+    PyErr_SetString(PyExc_ValueError, "a descriptor is one 56-byte header");
+    return nullptr;
+  }
+  std::uint8_t frame[smddp::kHeaderSize];
+  std::memcpy(frame, view.buf, smddp::kHeaderSize);
+  PyBuffer_Release(&view);
+  smddp::RingWait r;
+  Py_BEGIN_ALLOW_THREADS
+  r = channel_of(self).push(frame, static_cast<std::int64_t>(timeout * 1e9), static_cast<std::int64_t>(spin_us * 1e3));
+  Py_END_ALLOW_THREADS
+  if (r != smddp::RingWait::kReady) return channel_ring_error(self, r, "the daemon left this worker's submit ring full");
+  Py_RETURN_NONE;
+}
+
+// pop(timeout_s, spin_us) -> the next 56-byte header, or None
+PyObject* channel_pop(PyObject* self, PyObject* args) {
+  double timeout = 0, spin_us = 0;
+  if (!PyArg_ParseTuple(args, "dd", &timeout, &spin_us)) return nullptr;
+  std::uint8_t slot[smddp::kSlotBytes];
+  smddp::RingWait r;
+  Py_BEGIN_ALLOW_THREADS
+  r = channel_of(self).pop(slot, static_cast<std::int64_t>(timeout * 1e9), static_cast<std::int64_t>(spin_us * 1e3));
+  Py_END_ALLOW_THREADS
+  if (r == smddp::RingWait::kTimeout) Py_RETURN_NONE;
+  if (r == smddp::RingWait::kCorrupt) return raise_from(self, channel_of(self).why());
+  return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(slot), static_cast<Py_ssize_t>(smddp::kHeaderSize));
+}
+
+PyObject* channel_abort(PyObject* self, PyObject*) {
+  channel_of(self).abort();
+  Py_RETURN_NONE;
+}
+
+PyObject* get_channel_segment(PyObject* self, void*) { return wrap_segment(module_of(self), channel_of(self).segment()); }
+
+PyMethodDef kChannelMethods[] = {
+    {"push", channel_push, METH_VARARGS, "push(header, timeout_s, spin_us): onto the submit ring"},
+    {"pop", channel_pop, METH_VARARGS, "pop(timeout_s, spin_us) -> the next header of the done ring, or None"},
+    {"abort", channel_abort, METH_NOARGS, "abort(): pops return None from now on"},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyGetSetDef kChannelGetters[] = {
+    {"segment", get_channel_segment, nullptr, "the channel's segment (pass its fd to the daemon)", nullptr},
+    {nullptr, nullptr, nullptr, nullptr, nullptr},
+};
+
+PyType_Slot kChannelSlots[] = {
+    {Py_tp_new, reinterpret_cast<void*>(channel_new)},
+    {Py_tp_dealloc, reinterpret_cast<void*>(channel_dealloc)},
+    {Py_tp_methods, kChannelMethods},
+    {Py_tp_getset, kChannelGetters},
+    {Py_tp_doc, const_cast<char*>("A worker's rings to its daemon (smddp/engine/local_plane.h).")},
+    {0, nullptr},
+};
+
+PyType_Spec kChannelSpec = {
+    "smddp._engine.WorkerChannel",
+    sizeof(ChannelObject),
+    0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
+    kChannelSlots,
+};
+
 PyMethodDef kMethods[] = {
     {"decode_header", py_decode_header, METH_O,
      "decode_header(data) -> (type, flags, dtype, op, kind, sender, seq, shard, aux, offset, length, count)"},
@@ -1196,6 +1620,13 @@ int exec_module(PyObject* module) {
   state(module)->arena_type = PyType_FromModuleAndSpec(module, &kArenaSpec, nullptr);
   if (state(module)->arena_type == nullptr) return -1;
   if (PyModule_AddObjectRef(module, "Arena", state(module)->arena_type) != 0) return -1;
+  state(module)->plane_type = PyType_FromModuleAndSpec(module, &kPlaneSpec, nullptr);
+  if (state(module)->plane_type == nullptr) return -1;
+  if (PyModule_AddObjectRef(module, "LocalPlane", state(module)->plane_type) != 0) return -1;
+  state(module)->channel_type = PyType_FromModuleAndSpec(module, &kChannelSpec, nullptr);
+  if (state(module)->channel_type == nullptr) return -1;
+  if (PyModule_AddObjectRef(module, "WorkerChannel", state(module)->channel_type) != 0) return -1;
+  if (PyModule_AddIntConstant(module, "CHANNEL_BYTES", static_cast<long>(smddp::channel_bytes())) != 0) return -1;
   if (PyModule_AddIntConstant(module, "HEADER_SIZE", static_cast<long>(smddp::kHeaderSize)) != 0) return -1;
   if (PyModule_AddIntConstant(module, "BLOCK", static_cast<long>(smddp::kReduceBlock)) != 0) return -1;
   if (PyModule_AddIntConstant(module, "SLOT_ALIGN", static_cast<long>(smddp::kSlotAlign)) != 0) return -1;
@@ -1210,6 +1641,8 @@ int traverse(PyObject* module, visitproc visit, void* arg) {
   Py_VISIT(state(module)->node_state_type);
   Py_VISIT(state(module)->segment_type);
   Py_VISIT(state(module)->arena_type);
+  Py_VISIT(state(module)->plane_type);
+  Py_VISIT(state(module)->channel_type);
   return 0;
 }
 
@@ -1221,6 +1654,8 @@ int clear(PyObject* module) {
   Py_CLEAR(state(module)->node_state_type);
   Py_CLEAR(state(module)->segment_type);
   Py_CLEAR(state(module)->arena_type);
+  Py_CLEAR(state(module)->plane_type);
+  Py_CLEAR(state(module)->channel_type);
   return 0;
 }
 

@@ -137,4 +137,78 @@ void reduce16(Half kind, Fold op, const std::uint16_t* const* in, std::size_t k,
   }
 }
 
+float half_to_float(std::uint16_t h) {
+  const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
+  const std::uint32_t exp = (h >> 10) & 0x1Fu;
+  std::uint32_t man = h & 0x3FFu;
+  std::uint32_t u;
+  if (exp == 0x1F) {
+    u = sign | 0x7F800000u | (man << 13);  // inf, or NaN with its payload
+  } else if (exp != 0) {
+    u = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    u = sign;
+  } else {  // subnormal: normalise
+    std::uint32_t e = 113;
+    while ((man & 0x400u) == 0) {
+      man <<= 1;
+      e--;
+    }
+    u = sign | (e << 23) | ((man & 0x3FFu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+std::uint16_t float_to_half(float f) {
+  std::uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const std::uint16_t sign = static_cast<std::uint16_t>((u >> 16) & 0x8000u);
+  const std::uint32_t abs = u & 0x7FFFFFFFu;
+  if (abs > 0x7F800000u) return static_cast<std::uint16_t>(sign | 0x7E00u | ((abs >> 13) & 0x3FFu));  // NaN, quiet
+  if (abs >= 0x477FF000u) return static_cast<std::uint16_t>(sign | 0x7C00u);  // rounds to inf (or is inf)
+  if (abs < 0x38800000u) {  // below the smallest normal half: subnormal or zero, rounded to nearest even
+    if (abs < 0x33000000u) return sign;  // under half the smallest subnormal
+    const std::uint32_t e = abs >> 23;
+    const std::uint32_t man = (abs & 0x7FFFFFu) | 0x800000u;
+    const std::uint32_t shift = 126 - e;  // 14..24
+    std::uint32_t h = man >> shift;
+    const std::uint32_t rem = man & ((1u << shift) - 1);
+    const std::uint32_t half = 1u << (shift - 1);
+    if (rem > half || (rem == half && (h & 1u))) h++;
+    return static_cast<std::uint16_t>(sign | h);
+  }
+  std::uint32_t h = ((abs - 0x38000000u) >> 13);  // rebias exponent, keep 10 mantissa bits
+  const std::uint32_t rem = abs & 0x1FFFu;
+  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) h++;
+  return static_cast<std::uint16_t>(sign | h);
+}
+
+void reduce16_nan_block(Half kind, Fold op, const std::uint16_t* const* in, std::size_t k, std::size_t n,
+                        std::size_t block, std::uint16_t* out, float divisor) {
+  const std::size_t off = block * kReduceBlock;
+  if (off >= n) return;
+  const std::size_t m = (n - off < kReduceBlock) ? n - off : kReduceBlock;
+  auto up = [kind](std::uint16_t x) { return kind == Half::kFloat16 ? half_to_float(x) : bf16_up(x); };
+  for (std::size_t i = off; i < off + m; i++) {
+    float acc = up(in[0][i]);
+    for (std::size_t j = 1; j < k; j++) {
+      const float b = up(in[j][i]);
+      if (acc != acc) continue;  // the first NaN stays
+      acc = fold(acc, b, op);
+    }
+    if (divisor != 0.0f) acc = acc / divisor;
+    std::uint32_t u;
+    std::memcpy(&u, &acc, 4);
+    if (acc != acc) u |= 0x00400000u;  // quieted
+    std::memcpy(&acc, &u, 4);
+    if (kind == Half::kFloat16) {
+      out[i] = float_to_half(acc);
+    } else {
+      out[i] = acc != acc ? static_cast<std::uint16_t>((u >> 16) | 0x0040u) : bf16_down(acc);
+    }
+  }
+}
+
 }  // namespace smddp

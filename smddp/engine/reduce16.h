@@ -28,4 +28,15 @@ bool have_f16c();
 void reduce16(Half kind, Fold op, const std::uint16_t* const* in, std::size_t k, std::size_t n,
               std::uint16_t* out, float divisor, std::vector<std::size_t>* nan_blocks);
 
+// Writes block `block` of a reduce16 call that left it (it holds a NaN), element by element, by the
+// engine's own NaN rule (reduce.h): where a NaN meets a value the first NaN is kept, quieted for a
+// sum; a float16 NaN narrows keeping its top payload bits, quieted; a bfloat16 NaN as numpy narrows
+// it. For callers that cannot hand the block to numpy (the engine's own threads). Needs no F16C.
+void reduce16_nan_block(Half kind, Fold op, const std::uint16_t* const* in, std::size_t k, std::size_t n,
+                        std::size_t block, std::uint16_t* out, float divisor);
+
+// Exact float16 <-> float32 conversions without F16C (round to nearest even when narrowing).
+float half_to_float(std::uint16_t h);
+std::uint16_t float_to_half(float f);
+
 }  // namespace smddp

@@ -1,0 +1,168 @@
+// The daemon's data plane for a job on one node: the workers' rings in, the reductions, DONE out,
+// with no Python on the way (docs/engine.md, "The local plane"; issue 17's first wired step).
+//
+// Each worker shares a channel segment with its daemon (channel_bytes(): the submit ring, worker ->
+// daemon, then the done ring, daemon -> worker; kSlotBytes slots holding 56-byte frame headers of
+// docs/protocol.md). One engine thread per worker pops its submit ring (spinning briefly, then
+// sleeping on the ring's futex) and handles SUBMIT, RELEASE and BYE in ring order: the table's rules
+// (node_state.h), every segment, offset and length checked against the worker's attached segments
+// before a pointer is formed, the result slot from the daemon's result arena. The thread whose SUBMIT
+// completes a collective runs its work (the reduction kernels, or the copies of a gather) and pushes
+// DONE to every worker's done ring. Python keeps the unix sockets (handshake, memfd passing,
+// liveness, ERROR) and learns what it must act on from events: a result segment the workers must be
+// sent, or the plane's own failure with its fault and message.
+//
+// Threads and memory: the plane's mutex guards the table, the op records and the links' segment maps;
+// reductions run outside it on memory the op record keeps mapped (shared_ptr segments). The plane owns
+// its NodeState, its op records and its threads; the result arena belongs to the caller and must
+// outlive the plane; each link holds the channel and input segments it was given.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "arena.h"
+#include "collective.h"
+#include "frame.h"
+#include "node_state.h"
+#include "ring.h"
+
+namespace smddp {
+
+constexpr std::uint32_t kChannelSlots = 256;  // per ring: far more collectives than a worker keeps in flight
+constexpr std::uint32_t kNoSegment = 0xFFFFFFFFu;  // a SUBMIT without data (a broadcast's non-root ranks)
+
+// Bytes of a worker's channel segment: the submit ring, then the done ring.
+std::size_t channel_bytes();
+inline std::size_t done_ring_offset() { return ring_bytes(kChannelSlots); }
+
+struct PlaneConfig {
+  Topology topo;  // nnodes must be 1
+  std::vector<std::string> rank_names;  // local rank i before it connects
+  std::string me;  // how this daemon is named in messages ("node 0 (host, ranks 0-3)")
+  std::int64_t spin_ns = 20'000;  // a link thread spins this long for the next descriptor, then sleeps
+  std::int64_t push_timeout_ns = 60'000'000'000;  // a done ring full this long: its worker is stuck
+  std::int64_t attach_wait_ns = 10'000'000'000;  // a SUBMIT naming a segment its ATTACH has not brought yet
+};
+
+// What Python must act on, in order.
+struct PlaneEvent {
+  enum Kind { kSegment = 1, kFailed = 2 } kind = kSegment;
+  std::shared_ptr<Segment> segment;  // kSegment: a new result segment, for every worker
+  Verdict verdict;                   // kFailed: why
+};
+
+// One collective completed here, for the daemon's statistics (kind, dtype are wire codes).
+struct Completion {
+  std::uint8_t kind = 0;
+  std::uint8_t dtype = 0;
+  std::uint64_t nbytes = 0;
+  double seconds = 0;
+};
+
+struct PlaneCounters {
+  std::uint64_t collectives = 0;
+  std::uint64_t reduced_bytes = 0;  // input bytes the reductions read
+  double reduce_seconds = 0;
+};
+
+class LocalPlane {
+ public:
+  LocalPlane(PlaneConfig cfg, Arena* results);
+  ~LocalPlane();
+  LocalPlane(const LocalPlane&) = delete;
+  LocalPlane& operator=(const LocalPlane&) = delete;
+
+  // Local rank `local` (global rank `rank`, named `name`) joined with its channel (mapped
+  // read-write, channel_bytes() or more): its thread starts. "" or why not.
+  std::string add_worker(std::uint32_t local, std::uint32_t rank, const std::string& name,
+                         std::shared_ptr<Segment> channel);
+  // An input segment the worker attached (its ATTACH). "" or why not (attached twice).
+  std::string add_segment(std::uint32_t local, std::shared_ptr<Segment> seg);
+  // The worker's connection ended: its thread handles what the worker had published, then stops.
+  // Returns whether the worker said BYE on its ring.
+  bool remove_worker(std::uint32_t local);
+
+  // The table's job-wide rules, under the plane's lock (node_state.h).
+  Verdict rank_left_early(std::uint32_t local, bool joined, const std::string& reason, bool* recorded);
+  bool left_early(std::uint32_t local);
+  bool all_ranks_gone();
+  void name_rank(std::uint32_t local, const std::string& name);
+  std::size_t in_flight();
+  // Sequence numbers in flight and, for each, the local ranks that have not submitted it yet.
+  std::vector<std::pair<std::uint64_t, std::vector<std::uint32_t>>> waiting();
+
+  // The job failed elsewhere (Python said so): handle nothing more, wake every worker's waits.
+  void abort();
+  // The next event, waiting up to timeout_ns; false if none came.
+  bool next_event(std::int64_t timeout_ns, PlaneEvent* out);
+  std::vector<Completion> take_completions();
+  PlaneCounters counters();
+  // Stops every thread (after remove_worker or not); idempotent.
+  void close();
+
+ private:
+  struct Link;
+  struct Op;
+  void run(Link* link);
+  void handle(Link* link, const std::uint8_t* slot);
+  void on_submit(Link* link, const Header& h);
+  void on_release(Link* link, const Header& h);
+  void on_bye(Link* link);
+  void work(const std::shared_ptr<Op>& op);
+  void complete_locked(const std::shared_ptr<Op>& op, std::unique_lock<std::mutex>* lock);
+  void retire_locked(std::uint64_t seq);
+  void fail_locked(const Verdict& v);
+  void fail(const Verdict& v);
+  void push_event_locked(PlaneEvent e);
+
+  PlaneConfig cfg_;
+  Arena* results_;
+  std::mutex mu_;
+  std::condition_variable attach_cv_;  // a segment arrived, or the plane failed
+  std::condition_variable event_cv_;
+  NodeState table_;
+  std::vector<std::unique_ptr<Link>> links_;  // by local rank; null before it joins
+  std::map<std::uint64_t, std::shared_ptr<Op>> ops_;
+  std::deque<PlaneEvent> events_;
+  std::vector<Completion> completions_;
+  PlaneCounters counters_;
+  bool failed_ = false;
+  bool closed_ = false;
+};
+
+// The worker's side of its channel: the submit ring's producer (any thread, serialised here) and the
+// done ring's consumer (one thread). Owns the channel segment it creates.
+class WorkerChannel {
+ public:
+  // A new channel segment (sealed memfd) with both rings reset; nullptr and *why on failure.
+  static std::unique_ptr<WorkerChannel> create(const std::string& name, std::string* why);
+  const std::shared_ptr<Segment>& segment() const { return seg_; }
+  // Pushes one 56-byte header; kTimeout when the daemon left the ring full, kCorrupt (why()) when
+  // the ring is broken or the channel aborted.
+  RingWait push(const std::uint8_t* header, std::int64_t timeout_ns, std::int64_t spin_ns);
+  // Pops the next descriptor into `out` (kSlotBytes); kTimeout when none came or the channel aborted.
+  RingWait pop(std::uint8_t* out, std::int64_t timeout_ns, std::int64_t spin_ns);
+  // Stops pops (the job failed or the client closes): they return within one sleep slice.
+  void abort() { aborted_.store(true); }
+  bool aborted() const { return aborted_.load(); }
+  std::string why();
+
+ private:
+  explicit WorkerChannel(std::shared_ptr<Segment> seg);
+  std::shared_ptr<Segment> seg_;
+  std::mutex push_mu_;
+  RingView submit_;
+  RingView done_;
+  std::atomic<bool> aborted_{false};
+};
+
+}  // namespace smddp
