@@ -168,6 +168,17 @@ SETTINGS: tuple[Setting, ...] = (
         env="SMDDP_PIPELINE_KB",
     ),
     S(
+        "data_plane",
+        str,
+        "python",
+        "what moves the bytes of a job on one node: the daemon's Python threads, or the compiled engine "
+        "(its workers' rings, threads and kernels; issue 17). Jobs of several nodes use python for now",
+        ("--data-plane",),
+        (LAUNCH, DAEMON, WORKER),
+        env="SMDDP_DATA_PLANE",
+        choices=("python", "engine"),
+    ),
+    S(
         "reduce_kernel",
         str,
         "auto",

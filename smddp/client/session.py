@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from smddp import settings
+from smddp import _engine, settings
 from smddp.client.buffers import BufferView, PartsView
 from smddp.client.device.buffers import DeviceBuffer, device_kind, read_cai, read_dlpack, stream_handle
 from smddp.client.device.copies import DeviceIO, DevicePlan
@@ -38,8 +38,8 @@ from smddp.errors import (
 )
 from smddp.proto.dtypes import DType, Kind, ReduceOp
 from smddp.proto.failure import exit_status_of, read_failure
-from smddp.proto.frames import Header, MsgType, Role
-from smddp.proto.messages import Attach, Bye, Done, Release, SegmentMsg, Submit
+from smddp.proto.frames import Header, MsgType, Role, decode_header
+from smddp.proto.messages import Attach, Bye, Channel, Done, Release, SegmentMsg, Submit
 from smddp.settings import KiB, MiB, default
 from smddp.trace import span
 from smddp.transport.auth import client_handshake
@@ -50,6 +50,9 @@ from smddp.transport.shm import Arena, Segment, Slot
 NO_SEGMENT = 2**32 - 1
 # Results up to this many bytes in all may wait for the next frame to be RELEASEd (Client._release).
 RELEASE_BATCH_BYTES = 256 << 10
+# How long a wait on the engine's rings spins before it sleeps on the ring's futex: long enough to
+# catch a reply that is already on its way, short enough not to take the core its daemon needs.
+RING_SPIN_US = 20.0
 log = logging.getLogger("smddp.client")
 
 
@@ -70,6 +73,7 @@ class ClientConfig:
     log_level: str = default("log_level")
     job_id_hex: str = default("job_id")
     device_runtime: str = default("device_runtime")
+    data_plane: str = default("data_plane")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> ClientConfig:
@@ -85,6 +89,7 @@ class ClientConfig:
             log_level=v["log_level"],
             job_id_hex=v["job_id"],
             device_runtime=check_runtime_name(v["device_runtime"]),
+            data_plane=v["data_plane"],
         )
 
 
@@ -299,6 +304,20 @@ class Client:
         self._deferred: collections.deque[_Deferred] = collections.deque()
         self._deferred_cv = threading.Condition(self._lock)
         self._submitter: threading.Thread | None = None
+        self._results_cv = threading.Condition(self._lock)  # a result segment arrived
+        # The engine data plane (a job on one node with --data-plane engine): SUBMIT, RELEASE and BYE
+        # go on this channel's submit ring and DONE comes on its done ring (docs/protocol.md, CHANNEL).
+        self._channel: _engine.WorkerChannel | None = None
+        self._done_thread: threading.Thread | None = None
+        if config.data_plane == "engine" and self.job.nnodes == 1:
+            self._channel = _engine.WorkerChannel(f"smddp-channel-rank{self.rank}")
+            seg = self._channel.segment
+            conn.send_frame(Channel(self.rank, 0, seg.size).header(), fds=[seg.fd], timeout=config.timeout_s)
+            seg.close_fd()  # the daemon has its own; the mapping stays
+            self._done_thread = threading.Thread(
+                target=self._done_loop, name="smddp-client-done", daemon=True
+            )
+            self._done_thread.start()
         self._reader = threading.Thread(target=self._read_loop, name="smddp-client-reader", daemon=True)
         self._reader.start()
 
@@ -397,11 +416,15 @@ class Client:
                 with self._lock:
                     parts = self._take_releases()
                 parts.append(Bye(self.rank).header().encode())
-                self._conn.send(parts, timeout=5.0)
+                self._send_frames(parts, timeout=5.0)
             except SmddpError:
                 pass
+        if self._channel is not None:
+            self._channel.abort()
         self._conn.close()
         self._reader.join(timeout=5.0)
+        if self._done_thread is not None:
+            self._done_thread.join(timeout=5.0)
         self._write_timeline()
         if device is not None:
             # Unpin before anything unmaps the segments; the runtime goes last.
@@ -493,7 +516,7 @@ class Client:
                 self._deferred_cv.notify_all()
             elif lost is None:
                 try:
-                    self._conn.send([*self._take_releases(), h.encode()], timeout=self.config.timeout_s)
+                    self._send_frames([*self._take_releases(), h.encode()], timeout=self.config.timeout_s)
                 except ConnectionClosed as e:
                     lost = e
             if lost is not None:
@@ -616,7 +639,7 @@ class Client:
                 if error is None and self._failure is None and not self._closed:
                     try:
                         parts = [*self._take_releases(), item.header.encode()]
-                        self._conn.send(parts, timeout=self.config.timeout_s)
+                        self._send_frames(parts, timeout=self.config.timeout_s)
                     except ConnectionClosed as e:
                         lost = e
             if error is not None:
@@ -634,7 +657,7 @@ class Client:
                     for fd in fds:
                         os.close(fd)
                     raise ProtocolError(f"the daemon passed file descriptors with {h.type.name}")
-                if h.type is MsgType.DONE:
+                if h.type is MsgType.DONE and self._channel is None:
                     self._on_done(h)
                 elif h.type is MsgType.HEARTBEAT:
                     continue
@@ -644,9 +667,10 @@ class Client:
                         for fd in fds:
                             os.close(fd)
                         raise ProtocolError(f"SEGMENT {given.segment} with {len(fds)} fds (or sent twice)")
-                    self._results[given.segment] = Segment.attach(
-                        given.segment, fds[0], given.size, writable=False
-                    )
+                    seg = Segment.attach(given.segment, fds[0], given.size, writable=False)
+                    with self._results_cv:
+                        self._results[given.segment] = seg
+                        self._results_cv.notify_all()
                 elif h.type is MsgType.ERROR:
                     text = self._conn.recv_bytes(h.length, timeout=5.0).decode("utf-8", "replace")
                     kind, why = read_failure(text)
@@ -670,6 +694,22 @@ class Client:
             log.exception("smddp client reader crashed")
             self._fail(CollectiveError(f"rank {self.rank}: internal error in the client: {e!r}"))
 
+    def _done_loop(self) -> None:
+        """The engine data plane's DONEs, from the done ring (the socket's reader handles the rest)."""
+        channel = self._channel
+        assert channel is not None
+        try:
+            while not self._closed:
+                raw = channel.pop(0.5, RING_SPIN_US)
+                if raw is not None:
+                    self._on_done(decode_header(raw))
+        except SmddpError as e:
+            self._fail(e if isinstance(e, CollectiveError) else CollectiveError(f"rank {self.rank}: {e}"))
+            self._conn.close()
+        except Exception as e:  # a bug; never leave waiters hanging
+            log.exception("smddp client done-ring thread crashed")
+            self._fail(CollectiveError(f"rank {self.rank}: internal error in the client: {e!r}"))
+
     def _on_done(self, header: Header) -> None:
         h = Done.of(header)
         with self._lock:
@@ -677,6 +717,13 @@ class Client:
         if handle is None or (h.kind, h.dtype, h.count) != (handle.kind, handle.dtype, handle.count):
             raise ProtocolError(f"DONE for collective #{h.seq} does not match anything this rank submitted")
         seg = self._results.get(h.segment)
+        if seg is None and self._channel is not None:
+            # The ring can outrun the socket: the daemon sent the SEGMENT before this DONE.
+            with self._results_cv:
+                self._results_cv.wait_for(
+                    lambda: h.segment in self._results or self._failure is not None, self.config.timeout_s
+                )
+                seg = self._results.get(h.segment)
         if seg is None:
             raise ProtocolError(f"DONE for #{h.seq} names result segment {h.segment}, which was never sent")
         total = _result_bytes(handle.kind, h.count * handle.dtype.itemsize, self.size)
@@ -710,7 +757,20 @@ class Client:
                 return
             parts = self._take_releases()
         parts.append(hdr)
-        self._conn.send(parts, timeout=self.config.timeout_s)
+        self._send_frames(parts, timeout=self.config.timeout_s)
+
+    def _send_frames(self, parts: list[bytes], timeout: float) -> None:
+        """SUBMIT, RELEASE and BYE headers to the daemon: on the socket in one send, or onto the ring."""
+        if self._channel is None:
+            self._conn.send(parts, timeout=timeout)
+            return
+        for part in parts:
+            try:
+                self._channel.push(part, timeout, RING_SPIN_US)
+            except TimeoutError:
+                raise ConnectionClosed(
+                    f"the daemon did not read this worker's ring for {timeout:g}s (frozen or gone)"
+                ) from None
 
     def _take_releases(self) -> list[bytes]:
         """The held RELEASE frames, to go out ahead of the frame being sent (lock held)."""
@@ -756,6 +816,8 @@ class Client:
             handles = list(self._handles.values())
             self._handles.clear()
             self._deferred_cv.notify_all()
+        if self._channel is not None:
+            self._channel.abort()
         for h in handles:
             h._finish(error=self._failure)
         status = getattr(err, "exit_status", None)

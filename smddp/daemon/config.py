@@ -26,6 +26,7 @@ class DaemonConfig:
     log_level: str = default("log_level")
     replicate_bytes: int = default("replicate_kb") * KiB
     reduce_kernel: str = default("reduce_kernel")
+    data_plane: str = default("data_plane")
     restart_count: int = default("restart_count")
     ledger: str = default(
         "ledger"
@@ -37,6 +38,8 @@ class DaemonConfig:
     failure_linger_s: float = 30.0  # after a failure, how long local workers get to leave
 
     def __post_init__(self) -> None:
+        if self.data_plane not in ("python", "engine"):
+            raise ConfigError("data plane must be python or engine")
         if self.reduce_kernel not in ("auto", "compiled", "numpy"):
             raise ConfigError("reduce kernel must be auto, compiled or numpy")
         if not 4096 <= self.chunk_bytes <= 64 << 20:

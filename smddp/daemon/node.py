@@ -22,6 +22,7 @@ from smddp.daemon.stats import Stats
 from smddp.errors import (
     AuthenticationError,
     CollectiveError,
+    CollectiveMismatchError,
     PeerLostError,
     ProtocolError,
     SmddpError,
@@ -34,6 +35,7 @@ from smddp.proto.layout import Chunk
 from smddp.proto.messages import (
     Attach,
     Bye,
+    Channel,
     Data,
     Done,
     Exited,
@@ -73,6 +75,8 @@ class WorkerLink:
     pid: int
     segments: dict[int, Segment] = field(default_factory=dict)
     said_bye: bool = False
+    channel: bool = False  # its SUBMIT, RELEASE and BYE come on the engine's ring (CHANNEL)
+    told: set[int] = field(default_factory=set)  # result segments it was sent
 
 
 @dataclass
@@ -102,6 +106,10 @@ DIRECT_BYTES = 64 << 10
 # cause's status every rank's wrapper then ends with) before failing the job without it. The wrapper
 # has the report ready when its worker exits, so it comes within milliseconds unless it died too.
 EXIT_REPORT_WAIT_S = 1.0
+# The engine plane's worker threads spin this long for the next descriptor before they sleep.
+PLANE_SPIN_US = 20.0
+# A SUBMIT on a ring that names a segment whose ATTACH (on the socket) has not been read yet waits this long.
+PLANE_ATTACH_WAIT_S = 10.0
 
 
 class OpState:
@@ -225,6 +233,24 @@ class NodeDaemon:
         self._exit_reported = [threading.Event() for _ in range(self.local_size)]
         self.peers = {j: PeerLink(j) for j in range(self.nnodes) if j != node}
         self.results = Arena(cfg.result_segment_bytes, f"smddp-result-n{node}")
+        # The engine data plane of a job on one node (--data-plane engine): the workers' rings, the
+        # reductions and DONE in the engine's own threads (smddp/engine/local_plane.h). The table
+        # above then goes unused: the plane keeps its own, and `rules` is whichever is in use.
+        self.plane: _engine.LocalPlane | None = None
+        self.rules: _engine.NodeState | _engine.LocalPlane = self.table
+        if cfg.data_plane == "engine" and self.nnodes == 1:
+            self.plane = self.rules = _engine.LocalPlane(
+                node,
+                self.local_size,
+                cfg.chunk_bytes,
+                [job.describe_rank(r) for r in job.ranks_of(node)],
+                self.me,
+                self.results.native,
+                PLANE_SPIN_US,
+                cfg.heartbeat_timeout_s,
+                PLANE_ATTACH_WAIT_S,
+            )
+        self._plane_counted = (0, 0, 0.0)  # the plane's counters already in self.stats
         self.scratch = Arena(cfg.result_segment_bytes, f"smddp-server-n{node}")
         self._tasks: collections.deque = collections.deque()  # server-side work first
         self._local_tasks: collections.deque = collections.deque()
@@ -254,6 +280,8 @@ class NodeDaemon:
                 self._spawn(self._connect_peer, j, name=f"connect-{j}")
         for i in range(self.cfg.threads):
             self._spawn(self._compute_loop, name=f"compute-{i}")
+        if self.plane is not None:
+            self._spawn(self._plane_loop, self.plane, name="plane-events")
         self._spawn(self._heartbeat_loop, name="heartbeat")
         deadline = self._started + self.cfg.connect_timeout_s
         last_tick = 0.0
@@ -261,6 +289,7 @@ class NodeDaemon:
             now = time.monotonic()
             if now - last_tick >= 1.0:
                 last_tick = now
+                self._count_plane()
                 self.stats.sample()
                 self._inspect_stalls(now)
             if time.monotonic() > deadline and not self._all_connected():
@@ -279,7 +308,7 @@ class NodeDaemon:
         """Whether every local rank and peer has connected (a rank may instead have been reported
         gone before it could: EXITED)."""
         with self._lock:
-            return all(w is not None or self.table.left_early(i) for i, w in enumerate(self.workers)) and all(
+            return all(w is not None or self.rules.left_early(i) for i, w in enumerate(self.workers)) and all(
                 p.connected.is_set() for p in self.peers.values()
             )
 
@@ -287,7 +316,7 @@ class NodeDaemon:
         missing = [
             self.job.describe_rank(self.job.ranks_of(self.node)[i])
             for i, w in enumerate(self.workers)
-            if w is None and not self.table.left_early(i)
+            if w is None and not self.rules.left_early(i)
         ]
         missing += [self.job.describe_node(j) for j, p in self.peers.items() if not p.connected.is_set()]
         return f"{self.me}: not connected after {self.cfg.connect_timeout_s:.0f}s: {', '.join(missing)}"
@@ -322,6 +351,8 @@ class NodeDaemon:
         for p in self.peers.values():
             if p.conn is not None:
                 p.conn.close()
+        if self.plane is not None:
+            self.plane.close()  # its threads end before the memory they use goes
         for t in self._threads:
             t.join(timeout=2.0)
         shutil.rmtree(self.socket_dir, ignore_errors=True)
@@ -359,6 +390,8 @@ class NodeDaemon:
                 return
             self.failure = reason
             self._failure_frame = frame
+            if self.plane is not None:
+                self.plane.abort()
             # Every local rank and peer hears it once: those connected now here, later ones when
             # they connect (_serve_worker, _peer_loop).
             told = list(self.workers)
@@ -452,11 +485,11 @@ class NodeDaemon:
         with self._lock:
             if self.workers[local] is not None:
                 raise AuthenticationError(f"rank {hello.rank} connected twice")
-            if self.table.left_early(local):
+            if self.rules.left_early(local):
                 raise AuthenticationError(f"rank {hello.rank} connected after its process was reported gone")
             self.workers[local] = link
             self._rank_names[hello.rank] = conn.peer
-            self.table.name_rank(local, conn.peer)
+            self.rules.name_rank(local, conn.peer)
             failed = self._failure_frame
             # Everything already in the result arena, so DONE can point anywhere in it.
             for seg in self.results.segments.values():
@@ -471,6 +504,10 @@ class NodeDaemon:
         try:
             self._worker_loop(link)
         except ConnectionClosed:
+            if link.channel and self.plane is not None and self.plane.remove_worker(local):
+                # Its ring said BYE (handled in order after everything before it), then it hung up.
+                link.said_bye = True
+                self._maybe_finish()
             if not (link.said_bye or self._finished.is_set()):
                 reason = self._worker_lost(link)
                 status = self._await_exit_status(link.local_rank)
@@ -483,6 +520,8 @@ class NodeDaemon:
             # than a broken pipe (teardown closes it at the end of the linger time regardless).
             self.fail(str(e), type(e))
             self._drain(conn)
+        if link.channel and self.plane is not None:
+            self.plane.remove_worker(local)
         conn.close()
 
     def _drain(self, conn: Connection) -> None:
@@ -527,7 +566,7 @@ class NodeDaemon:
         )
         try:
             with self._lock:
-                recorded = self.table.rank_left_early(local, self.workers[local] is not None, reason)
+                recorded = self.rules.rank_left_early(local, self.workers[local] is not None, reason)
         except PeerLostError as e:  # a collective in flight waits for it, and never gets it
             log.info("%s: %s", self.me, reason)
             self.fail(str(e), PeerLostError)
@@ -537,6 +576,10 @@ class NodeDaemon:
             self._maybe_finish()
 
     def _send_segment(self, link: WorkerLink, seg: Segment) -> None:
+        """Tell a worker of a result segment, once (lock held)."""
+        if seg.id in link.told:
+            return
+        link.told.add(seg.id)
         header = SegmentMsg(self.node, seg.id, seg.size).header().encode()
         self._to_worker(link, [header], fds=[seg.fd])
 
@@ -560,11 +603,15 @@ class NodeDaemon:
                 for fd in fds:
                     os.close(fd)
                 raise ProtocolError(f"{conn.peer} sent a frame claiming to be rank {h.sender}")
-            if fds and h.type is not MsgType.ATTACH:
+            if fds and h.type not in (MsgType.ATTACH, MsgType.CHANNEL):
                 for fd in fds:
                     os.close(fd)
                 raise ProtocolError(f"{conn.peer} passed file descriptors with {h.type.name}")
-            if h.type is MsgType.SUBMIT:
+            if link.channel and h.type in (MsgType.SUBMIT, MsgType.RELEASE, MsgType.BYE):
+                raise ProtocolError(f"{conn.peer} sent {h.type.name} on its socket: its ring carries them")
+            if h.type is MsgType.CHANNEL:
+                self._on_channel(link, h, fds)
+            elif h.type is MsgType.SUBMIT:
                 self._on_submit(link, h)
             elif h.type is MsgType.RELEASE:
                 self._on_release(link, h)
@@ -575,7 +622,11 @@ class NodeDaemon:
                 if att.segment in link.segments:
                     os.close(fds[0])
                     raise ProtocolError(f"{conn.peer}: segment {att.segment} attached twice")
-                link.segments[att.segment] = Segment.attach(att.segment, fds[0], att.size, writable=False)
+                seg = link.segments[att.segment] = Segment.attach(
+                    att.segment, fds[0], att.size, writable=False
+                )
+                if link.channel and self.plane is not None:
+                    self.plane.add_segment(link.local_rank, seg.native)
             elif h.type is MsgType.BYE:
                 link.said_bye = True
                 conn.close()
@@ -588,6 +639,62 @@ class NodeDaemon:
                 raise CollectiveError(f"{conn.peer} aborted the job: {text}")
             else:
                 raise ProtocolError(f"{conn.peer} sent {h.type.name}, which workers may not send")
+
+    def _on_channel(self, link: WorkerLink, h: Header, fds: list[int]) -> None:
+        """The worker's rings (docs/protocol.md, CHANNEL): from now on the engine's plane serves it."""
+        if self.plane is None or link.channel or len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            why = (
+                "this job's daemons move the bytes themselves"
+                if self.plane is None
+                else "a second one, or no fd"
+            )
+            raise ProtocolError(f"{link.conn.peer} sent CHANNEL, refused: {why}")
+        ch = Channel.of(h)
+        if ch.size < _engine.CHANNEL_BYTES:
+            os.close(fds[0])
+            raise ProtocolError(
+                f"{link.conn.peer}: a channel of {ch.size} bytes, {_engine.CHANNEL_BYTES} needed"
+            )
+        native = _engine.segment_attach(0, fds[0], ch.size, True)
+        self.plane.add_worker(link.local_rank, link.rank, link.conn.peer, native)
+        link.channel = True
+
+    def _plane_loop(self, plane: _engine.LocalPlane) -> None:
+        """The plane's events: result segments its workers must be sent, and its own failure."""
+        while not (self._stop.is_set() or self._finished.is_set()):
+            ev = plane.next_event(0.5)
+            if ev is None:
+                continue
+            if ev[0] == "segment":
+                assert isinstance(ev[1], _engine.Segment)
+                with self._lock:
+                    seg = self.results.adopt(ev[1])
+                    for w in self.workers:
+                        if w is not None and not w.said_bye:
+                            try:
+                                self._send_segment(w, seg)
+                            except PeerLostError:
+                                pass  # its hang-up is seen by its own thread, which names it
+            elif len(ev) == 3:
+                _, fault, why = ev
+                kind: type[SmddpError] = {2: CollectiveMismatchError, 3: PeerLostError}.get(
+                    fault, ProtocolError
+                )
+                self.fail(why, kind)
+
+    def _count_plane(self) -> None:
+        """Bring what the plane did since the last call into the daemon's statistics."""
+        if self.plane is None:
+            return
+        for kind, dtype, nbytes, seconds in self.plane.take_completions():
+            self.stats.done(Kind(kind).label, DType(dtype).label, nbytes, seconds)
+        n, reduced, secs = self.plane.counters()
+        _, reduced0, secs0 = self._plane_counted
+        if reduced > reduced0:
+            self.stats.add_reduce(reduced - reduced0, secs - secs0)
+        self._plane_counted = (n, reduced, secs)
 
     def _on_submit(self, link: WorkerLink, header: Header) -> None:
         who = self._rank_names[link.rank]
@@ -1269,7 +1376,7 @@ class NodeDaemon:
     def _maybe_finish(self) -> None:
         """After the last local BYE: flush every queue, say BYE; finish when every peer has said it."""
         with self._lock:
-            if not self.table.all_ranks_gone():
+            if not self.rules.all_ranks_gone():
                 return
             first = self._bye_sent_at is None
             if first:

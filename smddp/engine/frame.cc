@@ -32,6 +32,7 @@ std::uint64_t length_limit(Msg t) {
     case Msg::kAttach:
     case Msg::kSubmit:
     case Msg::kRelease:
+    case Msg::kChannel:
     case Msg::kSegment:
     case Msg::kDone:
     case Msg::kHeartbeat:
@@ -70,6 +71,7 @@ const char* msg_name(std::uint8_t code) {
     case Msg::kAttach: return "ATTACH";
     case Msg::kSubmit: return "SUBMIT";
     case Msg::kRelease: return "RELEASE";
+    case Msg::kChannel: return "CHANNEL";
     case Msg::kSegment: return "SEGMENT";
     case Msg::kDone: return "DONE";
     case Msg::kPartial: return "PARTIAL";

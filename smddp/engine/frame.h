@@ -24,6 +24,7 @@ enum class Msg : std::uint8_t {
   kAttach = 10,
   kSubmit = 11,
   kRelease = 12,
+  kChannel = 13,
   kSegment = 20,
   kDone = 21,
   kPartial = 30,

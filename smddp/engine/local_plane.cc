@@ -50,6 +50,13 @@ struct LocalPlane::Link {
   std::atomic<bool> stop{false};
   bool said_bye = false;  // under the plane's mutex
   std::thread thread;
+  std::mutex join_mu;  // remove_worker and close may both join it, from two threads: one at a time
+
+  void join() {
+    stop.store(true, std::memory_order_release);
+    std::lock_guard<std::mutex> g(join_mu);
+    if (thread.joinable()) thread.join();
+  }
 };
 
 struct LocalPlane::Op {
@@ -102,8 +109,11 @@ bool LocalPlane::remove_worker(std::uint32_t local) {
     link = links_[local].get();
   }
   link->stop.store(true, std::memory_order_release);
-  attach_cv_.notify_all();  // a SUBMIT waiting for its segment gives up
-  if (link->thread.joinable()) link->thread.join();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    attach_cv_.notify_all();  // a SUBMIT waiting for its segment gives up
+  }
+  link->join();
   std::lock_guard<std::mutex> lock(mu_);
   return link->said_bye;
 }
@@ -430,11 +440,8 @@ void LocalPlane::close() {
     attach_cv_.notify_all();
     event_cv_.notify_all();
   }
-  for (auto& l : links_) {
-    if (!l) continue;
-    l->stop.store(true, std::memory_order_release);
-    if (l->thread.joinable()) l->thread.join();
-  }
+  for (auto& l : links_)
+    if (l) l->join();
   std::lock_guard<std::mutex> lock(mu_);
   for (auto& [seq, op] : ops_) (void)results_->free(op->result);
   ops_.clear();

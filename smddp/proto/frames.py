@@ -37,6 +37,7 @@ class MsgType(enum.IntEnum):
     ATTACH = 10
     SUBMIT = 11
     RELEASE = 12
+    CHANNEL = 13
     # daemon -> worker (unix socket)
     SEGMENT = 20
     DONE = 21
@@ -73,6 +74,7 @@ _EMPTY = {
     MsgType.ATTACH,
     MsgType.SUBMIT,
     MsgType.RELEASE,
+    MsgType.CHANNEL,
     MsgType.SEGMENT,
     MsgType.DONE,
     MsgType.HEARTBEAT,

@@ -46,6 +46,13 @@ class Attach(_SegmentNotice):
     TYPE = MsgType.ATTACH
 
 
+class Channel(_SegmentNotice):
+    """worker (rank `sender`) -> daemon: the memfd passed with this frame is the worker's channel (the
+    engine data plane's submit and done rings, smddp/engine/local_plane.h); `segment` is 0."""
+
+    TYPE = MsgType.CHANNEL
+
+
 class SegmentMsg(_SegmentNotice):
     """daemon (node `sender`) -> worker: the memfd passed with this frame is result segment `segment`."""
 

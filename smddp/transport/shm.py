@@ -27,6 +27,11 @@ class Segment:
     def fd(self) -> int:
         return self._native.fd
 
+    @property
+    def native(self) -> _engine.Segment:
+        """The engine's segment, for the engine's own users of it (the data plane)."""
+        return self._native
+
     @classmethod
     def create(cls, seg_id: int, size: int, name: str = "smddp") -> Segment:
         """A new sealed segment of `size` bytes (pages are allocated only when touched)."""
@@ -82,6 +87,19 @@ class Arena:
             if fresh is not None:
                 seg = self.segments[seg_id] = Segment(fresh)
         return Slot(seg_id, offset, nbytes), seg
+
+    @property
+    def native(self) -> _engine.Arena:
+        """The engine's arena, for the engine's own users of it (the data plane allocates from it)."""
+        return self._native
+
+    def adopt(self, native: _engine.Segment) -> Segment:
+        """The Segment for one the engine made in this arena (the data plane's alloc), entered once."""
+        with self._lock:
+            seg = self.segments.get(native.id)
+            if seg is None:
+                seg = self.segments[native.id] = Segment(native)
+            return seg
 
     def free(self, slot: Slot) -> None:
         """Give a slot back; ValueError unless it is exactly a live slot (a double free)."""

@@ -29,6 +29,7 @@ EMPTY = [
     MsgType.ATTACH,
     MsgType.SUBMIT,
     MsgType.RELEASE,
+    MsgType.CHANNEL,
     MsgType.SEGMENT,
     MsgType.DONE,
     MsgType.HEARTBEAT,

@@ -9,6 +9,7 @@ from smddp.proto.frames import Header, MsgType, decode_header
 from smddp.proto.messages import (
     Attach,
     Bye,
+    Channel,
     Data,
     Done,
     Exited,
@@ -26,6 +27,7 @@ F = {"count": 1000, "dtype": DType.BFLOAT16, "op": ReduceOp.MAX, "kind": Kind.AL
 CASES = [
     (Attach(3, segment=7, size=1 << 26), Header(MsgType.ATTACH, sender=3, shard=7, offset=1 << 26)),
     (SegmentMsg(1, segment=2, size=1 << 28), Header(MsgType.SEGMENT, sender=1, shard=2, offset=1 << 28)),
+    (Channel(4, segment=0, size=33280), Header(MsgType.CHANNEL, sender=4, shard=0, offset=33280)),
     (
         Submit(5, 9, segment=4, offset=4096, root=2, **F),
         Header(MsgType.SUBMIT, sender=5, seq=9, shard=4, offset=4096, aux=2, **F),
