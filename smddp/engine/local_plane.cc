@@ -465,6 +465,12 @@ RingWait WorkerChannel::push(const std::uint8_t* header, std::int64_t timeout_ns
   return submit_.push(header, kHeaderSize, timeout_ns, spin_ns);
 }
 
+RingWait WorkerChannel::try_push(const std::uint8_t* header) {
+  std::unique_lock<std::mutex> lock(push_mu_, std::try_to_lock);
+  if (!lock.owns_lock()) return RingWait::kTimeout;
+  return submit_.push(header, kHeaderSize, 0, 0);
+}
+
 RingWait WorkerChannel::pop(std::uint8_t* out, std::int64_t timeout_ns, std::int64_t spin_ns) {
   const Clock::time_point t0 = Clock::now();
   for (bool first = true;; first = false) {

@@ -149,6 +149,8 @@ class WorkerChannel {
   // Pushes one 56-byte header; kTimeout when the daemon left the ring full, kCorrupt (why()) when
   // the ring is broken or the channel aborted.
   RingWait push(const std::uint8_t* header, std::int64_t timeout_ns, std::int64_t spin_ns);
+  // The same without waiting at all: kTimeout when the ring is full or another thread is pushing.
+  RingWait try_push(const std::uint8_t* header);
   // Pops the next descriptor into `out` (kSlotBytes); kTimeout when none came or the channel aborted.
   RingWait pop(std::uint8_t* out, std::int64_t timeout_ns, std::int64_t spin_ns);
   // Stops pops (the job failed or the client closes): they return within one sleep slice.

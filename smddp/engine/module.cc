@@ -1519,10 +1519,14 @@ PyObject* channel_push(PyObject* self, PyObject* args) {
   std::uint8_t frame[smddp::kHeaderSize];
   std::memcpy(frame, view.buf, smddp::kHeaderSize);
   PyBuffer_Release(&view);
-  smddp::RingWait r;
-  Py_BEGIN_ALLOW_THREADS
-  r = channel_of(self).push(frame, static_cast<std::int64_t>(timeout * 1e9), static_cast<std::int64_t>(spin_us * 1e3));
-  Py_END_ALLOW_THREADS
+  // A ring with room takes the descriptor at once: no need to give up the GIL (and wait to get it
+  // back, behind the thread that takes DONEs) for that. Only a full ring's wait releases it.
+  smddp::RingWait r = channel_of(self).try_push(frame);
+  if (r == smddp::RingWait::kTimeout) {
+    Py_BEGIN_ALLOW_THREADS
+    r = channel_of(self).push(frame, static_cast<std::int64_t>(timeout * 1e9), static_cast<std::int64_t>(spin_us * 1e3));
+    Py_END_ALLOW_THREADS
+  }
   if (r != smddp::RingWait::kReady) return channel_ring_error(self, r, "the daemon left this worker's submit ring full");
   Py_RETURN_NONE;
 }

@@ -18,8 +18,17 @@ CONFIGS = [(1, 1), (2, 1), (2, 2), (3, 1), (3, 3), (4, 1), (4, 2)]
 
 @pytest.mark.parametrize(("world", "nodes"), CONFIGS, ids=[f"W{w}-N{n}" for w, n in CONFIGS])
 def test_every_collective_bit_exact(world: int, nodes: int, tmp_path: Path, clean_host: None) -> None:
+    check_every_collective(world, nodes, tmp_path)
+
+
+def check_every_collective(world: int, nodes: int, tmp_path: Path, extra: list[str] | None = None) -> None:
+    """The whole matrix in one job: every rank's result is the reference's, and every rank's the same."""
     proc = smddp_launch(
-        world, nodes, [SCRIPT, "--out", str(tmp_path), "--nnodes", str(nodes), "--big"], timeout=600
+        world,
+        nodes,
+        [SCRIPT, "--out", str(tmp_path), "--nnodes", str(nodes), "--big"],
+        timeout=600,
+        extra=extra,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     per_rank = []
