@@ -130,6 +130,8 @@ class Handle:
         self._result: Any = None
         self._error: SmddpError | None = None
         self.times: list[float] = []  # submit started, SUBMIT sent (wall clock), for the timeline
+        # The engine data plane: wait() takes DONEs off the ring itself (Client._drive).
+        self._drive: Callable[[Handle, float], None] | None = None
 
     def done(self) -> bool:
         """True once the result is in place (or the collective failed); never blocks."""
@@ -162,6 +164,10 @@ class Handle:
         (torch's for a torch tensor, the device runtime's otherwise) of the thread calling wait().
         """
         t = self._default_timeout_s if timeout is None else timeout
+        if self._drive is not None and not self._event.is_set():
+            t0 = time.monotonic()
+            self._drive(self, t)
+            t = max(0.0, t - (time.monotonic() - t0))
         if not self._event.wait(t):
             raise CollectiveTimeoutError(
                 f"collective #{self.seq} ({self.kind.label}, {self.dtype.label}, count={self.count}) "
@@ -497,6 +503,8 @@ class Client:
                 seq, kind, dtype, count, deliver, slot, keep, self.config.timeout_s, device, self._device
             )
             handle.times = [t_start, time.time()]
+            if self._channel is not None:
+                handle._drive = self._drive
             self._handles[seq] = handle
             h = Submit(
                 self.rank,
@@ -700,15 +708,35 @@ class Client:
         assert channel is not None
         try:
             while not self._closed:
-                raw = channel.pop(0.5, RING_SPIN_US)
+                raw = channel.pop(0.5, 0.0, False)  # a waiter (_drive) takes the ring from us
                 if raw is not None:
                     self._on_done(decode_header(raw))
+                    channel.kick()  # a waiter that came meanwhile sleeps on the ring: it is done now
         except SmddpError as e:
             self._fail(e if isinstance(e, CollectiveError) else CollectiveError(f"rank {self.rank}: {e}"))
             self._conn.close()
         except Exception as e:  # a bug; never leave waiters hanging
             log.exception("smddp client done-ring thread crashed")
             self._fail(CollectiveError(f"rank {self.rank}: internal error in the client: {e!r}"))
+
+    def _drive(self, handle: Handle, timeout: float) -> None:
+        """Wait for `handle` by taking DONEs off the done ring on this thread (the engine data plane):
+        the waiting thread is woken by the ring itself, not by the DONE thread after it. DONEs of other
+        collectives it meets are completed here too. Returns at completion, failure or `timeout`."""
+        channel = self._channel
+        assert channel is not None
+        deadline = time.monotonic() + timeout
+        try:
+            while not handle._event.is_set() and self._failure is None and not self._closed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                raw = channel.pop(min(left, 0.05), RING_SPIN_US, True)
+                if raw is not None:
+                    self._on_done(decode_header(raw))
+        except SmddpError as e:
+            self._fail(e if isinstance(e, CollectiveError) else CollectiveError(f"rank {self.rank}: {e}"))
+            self._conn.close()
 
     def _on_done(self, header: Header) -> None:
         h = Done.of(header)

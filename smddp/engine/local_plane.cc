@@ -471,16 +471,59 @@ RingWait WorkerChannel::try_push(const std::uint8_t* header) {
   return submit_.push(header, kHeaderSize, 0, 0);
 }
 
-RingWait WorkerChannel::pop(std::uint8_t* out, std::int64_t timeout_ns, std::int64_t spin_ns) {
+RingWait WorkerChannel::pop(std::uint8_t* out, std::int64_t timeout_ns, std::int64_t spin_ns, bool waiter) {
   const Clock::time_point t0 = Clock::now();
+  std::unique_lock<std::mutex> lock(pop_mu_);
+  if (waiter) {
+    waiters_++;
+    yield_.store(true, std::memory_order_seq_cst);
+    if (popping_) done_.nudge();  // the background taker is asleep in the ring: hand it over
+  }
+  RingWait r = RingWait::kTimeout;
+  std::array<std::uint8_t, kSlotBytes> slot;
   for (bool first = true;; first = false) {
-    if (aborted_.load()) return RingWait::kTimeout;
+    if (waiter && kick_.exchange(false)) break;  // kick(): look at the collective again
+    if (!kept_.empty() && (waiter || waiters_ == 0)) {
+      std::memcpy(out, kept_.front().data(), kSlotBytes);
+      kept_.pop_front();
+      r = RingWait::kReady;
+      break;
+    }
     const std::int64_t left =
         timeout_ns - std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();
-    if (left <= 0 && !first) return RingWait::kTimeout;
-    const RingWait r = done_.pop(out, left < kPopSliceNs ? (left > 0 ? left : 0) : kPopSliceNs, first ? spin_ns : 0);
-    if (r != RingWait::kTimeout) return r;
+    if (aborted_.load() || (left <= 0 && !first)) break;
+    if (popping_ || (!waiter && waiters_ > 0)) {  // not our turn: wait for the ring, a slice at a time
+      pop_cv_.wait_for(lock, std::chrono::nanoseconds(left < kPopSliceNs ? (left > 0 ? left : 0) : kPopSliceNs));
+      continue;
+    }
+    popping_ = true;
+    lock.unlock();
+    const std::int64_t slice = left < kPopSliceNs ? (left > 0 ? left : 0) : kPopSliceNs;
+    r = done_.pop(slot.data(), slice, first ? spin_ns : 0, waiter ? &kick_ : &yield_);
+    lock.lock();
+    popping_ = false;
+    pop_cv_.notify_all();
+    if (r == RingWait::kReady && !waiter && waiters_ > 0) {
+      kept_.push_back(slot);  // it may be what a waiter waits for: theirs to take
+      r = RingWait::kTimeout;
+      continue;
+    }
+    if (r == RingWait::kReady) std::memcpy(out, slot.data(), kSlotBytes);
+    if (r != RingWait::kTimeout) break;
   }
+  if (waiter && --waiters_ == 0) yield_.store(false, std::memory_order_seq_cst);
+  pop_cv_.notify_all();
+  return r;
+}
+
+void WorkerChannel::kick() {
+  std::lock_guard<std::mutex> lock(pop_mu_);
+  // Sticky: a waiter that checked its collective just before, and has not reached its pop yet
+  // (between the two it gave up the GIL to this thread), must still see it. A waiter that finds
+  // it stale returns once for nothing and looks again.
+  kick_.store(true, std::memory_order_seq_cst);
+  if (popping_) done_.nudge();
+  pop_cv_.notify_all();
 }
 
 std::string WorkerChannel::why() {

@@ -18,6 +18,7 @@
 // outlive the plane; each link holds the channel and input segments it was given.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -152,7 +153,12 @@ class WorkerChannel {
   // The same without waiting at all: kTimeout when the ring is full or another thread is pushing.
   RingWait try_push(const std::uint8_t* header);
   // Pops the next descriptor into `out` (kSlotBytes); kTimeout when none came or the channel aborted.
-  RingWait pop(std::uint8_t* out, std::int64_t timeout_ns, std::int64_t spin_ns);
+  // Any thread may call it, one pops at a time. A `waiter` (a thread waiting for a collective of its
+  // own) goes first: a background taker's pop ends for it, and no new one starts while it waits, so
+  // that the thread that needs a DONE takes it off the ring itself instead of being woken for it.
+  RingWait pop(std::uint8_t* out, std::int64_t timeout_ns, std::int64_t spin_ns, bool waiter);
+  // Another thread completed something a waiter may be waiting for: waiters' pops return now (kTimeout).
+  void kick();
   // Stops pops (the job failed or the client closes): they return within one sleep slice.
   void abort() { aborted_.store(true); }
   bool aborted() const { return aborted_.load(); }
@@ -165,6 +171,14 @@ class WorkerChannel {
   RingView submit_;
   RingView done_;
   std::atomic<bool> aborted_{false};
+  std::mutex pop_mu_;                // guards popping_ and waiters_
+  std::condition_variable pop_cv_;   // the ring is free to pop, or the waiters changed
+  bool popping_ = false;             // a thread is inside done_.pop (it has one consumer)
+  int waiters_ = 0;                  // waiters inside pop()
+  std::atomic<bool> yield_{false};   // a waiter wants the ring: a background pop gives it up
+  std::atomic<bool> kick_{false};    // kick(): a waiter's pop returns, to look at its collective again
+  // Descriptors a background pop took while a waiter was waiting: the waiters' to hand out first.
+  std::deque<std::array<std::uint8_t, kSlotBytes>> kept_;
 };
 
 }  // namespace smddp

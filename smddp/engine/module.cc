@@ -1531,18 +1531,25 @@ PyObject* channel_push(PyObject* self, PyObject* args) {
   Py_RETURN_NONE;
 }
 
-// pop(timeout_s, spin_us) -> the next 56-byte header, or None
+// pop(timeout_s, spin_us, waiter) -> the next 56-byte header, or None
 PyObject* channel_pop(PyObject* self, PyObject* args) {
   double timeout = 0, spin_us = 0;
-  if (!PyArg_ParseTuple(args, "dd", &timeout, &spin_us)) return nullptr;
+  int waiter = 0;
+  if (!PyArg_ParseTuple(args, "ddp", &timeout, &spin_us, &waiter)) return nullptr;
   std::uint8_t slot[smddp::kSlotBytes];
   smddp::RingWait r;
   Py_BEGIN_ALLOW_THREADS
-  r = channel_of(self).pop(slot, static_cast<std::int64_t>(timeout * 1e9), static_cast<std::int64_t>(spin_us * 1e3));
+  r = channel_of(self).pop(slot, static_cast<std::int64_t>(timeout * 1e9), static_cast<std::int64_t>(spin_us * 1e3),
+                           waiter != 0);
   Py_END_ALLOW_THREADS
   if (r == smddp::RingWait::kTimeout) Py_RETURN_NONE;
   if (r == smddp::RingWait::kCorrupt) return raise_from(self, channel_of(self).why());
   return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(slot), static_cast<Py_ssize_t>(smddp::kHeaderSize));
+}
+
+PyObject* channel_kick(PyObject* self, PyObject*) {
+  channel_of(self).kick();
+  Py_RETURN_NONE;
 }
 
 PyObject* channel_abort(PyObject* self, PyObject*) {
@@ -1554,7 +1561,9 @@ PyObject* get_channel_segment(PyObject* self, void*) { return wrap_segment(modul
 
 PyMethodDef kChannelMethods[] = {
     {"push", channel_push, METH_VARARGS, "push(header, timeout_s, spin_us): onto the submit ring"},
-    {"pop", channel_pop, METH_VARARGS, "pop(timeout_s, spin_us) -> the next header of the done ring, or None"},
+    {"pop", channel_pop, METH_VARARGS,
+     "pop(timeout_s, spin_us, waiter) -> the next header of the done ring, or None (waiters go first)"},
+    {"kick", channel_kick, METH_NOARGS, "kick(): waiters' pops return, to look at their collective again"},
     {"abort", channel_abort, METH_NOARGS, "abort(): pops return None from now on"},
     {nullptr, nullptr, 0, nullptr},
 };

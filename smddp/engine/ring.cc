@@ -132,7 +132,12 @@ RingWait RingView::peek() {
   return head != mine_ ? RingWait::kReady : RingWait::kTimeout;
 }
 
-RingWait RingView::pop(void* out, std::int64_t timeout_ns, std::int64_t spin_ns) {
+void RingView::nudge() {
+  shared_->data_bell.fetch_add(1, std::memory_order_seq_cst);
+  futex_wake(&shared_->data_bell, 1 << 30);
+}
+
+RingWait RingView::pop(void* out, std::int64_t timeout_ns, std::int64_t spin_ns, const std::atomic<bool>* cancel) {
   const Clock::time_point t0 = Clock::now();
   for (;;) {
     const std::uint64_t head = shared_->head.load(std::memory_order_acquire);
@@ -144,8 +149,11 @@ RingWait RingView::pop(void* out, std::int64_t timeout_ns, std::int64_t spin_ns)
       ring_bell(&shared_->space_bell, &shared_->space_sleepers);
       return RingWait::kReady;
     }
-    if (!wait_turn(t0, timeout_ns, spin_ns, &shared_->data_bell, &shared_->data_sleepers,
-                   [this] { return shared_->head.load(std::memory_order_seq_cst) == mine_; }))
+    if (cancel != nullptr && cancel->load(std::memory_order_seq_cst)) return RingWait::kTimeout;
+    if (!wait_turn(t0, timeout_ns, spin_ns, &shared_->data_bell, &shared_->data_sleepers, [this, cancel] {
+          return shared_->head.load(std::memory_order_seq_cst) == mine_ &&
+                 !(cancel != nullptr && cancel->load(std::memory_order_seq_cst));
+        }))
       return RingWait::kTimeout;
   }
 }

@@ -52,8 +52,11 @@ class RingView {
   // Producer: copy `n` <= kSlotBytes bytes into the next slot and publish it. Waits for space up to
   // `timeout_ns` (spinning up to `spin_ns` of it first); kTimeout if the ring stayed full.
   RingWait push(const void* data, std::size_t n, std::int64_t timeout_ns, std::int64_t spin_ns);
-  // Consumer: copy the next slot (kSlotBytes) to `out` and free it. Waits for data the same way.
-  RingWait pop(void* out, std::int64_t timeout_ns, std::int64_t spin_ns);
+  // Consumer: copy the next slot (kSlotBytes) to `out` and free it. Waits for data the same way; a
+  // wait also ends (kTimeout) once `*cancel` is set and nudge() rang.
+  RingWait pop(void* out, std::int64_t timeout_ns, std::int64_t spin_ns, const std::atomic<bool>* cancel = nullptr);
+  // Wakes a consumer asleep in pop, so that it looks at its cancel flag.
+  void nudge();
   // Consumer: whether a slot is ready now (no wait, no copy: kReady or kTimeout); kCorrupt for a broken ring.
   RingWait peek();
   // Why the ring was refused, after kCorrupt.

@@ -81,7 +81,7 @@ void worker(smddp::LocalPlane* plane, smddp::Arena* results, smddp::WorkerChanne
       check(false, "push SUBMIT");
       return;
     }
-    if (ch->pop(slot, 10 * kSecond, 0) != smddp::RingWait::kReady) {
+    if (ch->pop(slot, 10 * kSecond, 0, it % 2 == 0) != smddp::RingWait::kReady) {
       check(false, "no DONE for rank " + std::to_string(rank) + " #" + std::to_string(it));
       return;
     }

@@ -55,7 +55,7 @@ class Rig:
         return out
 
     def done(self, i: int, timeout: float = 5.0) -> Done:
-        raw = self.channels[i].pop(timeout, 0.0)
+        raw = self.channels[i].pop(timeout, 0.0, True)
         assert raw is not None, f"no DONE for worker {i}"
         return Done.of(decode_header(raw))
 
@@ -227,3 +227,45 @@ def test_float16_nan_blocks_follow_the_engine_rule(rig):
     assert np.isnan(got[5]) and np.isnan(got[2500])
     ok = ~np.isnan(want)
     assert got[ok].tobytes() == want[ok].tobytes()
+
+
+def test_a_waiter_takes_its_done_before_the_background_taker(rig):
+    """The worker's two consumers of its done ring: a thread waiting for its own collective goes first
+    (the background taker's pop gives way), nothing is lost or taken twice, and a DONE the background
+    took while a waiter slept is the waiter's to take (or a kick wakes it)."""
+    import threading
+    import time
+
+    r = rig(1)
+    x = np.ones(256, np.float32)
+    stop = threading.Event()
+    taken_bg: list[int] = []
+
+    def background() -> None:
+        while not stop.is_set():
+            raw = r.channels[0].pop(0.5, 0.0, False)
+            if raw is not None:
+                taken_bg.append(Done.of(decode_header(raw)).seq)
+                r.channels[0].kick()
+
+    t = threading.Thread(target=background)
+    t.start()
+    try:
+        time.sleep(0.05)  # the background taker is asleep in the ring
+        taken_waiter: list[int] = []
+        slow = 0
+        for seq in range(1, 201):
+            r.submit(0, Kind.ALLREDUCE, DType.FLOAT32, x, 256, ReduceOp.SUM)
+            t0 = time.monotonic()
+            while seq not in taken_waiter and seq not in taken_bg:
+                raw = r.channels[0].pop(0.5, 0.0, True)
+                if raw is not None:
+                    taken_waiter.append(Done.of(decode_header(raw)).seq)
+            slow += time.monotonic() - t0 > 0.02  # never a sleep slice for a DONE that came
+            r.release(0, seq)
+    finally:
+        stop.set()
+        t.join()
+    assert sorted(taken_waiter + taken_bg) == list(range(1, 201))  # each once
+    assert len(taken_waiter) >= 190, len(taken_bg)  # the waiter's own, but for a rare race
+    assert slow <= 2, slow
