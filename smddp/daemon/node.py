@@ -249,6 +249,7 @@ class NodeDaemon:
                 PLANE_SPIN_US,
                 cfg.heartbeat_timeout_s,
                 PLANE_ATTACH_WAIT_S,
+                cfg.threads,
             )
         self._plane_counted = (0, 0, 0.0)  # the plane's counters already in self.stats
         self.scratch = Arena(cfg.result_segment_bytes, f"smddp-server-n{node}")

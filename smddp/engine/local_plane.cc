@@ -24,6 +24,11 @@ constexpr std::uint8_t kBfloat16 = 5;
 constexpr std::uint8_t kOpAvg = 2;
 constexpr std::uint8_t kOpMin = 3;
 constexpr std::uint8_t kOpMax = 4;
+// Collectives larger than this are reduced by the compute threads, smaller ones by the thread whose
+// SUBMIT completed them (as the Python daemon's INLINE_BYTES).
+constexpr std::uint64_t kInlineBytes = 64 << 10;
+
+std::uint64_t s_bytes(const Spec& s) { return s.count * s.itemsize; }
 
 std::string num(std::uint64_t v) { return std::to_string(v); }
 
@@ -73,6 +78,17 @@ struct LocalPlane::Op {
 LocalPlane::LocalPlane(PlaneConfig cfg, Arena* results)
     : cfg_(std::move(cfg)), results_(results), table_(cfg_.topo, {cfg_.me}, cfg_.rank_names) {
   links_.resize(cfg_.topo.local_size);
+  try {
+    for (std::uint32_t i = 0; i < cfg_.threads; i++) pool_.emplace_back([this] { compute(); });
+  } catch (...) {  // no destructor runs for a constructor that throws: stop what started
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      closed_ = true;
+    }
+    work_cv_.notify_all();
+    for (auto& t : pool_) t.join();
+    throw;
+  }
 }
 
 LocalPlane::~LocalPlane() { close(); }
@@ -228,63 +244,92 @@ void LocalPlane::on_submit(Link* link, const Header& h) {
   op->inputs[link->local] = data;
   op->held[link->local] = std::move(seg);
   if (!all_in) return;
-  const std::vector<Chunk> tasks = op->c->local_tasks();
+  std::vector<Chunk> tasks = op->c->local_tasks();
+  if (!pool_.empty() && s_bytes(op->spec) > kInlineBytes) {
+    // Large: the compute threads share the chunks, and this thread goes back to its ring.
+    for (const Chunk& t : tasks) queue_.push_back(Task{op, t});
+    work_cv_.notify_all();
+    return;
+  }
   lock.unlock();
-  // Every input is in: this thread runs the work now (the other workers wait for it either way).
+  // Small: this thread runs the work now (a hand-off would cost more than the work).
+  for (const Chunk& t : tasks)
+    if (!run_chunk(op, t)) return;
+}
+
+bool LocalPlane::run_chunk(const std::shared_ptr<Op>& op, const Chunk& t) {
   const Spec& s = op->spec;
   const std::uint32_t k = cfg_.topo.local_size;
-  for (const Chunk& t : tasks) {
-    if (op->c->is_gather()) {
-      const std::uint64_t a = t.start, b = t.end;
-      if (s.kind == static_cast<std::uint8_t>(Kind::kBroadcast)) {
-        const std::uint32_t root = s.root - cfg_.topo.first_rank;
-        if (b > a) {
-          if (root >= k || op->inputs[root] == nullptr)
-            return fail(Verdict{Fault::kProtocol, cfg_.me + ": broadcast #" + num(s.seq) + " has no root input"});
-          std::memcpy(op->out + a, op->inputs[root] + a, b - a);
+  if (op->c->is_gather()) {
+    const std::uint64_t a = t.start, b = t.end;
+    if (s.kind == static_cast<std::uint8_t>(Kind::kBroadcast)) {
+      const std::uint32_t root = s.root - cfg_.topo.first_rank;
+      if (b > a) {
+        if (root >= k || op->inputs[root] == nullptr) {
+          fail(Verdict{Fault::kProtocol, cfg_.me + ": broadcast #" + num(s.seq) + " has no root input"});
+          return false;
         }
-      } else {
-        const std::uint64_t per = s.count * s.itemsize;
-        const std::uint64_t block = op->c->own_range().start;
-        for (std::uint32_t r = 0; r < k; r++) {
-          const std::uint64_t s0 = block + r * per;
-          const std::uint64_t lo = a > s0 ? a : s0, hi = b < s0 + per ? b : s0 + per;
-          if (lo < hi) std::memcpy(op->out + lo, op->inputs[r] + (lo - s0), hi - lo);
-        }
+        std::memcpy(op->out + a, op->inputs[root] + a, b - a);
       }
-    } else if (t.end > t.start) {
-      const std::size_t n = t.end - t.start;
-      std::vector<const void*> in(k);
-      for (std::uint32_t i = 0; i < k; i++) in[i] = op->inputs[i] + t.start * s.itemsize;
-      void* out = op->out + t.start * s.itemsize;
-      const std::uint8_t rop = s.has_op ? s.op : 1;
-      const Clock::time_point r0 = Clock::now();
-      if (s.widened) {
-        const Half half = s.dtype == kFloat16 ? Half::kFloat16 : Half::kBfloat16;
-        const Fold fold = rop == kOpMin ? Fold::kMin : rop == kOpMax ? Fold::kMax : Fold::kSum;
-        const float div = rop == kOpAvg ? static_cast<float>(cfg_.topo.world) : 0.0f;
-        std::vector<const std::uint16_t*> in16(k);
-        for (std::uint32_t i = 0; i < k; i++) in16[i] = static_cast<const std::uint16_t*>(in[i]);
-        auto* out16 = static_cast<std::uint16_t*>(out);
-        std::vector<std::size_t> nan_blocks;
-        if (half == Half::kFloat16 && !have_f16c()) {
-          for (std::size_t b = 0; b * kReduceBlock < n; b++) nan_blocks.push_back(b);  // all by the portable path
-        } else {
-          reduce16(half, fold, in16.data(), k, n, out16, div, &nan_blocks);
-        }
-        for (std::size_t b : nan_blocks) reduce16_nan_block(half, fold, in16.data(), k, n, b, out16, div);
-      } else {
-        const std::string w = reduce(s.dtype, rop, in.data(), k, n, out, rop == kOpAvg ? cfg_.topo.world : 0);
-        if (!w.empty()) return fail(Verdict{Fault::kProtocol, cfg_.me + ": collective #" + num(s.seq) + ": " + w});
+    } else {
+      const std::uint64_t per = s.count * s.itemsize;
+      const std::uint64_t block = op->c->own_range().start;
+      for (std::uint32_t r = 0; r < k; r++) {
+        const std::uint64_t s0 = block + r * per;
+        const std::uint64_t lo = a > s0 ? a : s0, hi = b < s0 + per ? b : s0 + per;
+        if (lo < hi) std::memcpy(op->out + lo, op->inputs[r] + (lo - s0), hi - lo);
       }
-      const double secs = std::chrono::duration<double>(Clock::now() - r0).count();
-      std::lock_guard<std::mutex> g(mu_);
-      counters_.reduced_bytes += std::uint64_t{k} * n * s.itemsize;
-      counters_.reduce_seconds += secs;
     }
-    std::unique_lock<std::mutex> relock(mu_);
-    if (failed_) return;
-    if (op->c->chunk_completed()) complete_locked(op, &relock);
+  } else if (t.end > t.start) {
+    const std::size_t n = t.end - t.start;
+    std::vector<const void*> in(k);
+    for (std::uint32_t i = 0; i < k; i++) in[i] = op->inputs[i] + t.start * s.itemsize;
+    void* out = op->out + t.start * s.itemsize;
+    const std::uint8_t rop = s.has_op ? s.op : 1;
+    const Clock::time_point r0 = Clock::now();
+    if (s.widened) {
+      const Half half = s.dtype == kFloat16 ? Half::kFloat16 : Half::kBfloat16;
+      const Fold fold = rop == kOpMin ? Fold::kMin : rop == kOpMax ? Fold::kMax : Fold::kSum;
+      const float div = rop == kOpAvg ? static_cast<float>(cfg_.topo.world) : 0.0f;
+      std::vector<const std::uint16_t*> in16(k);
+      for (std::uint32_t i = 0; i < k; i++) in16[i] = static_cast<const std::uint16_t*>(in[i]);
+      auto* out16 = static_cast<std::uint16_t*>(out);
+      std::vector<std::size_t> nan_blocks;
+      if (half == Half::kFloat16 && !have_f16c()) {
+        for (std::size_t b = 0; b * kReduceBlock < n; b++) nan_blocks.push_back(b);  // all by the portable path
+      } else {
+        reduce16(half, fold, in16.data(), k, n, out16, div, &nan_blocks);
+      }
+      for (std::size_t b : nan_blocks) reduce16_nan_block(half, fold, in16.data(), k, n, b, out16, div);
+    } else {
+      const std::string w = reduce(s.dtype, rop, in.data(), k, n, out, rop == kOpAvg ? cfg_.topo.world : 0);
+      if (!w.empty()) {
+        fail(Verdict{Fault::kProtocol, cfg_.me + ": collective #" + num(s.seq) + ": " + w});
+        return false;
+      }
+    }
+    const double secs = std::chrono::duration<double>(Clock::now() - r0).count();
+    std::lock_guard<std::mutex> g(mu_);
+    counters_.reduced_bytes += std::uint64_t{k} * n * s.itemsize;
+    counters_.reduce_seconds += secs;
+  }
+  std::unique_lock<std::mutex> relock(mu_);
+  if (failed_) return false;
+  if (op->c->chunk_completed()) complete_locked(op, &relock);
+  return true;
+}
+
+void LocalPlane::compute() {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    work_cv_.wait(lock, [this] { return closed_ || !queue_.empty(); });
+    if (queue_.empty()) return;  // closed
+    Task task = std::move(queue_.front());
+    queue_.pop_front();
+    if (failed_) continue;  // a failed job's work is dropped
+    lock.unlock();
+    run_chunk(task.op, task.chunk);
+    lock.lock();
   }
 }
 
@@ -439,9 +484,16 @@ void LocalPlane::close() {
     closed_ = true;
     attach_cv_.notify_all();
     event_cv_.notify_all();
+    work_cv_.notify_all();
   }
   for (auto& l : links_)
     if (l) l->join();
+  for (auto& t : pool_)
+    if (t.joinable()) t.join();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.clear();
+  }
   std::lock_guard<std::mutex> lock(mu_);
   for (auto& [seq, op] : ops_) (void)results_->free(op->result);
   ops_.clear();

@@ -52,6 +52,7 @@ struct PlaneConfig {
   std::int64_t spin_ns = 20'000;  // a link thread spins this long for the next descriptor, then sleeps
   std::int64_t push_timeout_ns = 60'000'000'000;  // a done ring full this long: its worker is stuck
   std::int64_t attach_wait_ns = 10'000'000'000;  // a SUBMIT naming a segment its ATTACH has not brought yet
+  std::uint32_t threads = 2;  // compute threads sharing the chunks of large collectives (0: none)
 };
 
 // What Python must act on, in order.
@@ -118,7 +119,12 @@ class LocalPlane {
   void on_submit(Link* link, const Header& h);
   void on_release(Link* link, const Header& h);
   void on_bye(Link* link);
-  void work(const std::shared_ptr<Op>& op);
+  struct Task {  // a chunk of a large collective, for a compute thread
+    std::shared_ptr<Op> op;
+    Chunk chunk;
+  };
+  bool run_chunk(const std::shared_ptr<Op>& op, const Chunk& chunk);
+  void compute();
   void complete_locked(const std::shared_ptr<Op>& op, std::unique_lock<std::mutex>* lock);
   void retire_locked(std::uint64_t seq);
   void fail_locked(const Verdict& v);
@@ -138,6 +144,9 @@ class LocalPlane {
   PlaneCounters counters_;
   bool failed_ = false;
   bool closed_ = false;
+  std::condition_variable work_cv_;  // queue_ has work, or the plane closed
+  std::deque<Task> queue_;           // chunks of large collectives, for the compute threads
+  std::vector<std::thread> pool_;    // the compute threads
 };
 
 // The worker's side of its channel: the submit ring's producer (any thread, serialised here) and the

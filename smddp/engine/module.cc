@@ -1177,16 +1177,17 @@ struct PlaneObject {
 
 smddp::LocalPlane& plane_of(PyObject* self) { return *reinterpret_cast<PlaneObject*>(self)->plane; }
 
-// LocalPlane(node, local_size, chunk_bytes, rank_names, me, results, spin_us, push_timeout_s, attach_wait_s)
+// LocalPlane(node, local_size, chunk_bytes, rank_names, me, results, spin_us, push_timeout_s, attach_wait_s,
+//            threads=2)
 PyObject* plane_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
-  long long node = 0, local_size = 0, chunk_bytes = 0;
+  long long node = 0, local_size = 0, chunk_bytes = 0, threads = 2;
   PyObject *names_obj = nullptr, *me_obj = nullptr, *arena_obj = nullptr;
   double spin_us = 0, push_timeout_s = 0, attach_wait_s = 0;
   static const char* kw[] = {"node",    "local_size",     "chunk_bytes",   "rank_names", "me", "results",
-                             "spin_us", "push_timeout_s", "attach_wait_s", nullptr};
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "LLLOUOddd", const_cast<char**>(kw), &node, &local_size,
+                             "spin_us", "push_timeout_s", "attach_wait_s", "threads", nullptr};
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "LLLOUOddd|L", const_cast<char**>(kw), &node, &local_size,
                                    &chunk_bytes, &names_obj, &me_obj, &arena_obj, &spin_us, &push_timeout_s,
-                                   &attach_wait_s))
+                                   &attach_wait_s, &threads))
     return nullptr;
   PyObject* module = PyType_GetModule(type);
   if (!non_negative(module, {node, local_size, chunk_bytes})) return nullptr;
@@ -1197,8 +1198,8 @@ PyObject* plane_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
     PyErr_SetString(PyExc_TypeError, "results must be an smddp._engine.Arena");
     return nullptr;
   }
-  if (spin_us < 0 || push_timeout_s <= 0 || attach_wait_s <= 0) {
-    PyErr_SetString(PyExc_ValueError, "spin_us must not be negative, the timeouts must be positive");
+  if (spin_us < 0 || push_timeout_s <= 0 || attach_wait_s <= 0 || threads < 0 || threads > 256) {
+    PyErr_SetString(PyExc_ValueError, "spin_us and threads (at most 256) must not be negative, the timeouts must be positive");
     return nullptr;
   }
   smddp::PlaneConfig cfg;
@@ -1216,6 +1217,7 @@ PyObject* plane_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   cfg.spin_ns = static_cast<std::int64_t>(spin_us * 1e3);
   cfg.push_timeout_ns = static_cast<std::int64_t>(push_timeout_s * 1e9);
   cfg.attach_wait_ns = static_cast<std::int64_t>(attach_wait_s * 1e9);
+  cfg.threads = static_cast<std::uint32_t>(threads);
   PyObject* self = type->tp_alloc(type, 0);
   if (self == nullptr) return nullptr;
   try {
@@ -1224,6 +1226,10 @@ PyObject* plane_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   } catch (const std::bad_alloc&) {
     Py_DECREF(self);
     return PyErr_NoMemory();
+  } catch (const std::system_error& e) {
+    Py_DECREF(self);
+    PyErr_Format(PyExc_OSError, "cannot start the plane's compute threads: %s", e.what());
+    return nullptr;
   }
   reinterpret_cast<PlaneObject*>(self)->arena = Py_NewRef(arena_obj);
   return self;

@@ -1,10 +1,11 @@
 // The local plane with real threads: four workers, each on its own thread with its own channel and
 // input segment, run 3,000 all-reduces of varying sizes and types through the plane's rings (with
-// their sleeps), every result checked exactly, every RELEASE sent, then BYE; the plane must report
-// every worker's BYE, no failure, and give back all result memory. Then a worker that scribbles on
-// its ring's indices, and one that submits outside its memory, must each fail the plane with a
-// reason, while close() still ends every thread. Built and run under ASan+UBSan and TSan by
-// `make engine-sanitize`. Exit status 0: every check held.
+// their sleeps; every 25th large enough for the plane's compute threads), every result checked
+// exactly, every RELEASE sent, then BYE; the plane must report every worker's BYE, no failure, and
+// give back all result memory. Then a worker that scribbles on its ring's indices, and one that
+// submits outside its memory, must each fail the plane with a reason, while close() still ends
+// every thread. Built and run under ASan+UBSan and TSan by `make engine-sanitize`. Exit status 0:
+// every check held.
 #include <atomic>
 #include <cstdio>
 #include <cstring>
@@ -66,7 +67,9 @@ void worker(smddp::LocalPlane* plane, smddp::Arena* results, smddp::WorkerChanne
             std::shared_ptr<smddp::Segment> input, std::uint32_t rank, int iters) {
   std::uint8_t slot[smddp::kSlotBytes];
   for (int it = 1; it <= iters; it++) {
-    const std::uint64_t count = 1 + static_cast<std::uint64_t>(it * 37) % 3000;
+    // Mostly small (reduced by the thread whose SUBMIT completes it), every 25th large enough for the
+    // compute threads (over 64 KiB).
+    const std::uint64_t count = it % 25 == 0 ? 50000 : 1 + static_cast<std::uint64_t>(it * 37) % 3000;
     const bool f64 = it % 3 == 0;
     if (f64) {
       auto* x = reinterpret_cast<double*>(input->base());
@@ -122,7 +125,7 @@ struct Rig {
       std::string why;
       channels.push_back(smddp::WorkerChannel::create("test-ch", &why));
       check(channels.back() != nullptr, "channel: " + why);
-      inputs.push_back(smddp::Segment::create(3, 64 << 10, "test-in", &why));
+      inputs.push_back(smddp::Segment::create(3, 1 << 20, "test-in", &why));
       check(inputs.back() != nullptr, "input: " + why);
       // The plane uses the worker's own mapping of the channel: ThreadSanitizer tells synchronisation
       // by address, and a second mapping (as the daemon has, in its own process) would hide the
@@ -166,7 +169,7 @@ void broken_rings() {
   }
   {
     Rig rig(2);
-    const auto sub = header(smddp::Msg::kSubmit, 0, 1, 3, (64 << 10) - 8, 4, 6, 1, 1);
+    const auto sub = header(smddp::Msg::kSubmit, 0, 1, 3, (1 << 20) - 8, 4, 6, 1, 1);
     check(rig.channels[0]->push(sub.data(), kSecond, 0) == smddp::RingWait::kReady, "push");
     const std::string why = rig.failure(5 * kSecond);
     check(why.find("rank 0 submitted collective #1 outside its memory") == 0, "out of bounds: " + why);
