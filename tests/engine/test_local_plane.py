@@ -269,3 +269,20 @@ def test_a_waiter_takes_its_done_before_the_background_taker(rig):
     assert sorted(taken_waiter + taken_bg) == list(range(1, 201))  # each once
     assert len(taken_waiter) >= 190, len(taken_bg)  # the waiter's own, but for a rare race
     assert slow <= 2, slow
+
+
+@pytest.mark.parametrize("dtype", [DType.FLOAT32, DType.BFLOAT16, DType.INT64])
+def test_large_allreduce_on_the_compute_threads(rig, dtype):
+    """Over 64 KiB: the plane's compute threads share its chunks (4 KiB each here); same bits."""
+    r = rig(3)
+    count = 100_003
+    xs = rng_inputs(dtype, 3, count, seed=7)
+    for i in range(3):
+        r.submit(i, Kind.ALLREDUCE, dtype, xs[i], count, ReduceOp.AVG)
+    want = reference.allreduce([x.copy() for x in xs], dtype.name.lower(), "avg", 1)
+    for i in range(3):
+        d = r.done(i)
+        got = r.result(d, count * dtype.itemsize)
+        assert got.tobytes() == np.ascontiguousarray(want).view(np.uint8).tobytes()
+        r.release(i, d.seq)
+    assert [e for e in r.events() if e[0] == "failed"] == []
