@@ -170,9 +170,10 @@ SETTINGS: tuple[Setting, ...] = (
     S(
         "data_plane",
         str,
-        "python",
-        "what moves the bytes of a job on one node: the daemon's Python threads, or the compiled engine "
-        "(its workers' rings, threads and kernels; issue 17). Jobs of several nodes use python for now",
+        "engine",
+        "what moves the bytes of a job on one node: the compiled engine (the workers' rings, the engine's "
+        "threads and kernels) or, as before it, the daemon's Python threads. Jobs of several nodes use "
+        "python until the engine drives the links between daemons (issue 17)",
         ("--data-plane",),
         (LAUNCH, DAEMON, WORKER),
         env="SMDDP_DATA_PLANE",

@@ -252,6 +252,7 @@ class NodeDaemon:
                 cfg.threads,
             )
         self._plane_counted = (0, 0, 0.0)  # the plane's counters already in self.stats
+        self._plane_count_lock = threading.Lock()
         self.scratch = Arena(cfg.result_segment_bytes, f"smddp-server-n{node}")
         self._tasks: collections.deque = collections.deque()  # server-side work first
         self._local_tasks: collections.deque = collections.deque()
@@ -689,9 +690,13 @@ class NodeDaemon:
         """Bring what the plane did since the last call into the daemon's statistics."""
         if self.plane is None:
             return
-        for kind, dtype, nbytes, seconds in self.plane.take_completions():
+        with self._plane_count_lock:  # the main loop's tick and a status request may come together
+            self._count_plane_locked(self.plane)
+
+    def _count_plane_locked(self, plane: _engine.LocalPlane) -> None:
+        for kind, dtype, nbytes, seconds in plane.take_completions():
             self.stats.done(Kind(kind).label, DType(dtype).label, nbytes, seconds)
-        n, reduced, secs = self.plane.counters()
+        n, reduced, secs = plane.counters()
         _, reduced0, secs0 = self._plane_counted
         if reduced > reduced0:
             self.stats.add_reduce(reduced - reduced0, secs - secs0)
@@ -1042,31 +1047,13 @@ class NodeDaemon:
 
     def local_report(self) -> dict:
         """What `smddp status` shows for this daemon (JSON-ready)."""
+        self._count_plane()
         now = time.monotonic()
         with self._lock:
-            ops = [op for op in self.ops.values() if not op.done]
+            ops = self._in_flight(now)
             workers = [w for w in self.workers if w is not None]
-            oldest = min(ops, key=lambda o: o.t0) if ops else None
-            stalled = [
-                {
-                    "seq": op.seq,
-                    "what": op.describe(),
-                    "age_s": now - op.t0,
-                    "waiting_for": self._waiting_for(op),
-                }
-                for op in ops
-                if now - op.t0 > self.cfg.stall_warning_s
-            ]
-            oldest_info = (
-                {
-                    "seq": oldest.seq,
-                    "what": oldest.describe(),
-                    "age_s": now - oldest.t0,
-                    "waiting_for": self._waiting_for(oldest),
-                }
-                if oldest
-                else None
-            )
+            stalled = [r for r in ops if r["age_s"] > self.cfg.stall_warning_s]
+            oldest_info = ops[0] if ops else None
             local_q, server_q = len(self._local_tasks), len(self._tasks)
         if self.failure is not None:
             state = f"FAILED: {self.failure}"
@@ -1129,27 +1116,54 @@ class NodeDaemon:
         missing += [self.job.describe_node(j) for j in op.sm.late_nodes()]
         return missing
 
+    def _in_flight(self, now: float) -> list[dict]:
+        """The collectives in flight and not done, oldest first: seq, what, age_s, waiting_for (lock held)."""
+        if self.plane is not None:
+            ranks = self.job.ranks_of(self.node)
+            rows = [
+                {
+                    "seq": seq,
+                    "what": what,
+                    "age_s": age,
+                    "waiting_for": [self.job.describe_rank(ranks[i]) for i in late],
+                }
+                for seq, age, what, late in self.plane.waiting()
+            ]
+        else:
+            rows = [
+                {
+                    "seq": op.seq,
+                    "what": op.describe(),
+                    "age_s": now - op.t0,
+                    "waiting_for": self._waiting_for(op),
+                }
+                for op in self.ops.values()
+                if not op.done
+            ]
+        return sorted(rows, key=lambda r: -r["age_s"])
+
     def _inspect_stalls(self, now: float) -> None:
         """Warn about collectives that waited longer than the stall warning time, naming who is late."""
         limit = self.cfg.stall_warning_s
         with self._lock:
             late = [
-                (op, self._waiting_for(op))
-                for op in self.ops.values()
-                if not op.done and now - op.t0 > limit and now - self._stall_warned.get(op.seq, 0.0) > limit
+                r
+                for r in self._in_flight(now)
+                if r["age_s"] > limit and now - self._stall_warned.get(r["seq"], 0.0) > limit
             ]
-            for op, _ in late:
-                self._stall_warned[op.seq] = now
-        for op, who in late:
+            for r in late:
+                self._stall_warned[r["seq"]] = now
+        for r in late:
+            who = r["waiting_for"]
             log.warning(
                 "%s: collective #%d %s has waited %.0fs for: %s",
                 self.me,
-                op.seq,
-                op.describe(),
-                now - op.t0,
+                r["seq"],
+                r["what"],
+                r["age_s"],
                 ", ".join(who) or "(nobody: in progress)",
             )
-            self.stats.error("stall", f"collective #{op.seq} waited {now - op.t0:.0f}s for {', '.join(who)}")
+            self.stats.error("stall", f"collective #{r['seq']} waited {r['age_s']:.0f}s for {', '.join(who)}")
 
     def write_timeline(self) -> None:
         if not self.cfg.timeline_dir:

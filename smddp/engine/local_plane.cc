@@ -444,14 +444,16 @@ std::size_t LocalPlane::in_flight() {
   return ops_.size();
 }
 
-std::vector<std::pair<std::uint64_t, std::vector<std::uint32_t>>> LocalPlane::waiting() {
+std::vector<LocalPlane::Waiting> LocalPlane::waiting() {
   std::lock_guard<std::mutex> lock(mu_);
-  std::vector<std::pair<std::uint64_t, std::vector<std::uint32_t>>> out;
+  const Clock::time_point now = Clock::now();
+  std::vector<Waiting> out;
   for (const auto& [seq, op] : ops_) {
-    std::vector<std::uint32_t> late;
+    if (op->c->done()) continue;
+    Waiting w{seq, std::chrono::duration<double>(now - op->t0).count(), describe(op->spec), {}};
     for (std::uint32_t i = 0; i < cfg_.topo.local_size; i++)
-      if (!op->c->submitted_by(i)) late.push_back(i);
-    out.emplace_back(seq, std::move(late));
+      if (!op->c->submitted_by(i)) w.late.push_back(i);
+    out.push_back(std::move(w));
   }
   return out;
 }

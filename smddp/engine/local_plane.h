@@ -99,8 +99,16 @@ class LocalPlane {
   bool all_ranks_gone();
   void name_rank(std::uint32_t local, const std::string& name);
   std::size_t in_flight();
-  // Sequence numbers in flight and, for each, the local ranks that have not submitted it yet.
-  std::vector<std::pair<std::uint64_t, std::vector<std::uint32_t>>> waiting();
+  // The collectives in flight and not done yet (for stall reports): each one's sequence number, how
+  // long since it was first seen, its fingerprint as messages spell it, and the local ranks that
+  // have not submitted it.
+  struct Waiting {
+    std::uint64_t seq;
+    double age_s;
+    std::string what;
+    std::vector<std::uint32_t> late;
+  };
+  std::vector<Waiting> waiting();
 
   // The job failed elsewhere (Python said so): handle nothing more, wake every worker's waits.
   void abort();

@@ -1346,18 +1346,18 @@ PyObject* plane_name_rank(PyObject* self, PyObject* args) {
   Py_RETURN_NONE;
 }
 
-// waiting() -> [(seq, [local ranks not submitted yet])]
+// waiting() -> [(seq, age_s, what, [local ranks not submitted yet])]
 PyObject* plane_waiting(PyObject* self, PyObject*) {
   const auto rows = plane_of(self).waiting();
   PyObject* out = PyList_New(0);
   if (out == nullptr) return nullptr;
-  for (const auto& [seq, late] : rows) {
+  for (const auto& w : rows) {
     PyObject* ranks = PyList_New(0);
     if (ranks == nullptr) {
       Py_DECREF(out);
       return nullptr;
     }
-    for (std::uint32_t r : late) {
+    for (std::uint32_t r : w.late) {
       PyObject* v = PyLong_FromUnsignedLong(r);
       if (v == nullptr || PyList_Append(ranks, v) != 0) {
         Py_XDECREF(v);
@@ -1367,7 +1367,7 @@ PyObject* plane_waiting(PyObject* self, PyObject*) {
       }
       Py_DECREF(v);
     }
-    PyObject* row = Py_BuildValue("(KN)", static_cast<unsigned long long>(seq), ranks);
+    PyObject* row = Py_BuildValue("(KdsN)", static_cast<unsigned long long>(w.seq), w.age_s, w.what.c_str(), ranks);
     if (row == nullptr || PyList_Append(out, row) != 0) {
       Py_XDECREF(row);
       Py_DECREF(out);
@@ -1443,7 +1443,7 @@ PyMethodDef kPlaneMethods[] = {
     {"left_early", plane_left_early, METH_O, "left_early(local) -> its process ended without joining"},
     {"all_ranks_gone", plane_all_ranks_gone, METH_NOARGS, "every local rank said BYE or left early"},
     {"name_rank", plane_name_rank, METH_VARARGS, "name_rank(local, name)"},
-    {"waiting", plane_waiting, METH_NOARGS, "waiting() -> [(seq, [local ranks not submitted])]"},
+    {"waiting", plane_waiting, METH_NOARGS, "waiting() -> [(seq, age_s, what, [local ranks not submitted])]"},
     {"abort", plane_abort, METH_NOARGS, "abort(): the job failed, handle nothing more"},
     {"next_event", plane_next_event, METH_O,
      "next_event(timeout_s) -> None, ('segment', Segment) or ('failed', fault, why)"},

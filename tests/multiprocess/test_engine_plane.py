@@ -1,6 +1,7 @@
-"""Jobs on one node with --data-plane engine (the local plane, smddp/engine/local_plane.h): the whole
-collective matrix bit-exact, mismatches and early exits named on every rank, a killed worker named
-within the same bound as on the Python data plane, and the daemon's statistics counting its work."""
+"""Jobs on one node on the engine data plane (the local plane, smddp/engine/local_plane.h; the default,
+named here so that these tests keep meaning it): the whole collective matrix bit-exact, mismatches and
+early exits named on every rank, a killed worker named within the same bound as on the Python data
+plane. And the Python data plane on one node (--data-plane python) while it exists: the same matrix."""
 
 from __future__ import annotations
 
@@ -24,6 +25,10 @@ ENGINE = ["--data-plane", "engine"]
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_every_collective_bit_exact_on_the_engine(world: int, tmp_path: Path, clean_host: None) -> None:
     check_every_collective(world, 1, tmp_path, extra=ENGINE)
+
+
+def test_every_collective_bit_exact_on_the_python_data_plane(tmp_path: Path, clean_host: None) -> None:
+    check_every_collective(3, 1, tmp_path, extra=["--data-plane", "python"])
 
 
 def test_mismatch_and_early_exit_on_the_engine(tmp_path: Path, clean_host: None) -> None:

@@ -35,12 +35,12 @@ def smddp_status(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([str(BIN / "smddp"), "status", *args], capture_output=True, text=True, timeout=30)
 
 
-def wait_for_job(proc: subprocess.Popen, job: str, timeout: float = 60) -> None:
+def wait_for_job(proc: subprocess.Popen, job: str, timeout: float = 60, last_node: int = 1) -> None:
     deadline = time.monotonic() + timeout
     while True:
         listed = smddp_status("--json")
         if listed.returncode == 0 and any(
-            d["job"] == job and d["node"] == 1 for d in json.loads(listed.stdout)
+            d["job"] == job and d["node"] == last_node for d in json.loads(listed.stdout)
         ):
             return
         assert proc.poll() is None and time.monotonic() < deadline, "the job did not come up"
@@ -179,6 +179,37 @@ def test_stalled_rank_named_by_inspector_and_status(clean_host):
     warnings = [line for line in out.splitlines() if "has waited" in line]
     assert any("rank 3 (node 1" in line for line in warnings), out[-2000:]
     assert any("node 0" in line and "node 1 (" in line for line in warnings)  # node 0 waits for node 1
+
+
+def test_one_node_on_the_engine_status_and_stalls(clean_host):
+    """A job on one node runs on the engine data plane: `smddp status` counts its collectives and the
+    stall inspector names the late rank from the plane's own record of who has submitted."""
+    env = job_env()
+    job = env["SMDDP_JOB_ID"]
+    args = ["--local-nodes", "1", "--stall-warning-s", "1"]
+    proc = launch(args, ["--iterations", "2", "--late-rank", "3", "--late-s", "6"], env)
+    try:
+        wait_for_job(proc, job, last_node=0)
+        stalled: list = []
+        deadline = time.monotonic() + 30
+        while not stalled and time.monotonic() < deadline:
+            got = smddp_status("--job", job, "--json")
+            if got.returncode == 0:
+                stalled = [s for d in json.loads(got.stdout)["daemons"] for s in d.get("stalled", [])]
+            time.sleep(0.2)
+        time.sleep(7)  # the late rank comes; the job finishes its iterations
+        final = smddp_status("--job", job, "--json")
+    finally:
+        out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, out[-2000:]
+    assert stalled, "status never showed the stall"
+    assert all(s["waiting_for"] == [w for w in s["waiting_for"] if w.startswith("rank 3 ")] for s in stalled)
+    assert any("allreduce(" in s["what"] or "barrier(" in s["what"] for s in stalled), stalled
+    warnings = [line for line in out.splitlines() if "has waited" in line]
+    assert any("rank 3 (node 0" in line for line in warnings), out[-2000:]
+    if final.returncode == 0:  # the job may have ended already
+        done = json.loads(final.stdout)["daemons"][0]["collectives"]["done"]
+        assert done > 0, final.stdout
 
 
 def _doc_scrape_config() -> str:
