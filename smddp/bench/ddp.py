@@ -7,7 +7,6 @@ import os
 import shlex
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -17,11 +16,10 @@ from smddp.bench.runner import (
     BenchError,
     RunOptions,
     Topology,
-    build_command,
     have_torch,
+    launch_ranks,
     machine_info,
     place,
-    run_command,
 )
 
 IMPLS = ("smddp", "gloo")
@@ -60,22 +58,9 @@ class DdpConfig:
 
 def run_once(cfg: DdpConfig, impl: str, p: Any, log: TextIO) -> dict[str, Any]:
     """One launch of `impl`: per step the slowest rank's time, and the parameters' digest checked equal."""
-    ranks = cfg.topology.workers
-    with tempfile.TemporaryDirectory(prefix="smddp-bench-ddp-") as outdir:
-        os.chmod(outdir, 0o755)
-        cmd, env, settings = build_command(impl, p, (), outdir, program=cfg.program(impl, outdir))
-        print(f"# {impl}: {shlex.join(cmd)}", file=log, flush=True)
-        t0 = time.monotonic()
-        proc = run_command(cmd, env, cfg.options.timeout_s)
-        wall = time.monotonic() - t0
-        files = [Path(outdir) / f"rank{r}.json" for r in range(ranks)]
-        missing = [f.name for f in files if not f.exists()]
-        if proc.returncode or missing:
-            raise BenchError(
-                f"{impl} run failed (exit {proc.returncode}, missing {missing}): {shlex.join(cmd)}\n"
-                + proc.stdout[-4000:]
-            )
-        per_rank = [json.loads(f.read_text()) for f in files]
+    cmd, settings, wall, per_rank = launch_ranks(
+        impl, p, (), log, opts=cfg.options, program=lambda outdir: cfg.program(impl, outdir)
+    )
     digests = {r["params_sha256"] for r in per_rank}
     if len(digests) != 1:
         raise BenchError(f"{impl}: the ranks' parameters differ after training ({len(digests)} digests)")

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -333,6 +333,38 @@ def run_command(cmd: list[str], env: dict[str, str], timeout: float) -> subproce
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
 
 
+def launch_ranks(
+    impl: str,
+    p: Place,
+    cases: Sequence[Case],
+    log: Any = None,
+    job_id: str = "",
+    opts: RunOptions | None = None,
+    program: Callable[[str], Sequence[str]] | None = None,
+) -> tuple[list[str], dict[str, Any], float, list[dict[str, Any]]]:
+    """One launch of `impl`, every rank writing DIR/rank<r>.json: the command, its settings, the wall
+    time and each rank's record. `program(DIR)`, when given, is what every rank runs instead of the
+    all-reduce loop over `cases`."""
+    with tempfile.TemporaryDirectory(prefix="smddp-bench-") as outdir:
+        os.chmod(outdir, 0o755)
+        cmd, env, settings = build_command(
+            impl, p, cases, outdir, job_id, opts, program=program(outdir) if program else ()
+        )
+        if log is not None:
+            print(f"# {impl}: {shlex.join(cmd)}", file=log, flush=True)
+        t0 = time.monotonic()
+        proc = run_command(cmd, env, (opts or p.opts).timeout_s)
+        wall = time.monotonic() - t0
+        files = [Path(outdir) / f"rank{r}.json" for r in range(p.topo.workers)]
+        missing = [f.name for f in files if not f.exists()]
+        if proc.returncode or missing:
+            raise BenchError(
+                f"{impl} run failed (exit {proc.returncode}, missing {missing}): {shlex.join(cmd)}\n"
+                + proc.stdout[-4000:]
+            )
+        return cmd, settings, wall, [json.loads(f.read_text()) for f in files]
+
+
 def run_impl(
     impl: str,
     p: Place,
@@ -344,23 +376,8 @@ def run_impl(
     """Run one implementation over `cases` and reduce every rank's times to per-round maxima."""
     if impl not in IMPLS:
         raise BenchError(f"unknown implementation {impl!r} (known: {', '.join(IMPLS)})")
-    with tempfile.TemporaryDirectory(prefix="smddp-bench-") as outdir:
-        os.chmod(outdir, 0o755)
-        cmd, env, settings = build_command(impl, p, cases, outdir, job_id, opts)
-        if log is not None:
-            print(f"# {impl}: {shlex.join(cmd)}", file=log, flush=True)
-        t0 = time.monotonic()
-        proc = run_command(cmd, env, (opts or p.opts).timeout_s)
-        wall = time.monotonic() - t0
-        ranks = p.topo.workers
-        files = [Path(outdir) / f"rank{r}.json" for r in range(ranks)]
-        missing = [f.name for f in files if not f.exists()]
-        if proc.returncode or missing:
-            raise BenchError(
-                f"{impl} run failed (exit {proc.returncode}, missing {missing}): {shlex.join(cmd)}\n"
-                + proc.stdout[-4000:]
-            )
-        per_rank = [json.loads(f.read_text()) for f in files]
+    cmd, settings, wall, per_rank = launch_ranks(impl, p, cases, log, job_id, opts)
+    ranks = p.topo.workers
     settings.update(per_rank[0]["settings"])
     results = []
     for i, rec in enumerate(per_rank[0]["records"]):

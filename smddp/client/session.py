@@ -695,9 +695,7 @@ class Client:
                 hint = " (frozen, overloaded or gone)" if "silent" in str(e) else ""
                 self._fail(PeerLostError(f"rank {self.rank}: lost the node daemon: {e}{hint}"))
         except SmddpError as e:
-            # A frame we cannot trust: fail here, and hang up so the daemon fails the job for everyone.
-            self._fail(e if isinstance(e, CollectiveError) else CollectiveError(f"rank {self.rank}: {e}"))
-            self._conn.close()
+            self._distrust(e)
         except Exception as e:  # a bug; never leave waiters hanging
             log.exception("smddp client reader crashed")
             self._fail(CollectiveError(f"rank {self.rank}: internal error in the client: {e!r}"))
@@ -713,8 +711,7 @@ class Client:
                     self._on_done(decode_header(raw))
                     channel.kick()  # a waiter that came meanwhile sleeps on the ring: it is done now
         except SmddpError as e:
-            self._fail(e if isinstance(e, CollectiveError) else CollectiveError(f"rank {self.rank}: {e}"))
-            self._conn.close()
+            self._distrust(e)
         except Exception as e:  # a bug; never leave waiters hanging
             log.exception("smddp client done-ring thread crashed")
             self._fail(CollectiveError(f"rank {self.rank}: internal error in the client: {e!r}"))
@@ -735,8 +732,12 @@ class Client:
                 if raw is not None:
                     self._on_done(decode_header(raw))
         except SmddpError as e:
-            self._fail(e if isinstance(e, CollectiveError) else CollectiveError(f"rank {self.rank}: {e}"))
-            self._conn.close()
+            self._distrust(e)
+
+    def _distrust(self, e: SmddpError) -> None:
+        """A frame we cannot trust: fail here, and hang up so the daemon fails the job for everyone."""
+        self._fail(e if isinstance(e, CollectiveError) else CollectiveError(f"rank {self.rank}: {e}"))
+        self._conn.close()
 
     def _on_done(self, header: Header) -> None:
         h = Done.of(header)

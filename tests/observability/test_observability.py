@@ -158,19 +158,26 @@ def test_timeline_has_every_phase_of_every_collective(tmp_path, clean_host):
     assert by[("node 1 daemon", "local copy")] >= {6, 7}  # broadcast root and all-gather block
 
 
+def poll_stalled(job: str, timeout: float = 30) -> list:
+    """`smddp status --json` until some daemon of `job` shows a stalled collective (or `timeout`)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = smddp_status("--job", job, "--json")
+        if got.returncode == 0:
+            stalled = [s for d in json.loads(got.stdout)["daemons"] for s in d.get("stalled", [])]
+            if stalled:
+                return stalled
+        time.sleep(0.2)
+    return []
+
+
 def test_stalled_rank_named_by_inspector_and_status(clean_host):
     env = job_env()
     job = env["SMDDP_JOB_ID"]
     proc = launch(["--stall-warning-s", "1"], ["--iterations", "2", "--late-rank", "3", "--late-s", "6"], env)
     try:
         wait_for_job(proc, job)
-        stalled: list = []
-        deadline = time.monotonic() + 30
-        while not stalled and time.monotonic() < deadline:
-            got = smddp_status("--job", job, "--json")
-            if got.returncode == 0:
-                stalled = [s for d in json.loads(got.stdout)["daemons"] for s in d.get("stalled", [])]
-            time.sleep(0.2)
+        stalled = poll_stalled(job)
     finally:
         out = proc.communicate(timeout=120)[0]
     assert proc.returncode == 0, out[-2000:]
@@ -190,13 +197,7 @@ def test_one_node_on_the_engine_status_and_stalls(clean_host):
     proc = launch(args, ["--iterations", "2", "--late-rank", "3", "--late-s", "6"], env)
     try:
         wait_for_job(proc, job, last_node=0)
-        stalled: list = []
-        deadline = time.monotonic() + 30
-        while not stalled and time.monotonic() < deadline:
-            got = smddp_status("--job", job, "--json")
-            if got.returncode == 0:
-                stalled = [s for d in json.loads(got.stdout)["daemons"] for s in d.get("stalled", [])]
-            time.sleep(0.2)
+        stalled = poll_stalled(job)
         time.sleep(7)  # the late rank comes; the job finishes its iterations
         final = smddp_status("--job", job, "--json")
     finally:
