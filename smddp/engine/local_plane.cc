@@ -245,8 +245,9 @@ void LocalPlane::on_submit(Link* link, const Header& h) {
   op->held[link->local] = std::move(seg);
   if (!all_in) return;
   std::vector<Chunk> tasks = op->c->local_tasks();
-  if (!pool_.empty() && s_bytes(op->spec) > kInlineBytes) {
-    // Large: the compute threads share the chunks, and this thread goes back to its ring.
+  if (!pool_.empty() && tasks.size() > 1 && s_bytes(op->spec) > kInlineBytes) {
+    // Large, in several chunks: the compute threads share them, and this thread goes back to its
+    // ring. (A single chunk gains nothing from a hand-off but its wake-up.)
     for (const Chunk& t : tasks) queue_.push_back(Task{op, t});
     work_cv_.notify_all();
     return;

@@ -24,6 +24,7 @@ MAKE_BENCH = (
     "smddp-bench profile --sim --nodes 4 --per-node 1 --rate-mbit 1000 --size 4K --py-spy --name profile-sim4-4k --out bench-results",
     "smddp-bench profile --sim --nodes 4 --per-node 1 --rate-mbit 1000 --size 64M --seconds 12 --py-spy --name profile-sim4-64m --out bench-results",
     "smddp-bench profile --sim --nodes 4 --per-node 1 --rate-mbit 1000 --delay-ms 0.5 --size 256K --py-spy --name profile-sim4d-256k --out bench-results",
+    "smddp-bench ddp --nodes 1 --per-node 4 --out bench-results --name ddp-host1x4",
     "smddp-bench ddp --nodes 2 --per-node 2 --out bench-results --name ddp-host4",
     "smddp-bench ddp --sim --nodes 4 --per-node 1 --rate-mbit 1000 --out bench-results --name ddp-sim4",
     "python -m smddp_rigs.bench targets --out bench-results",
