@@ -64,7 +64,7 @@ ENGINE_CORE := smddp/engine/frame.cc smddp/engine/layout.cc smddp/engine/reduce1
   smddp/engine/tcp_fabric.cc smddp/engine/ring.cc smddp/engine/local_plane.cc
 FUZZ_SECONDS ?= 15
 FUZZERS := fuzz_frame fuzz_layout fuzz_collective fuzz_node_state fuzz_reduce
-ENGINE_TESTS := test_fabric test_ring test_arena test_local_plane
+ENGINE_TESTS := test_fabric test_ring test_arena test_local_plane test_node_plane
 .PHONY: engine-sanitize
 engine-sanitize:
 	mkdir -p $(SAN_DIR)

@@ -41,6 +41,7 @@ extensions = [
             "smddp/engine/node_state.cc",
             "smddp/engine/arena.cc",
             "smddp/engine/ring.cc",
+            "smddp/engine/tcp_fabric.cc",
             "smddp/engine/local_plane.cc",
             "smddp/engine/module.cc",
         ],

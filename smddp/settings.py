@@ -171,9 +171,9 @@ SETTINGS: tuple[Setting, ...] = (
         "data_plane",
         str,
         "engine",
-        "what moves the bytes of a job on one node: the compiled engine (the workers' rings, the engine's "
-        "threads and kernels) or, as before it, the daemon's Python threads. Jobs of several nodes use "
-        "python until the engine drives the links between daemons (issue 17)",
+        "what moves the bytes: the compiled engine (the workers' rings, the engine's threads and kernels, "
+        "and its links to the other nodes' daemons) or, as before it, the daemon's and the client's "
+        "Python threads (kept while issue 17 removes them)",
         ("--data-plane",),
         (LAUNCH, DAEMON, WORKER),
         env="SMDDP_DATA_PLANE",

@@ -311,11 +311,11 @@ class Client:
         self._deferred_cv = threading.Condition(self._lock)
         self._submitter: threading.Thread | None = None
         self._results_cv = threading.Condition(self._lock)  # a result segment arrived
-        # The engine data plane (a job on one node with --data-plane engine): SUBMIT, RELEASE and BYE
-        # go on this channel's submit ring and DONE comes on its done ring (docs/protocol.md, CHANNEL).
+        # The engine data plane (--data-plane engine): SUBMIT, RELEASE and BYE go on this channel's
+        # submit ring and DONE comes on its done ring (docs/protocol.md, CHANNEL).
         self._channel: _engine.WorkerChannel | None = None
         self._done_thread: threading.Thread | None = None
-        if config.data_plane == "engine" and self.job.nnodes == 1:
+        if config.data_plane == "engine":
             self._channel = _engine.WorkerChannel(f"smddp-channel-rank{self.rank}")
             seg = self._channel.segment
             conn.send_frame(Channel(self.rank, 0, seg.size).header(), fds=[seg.fd], timeout=config.timeout_s)

@@ -21,6 +21,7 @@ class DaemonCollector:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
         d = self.daemon
+        d.count_plane()  # what the engine did since its last tick, so a scrape agrees with `smddp status`
         snap = d.stats.snapshot()
         node = str(d.node)
         done = CounterMetricFamily(

@@ -233,12 +233,14 @@ class NodeDaemon:
         self._exit_reported = [threading.Event() for _ in range(self.local_size)]
         self.peers = {j: PeerLink(j) for j in range(self.nnodes) if j != node}
         self.results = Arena(cfg.result_segment_bytes, f"smddp-result-n{node}")
-        # The engine data plane of a job on one node (--data-plane engine): the workers' rings, the
-        # reductions and DONE in the engine's own threads (smddp/engine/local_plane.h). The table
-        # above then goes unused: the plane keeps its own, and `rules` is whichever is in use.
+        self.scratch = Arena(cfg.result_segment_bytes, f"smddp-server-n{node}")
+        # The engine data plane (--data-plane engine): the workers' rings, the reductions, the shard
+        # exchange with the other daemons and DONE in the engine's own threads
+        # (smddp/engine/local_plane.h). The table above then goes unused: the plane keeps its own,
+        # and `rules` is whichever is in use.
         self.plane: _engine.LocalPlane | None = None
         self.rules: _engine.NodeState | _engine.LocalPlane = self.table
-        if cfg.data_plane == "engine" and self.nnodes == 1:
+        if cfg.data_plane == "engine":
             self.plane = self.rules = _engine.LocalPlane(
                 node,
                 self.local_size,
@@ -250,10 +252,20 @@ class NodeDaemon:
                 cfg.heartbeat_timeout_s,
                 PLANE_ATTACH_WAIT_S,
                 cfg.threads,
+                nnodes=self.nnodes,
+                world=self.world,
+                first_rank=job.ranks_of(node).start,
+                replicate_bytes=cfg.replicate_bytes,
+                node_names=self._node_names,
+                scratch=self.scratch.native,
+                heartbeat_s=cfg.heartbeat_timeout_s,
+                trace=bool(cfg.timeline_dir),
             )
+        # The plane carries the frames between daemons too: peers' links are handed to it.
+        self._peer_plane = self.plane if self.nnodes > 1 else None
         self._plane_counted = (0, 0, 0.0)  # the plane's counters already in self.stats
+        self._plane_peer_counted: dict[int, tuple[int, int]] = {}  # node -> bytes in, out in self.stats
         self._plane_count_lock = threading.Lock()
-        self.scratch = Arena(cfg.result_segment_bytes, f"smddp-server-n{node}")
         self._tasks: collections.deque = collections.deque()  # server-side work first
         self._local_tasks: collections.deque = collections.deque()
         self._task_cv = threading.Condition(threading.Lock())
@@ -277,11 +289,13 @@ class NodeDaemon:
         self._spawn(self._accept_loop, self.unix_sock, self._serve_worker, name="accept-unix")
         self._spawn(self._accept_loop, self.tcp_sock, self._serve_peer_accepted, name="accept-tcp")
         for j in self.peers:
-            self._spawn(self._writer_loop, self.peers[j], name=f"writer-{j}")
+            if self._peer_plane is None:
+                self._spawn(self._writer_loop, self.peers[j], name=f"writer-{j}")
             if j < self.node:
                 self._spawn(self._connect_peer, j, name=f"connect-{j}")
-        for i in range(self.cfg.threads):
-            self._spawn(self._compute_loop, name=f"compute-{i}")
+        if self.plane is None:
+            for i in range(self.cfg.threads):
+                self._spawn(self._compute_loop, name=f"compute-{i}")
         if self.plane is not None:
             self._spawn(self._plane_loop, self.plane, name="plane-events")
         self._spawn(self._heartbeat_loop, name="heartbeat")
@@ -291,7 +305,7 @@ class NodeDaemon:
             now = time.monotonic()
             if now - last_tick >= 1.0:
                 last_tick = now
-                self._count_plane()
+                self.count_plane()
                 self.stats.sample()
                 self._inspect_stalls(now)
             if time.monotonic() > deadline and not self._all_connected():
@@ -332,6 +346,8 @@ class NodeDaemon:
         for t in self._threads:
             if t.name.startswith("smddp-writer"):
                 t.join(timeout=5.0)  # the BYE frames leave before the sockets close
+        if self._peer_plane is not None:
+            self._peer_plane.flush(5.0)  # the same on the engine's links
         for s in (self.tcp_sock, self.unix_sock):
             try:
                 s.close()
@@ -395,17 +411,19 @@ class NodeDaemon:
             if self.plane is not None:
                 self.plane.abort()
             # Every local rank and peer hears it once: those connected now here, later ones when
-            # they connect (_serve_worker, _peer_loop).
+            # they connect (_serve_worker, _peer_loop, _adopt_peer).
             told = list(self.workers)
-            told_peers = [p.conn for p in self.peers.values() if p.conn is not None]
+            told_peers = [p for p in self.peers.values() if p.conn is not None]
         self.stats.error("failed", reason)
         log.error("%s: job failed: %s", self.me, reason)
         for w in told:
             if w is not None and not w.said_bye:
                 _tell(w.conn, frame)
-        for c in told_peers:
-            if not c.closed:
-                _tell(c, frame)
+        for p in told_peers:
+            if self._peer_plane is not None:
+                self._to_peer(p, frame[:HEADER_SIZE], frame[HEADER_SIZE:])
+            elif p.conn is not None and not p.conn.closed:
+                _tell(p.conn, frame)
         self._finished.set()
 
     # ------------------------------------------------------------------ accepting
@@ -664,7 +682,8 @@ class NodeDaemon:
         link.channel = True
 
     def _plane_loop(self, plane: _engine.LocalPlane) -> None:
-        """The plane's events: result segments its workers must be sent, and its own failure."""
+        """The plane's events: result segments its workers must be sent, peers' control frames, and
+        the plane's own failure."""
         while not (self._stop.is_set() or self._finished.is_set()):
             ev = plane.next_event(0.5)
             if ev is None:
@@ -679,6 +698,9 @@ class NodeDaemon:
                                 self._send_segment(w, seg)
                             except PeerLostError:
                                 pass  # its hang-up is seen by its own thread, which names it
+            elif len(ev) == 6:  # ("peer", node, type, seq, aux, payload): a peer's control frame
+                _, node, mtype, seq, aux, body = ev
+                self._on_peer_control(self.peers[node], MsgType(mtype), seq, aux, body)
             elif len(ev) == 3:
                 _, fault, why = ev
                 kind: type[SmddpError] = {2: CollectiveMismatchError, 3: PeerLostError}.get(
@@ -686,7 +708,7 @@ class NodeDaemon:
                 )
                 self.fail(why, kind)
 
-    def _count_plane(self) -> None:
+    def count_plane(self) -> None:
         """Bring what the plane did since the last call into the daemon's statistics."""
         if self.plane is None:
             return
@@ -701,6 +723,20 @@ class NodeDaemon:
         if reduced > reduced0:
             self.stats.add_reduce(reduced - reduced0, secs - secs0)
         self._plane_counted = (n, reduced, secs)
+        for node, _up, bytes_in, bytes_out, _queued in plane.peer_counters():
+            in0, out0 = self._plane_peer_counted.get(node, (0, 0))
+            if bytes_in > in0:
+                self.stats.add_in(node, bytes_in - in0)
+            if bytes_out > out0:
+                self.stats.add_out(node, bytes_out - out0)
+            self._plane_peer_counted[node] = (bytes_in, bytes_out)
+        if self.cfg.timeline_dir:
+            process = f"node {self.node} daemon"
+            for seq, what, phases in plane.take_traces():
+                args = {"seq": seq, "what": what}
+                self.timeline.extend(
+                    span(f"#{seq} {name}", start, end, process, name, args) for name, start, end in phases
+                )
 
     def _on_submit(self, link: WorkerLink, header: Header) -> None:
         who = self._rank_names[link.rank]
@@ -1003,7 +1039,7 @@ class NodeDaemon:
         ask = StatusRequest(self.node, req).header().encode()
         asked = [p for p in self.peers.values() if p.connected.is_set() and not p.said_bye]
         for p in asked:
-            p.enqueue((ask, None, None))
+            self._to_peer(p, ask)
         deadline = time.monotonic() + timeout
         with self._report_cv:
             while len(self._reports[req]) < 1 + len(asked) and time.monotonic() < deadline:
@@ -1047,14 +1083,19 @@ class NodeDaemon:
 
     def local_report(self) -> dict:
         """What `smddp status` shows for this daemon (JSON-ready)."""
-        self._count_plane()
+        self.count_plane()
         now = time.monotonic()
         with self._lock:
             ops = self._in_flight(now)
             workers = [w for w in self.workers if w is not None]
             stalled = [r for r in ops if r["age_s"] > self.cfg.stall_warning_s]
             oldest_info = ops[0] if ops else None
-            local_q, server_q = len(self._local_tasks), len(self._tasks)
+            local_q, server_q = (
+                self.plane.queued_tasks() if self.plane else (len(self._local_tasks), len(self._tasks))
+            )
+        queued = (
+            {node: q for node, _, _, _, q in self._peer_plane.peer_counters()} if self._peer_plane else {}
+        )
         if self.failure is not None:
             state = f"FAILED: {self.failure}"
         elif self._bye_sent_at is not None:
@@ -1088,7 +1129,7 @@ class NodeDaemon:
                     "bytes_out": snap["bytes_out"].get(j, 0),
                     "rate_in": snap["rate_in"].get(j, 0.0),
                     "rate_out": snap["rate_out"].get(j, 0.0),
-                    "send_queue": p.sendq.qsize(),
+                    "send_queue": queued.get(j, 0) if self._peer_plane else p.sendq.qsize(),
                 }
                 for j, p in self.peers.items()
             ],
@@ -1125,9 +1166,10 @@ class NodeDaemon:
                     "seq": seq,
                     "what": what,
                     "age_s": age,
-                    "waiting_for": [self.job.describe_rank(ranks[i]) for i in late],
+                    "waiting_for": [self.job.describe_rank(ranks[i]) for i in late]
+                    + [self.job.describe_node(j) for j in late_nodes],
                 }
-                for seq, age, what, late in self.plane.waiting()
+                for seq, age, what, late, late_nodes in self.plane.waiting()
             ]
         else:
             rows = [
@@ -1168,6 +1210,7 @@ class NodeDaemon:
     def write_timeline(self) -> None:
         if not self.cfg.timeline_dir:
             return
+        self.count_plane()  # the engine's traces of the last collectives
         path = os.path.join(self.cfg.timeline_dir, f"daemon-n{self.node}.json")
         with open(path, "w") as f:
             json.dump(self.timeline, f)
@@ -1273,7 +1316,8 @@ class NodeDaemon:
         period = self.cfg.heartbeat_timeout_s / 4
         while not self._finished.wait(period):
             for p in self.peers.values():
-                if p.connected.is_set() and not p.said_bye:
+                # (The engine's links beat on their own.)
+                if self._peer_plane is None and p.connected.is_set() and not p.said_bye:
                     p.enqueue((beat, None, None))
             for w in list(self.workers):
                 if w is not None and not w.said_bye and not w.conn.closed:
@@ -1310,7 +1354,49 @@ class NodeDaemon:
         conn.peer = self.job.describe_node(hello.rank)
         self._peer_loop(peer, conn)
 
+    def _adopt_peer(self, peer: PeerLink, conn: Connection) -> None:
+        """Hand an authenticated peer link to the engine's plane, which reads and writes it from now on."""
+        assert self._peer_plane is not None
+        with self._lock:
+            peer.conn = conn
+            failed = self._failure_frame
+            self._peer_plane.add_peer(peer.node, conn.sock.detach())
+        if failed is not None:
+            # The job failed before this peer came: it hears why first, and fails its own ranks.
+            self._to_peer(peer, failed[:HEADER_SIZE], failed[HEADER_SIZE:])
+        peer.connected.set()
+        log.info("%s: connected to %s (engine link)", self.me, conn.peer)
+
+    def _to_peer(self, peer: PeerLink, header: bytes, body: bytes | None = None) -> None:
+        """Queue a control frame to a peer behind everything queued to it before."""
+        if self._peer_plane is not None:
+            self._peer_plane.send_control(peer.node, header, body or b"")
+        else:
+            peer.enqueue((header, body, None))
+
+    def _on_peer_control(self, peer: PeerLink, t: MsgType, seq: int, aux: int, body: bytes) -> None:
+        """A peer's STATUS, REPORT, ERROR or BYE (whole), from either data plane."""
+        if t is MsgType.STATUS:
+            report = json.dumps(self.local_report()).encode()
+            self._to_peer(peer, Report(self.node, seq, len(report)).header().encode(), report)
+        elif t is MsgType.REPORT:
+            got = json.loads(body)
+            with self._report_cv:
+                if seq in self._reports:
+                    self._reports[seq][peer.node] = got
+                    self._report_cv.notify_all()
+        elif t is MsgType.ERROR:
+            kind, why = read_failure(body.decode("utf-8", "replace"))
+            self.fail(why, kind, exit_status=exit_status_of(aux))
+        elif t is MsgType.BYE:
+            # (The engine's table heard it first: a collective it leaves unfinished failed there.)
+            peer.said_bye = True
+            self._maybe_finish()
+
     def _peer_loop(self, peer: PeerLink, conn: Connection) -> None:
+        if self._peer_plane is not None:
+            self._adopt_peer(peer, conn)
+            return
         with self._lock:
             peer.conn = conn
             failed = self._failure_frame
@@ -1328,15 +1414,9 @@ class NodeDaemon:
                 elif h.type is MsgType.HEARTBEAT:
                     continue
                 elif h.type is MsgType.STATUS:
-                    body = json.dumps(self.local_report()).encode()
-                    reply = Report(self.node, h.seq, len(body)).header().encode()
-                    peer.enqueue((reply, body, None))
+                    self._on_peer_control(peer, h.type, h.seq, h.aux, b"")
                 elif h.type is MsgType.REPORT:
-                    report = json.loads(conn.recv_bytes(h.length, timeout=10.0))
-                    with self._report_cv:
-                        if h.seq in self._reports:
-                            self._reports[h.seq][peer.node] = report
-                            self._report_cv.notify_all()
+                    self._on_peer_control(peer, h.type, h.seq, h.aux, conn.recv_bytes(h.length, timeout=10.0))
                 elif h.type is MsgType.BYE:
                     peer.said_bye = True
                     # Its BYE follows all its frames: an op not done here never gets what it lacks.
@@ -1345,9 +1425,7 @@ class NodeDaemon:
                     self._maybe_finish()
                     return
                 elif h.type is MsgType.ERROR:
-                    text = conn.recv_bytes(h.length, timeout=5.0).decode("utf-8", "replace")
-                    kind, why = read_failure(text)
-                    self.fail(why, kind, exit_status=exit_status_of(h.aux))
+                    self._on_peer_control(peer, h.type, h.seq, h.aux, conn.recv_bytes(h.length, timeout=5.0))
                     return
                 else:
                     raise ProtocolError(f"{conn.peer} sent {h.type.name}, which daemons may not send")
@@ -1398,7 +1476,10 @@ class NodeDaemon:
                 self._bye_sent_at = time.monotonic()
         if first:
             for p in self.peers.values():
-                p.enqueue((None, None, None))
+                if self._peer_plane is not None:
+                    self._to_peer(p, Bye(self.node).header().encode())
+                else:
+                    p.enqueue((None, None, None))
         if all(p.said_bye for p in self.peers.values()):
             self._finished.set()
 

@@ -191,7 +191,7 @@ std::string Collective::locate_partial(std::uint32_t from, std::uint64_t shard, 
   if (shard != (replicated_ ? 0 : topo_.node)) return who + " sent a partial of shard " + num(shard) + " to " + me;
   ChunkAt c;
   why = smddp::locate_reduce(spec_.count, spec_.itemsize, nshards_, chunk_elems_, shard, offset, length, &c);
-  if (!why.empty()) return why;
+  if (!why.empty()) return who + " sent a frame of #" + num(spec_.seq) + " that is not a chunk of it: " + why;
   if (!server_live()) return who + " sent a partial of #" + num(spec_.seq) + " after it was complete";
   if (from >= topo_.nnodes || partial_seen_[c.index * topo_.nnodes + from])
     return who + " sent chunk " + num(c.index) + " of #" + num(spec_.seq) + " twice";
@@ -231,7 +231,7 @@ std::string Collective::locate_result(std::uint32_t from, std::uint64_t shard, s
     return who + " sent a result of shard " + num(shard);
   ChunkAt c;
   why = smddp::locate_reduce(spec_.count, spec_.itemsize, nshards_, chunk_elems_, shard, offset, length, &c);
-  if (!why.empty()) return why;
+  if (!why.empty()) return who + " sent a frame of #" + num(spec_.seq) + " that is not a chunk of it: " + why;
   why = mark_arrived(from, c.index, "RESULT", offset, length, who);
   if (!why.empty()) return why;
   *out = {from, c.index, c.elems.start, c.elems.end};
@@ -245,7 +245,7 @@ std::string Collective::locate_block(std::uint32_t from, std::uint64_t offset, s
   if (from >= topo_.nnodes) return "node " + num(from) + " contributes no block to this collective";
   std::uint64_t index = 0;
   why = smddp::locate_block(blocks_[from], topo_.chunk_bytes, offset, length, &index);
-  if (!why.empty()) return why;
+  if (!why.empty()) return who + " sent a frame of #" + num(spec_.seq) + " that is not a chunk of it: " + why;
   why = mark_arrived(from, index, "BLOCK", offset, length, who);
   if (!why.empty()) return why;
   *out = {from, index, offset, offset + length};

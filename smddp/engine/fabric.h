@@ -25,8 +25,8 @@ class Sink {
  public:
   virtual ~Sink() = default;
   // A valid header arrived from `peer`. Return "" and set *dest to where its h.length payload bytes
-  // go (nullptr only when h.length is 0), or return why the frame is refused: the link then fails
-  // with that reason and nothing is read into memory.
+  // go (nullptr: the payload is read and dropped, for a frame its owner no longer wants), or return
+  // why the frame is refused: the link then fails with that reason and nothing is read into memory.
   virtual std::string on_header(std::uint32_t peer, const Header& h, std::uint8_t** dest) = 0;
   // The payload of the frame whose header came last from `peer` is in place.
   virtual void on_frame(std::uint32_t peer, const Header& h) = 0;
@@ -44,15 +44,25 @@ class Fabric {
   // Adopt `fd`, an authenticated stream connected to `peer`, which this fabric owns from now on.
   virtual std::string add_peer(std::uint32_t peer, int fd) = 0;
   // Queue a frame to `peer`: `header` (copied) then `length` bytes at `payload` (not copied: see
-  // above). Returns "" or why not (no such link, or it is down). Any thread.
+  // above). Returns "" or why not (no such link, or it is down). Any thread. With `left` given, the
+  // fabric may send the frame at once on the caller's thread when nothing is queued before it (a
+  // small frame then costs no wake-up of the progress thread): *left is true when it went whole,
+  // and then on_sent is not called for it.
   virtual std::string send(std::uint32_t peer, const std::uint8_t header[kHeaderSize], const std::uint8_t* payload,
-                           std::uint64_t length, std::uint64_t cookie) = 0;
+                           std::uint64_t length, std::uint64_t cookie, bool* left = nullptr) = 0;
   // Move bytes and call the Sink; waits up to `timeout_ms` (0: not at all) when there is nothing to
   // do. A link silent for longer than its idle limit goes down ("silent for N s"). Returns how many
   // Sink calls it made. One thread only.
   virtual int progress(int timeout_ms) = 0;
   // Make a progress() that waits return at once. Any thread.
   virtual void wake() = 0;
+  // The owner is done sending: every link's writing side is closed after what is queued in the
+  // kernel, so that the peer reads all of it and then the end. Frames still queued in the fabric are
+  // dropped. Reading goes on (keep calling progress()). Any thread.
+  virtual void shutdown_links() = 0;
+  // Whether every link that is up has nothing left in the fabric or unacknowledged in the kernel.
+  // Any thread.
+  virtual bool drained() = 0;
 };
 
 // The TCP fabric: non-blocking sockets, epoll, vectored sends of header and payload, payloads read

@@ -1,21 +1,31 @@
-// The daemon's data plane for a job on one node: the workers' rings in, the reductions, DONE out,
-// with no Python on the way (docs/engine.md, "The local plane"; issue 17's first wired step).
+// The daemon's data plane: the workers' rings in, the reductions, the shard exchange with the other
+// nodes' daemons, DONE out, with no Python on the way (docs/engine.md, "The data plane"; issue 17).
 //
 // Each worker shares a channel segment with its daemon (channel_bytes(): the submit ring, worker ->
 // daemon, then the done ring, daemon -> worker; kSlotBytes slots holding 56-byte frame headers of
 // docs/protocol.md). One engine thread per worker pops its submit ring (spinning briefly, then
 // sleeping on the ring's futex) and handles SUBMIT, RELEASE and BYE in ring order: the table's rules
 // (node_state.h), every segment, offset and length checked against the worker's attached segments
-// before a pointer is formed, the result slot from the daemon's result arena. The thread whose SUBMIT
-// completes a collective runs its work (the reduction kernels, or the copies of a gather) and pushes
-// DONE to every worker's done ring. Python keeps the unix sockets (handshake, memfd passing,
-// liveness, ERROR) and learns what it must act on from events: a result segment the workers must be
-// sent, or the plane's own failure with its fault and message.
+// before a pointer is formed, the result slot from the daemon's result arena. In a job of several
+// nodes the plane also owns a Fabric (fabric.h) to the other daemons: the links Python authenticated
+// and handed over, PARTIAL, RESULT and BLOCK frames sent from and received straight into arena
+// memory (every chunk a frame claims located by the collective's state machine first), heartbeats,
+// and a progress thread that spins briefly after activity and then sleeps in the fabric. The thread
+// that makes work ready runs it when it is small (the reduction kernels, a gather's copies, the
+// frames to send); larger work goes to the compute threads. DONE goes to every worker's done ring.
+// Python keeps the unix sockets (handshake, memfd passing, liveness, ERROR), the peers' handshakes,
+// and learns what it must act on from events: a result segment the workers must be sent, a control
+// frame from a peer (STATUS, REPORT, ERROR, BYE), or the plane's own failure with its fault.
 //
-// Threads and memory: the plane's mutex guards the table, the op records and the links' segment maps;
-// reductions run outside it on memory the op record keeps mapped (shared_ptr segments). The plane owns
-// its NodeState, its op records and its threads; the result arena belongs to the caller and must
-// outlive the plane; each link holds the channel and input segments it was given.
+// Threads and memory: the plane's mutex guards the table, the op records, the links' segment maps
+// and the peers' state; reductions and copies run outside it on memory the op record keeps mapped
+// (shared_ptr segments). Lock order: the plane's mutex, then the fabric's (the fabric never calls
+// the plane with its own held). The plane owns its NodeState, its op records, its fabric and its
+// threads, and the payloads of the control frames it sends until they leave; the result and scratch
+// arenas belong to the caller and must outlive the plane; each link holds the channel and input
+// segments it was given. A frame queued to a peer points into an op's memory, which the op keeps
+// until the send completes (Collective::send_started/send_finished); close() stops the progress
+// thread and drops the fabric before any op's memory goes.
 #pragma once
 
 #include <array>
@@ -32,6 +42,7 @@
 
 #include "arena.h"
 #include "collective.h"
+#include "fabric.h"
 #include "frame.h"
 #include "node_state.h"
 #include "ring.h"
@@ -46,20 +57,49 @@ std::size_t channel_bytes();
 inline std::size_t done_ring_offset() { return ring_bytes(kChannelSlots); }
 
 struct PlaneConfig {
-  Topology topo;  // nnodes must be 1
+  Topology topo;
   std::vector<std::string> rank_names;  // local rank i before it connects
+  std::vector<std::string> node_names;  // node j in messages (one per node)
   std::string me;  // how this daemon is named in messages ("node 0 (host, ranks 0-3)")
   std::int64_t spin_ns = 20'000;  // a link thread spins this long for the next descriptor, then sleeps
   std::int64_t push_timeout_ns = 60'000'000'000;  // a done ring full this long: its worker is stuck
   std::int64_t attach_wait_ns = 10'000'000'000;  // a SUBMIT naming a segment its ATTACH has not brought yet
   std::uint32_t threads = 2;  // compute threads sharing the chunks of large collectives (0: none)
+  // Between daemons: a HEARTBEAT to every peer each quarter of this, and a link that brings nothing
+  // for this long goes down as silent (0: neither).
+  std::int64_t heartbeat_ns = 0;
+  bool trace = false;  // keep each collective's phases for the timeline (take_traces)
 };
+
+// The phases of a collective the timeline shows, as the daemon names them.
+enum Phase : std::uint8_t { kWaitLocal, kLocalReduce, kServerReduce, kSend, kReceive, kLocalCopy, kPhases };
+const char* phase_name(Phase p);
 
 // What Python must act on, in order.
 struct PlaneEvent {
-  enum Kind { kSegment = 1, kFailed = 2 } kind = kSegment;
+  enum Kind { kSegment = 1, kFailed = 2, kPeer = 3 } kind = kSegment;
   std::shared_ptr<Segment> segment;  // kSegment: a new result segment, for every worker
   Verdict verdict;                   // kFailed: why
+  // kPeer: a control frame (STATUS, REPORT, ERROR, BYE) from peer node `peer`, whole.
+  std::uint32_t peer = 0;
+  Header header;
+  std::string payload;
+};
+
+// One peer daemon's link as the plane counts it: data frames (PARTIAL, RESULT, BLOCK), headers included.
+struct PeerCounters {
+  std::uint32_t node = 0;
+  bool up = false;          // handed over and not down
+  std::uint64_t bytes_in = 0;
+  std::uint64_t bytes_out = 0;
+  std::uint64_t queued = 0;  // frames queued to it that have not left yet
+};
+
+// A retired collective's phases (wall-clock seconds), when PlaneConfig::trace is set.
+struct Trace {
+  std::uint64_t seq = 0;
+  std::string what;
+  std::vector<std::pair<Phase, std::pair<double, double>>> phases;
 };
 
 // One collective completed here, for the daemon's statistics (kind, dtype are wire codes).
@@ -76,10 +116,11 @@ struct PlaneCounters {
   double reduce_seconds = 0;
 };
 
-class LocalPlane {
+class LocalPlane final : private Sink {
  public:
-  LocalPlane(PlaneConfig cfg, Arena* results);
-  ~LocalPlane();
+  // `scratch` holds the server rows of a job of several nodes (may be null for one node).
+  LocalPlane(PlaneConfig cfg, Arena* results, Arena* scratch = nullptr);
+  ~LocalPlane() override;
   LocalPlane(const LocalPlane&) = delete;
   LocalPlane& operator=(const LocalPlane&) = delete;
 
@@ -92,6 +133,17 @@ class LocalPlane {
   // The worker's connection ended: its thread handles what the worker had published, then stops.
   // Returns whether the worker said BYE on its ring.
   bool remove_worker(std::uint32_t local);
+
+  // Peer node `node`'s link: `fd`, a stream Python connected and authenticated, which the plane
+  // owns from now on (closed on failure too). Frames queued for it before are sent first. "" or why not.
+  std::string add_peer(std::uint32_t node, int fd);
+  // Send a control frame (STATUS, REPORT, ERROR, BYE) to peer `node` after everything queued to it
+  // before; the payload is the plane's until it leaves. "" or why not (no such peer; its link is down).
+  std::string send_control(std::uint32_t node, const std::uint8_t header[kHeaderSize], std::string payload);
+  // Wait up to timeout_ns for every control frame to leave (or its link to go down): true if they did.
+  bool flush(std::int64_t timeout_ns);
+  std::vector<PeerCounters> peer_counters();
+  std::vector<Trace> take_traces();
 
   // The table's job-wide rules, under the plane's lock (node_state.h).
   Verdict rank_left_early(std::uint32_t local, bool joined, const std::string& reason, bool* recorded);
@@ -107,6 +159,7 @@ class LocalPlane {
     double age_s;
     std::string what;
     std::vector<std::uint32_t> late;
+    std::vector<std::uint32_t> late_nodes;  // peer nodes whose part has not come
   };
   std::vector<Waiting> waiting();
 
@@ -116,6 +169,8 @@ class LocalPlane {
   bool next_event(std::int64_t timeout_ns, PlaneEvent* out);
   std::vector<Completion> take_completions();
   PlaneCounters counters();
+  // Chunks waiting for a compute thread: this node's local work, server reductions.
+  std::pair<std::size_t, std::size_t> queued_tasks();
   // Stops every thread (after remove_worker or not); idempotent.
   void close();
 
@@ -127,12 +182,39 @@ class LocalPlane {
   void on_submit(Link* link, const Header& h);
   void on_release(Link* link, const Header& h);
   void on_bye(Link* link);
+  struct Peer;
   struct Task {  // a chunk of a large collective, for a compute thread
     std::shared_ptr<Op> op;
     Chunk chunk;
+    bool server = false;  // a server reduction (all nodes' partials in), else this node's local work
   };
-  bool run_chunk(const std::shared_ptr<Op>& op, const Chunk& chunk);
+  std::shared_ptr<Op> new_op_locked(const Spec& spec, std::shared_ptr<Collective> c, std::string* why);
+  void start_locked(const std::shared_ptr<Op>& op, std::vector<Task> tasks, std::unique_lock<std::mutex>* lock);
+  bool run_task(const Task& t);
   void compute();
+  bool run_local(const std::shared_ptr<Op>& op, const Chunk& chunk);
+  bool run_server(const std::shared_ptr<Op>& op, const Chunk& chunk);
+  bool fold(const Op& op, const std::vector<const std::uint8_t*>& in, std::uint64_t n, std::uint8_t* out,
+            bool partial);
+  void partial_in(const std::shared_ptr<Op>& op, std::uint64_t index, std::uint32_t from);
+  bool chunk_done(const std::shared_ptr<Op>& op);
+  bool send_data_locked(const std::shared_ptr<Op>& op, std::uint32_t node, Msg type, std::uint32_t shard,
+                        std::uint64_t offset, const std::uint8_t* payload, std::uint64_t length);
+  bool send_all(const std::shared_ptr<Op>& op, Msg type, std::uint32_t shard, std::uint64_t offset,
+                const std::uint8_t* payload, std::uint64_t length);
+  // *left: the frame went at once (no on_sent comes for it).
+  std::string send_locked(std::uint32_t node, const std::uint8_t* header, const std::uint8_t* payload,
+                          std::uint64_t length, std::uint64_t cookie, bool* left);
+  void phase_locked(Op& op, Phase p, double t0, double t1);
+  void phase(Op& op, Phase p, double t0, double t1);
+  void progress_loop();
+  void beat();
+  std::string refuse_locked(Peer* p, const Verdict& v);
+  // Sink (fabric.h): called on the progress thread.
+  std::string on_header(std::uint32_t peer, const Header& h, std::uint8_t** dest) override;
+  void on_frame(std::uint32_t peer, const Header& h) override;
+  void on_sent(std::uint32_t peer, std::uint64_t cookie) override;
+  void on_link_down(std::uint32_t peer, const std::string& why) override;
   void complete_locked(const std::shared_ptr<Op>& op, std::unique_lock<std::mutex>* lock);
   void retire_locked(std::uint64_t seq);
   void fail_locked(const Verdict& v);
@@ -141,6 +223,7 @@ class LocalPlane {
 
   PlaneConfig cfg_;
   Arena* results_;
+  Arena* scratch_;
   std::mutex mu_;
   std::condition_variable attach_cv_;  // a segment arrived, or the plane failed
   std::condition_variable event_cv_;
@@ -154,7 +237,18 @@ class LocalPlane {
   bool closed_ = false;
   std::condition_variable work_cv_;  // queue_ has work, or the plane closed
   std::deque<Task> queue_;           // chunks of large collectives, for the compute threads
+  std::deque<Task> server_queue_;    // server reductions: first, they complete collectives
   std::vector<std::thread> pool_;    // the compute threads
+  std::vector<Trace> traces_;
+  // Between daemons (several nodes only).
+  std::vector<std::unique_ptr<Peer>> peers_;  // by node; null for this node
+  // Control frames in flight: cookie -> (peer, payload).
+  std::map<std::uint64_t, std::pair<std::uint32_t, std::string>> control_out_;
+  std::uint64_t next_control_ = 0;
+  std::condition_variable flush_cv_;  // control_out_ shrank
+  std::unique_ptr<Fabric> fabric_;
+  std::atomic<bool> progress_stop_{false};
+  std::thread progress_;
 };
 
 // The worker's side of its channel: the submit ring's producer (any thread, serialised here) and the

@@ -1172,66 +1172,93 @@ std::shared_ptr<smddp::Segment> segment_arg(PyObject* module, PyObject* obj) {
 struct PlaneObject {
   PyObject_HEAD
   smddp::LocalPlane* plane;
-  PyObject* arena;  // the result Arena object, kept alive while the plane uses it
+  PyObject* arena;    // the result Arena object, kept alive while the plane uses it
+  PyObject* scratch;  // the scratch Arena object (several nodes), or null
 };
 
 smddp::LocalPlane& plane_of(PyObject* self) { return *reinterpret_cast<PlaneObject*>(self)->plane; }
 
 // LocalPlane(node, local_size, chunk_bytes, rank_names, me, results, spin_us, push_timeout_s, attach_wait_s,
-//            threads=2)
+//            threads=2, *, nnodes=1, world=local_size, first_rank=0, replicate_bytes=0, node_names=None,
+//            scratch=None, heartbeat_s=0.0, trace=False)
 PyObject* plane_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
-  long long node = 0, local_size = 0, chunk_bytes = 0, threads = 2;
-  PyObject *names_obj = nullptr, *me_obj = nullptr, *arena_obj = nullptr;
-  double spin_us = 0, push_timeout_s = 0, attach_wait_s = 0;
-  static const char* kw[] = {"node",    "local_size",     "chunk_bytes",   "rank_names", "me", "results",
-                             "spin_us", "push_timeout_s", "attach_wait_s", "threads", nullptr};
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "LLLOUOddd|L", const_cast<char**>(kw), &node, &local_size,
-                                   &chunk_bytes, &names_obj, &me_obj, &arena_obj, &spin_us, &push_timeout_s,
-                                   &attach_wait_s, &threads))
+  long long node = 0, local_size = 0, chunk_bytes = 0, threads = 2, nnodes = 1, world = -1, first_rank = 0,
+            replicate_bytes = 0;
+  PyObject *names_obj = nullptr, *me_obj = nullptr, *arena_obj = nullptr, *node_names_obj = Py_None,
+           *scratch_obj = Py_None;
+  double spin_us = 0, push_timeout_s = 0, attach_wait_s = 0, heartbeat_s = 0;
+  int trace = 0;
+  static const char* kw[] = {"node",        "local_size", "chunk_bytes",     "rank_names", "me",
+                             "results",     "spin_us",    "push_timeout_s",  "attach_wait_s",
+                             "threads",     "nnodes",     "world",           "first_rank", "replicate_bytes",
+                             "node_names",  "scratch",    "heartbeat_s",     "trace",      nullptr};
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "LLLOUOddd|L$LLLLOOdp", const_cast<char**>(kw), &node,
+                                   &local_size, &chunk_bytes, &names_obj, &me_obj, &arena_obj, &spin_us,
+                                   &push_timeout_s, &attach_wait_s, &threads, &nnodes, &world, &first_rank,
+                                   &replicate_bytes, &node_names_obj, &scratch_obj, &heartbeat_s, &trace))
     return nullptr;
+  if (world < 0) world = local_size;
   PyObject* module = PyType_GetModule(type);
-  if (!non_negative(module, {node, local_size, chunk_bytes})) return nullptr;
-  if (local_size == 0 || chunk_bytes == 0 || node > static_cast<long long>(UINT32_MAX) ||
-      local_size > static_cast<long long>(UINT32_MAX))
+  if (!non_negative(module, {node, local_size, chunk_bytes, nnodes, first_rank, replicate_bytes})) return nullptr;
+  constexpr long long kU32 = static_cast<long long>(UINT32_MAX);
+  if (local_size == 0 || chunk_bytes == 0 || nnodes == 0 || node >= nnodes || nnodes > kU32 || local_size > kU32 ||
+      world > kU32 || first_rank + local_size > world)
     return raise_protocol(module, "an impossible job layout");
-  if (!PyObject_TypeCheck(arena_obj, reinterpret_cast<PyTypeObject*>(state(module)->arena_type))) {
-    PyErr_SetString(PyExc_TypeError, "results must be an smddp._engine.Arena");
+  PyTypeObject* arena_type = reinterpret_cast<PyTypeObject*>(state(module)->arena_type);
+  if (!PyObject_TypeCheck(arena_obj, arena_type) ||
+      (scratch_obj != Py_None && !PyObject_TypeCheck(scratch_obj, arena_type))) {
+    PyErr_SetString(PyExc_TypeError, "results and scratch must be smddp._engine.Arena objects");
     return nullptr;
   }
-  if (spin_us < 0 || push_timeout_s <= 0 || attach_wait_s <= 0 || threads < 0 || threads > 256) {
-    PyErr_SetString(PyExc_ValueError, "spin_us and threads (at most 256) must not be negative, the timeouts must be positive");
+  if (spin_us < 0 || push_timeout_s <= 0 || attach_wait_s <= 0 || threads < 0 || threads > 256 || heartbeat_s < 0) {
+    PyErr_SetString(PyExc_ValueError,
+                    "spin_us, heartbeat_s and threads (at most 256) must not be negative, the timeouts must be positive");
     return nullptr;
   }
   smddp::PlaneConfig cfg;
   if (!strings(names_obj, &cfg.rank_names) || !text(me_obj, &cfg.me)) return nullptr;
+  if (node_names_obj != Py_None && !strings(node_names_obj, &cfg.node_names)) return nullptr;
   if (cfg.rank_names.size() != static_cast<std::size_t>(local_size)) {
     PyErr_SetString(PyExc_ValueError, "one rank name per local rank");
     return nullptr;
   }
+  if (nnodes > 1 && (cfg.node_names.size() != static_cast<std::size_t>(nnodes) || scratch_obj == Py_None)) {
+    PyErr_SetString(PyExc_ValueError, "a job of several nodes needs node_names (one per node) and scratch");
+    return nullptr;
+  }
   cfg.topo.node = static_cast<std::uint32_t>(node);
-  cfg.topo.nnodes = 1;
+  cfg.topo.nnodes = static_cast<std::uint32_t>(nnodes);
   cfg.topo.local_size = static_cast<std::uint32_t>(local_size);
-  cfg.topo.world = static_cast<std::uint32_t>(local_size);  // one node: its ranks are the job
-  cfg.topo.first_rank = 0;
+  cfg.topo.world = static_cast<std::uint32_t>(world);
+  cfg.topo.first_rank = static_cast<std::uint32_t>(first_rank);
   cfg.topo.chunk_bytes = static_cast<std::uint64_t>(chunk_bytes);
+  cfg.topo.replicate_bytes = static_cast<std::uint64_t>(replicate_bytes);
   cfg.spin_ns = static_cast<std::int64_t>(spin_us * 1e3);
   cfg.push_timeout_ns = static_cast<std::int64_t>(push_timeout_s * 1e9);
   cfg.attach_wait_ns = static_cast<std::int64_t>(attach_wait_s * 1e9);
+  cfg.heartbeat_ns = static_cast<std::int64_t>(heartbeat_s * 1e9);
   cfg.threads = static_cast<std::uint32_t>(threads);
+  cfg.trace = trace != 0;
+  smddp::Arena* scratch = scratch_obj == Py_None ? nullptr : reinterpret_cast<ArenaObject*>(scratch_obj)->arena;
   PyObject* self = type->tp_alloc(type, 0);
   if (self == nullptr) return nullptr;
   try {
     reinterpret_cast<PlaneObject*>(self)->plane =
-        new smddp::LocalPlane(std::move(cfg), reinterpret_cast<ArenaObject*>(arena_obj)->arena);
+        new smddp::LocalPlane(std::move(cfg), reinterpret_cast<ArenaObject*>(arena_obj)->arena, scratch);
   } catch (const std::bad_alloc&) {
     Py_DECREF(self);
     return PyErr_NoMemory();
   } catch (const std::system_error& e) {
     Py_DECREF(self);
-    PyErr_Format(PyExc_OSError, "cannot start the plane's compute threads: %s", e.what());
+    PyErr_Format(PyExc_OSError, "cannot start the plane's threads: %s", e.what());
+    return nullptr;
+  } catch (const std::exception& e) {
+    Py_DECREF(self);
+    PyErr_Format(PyExc_OSError, "cannot start the plane: %s", e.what());
     return nullptr;
   }
   reinterpret_cast<PlaneObject*>(self)->arena = Py_NewRef(arena_obj);
+  reinterpret_cast<PlaneObject*>(self)->scratch = scratch_obj == Py_None ? nullptr : Py_NewRef(scratch_obj);
   return self;
 }
 
@@ -1244,6 +1271,7 @@ void plane_dealloc(PyObject* self) {
     Py_END_ALLOW_THREADS
   }
   Py_XDECREF(obj->arena);
+  Py_XDECREF(obj->scratch);
   type->tp_free(self);
   Py_DECREF(type);
 }
@@ -1367,7 +1395,25 @@ PyObject* plane_waiting(PyObject* self, PyObject*) {
       }
       Py_DECREF(v);
     }
-    PyObject* row = Py_BuildValue("(KdsN)", static_cast<unsigned long long>(w.seq), w.age_s, w.what.c_str(), ranks);
+    PyObject* nodes = PyList_New(0);
+    if (nodes == nullptr) {
+      Py_DECREF(ranks);
+      Py_DECREF(out);
+      return nullptr;
+    }
+    for (std::uint32_t j : w.late_nodes) {
+      PyObject* v = PyLong_FromUnsignedLong(j);
+      if (v == nullptr || PyList_Append(nodes, v) != 0) {
+        Py_XDECREF(v);
+        Py_DECREF(nodes);
+        Py_DECREF(ranks);
+        Py_DECREF(out);
+        return nullptr;
+      }
+      Py_DECREF(v);
+    }
+    PyObject* row =
+        Py_BuildValue("(KdsNN)", static_cast<unsigned long long>(w.seq), w.age_s, w.what.c_str(), ranks, nodes);
     if (row == nullptr || PyList_Append(out, row) != 0) {
       Py_XDECREF(row);
       Py_DECREF(out);
@@ -1398,7 +1444,135 @@ PyObject* plane_next_event(PyObject* self, PyObject* arg) {
     if (seg == nullptr) return nullptr;
     return Py_BuildValue("(sN)", "segment", seg);
   }
+  if (e.kind == smddp::PlaneEvent::kPeer)
+    return Py_BuildValue("(sIBKIy#)", "peer", e.peer, static_cast<unsigned char>(e.header.type),
+                         static_cast<unsigned long long>(e.header.seq), e.header.aux, e.payload.data(),
+                         static_cast<Py_ssize_t>(e.payload.size()));
   return Py_BuildValue("(sis)", "failed", static_cast<int>(e.verdict.fault), e.verdict.why.c_str());
+}
+
+bool node_arg(long long v, std::uint32_t* out) {
+  if (v < 0 || v > static_cast<long long>(UINT32_MAX)) {
+    PyErr_SetString(PyExc_ValueError, "node out of range");
+    return false;
+  }
+  *out = static_cast<std::uint32_t>(v);
+  return true;
+}
+
+// add_peer(node, fd): the plane owns fd from now on (closed on failure too)
+PyObject* plane_add_peer(PyObject* self, PyObject* args) {
+  long long node = 0;
+  int fd = -1;
+  std::uint32_t j = 0;
+  if (!PyArg_ParseTuple(args, "Li", &node, &fd) || !node_arg(node, &j)) return nullptr;
+  if (fd < 0) {
+    PyErr_SetString(PyExc_ValueError, "not a file descriptor");
+    return nullptr;
+  }
+  std::string why;
+  Py_BEGIN_ALLOW_THREADS
+  why = plane_of(self).add_peer(j, fd);
+  Py_END_ALLOW_THREADS
+  if (!why.empty()) return raise_from(self, why);
+  Py_RETURN_NONE;
+}
+
+// send_control(node, header, payload=b"") -> "" or why not
+PyObject* plane_send_control(PyObject* self, PyObject* args) {
+  long long node = 0;
+  Py_buffer header{}, payload{};
+  payload.buf = nullptr;
+  std::uint32_t j = 0;
+  if (!PyArg_ParseTuple(args, "Ly*|y*", &node, &header, &payload)) return nullptr;
+  std::string why;
+  if (!node_arg(node, &j)) {
+    why = "?";
+  } else if (header.len != static_cast<Py_ssize_t>(smddp::kHeaderSize)) {
+    PyErr_SetString(PyExc_ValueError, "a header is 56 bytes");
+    why = "?";
+  }
+  if (why.empty()) {
+    std::string body;
+    if (payload.buf != nullptr) body.assign(static_cast<const char*>(payload.buf), static_cast<std::size_t>(payload.len));
+    const auto* h = static_cast<const std::uint8_t*>(header.buf);
+    Py_BEGIN_ALLOW_THREADS
+    why = plane_of(self).send_control(j, h, std::move(body));
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&header);
+    if (payload.buf != nullptr) PyBuffer_Release(&payload);
+    return PyUnicode_FromString(why.c_str());
+  }
+  PyBuffer_Release(&header);
+  if (payload.buf != nullptr) PyBuffer_Release(&payload);
+  return nullptr;
+}
+
+// flush(timeout_s) -> every control frame left
+PyObject* plane_flush(PyObject* self, PyObject* arg) {
+  const double timeout = PyFloat_AsDouble(arg);
+  if (timeout == -1.0 && PyErr_Occurred()) return nullptr;
+  bool done = false;
+  Py_BEGIN_ALLOW_THREADS
+  done = plane_of(self).flush(static_cast<std::int64_t>((timeout > 0 ? timeout : 0) * 1e9));
+  Py_END_ALLOW_THREADS
+  return PyBool_FromLong(done ? 1 : 0);
+}
+
+// peer_counters() -> [(node, up, bytes_in, bytes_out, queued)]
+PyObject* plane_peer_counters(PyObject* self, PyObject*) {
+  const std::vector<smddp::PeerCounters> rows = plane_of(self).peer_counters();
+  PyObject* out = PyList_New(static_cast<Py_ssize_t>(rows.size()));
+  if (out == nullptr) return nullptr;
+  for (std::size_t i = 0; i < rows.size(); i++) {
+    const auto& r = rows[i];
+    PyObject* row = Py_BuildValue("(INKKK)", r.node, PyBool_FromLong(r.up ? 1 : 0),
+                                  static_cast<unsigned long long>(r.bytes_in),
+                                  static_cast<unsigned long long>(r.bytes_out), static_cast<unsigned long long>(r.queued));
+    if (row == nullptr) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+    PyList_SET_ITEM(out, static_cast<Py_ssize_t>(i), row);
+  }
+  return out;
+}
+
+// take_traces() -> [(seq, what, [(phase, start, end)])]
+PyObject* plane_take_traces(PyObject* self, PyObject*) {
+  const std::vector<smddp::Trace> traces = plane_of(self).take_traces();
+  PyObject* out = PyList_New(static_cast<Py_ssize_t>(traces.size()));
+  if (out == nullptr) return nullptr;
+  for (std::size_t i = 0; i < traces.size(); i++) {
+    const auto& t = traces[i];
+    PyObject* phases = PyList_New(static_cast<Py_ssize_t>(t.phases.size()));
+    if (phases == nullptr) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+    for (std::size_t k = 0; k < t.phases.size(); k++) {
+      PyObject* ph = Py_BuildValue("(sdd)", smddp::phase_name(t.phases[k].first), t.phases[k].second.first,
+                                   t.phases[k].second.second);
+      if (ph == nullptr) {
+        Py_DECREF(phases);
+        Py_DECREF(out);
+        return nullptr;
+      }
+      PyList_SET_ITEM(phases, static_cast<Py_ssize_t>(k), ph);
+    }
+    PyObject* row = Py_BuildValue("(KsN)", static_cast<unsigned long long>(t.seq), t.what.c_str(), phases);
+    if (row == nullptr) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+    PyList_SET_ITEM(out, static_cast<Py_ssize_t>(i), row);
+  }
+  return out;
+}
+
+PyObject* plane_queued_tasks(PyObject* self, PyObject*) {
+  const auto q = plane_of(self).queued_tasks();
+  return Py_BuildValue("(nn)", static_cast<Py_ssize_t>(q.first), static_cast<Py_ssize_t>(q.second));
 }
 
 // take_completions() -> [(kind, dtype, nbytes, seconds)]
@@ -1443,11 +1617,21 @@ PyMethodDef kPlaneMethods[] = {
     {"left_early", plane_left_early, METH_O, "left_early(local) -> its process ended without joining"},
     {"all_ranks_gone", plane_all_ranks_gone, METH_NOARGS, "every local rank said BYE or left early"},
     {"name_rank", plane_name_rank, METH_VARARGS, "name_rank(local, name)"},
-    {"waiting", plane_waiting, METH_NOARGS, "waiting() -> [(seq, age_s, what, [local ranks not submitted])]"},
+    {"waiting", plane_waiting, METH_NOARGS,
+     "waiting() -> [(seq, age_s, what, [local ranks not submitted], [peer nodes not heard from])]"},
     {"abort", plane_abort, METH_NOARGS, "abort(): the job failed, handle nothing more"},
     {"next_event", plane_next_event, METH_O,
-     "next_event(timeout_s) -> None, ('segment', Segment) or ('failed', fault, why)"},
+     "next_event(timeout_s) -> None, ('segment', Segment), ('peer', node, type, seq, aux, payload) or "
+     "('failed', fault, why)"},
     {"take_completions", plane_take_completions, METH_NOARGS, "take_completions() -> [(kind, dtype, nbytes, s)]"},
+    {"add_peer", plane_add_peer, METH_VARARGS, "add_peer(node, fd): the plane owns the authenticated stream"},
+    {"send_control", plane_send_control, METH_VARARGS,
+     "send_control(node, header, payload=b'') -> '' or why not: a control frame after what is queued"},
+    {"flush", plane_flush, METH_O, "flush(timeout_s) -> every control frame left (or its link went down)"},
+    {"peer_counters", plane_peer_counters, METH_NOARGS,
+     "peer_counters() -> [(node, up, bytes_in, bytes_out, queued)]"},
+    {"take_traces", plane_take_traces, METH_NOARGS, "take_traces() -> [(seq, what, [(phase, start, end)])]"},
+    {"queued_tasks", plane_queued_tasks, METH_NOARGS, "queued_tasks() -> (local, server): chunks waiting for a compute thread"},
     {"counters", plane_counters, METH_NOARGS, "counters() -> (collectives, reduced_bytes, reduce_seconds)"},
     {"close", plane_close, METH_NOARGS, "close(): stop every thread"},
     {nullptr, nullptr, 0, nullptr},
@@ -1458,7 +1642,7 @@ PyType_Slot kPlaneSlots[] = {
     {Py_tp_dealloc, reinterpret_cast<void*>(plane_dealloc)},
     {Py_tp_methods, kPlaneMethods},
     {Py_sq_length, reinterpret_cast<void*>(plane_len)},
-    {Py_tp_doc, const_cast<char*>("The daemon's data plane for a job on one node (smddp/engine/local_plane.h).")},
+    {Py_tp_doc, const_cast<char*>("The daemon's data plane: rings, reductions, the shard exchange (smddp/engine/local_plane.h).")},
     {0, nullptr},
 };
 

@@ -128,7 +128,8 @@ void pair_of(int fds[2], bool tcp) {
   close(l);
 }
 
-// Many frames of many sizes from two sender threads at once, both ways.
+// Many frames of many sizes from two sender threads at once, both ways; one of them lets the fabric
+// write its frames on its own thread when nothing is queued.
 void test_frames_arrive_whole_in_order(bool tcp) {
   Engine a(0), b(0);
   int fds[2];
@@ -141,41 +142,68 @@ void test_frames_arrive_whole_in_order(bool tcp) {
     bufs[s].resize(len);
     for (std::uint64_t i = 0; i < len; i++) bufs[s][i] = pattern(s, i);
   }
-  auto sender = [&](Engine& e, std::uint64_t first) {
+  // One of a's senders lets the fabric write its frames at once when nothing is queued (`left`).
+  std::atomic<std::uint64_t> left_at_once{0};
+  auto sender = [&](Engine& e, std::uint64_t first, bool direct) {
     for (std::uint64_t s = first; s < kFrames; s += 2) {
       std::uint8_t h[smddp::kHeaderSize];
       data_header(s, bufs[s].size(), h);
-      check(e.fabric->send(e.fabric.get() == a.fabric.get() ? 1 : 0, h, bufs[s].data(), bufs[s].size(), s).empty(),
+      bool left = false;
+      check(e.fabric->send(e.fabric.get() == a.fabric.get() ? 1 : 0, h, bufs[s].data(), bufs[s].size(), s,
+                           direct ? &left : nullptr)
+                .empty(),
             "send");
+      if (left) left_at_once++;
     }
   };
-  std::thread t1(sender, std::ref(a), 0), t2(sender, std::ref(a), 1), t3(sender, std::ref(b), 0);
+  std::thread t1(sender, std::ref(a), 0, false), t2(sender, std::ref(a), 1, true), t3(sender, std::ref(b), 0, false);
   t1.join();
   t2.join();
   t3.join();
   check(b.sink.wait([&] { return b.sink.frames.size() == kFrames; }), "b got every frame");
   check(a.sink.wait([&] { return a.sink.frames.size() == (kFrames + 1) / 2; }), "a got every frame");
-  check(a.sink.wait([&] { return a.sink.sent.size() == kFrames; }), "a heard of every send");
+  check(a.sink.wait([&] { return a.sink.sent.size() + left_at_once.load() == kFrames; }),
+        "a heard of every send that did not leave at once");
+  {
+    std::lock_guard<std::mutex> lock(b.sink.mu);
+    for (std::uint64_t s = 0; s < kFrames; s++) {
+      const auto& got = b.sink.payloads[s];
+      bool same = got.size() == bufs[s].size();
+      for (std::uint64_t i = 0; same && i < got.size(); i++) same = got[i] == pattern(s, i);
+      check(same, "payload of frame " + std::to_string(s));
+    }
+    // One sender thread's frames keep their order (each thread's seqs are increasing).
+    std::uint64_t last_even = 0, last_odd = 1;
+    bool ordered = true;
+    for (std::size_t i = 0; i < b.sink.frames.size(); i++) {
+      const std::uint64_t s = b.sink.frames[i];
+      std::uint64_t& last = (s % 2 == 0) ? last_even : last_odd;
+      if (s != last && s < last) ordered = false;
+      last = s;
+    }
+    check(ordered, "per-thread order");
+  }
+  // Small frames one at a time, each after the last arrived: nothing is queued, so each leaves at
+  // once on the sender's thread, and no on_sent comes for it.
+  std::vector<std::uint8_t> small(100, 7);
+  const std::size_t sent_before = [&] {
+    std::lock_guard<std::mutex> lock(a.sink.mu);
+    return a.sink.sent.size();
+  }();
+  for (std::uint64_t s = kFrames; s < kFrames + 20; s++) {
+    std::uint8_t h[smddp::kHeaderSize];
+    data_header(s, small.size(), h);
+    bool left = false;
+    check(a.fabric->send(1, h, small.data(), small.size(), s, &left).empty() && left, "a small frame left at once");
+    check(b.sink.wait([&] { return b.sink.frames.size() == s + 1; }), "it arrived");
+  }
+  {
+    std::lock_guard<std::mutex> lock(a.sink.mu);
+    check(a.sink.sent.size() == sent_before, "no on_sent for frames that left at once");
+    check(a.sink.downs.empty(), "no link went down at a");
+  }
   std::lock_guard<std::mutex> lock(b.sink.mu);
-  for (std::uint64_t s = 0; s < kFrames; s++) {
-    const auto& got = b.sink.payloads[s];
-    bool same = got.size() == bufs[s].size();
-    for (std::uint64_t i = 0; same && i < got.size(); i++) same = got[i] == pattern(s, i);
-    check(same, "payload of frame " + std::to_string(s));
-  }
-  // One sender thread's frames keep their order (each thread's seqs are increasing).
-  std::uint64_t last_even = 0, last_odd = 1;
-  bool ordered = true;
-  for (std::size_t i = 0; i < b.sink.frames.size(); i++) {
-    const std::uint64_t s = b.sink.frames[i];
-    std::uint64_t& last = (s % 2 == 0) ? last_even : last_odd;
-    if (s != last && s < last) ordered = false;
-    last = s;
-  }
-  check(ordered, "per-thread order");
   check(b.sink.downs.empty(), "no link went down at b");
-  std::lock_guard<std::mutex> lock_a(a.sink.mu);
-  check(a.sink.downs.empty(), "no link went down at a");
 }
 
 void test_garbage_and_hangups() {

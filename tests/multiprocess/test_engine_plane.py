@@ -1,7 +1,8 @@
-"""Jobs on one node on the engine data plane (the local plane, smddp/engine/local_plane.h; the default,
-named here so that these tests keep meaning it): the whole collective matrix bit-exact, mismatches and
-early exits named on every rank, a killed worker named within the same bound as on the Python data
-plane. And the Python data plane on one node (--data-plane python) while it exists: the same matrix."""
+"""Jobs on the engine data plane (smddp/engine/local_plane.h; the default, named here so that these
+tests keep meaning it), on one node and on several: the whole collective matrix bit-exact, mismatches
+and early exits named on every rank, a killed worker named within the same bound as on the Python
+data plane. And the Python data plane (--data-plane python) while it exists: the same matrix, on one
+node and on two."""
 
 from __future__ import annotations
 
@@ -22,13 +23,22 @@ HERE = Path(__file__).parent
 ENGINE = ["--data-plane", "engine"]
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_every_collective_bit_exact_on_the_engine(world: int, tmp_path: Path, clean_host: None) -> None:
-    check_every_collective(world, 1, tmp_path, extra=ENGINE)
+# One node (the rings and the plane's threads) and several (the fabric between the daemons too).
+LAYOUTS = [(1, 1), (2, 1), (3, 1), (4, 1), (4, 2), (3, 3)]
 
 
-def test_every_collective_bit_exact_on_the_python_data_plane(tmp_path: Path, clean_host: None) -> None:
-    check_every_collective(3, 1, tmp_path, extra=["--data-plane", "python"])
+@pytest.mark.parametrize(("world", "nodes"), LAYOUTS, ids=[f"W{w}-N{n}" for w, n in LAYOUTS])
+def test_every_collective_bit_exact_on_the_engine(
+    world: int, nodes: int, tmp_path: Path, clean_host: None
+) -> None:
+    check_every_collective(world, nodes, tmp_path, extra=ENGINE)
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_every_collective_bit_exact_on_the_python_data_plane(
+    nodes: int, tmp_path: Path, clean_host: None
+) -> None:
+    check_every_collective(4 if nodes == 2 else 3, nodes, tmp_path, extra=["--data-plane", "python"])
 
 
 def test_mismatch_and_early_exit_on_the_engine(tmp_path: Path, clean_host: None) -> None:
