@@ -170,14 +170,15 @@ SETTINGS: tuple[Setting, ...] = (
     S(
         "data_plane",
         str,
-        "engine",
+        "auto",
         "what moves the bytes: the compiled engine (the workers' rings, the engine's threads and kernels, "
         "and its links to the other nodes' daemons) or, as before it, the daemon's and the client's "
-        "Python threads (kept while issue 17 removes them)",
+        "Python threads; auto: the engine on one node, python across nodes while the engine's path "
+        "between daemons settles (issue 17)",
         ("--data-plane",),
         (LAUNCH, DAEMON, WORKER),
         env="SMDDP_DATA_PLANE",
-        choices=("python", "engine"),
+        choices=("auto", "python", "engine"),
     ),
     S(
         "reduce_kernel",
@@ -423,3 +424,9 @@ def markdown() -> str:
         dflt = f"`{s.format(s.default)}`" if s.format(s.default) != "" else "empty"
         lines.append(f"| {s.name} | {flags} | {env} | {kind} | {dflt} | {', '.join(s.programs)} | {s.doc} |")
     return "\n".join(lines) + "\n"
+
+
+def uses_engine(data_plane: str, nnodes: int) -> bool:
+    """Whether a job of `nnodes` nodes with the data_plane setting runs on the engine (daemon and
+    workers decide alike, from the same setting)."""
+    return data_plane == "engine" or (data_plane == "auto" and nnodes == 1)

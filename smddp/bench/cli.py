@@ -39,7 +39,7 @@ def common_flags(p: argparse.ArgumentParser, rounds: bool = True) -> None:
     p.add_argument(
         "--data-plane",
         default=default("data_plane"),
-        choices=("python", "engine"),
+        choices=("auto", "python", "engine"),
         help="smddp-launch --data-plane",
     )
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per launch")

@@ -40,7 +40,7 @@ from smddp.proto.dtypes import DType, Kind, ReduceOp
 from smddp.proto.failure import exit_status_of, read_failure
 from smddp.proto.frames import Header, MsgType, Role, decode_header
 from smddp.proto.messages import Attach, Bye, Channel, Done, Release, SegmentMsg, Submit
-from smddp.settings import KiB, MiB, default
+from smddp.settings import KiB, MiB, default, uses_engine
 from smddp.trace import span
 from smddp.transport.auth import client_handshake
 from smddp.transport.bootstrap import Membership, Placement, default_socket_dir, job_dir, join_job
@@ -315,7 +315,7 @@ class Client:
         # submit ring and DONE comes on its done ring (docs/protocol.md, CHANNEL).
         self._channel: _engine.WorkerChannel | None = None
         self._done_thread: threading.Thread | None = None
-        if config.data_plane == "engine":
+        if uses_engine(config.data_plane, self.job.nnodes):
             self._channel = _engine.WorkerChannel(f"smddp-channel-rank{self.rank}")
             seg = self._channel.segment
             conn.send_frame(Channel(self.rank, 0, seg.size).header(), fds=[seg.fd], timeout=config.timeout_s)

@@ -45,6 +45,7 @@ from smddp.proto.messages import (
     StatusRequest,
     Submit,
 )
+from smddp.settings import uses_engine
 from smddp.trace import span
 from smddp.transport.auth import client_handshake
 from smddp.transport.bootstrap import Job
@@ -240,7 +241,7 @@ class NodeDaemon:
         # and `rules` is whichever is in use.
         self.plane: _engine.LocalPlane | None = None
         self.rules: _engine.NodeState | _engine.LocalPlane = self.table
-        if cfg.data_plane == "engine":
+        if uses_engine(cfg.data_plane, self.nnodes):
             self.plane = self.rules = _engine.LocalPlane(
                 node,
                 self.local_size,
