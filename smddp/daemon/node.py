@@ -266,6 +266,7 @@ class NodeDaemon:
         self._peer_plane = self.plane if self.nnodes > 1 else None
         self._plane_counted = (0, 0, 0.0)  # the plane's counters already in self.stats
         self._plane_peer_counted: dict[int, tuple[int, int]] = {}  # node -> bytes in, out in self.stats
+        self._plane_queued: dict[int, int] = {}  # node -> frames queued to it, as last counted
         self._plane_count_lock = threading.Lock()
         self._tasks: collections.deque = collections.deque()  # server-side work first
         self._local_tasks: collections.deque = collections.deque()
@@ -724,7 +725,8 @@ class NodeDaemon:
         if reduced > reduced0:
             self.stats.add_reduce(reduced - reduced0, secs - secs0)
         self._plane_counted = (n, reduced, secs)
-        for node, _up, bytes_in, bytes_out, _queued in plane.peer_counters():
+        for node, _up, bytes_in, bytes_out, queued in plane.peer_counters():
+            self._plane_queued[node] = queued
             in0, out0 = self._plane_peer_counted.get(node, (0, 0))
             if bytes_in > in0:
                 self.stats.add_in(node, bytes_in - in0)
@@ -1094,9 +1096,6 @@ class NodeDaemon:
             local_q, server_q = (
                 self.plane.queued_tasks() if self.plane else (len(self._local_tasks), len(self._tasks))
             )
-        queued = (
-            {node: q for node, _, _, _, q in self._peer_plane.peer_counters()} if self._peer_plane else {}
-        )
         if self.failure is not None:
             state = f"FAILED: {self.failure}"
         elif self._bye_sent_at is not None:
@@ -1130,7 +1129,7 @@ class NodeDaemon:
                     "bytes_out": snap["bytes_out"].get(j, 0),
                     "rate_in": snap["rate_in"].get(j, 0.0),
                     "rate_out": snap["rate_out"].get(j, 0.0),
-                    "send_queue": queued.get(j, 0) if self._peer_plane else p.sendq.qsize(),
+                    "send_queue": self._plane_queued.get(j, 0) if self._peer_plane else p.sendq.qsize(),
                 }
                 for j, p in self.peers.items()
             ],

@@ -21,6 +21,14 @@
 
 namespace smddp {
 
+// Why a link went down, for the owner to classify the failure without reading its text.
+enum class LinkEnd : std::uint8_t {
+  kClosed,    // the peer closed the connection (or reset it)
+  kSilent,    // nothing came for the idle limit: the peer is frozen, or the link is cut
+  kBadFrame,  // the peer sent bytes that are not a frame, or a frame the Sink refused
+  kError,     // a local error on the socket
+};
+
 class Sink {
  public:
   virtual ~Sink() = default;
@@ -34,7 +42,7 @@ class Sink {
   virtual void on_sent(std::uint32_t peer, std::uint64_t cookie) = 0;
   // The link to `peer` is gone, with why. Called once per link; sends still queued on it are dropped
   // (on_sent is not called for them).
-  virtual void on_link_down(std::uint32_t peer, const std::string& why) = 0;
+  virtual void on_link_down(std::uint32_t peer, const std::string& why, LinkEnd end) = 0;
 };
 
 class Fabric {

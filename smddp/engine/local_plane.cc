@@ -51,6 +51,22 @@ double wall() {
 
 bool is_kind(const Spec& s, Kind k) { return s.kind == static_cast<std::uint8_t>(k); }
 
+// The fingerprint a SUBMIT or a peer's data frame carries; false when its dtype and count are impossible.
+bool spec_of(const Header& h, Spec* spec) {
+  const std::size_t isz = dtype_size(h.dtype);  // decode_header checked the code
+  if (isz == 0 || h.count > kMaxU63 / isz) return false;
+  spec->seq = h.seq;
+  spec->kind = h.kind;
+  spec->dtype = h.dtype;
+  spec->itemsize = static_cast<std::uint32_t>(isz);
+  spec->widened = h.dtype == kFloat16 || h.dtype == kBfloat16;
+  spec->count = h.count;
+  spec->op = h.op;
+  spec->has_op = h.op != 0;
+  spec->root = h.aux;
+  return true;
+}
+
 }  // namespace
 
 const char* phase_name(Phase p) {
@@ -243,22 +259,6 @@ void LocalPlane::handle(Link* link, const std::uint8_t* slot) {
   }
 }
 
-// The fingerprint a SUBMIT or a peer's data frame carries; false when its dtype and count are impossible.
-static bool spec_of(const Header& h, Spec* spec) {
-  const std::size_t isz = dtype_size(h.dtype);  // decode_header checked the code
-  if (isz == 0 || h.count > kMaxU63 / isz) return false;
-  spec->seq = h.seq;
-  spec->kind = h.kind;
-  spec->dtype = h.dtype;
-  spec->itemsize = static_cast<std::uint32_t>(isz);
-  spec->widened = h.dtype == kFloat16 || h.dtype == kBfloat16;
-  spec->count = h.count;
-  spec->op = h.op;
-  spec->has_op = h.op != 0;
-  spec->root = h.aux;
-  return true;
-}
-
 void LocalPlane::on_submit(Link* link, const Header& h) {
   Spec spec;
   if (!spec_of(h, &spec))
@@ -378,7 +378,7 @@ void LocalPlane::start_locked(const std::shared_ptr<Op>& op, std::vector<Task> t
 
 bool LocalPlane::run_task(const Task& t) { return t.server ? run_server(t.op, t.chunk) : run_local(t.op, t.chunk); }
 
-bool LocalPlane::fold(const Op& op, const std::vector<const std::uint8_t*>& in, std::uint64_t n, std::uint8_t* out,
+bool LocalPlane::fold(const Op& op, const std::vector<const void*>& in, std::uint64_t n, std::uint8_t* out,
                       bool partial) {
   if (n == 0) return true;
   const Spec& s = op.spec;
@@ -393,7 +393,7 @@ bool LocalPlane::fold(const Op& op, const std::vector<const std::uint8_t*>& in, 
     const Fold f = rop == kOpMin ? Fold::kMin : rop == kOpMax ? Fold::kMax : Fold::kSum;
     const float div = divide ? static_cast<float>(cfg_.topo.world) : 0.0f;
     std::vector<const std::uint16_t*> in16(k);
-    for (std::size_t i = 0; i < k; i++) in16[i] = reinterpret_cast<const std::uint16_t*>(in[i]);
+    for (std::size_t i = 0; i < k; i++) in16[i] = static_cast<const std::uint16_t*>(in[i]);
     auto* out16 = reinterpret_cast<std::uint16_t*>(out);
     std::vector<std::size_t> nan_blocks;
     if (half == Half::kFloat16 && !have_f16c()) {
@@ -403,8 +403,7 @@ bool LocalPlane::fold(const Op& op, const std::vector<const std::uint8_t*>& in, 
     }
     for (std::size_t b : nan_blocks) reduce16_nan_block(half, f, in16.data(), k, n, b, out16, div);
   } else {
-    std::vector<const void*> inv(in.begin(), in.end());
-    const std::string w = reduce(s.dtype, rop, inv.data(), k, n, out, divide ? cfg_.topo.world : 0);
+    const std::string w = reduce(s.dtype, rop, in.data(), k, n, out, divide ? cfg_.topo.world : 0);
     if (!w.empty()) {
       fail(Verdict{Fault::kProtocol, cfg_.me + ": collective #" + num(s.seq) + ": " + w});
       return false;
@@ -450,7 +449,7 @@ bool LocalPlane::run_local(const std::shared_ptr<Op>& op, const Chunk& t) {
   }
   const std::uint64_t isz = s.itemsize;
   const std::uint64_t n = t.end - t.start, off = t.start * isz, len = n * isz;
-  std::vector<const std::uint8_t*> in(k);
+  std::vector<const void*> in(k);
   for (std::uint32_t i = 0; i < k; i++) in[i] = o.inputs[i] == nullptr ? nullptr : o.inputs[i] + off;
   const double w0 = cfg_.trace ? wall() : 0;
   if (!several) {
@@ -482,7 +481,7 @@ bool LocalPlane::run_local(const std::shared_ptr<Op>& op, const Chunk& t) {
     // reuses only after DONE, i.e. after this chunk's RESULT came back from a server that had
     // received all of it. (A reduce_scatter gets no RESULT for this chunk: it sends a copy.)
     std::unique_lock<std::mutex> lock(mu_);
-    return send_data_locked(op, t.shard, Msg::kPartial, t.shard, off, in[0], len);
+    return send_data_locked(op, t.shard, Msg::kPartial, t.shard, off, o.inputs[0] + off, len);
   }
   // The partial goes out from the result region: the result of this chunk only comes back after the
   // server has it, so nothing overwrites it before the send is done.
@@ -501,7 +500,7 @@ bool LocalPlane::run_server(const std::shared_ptr<Op>& op, const Chunk& t) {
   const std::uint32_t nn = cfg_.topo.nnodes;
   const std::uint64_t isz = o.spec.itemsize;
   const std::uint64_t n = t.end - t.start, lo = (t.start - o.c->own_range().start) * isz;
-  std::vector<const std::uint8_t*> in(nn);
+  std::vector<const void*> in(nn);
   for (std::uint32_t j = 0; j < nn; j++) in[j] = o.rows + j * o.row_bytes + lo;
   if (o.c->own_in_input()) in[cfg_.topo.node] = o.inputs[0] + t.start * isz;
   std::uint8_t* res = o.out + t.start * isz;
@@ -957,7 +956,7 @@ void LocalPlane::on_sent(std::uint32_t peer, std::uint64_t cookie) {
   if (table_.send_finished(cookie)) retire_locked(cookie);
 }
 
-void LocalPlane::on_link_down(std::uint32_t peer, const std::string& why) {
+void LocalPlane::on_link_down(std::uint32_t peer, const std::string& why, LinkEnd end) {
   std::lock_guard<std::mutex> lock(mu_);
   Peer* p = peers_[peer].get();
   p->down = true;
@@ -967,9 +966,9 @@ void LocalPlane::on_link_down(std::uint32_t peer, const std::string& why) {
     it = it->second.first == peer ? control_out_.erase(it) : std::next(it);
   flush_cv_.notify_all();
   if (p->bye || failed_ || closed_) return;
-  if (why.rfind("sent ", 0) == 0)  // the fabric refused what it sent (a bad header): not a lost peer
+  if (end == LinkEnd::kBadFrame)  // what it sent cannot be framed: not a lost peer
     return fail_locked(Verdict{Fault::kProtocol, cfg_.me + ": " + p->name + " " + why});
-  const char* hint = why.find("silent") != std::string::npos ? " (frozen, or the link is down)" : "";
+  const char* hint = end == LinkEnd::kSilent ? " (frozen, or the link is down)" : "";
   fail_locked(Verdict{Fault::kPeerLost, cfg_.me + " lost contact: " + p->name + " " + why + hint});
 }
 

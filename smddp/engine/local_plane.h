@@ -194,8 +194,7 @@ class LocalPlane final : private Sink {
   void compute();
   bool run_local(const std::shared_ptr<Op>& op, const Chunk& chunk);
   bool run_server(const std::shared_ptr<Op>& op, const Chunk& chunk);
-  bool fold(const Op& op, const std::vector<const std::uint8_t*>& in, std::uint64_t n, std::uint8_t* out,
-            bool partial);
+  bool fold(const Op& op, const std::vector<const void*>& in, std::uint64_t n, std::uint8_t* out, bool partial);
   void partial_in(const std::shared_ptr<Op>& op, std::uint64_t index, std::uint32_t from);
   bool chunk_done(const std::shared_ptr<Op>& op);
   bool send_data_locked(const std::shared_ptr<Op>& op, std::uint32_t node, Msg type, std::uint32_t shard,
@@ -214,7 +213,7 @@ class LocalPlane final : private Sink {
   std::string on_header(std::uint32_t peer, const Header& h, std::uint8_t** dest) override;
   void on_frame(std::uint32_t peer, const Header& h) override;
   void on_sent(std::uint32_t peer, std::uint64_t cookie) override;
-  void on_link_down(std::uint32_t peer, const std::string& why) override;
+  void on_link_down(std::uint32_t peer, const std::string& why, LinkEnd end) override;
   void complete_locked(const std::shared_ptr<Op>& op, std::unique_lock<std::mutex>* lock);
   void retire_locked(std::uint64_t seq);
   void fail_locked(const Verdict& v);

@@ -1482,30 +1482,25 @@ PyObject* plane_add_peer(PyObject* self, PyObject* args) {
 PyObject* plane_send_control(PyObject* self, PyObject* args) {
   long long node = 0;
   Py_buffer header{}, payload{};
-  payload.buf = nullptr;
-  std::uint32_t j = 0;
   if (!PyArg_ParseTuple(args, "Ly*|y*", &node, &header, &payload)) return nullptr;
-  std::string why;
-  if (!node_arg(node, &j)) {
-    why = "?";
-  } else if (header.len != static_cast<Py_ssize_t>(smddp::kHeaderSize)) {
+  std::uint32_t j = 0;
+  bool ok = node_arg(node, &j);
+  if (ok && header.len != static_cast<Py_ssize_t>(smddp::kHeaderSize)) {
     PyErr_SetString(PyExc_ValueError, "a header is 56 bytes");
-    why = "?";
+    ok = false;
   }
-  if (why.empty()) {
-    std::string body;
-    if (payload.buf != nullptr) body.assign(static_cast<const char*>(payload.buf), static_cast<std::size_t>(payload.len));
+  std::string why;
+  if (ok) {
+    std::string body(static_cast<const char*>(payload.buf != nullptr ? payload.buf : ""),
+                     static_cast<std::size_t>(payload.buf != nullptr ? payload.len : 0));
     const auto* h = static_cast<const std::uint8_t*>(header.buf);
     Py_BEGIN_ALLOW_THREADS
     why = plane_of(self).send_control(j, h, std::move(body));
     Py_END_ALLOW_THREADS
-    PyBuffer_Release(&header);
-    if (payload.buf != nullptr) PyBuffer_Release(&payload);
-    return PyUnicode_FromString(why.c_str());
   }
   PyBuffer_Release(&header);
   if (payload.buf != nullptr) PyBuffer_Release(&payload);
-  return nullptr;
+  return ok ? PyUnicode_FromString(why.c_str()) : nullptr;
 }
 
 // flush(timeout_s) -> every control frame left

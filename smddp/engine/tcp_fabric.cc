@@ -210,7 +210,7 @@ class TcpFabric final : public Fabric {
     return it == links_.end() ? nullptr : it->second.get();
   }
 
-  void down(Link& l, const std::string& why) {
+  void down(Link& l, const std::string& why, LinkEnd end) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       l.up = false;
@@ -220,7 +220,7 @@ class TcpFabric final : public Fabric {
     ::close(l.fd);
     l.fd = -1;
     calls_++;
-    sink_->on_link_down(l.peer, why);
+    sink_->on_link_down(l.peer, why, end);
   }
 
   void check_idle() {
@@ -236,7 +236,7 @@ class TcpFabric final : public Fabric {
       if (quiet > idle_ms_) {
         char text[48];
         std::snprintf(text, sizeof text, "silent for %.1f s", static_cast<double>(quiet) / 1000.0);
-        down(*l, text);
+        down(*l, text, LinkEnd::kSilent);
       }
     }
   }
@@ -253,11 +253,11 @@ class TcpFabric final : public Fabric {
         if (l.head_got < kHeaderSize) continue;
         l.head_got = 0;
         std::string why = decode_header(l.head, kHeaderSize, &l.h);
-        if (!why.empty()) return down(l, "sent a bad frame header: " + why);
+        if (!why.empty()) return down(l, "sent a bad frame header: " + why, LinkEnd::kBadFrame);
         l.dest = nullptr;
         why = sink_->on_header(l.peer, l.h, &l.dest);
         calls_++;
-        if (!why.empty()) return down(l, why);
+        if (!why.empty()) return down(l, why, LinkEnd::kBadFrame);
         l.in_payload = true;
         l.payload_got = 0;
       }
@@ -288,8 +288,8 @@ class TcpFabric final : public Fabric {
     }
     if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return false;
     if (got < 0 && errno == EINTR) return false;  // epoll reports it again
-    if (got == 0) down(l, mid_frame ? "closed the connection in the middle of a frame" : "closed the connection");
-    else down(l, os_error("receive failed", errno));
+    if (got == 0) down(l, mid_frame ? "closed the connection in the middle of a frame" : "closed the connection", LinkEnd::kClosed);
+    else down(l, os_error("receive failed", errno), errno == ECONNRESET ? LinkEnd::kClosed : LinkEnd::kError);
     return false;
   }
 
@@ -321,7 +321,7 @@ class TcpFabric final : public Fabric {
       if (put < 0) {
         if (errno == EAGAIN || errno == EWOULDBLOCK) return arm_out(l, true);
         if (errno == EINTR) continue;
-        return down(l, os_error("send failed", errno));
+        return down(l, os_error("send failed", errno), errno == ECONNRESET || errno == EPIPE ? LinkEnd::kClosed : LinkEnd::kError);
       }
       std::vector<std::uint64_t> cookies;
       {
@@ -352,7 +352,7 @@ class TcpFabric final : public Fabric {
     epoll_event ev{};
     ev.events = EPOLLIN | (on ? EPOLLOUT : 0u);
     ev.data.u64 = l.peer;
-    if (epoll_ctl(ep_, EPOLL_CTL_MOD, l.fd, &ev) != 0) return down(l, os_error("epoll_ctl", errno));
+    if (epoll_ctl(ep_, EPOLL_CTL_MOD, l.fd, &ev) != 0) return down(l, os_error("epoll_ctl", errno), LinkEnd::kError);
     l.watching_out = on;
   }
 

@@ -76,7 +76,7 @@ struct Recorder : smddp::Sink {
     sent.push_back(cookie);
     cv.notify_all();
   }
-  void on_link_down(std::uint32_t, const std::string& why) override {
+  void on_link_down(std::uint32_t, const std::string& why, smddp::LinkEnd) override {
     std::lock_guard<std::mutex> lock(mu);
     downs.push_back(why);
     cv.notify_all();

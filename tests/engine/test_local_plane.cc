@@ -14,39 +14,15 @@
 #include <vector>
 
 #include "local_plane.h"
+#include "plane_test.h"
 
 namespace {
 
-std::atomic<int> failures{0};
+using plane_test::check;
+using plane_test::header;
+using plane_test::kSecond;
 
-void check(bool ok, const std::string& what) {
-  if (!ok) {
-    std::fprintf(stderr, "test_local_plane: FAILED: %s\n", what.c_str());
-    failures++;
-  }
-}
-
-constexpr std::int64_t kSecond = 1'000'000'000;
 constexpr std::uint32_t kWorkers = 4;
-
-std::vector<std::uint8_t> header(smddp::Msg type, std::uint32_t sender, std::uint64_t seq, std::uint32_t shard,
-                                 std::uint64_t offset, std::uint64_t count, std::uint8_t dtype, std::uint8_t op,
-                                 std::uint8_t kind) {
-  smddp::Header h;
-  h.type = type;
-  h.sender = sender;
-  h.seq = seq;
-  h.shard = shard;
-  h.offset = offset;
-  h.count = count;
-  h.dtype = dtype;
-  h.op = op;
-  h.kind = kind;
-  std::vector<std::uint8_t> out(smddp::kHeaderSize);
-  const std::string why = smddp::encode_header(h, out.data());
-  check(why.empty(), "encode: " + why);
-  return out;
-}
 
 smddp::PlaneConfig config(std::uint32_t n) {
   smddp::PlaneConfig cfg;
@@ -182,7 +158,7 @@ void broken_rings() {
 int main() {
   many_collectives();
   broken_rings();
-  if (failures.load() != 0) return 1;
+  if (plane_test::failures.load() != 0) return 1;
   std::printf("test_local_plane: every check held\n");
   return 0;
 }

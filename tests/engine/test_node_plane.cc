@@ -18,44 +18,18 @@
 #include <vector>
 
 #include "local_plane.h"
+#include "plane_test.h"
 
 namespace {
 
-std::atomic<int> failures{0};
+using plane_test::check;
+using plane_test::header;
+using plane_test::kSecond;
 
-void check(bool ok, const std::string& what) {
-  if (!ok) {
-    std::fprintf(stderr, "test_node_plane: FAILED: %s\n", what.c_str());
-    failures++;
-  }
-}
-
-constexpr std::int64_t kSecond = 1'000'000'000;
 constexpr std::uint32_t kNodes = 3;
 constexpr std::uint32_t kPerNode = 2;
 constexpr std::uint32_t kWorld = kNodes * kPerNode;
 constexpr int kIters = 400;
-
-std::vector<std::uint8_t> header(smddp::Msg type, std::uint32_t sender, std::uint64_t seq, std::uint32_t shard,
-                                 std::uint64_t offset, std::uint64_t count, std::uint8_t dtype, std::uint8_t op,
-                                 std::uint8_t kind, std::uint32_t aux = 0, std::uint64_t length = 0) {
-  smddp::Header h;
-  h.type = type;
-  h.sender = sender;
-  h.seq = seq;
-  h.shard = shard;
-  h.offset = offset;
-  h.count = count;
-  h.dtype = dtype;
-  h.op = op;
-  h.kind = kind;
-  h.aux = aux;
-  h.length = length;
-  std::vector<std::uint8_t> out(smddp::kHeaderSize);
-  const std::string why = smddp::encode_header(h, out.data());
-  check(why.empty(), "encode: " + why);
-  return out;
-}
 
 smddp::PlaneConfig config(std::uint32_t node) {
   smddp::PlaneConfig cfg;
@@ -262,7 +236,7 @@ void bad_peers() {
 int main() {
   many_collectives();
   bad_peers();
-  if (failures.load() != 0) return 1;
+  if (plane_test::failures.load() != 0) return 1;
   std::printf("test_node_plane: every check held\n");
   return 0;
 }
