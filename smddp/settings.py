@@ -170,15 +170,14 @@ SETTINGS: tuple[Setting, ...] = (
     S(
         "data_plane",
         str,
-        "auto",
+        "engine",
         "what moves the bytes: the compiled engine (the workers' rings, the engine's threads and kernels, "
         "and its links to the other nodes' daemons) or, as before it, the daemon's and the client's "
-        "Python threads; auto: the engine on one node, python across nodes while the engine's path "
-        "between daemons settles (issue 17)",
+        "Python threads (to be removed, issue 17)",
         ("--data-plane",),
         (LAUNCH, DAEMON, WORKER),
         env="SMDDP_DATA_PLANE",
-        choices=("auto", "python", "engine"),
+        choices=("engine", "python"),
     ),
     S(
         "reduce_kernel",
@@ -426,7 +425,7 @@ def markdown() -> str:
     return "\n".join(lines) + "\n"
 
 
-def uses_engine(data_plane: str, nnodes: int) -> bool:
-    """Whether a job of `nnodes` nodes with the data_plane setting runs on the engine (daemon and
-    workers decide alike, from the same setting)."""
-    return data_plane == "engine" or (data_plane == "auto" and nnodes == 1)
+def uses_engine(data_plane: str) -> bool:
+    """Whether a job with the data_plane setting runs on the engine (daemon and workers decide alike,
+    from the same setting)."""
+    return data_plane == "engine"

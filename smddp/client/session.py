@@ -315,7 +315,7 @@ class Client:
         # submit ring and DONE comes on its done ring (docs/protocol.md, CHANNEL).
         self._channel: _engine.WorkerChannel | None = None
         self._done_thread: threading.Thread | None = None
-        if uses_engine(config.data_plane, self.job.nnodes):
+        if uses_engine(config.data_plane):
             self._channel = _engine.WorkerChannel(f"smddp-channel-rank{self.rank}")
             seg = self._channel.segment
             conn.send_frame(Channel(self.rank, 0, seg.size).header(), fds=[seg.fd], timeout=config.timeout_s)

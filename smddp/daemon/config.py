@@ -38,7 +38,7 @@ class DaemonConfig:
     failure_linger_s: float = 30.0  # after a failure, how long local workers get to leave
 
     def __post_init__(self) -> None:
-        if self.data_plane not in ("auto", "python", "engine"):
+        if self.data_plane not in ("engine", "python"):
             raise ConfigError("data plane must be python or engine")
         if self.reduce_kernel not in ("auto", "compiled", "numpy"):
             raise ConfigError("reduce kernel must be auto, compiled or numpy")

@@ -241,7 +241,7 @@ class NodeDaemon:
         # and `rules` is whichever is in use.
         self.plane: _engine.LocalPlane | None = None
         self.rules: _engine.NodeState | _engine.LocalPlane = self.table
-        if uses_engine(cfg.data_plane, self.nnodes):
+        if uses_engine(cfg.data_plane):
             self.plane = self.rules = _engine.LocalPlane(
                 node,
                 self.local_size,

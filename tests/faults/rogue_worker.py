@@ -62,9 +62,11 @@ def main() -> int:
     rank = smddp.rank()
     x = np.ones(10, np.float32)
     smddp.allreduce(x)  # collective #1 completes everywhere before anyone misbehaves
-    smddp.barrier()  # #2 ... except the rogue, which sends its frame instead
     out: dict = {}
     try:
+        # #2: every rank has submitted it once the rogue's returns, but the others' DONE may still be
+        # on its way when the rogue's frame fails the job, so their barrier may be what raises.
+        smddp.barrier()
         if rank == 1:
             frame = ROGUE_FRAMES[args.frame](rank)
             # The transport these frames take (the socket, or the engine's ring), bypassing every
