@@ -168,29 +168,6 @@ SETTINGS: tuple[Setting, ...] = (
         env="SMDDP_PIPELINE_KB",
     ),
     S(
-        "data_plane",
-        str,
-        "engine",
-        "what moves the bytes: the compiled engine (the workers' rings, the engine's threads and kernels, "
-        "and its links to the other nodes' daemons) or, as before it, the daemon's and the client's "
-        "Python threads (to be removed, issue 17)",
-        ("--data-plane",),
-        (LAUNCH, DAEMON, WORKER),
-        env="SMDDP_DATA_PLANE",
-        choices=("engine", "python"),
-    ),
-    S(
-        "reduce_kernel",
-        str,
-        "auto",
-        "how float16/bfloat16 are summed: the engine's compiled kernel, numpy, or auto (compiled; float16 "
-        "on a CPU without F16C: numpy)",
-        ("--reduce-kernel",),
-        (DAEMON,),
-        env="SMDDP_REDUCE_KERNEL",
-        choices=("auto", "compiled", "numpy"),
-    ),
-    S(
         "device_runtime",
         str,
         "auto",
@@ -423,9 +400,3 @@ def markdown() -> str:
         dflt = f"`{s.format(s.default)}`" if s.format(s.default) != "" else "empty"
         lines.append(f"| {s.name} | {flags} | {env} | {kind} | {dflt} | {', '.join(s.programs)} | {s.doc} |")
     return "\n".join(lines) + "\n"
-
-
-def uses_engine(data_plane: str) -> bool:
-    """Whether a job with the data_plane setting runs on the engine (daemon and workers decide alike,
-    from the same setting)."""
-    return data_plane == "engine"

@@ -36,12 +36,6 @@ def common_flags(p: argparse.ArgumentParser, rounds: bool = True) -> None:
         ("pipeline_kb", "--pipeline-kb"),
     ):
         p.add_argument(flag, dest=name, type=int, default=default(name), help=f"smddp-launch {flag}")
-    p.add_argument(
-        "--data-plane",
-        default=default("data_plane"),
-        choices=("auto", "python", "engine"),
-        help="smddp-launch --data-plane",
-    )
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per launch")
     p.add_argument("--prefix", default="smddpb", help="simulated cluster name prefix")
     p.add_argument("--subnet", default="10.77.9", help="simulated cluster subnet (three octets)")
@@ -55,7 +49,6 @@ def run_options(a: argparse.Namespace) -> RunOptions:
         threads=a.threads,
         replicate_kb=a.replicate_kb,
         pipeline_kb=a.pipeline_kb,
-        data_plane=a.data_plane,
         timeout_s=a.timeout,
         prefix=a.prefix,
         subnet=a.subnet,

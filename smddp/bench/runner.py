@@ -85,7 +85,6 @@ class RunOptions:
     threads: int = default("threads")
     replicate_kb: int = default("replicate_kb")
     pipeline_kb: int = default("pipeline_kb")
-    data_plane: str = default("data_plane")
     torch_threads: int = 1  # gloo ranks: torch.set_num_threads
     progress: str = ""  # worker rank 0 writes its completed all-reduces here (smddp-bench profile)
     timeout_s: float = 900.0
@@ -277,8 +276,6 @@ def build_command(
             str(opts.replicate_kb),
             "--pipeline-kb",
             str(opts.pipeline_kb),
-            "--data-plane",
-            opts.data_plane,
             "--",
             *worker,
         ]
@@ -287,7 +284,6 @@ def build_command(
             "daemon_threads": opts.threads,
             "replicate_kb": opts.replicate_kb,
             "pipeline_kb": opts.pipeline_kb,
-            "data_plane": opts.data_plane,
         }
         env["SMDDP_JOB_ID"] = job_id or os.urandom(16).hex()
         return cmd, env, settings

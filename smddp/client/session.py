@@ -40,7 +40,7 @@ from smddp.proto.dtypes import DType, Kind, ReduceOp
 from smddp.proto.failure import exit_status_of, read_failure
 from smddp.proto.frames import Header, MsgType, Role, decode_header
 from smddp.proto.messages import Attach, Bye, Channel, Done, Release, SegmentMsg, Submit
-from smddp.settings import KiB, MiB, default, uses_engine
+from smddp.settings import KiB, MiB, default
 from smddp.trace import span
 from smddp.transport.auth import client_handshake
 from smddp.transport.bootstrap import Membership, Placement, default_socket_dir, job_dir, join_job
@@ -48,7 +48,7 @@ from smddp.transport.conn import Connection, ConnectionClosed
 from smddp.transport.shm import Arena, Segment, Slot
 
 NO_SEGMENT = 2**32 - 1
-# Results up to this many bytes in all may wait for the next frame to be RELEASEd (Client._release).
+# Results up to this many bytes in all may wait for the next descriptor to be RELEASEd (Client._release).
 RELEASE_BATCH_BYTES = 256 << 10
 # How long a wait on the engine's rings spins before it sleeps on the ring's futex: long enough to
 # catch a reply that is already on its way, short enough not to take the core its daemon needs.
@@ -73,7 +73,6 @@ class ClientConfig:
     log_level: str = default("log_level")
     job_id_hex: str = default("job_id")
     device_runtime: str = default("device_runtime")
-    data_plane: str = default("data_plane")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> ClientConfig:
@@ -89,7 +88,6 @@ class ClientConfig:
             log_level=v["log_level"],
             job_id_hex=v["job_id"],
             device_runtime=check_runtime_name(v["device_runtime"]),
-            data_plane=v["data_plane"],
         )
 
 
@@ -130,7 +128,7 @@ class Handle:
         self._result: Any = None
         self._error: SmddpError | None = None
         self.times: list[float] = []  # submit started, SUBMIT sent (wall clock), for the timeline
-        # The engine data plane: wait() takes DONEs off the ring itself (Client._drive).
+        # wait() takes DONEs off the done ring itself (Client._drive).
         self._drive: Callable[[Handle, float], None] | None = None
 
     def done(self) -> bool:
@@ -145,9 +143,9 @@ class Handle:
     def add_done_callback(self, fn: Callable[[Handle], None]) -> None:
         """Call `fn(handle)` once the collective has finished (or failed), when `wait()` would no longer block.
 
-        It runs in the thread that finishes the collective (the client's reader), or at once in
-        this thread if that has happened: keep it short, and never wait on another collective in
-        it. An exception it raises is logged and goes no further.
+        It runs in the thread that finishes the collective (one that waits, or the client's DONE
+        thread), or at once in this thread if that has happened: keep it short, and never wait on
+        another collective in it. An exception it raises is logged and goes no further.
         """
         with self._lock:
             if not self._event.is_set():
@@ -223,7 +221,7 @@ def when_all(handles: Sequence[Handle], fn: Callable[[], None]) -> None:
 def _call_back(fn: Callable[[Handle], None], handle: Handle) -> None:
     try:
         fn(handle)
-    except Exception:  # a caller's callback must not stop the reader that finished the handle
+    except Exception:  # a caller's callback must not stop the thread that finished the handle
         log.exception("smddp: a done-callback of collective #%d raised", handle.seq)
 
 
@@ -311,19 +309,14 @@ class Client:
         self._deferred_cv = threading.Condition(self._lock)
         self._submitter: threading.Thread | None = None
         self._results_cv = threading.Condition(self._lock)  # a result segment arrived
-        # The engine data plane (--data-plane engine): SUBMIT, RELEASE and BYE go on this channel's
-        # submit ring and DONE comes on its done ring (docs/protocol.md, CHANNEL).
-        self._channel: _engine.WorkerChannel | None = None
-        self._done_thread: threading.Thread | None = None
-        if uses_engine(config.data_plane):
-            self._channel = _engine.WorkerChannel(f"smddp-channel-rank{self.rank}")
-            seg = self._channel.segment
-            conn.send_frame(Channel(self.rank, 0, seg.size).header(), fds=[seg.fd], timeout=config.timeout_s)
-            seg.close_fd()  # the daemon has its own; the mapping stays
-            self._done_thread = threading.Thread(
-                target=self._done_loop, name="smddp-client-done", daemon=True
-            )
-            self._done_thread.start()
+        # SUBMIT, RELEASE and BYE go on this channel's submit ring and DONE comes on its done ring
+        # (docs/protocol.md, CHANNEL); the socket carries the rest.
+        self._channel = _engine.WorkerChannel(f"smddp-channel-rank{self.rank}")
+        seg = self._channel.segment
+        conn.send_frame(Channel(self.rank, 0, seg.size).header(), fds=[seg.fd], timeout=config.timeout_s)
+        seg.close_fd()  # the daemon has its own; the mapping stays
+        self._done_thread = threading.Thread(target=self._done_loop, name="smddp-client-done", daemon=True)
+        self._done_thread.start()
         self._reader = threading.Thread(target=self._read_loop, name="smddp-client-reader", daemon=True)
         self._reader.start()
 
@@ -425,12 +418,10 @@ class Client:
                 self._send_frames(parts, timeout=5.0)
             except SmddpError:
                 pass
-        if self._channel is not None:
-            self._channel.abort()
+        self._channel.abort()
         self._conn.close()
         self._reader.join(timeout=5.0)
-        if self._done_thread is not None:
-            self._done_thread.join(timeout=5.0)
+        self._done_thread.join(timeout=5.0)
         self._write_timeline()
         if device is not None:
             # Unpin before anything unmaps the segments; the runtime goes last.
@@ -503,8 +494,7 @@ class Client:
                 seq, kind, dtype, count, deliver, slot, keep, self.config.timeout_s, device, self._device
             )
             handle.times = [t_start, time.time()]
-            if self._channel is not None:
-                handle._drive = self._drive
+            handle._drive = self._drive
             self._handles[seq] = handle
             h = Submit(
                 self.rank,
@@ -665,9 +655,7 @@ class Client:
                     for fd in fds:
                         os.close(fd)
                     raise ProtocolError(f"the daemon passed file descriptors with {h.type.name}")
-                if h.type is MsgType.DONE and self._channel is None:
-                    self._on_done(h)
-                elif h.type is MsgType.HEARTBEAT:
+                if h.type is MsgType.HEARTBEAT:
                     continue
                 elif h.type is MsgType.SEGMENT:
                     given = SegmentMsg.of(h)
@@ -701,9 +689,8 @@ class Client:
             self._fail(CollectiveError(f"rank {self.rank}: internal error in the client: {e!r}"))
 
     def _done_loop(self) -> None:
-        """The engine data plane's DONEs, from the done ring (the socket's reader handles the rest)."""
+        """DONEs nobody waits for, from the done ring (the socket's reader handles the rest)."""
         channel = self._channel
-        assert channel is not None
         try:
             while not self._closed:
                 raw = channel.pop(0.5, 0.0, False)  # a waiter (_drive) takes the ring from us
@@ -721,7 +708,6 @@ class Client:
         the waiting thread is woken by the ring itself, not by the DONE thread after it. DONEs of other
         collectives it meets are completed here too. Returns at completion, failure or `timeout`."""
         channel = self._channel
-        assert channel is not None
         deadline = time.monotonic() + timeout
         try:
             while not handle._event.is_set() and self._failure is None and not self._closed:
@@ -746,7 +732,7 @@ class Client:
         if handle is None or (h.kind, h.dtype, h.count) != (handle.kind, handle.dtype, handle.count):
             raise ProtocolError(f"DONE for collective #{h.seq} does not match anything this rank submitted")
         seg = self._results.get(h.segment)
-        if seg is None and self._channel is not None:
+        if seg is None:
             # The ring can outrun the socket: the daemon sent the SEGMENT before this DONE.
             with self._results_cv:
                 self._results_cv.wait_for(
@@ -771,12 +757,12 @@ class Client:
         handle._finish(result)
 
     def _release(self, seq: int, nbytes: int | None = None) -> None:
-        """Tell the daemon a result slot is free; a small one's RELEASE waits for the next frame.
+        """Tell the daemon a result slot is free; a small one's RELEASE waits for the next descriptor.
 
-        Sent on its own, a RELEASE wakes the daemon's reader once more per collective, which is a
-        good part of a small collective's cost. Held back, it leaves with the next SUBMIT (or BYE)
-        in the same send. At most RELEASE_BATCH_BYTES of results wait that way; a RELEASE that
-        would pass the bound, or one of a large result, goes at once with any held before it.
+        Pushed on its own, a RELEASE wakes the daemon's engine thread once more per collective, a
+        good part of a small collective's cost. Held back, it goes just ahead of the next SUBMIT (or
+        BYE). At most RELEASE_BATCH_BYTES of results wait that way; a RELEASE that would pass the
+        bound, or one of a large result, goes at once with any held before it.
         """
         hdr = Release(self.rank, seq).header().encode()
         with self._lock:
@@ -789,10 +775,7 @@ class Client:
         self._send_frames(parts, timeout=self.config.timeout_s)
 
     def _send_frames(self, parts: list[bytes], timeout: float) -> None:
-        """SUBMIT, RELEASE and BYE headers to the daemon: on the socket in one send, or onto the ring."""
-        if self._channel is None:
-            self._conn.send(parts, timeout=timeout)
-            return
+        """SUBMIT, RELEASE and BYE headers onto the submit ring, in order."""
         for part in parts:
             try:
                 self._channel.push(part, timeout, RING_SPIN_US)
@@ -845,8 +828,7 @@ class Client:
             handles = list(self._handles.values())
             self._handles.clear()
             self._deferred_cv.notify_all()
-        if self._channel is not None:
-            self._channel.abort()
+        self._channel.abort()
         for h in handles:
             h._finish(error=self._failure)
         status = getattr(err, "exit_status", None)

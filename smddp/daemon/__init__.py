@@ -11,7 +11,7 @@ import socket
 import stat
 
 from smddp.daemon.config import DaemonConfig
-from smddp.daemon.kernels import Reducer
+from smddp.daemon.kernels import engine_kernels
 from smddp.daemon.node import NodeDaemon
 from smddp.errors import BootstrapError, ConfigError
 from smddp.lifetime import signal_on_parent_death
@@ -51,12 +51,7 @@ def run(cfg: DaemonConfig) -> int:
         format=f"[smddp-daemon %(levelname)s {socket.gethostname()} pid {os.getpid()}] %(message)s",
     )
     logging.getLogger("smddp").setLevel(cfg.log_level.upper())
-    try:  # before the bootstrap: a daemon that cannot reduce must not join the job
-        kernel = Reducer(cfg.reduce_kernel).kernel
-    except RuntimeError as e:
-        logging.getLogger("smddp.daemon").error("%s", e)
-        return 2
-    logging.getLogger("smddp.daemon").info("reduction kernels: %s", kernel)
+    logging.getLogger("smddp.daemon").info("reduction kernels: %s", engine_kernels())
     held: dict[str, object] = {}
 
     def open_endpoint(node: int, job_hex: str, single_host: bool) -> tuple[str, int, str]:

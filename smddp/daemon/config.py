@@ -25,8 +25,6 @@ class DaemonConfig:
     metrics_port: int = default("metrics_port")
     log_level: str = default("log_level")
     replicate_bytes: int = default("replicate_kb") * KiB
-    reduce_kernel: str = default("reduce_kernel")
-    data_plane: str = default("data_plane")
     restart_count: int = default("restart_count")
     ledger: str = default(
         "ledger"
@@ -38,10 +36,6 @@ class DaemonConfig:
     failure_linger_s: float = 30.0  # after a failure, how long local workers get to leave
 
     def __post_init__(self) -> None:
-        if self.data_plane not in ("engine", "python"):
-            raise ConfigError("data plane must be python or engine")
-        if self.reduce_kernel not in ("auto", "compiled", "numpy"):
-            raise ConfigError("reduce kernel must be auto, compiled or numpy")
         if not 4096 <= self.chunk_bytes <= 64 << 20:
             raise ConfigError("chunk_bytes must be between 4 KiB and 64 MiB")
         if not 0 <= self.replicate_bytes <= 1 << 30:

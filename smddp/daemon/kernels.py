@@ -12,6 +12,12 @@ from smddp.proto.dtypes import DType, ReduceOp
 KERNELS = ("auto", "compiled", "numpy")
 
 
+def engine_kernels() -> str:
+    """What reduces what in the daemon (the engine's kernels), as `smddp status` shows it."""
+    f16 = "compiled (F16C)" if _engine.has_f16c() else "compiled (no F16C: one element at a time)"
+    return f"float16: {f16}, bfloat16: compiled, other types: compiled"
+
+
 def bf16_to_f32(bits: np.ndarray, out: np.ndarray) -> np.ndarray:
     """Widen bfloat16 bits (uint16) to float32 exactly."""
     u = out.view(np.uint32)

@@ -35,6 +35,7 @@ struct ModuleState {
   PyObject* arena_type;       // the Arena class
   PyObject* plane_type;       // the LocalPlane class
   PyObject* channel_type;     // the WorkerChannel class
+  PyObject* daemon_channel_type;  // the DaemonChannel class
 };
 
 ModuleState* state(PyObject* module) { return static_cast<ModuleState*>(PyModule_GetState(module)); }
@@ -1775,6 +1776,125 @@ PyType_Spec kChannelSpec = {
     kChannelSlots,
 };
 
+// ---------------------------------------------------------------------------------- DaemonChannel
+
+// The daemon's end of a worker's channel (the plane holds the same two views for each worker):
+// what a stand-in daemon uses to read a real client's descriptors and answer them.
+struct DaemonEnd {
+  DaemonEnd(std::shared_ptr<smddp::Segment> s)
+      : seg(std::move(s)),
+        submit(seg->base(), smddp::kChannelSlots, false),
+        done(seg->base() + smddp::done_ring_offset(), smddp::kChannelSlots, false) {}
+  std::shared_ptr<smddp::Segment> seg;  // keeps the mapping while the views use it
+  smddp::RingView submit;               // consumer
+  smddp::RingView done;                 // producer
+  std::mutex pop_mu, push_mu;           // one thread at a time on each side
+};
+
+struct DaemonChannelObject {
+  PyObject_HEAD
+  DaemonEnd* end;
+};
+
+DaemonEnd& end_of(PyObject* self) { return *reinterpret_cast<DaemonChannelObject*>(self)->end; }
+
+// DaemonChannel(segment): the segment a worker passed with CHANNEL, attached read-write
+PyObject* daemon_channel_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
+  PyObject* seg_obj = nullptr;
+  static const char* kw[] = {"segment", nullptr};
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O", const_cast<char**>(kw), &seg_obj)) return nullptr;
+  PyObject* module = PyType_GetModule(type);
+  if (module == nullptr) return nullptr;
+  std::shared_ptr<smddp::Segment> seg = segment_arg(module, seg_obj);
+  if (!seg) return nullptr;
+  if (!seg->writable() || seg->size() < smddp::channel_bytes()) {
+    PyErr_Format(PyExc_ValueError, "a channel is a writable segment of at least %zu bytes", smddp::channel_bytes());
+    return nullptr;
+  }
+  PyObject* self = type->tp_alloc(type, 0);
+  if (self == nullptr) return nullptr;
+  reinterpret_cast<DaemonChannelObject*>(self)->end = new DaemonEnd(std::move(seg));
+  return self;
+}
+
+void daemon_channel_dealloc(PyObject* self) {
+  PyTypeObject* type = Py_TYPE(self);
+  delete reinterpret_cast<DaemonChannelObject*>(self)->end;
+  type->tp_free(self);
+  Py_DECREF(type);
+}
+
+// pop(timeout_s) -> the next 56-byte header of the submit ring, or None
+PyObject* daemon_channel_pop(PyObject* self, PyObject* arg) {
+  const double timeout = PyFloat_AsDouble(arg);
+  if (timeout == -1.0 && PyErr_Occurred()) return nullptr;
+  std::uint8_t slot[smddp::kSlotBytes];
+  smddp::RingWait r;
+  std::string why;
+  Py_BEGIN_ALLOW_THREADS
+  {
+    std::lock_guard<std::mutex> g(end_of(self).pop_mu);
+    r = end_of(self).submit.pop(slot, static_cast<std::int64_t>(timeout * 1e9), 0);
+    if (r == smddp::RingWait::kCorrupt) why = end_of(self).submit.why();
+  }
+  Py_END_ALLOW_THREADS
+  if (r == smddp::RingWait::kTimeout) Py_RETURN_NONE;
+  if (r == smddp::RingWait::kCorrupt) return raise_from(self, "the worker broke its submit ring: " + why);
+  return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(slot), static_cast<Py_ssize_t>(smddp::kHeaderSize));
+}
+
+// push(header, timeout_s): onto the done ring; TimeoutError when it stayed full
+PyObject* daemon_channel_push(PyObject* self, PyObject* args) {
+  Py_buffer view;
+  double timeout = 0;
+  if (!PyArg_ParseTuple(args, "y*d", &view, &timeout)) return nullptr;
+  if (view.len != static_cast<Py_ssize_t>(smddp::kHeaderSize)) {
+    PyBuffer_Release(&view);
+    PyErr_SetString(PyExc_ValueError, "a descriptor is one 56-byte header");
+    return nullptr;
+  }
+  std::uint8_t frame[smddp::kHeaderSize];
+  std::memcpy(frame, view.buf, smddp::kHeaderSize);
+  PyBuffer_Release(&view);
+  smddp::RingWait r;
+  std::string why;
+  Py_BEGIN_ALLOW_THREADS
+  {
+    std::lock_guard<std::mutex> g(end_of(self).push_mu);
+    r = end_of(self).done.push(frame, smddp::kHeaderSize, static_cast<std::int64_t>(timeout * 1e9), 0);
+    if (r == smddp::RingWait::kCorrupt) why = end_of(self).done.why();
+  }
+  Py_END_ALLOW_THREADS
+  if (r == smddp::RingWait::kTimeout) {
+    PyErr_SetString(PyExc_TimeoutError, "the worker left its done ring full");
+    return nullptr;
+  }
+  if (r == smddp::RingWait::kCorrupt) return raise_from(self, "the worker broke its done ring: " + why);
+  Py_RETURN_NONE;
+}
+
+PyMethodDef kDaemonChannelMethods[] = {
+    {"pop", daemon_channel_pop, METH_O, "pop(timeout_s) -> the next header of the submit ring, or None"},
+    {"push", daemon_channel_push, METH_VARARGS, "push(header, timeout_s): onto the done ring"},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyType_Slot kDaemonChannelSlots[] = {
+    {Py_tp_new, reinterpret_cast<void*>(daemon_channel_new)},
+    {Py_tp_dealloc, reinterpret_cast<void*>(daemon_channel_dealloc)},
+    {Py_tp_methods, kDaemonChannelMethods},
+    {Py_tp_doc, const_cast<char*>("The daemon's end of a worker's rings, for a stand-in daemon (smddp/engine/ring.h).")},
+    {0, nullptr},
+};
+
+PyType_Spec kDaemonChannelSpec = {
+    "smddp._engine.DaemonChannel",
+    sizeof(DaemonChannelObject),
+    0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
+    kDaemonChannelSlots,
+};
+
 PyMethodDef kMethods[] = {
     {"decode_header", py_decode_header, METH_O,
      "decode_header(data) -> (type, flags, dtype, op, kind, sender, seq, shard, aux, offset, length, count)"},
@@ -1824,6 +1944,9 @@ int exec_module(PyObject* module) {
   state(module)->channel_type = PyType_FromModuleAndSpec(module, &kChannelSpec, nullptr);
   if (state(module)->channel_type == nullptr) return -1;
   if (PyModule_AddObjectRef(module, "WorkerChannel", state(module)->channel_type) != 0) return -1;
+  state(module)->daemon_channel_type = PyType_FromModuleAndSpec(module, &kDaemonChannelSpec, nullptr);
+  if (state(module)->daemon_channel_type == nullptr) return -1;
+  if (PyModule_AddObjectRef(module, "DaemonChannel", state(module)->daemon_channel_type) != 0) return -1;
   if (PyModule_AddIntConstant(module, "CHANNEL_BYTES", static_cast<long>(smddp::channel_bytes())) != 0) return -1;
   if (PyModule_AddIntConstant(module, "HEADER_SIZE", static_cast<long>(smddp::kHeaderSize)) != 0) return -1;
   if (PyModule_AddIntConstant(module, "BLOCK", static_cast<long>(smddp::kReduceBlock)) != 0) return -1;
@@ -1841,6 +1964,7 @@ int traverse(PyObject* module, visitproc visit, void* arg) {
   Py_VISIT(state(module)->arena_type);
   Py_VISIT(state(module)->plane_type);
   Py_VISIT(state(module)->channel_type);
+  Py_VISIT(state(module)->daemon_channel_type);
   return 0;
 }
 
@@ -1854,6 +1978,7 @@ int clear(PyObject* module) {
   Py_CLEAR(state(module)->arena_type);
   Py_CLEAR(state(module)->plane_type);
   Py_CLEAR(state(module)->channel_type);
+  Py_CLEAR(state(module)->daemon_channel_type);
   return 0;
 }
 

@@ -53,7 +53,6 @@ def launch_main(argv: list[str] | None = None) -> int:
             pipeline_kb=args.pipeline_kb,
             timeout_s=args.timeout_s,
             heartbeat_timeout_s=args.heartbeat_timeout_s,
-            data_plane=args.data_plane,
             stall_warning_s=args.stall_warning_s,
             metrics_port=args.metrics_port,
             timeline=args.timeline,
@@ -115,12 +114,10 @@ def daemon_main(argv: list[str] | None = None) -> int:
             ledger=settings.from_env(settings.DAEMON)["ledger"],
             connect_timeout_s=args.connect_timeout_s,
             heartbeat_timeout_s=args.heartbeat_timeout_s,
-            data_plane=args.data_plane,
             stall_warning_s=args.stall_warning_s,
             metrics_port=args.metrics_port,
             timeline_dir=args.timeline_dir,
             log_level=args.log_level,
-            reduce_kernel=args.reduce_kernel,
         )
     except ConfigError as e:
         print(f"smddp-daemon: {e}", file=sys.stderr)

@@ -44,7 +44,6 @@ class LaunchConfig:
     pipeline_kb: int = default("pipeline_kb")
     timeout_s: float = default("timeout_s")
     heartbeat_timeout_s: float = default("heartbeat_timeout_s")
-    data_plane: str = default("data_plane")
     stall_warning_s: float = default("stall_warning_s")
     metrics_port: int = default("metrics_port")  # daemon of node n serves /metrics on port + n
     timeline: str = default("timeline")
@@ -196,7 +195,6 @@ def build_commands(cfg: LaunchConfig) -> Commands:
                 "threads": cfg.threads,
                 "replicate_kb": cfg.replicate_kb,
                 "heartbeat_timeout_s": cfg.heartbeat_timeout_s,
-                "data_plane": cfg.data_plane,
                 "stall_warning_s": cfg.stall_warning_s,
                 "metrics_port": cfg.metrics_port,
                 "timeline_dir": timeline_parts(cfg.timeline) if cfg.timeline else "",
@@ -236,7 +234,6 @@ def _common_options(cfg: LaunchConfig) -> list[str]:
             "pipeline_kb": cfg.pipeline_kb,
             "timeout_s": cfg.timeout_s,
             "heartbeat_timeout_s": cfg.heartbeat_timeout_s,
-            "data_plane": cfg.data_plane,
             **({"timeline_dir": timeline_parts(cfg.timeline)} if cfg.timeline else {}),
             "log_level": cfg.log_level,
         }

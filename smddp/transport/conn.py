@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import array
-import fcntl
 import os
 import socket
 import struct
-import termios
 import threading
 import time
 from collections.abc import Sequence
@@ -81,28 +79,6 @@ class Connection:
         if not self._send_lock.acquire(timeout=-1 if wait >= 1e9 else wait):
             raise ConnectionClosed(f"connection to {self.peer} stayed busy for {wait:g}s")
         self._send_held(parts, fds, _Clock(timeout, idle))
-
-    def try_acquire(self, nbytes: int) -> bool:
-        """Take the send lock if no other thread holds it and the kernel can take `nbytes` at once.
-
-        Then `send_held` sends without blocking on a slow reader (a thread that must keep reading
-        elsewhere may send that way); otherwise nothing is held and the frame should be queued.
-        """
-        if not self._send_lock.acquire(blocking=False):
-            return False
-        try:
-            queued = struct.unpack("i", fcntl.ioctl(self.sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
-            room = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) // 4 - queued
-        except OSError:
-            room = -1
-        if room < nbytes:
-            self._send_lock.release()
-            return False
-        return True
-
-    def send_held(self, parts: Sequence[Buffer], idle: float | None = None) -> None:
-        """Send one frame with the send lock taken by `try_acquire`; releases it."""
-        self._send_held(parts, (), _Clock(None, idle))
 
     def _send_held(self, parts: Sequence[Buffer], fds: Sequence[int], clock: _Clock) -> None:
         """The sending itself, with the send lock held; releases it."""

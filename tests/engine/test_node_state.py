@@ -8,9 +8,19 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from smddp import _engine
-from smddp.daemon.node import describe
 from smddp.errors import CollectiveMismatchError, PeerLostError, ProtocolError
 from smddp.proto.dtypes import DType, Kind, ReduceOp
+
+
+def describe(kind: Kind, dtype: DType, count: int, op: ReduceOp | None, root: int) -> str:
+    """How a collective's fingerprint reads in an error message, as the Python daemon wrote it."""
+    extra = f", op={op.name.lower()}" if op is not None else ""
+    if kind == Kind.BROADCAST:
+        extra = f", root={root}"
+    elif kind == Kind.ALLREDUCE and root:
+        extra += f", one of {root} pieces"  # a large buffer pipelined as `root` all-reduces
+    return f"{kind.label}({dtype.label}, count={count}{extra})"
+
 
 F32, I32 = DType.FLOAT32, DType.INT32
 

@@ -11,8 +11,8 @@ from smddp.transport.conn import Connection
 
 
 def lonely_client() -> tuple[Client, socket.socket]:
-    """Rank 0 of a one-rank job, and the daemon's end of its connection. Everything goes on that
-    connection (the Python data plane): these tests script the daemon's side of the socket protocol."""
+    """Rank 0 of a one-rank job, and the daemon's end of its connection, on which the client has
+    already sent its CHANNEL (the rings: _engine.DaemonChannel reads and answers them)."""
     job = Job(
         job_id=b"j" * 16,
         secret=b"s" * 32,
@@ -22,5 +22,5 @@ def lonely_client() -> tuple[Client, socket.socket]:
         workers=(WorkerInfo(0, 0, 0, "host"),),
     )
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    cfg = ClientConfig(timeout_s=5.0, arena_bytes=1 << 20, heartbeat_timeout_s=60.0, data_plane="python")
+    cfg = ClientConfig(timeout_s=5.0, arena_bytes=1 << 20, heartbeat_timeout_s=60.0)
     return Client(cfg, Membership(job, Role.WORKER, 0, 0), Connection(ours, "the daemon")), theirs

@@ -1,4 +1,5 @@
-"""When the client RELEASEs result slots: small ones ride with the next frame, large ones go at once (a socketpair)."""
+"""When the client RELEASEs result slots: small ones ride with the next descriptor, large ones go at once
+(a socketpair and the client's real rings, read by the test)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import socket
 import numpy as np
 import pytest
 
+from smddp import _engine
 from smddp.client.collectives import allreduce_async
 from smddp.client.session import RELEASE_BATCH_BYTES, Client
-from smddp.proto.frames import Header, MsgType
+from smddp.proto.frames import Header, MsgType, decode_header
 from smddp.transport.conn import Connection
 from smddp.transport.shm import Segment
 from tests.unit.lonely import lonely_client
@@ -18,50 +20,55 @@ RESULTS = 8 << 20  # the scripted daemon's result segment
 
 
 class ScriptedDaemon:
-    """The daemon's end of a worker connection, driven step by step by the test."""
+    """The daemon's end of a worker's socket and rings, driven step by step by the test."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.conn = Connection(sock, "the worker")
+        h, fds = self.conn.recv_header(timeout=5.0)
+        assert h.type is MsgType.CHANNEL and len(fds) == 1, h
+        self.rings = _engine.DaemonChannel(_engine.segment_attach(0, fds[0], h.offset, True))
+        self.back: list[Header] = []  # popped by pending(), not yet taken by frames()
         self.results = Segment.create(0, RESULTS, "smddp-test-results")
         self.conn.send_frame(Header(MsgType.SEGMENT, shard=0, offset=RESULTS), fds=[self.results.fd])
 
+    def _pop(self, timeout: float) -> Header | None:
+        raw = self.rings.pop(timeout)
+        return None if raw is None else decode_header(raw)
+
     def frames(self, n: int) -> list[Header]:
-        """The next `n` frames from the worker (ATTACH fds are closed: only the order matters here)."""
+        """The next `n` descriptors from the worker's submit ring (SUBMIT, RELEASE, BYE, in order;
+        ATTACH goes on the socket and is not read: only the ring's order matters here)."""
         out = []
         for _ in range(n):
-            h, fds = self.conn.recv_header(timeout=5.0)
-            for fd in fds:
-                socket.close(fd)
+            h = self.back.pop(0) if self.back else self._pop(5.0)
+            assert h is not None, f"the worker pushed {len(out)} descriptors, not {n}"
             out.append(h)
         return out
 
     def pending(self) -> bool:
-        """Whether the worker has sent anything not yet read."""
-        self.conn.sock.setblocking(False)
-        try:
-            return bool(self.conn.sock.recv(1, socket.MSG_PEEK))
-        except BlockingIOError:
-            return False
-        finally:
-            self.conn.sock.settimeout(0.5)
+        """Whether the worker has pushed anything not yet taken."""
+        if not self.back:
+            h = self._pop(0.1)
+            if h is not None:
+                self.back.append(h)
+        return bool(self.back)
 
     def done(self, submit: Header, value: float) -> None:
         """Complete `submit` with every element equal to `value`."""
         assert submit.dtype is not None
         nbytes = submit.count * submit.dtype.itemsize
         self.results.view(0, nbytes).view(submit.dtype.storage)[:] = value
-        self.conn.send_frame(
-            Header(
-                MsgType.DONE,
-                seq=submit.seq,
-                shard=0,
-                offset=0,
-                count=submit.count,
-                dtype=submit.dtype,
-                op=submit.op,
-                kind=submit.kind,
-            )
+        done = Header(
+            MsgType.DONE,
+            seq=submit.seq,
+            shard=0,
+            offset=0,
+            count=submit.count,
+            dtype=submit.dtype,
+            op=submit.op,
+            kind=submit.kind,
         )
+        self.rings.push(done.encode(), 5.0)
 
     def close(self) -> None:
         self.conn.close()
@@ -133,8 +140,9 @@ def test_held_results_never_pass_the_bound(pair):
     assert not daemon.pending(), "results within the bound were released on their own"
     daemon.done(submits[fit], 1.0)
     handles[fit].wait(timeout=5)
-    # One more would pass the bound: every held RELEASE goes, with this one, at once.
-    assert sent(daemon.frames(fit + 1)) == [(MsgType.RELEASE, s) for s in range(1, fit + 2)]
+    # One more would pass the bound: every held RELEASE goes, with this one, at once (in the order
+    # the results were delivered, which two threads taking DONEs off the ring may swap).
+    assert sorted(sent(daemon.frames(fit + 1))) == [(MsgType.RELEASE, s) for s in range(1, fit + 2)]
     assert not daemon.pending()
 
 

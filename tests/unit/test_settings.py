@@ -74,8 +74,8 @@ def test_environment_is_the_flags_default_and_a_bad_value_is_named():
         settings.add_flags(argparse.ArgumentParser(), settings.LAUNCH, env={"SMDDP_TIMEOUT_S": "soon"})
     with pytest.raises(ConfigError, match=r"SMDDP_PIPELINE_KB='lots'"):
         ClientConfig.from_env({"SMDDP_PIPELINE_KB": "lots"})
-    with pytest.raises(ConfigError, match=r"SMDDP_REDUCE_KERNEL='fast'.*auto, compiled, numpy"):
-        settings.from_env(settings.DAEMON, {"SMDDP_REDUCE_KERNEL": "fast"})
+    with pytest.raises(ConfigError, match=r"--restart-on='often': expected one of crash, any"):
+        settings.setting("restart_on").parse("often", "--restart-on")
 
 
 def test_what_the_launcher_exports_is_what_workers_read():
@@ -112,8 +112,8 @@ def test_daemon_config_errors_are_config_errors():
         DaemonConfig(chunk_bytes=10)
     with pytest.raises(ConfigError, match="heartbeat"):
         DaemonConfig(heartbeat_timeout_s=0.0)
-    with pytest.raises(ConfigError, match="reduce kernel"):
-        DaemonConfig(reduce_kernel="gpu")
+    with pytest.raises(ConfigError, match="threads"):
+        DaemonConfig(threads=0)
 
 
 def test_multi_host_jobs_forward_the_launching_environment(monkeypatch):
