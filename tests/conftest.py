@@ -53,7 +53,9 @@ def leftovers(jobs: list[str]) -> list[str]:
         found += [os.path.join(base, n) for n in os.listdir(base) if any(j in n for j in jobs)]
     # Live processes only: a zombie (state Z) holds no memory, socket or shared memory, and after an
     # aborted mpirun it waits for PID 1 to reap it.
-    ps = subprocess.run(["ps", "-eo", "pid=,stat=,args="], capture_output=True, text=True)
+    # ps without the sanitizer runtime a sanitized run preloads (make engine-sanitize-jobs): ps hangs under it.
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    ps = subprocess.run(["ps", "-eo", "pid=,stat=,args="], capture_output=True, text=True, env=env, timeout=30)
     for line in ps.stdout.splitlines():
         pid, stat, args = [*line.split(None, 2), "", ""][:3]
         if "smddp-daemon" in args and not stat.startswith("Z"):

