@@ -55,7 +55,9 @@ def leftovers(jobs: list[str]) -> list[str]:
     # aborted mpirun it waits for PID 1 to reap it.
     # ps without the sanitizer runtime a sanitized run preloads (make engine-sanitize-jobs): ps hangs under it.
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
-    ps = subprocess.run(["ps", "-eo", "pid=,stat=,args="], capture_output=True, text=True, env=env, timeout=30)
+    ps = subprocess.run(
+        ["ps", "-eo", "pid=,stat=,args="], capture_output=True, text=True, env=env, timeout=30
+    )
     for line in ps.stdout.splitlines():
         pid, stat, args = [*line.split(None, 2), "", ""][:3]
         if "smddp-daemon" in args and not stat.startswith("Z"):
