@@ -372,12 +372,17 @@ PyObject* collective_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   return self;
 }
 
-void collective_dealloc(PyObject* self) {
+// tp_dealloc of a type whose instances each own one engine object through `Member`, deleted with
+// them. Heap types: every instance holds a reference to its type, given back here.
+template <typename Obj, auto Member>
+void dealloc_owner(PyObject* self) {
   PyTypeObject* type = Py_TYPE(self);
-  delete reinterpret_cast<CollectiveObject*>(self)->c;
+  delete (reinterpret_cast<Obj*>(self)->*Member);
   type->tp_free(self);
-  Py_DECREF(type);  // heap types: every instance holds a reference to its type
+  Py_DECREF(type);
 }
+
+constexpr void (*collective_dealloc)(PyObject*) = &dealloc_owner<CollectiveObject, &CollectiveObject::c>;
 
 // submit(local_rank, who) -> whether every local rank has now submitted
 PyObject* collective_submit(PyObject* self, PyObject* args) {
@@ -702,12 +707,7 @@ PyObject* node_state_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   return self;
 }
 
-void node_state_dealloc(PyObject* self) {
-  PyTypeObject* type = Py_TYPE(self);
-  delete reinterpret_cast<NodeStateObject*>(self)->s;
-  type->tp_free(self);
-  Py_DECREF(type);
-}
+constexpr void (*node_state_dealloc)(PyObject*) = &dealloc_owner<NodeStateObject, &NodeStateObject::s>;
 
 // A local rank or node index from Python, checked against the table's size.
 bool index_arg(PyObject* self, long long v, std::uint32_t limit, const char* what, std::uint32_t* out) {
@@ -934,12 +934,7 @@ PyObject* wrap_segment(PyObject* module, const std::shared_ptr<smddp::Segment>& 
   return self;
 }
 
-void segment_dealloc(PyObject* self) {
-  PyTypeObject* type = Py_TYPE(self);
-  delete reinterpret_cast<SegmentObject*>(self)->seg;
-  type->tp_free(self);
-  Py_DECREF(type);
-}
+constexpr void (*segment_dealloc)(PyObject*) = &dealloc_owner<SegmentObject, &SegmentObject::seg>;
 
 int segment_getbuffer(PyObject* self, Py_buffer* view, int flags) {
   smddp::Segment& seg = segment_of(self);
@@ -1073,12 +1068,7 @@ PyObject* arena_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   return self;
 }
 
-void arena_dealloc(PyObject* self) {
-  PyTypeObject* type = Py_TYPE(self);
-  delete reinterpret_cast<ArenaObject*>(self)->arena;
-  type->tp_free(self);
-  Py_DECREF(type);
-}
+constexpr void (*arena_dealloc)(PyObject*) = &dealloc_owner<ArenaObject, &ArenaObject::arena>;
 
 // alloc(nbytes) -> (segment, offset, new Segment or None)
 PyObject* arena_alloc(PyObject* self, PyObject* arg) {
@@ -1677,12 +1667,7 @@ PyObject* channel_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   return self;
 }
 
-void channel_dealloc(PyObject* self) {
-  PyTypeObject* type = Py_TYPE(self);
-  delete reinterpret_cast<ChannelObject*>(self)->ch;
-  type->tp_free(self);
-  Py_DECREF(type);
-}
+constexpr void (*channel_dealloc)(PyObject*) = &dealloc_owner<ChannelObject, &ChannelObject::ch>;
 
 PyObject* channel_ring_error(PyObject* self, smddp::RingWait r, const char* what) {
   if (r == smddp::RingWait::kTimeout) {
@@ -1817,12 +1802,7 @@ PyObject* daemon_channel_new(PyTypeObject* type, PyObject* args, PyObject* kwarg
   return self;
 }
 
-void daemon_channel_dealloc(PyObject* self) {
-  PyTypeObject* type = Py_TYPE(self);
-  delete reinterpret_cast<DaemonChannelObject*>(self)->end;
-  type->tp_free(self);
-  Py_DECREF(type);
-}
+constexpr void (*daemon_channel_dealloc)(PyObject*) = &dealloc_owner<DaemonChannelObject, &DaemonChannelObject::end>;
 
 // pop(timeout_s) -> the next 56-byte header of the submit ring, or None
 PyObject* daemon_channel_pop(PyObject* self, PyObject* arg) {
