@@ -98,7 +98,8 @@ def main() -> None:
     # The Trainer (its DDP wrapper, and any work the backend still holds for it) sits in reference
     # cycles that only the collector frees: free it now, while the interpreter is whole, then end
     # the group's threads. Left to the interpreter's exit, gloo's work objects can abort the
-    # process there ("terminate called without an active exception", seen twice in CI).
+    # process there ("terminate called without an active exception", seen once in CI and once in
+    # a full local run of the tests).
     del trainer
     gc.collect()
     dist.destroy_process_group()

@@ -97,8 +97,6 @@ class NodeDaemon:
         self.local_size = job.local_size
         self.world = job.size
         self.me = job.describe_node(node)
-        # Every frame names its sender in case of error: format those names once, not per frame.
-        self._rank_names = [job.describe_rank(r) for r in range(job.size)]
         self._node_names = [job.describe_node(j) for j in range(job.nnodes)]
         self.tcp_sock = tcp_sock
         self.unix_sock = unix_sock
@@ -139,7 +137,7 @@ class NodeDaemon:
             heartbeat_s=cfg.heartbeat_timeout_s,
             trace=bool(cfg.timeline_dir),
         )
-        self._plane_counted = (0, 0, 0.0)  # the plane's counters already in self.stats
+        self._plane_reduced = (0, 0.0)  # the plane's reduced bytes and seconds already in self.stats
         self._plane_peer_counted: dict[int, tuple[int, int]] = {}  # node -> bytes in, out in self.stats
         self._plane_queued: dict[int, int] = {}  # node -> frames queued to it, as last counted
         self._plane_count_lock = threading.Lock()
@@ -225,10 +223,7 @@ class NodeDaemon:
         for w in self.workers:
             if w is not None:
                 w.conn.close()
-        for p in self.peers.values():
-            if p.conn is not None:
-                p.conn.close()  # (its socket went to the plane: this closes the Python object only)
-        self.plane.close()  # its threads end before the memory they use goes
+        self.plane.close()  # with the peers' links, whose sockets it owns  # its threads end before the memory they use goes
         for t in self._threads:
             t.join(timeout=2.0)
         shutil.rmtree(self.socket_dir, ignore_errors=True)
@@ -268,7 +263,7 @@ class NodeDaemon:
             self._failure_frame = frame
             self.plane.abort()
             # Every local rank and peer hears it once: those connected now here, later ones when
-            # they connect (_serve_worker, _peer_loop, _adopt_peer).
+            # they connect (_serve_worker, _adopt_peer).
             told = list(self.workers)
             told_peers = [p for p in self.peers.values() if p.conn is not None]
         self.stats.error("failed", reason)
@@ -362,7 +357,6 @@ class NodeDaemon:
             if self.plane.left_early(local):
                 raise AuthenticationError(f"rank {hello.rank} connected after its process was reported gone")
             self.workers[local] = link
-            self._rank_names[hello.rank] = conn.peer
             self.plane.name_rank(local, conn.peer)
             failed = self._failure_frame
             # Everything already in the result arena, so DONE can point anywhere in it.
@@ -553,16 +547,17 @@ class NodeDaemon:
     def count_plane(self) -> None:
         """Bring what the plane did since the last call into the daemon's statistics."""
         with self._plane_count_lock:  # the main loop's tick and a status request may come together
-            self._count_plane_locked(self.plane)
+            self._count_plane_locked()
 
-    def _count_plane_locked(self, plane: _engine.LocalPlane) -> None:
+    def _count_plane_locked(self) -> None:
+        plane = self.plane
         for kind, dtype, nbytes, seconds in plane.take_completions():
             self.stats.done(Kind(kind).label, DType(dtype).label, nbytes, seconds)
-        n, reduced, secs = plane.counters()
-        _, reduced0, secs0 = self._plane_counted
+        _, reduced, secs = plane.counters()
+        reduced0, secs0 = self._plane_reduced
         if reduced > reduced0:
             self.stats.add_reduce(reduced - reduced0, secs - secs0)
-        self._plane_counted = (n, reduced, secs)
+        self._plane_reduced = (reduced, secs)
         for node, _up, bytes_in, bytes_out, queued in plane.peer_counters():
             self._plane_queued[node] = queued
             in0, out0 = self._plane_peer_counted.get(node, (0, 0))
