@@ -126,7 +126,7 @@ def allreduce_async(buf: Any, op: ReduceOp = SUM, *, stream: Any = None) -> Hand
 
 def allreduce(buf: Any, op: ReduceOp = SUM, timeout: float | None = None, *, stream: Any = None) -> Any:
     """All-reduce `buf` in place across every rank and return it."""
-    return allreduce_async(buf, op, stream=stream).wait(timeout)
+    return _c.allreduce(_default.get(), buf, op, timeout, stream)
 
 
 def allreduce_parts_async(parts: Any, op: ReduceOp = SUM) -> Handle:

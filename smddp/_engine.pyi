@@ -1,6 +1,7 @@
 """Types of smddp._engine, the compiled engine (smddp/engine/module.cc); every error is a ProtocolError."""
 
 from collections.abc import Sequence
+from typing import Any
 
 HEADER_SIZE: int
 
@@ -232,7 +233,7 @@ class LocalPlane:
     def close(self) -> None: ...
 
 class WorkerChannel:
-    """A worker's rings to its daemon (smddp/engine/local_plane.h)."""
+    """A worker's rings to its daemon (smddp/engine/channel.h)."""
 
     def __new__(cls, name: str) -> WorkerChannel: ...
     @property
@@ -241,6 +242,44 @@ class WorkerChannel:
     def pop(self, timeout_s: float, spin_us: float, waiter: bool, /) -> bytes | None: ...
     def kick(self) -> None: ...
     def abort(self) -> None: ...
+    def release(
+        self, rank: int, seq: int, nbytes: int, batch_bytes: int, timeout_s: float, spin_us: float, /
+    ) -> None: ...
+    def start(
+        self,
+        arena: Arena,
+        kind: int,
+        segment: int,
+        offset: int,
+        src: Any,
+        rank: int,
+        seq: int,
+        count: int,
+        dtype: int,
+        op: int,
+        timeout_s: float,
+        spin_us: float,
+        /,
+    ) -> None: ...
+    def finish(
+        self,
+        arena: Arena,
+        kind: int,
+        segment: int,
+        offset: int,
+        dst: Any,
+        rank: int,
+        seq: int,
+        count: int,
+        dtype: int,
+        op: int,
+        batch_bytes: int,
+        timeout_s: float,
+        spin_us: float,
+        /,
+    ) -> bool: ...
+    def adopt(self, seq: int, /) -> bytes | None: ...
+    def add_result(self, segment: Segment, /) -> None: ...
 
 class DaemonChannel:
     """The daemon's end of a worker's rings, for a stand-in daemon (smddp/engine/ring.h)."""

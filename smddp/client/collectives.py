@@ -118,6 +118,18 @@ def allreduce_async(c: Client, buf: Any, op: Any = ReduceOp.SUM, stream: Any = N
     return _allreduce_pieces(c, view, rop, view.array, buf)
 
 
+def allreduce(c: Client, buf: Any, op: Any, timeout: float | None, stream: Any = None) -> Any:
+    """The blocking all-reduce: a numpy array in one pass through the engine where it can
+    (Client.allreduce_now), anything else as allreduce_async(...).wait()."""
+    if stream is None and isinstance(buf, np.ndarray):
+        rop = check_op(op)
+        view = as_buffer(buf, writable=True)
+        if c.allreduce_now(view, rop, timeout):
+            return buf
+        return _allreduce_pieces(c, view, rop, view.array, buf).wait(timeout)
+    return allreduce_async(c, buf, op, stream).wait(timeout)
+
+
 def _parts_result(pv: PartsView) -> tuple[np.ndarray, np.ndarray]:
     """Where a fused collective's result goes: one new 1-D array (storage dtype), and the same memory
     as the parts' own dtype (ml_dtypes' bfloat16 stays itself) for wait() to return."""

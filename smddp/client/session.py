@@ -39,7 +39,7 @@ from smddp.errors import (
 from smddp.proto.dtypes import DType, Kind, ReduceOp
 from smddp.proto.failure import exit_status_of, read_failure
 from smddp.proto.frames import Header, MsgType, Role, decode_header
-from smddp.proto.messages import Attach, Bye, Channel, Done, Release, SegmentMsg, Submit
+from smddp.proto.messages import Attach, Bye, Channel, Done, SegmentMsg, Submit
 from smddp.settings import KiB, MiB, default
 from smddp.trace import span
 from smddp.transport.auth import client_handshake
@@ -51,8 +51,9 @@ NO_SEGMENT = 2**32 - 1
 # Results up to this many bytes in all may wait for the next descriptor to be RELEASEd (Client._release).
 RELEASE_BATCH_BYTES = 256 << 10
 # How long a wait on the engine's rings spins before it sleeps on the ring's futex: long enough to
-# catch a reply that is already on its way, short enough not to take the core its daemon needs.
-RING_SPIN_US = 20.0
+# catch a small collective's DONE without a sleep and a wake-up; the spin yields the core between
+# looks, so the daemon's threads and the other workers still run (see PLANE_SPIN_US in the daemon).
+RING_SPIN_US = 200.0
 log = logging.getLogger("smddp.client")
 
 
@@ -292,6 +293,7 @@ class Client:
         self._conn = conn
         self._lock = threading.Lock()  # seq order == wire order; guards the handle table
         self._next_seq = 1
+        self._fast: set[int] = set()  # collectives in allreduce_now (no Handle), for shutdown to wait for
         self._handles: dict[int, Handle] = {}
         self._results: dict[int, Segment] = {}
         self._arena = Arena(config.arena_bytes, f"smddp-rank{self.rank}")
@@ -299,9 +301,6 @@ class Client:
         self._wrapper: WrapperPipe | None = None  # smddp-launch's wrapper listens here (set by connect)
         self._closed = False
         self._timeline: list[dict] = []
-        # RELEASE frames of small host results, held to leave with the next frame (guarded by _lock).
-        self._releases: list[bytes] = []
-        self._released_bytes = 0
         # The device path, built when the first device buffer arrives (a CPU-only job never builds it).
         self._device_lock = threading.Lock()
         self._device: DeviceIO | None = None
@@ -399,7 +398,9 @@ class Client:
             pending = list(self._handles.values())
         for h in pending:
             h._event.wait(max(0.0, deadline - time.monotonic()))
-        unfinished = [h.seq for h in pending if not h._event.is_set()]
+        while self._fast and time.monotonic() < deadline:  # another thread's blocking all-reduce
+            time.sleep(0.001)
+        unfinished = [h.seq for h in pending if not h._event.is_set()] + sorted(self._fast)
         device = self._device
         if device is not None:
             # RELEASE goes once a result's copy to the device is done: let those leave before BYE.
@@ -412,10 +413,7 @@ class Client:
         self._write_routed()  # the final counts, before BYE lets the daemon finish
         if self._failure is None and not unfinished:
             try:
-                with self._lock:
-                    parts = self._take_releases()
-                parts.append(Bye(self.rank).header().encode())
-                self._send_frames(parts, timeout=5.0)
+                self._send_frames([Bye(self.rank).header().encode()], timeout=5.0)
             except SmddpError:
                 pass
         self._channel.abort()
@@ -514,7 +512,7 @@ class Client:
                 self._deferred_cv.notify_all()
             elif lost is None:
                 try:
-                    self._send_frames([*self._take_releases(), h.encode()], timeout=self.config.timeout_s)
+                    self._send_frames([h.encode()], timeout=self.config.timeout_s)
                 except ConnectionClosed as e:
                     lost = e
             if lost is not None:
@@ -527,6 +525,111 @@ class Client:
             assert self._failure is not None  # set by _fail, now or by the reader before it
             raise fresh(self._failure) from None
         return handle
+
+    def allreduce_now(self, view: BufferView, op: ReduceOp, timeout: float | None) -> bool:
+        """A blocking all-reduce of host memory in place, run by the engine from the copy into shared
+        memory to the copy of the result back and its RELEASE (WorkerChannel start/finish, without
+        the GIL): no Handle, no Python per DONE. False, with nothing done, where it must go the
+        general way: pieces (a large buffer in a job of several nodes), a timeline to record, an
+        empty buffer, or device copies still queued ahead of it.
+
+        A collective that does not complete within `timeout` becomes a Handle like any other (its
+        result lands in `view` when it comes) and CollectiveTimeoutError is raised, as wait() does.
+        """
+        nbytes = view.nbytes
+        piece_bytes = self.config.pipeline_bytes if self.job.nnodes > 1 else 0
+        if nbytes == 0 or (0 < piece_bytes < nbytes) or self.config.timeline_dir:
+            return False
+        t = self.config.timeout_s if timeout is None else timeout
+        kind, dtype, arena = Kind.ALLREDUCE, view.dtype, self._arena
+        lost: ConnectionClosed | None = None
+        broken: ProtocolError | None = None
+        with self._lock:
+            self._check_open()
+            if self._deferred:
+                return False
+            slot, seg = arena.alloc(nbytes)
+            if seg is not None:
+                try:
+                    self._conn.send_frame(
+                        Attach(self.rank, seg.id, seg.size).header(),
+                        fds=[seg.fd],
+                        timeout=self.config.timeout_s,
+                    )
+                except ConnectionClosed as e:
+                    lost = e
+            seq = self._next_seq
+            self._next_seq += 1
+            self._fast.add(seq)
+            if lost is None:
+                try:
+                    self._channel.start(
+                        arena.native, kind, slot.segment, slot.offset, view.array, self.rank, seq,
+                        view.count, dtype, op, self.config.timeout_s, RING_SPIN_US,
+                    )  # fmt: skip
+                except TimeoutError:
+                    lost = ConnectionClosed(
+                        f"the daemon did not read this worker's ring for {self.config.timeout_s:g}s (frozen or gone)"
+                    )
+                except ProtocolError as e:  # the daemon broke the ring
+                    broken = e
+            if lost is not None or broken is not None:
+                arena.free(slot)
+                self._fast.discard(seq)
+        if broken is not None:
+            self._distrust(broken)
+            assert self._failure is not None
+            raise fresh(self._failure) from None
+        if lost is not None:
+            self._fail(PeerLostError(f"rank {self.rank}: lost the node daemon: {lost}"))
+            assert self._failure is not None
+            raise fresh(self._failure) from None
+        try:
+            return self._finish_now(view, op, slot, seq, t)
+        finally:
+            self._fast.discard(seq)  # (a set's discard is atomic under the GIL)
+
+    def _finish_now(self, view: BufferView, op: ReduceOp, slot: Slot, seq: int, t: float) -> bool:
+        """allreduce_now's wait, copy-out and RELEASE; a timeout hands the collective to a Handle."""
+        kind, dtype, arena = Kind.ALLREDUCE, view.dtype, self._arena
+        try:
+            done = self._channel.finish(
+                arena.native, kind, slot.segment, slot.offset, view.array, self.rank, seq,
+                view.count, dtype, op, RELEASE_BATCH_BYTES, t, RING_SPIN_US,
+            )  # fmt: skip
+        except TimeoutError:  # its RELEASE found the ring full for the whole timeout
+            self._fail(
+                PeerLostError(f"rank {self.rank}: lost the node daemon: it did not read this worker's ring")
+            )
+            assert self._failure is not None
+            raise fresh(self._failure) from None
+        except ProtocolError as e:
+            if self._failure is None and not self._closed:
+                self._distrust(e)
+            raise fresh(self._failure) if self._failure is not None else e from None
+        if done:
+            return True
+        if self._failure is not None:
+            raise fresh(self._failure)
+        self._check_open()
+        # Not in time: from now on it is collected the general way, into the caller's buffer.
+        out = view.array
+
+        def deliver(r: np.ndarray) -> Any:
+            out[:] = r.view(out.dtype)
+            return out
+
+        handle = Handle(seq, kind, dtype, view.count, deliver, slot, view.keepalive, self.config.timeout_s)
+        handle._drive = self._drive
+        with self._lock:
+            self._handles[seq] = handle
+        raw = self._channel.adopt(seq)
+        if raw is not None:
+            self._on_done(decode_header(raw))
+        raise CollectiveTimeoutError(
+            f"collective #{seq} ({kind.label}, {dtype.label}, count={view.count}) "
+            f"did not complete within {t:g}s; it is still in flight"
+        )
 
     # ------------------------------------------------------------------ the device path
 
@@ -636,8 +739,7 @@ class Client:
                 self._deferred.popleft()
                 if error is None and self._failure is None and not self._closed:
                     try:
-                        parts = [*self._take_releases(), item.header.encode()]
-                        self._send_frames(parts, timeout=self.config.timeout_s)
+                        self._send_frames([item.header.encode()], timeout=self.config.timeout_s)
                     except ConnectionClosed as e:
                         lost = e
             if error is not None:
@@ -664,6 +766,7 @@ class Client:
                             os.close(fd)
                         raise ProtocolError(f"SEGMENT {given.segment} with {len(fds)} fds (or sent twice)")
                     seg = Segment.attach(given.segment, fds[0], given.size, writable=False)
+                    self._channel.add_result(seg.native)
                     with self._results_cv:
                         self._results[given.segment] = seg
                         self._results_cv.notify_all()
@@ -760,22 +863,27 @@ class Client:
         """Tell the daemon a result slot is free; a small one's RELEASE waits for the next descriptor.
 
         Pushed on its own, a RELEASE wakes the daemon's engine thread once more per collective, a
-        good part of a small collective's cost. Held back, it goes just ahead of the next SUBMIT (or
-        BYE). At most RELEASE_BATCH_BYTES of results wait that way; a RELEASE that would pass the
-        bound, or one of a large result, goes at once with any held before it.
+        good part of a small collective's cost. Held back (by the channel), it goes just ahead of the
+        next SUBMIT (or BYE). At most RELEASE_BATCH_BYTES of results wait that way; a RELEASE that
+        would pass the bound, or one without a size (a device result's), goes at once with any held
+        before it.
         """
-        hdr = Release(self.rank, seq).header().encode()
-        with self._lock:
-            if nbytes is not None and self._released_bytes + nbytes <= RELEASE_BATCH_BYTES:
-                self._releases.append(hdr)
-                self._released_bytes += nbytes
-                return
-            parts = self._take_releases()
-        parts.append(hdr)
-        self._send_frames(parts, timeout=self.config.timeout_s)
+        try:
+            self._channel.release(
+                self.rank,
+                seq,
+                -1 if nbytes is None else nbytes,
+                RELEASE_BATCH_BYTES,
+                self.config.timeout_s,
+                RING_SPIN_US,
+            )
+        except TimeoutError:
+            raise ConnectionClosed(
+                f"the daemon did not read this worker's ring for {self.config.timeout_s:g}s (frozen or gone)"
+            ) from None
 
     def _send_frames(self, parts: list[bytes], timeout: float) -> None:
-        """SUBMIT, RELEASE and BYE headers onto the submit ring, in order."""
+        """SUBMIT and BYE headers onto the submit ring, in order (the channel sends held RELEASEs first)."""
         for part in parts:
             try:
                 self._channel.push(part, timeout, RING_SPIN_US)
@@ -783,11 +891,6 @@ class Client:
                 raise ConnectionClosed(
                     f"the daemon did not read this worker's ring for {timeout:g}s (frozen or gone)"
                 ) from None
-
-    def _take_releases(self) -> list[bytes]:
-        """The held RELEASE frames, to go out ahead of the frame being sent (lock held)."""
-        parts, self._releases, self._released_bytes = self._releases, [], 0
-        return parts
 
     def _copy_out(self, plan: DevicePlan, seg: Segment, view: np.ndarray, seq: int, keepalive: Any) -> None:
         """Enqueue the result's copy to the device; RELEASE the result slot only once that copy is done."""

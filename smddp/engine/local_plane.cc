@@ -27,6 +27,8 @@ constexpr std::size_t kMaxCompletions = 1 << 16;
 constexpr int kDrainMs = 2000;
 // The progress thread's longest sleep in the fabric: close() and heartbeats are never later than this.
 constexpr int kProgressSliceMs = 50;
+// After activity the progress thread polls the fabric without waiting for this long, then sleeps in it.
+constexpr std::int64_t kProgressSpinNs = 20'000;
 
 constexpr std::uint8_t kFloat16 = 4;
 constexpr std::uint8_t kBfloat16 = 5;
@@ -74,8 +76,6 @@ const char* phase_name(Phase p) {
                                               "send", "receive", "local copy"};
   return p < kPhases ? kNames[p] : "?";
 }
-
-std::size_t channel_bytes() { return 2 * ring_bytes(kChannelSlots); }
 
 struct LocalPlane::Link {
   Link(std::uint32_t l, std::uint32_t r, std::string n, std::shared_ptr<Segment> ch)
@@ -796,7 +796,7 @@ void LocalPlane::progress_loop() {
   while (!progress_stop_.load(std::memory_order_acquire)) {
     Clock::time_point now = Clock::now();
     int wait_ms = 0;  // spin (poll without waiting) for a while after something happened, then sleep
-    if (std::chrono::duration_cast<std::chrono::nanoseconds>(now - busy).count() >= cfg_.spin_ns) {
+    if (std::chrono::duration_cast<std::chrono::nanoseconds>(now - busy).count() >= kProgressSpinNs) {
       wait_ms = kProgressSliceMs;
       if (period_ns > 0) {
         const auto to_beat = std::chrono::duration_cast<std::chrono::milliseconds>(next_beat - now).count();
@@ -1121,90 +1121,6 @@ void LocalPlane::close() {
     if (op->has_server) (void)scratch_->free(op->server);
   }
   ops_.clear();
-}
-
-// ------------------------------------------------------------------------------------ WorkerChannel
-
-WorkerChannel::WorkerChannel(std::shared_ptr<Segment> seg)
-    : seg_(std::move(seg)),
-      submit_(seg_->base(), kChannelSlots, true),
-      done_(seg_->base() + done_ring_offset(), kChannelSlots, true) {}
-
-std::unique_ptr<WorkerChannel> WorkerChannel::create(const std::string& name, std::string* why) {
-  std::shared_ptr<Segment> seg = Segment::create(0, channel_bytes(), name, why);
-  if (!seg) return nullptr;
-  return std::unique_ptr<WorkerChannel>(new WorkerChannel(std::move(seg)));
-}
-
-RingWait WorkerChannel::push(const std::uint8_t* header, std::int64_t timeout_ns, std::int64_t spin_ns) {
-  std::lock_guard<std::mutex> lock(push_mu_);
-  return submit_.push(header, kHeaderSize, timeout_ns, spin_ns);
-}
-
-RingWait WorkerChannel::try_push(const std::uint8_t* header) {
-  std::unique_lock<std::mutex> lock(push_mu_, std::try_to_lock);
-  if (!lock.owns_lock()) return RingWait::kTimeout;
-  return submit_.push(header, kHeaderSize, 0, 0);
-}
-
-RingWait WorkerChannel::pop(std::uint8_t* out, std::int64_t timeout_ns, std::int64_t spin_ns, bool waiter) {
-  const Clock::time_point t0 = Clock::now();
-  std::unique_lock<std::mutex> lock(pop_mu_);
-  if (waiter) {
-    waiters_++;
-    yield_.store(true, std::memory_order_seq_cst);
-    if (popping_) done_.nudge();  // the background taker is asleep in the ring: hand it over
-  }
-  RingWait r = RingWait::kTimeout;
-  std::array<std::uint8_t, kSlotBytes> slot;
-  for (bool first = true;; first = false) {
-    if (waiter && kick_.exchange(false)) break;  // kick(): look at the collective again
-    if (!kept_.empty() && (waiter || waiters_ == 0)) {
-      std::memcpy(out, kept_.front().data(), kSlotBytes);
-      kept_.pop_front();
-      r = RingWait::kReady;
-      break;
-    }
-    const std::int64_t left =
-        timeout_ns - std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();
-    if (aborted_.load() || (left <= 0 && !first)) break;
-    if (popping_ || (!waiter && waiters_ > 0)) {  // not our turn: wait for the ring, a slice at a time
-      pop_cv_.wait_for(lock, std::chrono::nanoseconds(left < kPopSliceNs ? (left > 0 ? left : 0) : kPopSliceNs));
-      continue;
-    }
-    popping_ = true;
-    lock.unlock();
-    const std::int64_t slice = left < kPopSliceNs ? (left > 0 ? left : 0) : kPopSliceNs;
-    r = done_.pop(slot.data(), slice, first ? spin_ns : 0, waiter ? &kick_ : &yield_);
-    lock.lock();
-    popping_ = false;
-    pop_cv_.notify_all();
-    if (r == RingWait::kReady && !waiter && waiters_ > 0) {
-      kept_.push_back(slot);  // it may be what a waiter waits for: theirs to take
-      r = RingWait::kTimeout;
-      continue;
-    }
-    if (r == RingWait::kReady) std::memcpy(out, slot.data(), kSlotBytes);
-    if (r != RingWait::kTimeout) break;
-  }
-  if (waiter && --waiters_ == 0) yield_.store(false, std::memory_order_seq_cst);
-  pop_cv_.notify_all();
-  return r;
-}
-
-void WorkerChannel::kick() {
-  std::lock_guard<std::mutex> lock(pop_mu_);
-  // Sticky: a waiter that checked its collective just before, and has not reached its pop yet
-  // (between the two it gave up the GIL to this thread), must still see it. A waiter that finds
-  // it stale returns once for nothing and looks again.
-  kick_.store(true, std::memory_order_seq_cst);
-  if (popping_) done_.nudge();
-  pop_cv_.notify_all();
-}
-
-std::string WorkerChannel::why() {
-  if (!done_.why().empty()) return done_.why();
-  return submit_.why();
 }
 
 }  // namespace smddp

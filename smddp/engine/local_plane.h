@@ -41,6 +41,7 @@
 #include <vector>
 
 #include "arena.h"
+#include "channel.h"
 #include "collective.h"
 #include "fabric.h"
 #include "frame.h"
@@ -49,19 +50,12 @@
 
 namespace smddp {
 
-constexpr std::uint32_t kChannelSlots = 256;  // per ring: far more collectives than a worker keeps in flight
-constexpr std::uint32_t kNoSegment = 0xFFFFFFFFu;  // a SUBMIT without data (a broadcast's non-root ranks)
-
-// Bytes of a worker's channel segment: the submit ring, then the done ring.
-std::size_t channel_bytes();
-inline std::size_t done_ring_offset() { return ring_bytes(kChannelSlots); }
-
 struct PlaneConfig {
   Topology topo;
   std::vector<std::string> rank_names;  // local rank i before it connects
   std::vector<std::string> node_names;  // node j in messages (one per node)
   std::string me;  // how this daemon is named in messages ("node 0 (host, ranks 0-3)")
-  std::int64_t spin_ns = 20'000;  // a link thread spins this long for the next descriptor, then sleeps
+  std::int64_t spin_ns = 200'000;  // a link thread spins (yielding) this long for the next descriptor, then sleeps
   std::int64_t push_timeout_ns = 60'000'000'000;  // a done ring full this long: its worker is stuck
   std::int64_t attach_wait_ns = 10'000'000'000;  // a SUBMIT naming a segment its ATTACH has not brought yet
   std::uint32_t threads = 2;  // compute threads sharing the chunks of large collectives (0: none)
@@ -248,47 +242,6 @@ class LocalPlane final : private Sink {
   std::unique_ptr<Fabric> fabric_;
   std::atomic<bool> progress_stop_{false};
   std::thread progress_;
-};
-
-// The worker's side of its channel: the submit ring's producer (any thread, serialised here) and the
-// done ring's consumer (one thread). Owns the channel segment it creates.
-class WorkerChannel {
- public:
-  // A new channel segment (sealed memfd) with both rings reset; nullptr and *why on failure.
-  static std::unique_ptr<WorkerChannel> create(const std::string& name, std::string* why);
-  const std::shared_ptr<Segment>& segment() const { return seg_; }
-  // Pushes one 56-byte header; kTimeout when the daemon left the ring full, kCorrupt (why()) when
-  // the ring is broken or the channel aborted.
-  RingWait push(const std::uint8_t* header, std::int64_t timeout_ns, std::int64_t spin_ns);
-  // The same without waiting at all: kTimeout when the ring is full or another thread is pushing.
-  RingWait try_push(const std::uint8_t* header);
-  // Pops the next descriptor into `out` (kSlotBytes); kTimeout when none came or the channel aborted.
-  // Any thread may call it, one pops at a time. A `waiter` (a thread waiting for a collective of its
-  // own) goes first: a background taker's pop ends for it, and no new one starts while it waits, so
-  // that the thread that needs a DONE takes it off the ring itself instead of being woken for it.
-  RingWait pop(std::uint8_t* out, std::int64_t timeout_ns, std::int64_t spin_ns, bool waiter);
-  // Another thread completed something a waiter may be waiting for: waiters' pops return now (kTimeout).
-  void kick();
-  // Stops pops (the job failed or the client closes): they return within one sleep slice.
-  void abort() { aborted_.store(true); }
-  bool aborted() const { return aborted_.load(); }
-  std::string why();
-
- private:
-  explicit WorkerChannel(std::shared_ptr<Segment> seg);
-  std::shared_ptr<Segment> seg_;
-  std::mutex push_mu_;
-  RingView submit_;
-  RingView done_;
-  std::atomic<bool> aborted_{false};
-  std::mutex pop_mu_;                // guards popping_ and waiters_
-  std::condition_variable pop_cv_;   // the ring is free to pop, or the waiters changed
-  bool popping_ = false;             // a thread is inside done_.pop (it has one consumer)
-  int waiters_ = 0;                  // waiters inside pop()
-  std::atomic<bool> yield_{false};   // a waiter wants the ring: a background pop gives it up
-  std::atomic<bool> kick_{false};    // kick(): a waiter's pop returns, to look at its collective again
-  // Descriptors a background pop took while a waiter was waiting: the waiters' to hand out first.
-  std::deque<std::array<std::uint8_t, kSlotBytes>> kept_;
 };
 
 }  // namespace smddp

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "arena.h"
+#include "channel.h"
 #include "collective.h"
 #include "frame.h"
 #include "layout.h"
@@ -1728,6 +1729,145 @@ PyObject* channel_abort(PyObject* self, PyObject*) {
   Py_RETURN_NONE;
 }
 
+// release(rank, seq, nbytes, batch_bytes, timeout_s, spin_us): nbytes < 0 never waits for the next push
+PyObject* channel_release(PyObject* self, PyObject* args) {
+  long long rank = 0, seq = 0, nbytes = 0, batch = 0;
+  double timeout = 0, spin_us = 0;
+  if (!PyArg_ParseTuple(args, "LLLLdd", &rank, &seq, &nbytes, &batch, &timeout, &spin_us)) return nullptr;
+  if (rank < 0 || rank > static_cast<long long>(UINT32_MAX) || seq < 0 || batch < 0) {
+    PyErr_SetString(PyExc_ValueError, "release: rank, seq and batch_bytes are non-negative");
+    return nullptr;
+  }
+  smddp::RingWait r;
+  Py_BEGIN_ALLOW_THREADS
+  r = channel_of(self).release(static_cast<std::uint32_t>(rank), static_cast<std::uint64_t>(seq), nbytes,
+                               static_cast<std::uint64_t>(batch), static_cast<std::int64_t>(timeout * 1e9),
+                               static_cast<std::int64_t>(spin_us * 1e3));
+  Py_END_ALLOW_THREADS
+  if (r != smddp::RingWait::kReady) return channel_ring_error(self, r, "the daemon left this worker's submit ring full");
+  Py_RETURN_NONE;
+}
+
+// The arguments start() and finish() share: the arena and the collective's SUBMIT, its slot and the
+// caller's buffer (`writable` for finish's destination), which must hold exactly the slot's bytes.
+struct FastArgs {
+  smddp::Arena* arena = nullptr;
+  smddp::Slot slot;
+  smddp::Header submit;
+  Py_buffer buf{};
+  bool have_buf = false;
+  ~FastArgs() {
+    if (have_buf) PyBuffer_Release(&buf);
+  }
+};
+
+bool fast_args(PyObject* self, PyObject* arena, long long kind, long long segment, long long offset, PyObject* buf,
+               bool writable, long long rank, long long seq, long long count, long long dtype, long long op,
+               FastArgs* out) {
+  if (!PyObject_TypeCheck(arena, reinterpret_cast<PyTypeObject*>(state(module_of(self))->arena_type))) {
+    PyErr_SetString(PyExc_TypeError, "expected an smddp._engine.Arena");
+    return false;
+  }
+  if (kind < 0 || kind > 255 || dtype < 0 || dtype > 255 || op < 0 || op > 255 || segment < 0 ||
+      segment > static_cast<long long>(UINT32_MAX) || offset < 0 || rank < 0 ||
+      rank > static_cast<long long>(UINT32_MAX) || seq < 0 || count < 0) {
+    PyErr_SetString(PyExc_ValueError, "a fast collective's fields are out of range");
+    return false;
+  }
+  if (PyObject_GetBuffer(buf, &out->buf, writable ? (PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) : PyBUF_C_CONTIGUOUS) != 0)
+    return false;
+  out->have_buf = true;
+  out->arena = reinterpret_cast<ArenaObject*>(arena)->arena;
+  out->slot = smddp::Slot{static_cast<std::uint32_t>(segment), static_cast<std::uint64_t>(offset),
+                          static_cast<std::uint64_t>(out->buf.len)};
+  smddp::Header& h = out->submit;
+  h.type = smddp::Msg::kSubmit;
+  h.kind = static_cast<std::uint8_t>(kind);
+  h.dtype = static_cast<std::uint8_t>(dtype);
+  h.op = static_cast<std::uint8_t>(op);
+  h.sender = static_cast<std::uint32_t>(rank);
+  h.seq = static_cast<std::uint64_t>(seq);
+  h.shard = static_cast<std::uint32_t>(segment);
+  h.offset = static_cast<std::uint64_t>(offset);
+  h.count = static_cast<std::uint64_t>(count);
+  return true;
+}
+
+PyObject* fast_error(PyObject* self, smddp::FastEnd end) {
+  if (end == smddp::FastEnd::kRingFull) {
+    PyErr_SetString(PyExc_TimeoutError, "the daemon left this worker's submit ring full");
+    return nullptr;
+  }
+  return raise_from(self, channel_of(self).why());
+}
+
+// start(arena, kind, segment, offset, src, rank, seq, count, dtype, op, timeout_s, spin_us): copies
+// `src` into the slot and pushes its SUBMIT; TimeoutError when the ring stayed full
+PyObject* channel_start(PyObject* self, PyObject* args) {
+  PyObject *arena = nullptr, *buf = nullptr;
+  long long kind = 0, segment = 0, offset = 0, rank = 0, seq = 0, count = 0, dtype = 0, op = 0;
+  double timeout = 0, spin_us = 0;
+  if (!PyArg_ParseTuple(args, "OLLLOLLLLLdd", &arena, &kind, &segment, &offset, &buf, &rank, &seq, &count, &dtype,
+                        &op, &timeout, &spin_us))
+    return nullptr;
+  FastArgs a;
+  if (!fast_args(self, arena, kind, segment, offset, buf, false, rank, seq, count, dtype, op, &a)) return nullptr;
+  smddp::FastEnd end;
+  Py_BEGIN_ALLOW_THREADS
+  end = channel_of(self).start(*a.arena, a.slot, static_cast<const std::uint8_t*>(a.buf.buf), a.submit,
+                               static_cast<std::int64_t>(timeout * 1e9), static_cast<std::int64_t>(spin_us * 1e3));
+  Py_END_ALLOW_THREADS
+  if (end != smddp::FastEnd::kDone) return fast_error(self, end);
+  Py_RETURN_NONE;
+}
+
+// finish(arena, kind, segment, offset, dst, rank, seq, count, dtype, op, batch_bytes, timeout_s, spin_us)
+// -> True once the result is in `dst`, False when it did not come in time (parked: adopt(seq))
+PyObject* channel_finish(PyObject* self, PyObject* args) {
+  PyObject *arena = nullptr, *buf = nullptr;
+  long long kind = 0, segment = 0, offset = 0, rank = 0, seq = 0, count = 0, dtype = 0, op = 0, batch = 0;
+  double timeout = 0, spin_us = 0;
+  if (!PyArg_ParseTuple(args, "OLLLOLLLLLLdd", &arena, &kind, &segment, &offset, &buf, &rank, &seq, &count, &dtype,
+                        &op, &batch, &timeout, &spin_us))
+    return nullptr;
+  FastArgs a;
+  if (!fast_args(self, arena, kind, segment, offset, buf, true, rank, seq, count, dtype, op, &a)) return nullptr;
+  if (batch < 0) {
+    PyErr_SetString(PyExc_ValueError, "finish: batch_bytes is non-negative");
+    return nullptr;
+  }
+  smddp::FastEnd end;
+  Py_BEGIN_ALLOW_THREADS
+  end = channel_of(self).finish(*a.arena, a.slot, a.submit, static_cast<std::uint8_t*>(a.buf.buf),
+                                static_cast<std::uint64_t>(batch), static_cast<std::int64_t>(timeout * 1e9),
+                                static_cast<std::int64_t>(spin_us * 1e3));
+  Py_END_ALLOW_THREADS
+  if (end == smddp::FastEnd::kDone) Py_RETURN_TRUE;
+  if (end == smddp::FastEnd::kTimeout) Py_RETURN_FALSE;
+  return fast_error(self, end);
+}
+
+// adopt(seq) -> the DONE that already came (56 bytes), or None: the collective goes the general way
+PyObject* channel_adopt(PyObject* self, PyObject* arg) {
+  const long long seq = PyLong_AsLongLong(arg);
+  if (seq == -1 && PyErr_Occurred()) return nullptr;
+  if (seq < 0) {
+    PyErr_SetString(PyExc_ValueError, "adopt: seq is non-negative");
+    return nullptr;
+  }
+  std::uint8_t slot[smddp::kSlotBytes];
+  if (!channel_of(self).adopt(static_cast<std::uint64_t>(seq), slot)) Py_RETURN_NONE;
+  return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(slot), static_cast<Py_ssize_t>(smddp::kHeaderSize));
+}
+
+// add_result(segment): a result segment the daemon sent, for finish() to copy results out of
+PyObject* channel_add_result(PyObject* self, PyObject* arg) {
+  std::shared_ptr<smddp::Segment> seg = segment_arg(module_of(self), arg);
+  if (!seg) return nullptr;
+  channel_of(self).add_result(std::move(seg));
+  Py_RETURN_NONE;
+}
+
 PyObject* get_channel_segment(PyObject* self, void*) { return wrap_segment(module_of(self), channel_of(self).segment()); }
 
 PyMethodDef kChannelMethods[] = {
@@ -1736,6 +1876,16 @@ PyMethodDef kChannelMethods[] = {
      "pop(timeout_s, spin_us, waiter) -> the next header of the done ring, or None (waiters go first)"},
     {"kick", channel_kick, METH_NOARGS, "kick(): waiters' pops return, to look at their collective again"},
     {"abort", channel_abort, METH_NOARGS, "abort(): pops return None from now on"},
+    {"release", channel_release, METH_VARARGS,
+     "release(rank, seq, nbytes, batch_bytes, timeout_s, spin_us): RELEASE a result slot (small ones held)"},
+    {"start", channel_start, METH_VARARGS,
+     "start(arena, kind, segment, offset, src, rank, seq, count, dtype, op, timeout_s, spin_us): the fast path's "
+     "copy-in and SUBMIT"},
+    {"finish", channel_finish, METH_VARARGS,
+     "finish(arena, kind, segment, offset, dst, rank, seq, count, dtype, op, batch_bytes, timeout_s, spin_us) -> "
+     "bool: the fast path's wait, copy-out and RELEASE"},
+    {"adopt", channel_adopt, METH_O, "adopt(seq) -> DONE or None: a parked fast collective goes the general way"},
+    {"add_result", channel_add_result, METH_O, "add_result(segment): a result segment the daemon sent"},
     {nullptr, nullptr, 0, nullptr},
 };
 

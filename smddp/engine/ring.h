@@ -5,8 +5,9 @@
 // frame header of docs/protocol.md, padded); the producer writes the slot, then publishes it by
 // advancing `head` with release order; the consumer reads `head` with acquire order, copies the slot
 // out, and frees it by advancing `tail`. Neither side spins forever: a consumer with nothing to read
-// spins for a bounded time, then sleeps on a futex word until the producer rings (an oversubscribed
-// machine must not be starved by spinning); a producer facing a full ring sleeps the same way.
+// spins for a bounded time, yielding the core between looks (an oversubscribed machine must not be
+// starved by spinning), then sleeps on a futex word until the producer rings; a producer facing a
+// full ring waits the same way.
 //
 // The other side may be hostile or broken: indices read from shared memory are checked (a ring whose
 // head and tail are further apart than its capacity is corrupt and refused) and every slot address

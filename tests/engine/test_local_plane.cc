@@ -7,6 +7,7 @@
 // every thread. Built and run under ASan+UBSan and TSan by `make engine-sanitize`. Exit status 0:
 // every check held.
 #include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -155,8 +156,109 @@ void broken_rings() {
 
 }  // namespace
 
+// The worker's fast path (WorkerChannel::start/finish) against the same plane: each worker thread
+// copies its input in from its own memory and its result out into its own memory, with its RELEASEs
+// held; every other collective of rank 0 goes the general way (pushed, and left to a background
+// taker thread), so that the two kinds of takers hand each other DONEs. The main thread forwards
+// the plane's result segments to every channel, as the client's reader does with SEGMENT.
+void fast_collectives() {
+  constexpr int kIters = 600;
+  Rig rig(kWorkers);
+  std::vector<std::unique_ptr<smddp::Arena>> arenas;
+  for (std::uint32_t i = 0; i < kWorkers; i++) arenas.push_back(std::make_unique<smddp::Arena>("test-fast", 1 << 20));
+  std::atomic<bool> stop{false};
+  std::atomic<int> general_done{0};
+  std::thread forward([&] {
+    smddp::PlaneEvent e;
+    while (!stop.load()) {
+      if (!rig.plane.next_event(kSecond / 100, &e)) continue;
+      if (e.kind == smddp::PlaneEvent::kSegment)
+        for (auto& ch : rig.channels) ch->add_result(e.segment);
+      else
+        check(e.kind != smddp::PlaneEvent::kFailed, "plane failed: " + e.verdict.why);
+    }
+  });
+  std::thread background([&] {
+    std::uint8_t slot[smddp::kSlotBytes];
+    while (!stop.load()) {
+      const smddp::RingWait r = rig.channels[0]->pop(slot, kSecond / 100, 0, false);
+      if (r != smddp::RingWait::kReady) continue;
+      smddp::Header d;
+      check(smddp::decode_header(slot, smddp::kHeaderSize, &d).empty() && d.seq % 2 == 0,
+            "the background taker got a general collective's DONE");
+      // Its result is not read here (the fast ones check theirs); its slot goes back.
+      check(rig.channels[0]->release(0, d.seq, -1, 0, 10 * kSecond, 0) == smddp::RingWait::kReady, "release");
+      general_done++;
+    }
+  });
+  auto run = [&](std::uint32_t rank) {
+    smddp::WorkerChannel* ch = rig.channels[rank].get();
+    smddp::Arena& arena = *arenas[rank];
+    std::vector<std::int32_t> src, dst;
+    for (int it = 1; it <= kIters; it++) {
+      const std::uint64_t count = 1 + static_cast<std::uint64_t>(it * 53) % 2000;
+      const std::uint64_t nbytes = count * 4;
+      src.assign(count, 0);
+      for (std::uint64_t i = 0; i < count; i++) src[i] = static_cast<std::int32_t>((rank + 1) * (i + it));
+      smddp::Slot slot;
+      std::shared_ptr<smddp::Segment> fresh;
+      check(arena.alloc(nbytes, &slot, &fresh).empty(), "alloc");
+      if (fresh) check(rig.plane.add_segment(rank, fresh).empty(), "attach");  // the ATTACH
+      smddp::Header h;
+      h.type = smddp::Msg::kSubmit;
+      h.sender = rank;
+      h.seq = static_cast<std::uint64_t>(it);
+      h.shard = slot.segment;
+      h.offset = slot.offset;
+      h.count = count;
+      h.dtype = 2;  // int32
+      h.op = 1;     // sum
+      h.kind = 1;   // all-reduce
+      if (rank == 0 && it % 2 == 0) {  // the general way: the background taker collects it
+        std::uint8_t frame[smddp::kHeaderSize];
+        std::memcpy(arena.segment(slot.segment)->base() + slot.offset, src.data(), nbytes);
+        check(smddp::encode_header(h, frame).empty(), "encode");
+        check(ch->push(frame, 10 * kSecond, 0) == smddp::RingWait::kReady, "push general SUBMIT");
+        continue;  // its input slot stays taken: the arena is large enough for all of them
+      }
+      check(ch->start(arena, slot, reinterpret_cast<const std::uint8_t*>(src.data()), h, 10 * kSecond, 20'000) ==
+                smddp::FastEnd::kDone,
+            "start: " + ch->why());
+      dst.assign(count, -1);
+      const smddp::FastEnd end =
+          ch->finish(arena, slot, h, reinterpret_cast<std::uint8_t*>(dst.data()), 64 << 10, 10 * kSecond, 20'000);
+      check(end == smddp::FastEnd::kDone, "finish #" + std::to_string(it) + " on rank " + std::to_string(rank) +
+                                               ": " + ch->why());
+      bool ok = true;
+      for (std::uint64_t i = 0; i < count && ok; i++)
+        ok = dst[i] == static_cast<std::int32_t>((kWorkers * (kWorkers + 1) / 2) * (i + it));
+      check(ok, "fast result of #" + std::to_string(it) + " on rank " + std::to_string(rank));
+    }
+    // A worker says BYE only with nothing in flight (as the client's shutdown does): the plane sends
+    // no DONE to a worker that said goodbye.
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (rank == 0 && general_done.load() < kIters / 2 && std::chrono::steady_clock::now() < deadline)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    const auto bye = header(smddp::Msg::kBye, rank, 0, 0, 0, 0, 0, 0, 0);
+    check(ch->push(bye.data(), 10 * kSecond, 0) == smddp::RingWait::kReady, "push BYE (with the held RELEASEs)");
+  };
+  std::vector<std::thread> threads;
+  for (std::uint32_t i = 0; i < kWorkers; i++) threads.emplace_back(run, i);
+  for (auto& t : threads) t.join();
+  check(general_done.load() == kIters / 2, "every general collective's DONE reached the background taker");
+  stop.store(true);
+  forward.join();
+  background.join();
+  for (std::uint32_t i = 0; i < kWorkers; i++) check(rig.plane.remove_worker(i), "rank said BYE");
+  check(rig.failure(0).empty(), "no failure");
+  check(rig.plane.in_flight() == 0 && rig.results.in_use() == 0, "every result slot given back");
+  for (std::uint32_t i = 1; i < kWorkers; i++) check(arenas[i]->in_use() == 0, "every fast input slot given back");
+  rig.plane.close();
+}
+
 int main() {
   many_collectives();
+  fast_collectives();
   broken_rings();
   if (plane_test::failures.load() != 0) return 1;
   std::printf("test_local_plane: every check held\n");

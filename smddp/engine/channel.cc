@@ -1,0 +1,381 @@
+// The worker's side of its channel: the submit ring's producer, the done ring's takers, the fast path.
+#include "channel.h"
+
+#include <chrono>
+#include <cstring>
+#include <utility>
+
+namespace smddp {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// The longest single sleep of a taker that is not its turn: every wait still ends at its own timeout.
+constexpr std::int64_t kTakeSliceNs = 20'000'000;
+
+std::int64_t left_of(Clock::time_point t0, std::int64_t timeout_ns) {
+  return timeout_ns - std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();
+}
+
+std::int64_t slice_of(std::int64_t left) { return left < kTakeSliceNs ? (left > 0 ? left : 0) : kTakeSliceNs; }
+
+std::string num(std::uint64_t v) { return std::to_string(v); }
+
+}  // namespace
+
+std::size_t channel_bytes() { return 2 * ring_bytes(kChannelSlots); }
+
+WorkerChannel::WorkerChannel(std::shared_ptr<Segment> seg)
+    : seg_(std::move(seg)),
+      submit_(seg_->base(), kChannelSlots, true),
+      done_(seg_->base() + done_ring_offset(), kChannelSlots, true) {}
+
+std::unique_ptr<WorkerChannel> WorkerChannel::create(const std::string& name, std::string* why) {
+  std::shared_ptr<Segment> seg = Segment::create(0, channel_bytes(), name, why);
+  if (!seg) return nullptr;
+  return std::unique_ptr<WorkerChannel>(new WorkerChannel(std::move(seg)));
+}
+
+FastEnd WorkerChannel::refused(const std::string& why) {
+  std::lock_guard<std::mutex> lock(why_mu_);
+  why_ = why;
+  return FastEnd::kRefused;
+}
+
+std::string WorkerChannel::why() {
+  {
+    std::lock_guard<std::mutex> lock(why_mu_);
+    if (!why_.empty()) return why_;
+  }
+  if (!done_.why().empty()) return done_.why();
+  return submit_.why();
+}
+
+void WorkerChannel::abort() {
+  aborted_.store(true, std::memory_order_seq_cst);
+  done_.nudge();  // a taker asleep in the ring looks at the flag now, not a slice later
+  std::lock_guard<std::mutex> lock(pop_mu_);
+  pop_cv_.notify_all();
+  bg_cv_.notify_all();
+}
+
+void WorkerChannel::wake_background() {
+  // Only when it can do something: a background taker woken for nothing costs a context switch on
+  // every collective, which on two cores is a measurable part of a 4 KiB all-reduce.
+  if (bg_waiting_ == 0) return;
+  if ((!kept_.empty() && waiters_ == 0) || (!popping_ && !may_yield() && general_out_ > 0) || aborted_.load())
+    bg_cv_.notify_all();
+}
+
+void WorkerChannel::wake_takers() {
+  if (waiters_ + fast_waiters_ > 0) pop_cv_.notify_all();
+}
+
+// --------------------------------------------------------------------------------- the submit ring
+
+RingWait WorkerChannel::push_locked(const std::uint8_t* header, std::int64_t timeout_ns, std::int64_t spin_ns) {
+  // The held RELEASEs first: the daemon reads the ring in order, so they are freed before what follows.
+  while (!held_.empty()) {
+    const RingWait w = submit_.push(held_.front().data(), kHeaderSize, timeout_ns, spin_ns);
+    if (w != RingWait::kReady) return w;
+    held_.pop_front();
+  }
+  held_bytes_ = 0;
+  return submit_.push(header, kHeaderSize, timeout_ns, spin_ns);
+}
+
+namespace {
+bool is_submit(const std::uint8_t* header) {
+  Header h;
+  return decode_header(header, kHeaderSize, &h).empty() && h.type == Msg::kSubmit;
+}
+}  // namespace
+
+RingWait WorkerChannel::push(const std::uint8_t* header, std::int64_t timeout_ns, std::int64_t spin_ns) {
+  const bool submit = is_submit(header);
+  if (submit) {
+    // Counted before it can complete, so that no DONE of it is ever taken before it is counted.
+    std::lock_guard<std::mutex> lock(pop_mu_);
+    general_out_++;
+    wake_background();  // it has a collective to collect now
+  }
+  RingWait r;
+  {
+    std::lock_guard<std::mutex> lock(push_mu_);
+    r = push_locked(header, timeout_ns, spin_ns);
+  }
+  if (submit && r != RingWait::kReady) {
+    std::lock_guard<std::mutex> lock(pop_mu_);
+    general_out_--;
+  }
+  return r;
+}
+
+RingWait WorkerChannel::try_push(const std::uint8_t* header) {
+  const bool submit = is_submit(header);
+  if (submit) {
+    std::lock_guard<std::mutex> lock(pop_mu_);
+    general_out_++;
+    wake_background();
+  }
+  RingWait r = RingWait::kTimeout;
+  {
+    std::unique_lock<std::mutex> lock(push_mu_, std::try_to_lock);
+    if (lock.owns_lock()) r = push_locked(header, 0, 0);
+  }
+  if (submit && r != RingWait::kReady) {
+    std::lock_guard<std::mutex> lock(pop_mu_);
+    general_out_--;
+  }
+  return r;
+}
+
+RingWait WorkerChannel::release(std::uint32_t rank, std::uint64_t seq, std::int64_t nbytes,
+                                std::uint64_t batch_bytes, std::int64_t timeout_ns, std::int64_t spin_ns) {
+  Header h;
+  h.type = Msg::kRelease;
+  h.sender = rank;
+  h.seq = seq;
+  std::array<std::uint8_t, kHeaderSize> frame{};
+  const std::string w = encode_header(h, frame.data());
+  if (!w.empty()) {
+    refused("cannot encode RELEASE: " + w);
+    return RingWait::kCorrupt;
+  }
+  std::lock_guard<std::mutex> lock(push_mu_);
+  // Pushed on its own, a RELEASE wakes the daemon's thread once more per collective, a good part of
+  // a small collective's cost: a small one waits to go just ahead of the next descriptor.
+  if (nbytes >= 0 && held_bytes_ + static_cast<std::uint64_t>(nbytes) <= batch_bytes &&
+      held_.size() < kChannelSlots / 2) {
+    held_.push_back(frame);
+    held_bytes_ += static_cast<std::uint64_t>(nbytes);
+    return RingWait::kReady;
+  }
+  return push_locked(frame.data(), timeout_ns, spin_ns);
+}
+
+// ----------------------------------------------------------------------------------- the done ring
+
+bool WorkerChannel::route_fast(const Descriptor& d) {
+  Header h;
+  if (!decode_header(d.data(), kHeaderSize, &h).empty() || h.type != Msg::kDone) return false;
+  auto it = fast_.find(h.seq);
+  if (it == fast_.end() || it->second.first) return false;
+  it->second = {true, d};
+  wake_takers();
+  return true;
+}
+
+RingWait WorkerChannel::pop(std::uint8_t* out, std::int64_t timeout_ns, std::int64_t spin_ns, bool waiter) {
+  const Clock::time_point t0 = Clock::now();
+  std::unique_lock<std::mutex> lock(pop_mu_);
+  if (waiter) {
+    waiters_++;
+    yield_.store(true, std::memory_order_seq_cst);
+    if (popping_) done_.nudge();  // the background taker is asleep in the ring: hand it over
+  }
+  RingWait r = RingWait::kTimeout;
+  Descriptor slot;
+  for (bool first = true;; first = false) {
+    if (waiter && kick_.exchange(false)) break;  // kick(): look at the collective again
+    if (!kept_.empty() && (waiter || waiters_ == 0)) {
+      std::memcpy(out, kept_.front().data(), kSlotBytes);
+      kept_.pop_front();
+      r = RingWait::kReady;
+      break;
+    }
+    const std::int64_t left = left_of(t0, timeout_ns);
+    if (aborted_.load() || (left <= 0 && !first)) break;
+    // The background taker enters the ring only for collectives of the general way nobody waits
+    // for, and never while a waiter or the fast path wants it.
+    const bool turn = !popping_ && (waiter || (!may_yield() && general_out_ > 0));
+    if (!turn) {
+      if (waiter) {
+        pop_cv_.wait_for(lock, std::chrono::nanoseconds(slice_of(left)));
+      } else {
+        bg_waiting_++;
+        bg_cv_.wait_for(lock, std::chrono::nanoseconds(slice_of(left)));
+        bg_waiting_--;
+      }
+      continue;
+    }
+    popping_ = true;
+    lock.unlock();
+    r = done_.pop(slot.data(), slice_of(left), first ? spin_ns : 0, waiter ? &kick_ : &yield_);
+    lock.lock();
+    popping_ = false;
+    wake_takers();
+    if (r == RingWait::kReady) {
+      if (route_fast(slot)) {  // a fast collective's: kept for it
+        r = RingWait::kTimeout;
+        continue;
+      }
+      if (general_out_ > 0) general_out_--;
+      if (!waiter && waiters_ > 0) {
+        kept_.push_back(slot);  // it may be what a waiter waits for: theirs to take
+        wake_takers();
+        r = RingWait::kTimeout;
+        continue;
+      }
+      std::memcpy(out, slot.data(), kSlotBytes);
+    }
+    if (r != RingWait::kTimeout) break;
+  }
+  if (waiter && --waiters_ == 0) yield_.store(may_yield(), std::memory_order_seq_cst);
+  wake_takers();
+  wake_background();
+  return r;
+}
+
+void WorkerChannel::kick() {
+  std::lock_guard<std::mutex> lock(pop_mu_);
+  // Sticky: a waiter that checked its collective just before, and has not reached its pop yet
+  // (between the two it gave up the GIL to this thread), must still see it. A waiter that finds
+  // it stale returns once for nothing and looks again.
+  kick_.store(true, std::memory_order_seq_cst);
+  if (popping_) done_.nudge();
+  wake_takers();
+}
+
+void WorkerChannel::add_result(std::shared_ptr<Segment> seg) {
+  std::lock_guard<std::mutex> lock(results_mu_);
+  results_[seg->id()] = std::move(seg);
+  results_cv_.notify_all();
+}
+
+// ----------------------------------------------------------------------------------- the fast path
+
+FastEnd WorkerChannel::start(Arena& arena, const Slot& slot, const std::uint8_t* src, const Header& submit,
+                             std::int64_t timeout_ns, std::int64_t spin_ns) {
+  std::array<std::uint8_t, kHeaderSize> frame{};
+  std::string w = encode_header(submit, frame.data());
+  if (!w.empty()) return refused("cannot encode SUBMIT: " + w);
+  if (submit.type != Msg::kSubmit || submit.shard != slot.segment || submit.offset != slot.offset)
+    return refused("a fast SUBMIT must name its own slot");
+  std::shared_ptr<Segment> seg = arena.segment(slot.segment);
+  if (!seg) return refused("input segment " + num(slot.segment) + " is not in the arena");
+  std::uint8_t* p = nullptr;
+  w = seg->range(slot.offset, slot.nbytes, &p);
+  if (!w.empty()) return refused("input slot: " + w);
+  if (slot.nbytes != 0) std::memcpy(p, src, slot.nbytes);
+  {
+    // Registered before it can complete: whoever takes its DONE keeps it for finish().
+    std::lock_guard<std::mutex> lock(pop_mu_);
+    if (!fast_.emplace(submit.seq, std::make_pair(false, Descriptor{})).second)
+      return refused("collective #" + num(submit.seq) + " was started twice");
+  }
+  RingWait r;
+  {
+    std::lock_guard<std::mutex> lock(push_mu_);
+    r = push_locked(frame.data(), timeout_ns, spin_ns);
+  }
+  if (r == RingWait::kReady) return FastEnd::kDone;
+  std::lock_guard<std::mutex> lock(pop_mu_);
+  fast_.erase(submit.seq);
+  return r == RingWait::kTimeout ? FastEnd::kRingFull : FastEnd::kRefused;
+}
+
+FastEnd WorkerChannel::finish(Arena& arena, const Slot& slot, const Header& submit, std::uint8_t* dst,
+                              std::uint64_t batch_bytes, std::int64_t timeout_ns, std::int64_t spin_ns) {
+  const Clock::time_point t0 = Clock::now();
+  Descriptor mine;
+  FastEnd end = FastEnd::kTimeout;
+  {
+    std::unique_lock<std::mutex> lock(pop_mu_);
+    if (fast_.find(submit.seq) == fast_.end())
+      return refused("collective #" + num(submit.seq) + " was not started on the fast path");
+    fast_waiters_++;
+    yield_.store(true, std::memory_order_seq_cst);
+    if (popping_) done_.nudge();
+    Descriptor d;
+    for (bool first = true;; first = false) {
+      auto it = fast_.find(submit.seq);
+      if (it->second.first) {
+        mine = it->second.second;
+        fast_.erase(it);
+        end = FastEnd::kDone;
+        break;
+      }
+      const std::int64_t left = left_of(t0, timeout_ns);
+      if (aborted_.load() || (left <= 0 && !first)) break;
+      if (popping_) {
+        pop_cv_.wait_for(lock, std::chrono::nanoseconds(slice_of(left)));
+        continue;
+      }
+      popping_ = true;
+      lock.unlock();
+      const RingWait r = done_.pop(d.data(), slice_of(left), spin_ns, &aborted_);
+      lock.lock();
+      popping_ = false;
+      wake_takers();
+      if (r == RingWait::kCorrupt) {
+        end = refused("the daemon broke this worker's done ring: " + done_.why());
+        break;
+      }
+      if (r == RingWait::kReady && !route_fast(d)) {
+        // The general way's (another thread's collective): theirs to take.
+        if (general_out_ > 0) general_out_--;
+        kept_.push_back(d);
+        wake_takers();
+        wake_background();
+      }
+    }
+    fast_waiters_--;
+    yield_.store(may_yield(), std::memory_order_seq_cst);
+    wake_takers();
+    wake_background();
+  }
+  if (end != FastEnd::kDone) return end;  // kTimeout: parked until adopt()
+
+  Header h;
+  std::string w = decode_header(mine.data(), kHeaderSize, &h);
+  if (!w.empty()) return refused("the daemon wrote a descriptor that is not a frame: " + w);
+  if (h.kind != submit.kind || h.dtype != submit.dtype || h.count != submit.count)
+    return refused("DONE for collective #" + num(h.seq) + " does not match what this rank submitted");
+  std::shared_ptr<Segment> result;
+  {
+    // The ring can outrun the socket: the daemon sent the SEGMENT before this DONE.
+    std::unique_lock<std::mutex> lock(results_mu_);
+    for (;;) {
+      auto it = results_.find(h.shard);
+      if (it != results_.end()) {
+        result = it->second;
+        break;
+      }
+      const std::int64_t left = left_of(t0, timeout_ns);
+      if (aborted_.load()) return refused("the channel closed while DONE for #" + num(h.seq) + " was handled");
+      if (left <= 0)
+        return refused("DONE for #" + num(h.seq) + " names result segment " + num(h.shard) +
+                       ", which was never sent");
+      results_cv_.wait_for(lock, std::chrono::nanoseconds(slice_of(left)));
+    }
+  }
+  std::uint8_t* p = nullptr;
+  w = result->range(h.offset, slot.nbytes, &p);
+  if (!w.empty()) return refused("DONE for #" + num(h.seq) + ": " + w);
+  if (slot.nbytes != 0) std::memcpy(dst, p, slot.nbytes);
+  w = arena.free(slot);
+  if (!w.empty()) return refused("input slot of #" + num(h.seq) + ": " + w);
+  const std::int64_t left = left_of(t0, timeout_ns);
+  const RingWait r = release(submit.sender, h.seq, static_cast<std::int64_t>(slot.nbytes), batch_bytes,
+                             left > 0 ? left : 0, spin_ns);
+  if (r == RingWait::kTimeout) return FastEnd::kRingFull;
+  if (r != RingWait::kReady) return FastEnd::kRefused;
+  return FastEnd::kDone;
+}
+
+bool WorkerChannel::adopt(std::uint64_t seq, std::uint8_t* out) {
+  std::lock_guard<std::mutex> lock(pop_mu_);
+  auto it = fast_.find(seq);
+  if (it == fast_.end()) return false;
+  const bool came = it->second.first;
+  if (came) std::memcpy(out, it->second.second.data(), kSlotBytes);
+  fast_.erase(it);
+  if (!came) {
+    general_out_++;  // its DONE is still to come: the general way's takers collect it
+    wake_background();
+  }
+  return came;
+}
+
+}  // namespace smddp

@@ -1,0 +1,142 @@
+// A worker's channel to its daemon: the layout both sides share, and the worker's side (WorkerChannel).
+//
+// The channel is one memfd segment the worker creates and passes with CHANNEL: the submit ring
+// (worker -> daemon: SUBMIT, RELEASE, BYE), then the done ring (daemon -> worker: DONE), each of
+// kChannelSlots slots holding one 56-byte frame header (docs/protocol.md). The daemon's side is
+// LocalPlane's link (local_plane.h).
+//
+// The worker's side serves three kinds of takers of the done ring, one popping at a time:
+// - a waiter: a thread in Handle.wait() for a collective submitted the general way (pop(waiter));
+// - the background taker: the client's DONE thread, for collectives nobody waits for (pop(!waiter));
+//   it enters the ring only while such collectives are out (`general_out_`), so a worker whose every
+//   collective is waited for is never woken for nothing;
+// - the fast path (start/finish): a blocking host collective run entirely here, GIL released, from
+//   the copy into shared memory to the copy of the result out of it and its RELEASE. Its DONE is
+//   its own: any other taker that meets it keeps it aside for it (`fast_`), and it hands any other
+//   DONE it meets to the others (`kept_`).
+// Waiters and the fast path go first: the background taker's pop ends when one comes.
+//
+// Memory: the channel owns its segment. The caller's buffers (start's source, finish's destination)
+// and the arena must stay alive for the call; result segments are shared with the caller's table.
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "arena.h"
+#include "frame.h"
+#include "ring.h"
+
+namespace smddp {
+
+constexpr std::uint32_t kChannelSlots = 256;  // per ring: far more collectives than a worker keeps in flight
+constexpr std::uint32_t kNoSegment = 0xFFFFFFFFu;  // a SUBMIT without data (a broadcast's non-root ranks)
+
+// Bytes of a worker's channel segment: the submit ring, then the done ring.
+std::size_t channel_bytes();
+inline std::size_t done_ring_offset() { return ring_bytes(kChannelSlots); }
+
+// How a fast-path call ended.
+enum class FastEnd {
+  kDone,      // finish: the result is in place, the slot freed, its RELEASE held or sent
+  kTimeout,   // finish: not complete in time, or the channel aborted; the collective stays parked (adopt)
+  kRingFull,  // start: the daemon left the submit ring full for the whole timeout (nothing was pushed)
+  kRefused,   // why(): a broken ring, a DONE that does not match, or a range outside its segment
+};
+
+class WorkerChannel {
+ public:
+  // A new channel segment (sealed memfd) with both rings reset; nullptr and *why on failure.
+  static std::unique_ptr<WorkerChannel> create(const std::string& name, std::string* why);
+  const std::shared_ptr<Segment>& segment() const { return seg_; }
+
+  // Pushes the held RELEASEs, then one 56-byte header; kTimeout when the daemon left the ring full,
+  // kCorrupt (why()) when the ring is broken. A SUBMIT pushed here is collected the general way.
+  RingWait push(const std::uint8_t* header, std::int64_t timeout_ns, std::int64_t spin_ns);
+  // The same without waiting at all: kTimeout when the ring is full or another thread is pushing.
+  RingWait try_push(const std::uint8_t* header);
+  // RELEASE of `seq`'s result slot of `nbytes` from `rank`: held to go ahead of the next push while
+  // the held results stay within `batch_bytes` (nbytes < 0: never held), else pushed now with the
+  // held ones.
+  RingWait release(std::uint32_t rank, std::uint64_t seq, std::int64_t nbytes, std::uint64_t batch_bytes,
+                   std::int64_t timeout_ns, std::int64_t spin_ns);
+
+  // Pops the next DONE of a collective submitted the general way into `out` (kSlotBytes); kTimeout
+  // when none came in time or the channel aborted. A `waiter` goes first (see above).
+  RingWait pop(std::uint8_t* out, std::int64_t timeout_ns, std::int64_t spin_ns, bool waiter);
+  // Another thread completed something a waiter may be waiting for: waiters' pops return now (kTimeout).
+  void kick();
+
+  // The fast path, first half (the caller holds its lock, so that SUBMITs leave in sequence order):
+  // copies `submit.count` elements (`nbytes`) from `src` into `slot` of `arena`, then pushes the
+  // held RELEASEs and `submit` (its shard and offset are the slot's). From here the collective's
+  // DONE is this channel's to keep for finish().
+  FastEnd start(Arena& arena, const Slot& slot, const std::uint8_t* src, const Header& submit,
+                std::int64_t timeout_ns, std::int64_t spin_ns);
+  // Second half: waits for `seq`'s DONE, checks it against `submit`, copies the result (`nbytes`
+  // from its result segment) to `dst`, frees the slot and RELEASEs the result (held within
+  // `batch_bytes`). kTimeout leaves the collective parked until adopt(seq).
+  FastEnd finish(Arena& arena, const Slot& slot, const Header& submit, std::uint8_t* dst, std::uint64_t batch_bytes,
+                 std::int64_t timeout_ns, std::int64_t spin_ns);
+  // A parked fast collective goes the general way from now on (the caller registered it): true and
+  // its DONE in `out` if that had already come, else it is collected by pop() when it comes.
+  bool adopt(std::uint64_t seq, std::uint8_t* out);
+
+  // A result segment the daemon sent (SEGMENT): finish() copies results out of it.
+  void add_result(std::shared_ptr<Segment> seg);
+
+  // Stops pops and fast waits (the job failed or the client closes): they return within one sleep slice.
+  void abort();
+  bool aborted() const { return aborted_.load(); }
+  std::string why();
+
+ private:
+  using Descriptor = std::array<std::uint8_t, kSlotBytes>;
+  explicit WorkerChannel(std::shared_ptr<Segment> seg);
+  RingWait push_locked(const std::uint8_t* header, std::int64_t timeout_ns, std::int64_t spin_ns);
+  // Called with pop_mu_ held after a taker took `d` off the ring: true if it is a parked or waiting
+  // fast collective's (then kept in fast_ for it), false if it is the general way's.
+  bool route_fast(const Descriptor& d);
+  bool may_yield() const { return waiters_ > 0 || fast_waiters_ > 0; }
+  // With pop_mu_ held: wake the background taker if it can take something now; wake the waiters.
+  void wake_background();
+  void wake_takers();
+  FastEnd refused(const std::string& why);  // records why; kRefused
+
+  std::shared_ptr<Segment> seg_;
+  std::mutex push_mu_;  // guards the submit ring's producer side and held_
+  RingView submit_;
+  std::deque<std::array<std::uint8_t, kHeaderSize>> held_;  // RELEASEs waiting for the next push
+  std::uint64_t held_bytes_ = 0;
+  RingView done_;
+  std::atomic<bool> aborted_{false};
+  std::mutex pop_mu_;               // guards everything below
+  std::condition_variable pop_cv_;  // waiters and the fast path: the ring is free, a DONE was kept, a kick
+  std::condition_variable bg_cv_;   // the background taker: something is there for it to take
+  int bg_waiting_ = 0;              // background takers waiting on bg_cv_
+  bool popping_ = false;            // a thread is inside done_.pop (it has one consumer)
+  int waiters_ = 0;                 // waiters inside pop()
+  int fast_waiters_ = 0;            // threads inside finish()
+  std::uint64_t general_out_ = 0;   // collectives pushed the general way whose DONE is not taken yet
+  std::atomic<bool> yield_{false};  // a waiter or the fast path wants the ring: a background pop gives it up
+  std::atomic<bool> kick_{false};   // kick(): a waiter's pop returns, to look at its collective again
+  // DONEs of the general way that a fast taker (or a background pop during a wait) took: handed out first.
+  std::deque<Descriptor> kept_;
+  // Fast collectives started and not finished or adopted, with their DONE once some taker met it.
+  std::map<std::uint64_t, std::pair<bool, Descriptor>> fast_;
+  std::mutex results_mu_;
+  std::condition_variable results_cv_;
+  std::map<std::uint32_t, std::shared_ptr<Segment>> results_;
+  std::mutex why_mu_;
+  std::string why_;  // a refusal of the fast path (the rings keep their own)
+};
+
+}  // namespace smddp

@@ -1,0 +1,184 @@
+"""The blocking host all-reduce's fast path (Client.allreduce_now: the engine's WorkerChannel start and
+finish) against a scripted daemon on the client's real rings: the result in place, the RELEASE held,
+general collectives beside it, a timeout that becomes a handle, and a DONE that lies."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from smddp.client import collectives
+from smddp.client.collectives import allreduce_async
+from smddp.client.session import Client
+from smddp.errors import CollectiveError, CollectiveTimeoutError, SmddpError
+from smddp.proto.dtypes import DType, Kind, ReduceOp
+from smddp.proto.frames import Header, MsgType
+from tests.unit.lonely import lonely_client
+from tests.unit.test_client_release import RESULTS, ScriptedDaemon, sent, until_submits
+
+
+@pytest.fixture
+def pair():
+    client, theirs = lonely_client()
+    daemon = ScriptedDaemon(theirs)
+    yield client, daemon
+    try:
+        client.shutdown(timeout=2)
+    except SmddpError:
+        pass  # the tests that make the client fail leave it failed
+    daemon.close()
+
+
+class Call:
+    """A blocking call on its own thread (the daemon's answers come from the test's thread)."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[[], Any]) -> None:
+        try:
+            self.result = fn()
+        except BaseException as e:  # handed to the test
+            self.error = e
+
+    def join(self, timeout: float = 5.0) -> Any:
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), "the blocking call did not return"
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+def fast(client: Client, buf: np.ndarray, timeout: float = 5.0) -> Call:
+    return Call(lambda: collectives.allreduce(client, buf, ReduceOp.SUM, timeout))
+
+
+def test_fast_result_lands_in_place_and_its_release_rides_with_the_next_submit(pair):
+    client, daemon = pair
+    buf = np.zeros(1024, np.float32)
+    call = fast(client, buf)
+    frames = until_submits(daemon, 1)
+    s = frames[-1]
+    assert (s.seq, s.kind, s.dtype, s.count, s.op) == (1, Kind.ALLREDUCE, DType.FLOAT32, 1024, ReduceOp.SUM)
+    daemon.done(s, 3.0)
+    assert call.join() is buf
+    assert np.array_equal(buf, np.full(1024, 3.0, np.float32))
+    assert not daemon.pending(), "a 4 KiB result's RELEASE went out on its own"
+    assert client._arena.in_use == 0, "the input slot was not given back"
+    call = fast(client, buf)
+    frames = until_submits(daemon, 1)
+    assert sent(frames) == [(MsgType.RELEASE, 1), (MsgType.SUBMIT, 2)]
+    daemon.done(frames[-1], 5.0)
+    call.join()
+    assert np.array_equal(buf, np.full(1024, 5.0, np.float32))
+    assert client._handles == {}
+
+
+@pytest.mark.parametrize("first", ["general", "fast"])
+def test_fast_and_general_collectives_take_each_others_done(pair, first):
+    """A general collective in flight (nobody waits for it: the DONE thread's) and a fast one after
+    it: whichever DONE comes first, each reaches its own collective."""
+    client, daemon = pair
+    general = allreduce_async(client, np.zeros(256, np.float32))
+    buf = np.zeros(512, np.float32)
+    call = fast(client, buf)
+    s1, s2 = [f for f in until_submits(daemon, 2) if f.type is MsgType.SUBMIT]
+    assert (s1.seq, s2.seq) == (1, 2)
+    order = [(s1, 1.0), (s2, 2.0)] if first == "general" else [(s2, 2.0), (s1, 1.0)]
+    for s, v in order:
+        daemon.done(s, v)
+        time.sleep(0.05)  # the other side's taker is on the ring when the next comes
+    call.join()
+    assert np.array_equal(buf, np.full(512, 2.0, np.float32))
+    assert np.array_equal(general.wait(timeout=5), np.full(256, 1.0, np.float32))
+
+
+def test_fast_timeout_becomes_a_handle_and_the_result_still_lands(pair):
+    client, daemon = pair
+    buf = np.zeros(1024, np.float32)
+    with pytest.raises(CollectiveTimeoutError, match=r"collective #1 .*did not complete within 0.2s"):
+        collectives.allreduce(client, buf, ReduceOp.SUM, 0.2)
+    assert list(client._handles) == [1], "the collective left in flight is not tracked"
+    daemon.done(until_submits(daemon, 1)[-1], 7.0)
+    deadline = time.monotonic() + 5
+    while not np.array_equal(buf, np.full(1024, 7.0, np.float32)):
+        assert time.monotonic() < deadline, "the late DONE never reached the caller's buffer"
+        time.sleep(0.01)
+    while client._handles:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert client._arena.in_use == 0
+
+
+def test_fast_done_that_came_before_adopt_is_not_lost(pair):
+    """The DONE arrives while the timed-out call hands its collective over: adopt() returns it."""
+    client, daemon = pair
+    buf = np.zeros(64, np.float32)
+    s = None
+
+    def answer() -> None:
+        nonlocal s
+        s = until_submits(daemon, 1)[-1]
+        time.sleep(0.1)  # just before the call's 0.1 s run out
+        daemon.done(s, 9.0)
+
+    t = threading.Thread(target=answer)
+    t.start()
+    try:
+        collectives.allreduce(client, buf, ReduceOp.SUM, 0.1)
+    except CollectiveTimeoutError:
+        pass  # either way, the result must land exactly once
+    t.join()
+    deadline = time.monotonic() + 5
+    while not (np.array_equal(buf, np.full(64, 9.0, np.float32)) and not client._handles):
+        assert time.monotonic() < deadline, "the DONE was lost between the fast path and its handle"
+        time.sleep(0.01)
+    # The client is healthy: the next collective goes through.
+    call = fast(client, buf)
+    daemon.done(until_submits(daemon, 1)[-1], 1.0)
+    call.join()
+    assert client._failure is None
+
+
+@pytest.mark.parametrize(
+    "lie, match",
+    [
+        (dict(count=1023), "does not match what this rank submitted"),
+        (dict(dtype=DType.INT32), "does not match what this rank submitted"),
+        (dict(offset=RESULTS - 64), "out of bounds|outside"),
+        (dict(shard=5), "names result segment 5, which was never sent"),
+    ],
+)
+def test_a_done_that_lies_fails_the_client_naming_why(pair, lie, match):
+    client, daemon = pair
+    buf = np.zeros(1024, np.float32)
+    call = fast(client, buf, timeout=0.5)
+    s = until_submits(daemon, 1)[-1]
+    fields: dict[str, Any] = dict(
+        seq=s.seq, shard=0, offset=0, count=s.count, dtype=s.dtype, op=s.op, kind=s.kind
+    )
+    fields.update(lie)
+    daemon.rings.push(Header(MsgType.DONE, **fields).encode(), 5.0)
+    with pytest.raises(CollectiveError, match=match):
+        call.join()
+    assert client._failure is not None
+    with pytest.raises(CollectiveError):
+        collectives.allreduce(client, buf, ReduceOp.SUM, 1.0)
+
+
+def test_shutdown_waits_for_a_fast_call_and_names_it_unfinished(pair):
+    client, daemon = pair
+    call = fast(client, np.zeros(16, np.float32), timeout=5.0)
+    until_submits(daemon, 1)
+    with pytest.raises(CollectiveTimeoutError, match=r"collectives \[1\] unfinished"):
+        client.shutdown(timeout=0.3)
+    with pytest.raises(SmddpError):
+        call.join()
