@@ -152,7 +152,7 @@ SETTINGS: tuple[Setting, ...] = (
     S(
         "replicate_kb",
         int,
-        256,
+        32,
         "all-reduces of at most this many KiB x (nodes - 1) take one network step (0: never)",
         ("--replicate-kb",),
         (LAUNCH, DAEMON),

@@ -2,6 +2,7 @@
 // exchange with the other daemons over the fabric, DONE.
 #include "local_plane.h"
 
+#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -27,8 +28,6 @@ constexpr std::size_t kMaxCompletions = 1 << 16;
 constexpr int kDrainMs = 2000;
 // The progress thread's longest sleep in the fabric: close() and heartbeats are never later than this.
 constexpr int kProgressSliceMs = 50;
-// After activity the progress thread polls the fabric without waiting for this long, then sleeps in it.
-constexpr std::int64_t kProgressSpinNs = 20'000;
 
 constexpr std::uint8_t kFloat16 = 4;
 constexpr std::uint8_t kBfloat16 = 5;
@@ -795,15 +794,21 @@ void LocalPlane::progress_loop() {
   Clock::time_point next_beat = busy + std::chrono::nanoseconds(period_ns);
   while (!progress_stop_.load(std::memory_order_acquire)) {
     Clock::time_point now = Clock::now();
-    int wait_ms = 0;  // spin (poll without waiting) for a while after something happened, then sleep
-    if (std::chrono::duration_cast<std::chrono::nanoseconds>(now - busy).count() >= kProgressSpinNs) {
+    // After activity, poll the fabric without waiting for spin_ns (yielding the core between polls, as
+    // the rings' waits do: on an oversubscribed machine the peers' and workers' threads run meanwhile),
+    // then sleep in it.
+    int wait_ms = 0;
+    if (std::chrono::duration_cast<std::chrono::nanoseconds>(now - busy).count() >= cfg_.spin_ns) {
       wait_ms = kProgressSliceMs;
       if (period_ns > 0) {
         const auto to_beat = std::chrono::duration_cast<std::chrono::milliseconds>(next_beat - now).count();
         wait_ms = static_cast<int>(std::max<std::int64_t>(1, std::min<std::int64_t>(wait_ms, to_beat)));
       }
     }
-    if (fabric_->progress(wait_ms) > 0) busy = Clock::now();
+    if (fabric_->progress(wait_ms) > 0)
+      busy = Clock::now();
+    else if (wait_ms == 0)
+      sched_yield();
     if (period_ns > 0 && (now = Clock::now()) >= next_beat) {
       beat();
       next_beat = now + std::chrono::nanoseconds(period_ns);

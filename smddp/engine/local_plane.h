@@ -55,7 +55,7 @@ struct PlaneConfig {
   std::vector<std::string> rank_names;  // local rank i before it connects
   std::vector<std::string> node_names;  // node j in messages (one per node)
   std::string me;  // how this daemon is named in messages ("node 0 (host, ranks 0-3)")
-  std::int64_t spin_ns = 200'000;  // a link thread spins (yielding) this long for the next descriptor, then sleeps
+  std::int64_t spin_ns = 200'000;  // link threads and the progress thread spin (yielding) this long, then sleep
   std::int64_t push_timeout_ns = 60'000'000'000;  // a done ring full this long: its worker is stuck
   std::int64_t attach_wait_ns = 10'000'000'000;  // a SUBMIT naming a segment its ATTACH has not brought yet
   std::uint32_t threads = 2;  // compute threads sharing the chunks of large collectives (0: none)
