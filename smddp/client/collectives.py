@@ -12,7 +12,7 @@ from smddp.client.buffers import BufferView, PartsView, as_buffer, as_parts
 from smddp.client.device.buffers import DeviceBuffer
 from smddp.client.session import Client, Handle, PipelinedHandle, check_op
 from smddp.errors import InvalidArgumentError, UnsupportedBufferError
-from smddp.proto.dtypes import DType, Kind, ReduceOp
+from smddp.proto.dtypes import DType, Kind, ReduceOp, dtype_from_numpy
 from smddp.proto.layout import shard_bounds
 
 
@@ -121,12 +121,18 @@ def allreduce_async(c: Client, buf: Any, op: Any = ReduceOp.SUM, stream: Any = N
 def allreduce(c: Client, buf: Any, op: Any, timeout: float | None, stream: Any = None) -> Any:
     """The blocking all-reduce: a numpy array in one pass through the engine where it can
     (Client.allreduce_now), anything else as allreduce_async(...).wait()."""
-    if stream is None and isinstance(buf, np.ndarray):
-        rop = check_op(op)
-        view = as_buffer(buf, writable=True)
-        if c.allreduce_now(view, rop, timeout):
+    if stream is None and type(buf) is np.ndarray:
+        # The checks as_buffer makes, in their cheapest form (this runs on every call): anything they
+        # refuse goes the general way, which refuses it with the full message.
+        dt = dtype_from_numpy(buf.dtype)
+        flags = buf.flags
+        if (
+            dt is not None
+            and flags.c_contiguous
+            and flags.writeable
+            and c.allreduce_now(buf, dt, buf.size, check_op(op), timeout)
+        ):
             return buf
-        return _allreduce_pieces(c, view, rop, view.array, buf).wait(timeout)
     return allreduce_async(c, buf, op, stream).wait(timeout)
 
 

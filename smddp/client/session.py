@@ -526,22 +526,26 @@ class Client:
             raise fresh(self._failure) from None
         return handle
 
-    def allreduce_now(self, view: BufferView, op: ReduceOp, timeout: float | None) -> bool:
+    def allreduce_now(
+        self, buf: np.ndarray, dtype: DType, count: int, op: ReduceOp, timeout: float | None
+    ) -> bool:
         """A blocking all-reduce of host memory in place, run by the engine from the copy into shared
         memory to the copy of the result back and its RELEASE (WorkerChannel start/finish, without
         the GIL): no Handle, no Python per DONE. False, with nothing done, where it must go the
         general way: pieces (a large buffer in a job of several nodes), a timeline to record, an
         empty buffer, or device copies still queued ahead of it.
 
-        A collective that does not complete within `timeout` becomes a Handle like any other (its
-        result lands in `view` when it comes) and CollectiveTimeoutError is raised, as wait() does.
+        `buf` is a C-contiguous, writable numpy array of `count` elements of `dtype` (the caller
+        checked). A collective that does not complete within `timeout` becomes a Handle like any
+        other (its result lands in `buf` when it comes) and CollectiveTimeoutError is raised, as
+        wait() does.
         """
-        nbytes = view.nbytes
+        nbytes = count * dtype.itemsize
         piece_bytes = self.config.pipeline_bytes if self.job.nnodes > 1 else 0
         if nbytes == 0 or (0 < piece_bytes < nbytes) or self.config.timeline_dir:
             return False
         t = self.config.timeout_s if timeout is None else timeout
-        kind, dtype, arena = Kind.ALLREDUCE, view.dtype, self._arena
+        kind, arena = Kind.ALLREDUCE, self._arena
         lost: ConnectionClosed | None = None
         broken: ProtocolError | None = None
         with self._lock:
@@ -564,8 +568,8 @@ class Client:
             if lost is None:
                 try:
                     self._channel.start(
-                        arena.native, kind, slot.segment, slot.offset, view.array, self.rank, seq,
-                        view.count, dtype, op, self.config.timeout_s, RING_SPIN_US,
+                        arena.native, kind, slot.segment, slot.offset, buf, self.rank, seq,
+                        count, dtype, op, self.config.timeout_s, RING_SPIN_US,
                     )  # fmt: skip
                 except TimeoutError:
                     lost = ConnectionClosed(
@@ -585,17 +589,19 @@ class Client:
             assert self._failure is not None
             raise fresh(self._failure) from None
         try:
-            return self._finish_now(view, op, slot, seq, t)
+            return self._finish_now(buf, dtype, count, op, slot, seq, t)
         finally:
             self._fast.discard(seq)  # (a set's discard is atomic under the GIL)
 
-    def _finish_now(self, view: BufferView, op: ReduceOp, slot: Slot, seq: int, t: float) -> bool:
+    def _finish_now(
+        self, buf: np.ndarray, dtype: DType, count: int, op: ReduceOp, slot: Slot, seq: int, t: float
+    ) -> bool:
         """allreduce_now's wait, copy-out and RELEASE; a timeout hands the collective to a Handle."""
-        kind, dtype, arena = Kind.ALLREDUCE, view.dtype, self._arena
+        kind, arena = Kind.ALLREDUCE, self._arena
         try:
             done = self._channel.finish(
-                arena.native, kind, slot.segment, slot.offset, view.array, self.rank, seq,
-                view.count, dtype, op, RELEASE_BATCH_BYTES, t, RING_SPIN_US,
+                arena.native, kind, slot.segment, slot.offset, buf, self.rank, seq,
+                count, dtype, op, RELEASE_BATCH_BYTES, t, RING_SPIN_US,
             )  # fmt: skip
         except TimeoutError:  # its RELEASE found the ring full for the whole timeout
             self._fail(
@@ -613,13 +619,13 @@ class Client:
             raise fresh(self._failure)
         self._check_open()
         # Not in time: from now on it is collected the general way, into the caller's buffer.
-        out = view.array
+        out = buf.reshape(-1).view(dtype.storage)
 
         def deliver(r: np.ndarray) -> Any:
             out[:] = r.view(out.dtype)
             return out
 
-        handle = Handle(seq, kind, dtype, view.count, deliver, slot, view.keepalive, self.config.timeout_s)
+        handle = Handle(seq, kind, dtype, count, deliver, slot, None, self.config.timeout_s)
         handle._drive = self._drive
         with self._lock:
             self._handles[seq] = handle
@@ -627,7 +633,7 @@ class Client:
         if raw is not None:
             self._on_done(decode_header(raw))
         raise CollectiveTimeoutError(
-            f"collective #{seq} ({kind.label}, {dtype.label}, count={view.count}) "
+            f"collective #{seq} ({kind.label}, {dtype.label}, count={count}) "
             f"did not complete within {t:g}s; it is still in flight"
         )
 
