@@ -290,6 +290,10 @@ FastEnd WorkerChannel::finish(Arena& arena, const Slot& slot, const Header& subm
     Descriptor d;
     for (bool first = true;; first = false) {
       auto it = fast_.find(submit.seq);
+      if (it == fast_.end()) {  // adopted meanwhile by another thread: the caller's misuse
+        end = refused("collective #" + num(submit.seq) + " was handed over while it was waited for");
+        break;
+      }
       if (it->second.first) {
         mine = it->second.second;
         fast_.erase(it);
@@ -356,9 +360,10 @@ FastEnd WorkerChannel::finish(Arena& arena, const Slot& slot, const Header& subm
   if (slot.nbytes != 0) std::memcpy(dst, p, slot.nbytes);
   w = arena.free(slot);
   if (!w.empty()) return refused("input slot of #" + num(h.seq) + ": " + w);
-  const std::int64_t left = left_of(t0, timeout_ns);
-  const RingWait r = release(submit.sender, h.seq, static_cast<std::int64_t>(slot.nbytes), batch_bytes,
-                             left > 0 ? left : 0, spin_ns);
+  // The collective is complete: its RELEASE may wait for ring space the whole timeout, not what is
+  // left of it (a full ring for that long means the daemon is gone).
+  const RingWait r =
+      release(submit.sender, h.seq, static_cast<std::int64_t>(slot.nbytes), batch_bytes, timeout_ns, spin_ns);
   if (r == RingWait::kTimeout) return FastEnd::kRingFull;
   if (r != RingWait::kReady) return FastEnd::kRefused;
   return FastEnd::kDone;
