@@ -53,6 +53,7 @@ RELEASE_BATCH_BYTES = 256 << 10
 # How long a wait on the engine's rings spins before it sleeps on the ring's futex: long enough to
 # catch a small collective's DONE without a sleep and a wake-up; the spin yields the core between
 # looks, so the daemon's threads and the other workers still run (see PLANE_SPIN_US in the daemon).
+# The fast path's wait stops spinning for a while when its spins keep missing (WorkerChannel::finish).
 RING_SPIN_US = 200.0
 log = logging.getLogger("smddp.client")
 

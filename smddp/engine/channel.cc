@@ -12,6 +12,9 @@ using Clock = std::chrono::steady_clock;
 
 // The longest single sleep of a taker that is not its turn: every wait still ends at its own timeout.
 constexpr std::int64_t kTakeSliceNs = 20'000'000;
+// The fast path's adaptive spin (channel.h, spin_rest_): misses in a row before it rests, waits it rests.
+constexpr std::uint32_t kSpinMisses = 4;
+constexpr std::uint32_t kSpinRest = 64;
 
 std::int64_t left_of(Clock::time_point t0, std::int64_t timeout_ns) {
   return timeout_ns - std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();
@@ -307,10 +310,22 @@ FastEnd WorkerChannel::finish(Arena& arena, const Slot& slot, const Header& subm
         continue;
       }
       popping_ = true;
+      const std::int64_t spin = spin_rest_ > 0 ? 0 : spin_ns;
+      if (spin_rest_ > 0) spin_rest_--;
       lock.unlock();
-      const RingWait r = done_.pop(d.data(), slice_of(left), spin_ns, &aborted_);
+      const Clock::time_point p0 = Clock::now();
+      const RingWait r = done_.pop(d.data(), slice_of(left), spin, &aborted_);
+      const std::int64_t waited = std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - p0).count();
       lock.lock();
       popping_ = false;
+      if (r == RingWait::kReady && spin > 0) {
+        // Caught while spinning, or only after the sleep: the spin's record.
+        spin_misses_ = waited <= spin ? 0 : spin_misses_ + 1;
+        if (spin_misses_ >= kSpinMisses) {
+          spin_misses_ = kSpinMisses - 1;  // after the rest, one more miss is enough to rest again
+          spin_rest_ = kSpinRest;
+        }
+      }
       wake_takers();
       if (r == RingWait::kCorrupt) {
         end = refused("the daemon broke this worker's done ring: " + done_.why());

@@ -128,6 +128,11 @@ class WorkerChannel {
   std::uint64_t general_out_ = 0;   // collectives pushed the general way whose DONE is not taken yet
   std::atomic<bool> yield_{false};  // a waiter or the fast path wants the ring: a background pop gives it up
   std::atomic<bool> kick_{false};   // kick(): a waiter's pop returns, to look at its collective again
+  // The fast path's spin adapts (finish): a spin that keeps missing the DONE only takes cores from
+  // the threads the collective waits for, so after kSpinMisses misses in a row the next kSpinRest
+  // waits sleep at once; then one spins again to see whether spinning pays once more.
+  std::uint32_t spin_misses_ = 0;
+  std::uint32_t spin_rest_ = 0;
   // DONEs of the general way that a fast taker (or a background pop during a wait) took: handed out first.
   std::deque<Descriptor> kept_;
   // Fast collectives started and not finished or adopted, with their DONE once some taker met it.
