@@ -122,6 +122,9 @@ bench: $(STAMP)
 	$(BIN)/smddp-bench profile --sim --nodes 4 --per-node 1 --rate-mbit 1000 --size 4K --py-spy --name profile-sim4-4k --out $(BENCH_OUT)
 	$(BIN)/smddp-bench profile --sim --nodes 4 --per-node 1 --rate-mbit 1000 --size 64M --seconds 12 --py-spy --name profile-sim4-64m --out $(BENCH_OUT)
 	$(BIN)/smddp-bench profile --sim --nodes 4 --per-node 1 --rate-mbit 1000 --delay-ms 0.5 --size 256K --py-spy --name profile-sim4d-256k --out $(BENCH_OUT)
+	$(BIN)/smddp-bench profile --sim --nodes 2 --per-node 1 --size 64M --seconds 10 --name profile-sim2-64m --out $(BENCH_OUT)
+	$(BIN)/smddp-bench profile --nodes 2 --per-node 1 --size 64M --seconds 10 --name profile-host2-64m --out $(BENCH_OUT)
+	$(BIN)/smddp-bench sweep --nodes 2 --per-node 1 --sizes 256M,512M,1G --impls smddp,mpi --out $(BENCH_OUT) --name sweep-host2-large
 	$(BIN)/smddp-bench ddp --nodes 1 --per-node 4 --out $(BENCH_OUT) --name ddp-host1x4
 	$(BIN)/smddp-bench ddp --nodes 2 --per-node 2 --out $(BENCH_OUT) --name ddp-host4
 	$(BIN)/smddp-bench ddp --sim --nodes 4 --per-node 1 --rate-mbit 1000 --out $(BENCH_OUT) --name ddp-sim4

@@ -160,3 +160,51 @@ def test_kernels_benchmark_writes_both_kernels(tmp_path):
     saved = json.loads((tmp_path / "kernels.json").read_text())
     assert saved == rows and [r["dtype"] for r in rows] == ["float32", "bfloat16"]
     assert all(r["numpy_s"] > 0 and r["compiled_s"] > 0 and r["bytes"] == 4096 for r in rows)
+
+
+def test_engine_figures_from_sweeps_profiles_and_ddp():
+    """Issue 17's section: each figure computed from the runs' JSON, the misses named with their factor."""
+    from smddp_rigs.bench.engine_md import engine_section
+
+    def sweep(name, times):
+        runs = [
+            {"impl": impl, "cases": [{"nbytes": n, "median_s": t, "supported": True} for n, t in by.items()]}
+            for impl, by in times.items()
+        ]
+        return {"config": {"name": name}, "runs": runs}
+
+    host = sweep(
+        "sweep-host4",
+        {
+            "smddp": {4096: 40e-6, 1 << 20: 3e-3, 16 << 20: 9e-3},
+            "mpi": {4096: 20e-6, 1 << 20: 2e-3, 16 << 20: 10e-3},
+            "mpi-ring": {4096: 30e-6, 1 << 20: 1e-3, 16 << 20: 12e-3},
+            "gloo": {4096: 5e-3, 1 << 20: 6e-3, 16 << 20: 20e-3},
+        },
+    )
+    large = sweep("sweep-host2-large", {"smddp": {256 << 20: 0.2, 1 << 30: 0.9}, "mpi": {256 << 20: 0.15}})
+
+    def profile(nbytes, wall_us, daemon_us):
+        procs = [{"role": "daemon", "user_us": daemon_us / 2, "sys_us": daemon_us / 2}, {"role": "worker"}]
+        return {"config": {"nbytes": nbytes}, "wall_us": wall_us, "processes": procs}
+
+    targets = {"checks": [{"name": "time smddp / gloo, 64 MiB", "value": 0.98}]}
+    out = "\n".join(
+        engine_section(
+            targets,
+            {"sweep-host4": host, "sweep-host2-large": large},
+            {"profile-host4-4k": profile(4096, 50.0, 30.0)},
+            {"profile-host4-4k": profile(4096, 700.0, 360.0)},
+            {"ddp-sim4": {"ratio": 0.9}},
+        )
+    )
+    assert "| 1 host, 4 workers: 4 KiB, smddp / Open MPI | 2 | <= 2 | 40 us against 20 us | met |" in out
+    # 1 MiB: 3 ms against mpi-ring's 1 ms is the slowest (3x); 16 MiB is below the best (9 against 10).
+    assert "slowest size against the best of mpi, mpi-ring, gloo | 3 | <= 1.5 | 1 MiB against mpi-ring |" in out
+    assert "above 1: 1 MiB 3.00 |" in out
+    assert "| 1 host, 2 daemons x 1 worker: 1 GiB time / 256 MiB time | 4.5 | <= 4.2 |" in out
+    assert "| T1: 64 MiB, smddp / gloo | 0.98 | <= 1 | - | met |" in out
+    assert "| DDP step, 4 simulated nodes: smddp / gloo | 0.9 | <= 0.85 | - | **missed** |" in out
+    assert "daemon CPU per 4 KiB all-reduce, before / now | 12 | >= 5 | 360 us -> 30 us | met |" in out
+    assert "1.06x the limit" in out  # the DDP miss, named with its factor
+    assert "| 1 host, 4 workers, 4 KiB | 700 us |" in out and "| 12.0x |" in out

@@ -12,6 +12,7 @@ from smddp.bench.ddp import ddp_markdown
 from smddp.bench.profile import profile_markdown
 from smddp.bench.report import comparison_table, settings_lines
 from smddp.bench.runner import ImplRun, Topology
+from smddp_rigs.bench.engine_md import engine_section, load_before
 from smddp_rigs.bench.model import model_markdown
 from smddp_rigs.bench.targets import Check, target_table
 
@@ -24,6 +25,9 @@ MAKE_BENCH = (
     "smddp-bench profile --sim --nodes 4 --per-node 1 --rate-mbit 1000 --size 4K --py-spy --name profile-sim4-4k --out bench-results",
     "smddp-bench profile --sim --nodes 4 --per-node 1 --rate-mbit 1000 --size 64M --seconds 12 --py-spy --name profile-sim4-64m --out bench-results",
     "smddp-bench profile --sim --nodes 4 --per-node 1 --rate-mbit 1000 --delay-ms 0.5 --size 256K --py-spy --name profile-sim4d-256k --out bench-results",
+    "smddp-bench profile --sim --nodes 2 --per-node 1 --size 64M --seconds 10 --name profile-sim2-64m --out bench-results",
+    "smddp-bench profile --nodes 2 --per-node 1 --size 64M --seconds 10 --name profile-host2-64m --out bench-results",
+    "smddp-bench sweep --nodes 2 --per-node 1 --sizes 256M,512M,1G --impls smddp,mpi --out bench-results --name sweep-host2-large",
     "smddp-bench ddp --nodes 1 --per-node 4 --out bench-results --name ddp-host1x4",
     "smddp-bench ddp --nodes 2 --per-node 2 --out bench-results --name ddp-host4",
     "smddp-bench ddp --sim --nodes 4 --per-node 1 --rate-mbit 1000 --out bench-results --name ddp-sim4",
@@ -122,6 +126,7 @@ def render(
     profiles: list[dict[str, Any]] | None = None,
     gpu_md: str | None = None,
     ddps: list[dict[str, Any]] | None = None,
+    before: dict[str, dict[str, Any]] | None = None,
 ) -> str:
     cks = [Check(**{k: v for k, v in c.items() if k != "met"}) for c in targets["checks"]]
     misses = [m for m in (_miss(c) for c in cks) if m]
@@ -250,6 +255,13 @@ def render(
         ]
         for d in ddps:
             out += [f"Command: `{d['command']}` ({d['wall_s'] / 60:.1f} min).", "", ddp_markdown(d), ""]
+    out += engine_section(
+        targets,
+        {s["config"]["name"]: s for s in sweeps},
+        {pr["config"]["name"]: pr for pr in profiles or []},
+        before or {},
+        {d["config"]["name"]: d for d in ddps or []},
+    )
     if profiles:
         out += [
             "## Profiles",
@@ -297,5 +309,5 @@ def write_benchmarks_md(cfg: ReportConfig, log: TextIO = sys.stderr) -> None:
     gpu_md = None
     if gpu.exists() and json.loads(gpu.read_text()).get("runtime") not in (None, "standin"):
         gpu_md = gpu.with_suffix(".md").read_text()
-    Path(cfg.out).write_text(render(targets, model, sweeps, profiles, gpu_md, ddps))
+    Path(cfg.out).write_text(render(targets, model, sweeps, profiles, gpu_md, ddps, load_before(cfg.sweeps)))
     print(f"smddp-bench: wrote {cfg.out}", file=log)
