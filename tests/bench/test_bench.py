@@ -200,7 +200,9 @@ def test_engine_figures_from_sweeps_profiles_and_ddp():
     )
     assert "| 1 host, 4 workers: 4 KiB, smddp / Open MPI | 2 | <= 2 | 40 us against 20 us | met |" in out
     # 1 MiB: 3 ms against mpi-ring's 1 ms is the slowest (3x); 16 MiB is below the best (9 against 10).
-    assert "slowest size against the best of mpi, mpi-ring, gloo | 3 | <= 1.5 | 1 MiB against mpi-ring |" in out
+    assert (
+        "slowest size against the best of mpi, mpi-ring, gloo | 3 | <= 1.5 | 1 MiB against mpi-ring |" in out
+    )
     assert "above 1: 1 MiB 3.00 |" in out
     assert "| 1 host, 2 daemons x 1 worker: 1 GiB time / 256 MiB time | 4.5 | <= 4.2 |" in out
     assert "| T1: 64 MiB, smddp / gloo | 0.98 | <= 1 | - | met |" in out

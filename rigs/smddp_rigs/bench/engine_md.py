@@ -193,14 +193,14 @@ def engine_section(
     )
     for stem, label in (("profile-host4-4k", "1 host, 4 workers"), ("profile-sim4-4k", "4 simulated nodes")):
         if stem in before and stem in profiles:
-            b, n = profile_row(before[stem]), profile_row(profiles[stem])
+            was, now = profile_row(before[stem]), profile_row(profiles[stem])
             figs.append(
                 Figure(
                     f"{label}: daemon CPU per 4 KiB all-reduce, before / now",
-                    b["daemon_us"] / n["daemon_us"],
+                    was["daemon_us"] / now["daemon_us"],
                     ">=",
                     5.0,
-                    f"{fmt_time(b['daemon_us'] * 1e-6)} -> {fmt_time(n['daemon_us'] * 1e-6)}",
+                    f"{fmt_time(was['daemon_us'] * 1e-6)} -> {fmt_time(now['daemon_us'] * 1e-6)}",
                 )
             )
     shown = [f for f in figs if f is not None]
