@@ -446,6 +446,19 @@ class Client:
         if self._failure is not None:
             raise fresh(self._failure)
 
+    def _alloc_locked(self, nbytes: int) -> tuple[Slot, ConnectionClosed | None]:
+        """A slot of the arena, with _lock held; a new segment is ATTACHed first (the daemon must map
+        it before a SUBMIT names it). The connection's loss comes back for the caller to fail with."""
+        slot, seg = self._arena.alloc(nbytes)
+        if seg is not None:
+            try:
+                self._conn.send_frame(
+                    Attach(self.rank, seg.id, seg.size).header(), fds=[seg.fd], timeout=self.config.timeout_s
+                )
+            except ConnectionClosed as e:
+                return slot, e
+        return slot, None
+
     def submit(
         self,
         kind: Kind,
@@ -472,16 +485,7 @@ class Client:
             ready = None
             src = device.src if device is not None else None
             if send_data and (buf is not None or src is not None):
-                slot, seg = self._arena.alloc(nbytes)
-                if seg is not None:
-                    try:
-                        self._conn.send_frame(
-                            Attach(self.rank, seg.id, seg.size).header(),
-                            fds=[seg.fd],
-                            timeout=self.config.timeout_s,
-                        )
-                    except ConnectionClosed as e:
-                        lost = e
+                slot, lost = self._alloc_locked(nbytes)
                 if src is not None and device is not None:
                     ready = self._copy_in(device, src, slot)
                 elif buf is not None:
@@ -553,16 +557,7 @@ class Client:
             self._check_open()
             if self._deferred:
                 return False
-            slot, seg = arena.alloc(nbytes)
-            if seg is not None:
-                try:
-                    self._conn.send_frame(
-                        Attach(self.rank, seg.id, seg.size).header(),
-                        fds=[seg.fd],
-                        timeout=self.config.timeout_s,
-                    )
-                except ConnectionClosed as e:
-                    lost = e
+            slot, lost = self._alloc_locked(nbytes)
             seq = self._next_seq
             self._next_seq += 1
             self._fast.add(seq)
