@@ -315,12 +315,11 @@ FastEnd WorkerChannel::finish(Arena& arena, const Slot& slot, const Header& subm
       lock.unlock();
       const Clock::time_point p0 = Clock::now();
       const RingWait r = done_.pop(d.data(), slice_of(left), spin, &aborted_);
-      const std::int64_t waited = std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - p0).count();
       lock.lock();
       popping_ = false;
       if (r == RingWait::kReady && spin > 0) {
         // Caught while spinning, or only after the sleep: the spin's record.
-        spin_misses_ = waited <= spin ? 0 : spin_misses_ + 1;
+        spin_misses_ = Clock::now() - p0 <= std::chrono::nanoseconds(spin) ? 0 : spin_misses_ + 1;
         if (spin_misses_ >= kSpinMisses) {
           spin_misses_ = kSpinMisses - 1;  // after the rest, one more miss is enough to rest again
           spin_rest_ = kSpinRest;

@@ -168,7 +168,12 @@ def test_engine_figures_from_sweeps_profiles_and_ddp():
 
     def sweep(name, times):
         runs = [
-            {"impl": impl, "cases": [{"nbytes": n, "median_s": t, "supported": True} for n, t in by.items()]}
+            {
+                **{"impl": impl, "topology": {}, "ranks": 4, "command": "", "settings": {}, "wall_s": 1.0},
+                "cases": [
+                    {"nbytes": n, "dtype": "float32", "op": "sum", "median_s": t} for n, t in by.items()
+                ],
+            }
             for impl, by in times.items()
         ]
         return {"config": {"name": name}, "runs": runs}
@@ -188,7 +193,13 @@ def test_engine_figures_from_sweeps_profiles_and_ddp():
         procs = [{"role": "daemon", "user_us": daemon_us / 2, "sys_us": daemon_us / 2}, {"role": "worker"}]
         return {"config": {"nbytes": nbytes}, "wall_us": wall_us, "processes": procs}
 
-    targets = {"checks": [{"name": "time smddp / gloo, 64 MiB", "value": 0.98}]}
+    # T3 has a check of the same name: the T1 one is taken.
+    targets = {
+        "checks": [
+            {"target": "T3", "name": "time smddp / gloo, 64 MiB", "value": 0.35},
+            {"target": "T1", "name": "time smddp / gloo, 64 MiB", "value": 0.98},
+        ]
+    }
     out = "\n".join(
         engine_section(
             targets,

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from smddp.bench.report import fmt_size, fmt_time
+from smddp.bench.runner import ImplRun
 
 #: Where the last `make bench` of the Python data plane (commit c0bfdf6) left its profiles, and where
 #: the headroom profiles measured at that commit for comparison went: the "before" of issue 17.
@@ -38,11 +39,14 @@ class Figure:
 
 
 def _medians(sweep: dict[str, Any]) -> dict[str, dict[int, float]]:
-    """Each implementation's median time per size (float32 sum, the sweeps' one case per size)."""
-    out: dict[str, dict[int, float]] = {}
-    for run in sweep["runs"]:
-        out[run["impl"]] = {c["nbytes"]: c["median_s"] for c in run["cases"] if c.get("supported", True)}
-    return out
+    """Each implementation's median time per size (the float32 sums make bench sweeps)."""
+    runs = [ImplRun.from_json(r) for r in sweep["runs"]]
+    return {
+        r.impl: {
+            c.nbytes: c.median_s for c in r.cases if c.supported and (c.dtype, c.op) == ("float32", "sum")
+        }
+        for r in runs
+    }
 
 
 def _best(med: dict[str, dict[int, float]], size: int) -> tuple[str, float]:
@@ -107,9 +111,13 @@ def large_figure(sweep: dict[str, Any]) -> Figure | None:
     )
 
 
-def target_figure(targets: dict[str, Any], name: str, what: str, cmp: str, limit: float) -> Figure | None:
+def target_figure(
+    targets: dict[str, Any], target: str, name: str, what: str, cmp: str, limit: float
+) -> Figure | None:
+    """The value of one of issue 4's checks (named by target and name: T1 and T3 both have a
+    "time smddp / gloo, 64 MiB"), under issue 17's limit; None where the targets run did not measure it."""
     for c in targets.get("checks", []):
-        if c["name"] == name and c["value"] == c["value"]:
+        if (c["target"], c["name"]) == (target, name) and c["value"] == c["value"]:
             return Figure(what, float(c["value"]), cmp, limit)
     return None
 
@@ -156,15 +164,17 @@ def engine_section(
     figs += [
         target_figure(
             targets,
+            "T2",
             "time smddp / best of Open MPI (default, ring) and gloo, 256 KiB, 0.5 ms one-way delay",
             "T2: 256 KiB, 0.5 ms one-way delay, smddp / the best peer",
             "<=",
             0.6,
         ),
-        target_figure(targets, "smddp busbw, 64 MiB float32", "T1: 64 MiB busbw, Gbit/s", ">=", 0.95),
-        target_figure(targets, "time smddp / gloo, 64 MiB", "T1: 64 MiB, smddp / gloo", "<=", 1.0),
+        target_figure(targets, "T1", "smddp busbw, 64 MiB float32", "T1: 64 MiB busbw, Gbit/s", ">=", 0.95),
+        target_figure(targets, "T1", "time smddp / gloo, 64 MiB", "T1: 64 MiB, smddp / gloo", "<=", 1.0),
         target_figure(
             targets,
+            "T3",
             "time smddp / Open MPI shared memory, 64 MiB",
             "T3: 64 MiB one host, smddp / Open MPI",
             "<=",
@@ -185,6 +195,7 @@ def engine_section(
     figs.append(
         target_figure(
             targets,
+            "T6",
             "daemon RSS growth over the 1 MiB run (after warm-up)",
             "T6: daemon RSS growth over 10,000 x 1 MiB, MiB",
             "<=",
