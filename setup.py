@@ -42,6 +42,7 @@ extensions = [
             "smddp/engine/arena.cc",
             "smddp/engine/ring.cc",
             "smddp/engine/tcp_fabric.cc",
+            "smddp/engine/ofi_fabric.cc",
             "smddp/engine/channel.cc",
             "smddp/engine/local_plane.cc",
             "smddp/engine/module.cc",

@@ -11,6 +11,7 @@ import socket
 import stat
 
 from smddp.daemon.config import DaemonConfig
+from smddp.daemon.fabric import choose_fabric, use_wheel_providers
 from smddp.daemon.kernels import engine_kernels
 from smddp.daemon.node import NodeDaemon
 from smddp.errors import BootstrapError, ConfigError
@@ -52,6 +53,19 @@ def run(cfg: DaemonConfig) -> int:
     )
     logging.getLogger("smddp").setLevel(cfg.log_level.upper())
     logging.getLogger("smddp.daemon").info("reduction kernels: %s", engine_kernels())
+    use_wheel_providers(cfg.libfabric, os.environ)
+    try:
+        fabric = choose_fabric(cfg.fabric, cfg.ofi_provider, cfg.libfabric, os.environ)
+    except ConfigError as e:
+        # Before the bootstrap: every node's daemon says so and ends, and smddp-launch ends the job.
+        logging.getLogger("smddp.daemon").error("cannot start: %s", e)
+        return 2
+    logging.getLogger("smddp.daemon").info(
+        "fabric: %s%s (%s)",
+        fabric.fabric,
+        f" {fabric.provider}, libfabric {fabric.library}" if fabric.library else "",
+        fabric.why,
+    )
     held: dict[str, object] = {}
 
     def open_endpoint(node: int, job_hex: str, single_host: bool) -> tuple[str, int, str]:
@@ -99,6 +113,7 @@ def run(cfg: DaemonConfig) -> int:
         held["tcp"],  # type: ignore[arg-type]
         held["unix"],  # type: ignore[arg-type]
         jobdir,
+        fabric,
     )
     if cfg.metrics_port:
         from smddp.daemon.metrics import serve_metrics

@@ -25,6 +25,9 @@ class DaemonConfig:
     metrics_port: int = default("metrics_port")
     log_level: str = default("log_level")
     replicate_bytes: int = default("replicate_kb") * KiB
+    fabric: str = default("fabric")
+    ofi_provider: str = default("ofi_provider")
+    libfabric: str = default("libfabric")
     restart_count: int = default("restart_count")
     ledger: str = default(
         "ledger"

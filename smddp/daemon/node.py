@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from smddp import _engine
 from smddp.daemon.config import DaemonConfig
+from smddp.daemon.fabric import FabricChoice
 from smddp.daemon.kernels import engine_kernels
 from smddp.daemon.stats import Stats
 from smddp.errors import (
@@ -78,6 +79,7 @@ EXIT_REPORT_WAIT_S = 1.0
 PLANE_SPIN_US = 200.0
 # A SUBMIT on a ring that names a segment whose ATTACH (on the socket) has not been read yet waits this long.
 PLANE_ATTACH_WAIT_S = 10.0
+TCP = FabricChoice("tcp", why="the default")
 
 
 class NodeDaemon:
@@ -91,8 +93,10 @@ class NodeDaemon:
         tcp_sock: socket.socket,
         unix_sock: socket.socket,
         socket_dir: str,
+        fabric: FabricChoice = TCP,
     ) -> None:
         self.cfg = cfg
+        self.fabric = fabric
         self.job = job
         self.node = node
         self.nnodes = job.nnodes
@@ -138,6 +142,9 @@ class NodeDaemon:
             scratch=self.scratch.native,
             heartbeat_s=cfg.heartbeat_timeout_s,
             trace=bool(cfg.timeline_dir),
+            fabric=fabric.fabric,
+            ofi_library=fabric.library,
+            ofi_provider=fabric.provider,
         )
         self._plane_reduced = (0, 0.0)  # the plane's reduced bytes and seconds already in self.stats
         self._plane_peer_counted: dict[int, tuple[int, int]] = {}  # node -> bytes in, out in self.stats
@@ -650,6 +657,18 @@ class NodeDaemon:
                         total[k] = total.get(k, 0) + v
         return total
 
+    def _fabric_status(self) -> dict:
+        """The fabric between the daemons, as `smddp status` shows it: which, why, and its counters."""
+        described, counters = self.plane.fabric()
+        return {
+            "name": self.fabric.fabric,
+            "provider": self.fabric.provider,
+            "library": self.fabric.library,
+            "why": self.fabric.why,
+            "describe": described,
+            **counters,
+        }
+
     def local_report(self) -> dict:
         """What `smddp status` shows for this daemon (JSON-ready)."""
         self.count_plane()
@@ -679,6 +698,7 @@ class NodeDaemon:
             "uptime_s": now - self._started,
             "state": state,
             "reduce_kernel": self.reduce_kernel,
+            "fabric": self._fabric_status(),
             "workers": {
                 "connected": len(workers),
                 "expected": self.local_size,

@@ -1,4 +1,4 @@
-// How daemons move frames to each other: one small interface, TCP beside it now, libfabric (EFA) next.
+// How daemons move frames to each other: one small interface; TCP and libfabric (EFA) beside it.
 //
 // A fabric carries whole frames (the 56-byte header of docs/protocol.md, then its payload) between
 // this daemon and its peers over links that the control plane has already authenticated. Payloads
@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "frame.h"
 
@@ -45,10 +46,29 @@ class Sink {
   virtual void on_link_down(std::uint32_t peer, const std::string& why, LinkEnd end) = 0;
 };
 
+// What a fabric counts, for `smddp status` (fabrics that have no such thing leave it zero).
+struct FabricCounters {
+  std::uint64_t registrations = 0;       // memory registrations made (arenas, bounce buffers)
+  std::uint64_t temp_registrations = 0;  // made for one operation, memory no registration held
+  std::uint64_t messages_in = 0;         // fabric messages accepted
+  std::uint64_t messages_out = 0;
+  std::uint64_t rejected = 0;  // messages dropped: not stamped with a link's secret, or malformed
+};
+
 class Fabric {
  public:
   virtual ~Fabric() = default;
   virtual const char* name() const = 0;
+  // What it runs on, for status and logs ("tcp"; "ofi tcp (fabric ..., domain lo), libfabric PATH").
+  virtual std::string describe() { return name(); }
+  // Memory frames will be sent from or received into, for the life of the fabric (an arena's
+  // segment): registered once where the fabric needs that. "" or why not. Any thread.
+  virtual std::string register_memory(const void* base, std::uint64_t length) {
+    (void)base;
+    (void)length;
+    return {};
+  }
+  virtual FabricCounters counters() { return {}; }
   // Adopt `fd`, an authenticated stream connected to `peer`, which this fabric owns from now on.
   virtual std::string add_peer(std::uint32_t peer, int fd) = 0;
   // Queue a frame to `peer`: `header` (copied) then `length` bytes at `payload` (not copied: see
@@ -77,5 +97,18 @@ class Fabric {
 // straight into place. A link that delivers nothing for `idle_ms` milliseconds (heartbeats included)
 // goes down as silent (0: never).
 std::unique_ptr<Fabric> make_tcp_fabric(Sink* sink, std::int64_t idle_ms, std::string* why);
+
+// The ofi fabric (ofi_fabric.cc): libfabric loaded from `library` at run time, reliable-datagram
+// endpoints of `provider` (exactly that name: "efa", "tcp", "shm", "tcp;ofi_rxm"), the link's
+// stream kept for the address exchange and liveness. A provider libfabric does not offer here is
+// refused at once, naming those it does.
+struct OfiOptions {
+  std::string library;
+  std::string provider;
+  std::int64_t idle_ms = 0;
+};
+std::unique_ptr<Fabric> make_ofi_fabric(Sink* sink, const OfiOptions& opts, std::string* why);
+// The providers `library` offers with reliable-datagram endpoints and tagged messages, in its order.
+std::string ofi_providers(const std::string& library, std::vector<std::string>* names);
 
 }  // namespace smddp

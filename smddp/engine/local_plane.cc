@@ -164,8 +164,25 @@ LocalPlane::LocalPlane(PlaneConfig cfg, Arena* results, Arena* scratch)
       peers_[j]->name = cfg_.node_names[j];
     }
     std::string why;
-    fabric_ = make_tcp_fabric(this, cfg_.heartbeat_ns / 1'000'000, &why);
+    if (cfg_.fabric == "ofi") {
+      OfiOptions o;
+      o.library = cfg_.ofi_library;
+      o.provider = cfg_.ofi_provider;
+      o.idle_ms = cfg_.heartbeat_ns / 1'000'000;
+      fabric_ = make_ofi_fabric(this, o, &why);
+    } else if (cfg_.fabric == "tcp") {
+      fabric_ = make_tcp_fabric(this, cfg_.heartbeat_ns / 1'000'000, &why);
+    } else {
+      why = "no fabric named '" + cfg_.fabric + "' (tcp or ofi)";
+    }
     if (!fabric_) throw std::runtime_error("cannot start the fabric: " + why);
+    // Frames go out of and come into the two arenas: their segments are lent to the fabric once
+    // (registered, where it registers memory); those created later are lent as they come.
+    for (Arena* a : {results_, scratch_})
+      for (const auto& seg : a->segments()) {
+        why = fabric_->register_memory(seg->base(), seg->size());
+        if (!why.empty()) throw std::runtime_error("cannot register memory with the fabric: " + why);
+      }
   }
   try {
     for (std::uint32_t i = 0; i < cfg_.threads; i++) pool_.emplace_back([this] { compute(); });
@@ -338,13 +355,17 @@ std::shared_ptr<LocalPlane::Op> LocalPlane::new_op_locked(const Spec& spec, std:
     *why = cfg_.me + ": no result memory for collective #" + num(spec.seq) + ": " + w;
     return nullptr;
   }
-  if (fresh) push_event_locked(PlaneEvent{PlaneEvent::kSegment, fresh, {}, 0, {}, {}});
+  if (fresh) {
+    push_event_locked(PlaneEvent{PlaneEvent::kSegment, fresh, {}, 0, {}, {}});
+    lend_locked(*fresh);
+  }
   if (op->c->server_rows() > 0) {
     const Range r = op->c->own_range();
     op->row_bytes = (r.end - r.start) * spec.itemsize;
     const std::uint64_t bytes = op->row_bytes * op->c->server_rows();
     std::shared_ptr<Segment> unused;  // server rows are never shared: nobody is told of their segments
     w = scratch_ ? scratch_->alloc(bytes, &op->server, &unused) : "no scratch arena";
+    if (unused) lend_locked(*unused);
     if (w.empty()) {
       op->server_seg = scratch_->segment(op->server.segment);
       w = op->server_seg ? op->server_seg->range(op->server.offset, bytes, &op->rows) : "its segment is gone";
@@ -975,6 +996,22 @@ void LocalPlane::on_link_down(std::uint32_t peer, const std::string& why, LinkEn
     return fail_locked(Verdict{Fault::kProtocol, cfg_.me + ": " + p->name + " " + why});
   const char* hint = end == LinkEnd::kSilent ? " (frozen, or the link is down)" : "";
   fail_locked(Verdict{Fault::kPeerLost, cfg_.me + " lost contact: " + p->name + " " + why + hint});
+}
+
+void LocalPlane::lend_locked(const Segment& seg) {
+  if (!fabric_) return;
+  const std::string w = fabric_->register_memory(seg.base(), seg.size());
+  if (!w.empty()) fail_locked(Verdict{Fault::kProtocol, cfg_.me + ": cannot register memory with the fabric: " + w});
+}
+
+std::string LocalPlane::fabric_describe() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return fabric_ ? fabric_->describe() : std::string();
+}
+
+FabricCounters LocalPlane::fabric_counters() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return fabric_ ? fabric_->counters() : FabricCounters{};
 }
 
 std::vector<PeerCounters> LocalPlane::peer_counters() {

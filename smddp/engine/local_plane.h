@@ -63,6 +63,11 @@ struct PlaneConfig {
   // for this long goes down as silent (0: neither).
   std::int64_t heartbeat_ns = 0;
   bool trace = false;  // keep each collective's phases for the timeline (take_traces)
+  // Which fabric links the daemons (fabric.h): "tcp", or "ofi" (libfabric from ofi_library, the
+  // provider named ofi_provider).
+  std::string fabric = "tcp";
+  std::string ofi_library;
+  std::string ofi_provider;
 };
 
 // The phases of a collective the timeline shows, as the daemon names them.
@@ -137,6 +142,9 @@ class LocalPlane final : private Sink {
   // Wait up to timeout_ns for every control frame to leave (or its link to go down): true if they did.
   bool flush(std::int64_t timeout_ns);
   std::vector<PeerCounters> peer_counters();
+  // The fabric to the other daemons as it describes itself, and its counters ("" and zeros: one node).
+  std::string fabric_describe();
+  FabricCounters fabric_counters();
   std::vector<Trace> take_traces();
 
   // The table's job-wide rules, under the plane's lock (node_state.h).
@@ -210,6 +218,8 @@ class LocalPlane final : private Sink {
   void on_link_down(std::uint32_t peer, const std::string& why, LinkEnd end) override;
   void complete_locked(const std::shared_ptr<Op>& op, std::unique_lock<std::mutex>* lock);
   void retire_locked(std::uint64_t seq);
+  // A new arena segment: lent to the fabric (registered once, where it registers memory).
+  void lend_locked(const Segment& seg);
   void fail_locked(const Verdict& v);
   void fail(const Verdict& v);
   void push_event_locked(PlaneEvent e);

@@ -1172,22 +1172,25 @@ smddp::LocalPlane& plane_of(PyObject* self) { return *reinterpret_cast<PlaneObje
 
 // LocalPlane(node, local_size, chunk_bytes, rank_names, me, results, spin_us, push_timeout_s, attach_wait_s,
 //            threads=2, *, nnodes=1, world=local_size, first_rank=0, replicate_bytes=0, node_names=None,
-//            scratch=None, heartbeat_s=0.0, trace=False)
+//            scratch=None, heartbeat_s=0.0, trace=False, fabric="tcp", ofi_library="", ofi_provider="efa")
 PyObject* plane_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   long long node = 0, local_size = 0, chunk_bytes = 0, threads = 2, nnodes = 1, world = -1, first_rank = 0,
             replicate_bytes = 0;
   PyObject *names_obj = nullptr, *me_obj = nullptr, *arena_obj = nullptr, *node_names_obj = Py_None,
            *scratch_obj = Py_None;
+  const char *fabric = "tcp", *ofi_library = "", *ofi_provider = "efa";
   double spin_us = 0, push_timeout_s = 0, attach_wait_s = 0, heartbeat_s = 0;
   int trace = 0;
   static const char* kw[] = {"node",        "local_size", "chunk_bytes",     "rank_names", "me",
                              "results",     "spin_us",    "push_timeout_s",  "attach_wait_s",
                              "threads",     "nnodes",     "world",           "first_rank", "replicate_bytes",
-                             "node_names",  "scratch",    "heartbeat_s",     "trace",      nullptr};
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "LLLOUOddd|L$LLLLOOdp", const_cast<char**>(kw), &node,
+                             "node_names",  "scratch",    "heartbeat_s",     "trace",      "fabric",
+                             "ofi_library", "ofi_provider", nullptr};
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "LLLOUOddd|L$LLLLOOdpsss", const_cast<char**>(kw), &node,
                                    &local_size, &chunk_bytes, &names_obj, &me_obj, &arena_obj, &spin_us,
                                    &push_timeout_s, &attach_wait_s, &threads, &nnodes, &world, &first_rank,
-                                   &replicate_bytes, &node_names_obj, &scratch_obj, &heartbeat_s, &trace))
+                                   &replicate_bytes, &node_names_obj, &scratch_obj, &heartbeat_s, &trace, &fabric,
+                                   &ofi_library, &ofi_provider))
     return nullptr;
   if (world < 0) world = local_size;
   PyObject* module = PyType_GetModule(type);
@@ -1231,6 +1234,9 @@ PyObject* plane_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   cfg.heartbeat_ns = static_cast<std::int64_t>(heartbeat_s * 1e9);
   cfg.threads = static_cast<std::uint32_t>(threads);
   cfg.trace = trace != 0;
+  cfg.fabric = fabric;
+  cfg.ofi_library = ofi_library;
+  cfg.ofi_provider = ofi_provider;
   smddp::Arena* scratch = scratch_obj == Py_None ? nullptr : reinterpret_cast<ArenaObject*>(scratch_obj)->arena;
   PyObject* self = type->tp_alloc(type, 0);
   if (self == nullptr) return nullptr;
@@ -1506,6 +1512,23 @@ PyObject* plane_flush(PyObject* self, PyObject* arg) {
   return PyBool_FromLong(done ? 1 : 0);
 }
 
+// fabric() -> (description, {counter: value}); ("", {}) in a job of one node
+PyObject* plane_fabric(PyObject* self, PyObject*) {
+  std::string d;
+  smddp::FabricCounters c;
+  Py_BEGIN_ALLOW_THREADS
+  d = plane_of(self).fabric_describe();
+  c = plane_of(self).fabric_counters();
+  Py_END_ALLOW_THREADS
+  if (d.empty()) return Py_BuildValue("(s{})", "");
+  return Py_BuildValue("(s#{s:K,s:K,s:K,s:K,s:K})", d.data(), static_cast<Py_ssize_t>(d.size()), "registrations",
+                       static_cast<unsigned long long>(c.registrations), "temp_registrations",
+                       static_cast<unsigned long long>(c.temp_registrations), "messages_in",
+                       static_cast<unsigned long long>(c.messages_in), "messages_out",
+                       static_cast<unsigned long long>(c.messages_out), "rejected",
+                       static_cast<unsigned long long>(c.rejected));
+}
+
 // peer_counters() -> [(node, up, bytes_in, bytes_out, queued)]
 PyObject* plane_peer_counters(PyObject* self, PyObject*) {
   const std::vector<smddp::PeerCounters> rows = plane_of(self).peer_counters();
@@ -1615,6 +1638,8 @@ PyMethodDef kPlaneMethods[] = {
     {"send_control", plane_send_control, METH_VARARGS,
      "send_control(node, header, payload=b'') -> '' or why not: a control frame after what is queued"},
     {"flush", plane_flush, METH_O, "flush(timeout_s) -> every control frame left (or its link went down)"},
+    {"fabric", plane_fabric, METH_NOARGS,
+     "fabric() -> (description, counters): the fabric to the other daemons (\"\" and {} on one node)"},
     {"peer_counters", plane_peer_counters, METH_NOARGS,
      "peer_counters() -> [(node, up, bytes_in, bytes_out, queued)]"},
     {"take_traces", plane_take_traces, METH_NOARGS, "take_traces() -> [(seq, what, [(phase, start, end)])]"},
@@ -2025,7 +2050,36 @@ PyType_Spec kDaemonChannelSpec = {
     kDaemonChannelSlots,
 };
 
+// ofi_providers(library) -> [provider names offering reliable-datagram tagged messages], or OSError
+PyObject* py_ofi_providers(PyObject*, PyObject* arg) {
+  std::string library;
+  if (!text(arg, &library)) return nullptr;
+  std::vector<std::string> names;
+  std::string why;
+  Py_BEGIN_ALLOW_THREADS
+  why = smddp::ofi_providers(library, &names);
+  Py_END_ALLOW_THREADS
+  if (!why.empty()) {
+    PyErr_SetString(PyExc_OSError, why.c_str());
+    return nullptr;
+  }
+  PyObject* out = PyList_New(0);
+  if (out == nullptr) return nullptr;
+  for (const auto& n : names) {
+    PyObject* u = PyUnicode_FromStringAndSize(n.data(), static_cast<Py_ssize_t>(n.size()));
+    if (u == nullptr || PyList_Append(out, u) != 0) {
+      Py_XDECREF(u);
+      Py_DECREF(out);
+      return nullptr;
+    }
+    Py_DECREF(u);
+  }
+  return out;
+}
+
 PyMethodDef kMethods[] = {
+    {"ofi_providers", py_ofi_providers, METH_O,
+     "ofi_providers(library) -> providers of that libfabric with reliable-datagram tagged messages"},
     {"decode_header", py_decode_header, METH_O,
      "decode_header(data) -> (type, flags, dtype, op, kind, sender, seq, shard, aux, offset, length, count)"},
     {"encode_header", py_encode_header, METH_VARARGS,

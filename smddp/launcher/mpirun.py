@@ -41,6 +41,9 @@ class LaunchConfig:
     chunk_kb: int = default("chunk_kb")
     threads: int = default("threads")
     replicate_kb: int = default("replicate_kb")
+    fabric: str = default("fabric")
+    ofi_provider: str = default("ofi_provider")
+    libfabric: str = default("libfabric")
     pipeline_kb: int = default("pipeline_kb")
     timeout_s: float = default("timeout_s")
     heartbeat_timeout_s: float = default("heartbeat_timeout_s")
@@ -194,6 +197,9 @@ def build_commands(cfg: LaunchConfig) -> Commands:
                 "chunk_kb": cfg.chunk_kb,
                 "threads": cfg.threads,
                 "replicate_kb": cfg.replicate_kb,
+                "fabric": cfg.fabric,
+                "ofi_provider": cfg.ofi_provider,
+                "libfabric": cfg.libfabric,
                 "heartbeat_timeout_s": cfg.heartbeat_timeout_s,
                 "stall_warning_s": cfg.stall_warning_s,
                 "metrics_port": cfg.metrics_port,
