@@ -188,6 +188,17 @@ def render_report(r: dict) -> str:
             "calls smddp routed to the side group (all ranks): "
             + ", ".join(f"{k} x{v}" for k, v in sorted(routed.items())),
         ]
+    fabrics = [(d["node"], d["fabric"]) for d in r["daemons"] if d.get("fabric")]
+    if fabrics and r["nnodes"] > 1:
+        out += ["", "fabric between the daemons:"]
+        for node, f in fabrics:
+            counts = (
+                f"; messages in {f['messages_in']}, out {f['messages_out']}, rejected {f['rejected']}, "
+                f"registrations {f['registrations']}"
+                if f["name"] == "ofi" and "messages_in" in f
+                else ""
+            )
+            out.append(f"  node {node}: {f['describe'] or f['name']} ({f['why']}){counts}")
     traffic = [
         (d["node"], p)
         for d in r["daemons"]

@@ -25,13 +25,20 @@ SILENCE_BOUND_S = HEARTBEAT_S + 2.0  # a silent peer within the heartbeat timeou
 MEASURED: dict[str, float] = {}
 
 
-def start(out: Path, np_: int, nodes: int, extra: list[str] | None = None) -> subprocess.Popen:
+# The daemons' fabric: TCP sockets, and libfabric's tcp provider (--fabric ofi), with the same bounds.
+FABRICS = {"tcp": [], "ofi": ["--fabric", "ofi", "--ofi-provider", "tcp"]}
+
+
+def start(
+    out: Path, np_: int, nodes: int, extra: list[str] | None = None, fabric: str = "tcp"
+) -> subprocess.Popen:
     """A job whose survivors stay alive after a fault (mpirun --enable-recovery) to report it."""
     cmd = [
         str(BIN / "smddp-launch"),
         *("-np", str(np_)),
         *(["--local-nodes", str(nodes)] if extra is None else []),
         *(extra or []),
+        *FABRICS[fabric],
         "--heartbeat-timeout",
         str(HEARTBEAT_S),
         "--mpi-args=--enable-recovery",
@@ -97,24 +104,30 @@ def test_worker_killed_mid_collective(tmp_path, clean_host):
     assert "died" in output
 
 
-def test_daemon_killed(tmp_path, clean_host):
+@pytest.mark.parametrize("fabric", list(FABRICS))
+def test_daemon_killed(tmp_path, clean_host, fabric):
     world, nodes = 4, 2
-    proc = start(tmp_path, world, nodes)
+    proc = start(tmp_path, world, nodes, fabric=fabric)
     pids = wait_running(proc, tmp_path, world)
     t_fault = time.time()
     os.kill(pids[2]["daemon_pid"], signal.SIGKILL)  # node 1's daemon
     finish(proc)
     assert proc.returncode != 0
     # Node 0's ranks hear it from their daemon, node 1's ranks see their daemon's socket close.
-    check("daemon SIGKILL (other node)", reports(tmp_path, [0, 1]), t_fault, EOF_BOUND_S, "node 1")
+    check(f"daemon SIGKILL (other node, {fabric})", reports(tmp_path, [0, 1]), t_fault, EOF_BOUND_S, "node 1")
     check(
-        "daemon SIGKILL (own node)", reports(tmp_path, [2, 3]), t_fault, EOF_BOUND_S, "lost the node daemon"
+        f"daemon SIGKILL (own node, {fabric})",
+        reports(tmp_path, [2, 3]),
+        t_fault,
+        EOF_BOUND_S,
+        "lost the node daemon",
     )
 
 
-def test_daemon_frozen(tmp_path, clean_host):
+@pytest.mark.parametrize("fabric", list(FABRICS))
+def test_daemon_frozen(tmp_path, clean_host, fabric):
     world, nodes = 4, 2
-    proc = start(tmp_path, world, nodes)
+    proc = start(tmp_path, world, nodes, fabric=fabric)
     pids = wait_running(proc, tmp_path, world)
     frozen = pids[2]["daemon_pid"]
     t_fault = time.time()
@@ -128,12 +141,20 @@ def test_daemon_frozen(tmp_path, clean_host):
         os.kill(frozen, signal.SIGKILL)
     finish(proc)
     check(
-        "daemon SIGSTOP (other node)", reports(tmp_path, [0, 1]), t_fault, SILENCE_BOUND_S, "node 1", "silent"
+        f"daemon SIGSTOP (other node, {fabric})",
+        reports(tmp_path, [0, 1]),
+        t_fault,
+        SILENCE_BOUND_S,
+        "node 1",
+        "silent",
     )
-    check("daemon SIGSTOP (own node)", reports(tmp_path, [2, 3]), t_fault, SILENCE_BOUND_S, "silent")
+    check(
+        f"daemon SIGSTOP (own node, {fabric})", reports(tmp_path, [2, 3]), t_fault, SILENCE_BOUND_S, "silent"
+    )
 
 
-def test_link_cut(tmp_path):
+@pytest.mark.parametrize("fabric", list(FABRICS))
+def test_link_cut(tmp_path, fabric):
     if os.geteuid() != 0:
         if os.environ.get("CI"):
             pytest.fail("the link test needs root (network namespaces) and must not skip in CI")
@@ -147,7 +168,7 @@ def test_link_cut(tmp_path):
             *("--iface", cfg.cidr),
             *("--launch-agent", cluster.launch_agent_path()),
         ]
-        proc = start(tmp_path, 4, 1, extra)
+        proc = start(tmp_path, 4, 1, extra, fabric=fabric)
         wait_running(proc, tmp_path, 4)
         t_fault = time.time()
         cluster.exec(1, ["ip", "link", "set", "eth0", "down"], check=True)
@@ -159,8 +180,18 @@ def test_link_cut(tmp_path):
         cluster.exec(1, ["ip", "link", "set", "eth0", "up"], check=True)  # let mpirun wind down
         finish(proc, timeout=30)
     check(
-        "link down (node 0's ranks)", reports(tmp_path, [0, 1]), t_fault, SILENCE_BOUND_S, "node 1", "silent"
+        f"link down (node 0's ranks, {fabric})",
+        reports(tmp_path, [0, 1]),
+        t_fault,
+        SILENCE_BOUND_S,
+        "node 1",
+        "silent",
     )
     check(
-        "link down (node 1's ranks)", reports(tmp_path, [2, 3]), t_fault, SILENCE_BOUND_S, "node 0", "silent"
+        f"link down (node 1's ranks, {fabric})",
+        reports(tmp_path, [2, 3]),
+        t_fault,
+        SILENCE_BOUND_S,
+        "node 0",
+        "silent",
     )

@@ -49,26 +49,35 @@ def _cluster(clusters: dict[int, SimCluster], nodes: int) -> SimCluster:
 
 
 def launch(
-    cluster: SimCluster, per_node: int, args: list[str], timeout: float = 300
+    cluster: SimCluster, per_node: int, args: list[str], timeout: float = 300, extra: list[str] | None = None
 ) -> subprocess.CompletedProcess:
     cmd = [
         str(BIN / "smddp-launch"),
         *("-H", cluster.host_list(per_node)),
         *("--iface", cluster.config.cidr),
         *("--launch-agent", cluster.launch_agent_path()),
+        *(extra or []),
         *("--", sys.executable, *args),
     ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=job_env())
 
 
-@pytest.mark.parametrize(("nodes", "per_node"), [(2, 1), (2, 2), (4, 1), (4, 2)], ids=lambda v: str(v))
-def test_every_collective_across_nodes(clusters, nodes, per_node, tmp_path):
+OFI = ["--fabric", "ofi", "--ofi-provider", "tcp"]
+CASES = [(2, 1, []), (2, 2, []), (4, 1, []), (4, 2, []), (2, 2, OFI), (4, 1, OFI), (4, 2, OFI)]
+
+
+@pytest.mark.parametrize(
+    ("nodes", "per_node", "fabric"), CASES, ids=[f"{n}x{g}{'-ofi' if f else ''}" for n, g, f in CASES]
+)
+def test_every_collective_across_nodes(clusters, nodes, per_node, fabric, tmp_path):
+    """Every collective bit-exact across simulated nodes, over TCP sockets and over libfabric's tcp
+    provider (--fabric ofi: each daemon's endpoint on its own namespace's interface)."""
     cluster = _cluster(clusters, nodes)
     world = nodes * per_node
     # (The 64 MiB cases stay in tests/multiprocess: here 8 workers would each rebuild 8 such inputs
     # for the reference; the bandwidth test below moves 64 MiB across 4 nodes.)
     args = [CHECK, "--out", str(tmp_path), "--nnodes", str(nodes)]
-    proc = launch(cluster, per_node, args, timeout=600)
+    proc = launch(cluster, per_node, args, timeout=600, extra=fabric)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     per_rank = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
     # The daemons listen on their own node's address on the chosen network, nowhere else.

@@ -72,3 +72,27 @@ def test_the_table_says_which_attempt() -> None:
     assert "attempt" not in render_report({**report, "attempt": 0}).splitlines()[0]
     assert render_report({**report, "attempt": 2}).splitlines()[0].endswith("attempt 2 (restarted)")
     assert "attempt" not in render_report(report)  # a daemon from before restarts existed
+
+
+def test_the_table_names_the_fabric() -> None:
+    from smddp.launcher.status import render_report
+
+    fabric = {
+        "name": "ofi",
+        "provider": "tcp",
+        "library": "/x/libfabric.so.1",
+        "why": "--fabric ofi --ofi-provider tcp",
+        "describe": "ofi tcp (fabric 10.0.0.0/24, domain eth0), libfabric /x/libfabric.so.1",
+        "registrations": 4,
+        "temp_registrations": 0,
+        "messages_in": 10,
+        "messages_out": 12,
+        "rejected": 1,
+    }
+    report = {"job": "e" * 32, "nnodes": 2, "world": 2, "daemons": [{"node": 0, "fabric": fabric}]}
+    # (A daemon row without its workers: the table shows what it has, the fabric section the rest.)
+    report["daemons"][0].update(host="h", pid=1, state="starting")  # type: ignore[index]
+    text = render_report(report)
+    assert "fabric between the daemons:" in text
+    assert "node 0: ofi tcp (fabric 10.0.0.0/24, domain eth0)" in text and "rejected 1" in text
+    assert "fabric between" not in render_report({**report, "nnodes": 1})

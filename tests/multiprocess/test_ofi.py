@@ -1,0 +1,44 @@
+"""The daemons' shard exchange over libfabric (--fabric ofi, the tcp provider): every collective bit-exact,
+and a provider libfabric does not offer ends the job at once, naming it and what is offered."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import smddp_launch
+from tests.multiprocess.test_collectives import SCRIPT, check_every_collective
+
+pytestmark = pytest.mark.multiprocess
+
+OFI = ["--fabric", "ofi", "--ofi-provider", "tcp"]
+CONFIGS = [(4, 2), (3, 3)]
+
+
+@pytest.mark.parametrize(("world", "nodes"), CONFIGS, ids=[f"W{w}-N{n}" for w, n in CONFIGS])
+def test_every_collective_over_ofi(world: int, nodes: int, tmp_path: Path, clean_host: None) -> None:
+    check_every_collective(world, nodes, tmp_path, extra=OFI)
+
+
+@pytest.mark.parametrize(
+    "path",
+    [["--replicate-kb", "0"], ["--pipeline-kb", "16"]],
+    ids=["never-replicated", "pipelined-16KiB-pieces"],
+)
+def test_both_reduce_paths_over_ofi(path: list[str], tmp_path: Path, clean_host: None) -> None:
+    check_every_collective(4, 2, tmp_path, extra=[*OFI, *path])
+
+
+def test_a_provider_not_offered_fails_fast(tmp_path: Path, clean_host: None) -> None:
+    t0 = time.monotonic()
+    proc = smddp_launch(
+        2, 2, [SCRIPT, "--out", str(tmp_path), "--nnodes", "2"], timeout=120, extra=["--fabric", "ofi"]
+    )
+    took = time.monotonic() - t0
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "the libfabric provider 'efa' is not available here" in out, out[-3000:]
+    assert "offers " in out and "tcp" in out.split("offers ", 1)[1], out[-3000:]
+    assert took < 60, took
