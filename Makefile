@@ -61,10 +61,10 @@ SAN_DIR := build/sanitize
 SAN_FLAGS := -std=c++17 -O1 -g -Wall -Wextra -Wshadow -Werror -fno-omit-frame-pointer -Ismddp/engine -Itests/engine -pthread
 ENGINE_CORE := smddp/engine/frame.cc smddp/engine/layout.cc smddp/engine/reduce16.cc smddp/engine/reduce.cc smddp/engine/collective.cc \
   smddp/engine/node_state.cc smddp/engine/arena.cc \
-  smddp/engine/tcp_fabric.cc smddp/engine/ofi_fabric.cc smddp/engine/ring.cc smddp/engine/channel.cc \
+  smddp/engine/tcp_fabric.cc smddp/engine/ofi_fabric.cc smddp/engine/ofi_wire.cc smddp/engine/ring.cc smddp/engine/channel.cc \
   smddp/engine/local_plane.cc
 FUZZ_SECONDS ?= 15
-FUZZERS := fuzz_frame fuzz_layout fuzz_collective fuzz_node_state fuzz_reduce
+FUZZERS := fuzz_frame fuzz_layout fuzz_collective fuzz_node_state fuzz_reduce fuzz_ofi_wire
 ENGINE_TESTS := test_fabric test_ofi_fabric test_ring test_arena test_local_plane test_node_plane
 .PHONY: engine-sanitize
 engine-sanitize:

@@ -43,6 +43,7 @@ extensions = [
             "smddp/engine/ring.cc",
             "smddp/engine/tcp_fabric.cc",
             "smddp/engine/ofi_fabric.cc",
+            "smddp/engine/ofi_wire.cc",
             "smddp/engine/channel.cc",
             "smddp/engine/local_plane.cc",
             "smddp/engine/module.cc",

@@ -51,6 +51,7 @@
 
 #include "fabric.h"
 #include "ofi_abi.h"
+#include "ofi_wire.h"
 
 namespace smddp {
 namespace {
@@ -59,42 +60,25 @@ using Clock = std::chrono::steady_clock;
 
 constexpr std::uint64_t kWakeKey = ~std::uint64_t{0};
 constexpr std::uint64_t kCqKey = ~std::uint64_t{0} - 1;
-constexpr std::uint32_t kMagic = 0x49464f53;  // "SOFI"
-constexpr std::size_t kPrefix = 40;
+using ofi_wire::kPrefix;
 constexpr std::size_t kMsgHead = kPrefix + kHeaderSize;
 constexpr std::uint64_t kEagerMax = 16 << 10;  // payloads up to this travel in the frame's message
 constexpr std::size_t kBufBytes = (kMsgHead + kEagerMax + 63) / 64 * 64;
 constexpr std::uint32_t kWindow = 32;        // frames a peer may have in flight to us
 constexpr std::uint32_t kBufsPerPeer = kWindow + 3;  // + two CREDITs and a FIN
 constexpr std::uint64_t kMaxPart = 1ULL << 30;
-constexpr std::uint64_t kMaxParts = 1ULL << 20;
-constexpr std::uint64_t kTagMask = (1ULL << 60) - 1;
+constexpr std::uint64_t kMaxParts = 1ULL << 20;  // (a tag has 20 bits for the part)
 constexpr int kCancelWaitMs = 1000;
 constexpr int kCqBatch = 32;
 
-enum Kind : std::uint8_t { kFrame = 1, kCredit = 2, kFin = 3 };
-constexpr std::uint8_t kStreamFin = 0x46;  // on the stream after the exchange: "my FIN has left"
-
-// What add_peer writes on the stream: who we are on the fabric, and how to be let in.
-constexpr char kBlobMagic[8] = {'S', 'M', 'D', 'D', 'P', 'O', 'F', 'I'};
-constexpr std::uint32_t kBlobVersion = 1;
-constexpr std::size_t kBlobHead = 56;
-constexpr std::size_t kMaxAddr = 256;
+using ofi_wire::kCredit;
+using ofi_wire::kFin;
+using ofi_wire::kFrame;
+using ofi_wire::kHelloHead;
+using ofi_wire::kMaxAddr;
+using ofi_wire::kStreamFin;
 
 std::string os_error(const char* what, int err) { return std::string(what) + ": " + std::strerror(err); }
-
-void put32(std::uint8_t* p, std::uint32_t v) { std::memcpy(p, &v, 4); }
-void put64(std::uint8_t* p, std::uint64_t v) { std::memcpy(p, &v, 8); }
-std::uint32_t get32(const std::uint8_t* p) {
-  std::uint32_t v;
-  std::memcpy(&v, p, 4);
-  return v;
-}
-std::uint64_t get64(const std::uint8_t* p) {
-  std::uint64_t v;
-  std::memcpy(&v, p, 8);
-  return v;
-}
 
 std::uint64_t random64() {
   std::uint64_t v = 0;
@@ -103,10 +87,6 @@ std::uint64_t random64() {
     v = static_cast<std::uint64_t>(Clock::now().time_since_epoch().count()) * 0x9e3779b97f4a7c15ULL;
   }
   return v;
-}
-
-std::uint64_t tag_of(std::uint64_t key, std::uint64_t serial, std::uint64_t part) {
-  return (key ^ (((serial & ((1ULL << 40) - 1)) << 20) | part)) & kTagMask;
 }
 
 // An operation's context: libfabric's own scratch first (FI_CONTEXT / FI_CONTEXT2 ask for it).
@@ -122,6 +102,7 @@ struct Op {
                                 // message it is, if its cookie is reported on completion
   ofi::FidMr* temp_mr = nullptr;  // a registration made for this operation alone
   std::size_t len = 0;          // kRxBuf: the message's length, once it landed
+  ofi_wire::Prefix prefix;      // ... and its prefix, checked
   bool drop = false;            // kRxPart: into the drop buffer (truncation expected)
   bool posted = false;
   bool cancelled = false;
@@ -148,7 +129,7 @@ struct Link {
   enum State { kExchanging, kUp, kDown } state = kExchanging;
   Clock::time_point last_in;
   // The exchange on the stream.
-  std::uint8_t blob[kBlobHead + kMaxAddr] = {};
+  std::uint8_t blob[kHelloHead + kMaxAddr] = {};  // the peer's hello, as it comes
   std::size_t blob_got = 0;
   std::uint64_t rx_secret = 0, rx_key = 0;  // ours: what the peer must stamp, and its tags' key
   std::uint64_t tx_secret = 0, tx_key = 0;  // the peer's, for what we send it
@@ -286,18 +267,16 @@ class OfiFabric final : public Fabric {
     std::string w = grow_pool_locked();
     if (!w.empty()) return w;
     // What the peer needs to reach us: written now (a few hundred bytes fit any socket's buffer).
-    std::uint8_t blob[kBlobHead + kMaxAddr] = {};
-    std::memcpy(blob, kBlobMagic, 8);
-    put32(blob + 8, kBlobVersion);
-    put32(blob + 12, static_cast<std::uint32_t>(name_len_));
-    put32(blob + 16, peer);  // the id the peer writes in what it sends us
-    put32(blob + 20, kWindow);
-    put64(blob + 24, link->rx_secret);
-    put64(blob + 32, link->rx_key);
-    put64(blob + 40, kEagerMax);
-    put64(blob + 48, part_limit_);
-    std::memcpy(blob + kBlobHead, name_, name_len_);
-    const std::size_t n = kBlobHead + name_len_;
+    ofi_wire::Hello hello;
+    hello.your_id = peer;  // what the peer writes in what it sends us
+    hello.window = kWindow;
+    hello.secret = link->rx_secret;
+    hello.tag_key = link->rx_key;
+    hello.eager = kEagerMax;
+    hello.part_bytes = part_limit_;
+    hello.addr.assign(name_, name_ + name_len_);
+    std::uint8_t blob[kHelloHead + kMaxAddr] = {};
+    const std::size_t n = ofi_wire::encode_hello(hello, blob);
     const ssize_t put = ::send(fd, blob, n, MSG_NOSIGNAL | MSG_DONTWAIT);
     if (put != static_cast<ssize_t>(n))
       return put < 0 ? os_error("cannot send this daemon's fabric address", errno)
@@ -639,17 +618,18 @@ class OfiFabric final : public Fabric {
     }
   }
 
-  void fill_prefix(Link& l, std::uint8_t* b, Kind kind, std::uint64_t serial, std::uint64_t parts) {
-    put32(b, kMagic);
-    b[4] = kind;
-    b[5] = b[6] = b[7] = 0;
-    put32(b + 8, l.tx_id);
-    put32(b + 12, l.owed);
+  // The prefix of a message to `l`, with every credit owed to it (returned: put back if the post fails).
+  std::uint32_t fill_prefix(Link& l, std::uint8_t* b, ofi_wire::Kind kind, std::uint64_t serial, std::uint64_t parts) {
+    ofi_wire::Prefix p;
+    p.kind = kind;
+    p.from = l.tx_id;
+    p.credits = l.owed;
+    p.secret = l.tx_secret;
+    p.serial = serial;
+    p.parts = static_cast<std::uint32_t>(parts);
+    ofi_wire::encode_prefix(p, b);
     l.owed = 0;
-    put64(b + 16, l.tx_secret);
-    put64(b + 24, serial);
-    put32(b + 32, static_cast<std::uint32_t>(parts));
-    put32(b + 36, 0);
+    return p.credits;
   }
 
   // Post a whole frame, or as much of it as the provider takes now (*posted: all of it). "" or a
@@ -663,7 +643,7 @@ class OfiFabric final : public Fabric {
       if (f->parts > kMaxParts) return "a frame of " + std::to_string(f->length) + " bytes has too many parts";
       Op* op = tx_free_.back();
       f->serial = l.next_serial;
-      fill_prefix(l, op->buf, kFrame, f->serial, f->parts);
+      const std::uint32_t credits = fill_prefix(l, op->buf, kFrame, f->serial, f->parts);
       std::memcpy(op->buf + kPrefix, f->header, kHeaderSize);
       if (eager && f->length != 0) std::memcpy(op->buf + kMsgHead, f->payload, f->length);
       const std::size_t n = kMsgHead + (eager ? f->length : 0);
@@ -671,7 +651,7 @@ class OfiFabric final : public Fabric {
       op->frame = nullptr;
       const long r = ep_->msg->send(ep_, op->buf, n, op->desc, l.addr, op);
       if (r == -ofi::kEAgain) {
-        l.owed += get32(op->buf + 12);  // not sent: still owed
+        l.owed += credits;  // not sent: still owed
         return {};
       }
       if (r != 0) return fi_error("fi_send", r);
@@ -699,7 +679,7 @@ class OfiFabric final : public Fabric {
         } else {
           desc = op.temp_mr->mem_desc;
         }
-        const long r = ep_->tagged->send(ep_, f->payload + off, n, desc, l.addr, tag_of(l.tx_key, f->serial, i), &op);
+        const long r = ep_->tagged->send(ep_, f->payload + off, n, desc, l.addr, ofi_wire::tag_of(l.tx_key, f->serial, i), &op);
         if (r == -ofi::kEAgain) return {};
         if (r != 0) return fi_error("fi_tsend", r);
         op.posted = true;
@@ -716,12 +696,12 @@ class OfiFabric final : public Fabric {
       return;
     }
     Op* op = tx_free_.back();
-    fill_prefix(l, op->buf, kFin, l.next_serial, 0);
+    const std::uint32_t credits = fill_prefix(l, op->buf, kFin, l.next_serial, 0);
     op->peer = l.peer;
     op->frame = nullptr;
     const long r = ep_->msg->send(ep_, op->buf, kPrefix, op->desc, l.addr, op);
     if (r == -ofi::kEAgain) {
-      l.owed += get32(op->buf + 12);
+      l.owed += credits;
       dirty_ = true;
       return;
     }
@@ -739,12 +719,12 @@ class OfiFabric final : public Fabric {
       return;
     }
     Op* op = tx_free_.back();
-    fill_prefix(l, op->buf, kCredit, 0, 0);
+    const std::uint32_t credits = fill_prefix(l, op->buf, kCredit, 0, 0);
     op->peer = l.peer;
     op->frame = nullptr;
     const long r = ep_->msg->send(ep_, op->buf, kPrefix, op->desc, l.addr, op);
     if (r == -ofi::kEAgain) {
-      l.owed += get32(op->buf + 12);
+      l.owed += credits;
       l.credit_pending = true;
       dirty_ = true;
       return;
@@ -928,50 +908,49 @@ class OfiFabric final : public Fabric {
 
   // A message landed in receive buffer `op`: authenticated and queued by its serial, or dropped.
   void on_message_locked(Op* op, std::size_t len) {
-    const std::uint8_t* b = op->buf;
-    Link* l = nullptr;
-    if (len >= kPrefix && get32(b) == kMagic) {
-      l = link_of(get32(b + 8));
-      // Our secret, which only the peer we gave it to knows: a peer that has our address may send
-      // before we have its own (its messages wait for the link to come up).
-      if (l != nullptr && get64(b + 16) != l->rx_secret) l = nullptr;
-    }
+    ofi_wire::Prefix p;
+    bool identified = false;
+    const std::string bad = ofi_wire::decode_prefix(op->buf, len, kHeaderSize, &p, &identified);
+    // Our secret, which only the peer we gave it to knows: a peer that has our address may send
+    // before we have its own (its messages wait for the link to come up).
+    Link* l = identified ? link_of(p.from) : nullptr;
+    if (l != nullptr && p.secret != l->rx_secret) l = nullptr;
     if (l == nullptr || l->state == Link::kDown) {
       // Not from a peer we let in (or from one gone): dropped, its buffer posted again.
       if (l == nullptr) counters_.rejected++;
       rx_unposted_.push_back(op);
       return;
     }
+    if (!bad.empty()) {
+      rx_unposted_.push_back(op);
+      return down_locked(*l, "sent " + bad, LinkEnd::kBadFrame);
+    }
     l->last_in = Clock::now();
     counters_.messages_in++;
-    const std::uint32_t credits = get32(b + 12);
-    if (credits > l->in_flight) {
+    if (p.credits > l->in_flight) {
       rx_unposted_.push_back(op);
       return down_locked(*l, "returned more credits than it had", LinkEnd::kBadFrame);
     }
-    l->in_flight -= credits;
-    if (credits != 0) dirty_ = true;
-    const std::uint8_t kind = b[4];
-    if (kind == kCredit && len == kPrefix) {
+    l->in_flight -= p.credits;
+    if (p.credits != 0) dirty_ = true;
+    if (p.kind == kCredit) {
       rx_unposted_.push_back(op);
       return;
     }
-    const std::uint64_t serial = get64(b + 24);
-    std::string bad;
-    if (kind != kFrame && kind != kFin) bad = "sent a message of unknown kind " + std::to_string(kind);
-    else if (kind == kFin && len != kPrefix) bad = "sent a FIN of " + std::to_string(len) + " bytes";
-    else if (kind == kFrame && len < kMsgHead) bad = "sent a frame message of " + std::to_string(len) + " bytes";
-    else if (serial < l->next_in || serial - l->next_in >= kBufsPerPeer || l->ready.count(serial) != 0)
-      bad = "sent message " + std::to_string(serial) + " out of turn (expected " + std::to_string(l->next_in) + ")";
-    else if (l->held >= kBufsPerPeer) bad = "sent more than its window of frames";
-    if (!bad.empty()) {
+    std::string wrong;
+    if (p.serial < l->next_in || p.serial - l->next_in >= kBufsPerPeer || l->ready.count(p.serial) != 0)
+      wrong = "sent message " + std::to_string(p.serial) + " out of turn (expected " + std::to_string(l->next_in) + ")";
+    else if (l->held >= kBufsPerPeer)
+      wrong = "sent more than its window of frames";
+    if (!wrong.empty()) {
       rx_unposted_.push_back(op);
-      return down_locked(*l, bad, LinkEnd::kBadFrame);
+      return down_locked(*l, wrong, LinkEnd::kBadFrame);
     }
     op->peer = l->peer;
     op->frame = nullptr;
     op->len = len;
-    l->ready.emplace(serial, op);
+    op->prefix = p;
+    l->ready.emplace(p.serial, op);
     l->held++;
   }
 
@@ -1016,7 +995,7 @@ class OfiFabric final : public Fabric {
         l->ready.erase(it);
         l->next_in++;
         len = op->len;
-        if (op->buf[4] == kFin) {
+        if (op->prefix.kind == kFin) {
           release_locked(*l, op, false);
           down_locked(*l, "closed the connection", LinkEnd::kClosed);
           return 1;
@@ -1030,7 +1009,7 @@ class OfiFabric final : public Fabric {
     }
     // A frame's message: its header checked, its place asked of the Sink, its payload copied or posted.
     const std::uint8_t* b = op->buf;
-    const std::uint64_t parts = get32(b + 32);
+    const std::uint64_t parts = op->prefix.parts;
     std::string why = decode_header(b + kPrefix, kHeaderSize, &h);
     std::uint8_t* dest = nullptr;
     std::uint64_t eager = 0, part_bytes = 0;
@@ -1041,11 +1020,7 @@ class OfiFabric final : public Fabric {
       part_bytes = l->part_bytes;
     }
     if (why.empty()) {
-      if (h.length <= eager) {
-        if (parts != 0 || len != kMsgHead + h.length) why = "a frame message's length does not match its header";
-      } else if (len != kMsgHead || parts != (h.length + part_bytes - 1) / part_bytes) {
-        why = "a frame's payload parts do not match its header";
-      }
+      why = ofi_wire::check_frame(parts, h.length, len, kHeaderSize, eager, part_bytes);
       if (!why.empty()) why = "sent a bad frame: " + why;
     } else {
       why = "sent a bad frame header: " + why;
@@ -1075,7 +1050,7 @@ class OfiFabric final : public Fabric {
     }
     std::lock_guard<std::mutex> lock(mu_);
     Link* l = link_of(peer);
-    const std::uint64_t serial = get64(b + 24);
+    const std::uint64_t serial = op->prefix.serial;
     release_locked(*l, op);
     if (l->state != Link::kUp) return 1;
     l->in_payload = true;
@@ -1115,7 +1090,7 @@ class OfiFabric final : public Fabric {
         (void)desc_for(into, room, &desc, &none);
       }
       // From any source (FI_DIRECTED_RECV is not asked for): the tag, keyed by us, names the sender.
-      const long r = ep_->tagged->recv(ep_, into, room, desc, ofi::kAddrUnspec, tag_of(l.rx_key, l.rx_serial, i), 0, &op);
+      const long r = ep_->tagged->recv(ep_, into, room, desc, ofi::kAddrUnspec, ofi_wire::tag_of(l.rx_key, l.rx_serial, i), 0, &op);
       if (r == -ofi::kEAgain) {
         dirty_ = true;
         return;
@@ -1223,9 +1198,13 @@ class OfiFabric final : public Fabric {
       std::uint8_t* into = spare;
       std::size_t want = sizeof spare;
       if (l.state == Link::kExchanging) {
-        const std::size_t need = l.blob_got < kBlobHead ? kBlobHead : kBlobHead + get32(l.blob + 12);
+        std::size_t need = kHelloHead;
+        if (l.blob_got >= kHelloHead) {
+          const std::string why = ofi_wire::hello_size(l.blob, l.blob_got, &need);
+          if (!why.empty()) return down_locked(l, why, LinkEnd::kBadFrame);
+        }
         into = l.blob + l.blob_got;
-        want = need - l.blob_got;
+        want = need - l.blob_got;  // (need <= sizeof blob: hello_size bounds the address)
       }
       const ssize_t got = ::recv(l.fd, into, want, 0);
       if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return;
@@ -1251,31 +1230,36 @@ class OfiFabric final : public Fabric {
         return down_locked(l, "sent bytes on its stream after the exchange", LinkEnd::kBadFrame);
       }
       l.blob_got += static_cast<std::size_t>(got);
-      if (l.blob_got == kBlobHead) {
-        if (std::memcmp(l.blob, kBlobMagic, 8) != 0 || get32(l.blob + 8) != kBlobVersion)
-          return down_locked(l, "is not an ofi fabric of this version (check that every node runs the same smddp and --fabric)",
-                             LinkEnd::kBadFrame);
-        if (get32(l.blob + 12) == 0 || get32(l.blob + 12) > kMaxAddr)
-          return down_locked(l, "sent a fabric address of " + std::to_string(get32(l.blob + 12)) + " bytes", LinkEnd::kBadFrame);
-        continue;
+      std::size_t need = kHelloHead;
+      if (l.blob_got >= kHelloHead) {
+        const std::string why = ofi_wire::hello_size(l.blob, l.blob_got, &need);
+        if (!why.empty()) return down_locked(l, why, LinkEnd::kBadFrame);
       }
-      if (l.blob_got < kBlobHead + get32(l.blob + 12)) continue;
-      return exchanged_locked(l);
+      if (l.blob_got < need) continue;
+      ofi_wire::Hello hello;
+      const std::string why = ofi_wire::decode_hello(l.blob, l.blob_got, &hello);
+      if (!why.empty()) return down_locked(l, why, LinkEnd::kBadFrame);
+      return exchanged_locked(l, hello);
     }
   }
 
-  void exchanged_locked(Link& l) {
-    const std::uint8_t* b = l.blob;
-    l.tx_id = get32(b + 16);
-    l.window = std::min<std::uint32_t>(get32(b + 20), kWindow);
-    l.tx_secret = get64(b + 24);
-    l.tx_key = get64(b + 32);
-    l.eager = std::min<std::uint64_t>(get64(b + 40), kEagerMax);
-    l.part_bytes = std::min<std::uint64_t>(get64(b + 48), part_limit_);
-    if (l.window < 2 || l.part_bytes < kBufBytes)
-      return down_locked(l, "offered a window or message size too small", LinkEnd::kBadFrame);
+  void exchanged_locked(Link& l, const ofi_wire::Hello& hello) {
+    l.tx_id = hello.your_id;
+    l.window = std::min<std::uint32_t>(hello.window, kWindow);
+    l.tx_secret = hello.secret;
+    l.tx_key = hello.tag_key;
+    l.eager = std::min<std::uint64_t>(hello.eager, kEagerMax);
+    l.part_bytes = std::min<std::uint64_t>(hello.part_bytes, part_limit_);
+    if (l.part_bytes < kBufBytes) return down_locked(l, "offered a message size too small", LinkEnd::kBadFrame);
+    // fi_av_insert reads as many bytes as the provider's addresses have: the same provider's are
+    // as long as ours, and anything else is refused before libfabric reads it.
+    if (hello.addr.size() != name_len_)
+      return down_locked(l,
+                         "sent a fabric address of " + std::to_string(hello.addr.size()) + " bytes (this provider's have " +
+                             std::to_string(name_len_) + ")",
+                         LinkEnd::kBadFrame);
     ofi::Addr a = 0;
-    const int r = av_->ops->insert(av_, b + kBlobHead, 1, &a, 0, nullptr);
+    const int r = av_->ops->insert(av_, hello.addr.data(), 1, &a, 0, nullptr);
     if (r != 1) return down_locked(l, "its fabric address was refused: " + fi_error("fi_av_insert", r), LinkEnd::kError);
     l.addr = a;
     l.state = Link::kUp;

@@ -2,8 +2,9 @@
 // own progress thread, the links' streams over loopback TCP: frames of every size (inline in their
 // message, and in tagged parts straight into place) arrive whole and in order, every send is
 // reported once; a refused frame, a peer gone without its FIN, an orderly close after the last
-// frame, a stream that is not an ofi peer, and silence each take the link down with a reason; a
-// provider libfabric does not offer is refused naming those it does. Built and run under ASan+UBSan
+// frame, a stream that is not an ofi peer, and silence each take the link down with a reason;
+// messages without the receiver's secret are dropped, never handed on; a provider libfabric does not
+// offer is refused naming those it does. Built and run under ASan+UBSan
 // and TSan by `make engine-sanitize`, with SMDDP_LIBFABRIC naming the wheel's libfabric.
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -311,6 +312,55 @@ void test_refusal_and_gone_peer() {
   }
 }
 
+// Read exactly n bytes from a blocking stream.
+bool read_all(int fd, std::uint8_t* p, std::size_t n) {
+  while (n > 0) {
+    const ssize_t got = read(fd, p, n);
+    if (got <= 0) return false;
+    p += got;
+    n -= static_cast<std::size_t>(got);
+  }
+  return true;
+}
+
+bool relay_hello(int from, int to, bool forge) {
+  std::uint8_t buf[56 + 256];
+  if (!read_all(from, buf, 56)) return false;
+  std::uint32_t n = 0;
+  std::memcpy(&n, buf + 12, 4);
+  if (n == 0 || n > 256 || !read_all(from, buf + 56, n)) return false;
+  if (forge) buf[24] ^= 1;  // the secret the other side must stamp: one bit off
+  return write(to, buf, 56 + n) == static_cast<ssize_t>(56 + n);
+}
+
+// Messages that do not carry the receiver's secret are dropped and counted, never handed on: here the
+// hello A reads has B's secret one bit off, so A's frames reach B's endpoint but not B's owner.
+void test_wrong_secret_is_rejected() {
+  Engine a(0), b(0);
+  int ab[2], ba[2];  // A <-> test, test <-> B
+  pair_of(ab, true);
+  pair_of(ba, true);
+  check(a.fabric->add_peer(1, ab[0]).empty() && b.fabric->add_peer(0, ba[1]).empty(), "add_peer");
+  check(relay_hello(ab[1], ba[0], false), "relay A's hello");
+  check(relay_hello(ba[0], ab[1], true), "relay B's hello, forged");
+  std::vector<std::uint8_t> payload(100, 5);
+  std::uint8_t h[smddp::kHeaderSize];
+  data_header(1, payload.size(), h);
+  check(a.fabric->send(1, h, payload.data(), payload.size(), 1).empty(), "send");
+  const auto t0 = std::chrono::steady_clock::now();
+  while (b.fabric->counters().rejected == 0 && std::chrono::steady_clock::now() - t0 < std::chrono::seconds(10))
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  check(b.fabric->counters().rejected >= 1, "b rejected the message without its secret");
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  {
+    std::lock_guard<std::mutex> lock(b.sink.mu);
+    check(b.sink.frames.empty(), "nothing handed to b's owner");
+    check(b.sink.downs.empty(), "a stranger's message does not take the link down");
+  }
+  close(ab[1]);
+  close(ba[0]);
+}
+
 void test_silence() {
   Engine b(300);
   int fds[2];
@@ -351,6 +401,7 @@ int main() {
   test_wrong_provider_and_library();
   test_frames_arrive_whole_in_order();
   test_refusal_and_gone_peer();
+  test_wrong_secret_is_rejected();
   test_silence();
   std::printf("test_ofi_fabric: %s\n", failures ? "FAILED" : "every check held");
   return failures ? 1 : 0;
