@@ -36,6 +36,9 @@ def common_flags(p: argparse.ArgumentParser, rounds: bool = True) -> None:
         ("pipeline_kb", "--pipeline-kb"),
     ):
         p.add_argument(flag, dest=name, type=int, default=default(name), help=f"smddp-launch {flag}")
+    p.add_argument(
+        "--ofi-provider", default=RunOptions.ofi_provider, help="the libfabric provider of the smddp-ofi runs"
+    )
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per launch")
     p.add_argument("--prefix", default="smddpb", help="simulated cluster name prefix")
     p.add_argument("--subnet", default="10.77.9", help="simulated cluster subnet (three octets)")
@@ -49,6 +52,7 @@ def run_options(a: argparse.Namespace) -> RunOptions:
         threads=a.threads,
         replicate_kb=a.replicate_kb,
         pipeline_kb=a.pipeline_kb,
+        ofi_provider=a.ofi_provider,
         timeout_s=a.timeout,
         prefix=a.prefix,
         subnet=a.subnet,

@@ -226,8 +226,9 @@ def test_engine_figures_from_sweeps_profiles_and_ddp():
 def test_ofi_beside_tcp(tmp_path):
     """smddp-ofi (the daemons on libfabric's tcp provider) runs beside smddp in one sweep, and the
     BENCHMARKS.md section of issue 18 reads the pair from a setup that ran both."""
-    from smddp.bench.runner import ImplRun
     from smddp_rigs.bench.benchmarks_md import ofi_section
+
+    from smddp.bench.runner import ImplRun
 
     cmd = [
         str(BIN / "smddp-bench"),

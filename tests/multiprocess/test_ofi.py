@@ -14,12 +14,17 @@ from tests.multiprocess.test_collectives import SCRIPT, check_every_collective
 pytestmark = pytest.mark.multiprocess
 
 OFI = ["--fabric", "ofi", "--ofi-provider", "tcp"]
-CONFIGS = [(4, 2), (3, 3)]
+# (workers, local nodes, provider): libfabric's tcp provider, and its shm provider (one host).
+CONFIGS = [(4, 2, "tcp"), (3, 3, "tcp"), (4, 2, "shm")]
 
 
-@pytest.mark.parametrize(("world", "nodes"), CONFIGS, ids=[f"W{w}-N{n}" for w, n in CONFIGS])
-def test_every_collective_over_ofi(world: int, nodes: int, tmp_path: Path, clean_host: None) -> None:
-    check_every_collective(world, nodes, tmp_path, extra=OFI)
+@pytest.mark.parametrize(
+    ("world", "nodes", "provider"), CONFIGS, ids=[f"W{w}-N{n}-{p}" for w, n, p in CONFIGS]
+)
+def test_every_collective_over_ofi(
+    world: int, nodes: int, provider: str, tmp_path: Path, clean_host: None
+) -> None:
+    check_every_collective(world, nodes, tmp_path, extra=["--fabric", "ofi", "--ofi-provider", provider])
 
 
 @pytest.mark.parametrize(
