@@ -81,6 +81,106 @@ class Params:
         )
 
 
+@dataclass(frozen=True)
+class EfaCase:
+    """An EFA cluster as the model sees it (issue 18). The link rates are AWS's published instance
+    figures; the per-message figures are assumptions (no EFA was measured here): docs/performance.md,
+    "The EFA case", says which is which."""
+
+    name: str
+    link_gbit: float  # network bandwidth per node, each way (AWS: p4d.24xlarge 400, p5.48xlarge 3200)
+    latency_s: float = 15e-6  # one small message, one way, between two instances (assumed)
+    per_message_s: float = 1e-6  # CPU to post and complete one message at each end (assumed)
+    threads: int = 8  # the daemon's reduction threads (--threads: cores the GPUs leave)
+    pipeline: int = 8 * MiB  # the workers' pipelined pieces (--pipeline-kb)
+
+
+EFA_CASES = (EfaCase("p4d.24xlarge, 400 Gbit/s", 400.0), EfaCase("p5.48xlarge, 3200 Gbit/s", 3200.0))
+
+
+def efa_smddp(c: EfaCase, n: int, s: int, gamma: float, copy_bps: float, local_s: float) -> float:
+    """smddp on EFA: the node's own hop (local_s, measured here), two network steps (2 latencies, and
+    N-1 messages per step at each daemon), then the slowest of the three streams the pipeline overlaps:
+    the link (2 (N-1)/N S/B), the daemon's reduction of its N rows of S/N (S/(T g)) and the copy into
+    and out of the arena (2 S/m); the first piece's copy in and the last one's copy out are exposed."""
+    fill = 2 * min(c.pipeline, s) / copy_bps
+    if n == 1:
+        return local_s + fill + max(s / (c.threads * gamma), 2 * s / copy_bps)
+    link = 2 * (n - 1) / n * s / (c.link_gbit * 1e9 / 8)
+    return (
+        local_s
+        + 2 * c.latency_s
+        + 2 * (n - 1) * c.per_message_s
+        + fill
+        + max(link, s / (c.threads * gamma), 2 * s / copy_bps)
+    )
+
+
+def efa_ring(c: EfaCase, n: int, s: int, gamma: float) -> float:
+    """A ring on the same links, reducing on the host as it goes (one core): 2 (N-1) steps, each a
+    latency and a message; its reduction overlaps its transfers, so the slower of the two shows."""
+    if n == 1:
+        return 0.0
+    link = 2 * (n - 1) / n * s / (c.link_gbit * 1e9 / 8)
+    return 2 * (n - 1) * (c.latency_s + c.per_message_s) + max(link, (n - 1) / n * s / gamma)
+
+
+def copy_speed(nbytes: int = 64 * MiB, repeats: int = 5) -> float:
+    """Bytes/s of one core copying a buffer (numpy), the best of `repeats`: the arena copies' speed."""
+    import numpy as np
+
+    a, b = np.ones(nbytes // 4, dtype=np.float32), np.empty(nbytes // 4, dtype=np.float32)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(b, a)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best
+
+
+def efa_markdown(res: dict[str, Any]) -> str:
+    """The EFA case's tables: smddp and a ring against node count, for each instance type."""
+    e = res.get("efa")
+    if not e:
+        return ""
+    gamma = Params(**res["params"]).gamma
+    lines = [
+        "EFA case (issue 18; a model, not a measurement): link rates from AWS's instance specifications, "
+        f"one-way message latency {EFA_CASES[0].latency_s * 1e6:.0f} us and {EFA_CASES[0].per_message_s * 1e6:.0f} us "
+        f"of CPU per message (assumed), {EFA_CASES[0].threads} reduction threads, g = {gamma / 1e9:.1f} GB/s per "
+        f"core and m = {e['copy_bps'] / 1e9:.1f} GB/s copy speed (measured here), and the node's own hop "
+        f"{fmt_time(e['local_s'])} ({e['local_source']}).",
+        "",
+    ]
+    for c in EFA_CASES:
+        for size in (res["size"], 256 * 1024):
+            lines += [
+                f"{c.name}, {fmt_size(size)}:",
+                "",
+                "| nodes | smddp | ring | smddp / ring | smddp busbw Gbit/s |",
+                "| ---: | ---: | ---: | ---: | ---: |",
+            ]
+            for n in MODEL_NODES:
+                t = efa_smddp(c, n, size, gamma, e["copy_bps"], e["local_s"])
+                r = efa_ring(c, n, size, gamma)
+                bus = size / t * 2 * (n - 1) / n * 8 / 1e9
+                lines.append(f"| {n} | {fmt_time(t)} | {fmt_time(r)} | {t / r:.2f} | {bus:.1f} |")
+            lines.append("")
+    return "\n".join(lines)
+
+
+def local_hop(outdir: Path) -> tuple[float, str]:
+    """The node's own share of a small all-reduce: smddp's 4 KiB on one host (make bench's sweep)."""
+    src = outdir / "sweep-host4.json"
+    if src.exists():
+        for run in json.loads(src.read_text())["runs"]:
+            if run["impl"] == "smddp":
+                return ImplRun.from_json(run).case(
+                    4096
+                ).median_s, "smddp's 4 KiB all-reduce, one host, 4 workers: sweep-host4"
+    return 32e-6, "no sweep-host4.json: 32 us, the last one measured"
+
+
 def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     """Least squares y = a + b x with a >= 0 (a fixed cost cannot be negative: then y = b x)."""
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
@@ -214,6 +314,9 @@ def model_markdown(res: dict[str, Any]) -> str:
             bus = size / s * 2 * (n - 1) / n * 8 / 1e9
             lines.append(f"| {n} | {fmt_time(s)} | {fmt_time(r)} | {s / r:.2f} | {bus:.3f} |")
         lines.append("")
+    efa = efa_markdown(res)
+    if efa:
+        lines += [efa]
     return "\n".join(lines)
 
 
@@ -245,6 +348,11 @@ def run_model(cfg: ModelConfig, log: TextIO = sys.stderr) -> dict[str, Any]:
         if res.get("size") != cfg.size:  # the checks were measured at another size
             res.pop("checks", None)
             res["size"] = cfg.size
+    if "efa" not in res:
+        local, source = local_hop(outdir)
+        res["efa"] = {"copy_bps": copy_speed(), "local_s": local, "local_source": source}
+        if cfg.check:
+            (outdir / "model.json").write_text(json.dumps(res, indent=1) + "\n")
     md = model_markdown(res)
     (outdir / "model.md").write_text(md)
     print(md, file=log)
