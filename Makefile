@@ -89,11 +89,12 @@ engine-sanitize:
 # MPI is not ours). The subset: every collective, dtype and op bit-exact with 4 workers on one node
 # (the rings, 64 MiB cases included), the sharded path on 3 nodes and pipelined pieces on 2 (the
 # fabric; without the 64 MiB cases, which TSan's shadow memory cannot hold 6 times on this machine),
-# bad arguments and a mismatch failing every rank, an authenticated worker's garbage on its ring,
+# pipelined pieces on 2 nodes over the ofi fabric (libfabric's tcp provider), bad arguments and a mismatch failing every rank, an authenticated worker's garbage on its ring,
 # and a worker killed in the middle of a collective.
 SAN_JOBS := 'tests/multiprocess/test_collectives.py::test_every_collective_bit_exact[W4-N1]' \
   'tests/multiprocess/test_collectives.py::test_both_reduce_paths_bit_exact[W3-N3-never-replicated]' \
   'tests/multiprocess/test_collectives.py::test_both_reduce_paths_bit_exact[W4-N2-pipelined-16KiB-pieces]' \
+  'tests/multiprocess/test_ofi.py::test_both_reduce_paths_over_ofi[pipelined-16KiB-pieces]' \
   tests/multiprocess/test_launch.py::test_bad_arguments_refused_and_mismatch_fails_every_rank \
   tests/faults/test_rogue.py tests/faults/test_faults.py::test_worker_killed_mid_collective
 .PHONY: engine-sanitize-jobs
