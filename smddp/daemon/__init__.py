@@ -9,6 +9,7 @@ import shutil
 import signal
 import socket
 import stat
+import time
 
 from smddp.daemon.config import DaemonConfig
 from smddp.daemon.fabric import choose_fabric, use_wheel_providers
@@ -29,6 +30,8 @@ from smddp.transport.ledger import LedgerClient
 from smddp.transport.netif import resolve_bind_address
 
 __all__ = ["DaemonConfig", "NodeDaemon", "private_dir", "run"]
+
+START_FAILURE_LINGER_S = 2.0  # how long a daemon that cannot start waits before it ends (see run)
 
 
 def private_dir(path: str) -> str:
@@ -58,7 +61,10 @@ def run(cfg: DaemonConfig) -> int:
         fabric = choose_fabric(cfg.fabric, cfg.ofi_provider, cfg.libfabric, os.environ)
     except ConfigError as e:
         # Before the bootstrap: every node's daemon says so and ends, and smddp-launch ends the job.
+        # mpirun stops the others when the first one ends: it waits a moment first, so that every
+        # node (they start together) has said what is wrong with it, not only the quickest.
         logging.getLogger("smddp.daemon").error("cannot start: %s", e)
+        time.sleep(START_FAILURE_LINGER_S)
         return 2
     logging.getLogger("smddp.daemon").info(
         "fabric: %s%s (%s)",

@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 from smddp.errors import ConfigError
@@ -490,7 +490,7 @@ def run_attempt(cfg: LaunchConfig) -> Outcome:
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        status, daemons_first = supervise(daemons, workers)
+        status, daemons_first = supervise(daemons, workers, daemons_ever_up=ledger.ever_up)
         unfinished = ledger.unfinished()
         if status == 0 and any(why == NEVER_SAID for _, why in unfinished):
             # mpirun reports success after it lost a node and tore the job down (the wheel's Open
@@ -526,9 +526,11 @@ def supervise(
     daemon_grace_s: float = DAEMON_GRACE_S,
     worker_grace_s: float = WORKER_GRACE_S,
     tick: float = 0.05,
+    daemons_ever_up: Callable[[], bool] = lambda: True,
 ) -> tuple[int, bool]:
     """Wait for both worlds; the exit status says what went wrong first, and whether the daemons'
-    world failed first (while the workers still ran)."""
+    world failed first (while the workers still ran). `daemons_ever_up` says whether any daemon got
+    as far as its bootstrap: if none did, no worker can have joined one to hear why it failed."""
     while True:
         w = workers.poll()
         if w is not None:
@@ -538,7 +540,12 @@ def supervise(
             return shell_status(w) or shell_status(daemons.returncode), False
         d = daemons.poll()
         if d is not None and d != 0:
-            # The daemons failed (at start, or a daemon died): connected workers hear it and leave.
+            if not daemons_ever_up():
+                # They failed before their bootstrap (a setting a node cannot honour, said in their
+                # output): the workers are still looking for a daemon, and would until they time out.
+                _stop(workers, 10.0)
+                return shell_status(d), True
+            # The daemons failed (a daemon died, say): connected workers hear it and leave.
             if _wait(workers, worker_grace_s):
                 return shell_status(workers.returncode) or shell_status(d), True
             _stop(workers, 10.0)

@@ -60,6 +60,11 @@ class Ledger:
                 except OSError:
                     pass
 
+    def ever_up(self, settle_s: float = 0.5) -> bool:
+        """Whether any daemon said it was up (waiting at most `settle_s` for a line on its way)."""
+        with self._lock:
+            return self._lock.wait_for(lambda: bool(self.up), timeout=settle_s)
+
     def unfinished(self, settle_s: float = 2.0) -> list[tuple[int, str]]:
         """The nodes that said they were up and did not finish cleanly, each with why: the reason it
         gave, or "never said how it ended" (it died, or its node was lost). Called once mpirun has

@@ -58,6 +58,7 @@ def test_a_provider_not_offered_fails_fast(tmp_path: Path, clean_host: None) -> 
     took = time.monotonic() - t0
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
-    assert "the libfabric provider 'efa' is not available here" in out, out[-3000:]
+    # Every node's daemon says so (each checks on its own, before the bootstrap).
+    assert out.count("the libfabric provider 'efa' is not available here") == 2, out[-3000:]
     assert "offers " in out and "tcp" in out.split("offers ", 1)[1], out[-3000:]
-    assert took < 60, took
+    assert took < 20, took  # the workers, which no daemon could take in, are stopped at once

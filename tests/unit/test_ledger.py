@@ -62,3 +62,31 @@ def test_no_ledger_or_none_reachable() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # nothing listens here once closed
     assert LedgerClient.connect(f"{'a' * 32}@127.0.0.1:{port}", 0, timeout=1.0) is None
+
+
+def test_ever_up_and_daemons_that_never_came_up() -> None:
+    """A daemon world that fails before any daemon's bootstrap has no worker to tell: smddp-launch
+    stops the workers at once instead of giving them the grace meant for hearing why."""
+    import subprocess
+
+    from smddp.launcher.mpirun import supervise
+
+    ledger = Ledger(["127.0.0.1"])
+    try:
+        t0 = time.monotonic()
+        assert not ledger.ever_up(settle_s=0.2)
+        assert time.monotonic() - t0 < 1.0
+        a = LedgerClient.connect(ledger.spec, 0)
+        assert a
+        assert ledger.ever_up(settle_s=5.0)
+    finally:
+        ledger.close()
+    daemons = subprocess.Popen(["sh", "-c", "exit 2"])
+    workers = subprocess.Popen(["sleep", "60"])
+    t0 = time.monotonic()
+    assert supervise(daemons, workers, worker_grace_s=30.0, daemons_ever_up=lambda: False) == (2, True)
+    assert time.monotonic() - t0 < 10.0 and workers.poll() is not None
+    # With a daemon that was up, the workers get their grace to hear why and leave by themselves.
+    daemons = subprocess.Popen(["sh", "-c", "exit 2"])
+    workers = subprocess.Popen(["sh", "-c", "sleep 0.3; exit 1"])
+    assert supervise(daemons, workers, worker_grace_s=30.0, daemons_ever_up=lambda: True) == (1, True)
