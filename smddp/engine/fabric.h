@@ -106,6 +106,7 @@ struct OfiOptions {
   std::string library;
   std::string provider;
   std::int64_t idle_ms = 0;
+  std::uint32_t peers = 0;  // how many links the job will have (sizes each link's window; 0: unknown)
 };
 std::unique_ptr<Fabric> make_ofi_fabric(Sink* sink, const OfiOptions& opts, std::string* why);
 // The providers `library` offers with reliable-datagram endpoints and tagged messages, in its order.

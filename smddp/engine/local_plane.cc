@@ -169,6 +169,7 @@ LocalPlane::LocalPlane(PlaneConfig cfg, Arena* results, Arena* scratch)
       o.library = cfg_.ofi_library;
       o.provider = cfg_.ofi_provider;
       o.idle_ms = cfg_.heartbeat_ns / 1'000'000;
+      o.peers = nn - 1;
       fabric_ = make_ofi_fabric(this, o, &why);
     } else if (cfg_.fabric == "tcp") {
       fabric_ = make_tcp_fabric(this, cfg_.heartbeat_ns / 1'000'000, &why);

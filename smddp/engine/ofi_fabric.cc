@@ -11,11 +11,12 @@
 // the control plane hands to add_peer, which stays open as the link's liveness: its end without a
 // FIN is a closed link, silence past the idle limit a silent one, as on TCP.
 //
-// Flow control: each peer may have `window` frames in flight to us; the receive buffers they sit in
-// are reposted when the frame has been handed to the Sink, and the credits go back in the prefix of
-// the next message or, when half a window is owed, in a CREDIT message. So receive buffers never
-// run out (window + 3 per peer are posted: the window, two CREDITs and a FIN), and what waits
-// for credits waits in the sender's queue, which the protocol's collectives bound.
+// Flow control: each peer may have `window` frames in flight to us (32; fewer in jobs of more than
+// 64 nodes, down to 4); the receive buffers they sit in are reposted when the frame has been handed
+// to the Sink, and the credits go back in the prefix of the next message or, when half a window is
+// owed, in a CREDIT message. So receive buffers never run out (window + 3 per peer are posted: the
+// window, two CREDITs and a FIN), and what waits for credits waits in the sender's queue, which the
+// protocol's collectives bound.
 //
 // Threads: every libfabric call is made under the fabric's mutex (the domain is opened
 // FI_THREAD_DOMAIN); the Sink is called from the progress thread only, without the mutex.
@@ -64,8 +65,16 @@ using ofi_wire::kPrefix;
 constexpr std::size_t kMsgHead = kPrefix + kHeaderSize;
 constexpr std::uint64_t kEagerMax = 16 << 10;  // payloads up to this travel in the frame's message
 constexpr std::size_t kBufBytes = (kMsgHead + kEagerMax + 63) / 64 * 64;
-constexpr std::uint32_t kWindow = 32;        // frames a peer may have in flight to us
-constexpr std::uint32_t kBufsPerPeer = kWindow + 3;  // + two CREDITs and a FIN
+// Frames a peer may have in flight to us: 32, less in large jobs, where every peer's window costs
+// its receive and send buffers (2 x (window + 3) x 16.6 KiB): 2048 frames over all peers, at least 4
+// each (so 7.6 MiB for 63 peers, 232 MiB for 1023).
+constexpr std::uint32_t kMaxWindow = 32;
+constexpr std::uint32_t kMinWindow = 4;
+constexpr std::uint32_t kWindowTotal = 2048;
+std::uint32_t window_for(std::uint32_t peers) {
+  if (peers == 0) return kMaxWindow;
+  return std::max(kMinWindow, std::min(kMaxWindow, kWindowTotal / peers));
+}
 constexpr std::uint64_t kMaxPart = 1ULL << 30;
 constexpr std::uint64_t kMaxParts = 1ULL << 20;  // (a tag has 20 bits for the part)
 constexpr int kCancelWaitMs = 1000;
@@ -136,7 +145,7 @@ struct Link {
   std::uint32_t tx_id = 0;                  // what the peer calls us
   ofi::Addr addr = 0;
   std::uint64_t eager = kEagerMax, part_bytes = kMaxPart;
-  std::uint32_t window = kWindow;
+  std::uint32_t window = kMaxWindow;  // what the peer lets us have in flight (its hello)
   // Sending (under the fabric's mutex).
   std::deque<std::unique_ptr<Frame>> queue;  // not yet wholly posted, in order
   std::vector<std::unique_ptr<Frame>> flying;  // posted, completions to come
@@ -175,7 +184,8 @@ std::string load_api(void* lib, ofi::Api* api) {
 
 class OfiFabric final : public Fabric {
  public:
-  OfiFabric(Sink* sink, std::int64_t idle_ms) : sink_(sink), idle_ms_(idle_ms) {}
+  OfiFabric(Sink* sink, std::int64_t idle_ms, std::uint32_t peers)
+      : sink_(sink), idle_ms_(idle_ms), window_(window_for(peers)), bufs_per_peer_(window_ + 3) {}
 
   std::string open(const std::string& library, const std::string& provider) {
     library_ = library;
@@ -269,7 +279,7 @@ class OfiFabric final : public Fabric {
     // What the peer needs to reach us: written now (a few hundred bytes fit any socket's buffer).
     ofi_wire::Hello hello;
     hello.your_id = peer;  // what the peer writes in what it sends us
-    hello.window = kWindow;
+    hello.window = window_;
     hello.secret = link->rx_secret;
     hello.tag_key = link->rx_key;
     hello.eager = kEagerMax;
@@ -566,10 +576,10 @@ class OfiFabric final : public Fabric {
     op.temp_mr = nullptr;
   }
 
-  // Bounce buffers for one more peer: kBufsPerPeer to receive into (posted now), as many to send from.
+  // Bounce buffers for one more peer: bufs_per_peer_ to receive into (posted now), as many to send from.
   std::string grow_pool_locked() {
     Block b;
-    const std::size_t count = 2 * kBufsPerPeer;
+    const std::size_t count = 2 * bufs_per_peer_;
     b.mem = static_cast<std::uint8_t*>(std::aligned_alloc(64, count * kBufBytes));
     if (b.mem == nullptr) return "out of memory for the fabric's buffers";
     std::memset(b.mem, 0, count * kBufBytes);
@@ -586,7 +596,7 @@ class OfiFabric final : public Fabric {
       auto op = std::make_unique<Op>();
       op->buf = b.mem + i * kBufBytes;
       op->desc = mr->mem_desc;
-      if (i < kBufsPerPeer) {
+      if (i < bufs_per_peer_) {
         op->kind = OpKind::kRxBuf;
         rx_unposted_.push_back(op.get());
       } else {
@@ -938,9 +948,9 @@ class OfiFabric final : public Fabric {
       return;
     }
     std::string wrong;
-    if (p.serial < l->next_in || p.serial - l->next_in >= kBufsPerPeer || l->ready.count(p.serial) != 0)
+    if (p.serial < l->next_in || p.serial - l->next_in >= bufs_per_peer_ || l->ready.count(p.serial) != 0)
       wrong = "sent message " + std::to_string(p.serial) + " out of turn (expected " + std::to_string(l->next_in) + ")";
-    else if (l->held >= kBufsPerPeer)
+    else if (l->held >= bufs_per_peer_)
       wrong = "sent more than its window of frames";
     if (!wrong.empty()) {
       rx_unposted_.push_back(op);
@@ -1245,7 +1255,7 @@ class OfiFabric final : public Fabric {
 
   void exchanged_locked(Link& l, const ofi_wire::Hello& hello) {
     l.tx_id = hello.your_id;
-    l.window = std::min<std::uint32_t>(hello.window, kWindow);
+    l.window = std::min<std::uint32_t>(hello.window, kMaxWindow);
     l.tx_secret = hello.secret;
     l.tx_key = hello.tag_key;
     l.eager = std::min<std::uint64_t>(hello.eager, kEagerMax);
@@ -1286,6 +1296,8 @@ class OfiFabric final : public Fabric {
 
   Sink* sink_;
   std::int64_t idle_ms_;
+  const std::uint32_t window_;         // frames each peer may have in flight to us
+  const std::uint32_t bufs_per_peer_;  // receive buffers posted per peer: the window, two CREDITs, a FIN
   std::string library_, provider_;
   void* lib_ = nullptr;
   ofi::Api api_;
@@ -1321,7 +1333,7 @@ class OfiFabric final : public Fabric {
 }  // namespace
 
 std::unique_ptr<Fabric> make_ofi_fabric(Sink* sink, const OfiOptions& opts, std::string* why) {
-  auto f = std::make_unique<OfiFabric>(sink, opts.idle_ms);
+  auto f = std::make_unique<OfiFabric>(sink, opts.idle_ms, opts.peers);
   *why = f->open(opts.library, opts.provider);
   if (!why->empty()) return nullptr;
   return f;

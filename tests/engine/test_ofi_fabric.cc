@@ -27,6 +27,10 @@
 #include "fabric.h"
 #include "frame.h"
 
+// libfabric's own allocations that it keeps for the process's life (seen: 8 bytes from its provider
+// set-up, now and then) are not this test's to find: only the engine is built with the sanitizer.
+extern "C" const char* __lsan_default_suppressions() { return "leak:libfabric.so\n"; }
+
 namespace {
 
 int failures = 0;
