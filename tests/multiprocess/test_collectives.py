@@ -68,7 +68,12 @@ def test_both_reduce_paths_bit_exact(
     """The sharded path (two network steps) and the replicated one (small all-reduces: one step) give
     the reference's bits for every size: by default only the small sizes go replicated; here every
     all-reduce and barrier up to 1 Mi + 3 elements goes one way or the other, or in pieces."""
-    extra = PATHS[path]
+    check_without_big(world, nodes, tmp_path, PATHS[path])
+
+
+def check_without_big(world: int, nodes: int, tmp_path: Path, extra: list[str]) -> None:
+    """The matrix up to 1 Mi + 3 elements (no 64 MiB cases) in one job with `extra` flags: every
+    rank's result the reference's, and every rank's the same."""
     proc = smddp_launch(
         world, nodes, [SCRIPT, "--out", str(tmp_path), "--nnodes", str(nodes)], timeout=600, extra=extra
     )
