@@ -119,8 +119,8 @@ BENCH_OUT ?= bench-results
 bench: $(STAMP)
 	$(BIN)/pip install -q 'matplotlib==3.11.2' 'py-spy==0.4.3'
 	$(BIN)/smddp-bench sweep --sizes 4K-256M --out $(BENCH_OUT) --name sweep-host4
-	$(BIN)/smddp-bench sweep --sim --nodes 4 --per-node 1 --rate-mbit 1000 --sizes 4K-256M --out $(BENCH_OUT) --name sweep-sim4
-	$(BIN)/smddp-bench sweep --sim --nodes 4 --per-node 1 --rate-mbit 1000 --delay-ms 0.5 --sizes 4K-1M --out $(BENCH_OUT) --name sweep-sim4d
+	$(BIN)/smddp-bench sweep --sim --nodes 4 --per-node 1 --rate-mbit 1000 --sizes 4K-256M --impls smddp,mpi,mpi-ring,gloo,smddp-ofi --out $(BENCH_OUT) --name sweep-sim4
+	$(BIN)/smddp-bench sweep --sim --nodes 4 --per-node 1 --rate-mbit 1000 --delay-ms 0.5 --sizes 4K-1M --impls smddp,mpi,mpi-ring,gloo,smddp-ofi --out $(BENCH_OUT) --name sweep-sim4d
 	$(BIN)/smddp-bench profile --size 4K --per-node 4 --py-spy --name profile-host4-4k --out $(BENCH_OUT)
 	$(BIN)/smddp-bench profile --sim --nodes 4 --per-node 1 --rate-mbit 1000 --size 4K --py-spy --name profile-sim4-4k --out $(BENCH_OUT)
 	$(BIN)/smddp-bench profile --sim --nodes 4 --per-node 1 --rate-mbit 1000 --size 64M --seconds 12 --py-spy --name profile-sim4-64m --out $(BENCH_OUT)

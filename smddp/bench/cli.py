@@ -6,7 +6,7 @@ import argparse
 import shlex
 import sys
 
-from smddp.bench.runner import IMPLS, BenchError, RunOptions, Topology
+from smddp.bench.runner import DEFAULT_IMPLS, IMPLS, BenchError, RunOptions, Topology
 from smddp.settings import default
 
 
@@ -73,7 +73,11 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--sizes", default="4K-256M", help="comma list (4K,1M) or a range FROM-TO in steps of 4x")
     s.add_argument("--dtypes", default="float32")
     s.add_argument("--ops", default="sum")
-    s.add_argument("--impls", default=",".join(IMPLS), help=f"comma list of {', '.join(IMPLS)}")
+    s.add_argument(
+        "--impls",
+        default=",".join(DEFAULT_IMPLS),
+        help=f"comma list of {', '.join(IMPLS)} (default: all but smddp-ofi)",
+    )
     s.add_argument(
         "--nodes", type=int, default=1, help="nodes (simulated with --sim, else smddp --local-nodes)"
     )

@@ -27,6 +27,8 @@ from smddp.transport.netif import service_port
 #: Every implementation the bench knows; "mpi-ring" is Open MPI with the ring algorithm forced;
 #: "smddp-ofi" is smddp with its daemons on libfabric (--fabric ofi, provider RunOptions.ofi_provider).
 IMPLS = ("smddp", "mpi", "mpi-ring", "gloo", "smddp-ofi")
+#: What a sweep runs unless told: smddp-ofi only where asked (it differs from smddp only across nodes).
+DEFAULT_IMPLS = ("smddp", "mpi", "mpi-ring", "gloo")
 #: coll/tuned's number for the ring all-reduce in Open MPI 5 (`ompi_info --param coll tuned --level 9`:
 #: "0 ignore, 1 basic linear, 2 nonoverlapping, 3 recursive doubling, 4 ring, 5 segmented ring, ...").
 OMPI_RING = 4

@@ -11,6 +11,7 @@ from typing import Any, TextIO
 
 from smddp.bench.report import plot_busbw, sweep_markdown
 from smddp.bench.runner import (
+    DEFAULT_IMPLS,
     IMPLS,
     ImplRun,
     RunOptions,
@@ -32,7 +33,7 @@ class SweepConfig:
     sizes: tuple[int, ...] = DEFAULT_SIZES
     dtypes: tuple[str, ...] = ("float32",)
     ops: tuple[str, ...] = ("sum",)
-    impls: tuple[str, ...] = IMPLS
+    impls: tuple[str, ...] = DEFAULT_IMPLS
     topology: Topology = field(default_factory=Topology)
     options: RunOptions = field(default_factory=RunOptions)
     rounds: int = 1  # launches per implementation, interleaved; their rounds are pooled

@@ -19,8 +19,8 @@ from smddp_rigs.bench.targets import Check, target_table
 #: The commands `make bench` runs, in order; BENCHMARKS.md quotes them.
 MAKE_BENCH = (
     "smddp-bench sweep --sizes 4K-256M --out bench-results --name sweep-host4",
-    "smddp-bench sweep --sim --nodes 4 --per-node 1 --rate-mbit 1000 --sizes 4K-256M --out bench-results --name sweep-sim4",
-    "smddp-bench sweep --sim --nodes 4 --per-node 1 --rate-mbit 1000 --delay-ms 0.5 --sizes 4K-1M --out bench-results --name sweep-sim4d",
+    "smddp-bench sweep --sim --nodes 4 --per-node 1 --rate-mbit 1000 --sizes 4K-256M --impls smddp,mpi,mpi-ring,gloo,smddp-ofi --out bench-results --name sweep-sim4",
+    "smddp-bench sweep --sim --nodes 4 --per-node 1 --rate-mbit 1000 --delay-ms 0.5 --sizes 4K-1M --impls smddp,mpi,mpi-ring,gloo,smddp-ofi --out bench-results --name sweep-sim4d",
     "smddp-bench profile --size 4K --per-node 4 --py-spy --name profile-host4-4k --out bench-results",
     "smddp-bench profile --sim --nodes 4 --per-node 1 --rate-mbit 1000 --size 4K --py-spy --name profile-sim4-4k --out bench-results",
     "smddp-bench profile --sim --nodes 4 --per-node 1 --rate-mbit 1000 --size 64M --seconds 12 --py-spy --name profile-sim4-64m --out bench-results",
