@@ -773,7 +773,8 @@ class OfiFabric final : public Fabric {
         }
       }
       if (l.state != Link::kUp) continue;
-      if (l.credit_pending || l.owed >= l.window / 2) post_credit_locked(l);
+      // Half of our own window owed (what the peer may have in flight to us): send them back.
+      if (l.credit_pending || l.owed >= std::max<std::uint32_t>(1, window_ / 2)) post_credit_locked(l);
       if (l.shut && !l.fin_posted) post_fin_locked(l);
     }
   }
