@@ -107,8 +107,7 @@ struct Op {
   std::uint32_t peer = 0;
   std::uint8_t* buf = nullptr;  // kRxBuf, kTxBuf: the bounce buffer
   void* desc = nullptr;         // its registration's descriptor
-  Frame* frame = nullptr;       // kTxPart: the frame it carries a part of; kTxBuf: the frame whose
-                                // message it is, if its cookie is reported on completion
+  Frame* frame = nullptr;       // kTxPart: the frame it carries a part of
   ofi::FidMr* temp_mr = nullptr;  // a registration made for this operation alone
   std::size_t len = 0;          // kRxBuf: the message's length, once it landed
   ofi_wire::Prefix prefix;      // ... and its prefix, checked
@@ -153,7 +152,7 @@ struct Link {
   std::uint32_t in_flight = 0;  // frames the peer has not credited back
   std::uint32_t owed = 0;       // credits we owe the peer
   bool credit_pending = false;  // a CREDIT message could not be posted yet
-  bool shut = false, fin_posted = false, fin_done = false, wr_closed = false;
+  bool shut = false, fin_posted = false, wr_closed = false;
   // Receiving (under the fabric's mutex, handed to the Sink by the progress thread).
   std::map<std::uint64_t, Op*> ready;  // messages by serial, waiting their turn
   std::uint64_t next_in = 0;
@@ -309,17 +308,18 @@ class OfiFabric final : public Fabric {
       if (it == links_.end()) return "no link to peer " + std::to_string(peer);
       Link& l = *it->second;
       if (l.state == Link::kDown || l.shut) return "the link to peer " + std::to_string(peer) + " is down";
-      auto f = std::make_unique<Frame>();
-      std::memcpy(f->header, header, kHeaderSize);
-      f->payload = payload;
-      f->length = length;
-      f->cookie = cookie;
+      Frame f;
+      std::memcpy(f.header, header, kHeaderSize);
+      f.payload = payload;
+      f.length = length;
+      f.cookie = cookie;
       if (l.state == Link::kUp && l.queue.empty() && left != nullptr && length <= l.eager) {
         // Small, nothing before it: posted now from the caller's thread (its payload is copied),
-        // which saves waking the progress thread.
-        f->report = false;
+        // which saves waking the progress thread. (Inline, it has no parts: nothing of it is
+        // libfabric's once posted, so it needs no home on the heap.)
+        f.report = false;
         bool posted = false;
-        const std::string w = post_frame_locked(l, f.get(), &posted);
+        const std::string w = post_frame_locked(l, &f, &posted);
         if (!w.empty()) {
           down_locked(l, w, LinkEnd::kError);
           return "the link to peer " + std::to_string(peer) + " is down";
@@ -328,9 +328,10 @@ class OfiFabric final : public Fabric {
           *left = true;
           return {};
         }
-        f->report = true;
+        f.report = true;
       }
-      l.queue.push_back(std::move(f));
+      // Queued frames live on the heap: their parts' contexts must not move once posted.
+      l.queue.push_back(std::make_unique<Frame>(std::move(f)));
       dirty_ = true;
     }
     wake();
@@ -658,8 +659,7 @@ class OfiFabric final : public Fabric {
       if (eager && f->length != 0) std::memcpy(op->buf + kMsgHead, f->payload, f->length);
       const std::size_t n = kMsgHead + (eager ? f->length : 0);
       op->peer = l.peer;
-      op->frame = nullptr;
-      const long r = ep_->msg->send(ep_, op->buf, n, op->desc, l.addr, op);
+        const long r = ep_->msg->send(ep_, op->buf, n, op->desc, l.addr, op);
       if (r == -ofi::kEAgain) {
         l.owed += credits;  // not sent: still owed
         return {};
@@ -708,7 +708,6 @@ class OfiFabric final : public Fabric {
     Op* op = tx_free_.back();
     const std::uint32_t credits = fill_prefix(l, op->buf, kFin, l.next_serial, 0);
     op->peer = l.peer;
-    op->frame = nullptr;
     const long r = ep_->msg->send(ep_, op->buf, kPrefix, op->desc, l.addr, op);
     if (r == -ofi::kEAgain) {
       l.owed += credits;
@@ -731,7 +730,6 @@ class OfiFabric final : public Fabric {
     Op* op = tx_free_.back();
     const std::uint32_t credits = fill_prefix(l, op->buf, kCredit, 0, 0);
     op->peer = l.peer;
-    op->frame = nullptr;
     const long r = ep_->msg->send(ep_, op->buf, kPrefix, op->desc, l.addr, op);
     if (r == -ofi::kEAgain) {
       l.owed += credits;
@@ -846,7 +844,6 @@ class OfiFabric final : public Fabric {
       if (l != nullptr && l->state != Link::kDown && !l->wr_closed) {
         // The FIN has left: the stream says so, then ends. A stream that ends without this byte is
         // a peer gone (killed, crashed), taken down at once; after it, the FIN's turn does it.
-        l->fin_done = true;
         const std::uint8_t bye = kStreamFin;
         (void)!::send(l->fd, &bye, 1, MSG_NOSIGNAL | MSG_DONTWAIT);
         (void)::shutdown(l->fd, SHUT_WR);
@@ -958,7 +955,6 @@ class OfiFabric final : public Fabric {
       return down_locked(*l, wrong, LinkEnd::kBadFrame);
     }
     op->peer = l->peer;
-    op->frame = nullptr;
     op->len = len;
     op->prefix = p;
     l->ready.emplace(p.serial, op);
@@ -989,10 +985,13 @@ class OfiFabric final : public Fabric {
     Op* op = nullptr;
     Header h;
     std::size_t len = 0;
+    std::uint64_t eager = 0, part_bytes = 0;
     {
       std::lock_guard<std::mutex> lock(mu_);
       Link* l = link_of(peer);
       if (l == nullptr || l->state != Link::kUp) return 0;
+      eager = l->eager;
+      part_bytes = l->part_bytes;
       if (l->in_payload) {
         if (l->rx_posted < l->rx_parts.size()) post_parts_locked(*l);
         if (l->state != Link::kUp || l->rx_done < l->rx_parts.size()) return 0;
@@ -1023,13 +1022,6 @@ class OfiFabric final : public Fabric {
     const std::uint64_t parts = op->prefix.parts;
     std::string why = decode_header(b + kPrefix, kHeaderSize, &h);
     std::uint8_t* dest = nullptr;
-    std::uint64_t eager = 0, part_bytes = 0;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      Link* l = link_of(peer);
-      eager = l->eager;
-      part_bytes = l->part_bytes;
-    }
     if (why.empty()) {
       why = ofi_wire::check_frame(parts, h.length, len, kHeaderSize, eager, part_bytes);
       if (!why.empty()) why = "sent a bad frame: " + why;
@@ -1042,9 +1034,7 @@ class OfiFabric final : public Fabric {
       if (why.empty() && h.length <= eager) {
         if (dest != nullptr && h.length != 0) std::memcpy(dest, b + kMsgHead, h.length);
         std::lock_guard<std::mutex> lock(mu_);
-        Link* l = link_of(peer);
-        release_locked(*l, op);
-        l->last_in = Clock::now();
+        release_locked(*link_of(peer), op);
       }
     }
     if (!why.empty()) {

@@ -33,7 +33,9 @@ def test_the_wheel_ships_libfabric_with_tcp() -> None:
     lib = wheel_libfabric()
     assert lib.endswith("libfabric.so.1") and os.path.exists(lib)
     offered = providers(lib)
-    assert "tcp" in offered and "efa" not in offered  # no EFA device on this machine
+    assert "tcp" in offered
+    if not efa_devices():  # (the wheel's efa plug-in offers nothing without a device)
+        assert "efa" not in offered
 
 
 def test_tcp_as_asked() -> None:
