@@ -416,11 +416,11 @@ class StandinRuntime:
         """A kernel that keeps `stream` busy for `seconds` (a long compute kernel)."""
         self.launch(stream, lambda: time.sleep(seconds), device=device)
 
-    def torch_device(self) -> Any:
-        """The smddp torch backend's device for CPU tensors under this runtime (it claims them all)."""
-        from smddp_rigs.standin_torch import StandinTorchDevice
+    def torch_streams(self) -> Any:
+        """The smddp torch backend's streams for CPU tensors under this runtime (it claims them all)."""
+        from smddp_rigs.standin_torch import StandinStreams
 
-        return StandinTorchDevice(self)
+        return StandinStreams(self)
 
     def close(self) -> None:
         with self._lock:

@@ -115,7 +115,19 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--steps", type=int, default=20, help="timed steps per launch")
     d.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
     d.add_argument("--name", default="ddp", help="output file stem")
+    d.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="where the model and DDP run (cuda: GPU local rank %% GPUs)",
+    )
     common_flags(d, rounds=False)
+    # Parsed by smddp.bench.gpu itself (main() hands it the rest of the command line).
+    sub.add_parser(
+        "gpu",
+        add_help=False,
+        help="device copies and all-reduce of device buffers (GPU, or --runtime standin)",
+    )
     r = sub.add_parser("report", help="write the markdown (and PNG) of sweep results again from their JSON")
     r.add_argument("results", nargs="+", help="sweep JSON files (NAME.json, as `sweep` wrote them)")
     r.add_argument("--out", default="", help="output directory (default: beside each JSON file)")
@@ -139,6 +151,10 @@ def main(argv: list[str] | None = None) -> int:
     command = shlex.join(["smddp-bench", *argv])
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
         argv = ["sweep", *argv]
+    if argv[0] == "gpu":
+        from smddp.bench.gpu import main as gpu_main
+
+        return gpu_main(argv[1:], prog="smddp-bench gpu")
     a = _parser().parse_args(argv)
     try:
         if a.cmd == "sweep":
@@ -188,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
                     steps=a.steps,
                     warmup=a.warmup,
                     rounds=a.rounds or 3,
+                    device=a.device,
                     outdir=a.out,
                     name=a.name,
                     command=command,

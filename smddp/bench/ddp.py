@@ -37,6 +37,7 @@ class DdpConfig:
     steps: int = 20
     warmup: int = 3
     rounds: int = 3  # launches per implementation, interleaved
+    device: str = "cpu"  # or "cuda": the model and DDP on GPU local rank % GPUs (several ranks may share one)
     outdir: str = "bench-results"
     name: str = "ddp"
     command: str = ""
@@ -44,6 +45,8 @@ class DdpConfig:
     def __post_init__(self) -> None:
         if self.rounds < 1 or self.steps < 1 or self.warmup < 0:
             raise ValueError("rounds and steps must be at least 1, warmup at least 0")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
 
     def program(self, impl: str, outdir: str) -> list[str]:
         return [
@@ -52,7 +55,7 @@ class DdpConfig:
             *("--width", str(self.width), "--depth", str(self.depth), "--inputs", str(self.inputs)),
             *("--batch", str(self.batch), "--bucket-mb", f"{self.bucket_mb:g}"),
             *("--steps", str(self.steps), "--warmup", str(self.warmup)),
-            *("--threads", str(self.options.torch_threads)),
+            *("--threads", str(self.options.torch_threads), "--device", self.device),
         ]
 
 
@@ -73,6 +76,7 @@ def run_once(cfg: DdpConfig, impl: str, p: Any, log: TextIO) -> dict[str, Any]:
         "params": per_rank[0]["params"],
         "torch": per_rank[0]["torch"],
         "torch_threads": per_rank[0]["torch_threads"],
+        "device": per_rank[0].get("device", "cpu"),
         "step_s": steps,
         "median_s": statistics.median(steps),
     }
@@ -101,6 +105,7 @@ def run_ddp(cfg: DdpConfig, log: TextIO = sys.stderr) -> dict[str, Any]:
         "machine": machine,
         "wall_s": time.monotonic() - t0,
         "params": runs["smddp"][0]["params"],
+        "device": runs["smddp"][0]["device"],
         "runs": runs,
         "median_s": pooled,
         "ratio": pooled["smddp"] / pooled["gloo"],
@@ -119,8 +124,14 @@ def run_ddp(cfg: DdpConfig, log: TextIO = sys.stderr) -> dict[str, Any]:
 def ddp_markdown(res: dict[str, Any]) -> str:
     """The result as a table: step time per implementation, the ratio, and what ran."""
     c = res["config"]
+    device = res.get("device", "cpu")
+    where = (
+        "on the CPU"
+        if device == "cpu"
+        else f"on CUDA ({device}, every rank's model on GPU local rank % GPUs)"
+    )
     lines = [
-        f"DDP training step, {res['topology_label']}: an MLP of {res['params'] / 1e6:.1f} M parameters "
+        f"DDP training step, {res['topology_label']}, {where}: an MLP of {res['params'] / 1e6:.1f} M parameters "
         f"(width {c['width']}, depth {c['depth']}), batch {c['batch']} per rank, {c['bucket_mb']:g} MiB "
         f"buckets, stock `torch.nn.parallel.DistributedDataParallel`, one torch thread per rank; "
         f"{c['steps']} timed steps after {c['warmup']} untimed, {c['rounds']} launches per "

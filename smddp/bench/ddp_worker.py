@@ -5,9 +5,10 @@
 smddp runs it under smddp-launch (torch.distributed's "smddp" backend, the launcher's RANK,
 WORLD_SIZE, MASTER_ADDR and MASTER_PORT), gloo under a plain mpirun (ranks from Open MPI's
 variables). The model is an MLP (`--width`, `--depth`), every rank with the same weights and its
-own batch; one torch thread per rank. A step (zero_grad, forward, backward with DDP's bucketed
-all-reduces overlapping it, SGD step) starts after a barrier; its time ends when this rank's
-optimizer step is done. Every rank writes `DIR/rank<r>.json`: its step times and a digest of its
+own batch; one torch thread per rank. `--device cuda` puts it on GPU `local rank % GPUs`
+(`device_ids=[that GPU]`, gloo on CUDA tensors too). A step (zero_grad, forward, backward with
+DDP's bucketed all-reduces overlapping it, SGD step) starts after a barrier; its time ends when
+this rank's optimizer step is done (on CUDA: when the device is through with it). Every rank writes `DIR/rank<r>.json`: its step times and a digest of its
 parameters after the last step, which must be the same bits on every rank (DDP keeps replicas equal
 only if every rank gets the same reduced gradients).
 """
@@ -42,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = ap.parse_args(argv)
 
     import torch
@@ -57,14 +59,24 @@ def main(argv: list[str] | None = None) -> int:
         rank, world = int(os.environ["OMPI_COMM_WORLD_RANK"]), int(os.environ["OMPI_COMM_WORLD_SIZE"])
         dist.init_process_group("gloo", rank=rank, world_size=world)
     rank, world = dist.get_rank(), dist.get_world_size()
+    device, name = torch.device("cpu"), "cpu"
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit(
+                f"rank {rank}: --device cuda, but torch {torch.__version__} reaches no CUDA device"
+            )
+        local = int(os.environ.get("LOCAL_RANK") or os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK") or 0)
+        device = torch.device("cuda", local % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        name = torch.cuda.get_device_name(device)
     torch.manual_seed(0)  # the same initial weights everywhere
-    net = DistributedDataParallel(
-        _mlp(torch, args.width, args.depth, args.inputs, 10), bucket_cap_mb=args.bucket_mb
-    )
+    model = _mlp(torch, args.width, args.depth, args.inputs, 10).to(device)
+    ids = [device.index] if device.type == "cuda" else None
+    net = DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=args.bucket_mb)
     opt = torch.optim.SGD(net.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(1000 + rank)  # each rank its own batch
-    x = torch.randn(args.batch, args.inputs, generator=gen)
-    y = torch.randint(0, 10, (args.batch,), generator=gen)
+    x = torch.randn(args.batch, args.inputs, generator=gen).to(device)
+    y = torch.randint(0, 10, (args.batch,), generator=gen).to(device)
     steps: list[float] = []
     for i in range(args.warmup + args.steps):
         dist.barrier()
@@ -73,12 +85,14 @@ def main(argv: list[str] | None = None) -> int:
         loss = torch.nn.functional.cross_entropy(net(x), y)
         loss.backward()
         opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         t = time.perf_counter() - t0
         if i >= args.warmup:
             steps.append(t)
     digest = hashlib.sha256()
     for p in net.parameters():
-        digest.update(p.detach().numpy().tobytes())
+        digest.update(p.detach().cpu().numpy().tobytes())
     result = {
         "impl": args.impl,
         "rank": rank,
@@ -87,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         "buckets_mb": args.bucket_mb,
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
+        "device": name,
         "step_s": steps,
         "loss": float(loss),
         "params_sha256": digest.hexdigest(),

@@ -244,9 +244,9 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m smddp.bench.gpu") -> int:
     argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(prog="python -m smddp.bench.gpu", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     ap.add_argument("--runtime", choices=["cupy", "standin"], default="cupy")
     ap.add_argument(
         "--sizes", default="1M,16M,64M,256M", help="comma list (1M,64M) or FROM-TO in steps of 4x"
@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = parse_sizes(args.sizes)
     report: dict[str, Any] = {
         "runtime": args.runtime,
-        "command": shlex.join(["python", "-m", "smddp.bench.gpu", *argv]),
+        "command": shlex.join([*prog.split(), *argv]),
         "copy": copy_bench(args.runtime, sizes, args.repeats),
         "allreduce": []
         if args.skip_allreduce

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -100,16 +102,20 @@ class SmddpWork(dist.Work):
         self._lock = threading.Lock()
         self._completing = False
         self._unwatch: Callable[[], None] = _nothing  # the watchdog's, once it watches this Work
-        self._base: Future[None] = self._device.future()
+        self._base: Future[Any] = self._device.future()
         self._future: Future[Any] = self._base.then(self._unwrap)
 
-    def _unwrap(self, _fut: Future[None]) -> Any:
+    def _unwrap(self, _fut: Future[Any]) -> Any:
         if self._error is not None:
             raise self._error
         return self._result
 
-    def _complete(self, error: BaseException | None) -> None:
-        """Complete once: the first of the handles' callback and the watchdog's timeout wins."""
+    def _complete(self, error: BaseException | None, value: Any = None) -> None:
+        """Complete once: the first of the handles' callback and the watchdog's timeout wins.
+
+        `value` is what the base future holds: a device Work's tensors, so that the device-aware
+        future records its event on the current stream (none is recorded for a value without them).
+        """
         with self._lock:
             if self._completing:
                 return
@@ -120,7 +126,7 @@ class SmddpWork(dist.Work):
         self._unwatch()
         # Completed before the future says so: whoever the future wakes sees is_completed() true.
         self._done.set()
-        self._base.set_result(None)  # runs _unwrap: the chained future gets the value or the error
+        self._base.set_result(value)  # runs _unwrap: the chained future gets the result or the error
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         """Block until done; raises the collective's error. A zero/None timeout means the group's.
@@ -252,7 +258,7 @@ class _Watchdog:
 
 class _Completer:
     """One thread per process that completes device Works: waits for their handles in submission
-    order and finishes each on a side stream per device (`side`), never on the caller's.
+    order and finishes each on its route's side stream, never on the caller's.
 
     Host Works need no thread (`_complete_on_done`); device ones do, because their copy-backs and
     event records run on a stream the caller does not own.
@@ -260,8 +266,6 @@ class _Completer:
 
     def __init__(self) -> None:
         self._q: queue.SimpleQueue[_Job] = queue.SimpleQueue()
-        self._sides: dict[Any, Any] = {}
-        self._sides_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="smddp-torch-completer", daemon=True)
         self._thread.start()
 
@@ -273,14 +277,6 @@ class _Completer:
         touched: list[torch.Tensor] | None = None,
     ) -> None:
         self._q.put((work, handles, finish, touched or []))
-
-    def side(self, key: Any, make: Callable[[], Any]) -> Any:
-        """The side stream for `key` (a CUDA device, or a stand-in runtime), made on first use."""
-        with self._sides_lock:
-            s = self._sides.get(key)
-            if s is None:
-                s = self._sides[key] = make()
-            return s
 
     def _run(self) -> None:
         while True:
@@ -295,18 +291,29 @@ class _Completer:
 
 
 class _CompleterHolder:
-    """The process's one completion thread and watchdog, started on first use (groups and hook share them)."""
+    """The process's completion thread, watchdog and device routes, made on first use (groups and hook share them)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.completer: _Completer | None = None
         self.watchdog = _Watchdog()
+        self.routes: dict[Any, _DeviceRoute] = {}
 
     def get(self) -> _Completer:
         with self.lock:
             if self.completer is None:
                 self.completer = _Completer()
             return self.completer
+
+    def route(self, key: Any, make: Callable[[], DeviceStreams]) -> _DeviceRoute:
+        """The route of device `key` (a CUDA device, or a registered runtime), made once: its side stream lives on it."""
+        with self.lock:
+            r = self.routes.get(key)
+        if r is not None:
+            return r
+        new = _DeviceRoute(make())
+        with self.lock:
+            return self.routes.setdefault(key, new)
 
 
 _completer = _CompleterHolder()
@@ -344,7 +351,7 @@ class _Device:
         """Extra arguments of the smddp call (evaluated in the caller's thread, at the call)."""
         return {}
 
-    def future(self) -> Future[None]:
+    def future(self) -> Future[Any]:
         return Future()
 
     def complete(
@@ -368,26 +375,119 @@ class _Device:
 _HOST = _Device()
 
 
-class _CudaDevice(_Device):
-    """CUDA tensors: handed to smddp on the caller's current stream; finished on a side stream.
-
-    The completer makes the side stream wait for each result's copy to the device, runs the copy-
-    backs (`finish`) on it, records an event, and completes the CUDA-aware future there, so DDP's
-    reducer, `Work.wait()` and `future.wait()` order the caller's stream after it. Nothing waits
-    on the caller's stream but smddp's own copy-in stream.
+class DeviceStreams(Protocol):
+    """The torch side of one device: its streams, events, kernels and futures, as a device Work's
+    completion uses them. `CudaStreams` drives torch.cuda; smddp's test rigs double the same calls
+    over the stand-in runtime (smddp_rigs.standin_torch), so that one completion code
+    (`_DeviceRoute`) runs on both and an ordering bug in it shows without a GPU.
     """
+
+    def buf(self, t: torch.Tensor) -> Any:
+        """What to hand smddp for tensor `t` (a device buffer)."""
+        ...
+
+    def current(self) -> Any:
+        """The calling thread's current stream (where the caller's kernels run)."""
+        ...
+
+    def handle(self, stream: Any) -> int:
+        """`stream` as a raw handle (cudaStream_t) for smddp's `stream=`."""
+        ...
+
+    def new_stream(self) -> Any: ...
+
+    def on(self, stream: Any) -> AbstractContextManager[Any]:
+        """Make `stream` the calling thread's current stream inside the block."""
+        ...
+
+    def launch(self, stream: Any, fn: Callable[[], None]) -> None:
+        """Run `fn`'s tensor operations as work of `stream` (the current stream, inside `on`)."""
+        ...
+
+    def record_stream(self, t: torch.Tensor, stream: Any) -> None:
+        """The allocator must not reuse `t`'s memory before `stream` is past its work so far."""
+        ...
+
+    def new_event(self) -> Any: ...
+
+    def record(self, event: Any, stream: Any) -> None: ...
+
+    def wait(self, stream: Any, event: Any) -> None:
+        """Later work on `stream` waits for `event`."""
+        ...
+
+    def future(self) -> Future[Any]:
+        """A future whose value's readers are ordered after the streams current when it completes."""
+        ...
+
+
+class CudaStreams:
+    """`DeviceStreams` of one CUDA device, through torch.cuda."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.side_stream: torch.cuda.Stream = _get_completer().side(
-            device, lambda: torch.cuda.Stream(device=device)
-        )
+
+    def buf(self, t: torch.Tensor) -> Any:
+        return t
+
+    def current(self) -> Any:
+        return torch.cuda.current_stream(self.device)
+
+    def handle(self, stream: Any) -> int:
+        return int(stream.cuda_stream)
+
+    def new_stream(self) -> Any:
+        return torch.cuda.Stream(device=self.device)
+
+    @contextlib.contextmanager
+    def on(self, stream: Any) -> Iterator[Any]:
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            yield stream
+
+    def launch(self, stream: Any, fn: Callable[[], None]) -> None:
+        fn()  # inside on(stream): torch enqueues its kernels on the current stream
+
+    def record_stream(self, t: torch.Tensor, stream: Any) -> None:
+        t.record_stream(stream)
+
+    def new_event(self) -> Any:
+        return torch.cuda.Event()
+
+    def record(self, event: Any, stream: Any) -> None:
+        event.record(stream)
+
+    def wait(self, stream: Any, event: Any) -> None:
+        stream.wait_event(event)
+
+    def future(self) -> Future[Any]:
+        return Future(devices=[self.device])
+
+
+class _DeviceRoute(_Device):
+    """Device tensors: handed to smddp on the caller's current stream; each Work finished on a side stream.
+
+    The completer makes the side stream wait for each result's copy to the device, runs the copy-
+    backs (`finish`) on it, records an event, and completes the Work's device-aware future with the
+    Work's tensors while the side stream is current: the future records its own event there, and
+    DDP's reducer, `future.wait()` and `then` callbacks order their streams after it. A future
+    completed with a value that holds no device tensor records no event at all (torch's rule), and
+    its readers would race the copies. `Work.wait()` orders the caller's stream after the Work's
+    event. Nothing waits on the caller's stream but smddp's own copy-in stream.
+    """
+
+    def __init__(self, streams: DeviceStreams) -> None:
+        self.streams = streams
+        self.side = streams.new_stream()
+
+    def buf(self, t: torch.Tensor) -> Any:
+        return self.streams.buf(t)
 
     def kw(self) -> dict[str, Any]:
-        return {"stream": torch.cuda.current_stream(self.device).cuda_stream}
+        s = self.streams
+        return {"stream": s.handle(s.current())}
 
-    def future(self) -> Future[None]:
-        return Future(devices=[self.device])
+    def future(self) -> Future[Any]:
+        return self.streams.future()
 
     def complete(
         self,
@@ -396,23 +496,25 @@ class _CudaDevice(_Device):
         finish: Callable[[], None] | None,
         touched: list[torch.Tensor],
     ) -> None:
-        side = self.side_stream
-        with torch.cuda.device(self.device), torch.cuda.stream(side):
+        s, side = self.streams, self.side
+        with s.on(side):
             for h in handles:
-                h.wait(work._timeout.total_seconds(), stream=side.cuda_stream)
+                h.wait(work._timeout.total_seconds(), stream=s.handle(side))
             if finish is not None:
-                finish()
+                s.launch(side, finish)
             for t in touched:
                 # The caching allocator must not hand this memory out again before the side stream is past it.
-                t.record_stream(side)
-            ev = torch.cuda.Event()
-            ev.record(side)
+                s.record_stream(t, side)
+            ev = s.new_event()
+            s.record(ev, side)
             work._event = ev
-            work._complete(None)  # the CUDA-aware future records its own event on `side`, the current stream
+            # The future records its event on `side` (current here) for the devices of the tensors it holds.
+            work._complete(None, touched)
 
     def order(self, work: SmddpWork) -> None:
         if work._event is not None:
-            torch.cuda.current_stream(self.device).wait_event(work._event)
+            s = self.streams
+            s.wait(s.current(), work._event)
 
 
 def _device_of(tensors: Sequence[torch.Tensor], what: str) -> _Device:
@@ -425,14 +527,14 @@ def _device_of(tensors: Sequence[torch.Tensor], what: str) -> _Device:
                 f"smddp {what}: the tensors are on {names}; one call takes one device"
             )
         (device,) = cuda
-        return _CudaDevice(device)
+        return _completer.route(device, lambda: CudaStreams(device))
     if tensors and smddp.client().config.device_runtime not in BUILTIN_RUNTIMES:
         # A registered runtime whose device memory is host memory (smddp's test rigs' stand-in for
-        # CUDA) may claim CPU tensors with a `torch_device()` of its own.
-        claim = getattr(smddp.client().device_runtime(), "torch_device", None)
+        # CUDA) may claim CPU tensors with `torch_streams()`: its doubles of the calls above.
+        rt = smddp.client().device_runtime()
+        claim = getattr(rt, "torch_streams", None)
         if claim is not None:
-            dev: _Device = claim()
-            return dev
+            return _completer.route(rt, claim)
     return _HOST
 
 

@@ -115,6 +115,31 @@ def test_tiny_ddp_step_benchmark(tmp_path):
     assert res["ratio"] == pytest.approx(res["median_s"]["smddp"] / res["median_s"]["gloo"])
     md = (tmp_path / "tinyddp.md").read_text()
     assert f"smddp / gloo: **{res['ratio']:.3f}**" in md and "| gloo |" in md
+    assert res["device"] == "cpu" and ", on the CPU:" in md
+
+
+@pytest.mark.timeout(150)
+def test_ddp_benchmark_on_cuda(tmp_path):
+    """`smddp-bench ddp --device cuda`: on a GPU, DDP on CUDA with both backends, the device named;
+    where torch reaches no GPU (CI), the first launch fails at once and says why."""
+    torch = need_module("torch", "make setup installs it")
+    cmd = [
+        str(BIN / "smddp-bench"),
+        *("ddp", "--device", "cuda", "--nodes", "1", "--width", "64", "--depth", "1", "--steps", "2"),
+        *("--warmup", "1", "--rounds", "1", "--out", str(tmp_path), "--name", "cudaddp", "--timeout", "120"),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=140, cwd=REPO)
+    if not torch.cuda.is_available():
+        assert proc.returncode != 0
+        assert "--device cuda, but torch" in proc.stdout + proc.stderr, (
+            proc.stdout[-3000:] + proc.stderr[-3000:]
+        )
+        assert not (tmp_path / "cudaddp.json").exists()
+        return
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads((tmp_path / "cudaddp.json").read_text())
+    assert res["device"] == torch.cuda.get_device_name(0)
+    assert f"on CUDA ({res['device']}" in (tmp_path / "cudaddp.md").read_text()
 
 
 def test_module_entry_point_prints_help():
@@ -122,7 +147,7 @@ def test_module_entry_point_prints_help():
         [sys.executable, "-m", "smddp.bench", "--help"], capture_output=True, text=True, timeout=60, cwd=REPO
     )
     assert proc.returncode == 0
-    assert all(cmd in proc.stdout for cmd in ("sweep", "profile", "ddp", "report")), proc.stdout
+    assert all(cmd in proc.stdout for cmd in ("sweep", "profile", "ddp", "gpu", "report")), proc.stdout
     # The runs behind BENCHMARKS.md are rigs, outside the package.
     assert "targets" not in proc.stdout and "model" not in proc.stdout
     proc = subprocess.run(

@@ -13,9 +13,28 @@ import runpy
 import sys
 
 
+def break_completion() -> None:
+    """SMDDP_STANDIN_BREAK=future-without-tensors: complete each device Work's future with no value,
+    as the backend did before issue 28 (torch then records no event, and readers race the copies),
+    so that a test can see the stand-in catch that bug."""
+    from smddp.torch.backend import SmddpWork
+
+    complete = SmddpWork._complete
+
+    def without_tensors(self: SmddpWork, error: BaseException | None, value: object = None) -> None:
+        complete(self, error, None)
+
+    SmddpWork._complete = without_tensors  # type: ignore[method-assign]
+
+
 def main() -> int:
     stats_dir, script, *rest = sys.argv[1:]
     os.environ["SMDDP_DEVICE_RUNTIME"] = "standin"
+    broken = os.environ.get("SMDDP_STANDIN_BREAK", "")
+    if broken == "future-without-tensors":
+        break_completion()
+    elif broken:
+        raise SystemExit(f"SMDDP_STANDIN_BREAK={broken!r}: expected future-without-tensors")
     os.environ.setdefault("SMDDP_STANDIN_DELAY_MS", "1")
     sys.argv = [script, *rest]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))

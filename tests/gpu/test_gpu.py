@@ -119,6 +119,56 @@ def test_ddp_on_the_gpu_matches_the_cpu_path(tmp_path: Path, clean_host: None):
         assert all(abs(a - b) < 1e-4 for a, b in zip(g[0][mode]["losses"], c[0][mode]["losses"], strict=True))
 
 
+@needs_torch_cuda
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_consumer_of_a_cuda_work_sees_its_result(world: int, tmp_path: Path, clean_host: None):
+    """Issue 28's raw case: `wait()`, `get_future().wait()`, its value, `then()` callbacks and
+    chains read the sum on the current stream, 256 KiB to 64 MiB, one and four in flight."""
+    launch(
+        world,
+        1,
+        [str(HERE / "check_ordering.py"), "--out", str(tmp_path), "--device", "cuda", "--rounds", "3"],
+    )
+    rows = [row for d in results(tmp_path, world) for row in d["rows"]]
+    print(json.dumps(rows))
+    assert len(rows) == world * 4 * 2 * 5
+    wrong = [row for row in rows if row["wrong"]]
+    assert not wrong, wrong
+
+
+# Issue 28's DDP case: 25.2 M parameters, 25 MB buckets and 4 MiB-or-less ones, the hook too.
+BIG_DDP = ["--model", "mlp", "--modes", "default:25,default:1,bucket_view:4,hook:25", "--steps", "10"]
+
+
+@needs_torch_cuda
+@pytest.mark.parametrize("world", [2, 4])
+def test_ddp_on_cuda_at_realistic_sizes_matches_gloo_on_cuda(world: int, tmp_path: Path, clean_host: None):
+    """Every rank holds the same bits after training; with 2 ranks they are gloo's bits (both add
+    the same two addends), with 4 they follow gloo to float32 rounding of the additions' order."""
+    import torch
+
+    runs = {b: tmp_path / b for b in ("smddp", "gloo")}
+    for backend, out in runs.items():
+        out.mkdir()
+        args = [str(HERE / "check_ddp_gpu.py"), "--out", str(out), "--device", "cuda", "--backend", backend]
+        launch(world, 1, [*args, *BIG_DDP])
+    got = {b: [torch.load(out / f"rank{r}.pt") for r in range(world)] for b, out in runs.items()}
+    s, g = got["smddp"], got["gloo"]
+    for mode in s[0]:
+        for name, t in s[0][mode]["params"].items():
+            for r in range(1, world):
+                assert torch.equal(t, s[r][mode]["params"][name]), (mode, name, r)
+                assert torch.equal(g[0][mode]["params"][name], g[r][mode]["params"][name]), (
+                    "gloo",
+                    mode,
+                    name,
+                )
+            if world == 2:
+                assert torch.equal(t, g[0][mode]["params"][name]), (mode, name)
+            else:
+                assert torch.allclose(t, g[0][mode]["params"][name], rtol=1e-3, atol=1e-5), (mode, name)
+
+
 def test_gpu_benchmark_runs(tmp_path: Path, clean_host: None):
     out = tmp_path / "bench"
     cmd = [sys.executable, "-m", "smddp.bench.gpu", "--sizes", "1M,16M", "--workers", "1,2", "--repeats", "3"]

@@ -1,9 +1,11 @@
 """The torch backend's device route on the stand-in runtime: every collective, and stock DDP bit for bit.
 
 With SMDDP_DEVICE_RUNTIME=standin the backend hands every tensor to smddp as device memory, on
-the caller's stream, and finishes each Work on a side stream after the results' copies, exactly
-as for CUDA tensors; copies are delayed, so a Work completed before its copies shows stale data.
-(torch's CPU build has no CUDA tensors: tests/gpu/test_gpu.py runs the CUDA part on a GPU.)
+the caller's stream, and finishes each Work on a side stream after the results' copies with the
+same code as for CUDA tensors; only the stream, event, kernel and future calls are the stand-in's
+(smddp_rigs.standin_torch). Copies are delayed, so a consumer that is not ordered after them, as
+CUDA would order it, reads stale data. (torch's CPU build has no CUDA tensors: tests/gpu/test_gpu.py
+runs the same scripts on a GPU.)
 """
 
 from __future__ import annotations
@@ -26,10 +28,10 @@ TORCH_TESTS = REPO / "tests" / "torch"
 WRAPPER = str(Path(__file__).parent / "run_standin.py")
 
 
-def launch(world: int, nodes: int, args: list[str], timeout: float = 600) -> None:
+def launch(world: int, nodes: int, args: list[str], timeout: float = 600, **env: str) -> None:
     cmd = [str(BIN / "smddp-launch"), "-np", str(world), "--local-nodes", str(nodes), "--", sys.executable]
     proc = subprocess.run(
-        [*cmd, *args], capture_output=True, text=True, timeout=timeout, env=job_env(), cwd=REPO
+        [*cmd, *args], capture_output=True, text=True, timeout=timeout, env=job_env(**env), cwd=REPO
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 
@@ -87,3 +89,77 @@ def test_ddp_on_the_device_route_matches_the_host_route(tmp_path: Path, clean_ho
                 for name, t in a[key][kind].items():
                     assert torch.equal(t, b[key][kind][name]), (key, kind, name)
             assert a[key]["losses"] == b[key]["losses"], key
+
+
+# Every copy waits this long first: a consumer ordered too early loses its race every time.
+LATE_MS = "20"
+ORDERING = str(Path(__file__).parent / "check_ordering.py")
+DDP_GPU = str(Path(__file__).parent / "check_ddp_gpu.py")
+# Issue 28's DDP case: an MLP of 6 layers of 2048 (25.2 M parameters), batch 64 per rank, 25 MB
+# buckets and buckets of 4 MiB and less, the comm hook too.
+BIG_DDP = ["--model", "mlp", "--modes", "default:25,default:1,bucket_view:4,hook:25", "--steps", "3"]
+
+
+def ordering_rows(out: Path, world: int) -> list[dict[str, Any]]:
+    return [row for r in range(world) for row in json.loads((out / f"rank{r}.json").read_text())["rows"]]
+
+
+@pytest.mark.parametrize(
+    ("world", "nodes", "sizes"),
+    [(2, 1, "262144,4194304,16777216,67108864"), (4, 2, "262144,16777216")],
+    ids=["W2-N1", "W4-N2"],
+)
+def test_every_consumer_of_a_work_sees_its_result(
+    world: int, nodes: int, sizes: str, tmp_path: Path, clean_host: None
+) -> None:
+    """`wait()`, `get_future().wait()`, the future's value, `then()` callbacks and chains: every
+    element the consumer reads is the sum, at every size, one and four in flight."""
+    args = [WRAPPER, str(tmp_path), ORDERING, "--out", str(tmp_path), "--device", "standin", "--sizes", sizes]
+    launch(world, nodes, args, SMDDP_STANDIN_DELAY_MS=LATE_MS)
+    rows = ordering_rows(tmp_path, world)
+    assert len(rows) == world * len(sizes.split(",")) * 2 * 5
+    wrong = [row for row in rows if row["wrong"]]
+    assert not wrong, wrong
+
+
+def test_the_stand_in_catches_a_future_completed_before_the_copies(tmp_path: Path, clean_host: None) -> None:
+    """The bug of issue 28 put back (the Work's future completed with no tensors, so torch records
+    no event to order its readers after): every future path reads stale data, `wait()` does not."""
+    args = [WRAPPER, str(tmp_path), ORDERING, "--out", str(tmp_path), "--device", "standin"]
+    args += ["--sizes", "262144,16777216", "--inflight", "4"]
+    launch(2, 1, args, SMDDP_STANDIN_DELAY_MS=LATE_MS, SMDDP_STANDIN_BREAK="future-without-tensors")
+    rows = ordering_rows(tmp_path, 2)
+    for path in ("future", "value", "then", "chained"):
+        assert sum(row["wrong"] for row in rows if row["path"] == path) > 0, path
+    assert not [row for row in rows if row["path"] == "wait" and row["wrong"]]
+
+
+def _ddp_results(out: Path) -> list[dict[str, Any]]:
+    return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+
+
+def _max_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
+    return max(float((a["params"][k] - b["params"][k]).abs().max()) for k in a["params"])
+
+
+def test_ddp_at_realistic_sizes_matches_gloo_bit_for_bit(tmp_path: Path, clean_host: None) -> None:
+    """Stock DDP on 25.2 M parameters over the device route: every rank holds gloo's bits (2 ranks:
+    both sum the same two addends). With the bug of issue 28 put back, the replicas drift apart, as
+    they did on the GPU: the stand-in sees it."""
+    runs = {name: tmp_path / name for name in ("gloo", "device", "broken")}
+    for d in runs.values():
+        d.mkdir()
+    launch(2, 1, [DDP_GPU, "--out", str(runs["gloo"]), "--device", "cpu", "--backend", "gloo", *BIG_DDP])
+    for name, env in (("device", {}), ("broken", {"SMDDP_STANDIN_BREAK": "future-without-tensors"})):
+        args = [WRAPPER, str(runs[name]), DDP_GPU, "--out", str(runs[name]), "--device", "cpu", *BIG_DDP]
+        launch(2, 1, args, SMDDP_STANDIN_DELAY_MS=LATE_MS, **env)
+    device_route_taken(runs["device"], 2)
+    gloo, dev, broken = (_ddp_results(runs[n]) for n in ("gloo", "device", "broken"))
+    assert len(gloo[0]) == 4 and sum(t.numel() for t in gloo[0]["default:25"]["params"].values()) > 25_000_000
+    for mode in gloo[0]:
+        for r in range(2):
+            for kind in ("params", "grads"):
+                for name, t in dev[r][mode][kind].items():
+                    assert torch.equal(t, gloo[r][mode][kind][name]), (mode, r, kind, name)
+            assert dev[r][mode]["losses"] == gloo[r][mode]["losses"], mode
+        assert _max_diff(broken[0][mode], broken[1][mode]) > 0, mode

@@ -11,7 +11,8 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+# tests/ after everything else: its torch/ and tensorflow/ directories must not shadow the real packages.
+sys.path.append(os.path.join(os.path.dirname(__file__), ".."))
 import reference
 
 import smddp

@@ -389,7 +389,7 @@ def test_runtime_selection(monkeypatch):
 @pytest.mark.skipif(importlib.util.find_spec("cupy") is not None, reason="CuPy is installed here")
 def test_cupy_runtime_unavailable_is_a_clear_error():
     for name in ("cupy", "auto"):
-        with pytest.raises(DeviceUnavailableError, match=r"CuPy.*smddp\[cuda12\]"):
+        with pytest.raises(DeviceUnavailableError, match=r"CuPy.*smddp\[cuda13\].*smddp\[cuda12\]"):
             load_runtime(name)
 
 

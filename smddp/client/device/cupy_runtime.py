@@ -32,8 +32,9 @@ class CupyRuntime:
             import cupy
         except ImportError as e:
             raise DeviceUnavailableError(
-                f"a CUDA buffer needs CuPy, which is not importable ({e}); install smddp[cuda12] "
-                "(cupy-cuda12x) or smddp[cuda11] (cupy-cuda11x)"
+                f"a CUDA buffer needs CuPy, which is not importable ({e}); install smddp[cuda13] "
+                "(cupy-cuda13x), smddp[cuda12] (cupy-cuda12x) or smddp[cuda11] (cupy-cuda11x): the one of "
+                "the CUDA major version your torch and driver use (torch.version.cuda)"
             ) from None
         self._cp = cupy
         self._rt = cupy.cuda.runtime

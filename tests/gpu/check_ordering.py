@@ -1,0 +1,148 @@
+"""Worker script: is a torch Work's result there for every consumer? (issue 28's raw case)
+
+Each round, every rank fills `inflight` tensors with values of its own, written by a kernel queued
+behind a run of work on the current stream, starts `dist.all_reduce(x, async_op=True)` on each,
+and then reads each result on the current stream through one consumer path:
+
+- wait:     `work.wait()`, then read x
+- future:   `work.get_future().wait()`, then read x
+- value:    read the tensor the future's `wait()` returned
+- then:     read x inside a `get_future().then()` callback, whose value is then waited for
+- chained:  `get_future().then(...)` twice, read the last value
+
+A consumer that is not ordered after the result's copy to the device reads the rank's own input
+(or a mix): every element is compared with the exact sum. The same script runs on a GPU (`--device
+cuda`) and on the stand-in runtime (under tests/gpu/run_standin.py, `--device standin`), whose
+copies are delayed so that a missing order loses its race every time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import smddp
+import smddp.torch
+
+PATHS = ("wait", "future", "value", "then", "chained")
+
+
+class Cuda:
+    """The current CUDA stream: a kernel that runs for a while, then the fill, both queued (the host does not wait)."""
+
+    def __init__(self, local_rank: int) -> None:
+        self.device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(self.device)
+
+    def empty(self, n: int) -> torch.Tensor:
+        return torch.empty(n, device=self.device)
+
+    def produce(self, x: torch.Tensor, value: float) -> None:
+        torch.cuda._sleep(3_000_000)  # a few milliseconds of work ahead of the fill
+        x.fill_(value)
+
+    def sync(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+
+class Standin:
+    """The stand-in's current stream (torch on the host runs when a stream of the runtime gets there)."""
+
+    def __init__(self) -> None:
+        self.rt = smddp.client().device_runtime()
+
+    def empty(self, n: int) -> torch.Tensor:
+        return torch.empty(n)
+
+    def produce(self, x: torch.Tensor, value: float) -> None:
+        def fill() -> None:
+            time.sleep(0.003)  # the run of work ahead of the fill
+            x.fill_(value)
+
+        self.rt.launch(self.rt.current_stream(0), fill)
+
+    def sync(self) -> None:
+        self.rt.synchronize()
+
+
+def consume(path: str, work: Any, x: torch.Tensor, want: float) -> bool:
+    """Whether every element the consumer reads on the current stream is the sum."""
+
+    def right(t: torch.Tensor) -> bool:
+        # The last element first: a copy still landing writes it last, and the full comparison
+        # below takes long enough to let a late copy finish meanwhile.
+        return bool(t[-1].item() == want) and bool(torch.equal(t, torch.full_like(t, want)))
+
+    if path == "wait":
+        work.wait()
+        return right(x)
+    fut = work.get_future()
+    if path == "future":
+        fut.wait()
+        return right(x)
+    if path == "value":
+        return right(fut.wait()[0])
+    if path == "then":
+        return bool(fut.then(lambda f: right(x)).wait())
+    if path == "chained":
+        first: Callable[[Any], torch.Tensor] = lambda f: f.value()[0] * 1  # noqa: E731
+        return bool(fut.then(first).then(lambda f: right(f.value())).wait())
+    raise ValueError(path)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--device", choices=["cuda", "standin"], required=True)
+    ap.add_argument("--sizes", default="262144,4194304,16777216,67108864", help="bytes")
+    ap.add_argument("--inflight", default="1,4")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--paths", default=",".join(PATHS))
+    args = ap.parse_args()
+    if args.device == "cuda":
+        os.environ["SMDDP_DEVICE_RUNTIME"] = "cupy"
+    torch.set_num_threads(1)
+    smddp.init()
+    dist.init_process_group(backend="smddp")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dev: Cuda | Standin = Cuda(smddp.local_rank()) if args.device == "cuda" else Standin()
+    rows = []
+    for size in (int(s) for s in args.sizes.split(",")):
+        n = size // 4
+        for inflight in (int(k) for k in args.inflight.split(",")):
+            for path in args.paths.split(","):
+                wrong = 0
+                for rnd in range(args.rounds):
+                    xs = [dev.empty(n) for _ in range(inflight)]
+                    vals = [float(1 + i + rnd) for i in range(inflight)]
+                    for x, v in zip(xs, vals, strict=True):
+                        dev.produce(x, v * (rank + 1))
+                    works = [dist.all_reduce(x, async_op=True) for x in xs]
+                    total = world * (world + 1) // 2
+                    for w, x, v in zip(works, xs, vals, strict=True):
+                        wrong += not consume(path, w, x, v * total)
+                    dev.sync()
+                rows.append(
+                    {
+                        "bytes": size,
+                        "inflight": inflight,
+                        "path": path,
+                        "tried": args.rounds * inflight,
+                        "wrong": wrong,
+                    }
+                )
+    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+        json.dump({"rank": rank, "world": world, "rows": rows}, f)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
