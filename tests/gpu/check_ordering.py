@@ -11,7 +11,7 @@ and then reads each result on the current stream through one consumer path:
 - chained:  `get_future().then(...)` twice, read the last value
 
 A consumer that is not ordered after the result's copy to the device reads the rank's own input
-(or a mix): every element is compared with the exact sum. The same script runs on a GPU (`--device
+(or a mix): every element is compared with the exact result. The same script runs on a GPU (`--device
 cuda`) and on the stand-in runtime (under tests/gpu/run_standin.py, `--device standin`), whose
 copies are delayed so that a missing order loses its race every time.
 """
@@ -72,27 +72,63 @@ class Standin:
         self.rt.synchronize()
 
 
-def consume(path: str, work: Any, x: torch.Tensor, want: float) -> bool:
-    """Whether every element the consumer reads on the current stream is the sum."""
+KINDS = ("allreduce", "broadcast", "allgather", "reduce_scatter")
+
+
+def start(kind: str, x: torch.Tensor, world: int) -> tuple[Any, torch.Tensor]:
+    """Start collective `kind` on input `x`; returns the Work and the tensor its result lands in."""
+    if kind == "allreduce":
+        return dist.all_reduce(x, async_op=True), x
+    if kind == "broadcast":
+        return dist.broadcast(x, src=0, async_op=True), x
+    if kind == "allgather":
+        out = torch.empty(world * x.numel(), dtype=x.dtype, device=x.device)
+        return dist.all_gather_into_tensor(out, x, async_op=True), out
+    if kind == "reduce_scatter":
+        out = torch.empty(x.numel() // world, dtype=x.dtype, device=x.device)
+        return dist.reduce_scatter_tensor(out, x, async_op=True), out
+    raise ValueError(kind)
+
+
+def expected(kind: str, v: float, n: int, rank: int, world: int, like: torch.Tensor) -> torch.Tensor:
+    """The exact result on `rank` when rank r's input is all v * (r + 1)."""
+    total = v * world * (world + 1) // 2
+    if kind == "allreduce":
+        return torch.full((n,), total, dtype=like.dtype, device=like.device)
+    if kind == "broadcast":
+        return torch.full((n,), v, dtype=like.dtype, device=like.device)
+    if kind == "allgather":
+        rows = [torch.full((n,), v * (r + 1), dtype=like.dtype, device=like.device) for r in range(world)]
+        return torch.cat(rows)
+    return torch.full((n // world,), total, dtype=like.dtype, device=like.device)
+
+
+def consume(path: str, work: Any, out: torch.Tensor, want: torch.Tensor) -> bool:
+    """Whether every element the consumer reads on the current stream is the exact result."""
 
     def right(t: torch.Tensor) -> bool:
         # The last element first: a copy still landing writes it last, and the full comparison
         # below takes long enough to let a late copy finish meanwhile.
-        return bool(t[-1].item() == want) and bool(torch.equal(t, torch.full_like(t, want)))
+        return bool(t[-1].item() == want[-1].item()) and bool(torch.equal(t, want))
+
+    def value(f: Any) -> torch.Tensor:
+        v = f.value()
+        return v[0] if isinstance(v, list) else v  # [tensors] for in-place collectives
 
     if path == "wait":
         work.wait()
-        return right(x)
+        return right(out)
     fut = work.get_future()
     if path == "future":
         fut.wait()
-        return right(x)
+        return right(out)
     if path == "value":
-        return right(fut.wait()[0])
+        fut.wait()
+        return right(value(fut))
     if path == "then":
-        return bool(fut.then(lambda f: right(x)).wait())
+        return bool(fut.then(lambda f: right(out)).wait())
     if path == "chained":
-        first: Callable[[Any], torch.Tensor] = lambda f: f.value()[0] * 1  # noqa: E731
+        first: Callable[[Any], torch.Tensor] = lambda f: value(f) * 1  # noqa: E731
         return bool(fut.then(first).then(lambda f: right(f.value())).wait())
     raise ValueError(path)
 
@@ -105,6 +141,7 @@ def main() -> int:
     ap.add_argument("--inflight", default="1,4")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--paths", default=",".join(PATHS))
+    ap.add_argument("--kinds", default="allreduce")
     args = ap.parse_args()
     if args.device == "cuda":
         os.environ["SMDDP_DEVICE_RUNTIME"] = "cupy"
@@ -114,30 +151,31 @@ def main() -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     dev: Cuda | Standin = Cuda(smddp.local_rank()) if args.device == "cuda" else Standin()
     rows = []
-    for size in (int(s) for s in args.sizes.split(",")):
-        n = size // 4
-        for inflight in (int(k) for k in args.inflight.split(",")):
-            for path in args.paths.split(","):
-                wrong = 0
-                for rnd in range(args.rounds):
-                    xs = [dev.empty(n) for _ in range(inflight)]
-                    vals = [float(1 + i + rnd) for i in range(inflight)]
-                    for x, v in zip(xs, vals, strict=True):
-                        dev.produce(x, v * (rank + 1))
-                    works = [dist.all_reduce(x, async_op=True) for x in xs]
-                    total = world * (world + 1) // 2
-                    for w, x, v in zip(works, xs, vals, strict=True):
-                        wrong += not consume(path, w, x, v * total)
-                    dev.sync()
-                rows.append(
-                    {
-                        "bytes": size,
-                        "inflight": inflight,
-                        "path": path,
-                        "tried": args.rounds * inflight,
-                        "wrong": wrong,
-                    }
-                )
+    for kind in args.kinds.split(","):
+        for size in (int(s) for s in args.sizes.split(",")):
+            n = size // 4 // world * world  # a reduce-scatter's input splits evenly
+            for inflight in (int(k) for k in args.inflight.split(",")):
+                for path in args.paths.split(","):
+                    wrong = 0
+                    for rnd in range(args.rounds):
+                        xs = [dev.empty(n) for _ in range(inflight)]
+                        vals = [float(1 + i + rnd) for i in range(inflight)]
+                        for x, v in zip(xs, vals, strict=True):
+                            dev.produce(x, v * (rank + 1))
+                        started = [start(kind, x, world) for x in xs]
+                        for (w, out), v in zip(started, vals, strict=True):
+                            wrong += not consume(path, w, out, expected(kind, v, n, rank, world, out))
+                        dev.sync()
+                    rows.append(
+                        {
+                            "kind": kind,
+                            "bytes": size,
+                            "inflight": inflight,
+                            "path": path,
+                            "tried": args.rounds * inflight,
+                            "wrong": wrong,
+                        }
+                    )
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump({"rank": rank, "world": world, "rows": rows}, f)
     dist.destroy_process_group()
