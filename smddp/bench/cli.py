@@ -45,8 +45,11 @@ def common_flags(p: argparse.ArgumentParser, rounds: bool = True) -> None:
 
 
 def run_options(a: argparse.Namespace) -> RunOptions:
+    isolated = getattr(a, "isolated", False)
     return RunOptions(
-        repeats=getattr(a, "repeats", RunOptions.repeats),
+        # Isolated: one all-reduce per timed round, so ten times the rounds for a median as steady.
+        repeats=getattr(a, "repeats", RunOptions.repeats) * (10 if isolated else 1),
+        max_iters=1 if isolated else RunOptions.max_iters,
         warmup=getattr(a, "warmup", RunOptions.warmup),
         chunk_kb=a.chunk_kb,
         threads=a.threads,
@@ -88,6 +91,12 @@ def _parser() -> argparse.ArgumentParser:
         "--delay-ms", type=float, default=None, help="one-way delay between simulated nodes (delay line)"
     )
     s.add_argument("--name", default="sweep", help="output file stem")
+    s.add_argument(
+        "--isolated",
+        action="store_true",
+        help="a barrier before every all-reduce, each timed alone (as a training step meets it); "
+        "default: a barrier before each round of back-to-back all-reduces",
+    )
     common_flags(s)
     pr = sub.add_parser("profile", help="CPU per all-reduce of every smddp process (and py-spy)")
     pr.add_argument("--size", default="4K")

@@ -83,6 +83,20 @@ def settings_lines(runs: Sequence[ImplRun]) -> str:
     return "\n".join(out)
 
 
+def _mode(result: dict[str, Any]) -> str:
+    """How a round was timed: one all-reduce after a barrier (isolated), or a run of them back to back."""
+    opts = result.get("config", {}).get("options", {})
+    if opts.get("max_iters") == 1:
+        return (
+            "Mode: **isolated**: every round is a barrier, then one all-reduce, timed alone (the way a "
+            "training step meets a collective)."
+        )
+    return (
+        "Mode: **back-to-back**: every round is a barrier, then `iters` all-reduces of the same buffer "
+        "one after another, timed together and divided by `iters`."
+    )
+
+
 def sweep_markdown(result: dict[str, Any]) -> str:
     runs = [ImplRun.from_json(r) for r in result["runs"]]
     m = result["machine"]
@@ -92,6 +106,8 @@ def sweep_markdown(result: dict[str, Any]) -> str:
         f"Machine: {m.get('cpu', '?')}, {m.get('cores')} cores, {m.get('mem_gib')} GiB, "
         f"kernel {m.get('kernel')}, load average before {m.get('loadavg_1_5_15')}.",
         f"Command: `{result['command']}`",
+        "",
+        _mode(result),
         "",
         "Time is the median over rounds of the slowest rank's time per all-reduce; spread is "
         "(max - min) / median; algbw = size / time; busbw = algbw * 2 (n-1)/n with n ranks "

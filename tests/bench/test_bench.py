@@ -65,6 +65,7 @@ def test_tiny_sweep_writes_consistent_json_and_markdown(tmp_path):
             assert c["min_s"] <= c["median_s"] <= c["max_s"]
             assert c["algbw"] == pytest.approx(c["nbytes"] / c["median_s"])
             assert c["busbw"] == pytest.approx(c["algbw"] * 2 * (workers - 1) / workers)
+    assert "Mode: **back-to-back**" in (tmp_path / "tiny.md").read_text()
     mpi = result["runs"][1]
     assert "--oversubscribe" in mpi["command"] and "--bind-to none" in mpi["command"]
     assert mpi["settings"]["mpi_library"].startswith("Open MPI")
@@ -85,6 +86,24 @@ def test_tiny_sweep_writes_consistent_json_and_markdown(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert (again / "tiny.md").read_text() == md
+
+
+@pytest.mark.timeout(120)
+def test_isolated_sweep_times_each_call_after_a_barrier(tmp_path):
+    """`--isolated`: one all-reduce per timed round (iters 1), ten times the rounds."""
+    cmd = [
+        str(BIN / "smddp-bench"),
+        *("sweep", "--isolated", "--sizes", "4K", "--repeats", "2", "--impls", "smddp,mpi"),
+        *("--per-node", "2", "--out", str(tmp_path), "--name", "iso", "--timeout", "100"),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=110, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "iso.json").read_text())
+    assert result["config"]["options"]["max_iters"] == 1
+    for run in result["runs"]:
+        (c,) = run["cases"]
+        assert c["iters"] == 1 and len(c["times"]) == 20 and c["median_s"] > 0
+    assert "Mode: **isolated**" in (tmp_path / "iso.md").read_text()
 
 
 @pytest.mark.timeout(150)
