@@ -47,6 +47,10 @@ class CollectiveError(SmddpError, RuntimeError):
     #: is known (its launcher wrapper reported it); smddp-launch's wrappers then end every failed rank
     #: with it, so the job's exit status is the cause's, not a consequence's.
     exit_status: int | None = None
+    #: Whether the cause is the infrastructure's (a process killed by a signal, a lost or silent
+    #: daemon, peer, link or node) rather than the script's own; smddp-launch restarts the job for
+    #: such a cause under --max-restarts (docs/reliability.md).
+    infra: bool = False
 
 
 def fresh(err: SmddpError) -> SmddpError:
@@ -54,6 +58,7 @@ def fresh(err: SmddpError) -> SmddpError:
     again = type(err)(str(err))
     if isinstance(err, CollectiveError) and isinstance(again, CollectiveError):
         again.exit_status = err.exit_status
+        again.infra = err.infra
     return again
 
 

@@ -37,7 +37,7 @@ from smddp.errors import (
     fresh,
 )
 from smddp.proto.dtypes import DType, Kind, ReduceOp
-from smddp.proto.failure import exit_status_of, read_failure
+from smddp.proto.failure import exit_status_of, infra_of, read_failure
 from smddp.proto.frames import Header, MsgType, Role, decode_header
 from smddp.proto.messages import Attach, Bye, Channel, Done, SegmentMsg, Submit
 from smddp.settings import KiB, MiB, default
@@ -526,7 +526,7 @@ class Client:
                     self._arena.free(slot)
         if lost is not None:
             # Outside the lock: _fail takes it too (the reader thread may be failing us right now).
-            self._fail(PeerLostError(f"rank {self.rank}: lost the node daemon: {lost}"))
+            self._fail(_daemon_lost(f"rank {self.rank}: lost the node daemon: {lost}"))
             assert self._failure is not None  # set by _fail, now or by the reader before it
             raise fresh(self._failure) from None
         return handle
@@ -581,7 +581,7 @@ class Client:
             assert self._failure is not None
             raise fresh(self._failure) from None
         if lost is not None:
-            self._fail(PeerLostError(f"rank {self.rank}: lost the node daemon: {lost}"))
+            self._fail(_daemon_lost(f"rank {self.rank}: lost the node daemon: {lost}"))
             assert self._failure is not None
             raise fresh(self._failure) from None
         try:
@@ -601,7 +601,7 @@ class Client:
             )  # fmt: skip
         except TimeoutError:  # its RELEASE found the ring full for the whole timeout
             self._fail(
-                PeerLostError(f"rank {self.rank}: lost the node daemon: it did not read this worker's ring")
+                _daemon_lost(f"rank {self.rank}: lost the node daemon: it did not read this worker's ring")
             )
             assert self._failure is not None
             raise fresh(self._failure) from None
@@ -707,7 +707,7 @@ class Client:
         """A device copy failed (or its RELEASE found the daemon gone): fail here, and hang up so the
         daemon fails the job for every rank."""
         if isinstance(err, TransportError):
-            err = PeerLostError(f"rank {self.rank}: lost the node daemon: {err}")
+            err = _daemon_lost(f"rank {self.rank}: lost the node daemon: {err}")
         self._fail(err if isinstance(err, CollectiveError) else CollectiveError(f"rank {self.rank}: {err}"))
         self._conn.close()
 
@@ -747,7 +747,7 @@ class Client:
             if error is not None:
                 self._device_failed(error)
             elif lost is not None:
-                self._fail(PeerLostError(f"rank {self.rank}: lost the node daemon: {lost}"))
+                self._fail(_daemon_lost(f"rank {self.rank}: lost the node daemon: {lost}"))
 
     # ------------------------------------------------------------------ the reader thread
 
@@ -777,8 +777,9 @@ class Client:
                     kind, why = read_failure(text)
                     err = kind(why)
                     status = exit_status_of(h.aux)
-                    if status is not None and isinstance(err, CollectiveError):
+                    if isinstance(err, CollectiveError):
                         err.exit_status = status
+                        err.infra = infra_of(h.aux)
                     self._fail(err)
                     return
                 else:
@@ -786,7 +787,7 @@ class Client:
         except ConnectionClosed as e:
             if not self._closed:
                 hint = " (frozen, overloaded or gone)" if "silent" in str(e) else ""
-                self._fail(PeerLostError(f"rank {self.rank}: lost the node daemon: {e}{hint}"))
+                self._fail(_daemon_lost(f"rank {self.rank}: lost the node daemon: {e}{hint}"))
         except SmddpError as e:
             self._distrust(e)
         except Exception as e:  # a bug; never leave waiters hanging
@@ -939,6 +940,16 @@ class Client:
         status = getattr(err, "exit_status", None)
         if first and status is not None and self._wrapper is not None:
             self._wrapper.cause(status)
+        if first and getattr(err, "infra", False) and self._wrapper is not None:
+            self._wrapper.infra(str(err))
+
+
+def _daemon_lost(why: str) -> PeerLostError:
+    """This worker lost its own daemon (gone, silent, or not reading its ring): an infrastructure
+    cause, which the worker's wrapper reports to smddp-launch (the daemon cannot)."""
+    err = PeerLostError(why)
+    err.infra = True
+    return err
 
 
 def _configure_logging(level: str, rank: int, node: int) -> None:
@@ -972,8 +983,9 @@ def check_op(op: Any) -> ReduceOp:
 
 class WrapperPipe:
     """The pipe smddp-launch's wrapper of this worker listens on (SMDDP_JOINED_FD): "j" once the
-    worker joined (the wrapper reports EXITED for ranks that did not), and "c<status>" when the job
-    failed because another rank ended with that exit status (the wrapper then ends with it too).
+    worker joined (the wrapper reports EXITED for ranks that did not), "c<status>" when the job
+    failed because another rank ended with that exit status (the wrapper then ends with it too), and
+    "i<why>" when it failed for an infrastructure cause (the wrapper tells smddp-launch's ledger).
     The fd is taken out of the environment and never inherited by programs the script runs."""
 
     def __init__(self, fd: int) -> None:
@@ -1001,6 +1013,11 @@ class WrapperPipe:
 
     def cause(self, exit_status: int) -> None:
         self._write(b"c%d\n" % exit_status)
+
+    def infra(self, why: str) -> None:
+        """The job failed for an infrastructure cause this worker saw (its daemon lost): the wrapper
+        tells smddp-launch, which restarts for such a cause (its daemon may be unable to say)."""
+        self._write(b"i" + " ".join(why.split()).encode("utf-8", "replace")[:300] + b"\n")
 
     def close(self) -> None:
         with self._lock:

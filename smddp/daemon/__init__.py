@@ -102,12 +102,18 @@ def run(cfg: DaemonConfig) -> int:
     # node as a success (transport/ledger.py).
     ledger = LedgerClient.connect(cfg.ledger, me.node) if cfg.ledger else None
 
+    running: list[NodeDaemon] = []  # the daemon, once made: a stop says how its job had failed
+
     def stopped(signum: int, _frame: object) -> None:
         # mpirun stops the daemons with SIGTERM (another daemon failed, or smddp-launch ends the job):
         # nothing of the job may stay behind, not even on a host smddp-launch does not run on.
         shutil.rmtree(jobdir, ignore_errors=True)
         if ledger is not None:
-            ledger.end(False, f"stopped by signal {signum} (mpirun tore the job down)")
+            d = running[0] if running else None
+            if d is not None and d.failure is not None:
+                ledger.end(False, d.failure, infra=d.failure_infra)
+            else:
+                ledger.end(False, f"stopped by signal {signum} (mpirun tore the job down)")
         os._exit(128 + signum)
 
     signal.signal(signal.SIGTERM, stopped)
@@ -121,6 +127,7 @@ def run(cfg: DaemonConfig) -> int:
         jobdir,
         fabric,
     )
+    running.append(daemon)
     if cfg.metrics_port:
         from smddp.daemon.metrics import serve_metrics
 
@@ -129,7 +136,7 @@ def run(cfg: DaemonConfig) -> int:
         )  # node n: port P + n
     status = daemon.serve()
     if ledger is not None:
-        ledger.end(daemon.failure is None, daemon.failure or "")
+        ledger.end(daemon.failure is None, daemon.failure or "", infra=daemon.failure_infra)
     return status
 
 

@@ -26,7 +26,7 @@ from smddp.errors import (
 )
 from smddp.proto import handshake as hs
 from smddp.proto.dtypes import DType, Kind
-from smddp.proto.failure import exit_status_of, failure_frame, read_failure
+from smddp.proto.failure import exit_status_of, failure_frame, infra_of, infra_status, read_failure
 from smddp.proto.frames import HEADER_SIZE, Header, MsgType, Role, error_frame
 from smddp.proto.messages import (
     Attach,
@@ -111,6 +111,7 @@ class NodeDaemon:
         self._stop = threading.Event()
         self._finished = threading.Event()
         self.failure: str | None = None
+        self.failure_infra = False  # the failure's cause is the infrastructure's (proto.failure.INFRA_BIT)
         self._failure_frame: bytes | None = None  # the ERROR every local rank gets, late joiners too
         self.workers: list[WorkerLink | None] = [None] * self.local_size
         # Exit statuses of local ranks that joined and then ended badly (their wrapper's EXITED).
@@ -183,11 +184,12 @@ class NodeDaemon:
                 self.stats.sample()
                 self._inspect_stalls(now)
             if time.monotonic() > deadline and not self._all_connected():
-                self.fail(self._missing_message(), PeerLostError)
+                self.fail(self._missing_message(), PeerLostError, infra=self._missing_is_infra())
             bye = self._bye_sent_at
             if bye is not None and time.monotonic() > bye + self.cfg.shutdown_timeout_s:
                 waiting = [self.job.describe_node(j) for j, p in self.peers.items() if not p.said_bye]
-                self.fail(f"{self.me}: finished, but {', '.join(waiting)} did not finish", PeerLostError)
+                msg = f"{self.me}: finished, but {', '.join(waiting)} did not finish"
+                self.fail(msg, PeerLostError, infra=True)
         # A failure before every local rank came: keep the door open for the late ones (until the
         # connect deadline), so that each hears why instead of waiting for a daemon that has gone.
         while not self._all_connected() and time.monotonic() < deadline:
@@ -210,6 +212,11 @@ class NodeDaemon:
         ]
         missing += [self.job.describe_node(j) for j, p in self.peers.items() if not p.connected.is_set()]
         return f"{self.me}: not connected after {self.cfg.connect_timeout_s:.0f}s: {', '.join(missing)}"
+
+    def _missing_is_infra(self) -> bool:
+        """A daemon that never connected is the infrastructure's failure; a rank that never joined
+        (its script slow or stuck before init) is the script's."""
+        return any(not p.connected.is_set() for p in self.peers.values())
 
     def _teardown(self) -> int:
         self._stop.set()
@@ -260,15 +267,20 @@ class NodeDaemon:
         t.start()
 
     def fail(
-        self, reason: str, kind: type[SmddpError] = CollectiveError, exit_status: int | None = None
+        self,
+        reason: str,
+        kind: type[SmddpError] = CollectiveError,
+        exit_status: int | None = None,
+        infra: bool = False,
     ) -> None:
-        """Put the job in FAILED: tell every worker and peer why (and the exit status of the rank whose
-        end caused it, when known), once, then stop."""
-        frame = failure_frame(kind, reason, sender=self.node, exit_status=exit_status)
+        """Put the job in FAILED: tell every worker and peer why (the exit status of the rank whose end
+        caused it, when known, and whether the cause is the infrastructure's), once, then stop."""
+        frame = failure_frame(kind, reason, sender=self.node, exit_status=exit_status, infra=infra)
         with self._lock:
             if self.failure is not None or self._finished.is_set():
                 return
             self.failure = reason
+            self.failure_infra = infra
             self._failure_frame = frame
             self.plane.abort()
             # Every local rank and peer hears it once: those connected now here, later ones when
@@ -393,7 +405,7 @@ class NodeDaemon:
                 if status is not None:
                     how = f"killed by signal {status - 128}" if status > 128 else f"exit status {status}"
                     reason += f" ({how})"
-                self.fail(reason, PeerLostError, exit_status=status)
+                self.fail(reason, PeerLostError, exit_status=status, infra=infra_status(status))
         except SmddpError as e:
             # Keep the connection open until the worker leaves, so that it reads the ERROR rather
             # than a broken pipe (teardown closes it at the end of the linger time regardless).
@@ -448,7 +460,7 @@ class NodeDaemon:
                 recorded = self.plane.rank_left_early(local, self.workers[local] is not None, reason)
         except PeerLostError as e:  # a collective in flight waits for it, and never gets it
             log.info("%s: %s", self.me, reason)
-            self.fail(str(e), PeerLostError)
+            self.fail(str(e), PeerLostError, infra=infra_status(status))
             return
         if recorded:
             log.info("%s: %s", self.me, reason)
@@ -551,7 +563,8 @@ class NodeDaemon:
                 kind: type[SmddpError] = {2: CollectiveMismatchError, 3: PeerLostError}.get(
                     fault, ProtocolError
                 )
-                self.fail(why, kind)
+                # A peer lost or silent (its daemon, node or link) is the infrastructure's doing.
+                self.fail(why, kind, infra=kind is PeerLostError)
 
     def count_plane(self) -> None:
         """Bring what the plane did since the last call into the daemon's statistics."""
@@ -854,7 +867,7 @@ class NodeDaemon:
                     self._report_cv.notify_all()
         elif t is MsgType.ERROR:
             kind, why = read_failure(body.decode("utf-8", "replace"))
-            self.fail(why, kind, exit_status=exit_status_of(aux))
+            self.fail(why, kind, exit_status=exit_status_of(aux), infra=infra_of(aux))
         elif t is MsgType.BYE:
             # (The engine's table heard it first: a collective it leaves unfinished failed there.)
             peer.said_bye = True

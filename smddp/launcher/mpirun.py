@@ -383,6 +383,9 @@ class Outcome:
     crash: bool
     daemons_failed: bool = False
     lost: tuple[str, ...] = ()  # hosts (or nodes) lost, with why
+    infra: tuple[
+        str, ...
+    ] = ()  # what the daemons said failed the job, where the cause was the infrastructure
 
     def describe(self) -> str:
         if self.lost:
@@ -391,6 +394,9 @@ class Outcome:
             return "a daemon failed or was lost (a crash)"
         if self.status > 128:
             return f"a rank was killed by signal {self.status - 128} (a crash)"
+        if self.infra:
+            more = f"; and {len(self.infra) - 3} more" if len(self.infra) > 3 else ""
+            return "an infrastructure failure (a crash): " + "; ".join(self.infra[:3]) + more
         return "a rank's own exit status (the script failed, or a collective mismatch): not a crash"
 
 
@@ -466,9 +472,10 @@ def run_attempt(cfg: LaunchConfig) -> Outcome:
         os.makedirs(timeline_parts(cfg.timeline), exist_ok=True)
     ledger = Ledger(ledger_addresses(cfg))
     env["SMDDP_LEDGER"] = ledger.spec
+    # The workers' wrappers get it too: a worker that lost its own daemon says so there.
     cmds = Commands(
         [cmds.daemons[0], "-x", "SMDDP_LEDGER", *cmds.daemons[1:]],
-        cmds.workers,
+        [cmds.workers[0], "-x", "SMDDP_LEDGER", *cmds.workers[1:]],
     )
     # If smddp-launch is killed, mpirun gets SIGTERM and tears its world down rather than run on orphaned.
     try:
@@ -504,9 +511,17 @@ def run_attempt(cfg: LaunchConfig) -> Outcome:
                 flush=True,
             )
             return Outcome(1, crash=True, lost=lost)
-        # A crash: a rank killed by a signal (its status, passed to every rank, is 128 + n), or the
-        # daemons' world failing before the workers' (a daemon died, its node or link was lost).
-        return Outcome(status, crash=status > 128 or daemons_first, daemons_failed=daemons_first)
+        # A crash: a rank killed by a signal (its status, passed to every rank, is 128 + n), the
+        # daemons' world failing before the workers' (a daemon died, its node or link was lost), or
+        # what the daemons said: a cause of the infrastructure's (a silent daemon, a cut link, a lost
+        # peer), or no word at all from one that was up (frozen or killed before it could say); and a
+        # worker's wrapper saying its rank lost its own daemon (which may be unable to say). The
+        # workers' status alone cannot tell: a rank that heard "node 1 is silent" exits 1 too.
+        said = ledger.infra_failures() if status != 0 else []
+        # (A wrapper's line names its rank already: "rank 2: lost the node daemon: ...".)
+        infra = tuple(f"{_node_name(cfg, i)}: {why}" if what == "node" else why for what, i, why in said)
+        crash = status > 128 or daemons_first or bool(infra)
+        return Outcome(status, crash=crash, daemons_failed=daemons_first, infra=infra)
     finally:
         ledger.close()
         for s, h in old.items():

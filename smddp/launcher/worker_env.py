@@ -107,8 +107,8 @@ def _pump(src: IO[bytes], dst: IO[bytes], prefix: bytes) -> None:
 
 class _Joined:
     """What the worker's client tells us over a pipe we hand it (smddp.client.session.WrapperPipe):
-    "j" once it joined the job, and "c<status>" when the job failed because another rank ended with
-    that exit status."""
+    "j" once it joined the job, "c<status>" when the job failed because another rank ended with
+    that exit status, and "i<why>" when it failed for an infrastructure cause."""
 
     def __init__(self) -> None:
         self.read_fd, self.write_fd = os.pipe()
@@ -116,6 +116,7 @@ class _Joined:
         self.token = f"{self.write_fd}:{os.fstat(self.write_fd).st_ino}"
         self.joined = threading.Event()
         self.cause: int | None = None
+        self.infra: str | None = None
         self._thread = threading.Thread(target=self._watch, daemon=True)
 
     def start(self) -> None:
@@ -129,9 +130,11 @@ class _Joined:
                 data += chunk
                 if data.startswith(b"j"):
                     self.joined.set()
-                for line in data[1:].split(b"\n")[:-1]:  # whole "c<status>" lines only
+                for line in data[1:].split(b"\n")[:-1]:  # whole lines only
                     if line[:1] == b"c" and line[1:].isdigit() and self.cause is None:
                         self.cause = int(line[1:])
+                    elif line[:1] == b"i" and self.infra is None:
+                        self.infra = line[1:].decode("utf-8", "replace")
                 if len(data) > 4096:
                     break  # not our client talking: stop listening
         finally:
@@ -209,6 +212,9 @@ def run_worker(command: list[str], prefix: str, report: Report | None) -> int:
             report.send(code, wait=False)  # its daemon waits a moment for this before failing the job
     for t in pumps:
         t.join(timeout=5)
+    if code != 0 and report is not None and joined is not None and joined.infra is not None:
+        # Its daemon may be unable to say (frozen, gone): smddp-launch hears the cause from here.
+        report.infra(joined.infra)
     if code != 0 and joined is not None and joined.cause is not None:
         return joined.cause
     return code
@@ -222,6 +228,19 @@ class Report:
         self.node = node
         self.job_hex = job_hex
         self.timeout = timeout
+
+    def infra(self, why: str) -> None:
+        """Tell smddp-launch's ledger (SMDDP_LEDGER) that this rank failed for an infrastructure cause."""
+        spec = os.environ.get("SMDDP_LEDGER", "")
+        if not spec:
+            return
+        from smddp.transport.ledger import report_infra
+
+        if not report_infra(spec, self.rank, why):
+            print(
+                f"smddp worker_env: rank {self.rank}: could not tell smddp-launch why it failed",
+                file=sys.stderr,
+            )
 
     def send(self, status: int, wait: bool = True) -> None:
         """Report `status`; without `wait`, only to a daemon that is there now (not one still starting)."""

@@ -31,6 +31,9 @@ class Ledger:
     token: str = field(default_factory=lambda: secrets.token_hex(16))
     up: set[int] = field(default_factory=set)
     ended: dict[int, tuple[bool, str]] = field(default_factory=dict)  # node -> (clean, reason)
+    # Nodes whose daemon said the job failed for an infrastructure cause; ranks whose wrapper did.
+    infra: set[int] = field(default_factory=set)
+    ranks_infra: dict[int, str] = field(default_factory=dict)  # rank -> why
     closed: set[int] = field(default_factory=set)  # nodes whose connection has ended
 
     def __post_init__(self) -> None:
@@ -79,6 +82,20 @@ class Ledger:
                     out.append((n, why or "it failed"))
             return out
 
+    def infra_failures(self) -> list[tuple[str, int, str]]:
+        """What says the job failed for an infrastructure cause (a lost, silent or killed process,
+        peer, link or node), as ("node", n, why) and ("rank", r, why): daemons that said so or never
+        said how they ended (killed, frozen, or lost with their node), and workers' wrappers that
+        said so (a worker that lost its own daemon). Call after `unfinished`, which waits for the
+        daemons' last lines; a wrapper's line is in before its worker's world ends."""
+        with self._lock:
+            nodes = [
+                ("node", n, self.ended.get(n, (False, NEVER_SAID))[1] or "it failed")
+                for n in sorted(self.up)
+                if n in self.infra or n not in self.ended
+            ]
+            return nodes + [("rank", r, why) for r, why in sorted(self.ranks_infra.items())]
+
     def _accept(self) -> None:
         while not self._stop.is_set():
             try:
@@ -92,7 +109,8 @@ class Ledger:
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
-        """Lines: "up TOKEN NODE", then "end ok" or "end failed REASON"; anything else ends the talk."""
+        """Lines: "up TOKEN NODE", then "end ok", "end failed REASON" or "end failed-infra REASON"
+        (the job failed for an infrastructure cause); anything else ends the talk."""
         conn.settimeout(None)
         node = -1
         try:
@@ -105,6 +123,7 @@ class Ledger:
                 self._lock.notify_all()
 
     def _talk(self, conn: socket.socket) -> int:
+        """A daemon's lines, or one "lost TOKEN RANK WHY" line from a worker's wrapper (answered "ok")."""
         node = -1
         buf = b""
         while not self._stop.is_set():
@@ -118,6 +137,16 @@ class Ledger:
             while b"\n" in buf:
                 line, buf = buf.split(b"\n", 1)
                 words = line.decode("utf-8", "replace").split(" ", 2)
+                if node < 0 and words[0] == "lost" and len(words) == 3:
+                    rank, _, why = words[2].partition(" ")
+                    if secrets.compare_digest(words[1].encode(), self.token.encode()) and rank.isdigit():
+                        with self._lock:
+                            self.ranks_infra.setdefault(int(rank), why)
+                        try:
+                            conn.sendall(b"ok\n")
+                        except OSError:
+                            pass
+                    return node
                 if (
                     words[0] == "up"
                     and len(words) == 3
@@ -131,6 +160,8 @@ class Ledger:
                 elif words[0] == "end" and node >= 0 and len(words) >= 2:
                     with self._lock:
                         self.ended[node] = (words[1] == "ok", words[2] if len(words) == 3 else "")
+                        if words[1] == "failed-infra":
+                            self.infra.add(node)
                         self._lock.notify_all()
                     return node
                 else:
@@ -138,6 +169,24 @@ class Ledger:
             if len(buf) > MAX_LINE:
                 return node
         return node
+
+
+def report_infra(spec: str, rank: int, why: str, timeout: float = 2.0) -> bool:
+    """A worker's wrapper tells the ledger its rank failed for an infrastructure cause; True once
+    the ledger has it (it answers "ok" after recording, so the line is in before the wrapper ends)."""
+    token, _, rest = spec.partition("@")
+    addrs, _, port = rest.rpartition(":")
+    if not (token and addrs and port.isdigit()):
+        return False
+    line = f"lost {token} {rank} {' '.join(why.split())[:1000]}\n".encode("utf-8", "replace")
+    for addr in addrs.split(","):
+        try:
+            with socket.create_connection((addr, int(port)), timeout=timeout) as sock:
+                sock.sendall(line)
+                return sock.recv(8).startswith(b"ok")
+        except OSError:
+            continue
+    return False
 
 
 class LedgerClient:
@@ -166,8 +215,10 @@ class LedgerClient:
             return cls(sock)
         return None
 
-    def end(self, clean: bool, reason: str = "") -> None:
-        text = "end ok\n" if clean else f"end failed {reason.replace(chr(10), ' ')[:1000]}\n"
+    def end(self, clean: bool, reason: str = "", infra: bool = False) -> None:
+        """Say how the job ended here: cleanly, or failed (`infra`: for an infrastructure cause)."""
+        verb = "failed-infra" if infra else "failed"
+        text = "end ok\n" if clean else f"end {verb} {reason.replace(chr(10), ' ')[:1000]}\n"
         try:
             self._sock.sendall(text.encode("utf-8", "replace"))
         except OSError:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from smddp.launcher.mpirun import attempt_job_id
 from tests.conftest import LAUNCHED, smddp_launch
 
@@ -53,3 +55,41 @@ def test_restart_flags_are_checked() -> None:
             text=True,
         )
         assert proc.returncode == 2 and "smddp-launch:" in proc.stderr, (bad, proc.stderr)
+
+
+FREEZE = (
+    "import os, signal, sys, smddp\n"
+    "smddp.init()\n"
+    "n = int(os.environ['SMDDP_RESTART_COUNT'])\n"
+    "c = smddp.client()\n"
+    "print('attempt', n, 'rank', c.rank, 'job', os.environ['SMDDP_JOB_ID'], flush=True)\n"
+    "smddp.barrier(timeout=60)\n"
+    "if n == 0:\n"
+    "    if c.rank == int(sys.argv[1]):\n"
+    "        os.kill(c.job.daemons[c.node].pid, signal.SIGSTOP)  # this rank's own daemon\n"
+    "    while True:\n"
+    "        smddp.barrier(timeout=60)  # until the job fails: a silent daemon is named within 3 s\n"
+    "smddp.shutdown()\n"
+    "print('attempt', n, 'rank', c.rank, 'finished', flush=True)\n"
+)
+
+
+@pytest.mark.parametrize(("world", "nodes", "freezer"), [(2, 1, 1), (4, 2, 2)], ids=["one-daemon", "2-nodes"])
+def test_a_frozen_daemon_restarts_like_a_crash(
+    world: int, nodes: int, freezer: int, tmp_path: Path, clean_host: None
+) -> None:
+    """A daemon SIGSTOPped mid-job is an infrastructure failure, though every rank ends with status 1:
+    with one daemon its workers' wrappers say so (it cannot); with two, the other daemon does. The
+    job restarts and finishes."""
+    script = tmp_path / "freeze.py"
+    script.write_text(FREEZE)
+    extra = ["--max-restarts", "1", "--restart-delay", "0", "--heartbeat-timeout", "3"]
+    proc = smddp_launch(world, nodes, [str(script), str(freezer)], extra=extra, timeout=240)
+    LAUNCHED.append(attempt_job_id(LAUNCHED[-1], 1))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = [line for line in proc.stderr.splitlines() if line.startswith("smddp-launch: attempt 0")]
+    assert len(said) == 1 and "an infrastructure failure (a crash)" in said[0], proc.stderr[-3000:]
+    assert "silent" in said[0] and "restart 1 of 1 in 0s" in said[0], said
+    if nodes == 1:
+        assert "lost the node daemon" in said[0], said
+    assert proc.stdout.count("finished") == world, proc.stdout[-3000:]

@@ -66,3 +66,31 @@ def test_a_raised_again_error_keeps_the_causes_status():
     again = fresh(err)
     assert again is not err and type(again) is PeerLostError and again.exit_status == 3
     assert str(again) == "rank 1 died" and fresh(ProtocolError("x")).args == ("x",)
+
+
+@pytest.mark.parametrize("status", [None, 1, 137])
+@pytest.mark.parametrize("infra", [False, True])
+def test_the_causes_kind_travels_in_aux_beside_its_status(status, infra):
+    """INFRA_BIT says the cause is the infrastructure's; the status reads the same either way."""
+    from smddp.proto.failure import INFRA_BIT, exit_status_of, infra_of
+
+    frame = failure_frame(PeerLostError, "node 1 silent", sender=0, exit_status=status, infra=infra)
+    h = decode_header(frame[:HEADER_SIZE])
+    assert infra_of(h.aux) is infra and bool(h.aux & INFRA_BIT) is infra
+    assert exit_status_of(h.aux) == status
+
+
+def test_which_ends_are_the_infrastructures():
+    """A rank killed by a signal, or gone with no status at all, is; an exit status of its own is not."""
+    from smddp.proto.failure import infra_status
+
+    assert infra_status(None) and infra_status(137) and infra_status(143)
+    assert not infra_status(0) and not infra_status(1) and not infra_status(128)
+
+
+def test_a_raised_again_error_keeps_its_cause():
+    from smddp.errors import fresh
+
+    err = PeerLostError("rank 1: lost the node daemon")
+    err.infra = True
+    assert fresh(err).infra and not fresh(PeerLostError("x")).infra

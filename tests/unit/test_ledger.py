@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 import time
 
-from smddp.transport.ledger import Ledger, LedgerClient
+from smddp.transport.ledger import NEVER_SAID, Ledger, LedgerClient, report_infra
 
 
 def _until(check, timeout: float = 5.0) -> None:
@@ -51,6 +51,33 @@ def test_strangers_and_garbage_count_for_nothing() -> None:
         _until(lambda: ledger.up == {5})
         good.end(True)
         assert ledger.unfinished() == [] and ledger.up == {5}
+    finally:
+        ledger.close()
+
+
+def test_infrastructure_causes_from_daemons_and_workers_wrappers() -> None:
+    """A daemon's "end failed-infra", a daemon that never said, and a wrapper's "lost" line (answered
+    once recorded) are infrastructure failures; a plain "end failed" is not; a wrong token is nothing."""
+    ledger = Ledger(["127.0.0.1"])
+    try:
+        a, b, c = (LedgerClient.connect(ledger.spec, n) for n in range(3))
+        assert a and b and c
+        _until(lambda: ledger.up == {0, 1, 2})
+        a.end(False, "rank 0 exited with status 1")
+        b.end(False, "node 1 lost contact: node 2 silent for 3.0 s", infra=True)
+        assert report_infra(ledger.spec, 4, "rank 4: lost the node daemon:\n silent for 3s")
+        token = ledger.spec.partition("@")[0]
+        assert not report_infra(ledger.spec.replace(token, "0" * len(token)), 5, "a stranger")
+        assert not report_infra("garbage", 6, "no ledger")
+        assert len(ledger.unfinished(settle_s=0.3)) == 3  # c never said: waited for, bounded
+        assert ledger.infra_failures() == [
+            ("node", 1, "node 1 lost contact: node 2 silent for 3.0 s"),
+            ("node", 2, NEVER_SAID),
+            ("rank", 4, "rank 4: lost the node daemon: silent for 3s"),
+        ]
+        c.end(False, "stopped by signal 15 (mpirun tore the job down)")
+        _until(lambda: 2 in ledger.ended)
+        assert [x[:2] for x in ledger.infra_failures()] == [("node", 1), ("rank", 4)]
     finally:
         ledger.close()
 
