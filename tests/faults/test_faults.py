@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from smddp_rigs.simcluster import ClusterConfig, SimCluster, cleanup_stale
 
-from tests.conftest import BIN, REPO, job_env
+from tests.conftest import BIN, LAUNCHED, REPO, job_env
 
 pytestmark = pytest.mark.faults
 
@@ -198,3 +198,67 @@ def test_link_cut(tmp_path, fabric):
         "node 0",
         "silent",
     )
+
+
+CUT_SCRIPT = (
+    "import os, pathlib, sys, smddp\n"
+    "smddp.init()\n"
+    "n = int(os.environ['SMDDP_RESTART_COUNT'])\n"
+    "smddp.barrier(timeout=60)\n"
+    "if n == 0:\n"
+    "    pathlib.Path(sys.argv[1], 'running').touch()\n"
+    "    while True:\n"
+    "        smddp.barrier(timeout=60)  # until the cut link fails the job\n"
+    "rank = smddp.rank()\n"
+    "smddp.barrier(timeout=60)\n"
+    "smddp.shutdown()\n"
+    "print('attempt', n, 'rank', rank, 'finished', flush=True)\n"
+)
+
+
+def test_a_cut_link_restarts_like_a_crash(tmp_path, clean_host):
+    """A node's link down for a few seconds: every rank ends with status 1, but the daemons say the
+    cause is a silent peer (the infrastructure's), so --max-restarts brings the job back and it finishes."""
+    if os.geteuid() != 0:
+        if os.environ.get("CI"):
+            pytest.fail("the link test needs root (network namespaces) and must not skip in CI")
+        pytest.skip("needs root")
+    from smddp.launcher.mpirun import attempt_job_id
+
+    prefix = "smddpf"
+    cleanup_stale(prefix)
+    script = tmp_path / "cut.py"
+    script.write_text(CUT_SCRIPT)
+    cfg = ClusterConfig(nodes=2, prefix=prefix, subnet="10.77.3", uplink=True)
+    with SimCluster(cfg) as cluster:
+        env = job_env()
+        LAUNCHED.append(attempt_job_id(env["SMDDP_JOB_ID"], 1))  # the leftover check covers the restart
+        cmd = [
+            str(BIN / "smddp-launch"),
+            *("-H", cluster.host_list(2)),
+            *("--iface", cfg.cidr),
+            *("--launch-agent", cluster.launch_agent_path()),
+            *("--heartbeat-timeout", str(HEARTBEAT_S), "--max-restarts", "1", "--restart-delay", "0"),
+            *("--", sys.executable, str(script), str(tmp_path)),
+        ]
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env
+        )
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "running").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+            time.sleep(0.05)
+        cluster.exec(1, ["ip", "link", "set", "eth0", "down"], check=True)
+        time.sleep(SILENCE_BOUND_S + 1)  # both sides name the other silent
+        cluster.exec(1, ["ip", "link", "set", "eth0", "up"], check=True)
+        try:
+            out, err = proc.communicate(timeout=180)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            raise AssertionError("the job hung: " + err[-3000:]) from None
+    assert proc.returncode == 0, err[-3000:]
+    said = [line for line in err.splitlines() if line.startswith("smddp-launch: attempt 0")]
+    assert len(said) == 1 and "an infrastructure failure (a crash)" in said[0], err[-3000:]
+    assert "silent" in said[0] and "restart 1 of 1" in said[0], said
+    assert out.count("finished") == 4, out[-3000:]
