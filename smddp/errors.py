@@ -70,6 +70,10 @@ class PeerLostError(CollectiveError):
     """A worker, a daemon or a link went away in the middle of the job."""
 
 
+class CollectiveStallError(CollectiveError):
+    """A collective waited past the stall limit (--stall-timeout) for ranks that never submitted it."""
+
+
 class CollectiveTimeoutError(SmddpError, TimeoutError):
     """A blocking call ran past its timeout; the job itself is still usable."""
 

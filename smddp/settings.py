@@ -242,6 +242,16 @@ SETTINGS: tuple[Setting, ...] = (
         ("--stall-warning-s", "--stall-warning"),
         (LAUNCH, DAEMON),
     ),
+    S(
+        "stall_timeout_s",
+        float,
+        480.0,
+        "fail the job, on every rank, when a collective has waited this long for ranks that never "
+        "submitted it, naming them (s; 0: never). Below the workers' --timeout (600 s), so that ranks "
+        "hear who is late rather than a bare timeout of their own",
+        ("--stall-timeout",),
+        (LAUNCH, DAEMON),
+    ),
     # -- observability
     S(
         "metrics_port",

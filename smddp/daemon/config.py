@@ -21,6 +21,7 @@ class DaemonConfig:
     connect_timeout_s: float = default("connect_timeout_s")
     heartbeat_timeout_s: float = default("heartbeat_timeout_s")
     stall_warning_s: float = default("stall_warning_s")
+    stall_timeout_s: float = default("stall_timeout_s")
     timeline_dir: str = default("timeline_dir")
     metrics_port: int = default("metrics_port")
     log_level: str = default("log_level")
@@ -49,3 +50,5 @@ class DaemonConfig:
             raise ConfigError("threads must be at least 1")
         if not 0.2 <= self.heartbeat_timeout_s <= 3600:
             raise ConfigError("heartbeat timeout must be between 0.2 s and 1 hour")
+        if self.stall_timeout_s < 0:
+            raise ConfigError("--stall-timeout must not be negative (0: no limit)")

@@ -20,6 +20,7 @@ from smddp.errors import (
     AuthenticationError,
     CollectiveError,
     CollectiveMismatchError,
+    CollectiveStallError,
     PeerLostError,
     ProtocolError,
     SmddpError,
@@ -786,6 +787,41 @@ class NodeDaemon:
                 ", ".join(who) or "(nobody: in progress)",
             )
             self.stats.error("stall", f"collective #{r['seq']} waited {r['age_s']:.0f}s for {', '.join(who)}")
+        self._enforce_stall_limit()
+
+    def _enforce_stall_limit(self) -> None:
+        """Fail the job when a collective has waited past --stall-timeout for ranks that never
+        submitted it, naming them and what everyone else waits in.
+
+        The daemon of a late rank fails it (it can tell whether the rank is stopped or gone: then the
+        cause is the infrastructure's, else the script's, e.g. a deadlocked data loader); a daemon
+        that sees only a late node waits two heartbeat timeouts more for that node's own verdict.
+        """
+        limit = self.cfg.stall_timeout_s
+        if limit <= 0:
+            return
+        ranks = self.job.ranks_of(self.node)
+        with self._lock:
+            waiting = self.plane.waiting()
+            pids = [w.pid if w is not None else None for w in self.workers]
+        for seq, age, what, late, late_nodes in sorted(waiting, key=lambda w: -w[1]):
+            if not (late or late_nodes) or age <= limit:
+                continue
+            if not late and age <= limit + 2 * self.cfg.heartbeat_timeout_s:
+                continue
+            who = [self.job.describe_rank(ranks[i]) for i in late] + [
+                self.job.describe_node(j) for j in late_nodes
+            ]
+            fates = [f"{self.job.describe_rank(ranks[i])} is {_run_state(pids[i])}" for i in late]
+            infra = any(not _running(pids[i]) for i in late)
+            self.fail(
+                f"{self.me}: collective #{seq} {what} waited {age:.0f}s, past the stall limit "
+                f"(--stall-timeout {limit:g}), for {', '.join(who)}, which never submitted it"
+                + (f" ({'; '.join(fates)})" if fates else ""),
+                CollectiveStallError,
+                infra=infra,
+            )
+            return
 
     def write_timeline(self) -> None:
         if not self.cfg.timeline_dir:
@@ -894,6 +930,27 @@ def _tell(conn: Connection, frame: bytes) -> None:
         conn.send([frame], timeout=2.0)
     except SmddpError:
         pass
+
+
+def _run_state(pid: int | None) -> str:
+    """A local rank's process state, for a stall: running (or sleeping), stopped, or gone."""
+    if pid is None:
+        return "not connected"
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "gone"
+    if state in ("T", "t"):
+        return "stopped (SIGSTOP or a debugger)"
+    if state in ("Z", "X"):
+        return "gone"
+    return "running (it is busy elsewhere: its own code, a data loader, a deadlock)"
+
+
+def _running(pid: int | None) -> bool:
+    """Whether a late rank is alive and scheduled: then its lateness is its script's, else the infrastructure's."""
+    return _run_state(pid).startswith("running")
 
 
 def _process_fate(pid: int) -> str:

@@ -48,6 +48,7 @@ class LaunchConfig:
     timeout_s: float = default("timeout_s")
     heartbeat_timeout_s: float = default("heartbeat_timeout_s")
     stall_warning_s: float = default("stall_warning_s")
+    stall_timeout_s: float = default("stall_timeout_s")
     metrics_port: int = default("metrics_port")  # daemon of node n serves /metrics on port + n
     timeline: str = default("timeline")
     tag_output: bool = default("tag_output")
@@ -86,6 +87,8 @@ class LaunchConfig:
             raise ConfigError("--fusion-mb must be positive")
         if self.pipeline_kb < 0:
             raise ConfigError("--pipeline-kb must be 0 (never) or positive")
+        if self.stall_timeout_s < 0:
+            raise ConfigError("--stall-timeout must not be negative (0: no limit)")
         if self.max_restarts < 0 or self.restart_delay_s < 0:
             raise ConfigError("--max-restarts and --restart-delay must not be negative")
         if self.min_nodes < 0 or (self.hosts and self.min_nodes > len(self.hosts)):
@@ -202,6 +205,7 @@ def build_commands(cfg: LaunchConfig) -> Commands:
                 "libfabric": cfg.libfabric,
                 "heartbeat_timeout_s": cfg.heartbeat_timeout_s,
                 "stall_warning_s": cfg.stall_warning_s,
+                "stall_timeout_s": cfg.stall_timeout_s,
                 "metrics_port": cfg.metrics_port,
                 "timeline_dir": timeline_parts(cfg.timeline) if cfg.timeline else "",
                 "log_level": cfg.log_level,

@@ -6,6 +6,7 @@ from smddp.errors import (
     AuthenticationError,
     CollectiveError,
     CollectiveMismatchError,
+    CollectiveStallError,
     PeerLostError,
     ProtocolError,
     SmddpError,
@@ -15,7 +16,8 @@ from smddp.proto.frames import error_frame
 
 # The classes an ERROR frame may name; anything else reads as a CollectiveError.
 _BY_NAME: dict[str, type[SmddpError]] = {
-    cls.__name__: cls for cls in (CollectiveError, CollectiveMismatchError, PeerLostError, ProtocolError)
+    cls.__name__: cls
+    for cls in (CollectiveError, CollectiveMismatchError, CollectiveStallError, PeerLostError, ProtocolError)
 }
 
 
@@ -24,7 +26,7 @@ def wire_name(kind: type[SmddpError]) -> str:
 
     A connection that ended or a stranger at the door (transport, authentication) is a lost peer.
     """
-    for cls in (CollectiveMismatchError, PeerLostError, CollectiveError):
+    for cls in (CollectiveMismatchError, CollectiveStallError, PeerLostError, CollectiveError):
         if issubclass(kind, cls):
             return cls.__name__
     if issubclass(kind, (AuthenticationError, TransportError)):

@@ -93,3 +93,62 @@ def test_a_frozen_daemon_restarts_like_a_crash(
     if nodes == 1:
         assert "lost the node daemon" in said[0], said
     assert proc.stdout.count("finished") == world, proc.stdout[-3000:]
+
+
+LATE = (
+    "import os, signal, sys, time, smddp\n"
+    "from smddp.errors import CollectiveStallError\n"
+    "smddp.init()\n"
+    "n = int(os.environ['SMDDP_RESTART_COUNT'])\n"
+    "rank = smddp.rank()\n"
+    "smddp.barrier(timeout=60)\n"
+    "if n == 0 and rank == 1:\n"
+    "    if sys.argv[1] == 'stop':\n"
+    "        os.kill(os.getpid(), signal.SIGSTOP)  # frozen: the infrastructure's\n"
+    "    else:\n"
+    "        time.sleep(600)  # stuck in its own code: the script's\n"
+    "try:\n"
+    "    smddp.barrier(timeout=120)\n"
+    "except CollectiveStallError as e:\n"
+    "    print('rank', rank, 'stalled:', e, 'infra' if e.infra else 'script', flush=True)\n"
+    "    raise\n"
+    "smddp.shutdown()\n"
+    "print('attempt', n, 'rank', rank, 'finished', flush=True)\n"
+)
+
+
+@pytest.mark.parametrize("how", ["stuck", "stop"])
+def test_a_rank_that_never_submits_fails_the_job_at_the_stall_limit(
+    how: str, tmp_path: Path, clean_host: None
+) -> None:
+    """--stall-timeout: a collective that waits that long for a rank fails on every rank, naming it.
+    A rank stuck in its own code is the script's failure (not restarted); a frozen one (SIGSTOP) is
+    the infrastructure's: the job restarts and finishes."""
+    script = tmp_path / "late.py"
+    script.write_text(LATE)
+    extra = [
+        "--max-restarts",
+        "1",
+        "--restart-delay",
+        "0",
+        "--stall-timeout",
+        "3",
+        "--heartbeat-timeout",
+        "3",
+    ]
+    proc = smddp_launch(2, 1, [str(script), how], extra=extra, timeout=240)
+    LAUNCHED.append(attempt_job_id(LAUNCHED[-1], 1))
+    stalled = [line for line in proc.stdout.splitlines() if "stalled:" in line]
+    assert stalled and "rank 0 stalled:" in stalled[0], proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "past the stall limit (--stall-timeout 3)" in stalled[0] and "rank 1 (node 0" in stalled[0], (
+        stalled
+    )
+    said = [line for line in proc.stderr.splitlines() if line.startswith("smddp-launch: attempt 0")]
+    assert len(said) == 1, proc.stderr[-3000:]
+    if how == "stuck":
+        assert "is running" in stalled[0] and stalled[0].endswith("script"), stalled
+        assert proc.returncode == 1 and "not a crash; not restarted" in said[0], said
+    else:
+        assert "is stopped" in stalled[0] and stalled[0].endswith("infra"), stalled
+        assert "an infrastructure failure (a crash)" in said[0] and "restart 1 of 1" in said[0], said
+        assert proc.returncode == 0 and proc.stdout.count("finished") == 2, proc.stderr[-3000:]
