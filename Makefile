@@ -51,7 +51,7 @@ unit: $(STAMP)
 multiprocess: $(STAMP)
 	$(BIN)/pytest -q tests/multiprocess
 
-test: lint typecheck engine-sanitize engine-sanitize-jobs $(STAMP)
+test: lint typecheck engine-sanitize engine-fuzz engine-sanitize-jobs $(STAMP)
 	$(BIN)/pytest -q -ra tests
 
 # The engine built with AddressSanitizer+UndefinedBehaviorSanitizer and with ThreadSanitizer, and its
@@ -82,6 +82,36 @@ engine-sanitize:
 	  g++ $(SAN_FLAGS) -fsanitize=thread tests/engine/$$t.cc $(ENGINE_CORE) -o $(SAN_DIR)/$$t-tsan && \
 	  $(SAN_DIR)/$$t-tsan || exit 1; \
 	done
+
+# Coverage-guided fuzzing (libFuzzer, from Debian's clang and libclang-rt-14-dev, which .ci/run
+# installs): each decoder's driver (tests/engine/fuzz_*.cc) built as a libFuzzer target with
+# ASan+UBSan, whose input is the tape of choices its rounds make (fuzz.h, SMDDP_FUZZ_MAIN), so the
+# mutator steers the valid-header paths as well as raw bytes. Each runs LIBFUZZ_SECONDS over the
+# committed corpus (tests/engine/corpus/NAME: seeds from earlier runs, and any input that ever
+# failed, kept as a regression input) plus what this run finds (build/fuzz/new/NAME). A failure
+# leaves build/fuzz/NAME-crash-*: add it to the corpus with the fix. `make fuzz` runs 5 minutes
+# each and merges what gained coverage into the committed corpus.
+CLANGXX ?= clang++
+FUZZ_DIR := build/fuzz
+LIBFUZZ_SECONDS ?= 10
+LIBFUZZ_FLAGS := $(SAN_FLAGS) -fsanitize=address,undefined -fno-sanitize-recover=all -DSMDDP_LIBFUZZER
+FUZZ_OBJS := $(patsubst smddp/engine/%.cc,$(FUZZ_DIR)/obj/%.o,$(ENGINE_CORE))
+$(FUZZ_DIR)/obj/%.o: smddp/engine/%.cc $(wildcard smddp/engine/*.h)
+	@mkdir -p $(FUZZ_DIR)/obj
+	$(CLANGXX) $(LIBFUZZ_FLAGS) -fsanitize=fuzzer-no-link -c $< -o $@
+.PHONY: engine-fuzz fuzz
+engine-fuzz: $(FUZZ_OBJS)
+	for f in $(FUZZERS); do \
+	  $(CLANGXX) $(LIBFUZZ_FLAGS) -fsanitize=fuzzer tests/engine/$$f.cc $(FUZZ_OBJS) -o $(FUZZ_DIR)/$$f && \
+	  mkdir -p $(FUZZ_DIR)/new/$$f tests/engine/corpus/$$f && \
+	  $(FUZZ_DIR)/$$f -max_total_time=$(LIBFUZZ_SECONDS) -max_len=1024 -print_final_stats=1 \
+	    -artifact_prefix=$(FUZZ_DIR)/$$f- $(FUZZ_DIR)/new/$$f tests/engine/corpus/$$f 2>$(FUZZ_DIR)/$$f.log && \
+	  grep -h "stat::number_of_executed_units\|stat::new_units_added" $(FUZZ_DIR)/$$f.log | tr '\n' ' ' && \
+	  echo "($$f, $(LIBFUZZ_SECONDS) s)" || { tail -40 $(FUZZ_DIR)/$$f.log; exit 1; }; \
+	done
+fuzz:
+	$(MAKE) engine-fuzz LIBFUZZ_SECONDS=300
+	for f in $(FUZZERS); do $(FUZZ_DIR)/$$f -merge=1 -max_len=1024 tests/engine/corpus/$$f $(FUZZ_DIR)/new/$$f 2>/dev/null || exit 1; done
 
 # Real jobs against the engine built with each sanitizer: the extension itself compiled with
 # ASan+UBSan, then with TSan, loaded into the daemons and workers of a named subset of the

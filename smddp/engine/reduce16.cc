@@ -5,6 +5,7 @@
 #include <cstring>
 
 #if defined(__x86_64__) || defined(_M_X64)
+#include <cpuid.h>
 #include <immintrin.h>
 #define SMDDP_X86 1
 #else
@@ -116,7 +117,11 @@ __attribute__((target("avx2,f16c"))) bool block_f16(const std::uint16_t* const* 
 bool have_f16c() {
 #if SMDDP_X86
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  // F16C from CPUID leaf 1 (ECX bit 29) itself: clang's __builtin_cpu_supports does not know "f16c".
+  // (AVX2's check includes the OS's saving of the YMM registers, which F16C's instructions use too.)
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & bit_F16C) != 0;
+  return __builtin_cpu_supports("avx2") && f16c;
 #else
   return false;
 #endif

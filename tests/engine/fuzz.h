@@ -11,16 +11,28 @@
 
 namespace fuzz {
 
-struct Rng {  // xorshift64*: reproducible from --seed, no library state shared between threads
+// xorshift64*: reproducible from --seed, no library state shared between threads. Under libFuzzer
+// (SMDDP_LIBFUZZER) the values come from the input's bytes instead, 8 at a time (then zeros): the
+// coverage-guided mutator then steers every choice a round makes, not only the bytes it decodes.
+struct Rng {
   std::uint64_t s;
+  const std::uint8_t* tape = nullptr;
+  std::size_t tape_len = 0;
+  std::size_t tape_pos = 0;
   std::uint64_t next() {
+    if (tape != nullptr) {
+      std::uint64_t v = 0;
+      for (int i = 0; i < 8 && tape_pos < tape_len; ++i) v |= static_cast<std::uint64_t>(tape[tape_pos++]) << (8 * i);
+      return v;
+    }
     s ^= s >> 12;
     s ^= s << 25;
     s ^= s >> 27;
     return s * 2685821657736338717ull;
   }
-  // Mostly small values, sometimes any 64-bit value: the bounds live at both ends.
-  std::uint64_t pick(std::uint64_t small) { return (next() % 4 == 0) ? next() : next() % small; }
+  // Mostly small values, sometimes any 64-bit value: the bounds live at both ends. (`small` may
+  // have wrapped to 0 in a caller's arithmetic on huge values: then any value.)
+  std::uint64_t pick(std::uint64_t small) { return (next() % 4 == 0 || small == 0) ? next() : next() % small; }
 };
 
 // One round of `name`'s checks: returns false (after printing why) on a failed check.
@@ -64,3 +76,19 @@ inline int main(int argc, char** argv, const char* name, std::uint64_t default_s
 }
 
 }  // namespace fuzz
+
+// Each driver ends with SMDDP_FUZZ_MAIN(name, seed, round): the time-bounded generator driver above
+// (g++, make engine-sanitize), or a libFuzzer target (clang -fsanitize=fuzzer -DSMDDP_LIBFUZZER, make
+// engine-fuzz and make fuzz) whose input is the round's tape of choices; a failed check aborts, so
+// libFuzzer keeps the input as a crash.
+#ifdef SMDDP_LIBFUZZER
+#define SMDDP_FUZZ_MAIN(name, seed, round)                                                \
+  extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {   \
+    fuzz::Rng r{(seed) | 1, data, size, 0};                                             \
+    if (!round(r, 0)) std::abort();                                                     \
+    return 0;                                                                           \
+  }
+#else
+#define SMDDP_FUZZ_MAIN(name, seed, round) \
+  int main(int argc, char** argv) { return fuzz::main(argc, argv, name, seed, round); }
+#endif

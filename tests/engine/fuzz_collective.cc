@@ -98,4 +98,4 @@ bool round(fuzz::Rng& r, std::uint64_t seed) {
 
 }  // namespace
 
-int main(int argc, char** argv) { return fuzz::main(argc, argv, "fuzz_collective", 0xc011, round); }
+SMDDP_FUZZ_MAIN("fuzz_collective", 0xc011, round)

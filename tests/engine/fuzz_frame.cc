@@ -52,4 +52,4 @@ bool round(fuzz::Rng& r, std::uint64_t seed) {
 
 }  // namespace
 
-int main(int argc, char** argv) { return fuzz::main(argc, argv, "fuzz_frame", 0x5eed, round); }
+SMDDP_FUZZ_MAIN("fuzz_frame", 0x5eed, round)

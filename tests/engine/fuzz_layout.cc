@@ -14,7 +14,9 @@ bool round(fuzz::Rng& r, std::uint64_t seed) {
   std::uint64_t off = r.pick(count * itemsize + 64), len = r.pick(chunk * itemsize + 8);
   if (r.next() % 3 == 0) {  // aim at a real chunk, then maybe nudge it
     const smddp::Range s = smddp::shard_range(count, nshards, static_cast<std::uint32_t>(shard % nshards));
-    off = (s.start + (s.end > s.start ? r.next() % (s.end - s.start + 1) : 0)) * itemsize;
+    // (A shard of every 64-bit index has 2^64 starts: `span + 1` would wrap to 0. libFuzzer found it.)
+    const std::uint64_t span = s.end > s.start ? s.end - s.start : 0;
+    off = (s.start + (span == UINT64_MAX ? r.next() : r.next() % (span + 1))) * itemsize;
     len = chunk * itemsize - (r.next() % 2) * itemsize;
   }
   smddp::ChunkAt c;
@@ -45,4 +47,4 @@ bool round(fuzz::Rng& r, std::uint64_t seed) {
 
 }  // namespace
 
-int main(int argc, char** argv) { return fuzz::main(argc, argv, "fuzz_layout", 0x1a7, round); }
+SMDDP_FUZZ_MAIN("fuzz_layout", 0x1a7, round)

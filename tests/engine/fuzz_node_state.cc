@@ -100,4 +100,4 @@ bool round(fuzz::Rng& r, std::uint64_t seed) {
 
 }  // namespace
 
-int main(int argc, char** argv) { return fuzz::main(argc, argv, "fuzz_node_state", 0x7ab1e, round); }
+SMDDP_FUZZ_MAIN("fuzz_node_state", 0x7ab1e, round)
