@@ -932,14 +932,21 @@ def _tell(conn: Connection, frame: bytes) -> None:
         pass
 
 
+def _proc_state(pid: int) -> str | None:
+    """The state letter /proc gives a process (R, S, T, Z...), or None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
 def _run_state(pid: int | None) -> str:
     """A local rank's process state, for a stall: running (or sleeping), stopped, or gone."""
     if pid is None:
         return "not connected"
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
+    state = _proc_state(pid)
+    if state is None:
         return "gone"
     if state in ("T", "t"):
         return "stopped (SIGSTOP or a debugger)"
@@ -960,10 +967,8 @@ def _process_fate(pid: int) -> str:
     """
     deadline = time.monotonic() + 0.3
     while True:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
+        state = _proc_state(pid)
+        if state is None:
             return "died (its process is gone)"
         if state in ("Z", "X"):
             return "died (its process exited or was killed)"

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from smddp_rigs.simcluster import ClusterConfig, SimCluster, cleanup_stale
 
-from tests.conftest import BIN, LAUNCHED, REPO, job_env
+from tests.conftest import BIN, LAUNCHED, REPO, job_env, need_root
 
 pytestmark = pytest.mark.faults
 
@@ -219,10 +219,7 @@ CUT_SCRIPT = (
 def test_a_cut_link_restarts_like_a_crash(tmp_path, clean_host):
     """A node's link down for a few seconds: every rank ends with status 1, but the daemons say the
     cause is a silent peer (the infrastructure's), so --max-restarts brings the job back and it finishes."""
-    if os.geteuid() != 0:
-        if os.environ.get("CI"):
-            pytest.fail("the link test needs root (network namespaces) and must not skip in CI")
-        pytest.skip("needs root")
+    need_root("the link tests")
     from smddp.launcher.mpirun import attempt_job_id
 
     prefix = "smddpf"
