@@ -171,22 +171,39 @@ class Ledger:
         return node
 
 
-def report_infra(spec: str, rank: int, why: str, timeout: float = 2.0) -> bool:
-    """A worker's wrapper tells the ledger its rank failed for an infrastructure cause; True once
-    the ledger has it (it answers "ok" after recording, so the line is in before the wrapper ends)."""
+def _send_first(spec: str, line: str, timeout: float) -> socket.socket | None:
+    """Connect to the first address of `spec` that answers and send `line` (TOKEN in it replaced by
+    the spec's token); the open socket, or None when there is no ledger or none answers."""
     token, _, rest = spec.partition("@")
     addrs, _, port = rest.rpartition(":")
     if not (token and addrs and port.isdigit()):
-        return False
-    line = f"lost {token} {rank} {' '.join(why.split())[:1000]}\n".encode("utf-8", "replace")
+        return None
+    data = line.replace("TOKEN", token, 1).encode("utf-8", "replace")
     for addr in addrs.split(","):
         try:
-            with socket.create_connection((addr, int(port)), timeout=timeout) as sock:
-                sock.sendall(line)
-                return sock.recv(8).startswith(b"ok")
+            sock = socket.create_connection((addr, int(port)), timeout=timeout)
         except OSError:
             continue
-    return False
+        try:
+            sock.sendall(data)
+        except OSError:
+            sock.close()
+            continue
+        return sock
+    return None
+
+
+def report_infra(spec: str, rank: int, why: str, timeout: float = 2.0) -> bool:
+    """A worker's wrapper tells the ledger its rank failed for an infrastructure cause; True once
+    the ledger has it (it answers "ok" after recording, so the line is in before the wrapper ends)."""
+    sock = _send_first(spec, f"lost TOKEN {rank} {' '.join(why.split())[:1000]}\n", timeout)
+    if sock is None:
+        return False
+    with sock:
+        try:
+            return sock.recv(8).startswith(b"ok")
+        except OSError:
+            return False
 
 
 class LedgerClient:
@@ -198,22 +215,8 @@ class LedgerClient:
     @classmethod
     def connect(cls, spec: str, node: int, timeout: float = 5.0) -> LedgerClient | None:
         """Connect to the first address of `spec` that answers; None when there is no ledger or none does."""
-        token, _, rest = spec.partition("@")
-        addrs, _, port = rest.rpartition(":")
-        if not (token and addrs and port.isdigit()):
-            return None
-        for addr in addrs.split(","):
-            try:
-                sock = socket.create_connection((addr, int(port)), timeout=timeout)
-            except OSError:
-                continue
-            try:
-                sock.sendall(f"up {token} {node}\n".encode())
-            except OSError:
-                sock.close()
-                continue
-            return cls(sock)
-        return None
+        sock = _send_first(spec, f"up TOKEN {node}\n", timeout)
+        return None if sock is None else cls(sock)
 
     def end(self, clean: bool, reason: str = "", infra: bool = False) -> None:
         """Say how the job ended here: cleanly, or failed (`infra`: for an infrastructure cause)."""

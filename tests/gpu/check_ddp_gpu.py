@@ -20,17 +20,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import smddp
 import smddp.torch
+from smddp.bench.ddp_worker import _mlp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "torch"))
 from check_ddp import Net, batch  # the model and data of the CPU DDP tests
-
-
-def mlp(width: int, depth: int) -> nn.Module:
-    layers: list[nn.Module] = []
-    for _ in range(depth - 1):
-        layers += [nn.Linear(width, width), nn.ReLU()]
-    layers.append(nn.Linear(width, width))
-    return nn.Sequential(*layers)
 
 
 def mlp_batch(rank: int, step: int, width: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,7 +34,9 @@ def mlp_batch(rank: int, step: int, width: int, n: int) -> tuple[torch.Tensor, t
 def train(args: argparse.Namespace, spec: str, device: torch.device, rank: int) -> dict[str, Any]:
     mode, _, cap = spec.partition(":")
     torch.manual_seed(1234 + rank)  # different initial weights on every rank: DDP broadcasts rank 0's
-    model = (Net() if args.model == "small" else mlp(args.width, args.depth)).to(device)
+    # The mlp: `depth` square layers of `width` (smddp-bench ddp's MLP, `width` inputs and classes).
+    big = args.model == "mlp"
+    model = (_mlp(torch, args.width, args.depth - 2, args.width, args.width) if big else Net()).to(device)
     kw: dict[str, Any] = {"bucket_cap_mb": float(cap) if cap else 0.005}  # small: several buckets per step
     if mode == "bucket_view":
         kw["gradient_as_bucket_view"] = True
