@@ -298,3 +298,26 @@ def test_ofi_beside_tcp(tmp_path):
     assert "## The ofi fabric beside TCP (issue 18)" in text
     assert f"| 4 KiB | {tcp4k * 1e3:.3f} ms |" in text and "| 64 MiB |" in text
     assert ofi_section({"setups": {}}) == []
+
+
+def test_gpu_section_reads_a_lent_gpus_results(tmp_path):
+    """BENCHMARKS.md's GPU section from bench-results/gpu/ (what tests/gpu/on_gpu.sh brought back from
+    an H200): the tests' verdict, wrong reads per consumer path, the overlap, each benchmark's table;
+    a stand-in run or none at all says that there are no GPU numbers."""
+    from smddp_rigs.bench.benchmarks_md import gpu_section
+
+    text = "\n".join(gpu_section(REPO / "bench-results" / "gpu"))
+    assert "On NVIDIA H200" in text and "**10 passed in" in text
+    assert "| 2 | 0 of 480 | 0 of 480 | 0 of 480 | 0 of 480 | 0 of 480 |" in text
+    assert "| 4 | 0 of 960 |" in text
+    assert "a kernel of 427 ms alone took 400, 400, 400 ms" in text
+    for title in (
+        "### Device buffers through the client",
+        "### torch.distributed on CUDA tensors",
+        "### Stock DDP on CUDA",
+    ):
+        assert title in text
+    assert text.count("smddp / gloo: **") == 2
+    (tmp_path / "gpu.json").write_text(json.dumps({"runtime": "standin"}))
+    assert "**No GPU numbers**" in "\n".join(gpu_section(tmp_path))
+    assert "**No GPU numbers**" in "\n".join(gpu_section(tmp_path / "absent"))

@@ -111,6 +111,13 @@ class TorchDev:
 
     def fetch(self, arr: Any) -> np.ndarray:
         t = self.torch
+        if not isinstance(arr, t.Tensor):
+            # A result smddp allocated (all-gather, reduce-scatter without out=) is the device
+            # runtime's array, as on the host it is numpy's: raw uint16 bits for bfloat16. wait()
+            # ordered torch's current stream after it, so it is read there.
+            import cupy
+
+            return np.asarray(arr.get(stream=cupy.cuda.ExternalStream(t.cuda.current_stream().cuda_stream)))
         if arr.dtype == t.bfloat16:
             return arr.view(t.int16).cpu().numpy().view(np.uint16)
         return arr.cpu().numpy()

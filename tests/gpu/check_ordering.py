@@ -91,16 +91,20 @@ def start(kind: str, x: torch.Tensor, world: int) -> tuple[Any, torch.Tensor]:
 
 
 def expected(kind: str, v: float, n: int, rank: int, world: int, like: torch.Tensor) -> torch.Tensor:
-    """The exact result on `rank` when rank r's input is all v * (r + 1)."""
+    """The exact result on `rank` when rank r's input is all v * (r + 1), in host memory.
+
+    Host memory, so that a reader on any stream sees it whole: a `then()` callback runs on a pool
+    stream that waits for the collective and for nothing on the current stream, where a device
+    `want` would still be queued behind the producers of the other collectives in flight."""
     total = v * world * (world + 1) // 2
     if kind == "allreduce":
-        return torch.full((n,), total, dtype=like.dtype, device=like.device)
+        return torch.full((n,), total, dtype=like.dtype, device="cpu")
     if kind == "broadcast":
-        return torch.full((n,), v, dtype=like.dtype, device=like.device)
+        return torch.full((n,), v, dtype=like.dtype, device="cpu")
     if kind == "allgather":
-        rows = [torch.full((n,), v * (r + 1), dtype=like.dtype, device=like.device) for r in range(world)]
+        rows = [torch.full((n,), v * (r + 1), dtype=like.dtype, device="cpu") for r in range(world)]
         return torch.cat(rows)
-    return torch.full((n // world,), total, dtype=like.dtype, device=like.device)
+    return torch.full((n // world,), total, dtype=like.dtype, device="cpu")
 
 
 def consume(path: str, work: Any, out: torch.Tensor, want: torch.Tensor) -> bool:
@@ -109,7 +113,7 @@ def consume(path: str, work: Any, out: torch.Tensor, want: torch.Tensor) -> bool
     def right(t: torch.Tensor) -> bool:
         # The last element first: a copy still landing writes it last, and the full comparison
         # below takes long enough to let a late copy finish meanwhile.
-        return bool(t[-1].item() == want[-1].item()) and bool(torch.equal(t, want))
+        return bool(t[-1].item() == want[-1].item()) and bool(torch.equal(t.cpu(), want))
 
     def value(f: Any) -> torch.Tensor:
         v = f.value()

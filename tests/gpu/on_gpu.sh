@@ -17,7 +17,11 @@ mkdir -p "$OUT"
 V=/tmp/smddp-gpu-venv
 if [[ ! -x $V/bin/smddp-launch ]]; then
     # The machine's torch and CuPy stay where they are (system site packages); the rest from .whl/.
+    # (python3 may itself be a venv's, torch's: its site-packages are added by a .pth file, since
+    # --system-site-packages would only reach the base interpreter's.)
     python3 -m venv --system-site-packages "$V"
+    python3 -c 'import site; print("\n".join(site.getsitepackages()))' \
+        >"$("$V/bin/python" -c 'import site; print(site.getsitepackages()[0])')/_host_site.pth"
     "$V/bin/pip" install -q --no-index --find-links .whl smddp pytest pytest-timeout ml_dtypes || exit 1
     # The source tree shadows the installed package when tests run from here: give it the engine.
     "$V/bin/python" - <<'EOF' || exit 1
@@ -37,7 +41,7 @@ fi
 } >"$OUT/env.txt" 2>&1
 status=0
 if [[ $what == tests || $what == all ]]; then
-    timeout 480 "$V/bin/pytest" -q -ra -s -m gpu -p no:cacheprovider tests/gpu/test_gpu.py >"$OUT/tests.txt" 2>&1 || status=1
+    timeout 480 "$V/bin/python" -m pytest -q -ra -s -m gpu -p no:cacheprovider --timeout=240 --durations=0 tests/gpu/test_gpu.py >"$OUT/tests.txt" 2>&1 || status=1
     tail -5 "$OUT/tests.txt"
 fi
 if [[ $what == bench || $what == all ]]; then
@@ -45,10 +49,11 @@ if [[ $what == bench || $what == all ]]; then
     timeout 150 "$B" gpu --sizes 1M,16M,64M,256M --workers 1,2,4 --repeats 5 --out "$OUT" >/dev/null 2>&1 || status=1
     timeout 200 "$B" torch-gpu --sizes 4096,16777216,67108864 --workers 2,4 --repeats 20 --out "$OUT" || status=1
     for w in 2 4; do
-        timeout 150 "$B" ddp --device cuda --nodes 1 --per-node "$w" --width 2048 --depth 5 --inputs 2048 \
-            --steps 10 --warmup 2 --rounds 2 --out "$OUT" --name "ddp-cuda$w" >/dev/null 2>&1 || status=1
+        timeout 150 "$B" ddp --device cuda --nodes 1 --per-node "$w" --width 2048 --depth 5 \
+            --steps 10 --warmup 2 --rounds 2 --out "$OUT" --name "ddp-cuda$w" >"$OUT/ddp-cuda$w.log" 2>&1 ||
+            { status=1; tail -20 "$OUT/ddp-cuda$w.log"; }
         cat "$OUT/ddp-cuda$w.md" 2>/dev/null | grep -E "^\| |smddp / gloo"
     done
-    rm -f "$OUT"/ddp-cuda*.json  # the markdown says it all; keeps what comes back under 8 files
+    rm -f "$OUT"/ddp-cuda*.json  # the markdown says it all
 fi
 exit $status

@@ -82,11 +82,12 @@ def _setup_section(name: str, setup: dict[str, Any]) -> list[str]:
 
 
 GPU_COMMANDS = [
+    "bash tests/gpu/on_gpu.sh all     # all of the below, as a lent GPU machine runs them (docs/gpu.md)",
     "pytest -q -ra -m gpu tests/gpu/test_gpu.py -s     # every dtype, every consumer of a Work, DDP on CUDA against gloo",
-    "smddp-bench gpu --sizes 1M,16M,64M,256M --workers 1,2,3,4 --out bench-results/gpu",
-    "smddp-bench torch-gpu --sizes 4096,16777216,67108864 --workers 2,4 --out bench-results/gpu",
-    "smddp-bench ddp --device cuda --nodes 1 --per-node 2 --width 2048 --depth 5 --inputs 2048 --out bench-results --name ddp-cuda2",
-    "smddp-bench ddp --device cuda --nodes 1 --per-node 4 --width 2048 --depth 5 --inputs 2048 --out bench-results --name ddp-cuda4",
+    "smddp-bench gpu --sizes 1M,16M,64M,256M --workers 1,2,4 --repeats 5 --out bench-results/gpu",
+    "smddp-bench torch-gpu --sizes 4096,16777216,67108864 --workers 2,4 --repeats 20 --out bench-results/gpu",
+    "smddp-bench ddp --device cuda --nodes 1 --per-node 2 --width 2048 --depth 5 --steps 10 --warmup 2 --rounds 2 --out bench-results/gpu --name ddp-cuda2",
+    "smddp-bench ddp --device cuda --nodes 1 --per-node 4 --width 2048 --depth 5 --steps 10 --warmup 2 --rounds 2 --out bench-results/gpu --name ddp-cuda4",
 ]
 
 
@@ -124,39 +125,103 @@ def ofi_section(targets: dict[str, Any]) -> list[str]:
     return [*out, ""]
 
 
-def gpu_section(gpu_md: str | None) -> list[str]:
-    """Issue 10's section: the GPU benchmark's own markdown when it ran on a GPU, else why not."""
-    out = ["## GPU (issue 10)", ""]
-    if gpu_md is not None:
-        return [*out, f"Command: `{GPU_COMMANDS[1]}`", "", gpu_md.strip(), ""]
+def gpu_tests(tests_txt: str) -> list[str]:
+    """What `pytest -s tests/gpu/test_gpu.py` printed, in brief: its verdict, the consumers' counts, the overlap."""
+    lines = tests_txt.splitlines()
+    verdict = next(
+        (ln.strip("= ") for ln in reversed(lines) if " in " in ln and ("passed" in ln or "failed" in ln)), ""
+    )
+    out = [f"`tests/gpu/test_gpu.py` on this GPU: **{verdict}**.", ""]
+    rows: dict[int, list[dict[str, Any]]] = {}
+    overlap = None
+    for ln in lines:
+        body = ln.lstrip(".sFE")
+        if body.startswith('[{"kind"'):
+            got = json.loads(body)
+            # 4 kinds x 4 sizes x 2 in-flight counts x 5 paths per rank
+            rows[len(got) // (4 * 4 * 2 * len(PATHS_28))] = got
+        elif body == "{" and overlap is None:
+            block = [body]
+            for more in lines[lines.index(ln) + 1 :]:
+                block.append(more)
+                if more == "}":
+                    break
+            overlap = json.loads("\n".join(block))
+    if rows:
+        out += [
+            "Every consumer of a CUDA Work (issue 28): all-reduce, broadcast, all-gather and reduce-scatter of "
+            "256 KiB to 64 MiB queued behind a kernel, one and four in flight; reads of a wrong value per path:",
+            "",
+            "| ranks | " + " | ".join(PATHS_28) + " |",
+            "| ---: |" + " ---: |" * len(PATHS_28),
+        ]
+        for world, got in sorted(rows.items()):
+            cells = []
+            for path in PATHS_28:
+                mine = [r for r in got if r["path"] == path]
+                cells.append(f"{sum(r['wrong'] for r in mine)} of {sum(r['tried'] for r in mine)}")
+            out.append(f"| {world} | " + " | ".join(cells) + " |")
+        out.append("")
+    if overlap is not None:
+        rounds = overlap["rounds"]
+        out += [
+            f"The compute stream not blocked: a kernel of {overlap['kernel_alone_ms']:.0f} ms alone took "
+            + ", ".join(f"{r['kernel_with_comm_ms']:.0f}" for r in rounds)
+            + f" ms with a {overlap['buffer_mib']} MiB all-reduce of its stream's buffer in flight; the result "
+            "was in device memory after "
+            + ", ".join(f"{r['comm_ms']:.1f}" for r in rounds)
+            + " ms, while the kernel still ran; the call returned in "
+            + ", ".join(f"{r['submit_ms']:.2f}" for r in rounds)
+            + " ms.",
+            "",
+        ]
+    return out
+
+
+PATHS_28 = ("wait", "future", "value", "then", "chained")
+
+
+def gpu_section(gpu_dir: Path) -> list[str]:
+    """Issues 10 and 28: what a lent GPU measured (bench-results/gpu/), else why there is nothing."""
+    out = ["## GPU (issues 10 and 28)", ""]
+    gpu = gpu_dir / "gpu.json"
+    # Only a run on a real device goes in: the stand-in's numbers say nothing about a GPU.
+    if gpu.exists() and json.loads(gpu.read_text()).get("runtime") not in (None, "standin"):
+        env = (gpu_dir / "env.txt").read_text().splitlines() if (gpu_dir / "env.txt").exists() else []
+        if len(env) >= 4:
+            out += [
+                f"On {env[1]} (name, driver, memory), {env[3]} cores; {env[2]}; measured {env[0]}. Every "
+                "rank shares the one GPU. Produced by the first command below on a lent machine; "
+                "`python -m smddp_rigs.bench benchmarks` put it here from `bench-results/gpu/`.",
+                "",
+            ]
+        out += ["```sh", *GPU_COMMANDS, "```", ""]
+        if (gpu_dir / "tests.txt").exists():
+            out += ["### Correctness", "", *gpu_tests((gpu_dir / "tests.txt").read_text())]
+        out += ["### Device buffers through the client", "", gpu.with_suffix(".md").read_text().strip(), ""]
+        for name, title in (
+            ("torch-gpu.md", "### torch.distributed on CUDA tensors"),
+            ("ddp-cuda2.md", "### Stock DDP on CUDA"),
+            ("ddp-cuda4.md", None),
+        ):
+            if (gpu_dir / name).exists():
+                out += [*([title, ""] if title else []), (gpu_dir / name).read_text().strip(), ""]
+        return out
     return [
         *out,
-        "**No GPU numbers**: no run of the GPU benchmark on a GPU is in `bench-results/gpu/`. One session "
-        "had a GPU (an H200); what it measured by hand, and the ordering bug it found, are in issue 28; "
-        "the sessions after it had none. What ran instead: the whole device path on the stand-in runtime "
-        "([docs/gpu.md](docs/gpu.md)) in "
-        "CI's tests, and the GPU benchmark end to end on it (`tests/gpu/test_gpu_bench.py`), which shows "
-        "that the script works, not how fast a GPU is. The real-GPU tests (`tests/gpu/test_gpu.py`, "
-        "marker `gpu`) skip without a GPU.",
+        "**No GPU numbers**: no run of the GPU benchmark on a GPU is in `bench-results/gpu/`. What runs "
+        "instead: the whole device path on the stand-in runtime ([docs/gpu.md](docs/gpu.md)) in CI's "
+        "tests, and the GPU benchmark end to end on it (`tests/gpu/test_gpu_bench.py`), which shows that "
+        "the script works, not how fast a GPU is. The real-GPU tests (`tests/gpu/test_gpu.py`, marker "
+        "`gpu`) skip without a GPU.",
         "",
-        "On a machine with an NVIDIA GPU and `pip install 'smddp[cuda13]'` (or `[cuda12]`: the CUDA of the machine's torch) "
-        "these produce the numbers that belong here (then `python -m smddp_rigs.bench benchmarks` puts them here):",
+        "On a machine with an NVIDIA GPU and `pip install 'smddp[cuda13]'` (or `[cuda12]`: the CUDA of the "
+        "machine's torch) these produce the numbers that belong here (then `python -m smddp_rigs.bench "
+        "benchmarks` puts them here):",
         "",
         "```sh",
         *GPU_COMMANDS,
         "```",
-        "",
-        "- Copy throughput, device to host and host to device, 1 MiB to 256 MiB: the client's own path "
-        "(asynchronous copies into a page-locked memfd arena slot, with its events) against the device's "
-        "plain `cudaMemcpyAsync` to and from page-locked memory.",
-        "- All-reduce of float32 device buffers with 1, 2, 3 and 4 worker processes sharing the GPU, from "
-        "the call to the result in device memory, beside the same all-reduce of host buffers.",
-        "- From `test_compute_stream_is_not_blocked`: a 400 ms kernel's duration alone and with a 64 MiB "
-        "all-reduce in flight, and when the all-reduce's result was ready (before the kernel ended).",
-        "- torch.distributed all-reduce of CUDA tensors (4 KiB, 16 and 64 MiB, 2 and 4 ranks sharing the GPU, a "
-        "barrier before each call): smddp against gloo and a bare copy round trip, issue 28's targets.",
-        "- A DDP step on CUDA (25.2 M parameters: 2048 inputs, 5 hidden layers of 2048), smddp against gloo "
-        "on CUDA, 2 and 4 ranks sharing the GPU, every rank's parameters checked equal.",
         "",
     ]
 
@@ -166,7 +231,7 @@ def render(
     model: dict[str, Any] | None,
     sweeps: list[dict[str, Any]],
     profiles: list[dict[str, Any]] | None = None,
-    gpu_md: str | None = None,
+    gpu_dir: Path | None = None,
     ddps: list[dict[str, Any]] | None = None,
     before: dict[str, dict[str, Any]] | None = None,
 ) -> str:
@@ -326,7 +391,8 @@ def render(
             "",
             model_markdown(model),
         ]
-    out += ["", *gpu_section(gpu_md)]
+    if gpu_dir is not None:
+        out += ["", *gpu_section(gpu_dir)]
     return "\n".join(out).rstrip() + "\n"
 
 
@@ -347,10 +413,6 @@ def write_benchmarks_md(cfg: ReportConfig, log: TextIO = sys.stderr) -> None:
         )
         profiles.append(pr)
     ddps = [json.loads(path.read_text()) for path in sorted(Path(cfg.sweeps).glob("ddp*.json"))]
-    gpu = Path(cfg.sweeps) / "gpu" / "gpu.json"
-    # Only a run on a real device goes in: the stand-in's numbers say nothing about a GPU.
-    gpu_md = None
-    if gpu.exists() and json.loads(gpu.read_text()).get("runtime") not in (None, "standin"):
-        gpu_md = gpu.with_suffix(".md").read_text()
-    Path(cfg.out).write_text(render(targets, model, sweeps, profiles, gpu_md, ddps, load_before(cfg.sweeps)))
+    gpu_dir = Path(cfg.sweeps) / "gpu"
+    Path(cfg.out).write_text(render(targets, model, sweeps, profiles, gpu_dir, ddps, load_before(cfg.sweeps)))
     print(f"smddp-bench: wrote {cfg.out}", file=log)
