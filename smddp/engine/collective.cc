@@ -5,7 +5,11 @@ namespace smddp {
 namespace {
 
 constexpr std::uint64_t kMaxCollectiveBytes = std::uint64_t{1} << 40;
-constexpr std::uint64_t kMaxChunks = std::uint64_t{1} << 32;
+// The bookkeeping of a collective's chunks is allocated when it is created (a count and a bit per
+// node for each chunk this node serves), before any data: 2**24 chunks bound it to 64 MiB + 2 MiB
+// per node, whatever a peer's frame or a worker's submit says. At the daemon's smallest chunk (4 KiB)
+// that is a 64 GiB collective; at its default (1 MiB) the 1 TiB bound comes first.
+constexpr std::uint64_t kMaxChunks = std::uint64_t{1} << 24;
 
 std::string num(std::uint64_t v) { return std::to_string(v); }
 
@@ -53,9 +57,9 @@ std::string Collective::check(const Spec& s, const Topology& t) {
   if (s.count > kMaxCollectiveBytes || s.count * s.itemsize > kMaxCollectiveBytes ||
       s.count * s.itemsize * times > kMaxCollectiveBytes)
     return "collective #" + num(s.seq) + " is larger than 1 TiB";
-  // Bounds the engine's bookkeeping (a bit per chunk and node): the daemon's chunks are >= 4 KiB.
+  // Bounds the engine's bookkeeping (kMaxChunks says why).
   if (s.count * s.itemsize * times / t.chunk_bytes > kMaxChunks)
-    return "collective #" + num(s.seq) + " would be cut into more than 2**32 chunks";
+    return "collective #" + num(s.seq) + " would be cut into more than 2**24 chunks (raise --chunk-kb)";
   return {};
 }
 
