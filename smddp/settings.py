@@ -343,6 +343,15 @@ SETTINGS: tuple[Setting, ...] = (
         (LAUNCH,),
     ),
     S(
+        "host_wait_s",
+        float,
+        0.0,
+        "before a restart, wait up to this long for hosts that do not answer (a machine rebooting or "
+        "being replaced), asking every second; a host that answers again rejoins (s; 0: do not wait)",
+        ("--host-wait",),
+        (LAUNCH,),
+    ),
+    S(
         "restart_on",
         str,
         "crash",

@@ -69,6 +69,7 @@ def launch_main(argv: list[str] | None = None) -> int:
             restart_delay_s=args.restart_delay_s,
             restart_on=args.restart_on,
             min_nodes=args.min_nodes,
+            host_wait_s=args.host_wait_s,
         )
         return launch(cfg)
     except ConfigError as e:

@@ -62,6 +62,7 @@ class LaunchConfig:
     restart_delay_s: float = default("restart_delay_s")
     restart_on: str = default("restart_on")
     min_nodes: int = default("min_nodes")
+    host_wait_s: float = default("host_wait_s")
     restart_count: int = 0  # which attempt this config runs (launch() sets it)
 
     def __post_init__(self) -> None:
@@ -89,7 +90,7 @@ class LaunchConfig:
             raise ConfigError("--pipeline-kb must be 0 (never) or positive")
         if self.stall_timeout_s < 0:
             raise ConfigError("--stall-timeout must not be negative (0: no limit)")
-        if self.max_restarts < 0 or self.restart_delay_s < 0:
+        if self.max_restarts < 0 or self.restart_delay_s < 0 or self.host_wait_s < 0:
             raise ConfigError("--max-restarts and --restart-delay must not be negative")
         if self.min_nodes < 0 or (self.hosts and self.min_nodes > len(self.hosts)):
             raise ConfigError(f"--min-nodes must be between 0 and the number of hosts ({len(self.hosts)})")
@@ -324,9 +325,12 @@ def launch(cfg: LaunchConfig) -> int:
         outcome = run_attempt(attempt)
         if cfg.dry_run or outcome.status == 0:
             return outcome.status
-        # Which hosts are still there: a host that does not answer (ssh refused, no smddp there, gone)
-        # is named, is a node lost (a crash), and the next attempt runs without it if enough remain.
-        alive, gone = probe_hosts(attempt) if attempt.hosts else (list(attempt.hosts), [])
+        # Which hosts are there: a host that does not answer (ssh refused, no smddp there, gone) is
+        # named, is a node lost (a crash), and the next attempt runs without it if enough remain. Every
+        # host of the job is asked, so that one dropped earlier and back now (replaced) rejoins.
+        # (--host-wait applies only when there is a restart to wait for.)
+        wait = cfg.host_wait_s if cfg.max_restarts > attempt.restart_count else 0.0
+        alive, gone = wait_for_hosts(replace(attempt, hosts=cfg.hosts), wait) if cfg.hosts else ([], [])
         if gone:
             outcome = replace(outcome, crash=True, lost=tuple(f"{h.name} ({why})" for h, why in gone))
         if cfg.max_restarts == 0:
@@ -345,13 +349,13 @@ def launch(cfg: LaunchConfig) -> int:
             then = "not restarted (--restart-on any would)"
         elif n > cfg.max_restarts:
             then = f"no restart left (--max-restarts {cfg.max_restarts})"
-        elif len(alive) < need:
+        elif cfg.hosts and len(alive) < need:
             then = (
                 f"not restarted: {len(alive)} of {len(cfg.hosts)} hosts answer, {need} needed (--min-nodes)"
             )
             worth = False
         else:
-            where = f" on {len(alive)} hosts" if gone else ""
+            where = f" on {len(alive)} hosts" if cfg.hosts and len(alive) != len(attempt.hosts) else ""
             then = f"restart {n} of {cfg.max_restarts}{where} in {cfg.restart_delay_s:g}s"
         print(
             f"smddp-launch: attempt {attempt.restart_count} of job {attempt.job_id} failed with status "
@@ -361,7 +365,7 @@ def launch(cfg: LaunchConfig) -> int:
         )
         if not worth or n > cfg.max_restarts:
             return outcome.status
-        if gone:
+        if cfg.hosts and len(alive) != len(attempt.hosts):
             per_host = attempt.workers_per_host()
             attempt = replace(attempt, hosts=tuple(alive), np=per_host * len(alive) if attempt.np else 0)
         try:
@@ -405,6 +409,16 @@ class Outcome:
 
 
 PROBE_TIMEOUT_S = 30.0
+
+
+def wait_for_hosts(cfg: LaunchConfig, seconds: float) -> tuple[list[Host], list[tuple[Host, str]]]:
+    """probe_hosts, asked again every second for up to `seconds` while some host does not answer."""
+    deadline = time.monotonic() + seconds
+    alive, gone = probe_hosts(cfg)
+    while gone and time.monotonic() < deadline:
+        time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+        alive, gone = probe_hosts(cfg)
+    return alive, gone
 
 
 def probe_hosts(cfg: LaunchConfig) -> tuple[list[Host], list[tuple[Host, str]]]:
@@ -508,13 +522,16 @@ def run_attempt(cfg: LaunchConfig) -> Outcome:
             # MPI does): a daemon that was up and never said how it ended says otherwise. (A daemon
             # that reported a failed job is no such sign: its workers heard it, and their exit
             # statuses are the job's.)
-            lost = tuple(f"{_node_name(cfg, j)} ({why})" for j, why in unfinished)
+            ended = tuple(f"{_node_name(cfg, j)} ({why})" for j, why in unfinished)
             print(
-                f"smddp-launch: mpirun reported success, but the job did not finish: {', '.join(lost)}",
+                f"smddp-launch: mpirun reported success, but the job did not finish: {', '.join(ended)}",
                 file=sys.stderr,
                 flush=True,
             )
-            return Outcome(1, crash=True, lost=lost)
+            # Lost: the nodes that never said; the others said how they failed (losing those).
+            lost = tuple(f"{_node_name(cfg, j)} ({why})" for j, why in unfinished if why == NEVER_SAID)
+            rest = tuple(f"{_node_name(cfg, j)} ({why})" for j, why in unfinished if why != NEVER_SAID)
+            return Outcome(1, crash=True, lost=lost, infra=rest)
         # A crash: a rank killed by a signal (its status, passed to every rank, is 128 + n), the
         # daemons' world failing before the workers' (a daemon died, its node or link was lost), or
         # what the daemons said: a cause of the infrastructure's (a silent daemon, a cut link, a lost

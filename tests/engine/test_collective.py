@@ -234,7 +234,10 @@ def test_tasks_and_layout_match_the_python_planner(kind, count, nnodes, local, i
         ({"kind": Kind.ALLREDUCE, "count": 2**63 - 1}, "larger than 1 TiB"),
         ({"kind": 9, "count": 4}, "node 0: collective #7 of unknown kind 9"),
         ({"kind": Kind.ALLREDUCE, "count": 2**36, "chunk": 1}, "more than 2**24 chunks"),
-        ({"kind": Kind.ALLREDUCE, "count": 2**24 + 1, "chunk": 4}, "more than 2**24 chunks (raise --chunk-kb)"),
+        (
+            {"kind": Kind.ALLREDUCE, "count": 2**24 + 1, "chunk": 4},
+            "more than 2**24 chunks (raise --chunk-kb)",
+        ),
     ],
 )
 def test_refused_collectives(kw, why):

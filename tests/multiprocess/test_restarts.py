@@ -48,7 +48,12 @@ def test_restart_flags_are_checked() -> None:
 
     from tests.conftest import BIN
 
-    for bad in (["--max-restarts", "-1"], ["--restart-on", "sometimes"], ["--restart-delay", "-2"]):
+    for bad in (
+        ["--max-restarts", "-1"],
+        ["--restart-on", "sometimes"],
+        ["--restart-delay", "-2"],
+        ["--host-wait", "-1"],
+    ):
         proc = subprocess.run(
             [str(BIN / "smddp-launch"), "-np", "1", *bad, "--", sys.executable, "-c", "pass"],
             capture_output=True,
@@ -107,9 +112,11 @@ LATE = (
     "        os.kill(os.getpid(), signal.SIGSTOP)  # frozen: the infrastructure's\n"
     "    else:\n"
     "        time.sleep(600)  # stuck in its own code: the script's\n"
+    "t0 = time.monotonic()\n"
     "try:\n"
     "    smddp.barrier(timeout=120)\n"
     "except CollectiveStallError as e:\n"
+    "    print('rank', rank, 'waited', round(time.monotonic() - t0, 2), flush=True)\n"
     "    print('rank', rank, 'stalled:', e, 'infra' if e.infra else 'script', flush=True)\n"
     "    raise\n"
     "smddp.shutdown()\n"
@@ -143,6 +150,11 @@ def test_a_rank_that_never_submits_fails_the_job_at_the_stall_limit(
     assert "past the stall limit (--stall-timeout 3)" in stalled[0] and "rank 1 (node 0" in stalled[0], (
         stalled
     )
+    # The detection bound of a rank that never submits (a frozen worker: workers send no heartbeats):
+    # the stall limit, then the inspector's next look (once a second), then the ERROR's way back.
+    waited = float(next(ln for ln in proc.stdout.splitlines() if "rank 0 waited" in ln).split()[-1])
+    print(f"stall detected after {waited} s (--stall-timeout 3, {how})")
+    assert 3.0 <= waited < 3.0 + 2.0, waited
     said = [line for line in proc.stderr.splitlines() if line.startswith("smddp-launch: attempt 0")]
     assert len(said) == 1, proc.stderr[-3000:]
     if how == "stuck":
