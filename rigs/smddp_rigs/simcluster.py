@@ -424,6 +424,22 @@ class SimCluster:
             time.sleep(0.02)
         _delete_netns(ns)
 
+    def revive(self, i: int) -> None:
+        """A fresh node i where a lost one was (a replacement machine with the same name and address):
+        a new namespace and link, nothing running in it."""
+        self._check_index(i)
+        if self.config.delay_ms is not None:
+            raise SimClusterError(
+                "revive: not on a cluster with a delay line (its ports are the delay line's)"
+            )
+        if self.netns(i) in list_netns():
+            raise SimClusterError(f"revive: node {i} ({self.netns(i)}) is not lost")
+        self._add_node(i)
+
+    def set_link(self, i: int, up: bool) -> None:
+        """Node i's link to the switch down (cut: nothing reaches it, its processes keep running) or up."""
+        self._ip("-n", self.netns(i), "link", "set", "dev", NODE_IF, "up" if up else "down")
+
     # -- queries ---------------------------------------------------------------------------
 
     def hosts(self) -> list[str]:
@@ -584,7 +600,8 @@ class SimCluster:
 
     def _add_netns(self, ns: str) -> None:
         self._ip("netns", "add", ns)
-        self._namespaces.append(ns)  # recorded at once, so a failure right after still removes it
+        if ns not in self._namespaces:  # (a revived node's is already listed)
+            self._namespaces.append(ns)  # recorded at once, so a failure right after still removes it
         self._ip("-n", ns, "link", "set", "dev", "lo", "up")
 
     def _switch_port_up(self, port: str) -> None:
@@ -593,6 +610,40 @@ class SimCluster:
             self._ip("-n", sw, "link", "set", "dev", port, "master", BRIDGE, "up")
         else:
             self._ip("-n", sw, "link", "set", "dev", port, "up")  # the delay line's, not a bridge's
+
+    def _add_node(self, i: int) -> None:
+        """Node i's namespace, its link to the switch (a veth pair), its address, its line rate."""
+        cfg = self.config
+        ns, port = cfg.node_name(i), f"p{i}"
+        self._add_netns(ns)
+        # Created straight inside the two namespaces: no name ever appears in the root one.
+        self._ip(
+            "link",
+            "add",
+            "name",
+            NODE_IF,
+            "netns",
+            ns,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            port,
+            "netns",
+            cfg.switch_ns,
+        )
+        self._switch_port_up(port)
+        self._ip("-n", ns, "addr", "add", f"{cfg.node_addr(i)}/24", "dev", NODE_IF)
+        self._ip("-n", ns, "link", "set", "dev", NODE_IF, "up")
+        if cfg.rate_mbit is not None:
+            # Egress only, like a NIC's line rate: every transfer leaves some node, so each node's
+            # sends are capped; receives are not (an incast can exceed one node's rate).
+            _run(
+                [
+                    *(_tool("tc"), "-n", ns, "qdisc", "add", "dev", NODE_IF, "root", "tbf"),
+                    *("rate", f"{cfg.rate_mbit:g}mbit", "burst", cfg.burst, "latency", "50ms"),
+                ]
+            )
 
     def _build_network(self) -> None:
         cfg = self.config
@@ -612,24 +663,7 @@ class SimCluster:
                 ]
             )
         for i in range(cfg.nodes):
-            ns, port = cfg.node_name(i), f"p{i}"
-            self._add_netns(ns)
-            # Created straight inside the two namespaces: no name ever appears in the root one.
-            self._ip(
-                "link", "add", "name", NODE_IF, "netns", ns, "type", "veth", "peer", "name", port, "netns", sw
-            )
-            self._switch_port_up(port)
-            self._ip("-n", ns, "addr", "add", f"{cfg.node_addr(i)}/24", "dev", NODE_IF)
-            self._ip("-n", ns, "link", "set", "dev", NODE_IF, "up")
-            if cfg.rate_mbit is not None:
-                # Egress only, like a NIC's line rate: every transfer leaves some node, so each node's
-                # sends are capped; receives are not (an incast can exceed one node's rate).
-                _run(
-                    [
-                        *(_tool("tc"), "-n", ns, "qdisc", "add", "dev", NODE_IF, "root", "tbf"),
-                        *("rate", f"{cfg.rate_mbit:g}mbit", "burst", cfg.burst, "latency", "50ms"),
-                    ]
-                )
+            self._add_node(i)
         if cfg.uplink:
             self._ip(
                 "link",
