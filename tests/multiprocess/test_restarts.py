@@ -71,7 +71,7 @@ FREEZE = (
     "smddp.barrier(timeout=60)\n"
     "if n == 0:\n"
     "    if c.rank == int(sys.argv[1]):\n"
-    "        os.kill(c.job.daemons[c.node].pid, signal.SIGSTOP)  # this rank's own daemon\n"
+    "        os.kill(c.job.daemons[c.node].pid, getattr(signal, sys.argv[2]))  # this rank's own daemon\n"
     "    while True:\n"
     "        smddp.barrier(timeout=60)  # until the job fails: a silent daemon is named within 3 s\n"
     "smddp.shutdown()\n"
@@ -79,25 +79,65 @@ FREEZE = (
 )
 
 
-@pytest.mark.parametrize(("world", "nodes", "freezer"), [(2, 1, 1), (4, 2, 2)], ids=["one-daemon", "2-nodes"])
-def test_a_frozen_daemon_restarts_like_a_crash(
-    world: int, nodes: int, freezer: int, tmp_path: Path, clean_host: None
+@pytest.mark.parametrize(
+    ("world", "nodes", "freezer", "sig"),
+    [(2, 1, 1, "SIGSTOP"), (4, 2, 2, "SIGSTOP"), (4, 2, 2, "SIGKILL")],
+    ids=["one-daemon-frozen", "2-nodes-frozen", "2-nodes-killed"],
+)
+def test_a_frozen_or_killed_daemon_restarts_like_a_crash(
+    world: int, nodes: int, freezer: int, sig: str, tmp_path: Path, clean_host: None
 ) -> None:
-    """A daemon SIGSTOPped mid-job is an infrastructure failure, though every rank ends with status 1:
-    with one daemon its workers' wrappers say so (it cannot); with two, the other daemon does. The
-    job restarts and finishes."""
+    """A daemon SIGSTOPped (or SIGKILLed) mid-job is an infrastructure failure, though every rank ends
+    with status 1: with one daemon its workers' wrappers say so (it cannot); with two, the other
+    daemon does. The job restarts and finishes."""
     script = tmp_path / "freeze.py"
     script.write_text(FREEZE)
     extra = ["--max-restarts", "1", "--restart-delay", "0", "--heartbeat-timeout", "3"]
-    proc = smddp_launch(world, nodes, [str(script), str(freezer)], extra=extra, timeout=240)
+    proc = smddp_launch(world, nodes, [str(script), str(freezer), sig], extra=extra, timeout=240)
     LAUNCHED.append(attempt_job_id(LAUNCHED[-1], 1))
     assert proc.returncode == 0, proc.stderr[-3000:]
     said = [line for line in proc.stderr.splitlines() if line.startswith("smddp-launch: attempt 0")]
-    assert len(said) == 1 and "an infrastructure failure (a crash)" in said[0], proc.stderr[-3000:]
-    assert "silent" in said[0] and "restart 1 of 1 in 0s" in said[0], said
+    assert len(said) == 1 and "(a crash)" in said[0] and "restart 1 of 1 in 0s" in said[0], proc.stderr[
+        -3000:
+    ]
+    if sig == "SIGSTOP":
+        assert "an infrastructure failure (a crash)" in said[0] and "silent" in said[0], said
     if nodes == 1:
         assert "lost the node daemon" in said[0], said
     assert proc.stdout.count("finished") == world, proc.stdout[-3000:]
+
+
+SCRIPT_FAILS = (
+    "import os, sys, numpy as np, smddp\n"
+    "smddp.init()\n"
+    "n = int(os.environ['SMDDP_RESTART_COUNT'])\n"
+    "print('attempt', n, flush=True)\n"
+    "smddp.barrier(timeout=60)\n"
+    "if sys.argv[1] == 'exception' and smddp.rank() == 1:\n"
+    "    raise RuntimeError('the script fails')\n"
+    "smddp.allreduce(np.ones(10 + smddp.rank() if sys.argv[1] == 'mismatch' else 10), timeout=60)\n"
+    "smddp.shutdown()\n"
+)
+
+
+@pytest.mark.parametrize("how", ["exception", "mismatch"])
+def test_a_raised_exception_or_a_mismatch_is_not_restarted(
+    how: str, tmp_path: Path, clean_host: None
+) -> None:
+    """The script's own failures (an exception in one rank; ranks calling different collectives) end
+    the job without a restart, --max-restarts notwithstanding."""
+    script = tmp_path / "fails.py"
+    script.write_text(SCRIPT_FAILS)
+    proc = smddp_launch(2, 1, [str(script), how], extra=["--max-restarts", "1", "--restart-delay", "0"])
+    LAUNCHED.append(attempt_job_id(LAUNCHED[-1], 1))
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    said = [line for line in proc.stderr.splitlines() if line.startswith("smddp-launch: attempt 0")]
+    assert len(said) == 1 and "not a crash; not restarted (--restart-on any would)" in said[0], proc.stderr[
+        -3000:
+    ]
+    assert "attempt 1" not in proc.stdout, proc.stdout[-2000:]
+    if how == "mismatch":
+        assert "CollectiveMismatchError" in proc.stdout + proc.stderr, proc.stderr[-3000:]
 
 
 LATE = (
