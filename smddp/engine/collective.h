@@ -3,9 +3,9 @@
 // Events in (a local rank submitted, a peer's frame claims a chunk, a chunk was received, reduced or
 // sent, a rank released its result); answers out (is the frame one this collective expects and which
 // chunk, what work is now ready, is the collective done, may its memory go). It owns no buffers,
-// does no I/O and never blocks: whoever drives it (today the Python daemon, next the engine's own
-// progress thread) moves the bytes. Every value that came from the wire is checked here before the
-// driver uses it to address memory. Not thread-safe: one driver at a time (the daemon's lock).
+// does no I/O and never blocks: whoever drives it (the daemon's data plane, LocalPlane in
+// local_plane.cc) moves the bytes. Every value that came from the wire is checked here before the
+// driver uses it to address memory. Not thread-safe: one driver at a time (the plane's lock).
 #pragma once
 
 #include <cstdint>

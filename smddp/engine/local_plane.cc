@@ -36,7 +36,7 @@ constexpr std::uint8_t kOpAvg = 2;
 constexpr std::uint8_t kOpMin = 3;
 constexpr std::uint8_t kOpMax = 4;
 // Collectives larger than this are reduced by the compute threads, smaller ones by the thread that
-// made the work ready (as the Python daemon's INLINE_BYTES).
+// made the work ready (handing them to another thread would cost more than reducing them).
 constexpr std::uint64_t kInlineBytes = 64 << 10;
 // Send cookies: a data frame's is its collective's sequence number (below 2**63), a control frame's
 // has the top bit set.

@@ -8,7 +8,7 @@
 // needs it, at once, instead of leaving the others to wait for their timeout. Verdicts name the
 // fault and say why in the words every rank then prints; the driver turns them into smddp.errors.
 // Owns the Collective objects (shared with whoever holds one while the table drops it). No I/O, no
-// locks: one driver at a time (today the Python daemon under its lock).
+// locks: one driver at a time (the data plane, LocalPlane, under its lock).
 #pragma once
 
 #include <cstdint>

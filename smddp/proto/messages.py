@@ -10,8 +10,9 @@ from smddp.proto.frames import Header, MsgType
 
 # A SUBMIT or DONE names the arena segment of its buffer in the header field `shard`, the byte
 # offset in that segment in `offset`, the root rank (or node) in `aux`. ATTACH and SEGMENT name
-# a segment in `shard` and its size in `offset`. Data frames use `shard`, `offset` and `aux` as
-# what they are called: the shard, the byte offset in it, the root. docs/protocol.md has the table.
+# a segment in `shard` and its size in `offset`. Data frames (daemon to daemon) are the engine's
+# alone (smddp/engine/frame.cc): they use `shard`, `offset` and `aux` as what they are called, the
+# shard, the byte offset in it, the root. docs/protocol.md has the table.
 
 
 def _check(h: Header, t: MsgType) -> None:
@@ -180,44 +181,3 @@ class Bye:
 
     def header(self) -> Header:
         return Header(MsgType.BYE, sender=self.sender)
-
-
-@dataclass(frozen=True, slots=True)
-class Data:
-    """daemon -> daemon: PARTIAL, RESULT or BLOCK: `length` bytes at byte `offset` of `shard` of collective `seq`."""
-
-    type: MsgType
-    sender: int  # the sending node
-    seq: int
-    shard: int
-    offset: int
-    length: int
-    root: int
-    count: int
-    dtype: DType
-    op: ReduceOp | None
-    kind: Kind
-
-    def header(self) -> Header:
-        return Header(
-            self.type,
-            sender=self.sender,
-            seq=self.seq,
-            shard=self.shard,
-            aux=self.root,
-            offset=self.offset,
-            length=self.length,
-            count=self.count,
-            dtype=self.dtype,
-            op=self.op,
-            kind=self.kind,
-        )
-
-    @classmethod
-    def of(cls, h: Header) -> Data:
-        if h.type not in (MsgType.PARTIAL, MsgType.RESULT, MsgType.BLOCK):
-            raise TypeError(f"a {h.type.name} header is not a data frame")
-        assert h.dtype is not None and h.kind is not None
-        return cls(
-            h.type, h.sender, h.seq, h.shard, h.offset, h.length, h.aux, h.count, h.dtype, h.op, h.kind
-        )

@@ -10,7 +10,6 @@ from smddp.proto.messages import (
     Attach,
     Bye,
     Channel,
-    Data,
     Done,
     Exited,
     Heartbeat,
@@ -42,13 +41,6 @@ CASES = [
     (Report(2, request=11, length=300), Header(MsgType.REPORT, sender=2, seq=11, length=300)),
     (Heartbeat(4), Header(MsgType.HEARTBEAT, sender=4)),
     (Bye(4), Header(MsgType.BYE, sender=4)),
-    *[
-        (
-            Data(t, 3, 9, shard=2, offset=1 << 20, length=65536, root=0, **F),
-            Header(t, sender=3, seq=9, shard=2, offset=1 << 20, length=65536, aux=0, **F),
-        )
-        for t in (MsgType.PARTIAL, MsgType.RESULT, MsgType.BLOCK)
-    ],
 ]
 
 
@@ -64,5 +56,3 @@ def test_same_bytes_and_back(msg, raw):
 def test_a_message_refuses_another_types_header():
     with pytest.raises(TypeError, match="SUBMIT"):
         Attach.of(Submit(0, 0, 0, 0, 0, **F).header())
-    with pytest.raises(TypeError, match="data frame"):
-        Data.of(Header(MsgType.HEARTBEAT))
