@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +57,6 @@ class Fault:
     failed_s: float | None = None  # smddp-launch's line for the attempt it ended, since launch
     resumed_s: float | None = None  # the next attempt's first line "starting at step", since launch
     resumed_step: int | None = None
-    notes: list[str] = field(default_factory=list)
 
 
 def _cmdline(pid: int) -> str:
@@ -67,15 +66,10 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-def _pids(ns: str) -> list[int]:
-    out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split() if p.isdigit()]
-
-
-def node_processes(ns: str) -> dict[str, list[int]]:
-    """A node's workers (the training script itself, not its launcher wrapper) and daemons."""
+def node_processes(cluster: SimCluster, i: int) -> dict[str, list[int]]:
+    """Node i's workers (the training script itself, not its launcher wrapper) and daemons."""
     found: dict[str, list[int]] = {"worker": [], "daemon": []}
-    for pid in _pids(ns):
+    for pid in cluster.pids(i):
         cmd = _cmdline(pid)
         if "smddp-daemon" in cmd or "smddp.launcher.cli daemon" in cmd:
             found["daemon"].append(pid)
@@ -138,7 +132,7 @@ class Soak:
             proc.wait(timeout=max(1.0, self.cfg.timeout_s - (time.monotonic() - self.t0)))
         finally:
             if proc.poll() is None:
-                os.kill(proc.pid, signal.SIGTERM)
+                proc.terminate()
                 try:
                     proc.wait(timeout=60)
                 except subprocess.TimeoutExpired:
@@ -183,12 +177,13 @@ class Soak:
         ns = cluster.netns(node)
         at = time.monotonic() - self.t0
         if kind in ("kill-rank", "kill-daemon", "freeze-daemon"):
-            procs = node_processes(ns)["worker" if kind == "kill-rank" else "daemon"]
+            procs = node_processes(cluster, node)["worker" if kind == "kill-rank" else "daemon"]
             if not procs:  # between attempts: nothing of that kind runs on the node right now
                 return None
             pid = self.rng.choice(sorted(procs))
+            target = f"pid {pid}: {_cmdline(pid)[:120]}"  # (read before a SIGKILL takes it away)
             os.kill(pid, signal.SIGSTOP if kind == "freeze-daemon" else signal.SIGKILL)
-            return Fault(kind, node, at, f"pid {pid}: {_cmdline(pid)[:120]}")
+            return Fault(kind, node, at, target)
         if kind == "cut-link":
             cluster.set_link(node, False)
             self._sleep(proc, self.cfg.cut_s)
@@ -204,7 +199,7 @@ class Soak:
         file in /dev/shm (the job's shared memory is anonymous: there should never be one)."""
         left = []
         for i in range(self.cfg.nodes):
-            for what, pids in node_processes(cluster.netns(i)).items():
+            for what, pids in node_processes(cluster, i).items():
                 left += [f"node {i}: {what} pid {p} ({_cmdline(p)[:100]})" for p in pids]
         shm = [p.name for p in Path("/dev/shm").iterdir() if "smddp" in p.name]
         left += [f"/dev/shm/{n}" for n in shm]

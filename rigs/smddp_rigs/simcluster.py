@@ -202,10 +202,15 @@ def _pid_alive(pid: int) -> bool:
         return False
 
 
+def netns_pids(ns: str) -> list[int]:
+    """The processes in a namespace (this one excepted)."""
+    out = _run([_tool("ip"), "netns", "pids", ns], check=False).stdout
+    return [int(p) for p in out.split() if p.isdigit() and int(p) != os.getpid()]
+
+
 def _kill_netns_pids(ns: str, grace_s: float = 2.0) -> None:
     """End the processes still in a namespace, which would otherwise keep its veths alive."""
-    out = _run([_tool("ip"), "netns", "pids", ns], check=False).stdout
-    _end_pids([int(p) for p in out.split() if p.isdigit() and int(p) != os.getpid()], grace_s)
+    _end_pids(netns_pids(ns), grace_s)
 
 
 def _end_pids(pids: list[int], grace_s: float) -> None:
@@ -412,8 +417,7 @@ class SimCluster:
         """Node i is lost, as if it lost power: every process in it SIGKILLed at once, then its
         namespace (and with it its link to the switch) deleted, so nothing reaches it any more."""
         ns = self.netns(i)
-        out = _run([_tool("ip"), "netns", "pids", ns], check=False).stdout
-        pids = [int(p) for p in out.split() if p.isdigit() and int(p) != os.getpid()]
+        pids = netns_pids(ns)
         for pid in pids:  # no SIGTERM first: nothing on a lost node gets to clean up or say goodbye
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -435,6 +439,10 @@ class SimCluster:
         if self.netns(i) in list_netns():
             raise SimClusterError(f"revive: node {i} ({self.netns(i)}) is not lost")
         self._add_node(i)
+
+    def pids(self, i: int) -> list[int]:
+        """The processes running in node i."""
+        return netns_pids(self.netns(i))
 
     def set_link(self, i: int, up: bool) -> None:
         """Node i's link to the switch down (cut: nothing reaches it, its processes keep running) or up."""

@@ -91,7 +91,7 @@ class LaunchConfig:
         if self.stall_timeout_s < 0:
             raise ConfigError("--stall-timeout must not be negative (0: no limit)")
         if self.max_restarts < 0 or self.restart_delay_s < 0 or self.host_wait_s < 0:
-            raise ConfigError("--max-restarts and --restart-delay must not be negative")
+            raise ConfigError("--max-restarts, --restart-delay and --host-wait must not be negative")
         if self.min_nodes < 0 or (self.hosts and self.min_nodes > len(self.hosts)):
             raise ConfigError(f"--min-nodes must be between 0 and the number of hosts ({len(self.hosts)})")
         if self.restart_on not in ("crash", "any"):
@@ -331,6 +331,7 @@ def launch(cfg: LaunchConfig) -> int:
         # (--host-wait applies only when there is a restart to wait for.)
         wait = cfg.host_wait_s if cfg.max_restarts > attempt.restart_count else 0.0
         alive, gone = wait_for_hosts(replace(attempt, hosts=cfg.hosts), wait) if cfg.hosts else ([], [])
+        regrouped = tuple(alive) != attempt.hosts  # hosts dropped, or back (a one-host job has none)
         if gone:
             outcome = replace(outcome, crash=True, lost=tuple(f"{h.name} ({why})" for h, why in gone))
         if cfg.max_restarts == 0:
@@ -349,13 +350,13 @@ def launch(cfg: LaunchConfig) -> int:
             then = "not restarted (--restart-on any would)"
         elif n > cfg.max_restarts:
             then = f"no restart left (--max-restarts {cfg.max_restarts})"
-        elif cfg.hosts and len(alive) < need:
+        elif len(alive) < need:
             then = (
                 f"not restarted: {len(alive)} of {len(cfg.hosts)} hosts answer, {need} needed (--min-nodes)"
             )
             worth = False
         else:
-            where = f" on {len(alive)} hosts" if cfg.hosts and len(alive) != len(attempt.hosts) else ""
+            where = f" on {len(alive)} hosts" if regrouped else ""
             then = f"restart {n} of {cfg.max_restarts}{where} in {cfg.restart_delay_s:g}s"
         print(
             f"smddp-launch: attempt {attempt.restart_count} of job {attempt.job_id} failed with status "
@@ -365,7 +366,7 @@ def launch(cfg: LaunchConfig) -> int:
         )
         if not worth or n > cfg.max_restarts:
             return outcome.status
-        if cfg.hosts and len(alive) != len(attempt.hosts):
+        if regrouped:
             per_host = attempt.workers_per_host()
             attempt = replace(attempt, hosts=tuple(alive), np=per_host * len(alive) if attempt.np else 0)
         try:
@@ -529,9 +530,9 @@ def run_attempt(cfg: LaunchConfig) -> Outcome:
                 flush=True,
             )
             # Lost: the nodes that never said; the others said how they failed (losing those).
-            lost = tuple(f"{_node_name(cfg, j)} ({why})" for j, why in unfinished if why == NEVER_SAID)
-            rest = tuple(f"{_node_name(cfg, j)} ({why})" for j, why in unfinished if why != NEVER_SAID)
-            return Outcome(1, crash=True, lost=lost, infra=rest)
+            lost = tuple(e for e, (_, why) in zip(ended, unfinished, strict=True) if why == NEVER_SAID)
+            others = tuple(e for e in ended if e not in lost)
+            return Outcome(1, crash=True, lost=lost, infra=others)
         # A crash: a rank killed by a signal (its status, passed to every rank, is 128 + n), the
         # daemons' world failing before the workers' (a daemon died, its node or link was lost), or
         # what the daemons said: a cause of the infrastructure's (a silent daemon, a cut link, a lost

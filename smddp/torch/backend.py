@@ -138,7 +138,7 @@ class SmddpWork(dist.Work):
         t = self._timeout if timeout is None or timeout <= timedelta(0) else timeout
         deadline = time.monotonic() + t.total_seconds()
         if self._handles and not self._done.is_set():
-            self._drive(t.total_seconds())
+            self._drive(deadline)
         if not self._done.wait(max(0.0, deadline - time.monotonic())):
             raise CollectiveTimeoutError(
                 f"smddp {self.name} did not complete within {t.total_seconds():g}s; it is still in flight"
@@ -151,11 +151,10 @@ class SmddpWork(dist.Work):
         self._device.order(self)
         return True
 
-    def _drive(self, timeout_s: float) -> None:
+    def _drive(self, deadline: float) -> None:
         """Host Works: take DONEs off the client's ring on this thread (Handle.wait does), so the last
         handle's callback completes this Work here, instead of waking this thread from the client's
         DONE thread: one wake-up fewer per blocking call. How it ended is the Work's to say."""
-        deadline = time.monotonic() + timeout_s
         for h in self._handles:
             try:
                 h.wait(max(0.0, deadline - time.monotonic()))

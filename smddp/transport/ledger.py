@@ -171,14 +171,14 @@ class Ledger:
         return node
 
 
-def _send_first(spec: str, line: str, timeout: float) -> socket.socket | None:
-    """Connect to the first address of `spec` that answers and send `line` (TOKEN in it replaced by
-    the spec's token); the open socket, or None when there is no ledger or none answers."""
+def _send_first(spec: str, verb: str, args: str, timeout: float) -> socket.socket | None:
+    """Connect to the first address of `spec` that answers and send the line `VERB TOKEN ARGS` (the
+    spec's token); the open socket, or None when there is no ledger or none answers."""
     token, _, rest = spec.partition("@")
     addrs, _, port = rest.rpartition(":")
     if not (token and addrs and port.isdigit()):
         return None
-    data = line.replace("TOKEN", token, 1).encode("utf-8", "replace")
+    data = f"{verb} {token} {args}\n".encode("utf-8", "replace")
     for addr in addrs.split(","):
         try:
             sock = socket.create_connection((addr, int(port)), timeout=timeout)
@@ -196,7 +196,7 @@ def _send_first(spec: str, line: str, timeout: float) -> socket.socket | None:
 def report_infra(spec: str, rank: int, why: str, timeout: float = 2.0) -> bool:
     """A worker's wrapper tells the ledger its rank failed for an infrastructure cause; True once
     the ledger has it (it answers "ok" after recording, so the line is in before the wrapper ends)."""
-    sock = _send_first(spec, f"lost TOKEN {rank} {' '.join(why.split())[:1000]}\n", timeout)
+    sock = _send_first(spec, "lost", f"{rank} {' '.join(why.split())[:1000]}", timeout)
     if sock is None:
         return False
     with sock:
@@ -215,7 +215,7 @@ class LedgerClient:
     @classmethod
     def connect(cls, spec: str, node: int, timeout: float = 5.0) -> LedgerClient | None:
         """Connect to the first address of `spec` that answers; None when there is no ledger or none does."""
-        sock = _send_first(spec, f"up TOKEN {node}\n", timeout)
+        sock = _send_first(spec, "up", str(node), timeout)
         return None if sock is None else cls(sock)
 
     def end(self, clean: bool, reason: str = "", infra: bool = False) -> None:

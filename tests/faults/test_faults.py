@@ -178,9 +178,9 @@ def test_link_cut(tmp_path, fabric):
         proc = start(tmp_path, 4, 1, extra, fabric=fabric)
         wait_running(proc, tmp_path, 4)
         t_fault = time.time()
-        cluster.exec(1, ["ip", "link", "set", "eth0", "down"], check=True)
+        cluster.set_link(1, False)
         wait_reports(tmp_path, 4, SILENCE_BOUND_S + 10)  # (check() below says who was not told)
-        cluster.exec(1, ["ip", "link", "set", "eth0", "up"], check=True)  # let mpirun wind down
+        cluster.set_link(1, True)  # let mpirun wind down
         finish(proc, timeout=30)
     check(
         f"link down (node 0's ranks, {fabric})",
@@ -245,9 +245,9 @@ def test_a_cut_link_restarts_like_a_crash(tmp_path, clean_host):
         while not (tmp_path / "running").exists():
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
             time.sleep(0.05)
-        cluster.exec(1, ["ip", "link", "set", "eth0", "down"], check=True)
+        cluster.set_link(1, False)
         time.sleep(SILENCE_BOUND_S + 1)  # both sides name the other silent
-        cluster.exec(1, ["ip", "link", "set", "eth0", "up"], check=True)
+        cluster.set_link(1, True)
         try:
             out, err = proc.communicate(timeout=180)
         except subprocess.TimeoutExpired:

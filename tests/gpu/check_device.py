@@ -117,7 +117,7 @@ class TorchDev:
             # ordered torch's current stream after it, so it is read there.
             import cupy
 
-            return np.asarray(arr.get(stream=cupy.cuda.ExternalStream(t.cuda.current_stream().cuda_stream)))
+            return arr.get(stream=cupy.cuda.ExternalStream(t.cuda.current_stream().cuda_stream))
         if arr.dtype == t.bfloat16:
             return arr.view(t.int16).cpu().numpy().view(np.uint16)
         return arr.cpu().numpy()

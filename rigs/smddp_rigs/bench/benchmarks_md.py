@@ -125,29 +125,19 @@ def ofi_section(targets: dict[str, Any]) -> list[str]:
     return [*out, ""]
 
 
-def gpu_tests(tests_txt: str) -> list[str]:
-    """What `pytest -s tests/gpu/test_gpu.py` printed, in brief: its verdict, the consumers' counts, the overlap."""
-    lines = tests_txt.splitlines()
-    verdict = next(
-        (ln.strip("= ") for ln in reversed(lines) if " in " in ln and ("passed" in ln or "failed" in ln)), ""
-    )
-    out = [f"`tests/gpu/test_gpu.py` on this GPU: **{verdict}**.", ""]
-    rows: dict[int, list[dict[str, Any]]] = {}
-    overlap = None
-    for ln in lines:
-        body = ln.lstrip(".sFE")
-        if body.startswith('[{"kind"'):
-            got = json.loads(body)
-            # 4 kinds x 4 sizes x 2 in-flight counts x 5 paths per rank
-            rows[len(got) // (4 * 4 * 2 * len(PATHS_28))] = got
-        elif body == "{" and overlap is None:
-            block = [body]
-            for more in lines[lines.index(ln) + 1 :]:
-                block.append(more)
-                if more == "}":
-                    break
-            overlap = json.loads("\n".join(block))
-    if rows:
+PATHS_28 = ("wait", "future", "value", "then", "chained")  # tests/gpu/check_ordering.py's consumer paths
+
+
+def gpu_tests(gpu_dir: Path) -> list[str]:
+    """What tests/gpu/test_gpu.py found there: pytest's verdict (tests.txt), wrong reads per consumer
+    path (consumers-W.json) and the compute stream beside an all-reduce (overlap.json)."""
+    out: list[str] = []
+    tests = gpu_dir / "tests.txt"
+    if tests.exists():
+        verdict = tests.read_text().rstrip().splitlines()[-1].strip("= ")
+        out += [f"`tests/gpu/test_gpu.py` on this GPU: **{verdict}**.", ""]
+    runs = sorted(gpu_dir.glob("consumers-*.json"), key=lambda p: int(p.stem.split("-")[1]))
+    if runs:
         out += [
             "Every consumer of a CUDA Work (issue 28): all-reduce, broadcast, all-gather and reduce-scatter of "
             "256 KiB to 64 MiB queued behind a kernel, one and four in flight; reads of a wrong value per path:",
@@ -155,14 +145,16 @@ def gpu_tests(tests_txt: str) -> list[str]:
             "| ranks | " + " | ".join(PATHS_28) + " |",
             "| ---: |" + " ---: |" * len(PATHS_28),
         ]
-        for world, got in sorted(rows.items()):
-            cells = []
-            for path in PATHS_28:
-                mine = [r for r in got if r["path"] == path]
-                cells.append(f"{sum(r['wrong'] for r in mine)} of {sum(r['tried'] for r in mine)}")
-            out.append(f"| {world} | " + " | ".join(cells) + " |")
+        for run in runs:
+            rows = json.loads(run.read_text())
+            cells = [
+                f"{sum(r['wrong'] for r in rows if r['path'] == p)} of {sum(r['tried'] for r in rows if r['path'] == p)}"
+                for p in PATHS_28
+            ]
+            out.append(f"| {run.stem.split('-')[1]} | " + " | ".join(cells) + " |")
         out.append("")
-    if overlap is not None:
+    if (gpu_dir / "overlap.json").exists():
+        overlap = json.loads((gpu_dir / "overlap.json").read_text())
         rounds = overlap["rounds"]
         out += [
             f"The compute stream not blocked: a kernel of {overlap['kernel_alone_ms']:.0f} ms alone took "
@@ -176,9 +168,6 @@ def gpu_tests(tests_txt: str) -> list[str]:
             "",
         ]
     return out
-
-
-PATHS_28 = ("wait", "future", "value", "then", "chained")
 
 
 def gpu_section(gpu_dir: Path) -> list[str]:
@@ -196,16 +185,16 @@ def gpu_section(gpu_dir: Path) -> list[str]:
                 "",
             ]
         out += ["```sh", *GPU_COMMANDS, "```", ""]
-        if (gpu_dir / "tests.txt").exists():
-            out += ["### Correctness", "", *gpu_tests((gpu_dir / "tests.txt").read_text())]
-        out += ["### Device buffers through the client", "", gpu.with_suffix(".md").read_text().strip(), ""]
-        for name, title in (
-            ("torch-gpu.md", "### torch.distributed on CUDA tensors"),
-            ("ddp-cuda2.md", "### Stock DDP on CUDA"),
-            ("ddp-cuda4.md", None),
+        out += ["### Correctness", "", *gpu_tests(gpu_dir)]
+        for title, names in (
+            ("Device buffers through the client", ["gpu.md"]),
+            ("torch.distributed on CUDA tensors", ["torch-gpu.md"]),
+            ("Stock DDP on CUDA", ["ddp-cuda2.md", "ddp-cuda4.md"]),
         ):
-            if (gpu_dir / name).exists():
-                out += [*([title, ""] if title else []), (gpu_dir / name).read_text().strip(), ""]
+            found = [gpu_dir / n for n in names if (gpu_dir / n).exists()]
+            if found:
+                out += [f"### {title}", ""]
+                out += [line for f in found for line in (f.read_text().strip(), "")]
         return out
     return [
         *out,
