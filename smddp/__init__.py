@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 from smddp import errors
@@ -69,15 +70,17 @@ class _Default:
 _default = _Default()
 
 
-def init(config: ClientConfig | None = None) -> None:
-    """Join the job: find this node's daemon (placed there by smddp-launch) and connect to it."""
+def init(config: ClientConfig | None = None, env: Mapping[str, str] | None = None) -> None:
+    """Join the job: find this node's daemon (placed there by smddp-launch, or under torchrun by
+    `dist.init_process_group("smddp")`) and connect to it. `env`: where to read this worker's place
+    (SMDDP_RANK, ...) instead of os.environ."""
     with _default.lock:
         if _default.client is not None:
             return
         if _default.used:
             raise NotInitializedError("smddp.init() after shutdown(): a process can join one job only")
         _default.used = True
-        _default.client = Client.connect(config or ClientConfig.from_env())
+        _default.client = Client.connect(config or ClientConfig.from_env(), env)
         # A script that forgets shutdown() still leaves cleanly (pending work gets a bounded wait).
         atexit.register(shutdown, 30.0)
 

@@ -129,6 +129,28 @@ SETTINGS: tuple[Setting, ...] = (
         env="SMDDP_RESTART_COUNT",
     ),
     S(
+        "secret_file",
+        str,
+        "",
+        "a file of at least 32 bytes, the same on every node and readable by its owner alone (mode 600), "
+        "from which each job derives its secret instead of sending one at bootstrap "
+        "(empty: daemon 0 makes the secret; under torchrun it then passes through torch's store)",
+        ("--secret-file",),
+        (LAUNCH, DAEMON),
+        env="SMDDP_SECRET_FILE",
+        metavar="PATH",
+    ),
+    S(
+        "rendezvous_fd",
+        int,
+        -1,
+        "bootstrap through the worker holding this inherited socket (set by smddp's torch backend under "
+        "torchrun); -1: the daemons' own MPI world (smddp-launch)",
+        ("--rendezvous-fd",),
+        (DAEMON,),
+        metavar="FD",
+    ),
+    S(
         "ledger",
         str,
         "",

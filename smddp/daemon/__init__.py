@@ -20,14 +20,18 @@ from smddp.lifetime import signal_on_parent_death
 from smddp.transport.bootstrap import (
     JOB_FILE,
     SECRET_FILE,
+    DaemonComm,
     Job,
+    MpiComm,
     bootstrap_daemons,
     default_socket_dir,
     job_description,
     job_dir,
+    read_secret_file,
 )
 from smddp.transport.ledger import LedgerClient
 from smddp.transport.netif import resolve_bind_address
+from smddp.transport.relay import RelayComm
 
 __all__ = ["DaemonConfig", "NodeDaemon", "private_dir", "run"]
 
@@ -47,8 +51,11 @@ def private_dir(path: str) -> str:
 
 def run(cfg: DaemonConfig) -> int:
     """Bootstrap with the job's workers and serve until the job ends; the exit status is the result."""
-    # The kernel kills us when our launcher (mpirun's local daemon) dies: no orphaned daemons.
-    signal_on_parent_death(signal.SIGKILL, exit_if_orphaned=True)
+    # The kernel ends us when our launcher dies: no orphaned daemons. Under smddp-launch that is
+    # mpirun's local daemon, and SIGKILL (mpirun cleans up after us). Under torchrun it is the node's
+    # first worker, and SIGTERM, whose handler removes the job's directory: nobody else would.
+    relayed = cfg.rendezvous_fd >= 0
+    signal_on_parent_death(signal.SIGTERM if relayed else signal.SIGKILL, exit_if_orphaned=True)
     # One line per event; the message itself starts with "node N (host, ranks ...)".
     logging.basicConfig(
         level=cfg.log_level.upper(),
@@ -74,6 +81,14 @@ def run(cfg: DaemonConfig) -> int:
     )
     held: dict[str, object] = {}
 
+    def stopped_early(signum: int, _frame: object) -> None:
+        # Stopped during the bootstrap (the worker that started us died): leave nothing behind.
+        if "dir" in held:
+            shutil.rmtree(str(held["dir"]), ignore_errors=True)
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stopped_early)
+
     def open_endpoint(node: int, job_hex: str, single_host: bool) -> tuple[str, int, str]:
         host = resolve_bind_address(cfg.iface, single_host)
         tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -92,9 +107,13 @@ def run(cfg: DaemonConfig) -> int:
         return host, tcp.getsockname()[1], path
 
     try:
-        me = bootstrap_daemons(open_endpoint, cfg.local_size, cfg.job_id_hex)
+        user_secret = read_secret_file(cfg.secret_file) if cfg.secret_file else None
+        comm: DaemonComm = RelayComm(cfg.rendezvous_fd, cfg.connect_timeout_s) if relayed else MpiComm()
+        me = bootstrap_daemons(comm, open_endpoint, cfg.local_size, cfg.job_id_hex, user_secret)
     except BootstrapError as e:
         logging.getLogger("smddp.daemon").error("bootstrap failed: %s", e)
+        if "dir" in held:
+            shutil.rmtree(str(held["dir"]), ignore_errors=True)
         return 2
     jobdir = str(held["dir"])
 

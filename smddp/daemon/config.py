@@ -30,9 +30,9 @@ class DaemonConfig:
     ofi_provider: str = default("ofi_provider")
     libfabric: str = default("libfabric")
     restart_count: int = default("restart_count")
-    ledger: str = default(
-        "ledger"
-    )  # smddp-launch's ledger (transport/ledger.py); "": none  # which attempt of the job (smddp status shows it)
+    ledger: str = default("ledger")  # smddp-launch's ledger (transport/ledger.py); "": none
+    secret_file: str = default("secret_file")  # "": daemon 0 makes the secret
+    rendezvous_fd: int = default("rendezvous_fd")  # -1: bootstrap over MPI (transport/relay.py otherwise)
     # Fixed, not settings: internal bounds of the daemon's own housekeeping.
     result_segment_bytes: int = 256 << 20  # result arena growth step (pages are touched lazily)
     handshake_timeout_s: float = 10.0  # a connection that has not authenticated by then is dropped

@@ -70,6 +70,7 @@ def launch_main(argv: list[str] | None = None) -> int:
             restart_on=args.restart_on,
             min_nodes=args.min_nodes,
             host_wait_s=args.host_wait_s,
+            secret_file=os.path.abspath(args.secret_file) if args.secret_file else "",
         )
         return launch(cfg)
     except ConfigError as e:
@@ -101,7 +102,7 @@ def daemon_main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(
         prog="smddp-daemon",
-        description="The smddp node daemon (started by smddp-launch).",
+        description="The smddp node daemon (started by smddp-launch, or by the first worker of each node under torchrun).",
         epilog="Every setting, its environment variable and default: docs/configuration.md.",
     )
     settings.add_flags(p, settings.DAEMON)
@@ -120,6 +121,8 @@ def daemon_main(argv: list[str] | None = None) -> int:
             job_id_hex=settings.from_env(settings.DAEMON)["job_id"],
             restart_count=settings.from_env(settings.DAEMON)["restart_count"],
             ledger=settings.from_env(settings.DAEMON)["ledger"],
+            secret_file=args.secret_file,
+            rendezvous_fd=args.rendezvous_fd,
             connect_timeout_s=args.connect_timeout_s,
             heartbeat_timeout_s=args.heartbeat_timeout_s,
             stall_warning_s=args.stall_warning_s,

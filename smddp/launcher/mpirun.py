@@ -63,6 +63,7 @@ class LaunchConfig:
     restart_on: str = default("restart_on")
     min_nodes: int = default("min_nodes")
     host_wait_s: float = default("host_wait_s")
+    secret_file: str = default("secret_file")
     restart_count: int = 0  # which attempt this config runs (launch() sets it)
 
     def __post_init__(self) -> None:
@@ -204,6 +205,7 @@ def build_commands(cfg: LaunchConfig) -> Commands:
                 "fabric": cfg.fabric,
                 "ofi_provider": cfg.ofi_provider,
                 "libfabric": cfg.libfabric,
+                "secret_file": cfg.secret_file,
                 "heartbeat_timeout_s": cfg.heartbeat_timeout_s,
                 "stall_warning_s": cfg.stall_warning_s,
                 "stall_timeout_s": cfg.stall_timeout_s,

@@ -23,8 +23,13 @@ import smddp
 from smddp.client.device.runtime import BUILTIN as BUILTIN_RUNTIMES
 from smddp.client.session import when_all
 from smddp.errors import CollectiveError, CollectiveTimeoutError, ConfigError, SmddpError, fresh
+from smddp.launcher.elastic import check_launcher, join_through_store
 
 BACKEND_NAME = "smddp"
+#: The longest a group's creation under torchrun waits for the other nodes' daemons (less, when
+#: the group's own timeout is shorter): a node whose daemon failed says so at once; this bounds one
+#: that never came.
+BOOTSTRAP_TIMEOUT_S = 300.0
 log = logging.getLogger("smddp.torch")
 
 # torch dtypes smddp carries (see smddp.proto.dtypes); anything else is refused with its name.
@@ -1090,7 +1095,18 @@ def create_process_group(store: Any, rank: int, size: int, timeout: timedelta) -
     A group of every rank runs smddp's collectives and routes the rest to its side group; a group
     of some ranks (`new_group([0, 1])`, DeviceMesh dimensions) routes every call there.
     """
-    smddp.init()
+    if not smddp.is_initialized():
+        env = None
+        if not check_launcher(os.environ):
+            # Under torchrun: this first group starts the job (its daemons) through torch's store.
+            world = int(os.environ.get("WORLD_SIZE") or size)
+            if size != world:
+                raise ConfigError(
+                    f"the first smddp group has {size} of the {world} ranks: under torchrun smddp starts with "
+                    'a group of every rank (init_process_group("smddp"), or new_group(backend="smddp") of all)'
+                )
+            env = join_through_store(store, rank, size, min(timeout.total_seconds(), BOOTSTRAP_TIMEOUT_S))
+        smddp.init(env=env)
     side = SideGroup(store, rank, size, timeout)  # torch's store for this group: its members only
     if size != smddp.size():
         return ProcessGroupSmddp(rank, size, timeout, side, subgroup=True)

@@ -1,15 +1,18 @@
-"""Job bootstrap: the daemons over their own MPI world (endpoints, the job secret); workers from the job description their daemon writes."""
+"""Job bootstrap: the daemons over a collective of their own (MPI, or a relay through torch's store); workers from the job description their daemon writes."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import secrets
 import socket
+import stat
 import tempfile
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from smddp.errors import BootstrapError, SmddpError
 from smddp.proto.frames import Role
@@ -95,62 +98,201 @@ def _place_daemons(everyone: list[tuple[str, int]]) -> None:
         )
 
 
+class DaemonComm(Protocol):
+    """The daemons' collective for bootstrap, over JSON values: MPI's world under smddp-launch
+    (`MpiComm`), a relay through the workers' key-value store under torchrun (transport/relay.py)."""
+
+    rank: int
+    size: int
+
+    def allgather(self, value: Any) -> list[Any]: ...
+
+    def bcast(self, value: Any, root: int) -> Any: ...
+
+    def close(self) -> None:
+        """The bootstrap is over: nothing more is exchanged this way."""
+
+    def abort(self, why: str) -> None:
+        """The bootstrap failed here with `why` (said to whoever else should know)."""
+
+
+class MpiComm:
+    """The daemons' own MPI world (smddp-launch starts them with mpirun; node = MPI rank).
+
+    The workers run in a world of their own (a separate mpirun), so that a script using MPI itself
+    sees workers only, and a worker that never joins cannot hold the daemons in MPI.
+    """
+
+    def __init__(self) -> None:
+        from mpi4py import MPI
+
+        self._mpi = MPI
+        self._comm = MPI.COMM_WORLD
+        self.rank = int(self._comm.rank)
+        self.size = int(self._comm.size)
+
+    def allgather(self, value: Any) -> list[Any]:
+        return list(self._comm.allgather(value))
+
+    def bcast(self, value: Any, root: int) -> Any:
+        return self._comm.bcast(value, root=root)
+
+    def abort(self, why: str) -> None:
+        pass  # the daemon's exit status is mpirun's word, and its log line says why
+
+    def close(self) -> None:
+        if not self._mpi.Is_finalized():
+            # MPI is out of the data path from here on. Finalizing now, together, means no daemon later
+            # blocks in MPI_Finalize at exit waiting for a peer that died, and mpirun sees a failing
+            # daemon's exit status at once and tears the daemons down.
+            self._mpi.Finalize()
+
+
 # open_endpoint(node, job_id_hex, single_host) -> (tcp_host, tcp_port, socket_path)
 OpenEndpoint = Callable[[int, str, bool], tuple[str, int, str]]
 
+#: A secret file holds at least this many bytes: the job's secret is derived from it (and a short
+#: one could be guessed from the fingerprint the daemons compare at bootstrap).
+SECRET_FILE_MIN_BYTES = 32
 
-def bootstrap_daemons(open_endpoint: OpenEndpoint, local_size: int, job_id_hex: str = "") -> Membership:
-    """Collective over the daemons' own MPI world (one daemon per node, node = MPI rank).
 
-    The workers run in a world of their own (a separate mpirun), so that a script using MPI itself
-    sees workers only, and a worker that never joins cannot hold the daemons in MPI. Workers find
-    their node's daemon through the job description it writes (`job_description`, `join_job`).
-    Errors are agreed collectively, so every daemon raises the same BootstrapError.
+def read_secret_file(path: str) -> bytes:
+    """The contents of a user's secret file (--secret-file), refused unless only its owner, this
+    user, can read it and it holds at least SECRET_FILE_MIN_BYTES bytes (as ssh treats a key)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as e:
+        raise BootstrapError(f"cannot read the secret file {path}: {e.strerror}") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
+            raise BootstrapError(
+                f"the secret file {path} must be a regular file of uid {os.getuid()} that only its owner "
+                f"can read (chmod 600; it is mode {stat.S_IMODE(st.st_mode):o}, uid {st.st_uid})"
+            )
+        data = f.read(1 << 16)
+    if len(data) < SECRET_FILE_MIN_BYTES:
+        raise BootstrapError(
+            f"the secret file {path} holds {len(data)} bytes; at least {SECRET_FILE_MIN_BYTES} are needed "
+            "(head -c 32 /dev/urandom > FILE)"
+        )
+    return data
+
+
+def job_secret(user_secret: bytes, job_id: bytes) -> bytes:
+    """The job's secret from a user's secret file: a different one per job (SHA-256, domain-separated)."""
+    return hashlib.sha256(b"smddp job secret\0" + job_id + user_secret).digest()
+
+
+def _fingerprint(secret: bytes) -> str:
+    """What the daemons compare to see they derived the same secret (says nothing usable about it)."""
+    return hashlib.sha256(b"smddp secret fingerprint\0" + secret).hexdigest()[:16]
+
+
+def _endpoint(value: Any, node: int) -> tuple[str, int, str, str]:
+    """A published endpoint, checked: it may come through an unauthenticated store (torchrun's)."""
+    if isinstance(value, list) and len(value) == 4:
+        host, port, path, fp = value
+        if (
+            isinstance(host, str)
+            and isinstance(port, int)
+            and 0 < port < 65536
+            and isinstance(path, str)
+            and isinstance(fp, str)
+        ):
+            return host, port, path, fp
+    raise BootstrapError(f"node {node}'s daemon published a malformed endpoint: {value!r:.200}")
+
+
+def bootstrap_daemons(
+    comm: DaemonComm,
+    open_endpoint: OpenEndpoint,
+    local_size: int,
+    job_id_hex: str = "",
+    user_secret: bytes | None = None,
+) -> Membership:
+    """Collective over the daemons' `comm` (one daemon per node, node = its rank there).
+
+    Workers find their node's daemon through the job description it writes (`job_description`,
+    `join_job`). Errors are agreed collectively, so every daemon raises the same BootstrapError.
+    With `user_secret` (--secret-file, the same file on every node) the job's secret is derived from
+    it and never sent; otherwise daemon 0 makes one and sends it over `comm`.
     """
-    from mpi4py import MPI
+    try:
+        me = _bootstrap(comm, open_endpoint, local_size, job_id_hex, user_secret)
+    except BootstrapError as e:
+        comm.abort(str(e))
+        raise
+    comm.close()
+    return me
 
+
+def _bootstrap(
+    comm: DaemonComm,
+    open_endpoint: OpenEndpoint,
+    local_size: int,
+    job_id_hex: str,
+    user_secret: bytes | None,
+) -> Membership:
     if local_size < 1:
         raise BootstrapError(f"every node needs at least one worker (got {local_size})")
-    comm = MPI.COMM_WORLD
-    me = (socket.gethostname(), os.getpid())
-    everyone = comm.allgather(me)
+    everyone_raw = comm.allgather([socket.gethostname(), os.getpid()])
+    try:
+        everyone = [(str(h), int(p)) for h, p in everyone_raw]
+    except (TypeError, ValueError):
+        raise BootstrapError(f"a daemon published a malformed identity: {everyone_raw!r:.200}") from None
 
+    keys: list[str] | str = ""
     if comm.rank == 0:
         try:
             job_id = bytes.fromhex(job_id_hex) if job_id_hex else secrets.token_bytes(JOB_ID_SIZE)
             if len(job_id) != JOB_ID_SIZE:
                 raise ValueError
-            keys: tuple[bytes, bytes] | str = (job_id, secrets.token_bytes(SECRET_SIZE))
+            made = "" if user_secret is not None else secrets.token_bytes(SECRET_SIZE).hex()
+            keys = [job_id.hex(), made]
         except ValueError:
             keys = f"SMDDP_JOB_ID must be {JOB_ID_SIZE * 2} hex digits"
-    else:
-        keys = ""
-    keys = comm.bcast(keys, root=0)
+    keys = comm.bcast(keys, 0)
     if isinstance(keys, str):
         raise BootstrapError(keys)
-    job_id, secret = keys
+    try:
+        job_id, secret = bytes.fromhex(keys[0]), bytes.fromhex(keys[1])
+        if len(job_id) != JOB_ID_SIZE or len(secret) not in (0, SECRET_SIZE):
+            raise ValueError
+    except (TypeError, ValueError, IndexError):
+        raise BootstrapError(f"daemon 0 sent a malformed job id or secret: {keys!r:.80}") from None
     _place_daemons(everyone)  # the same on every daemon, so the error is too
     node = comm.rank
 
-    mine: tuple[str, int, str] | str
-    try:
-        mine = open_endpoint(node, job_id.hex(), len({h for h, _ in everyone}) == 1)
-    except (OSError, SmddpError) as e:
-        mine = f"daemon of node {node} on {socket.gethostname()} could not listen: {e}"
+    # From here a problem of one daemon is published in the allgather instead of raised, so that
+    # every daemon raises the same error rather than some waiting for the others.
+    mine: list[Any] | str
+    if user_secret is not None:
+        secret = job_secret(user_secret, job_id)
+    if not secret:
+        mine = f"node {node} has no --secret-file but node 0 has one: give every node the same"
+    else:
+        try:
+            host, port, path = open_endpoint(node, job_id.hex(), len({h for h, _ in everyone}) == 1)
+            mine = [host, port, path, _fingerprint(secret)]
+        except (OSError, SmddpError) as e:
+            mine = f"daemon of node {node} on {socket.gethostname()} could not listen: {e}"
     published = comm.allgather(mine)
     failures = [p for p in published if isinstance(p, str)]
     if failures:
         raise BootstrapError("; ".join(failures))
-    daemons = []
-    for n, ((host, pid), ep) in enumerate(zip(everyone, published, strict=True)):
-        assert isinstance(ep, tuple)
-        daemons.append(Endpoint(n, host, pid, ep[0], ep[1], ep[2]))
-    if not MPI.Is_finalized():
-        # MPI is out of the data path from here on. Finalizing now, together, means no daemon later
-        # blocks in MPI_Finalize at exit waiting for a peer that died, and mpirun sees a failing
-        # daemon's exit status at once and tears the daemons down.
-        MPI.Finalize()
-    return Membership(make_job(job_id, secret, local_size, tuple(daemons)), Role.DAEMON, node, -1)
+    endpoints = [_endpoint(ep, n) for n, ep in enumerate(published)]
+    differ = [n for n, ep in enumerate(endpoints) if ep[3] != endpoints[0][3]]
+    if differ:
+        raise BootstrapError(
+            f"the job's secret differs between node 0 and node(s) {', '.join(map(str, differ))}: "
+            "give every node the same --secret-file (or none)"
+        )
+    daemons = tuple(
+        Endpoint(n, host, pid, ep[0], ep[1], ep[2])
+        for n, ((host, pid), ep) in enumerate(zip(everyone, endpoints, strict=True))
+    )
+    return Membership(make_job(job_id, secret, local_size, daemons), Role.DAEMON, node, -1)
 
 
 def make_job(job_id: bytes, secret: bytes, local_size: int, daemons: tuple[Endpoint, ...]) -> Job:
@@ -264,7 +406,9 @@ class Placement:
         missing = [n for n in names if not env.get(n)]
         if missing:
             raise BootstrapError(
-                f"{', '.join(missing)} not set: start the workers with smddp-launch -np W -- COMMAND"
+                f"{', '.join(missing)} not set: start the workers with smddp-launch -np W -- COMMAND, "
+                "or under torchrun join with torch.distributed.init_process_group('smddp'), which starts "
+                "smddp through torch's store"
             )
         try:
             p = cls(

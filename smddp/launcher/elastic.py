@@ -1,0 +1,230 @@
+"""Joining a job under torchrun (or any env:// launcher): the node's first worker starts its daemon and relays the daemons' bootstrap through the store."""
+
+# No mpirun on this path. Every worker reads its place from torch's environment (RANK, WORLD_SIZE,
+# LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK); rank 0 picks a fresh job id and puts it in the store
+# torch hands the backend (which torch elastic scopes to one restart attempt, so every attempt is a
+# new job). The first worker of each node starts that node's smddp-daemon as its child, tied to it
+# by PR_SET_PDEATHSIG, and relays the daemons' bootstrap collectives through the store
+# (transport/relay.py). Once its daemon has written the job description, it says so under
+# "node/N" in the store; the node's other workers wait for that word (or the error that stopped
+# the daemon) and then join exactly as under smddp-launch, through the daemon's private directory.
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+
+from smddp.errors import BootstrapError, ConfigError, SmddpError
+from smddp.proto.handshake import JOB_ID_SIZE
+from smddp.transport.bootstrap import default_socket_dir, job_dir, read_job
+from smddp.transport.relay import KVStore, LineConn, StoreRelay
+
+#: The keys this module uses in the store, under the group's own prefix.
+PREFIX = "smddp/"
+#: How long a node's first worker waits at its exit for its daemon to end (the daemon waits for the
+#: node's other workers and for its peers' BYE, or lingers 30 s after a failure for them to leave).
+DAEMON_EXIT_WAIT_S = 60.0
+
+
+@dataclass(frozen=True)
+class ElasticPlace:
+    """Where torchrun (or another env:// launcher) put this worker."""
+
+    rank: int
+    size: int
+    node: int
+    nnodes: int
+    local_rank: int
+    local_size: int
+    restart_count: int
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str], rank: int, size: int) -> ElasticPlace:
+        """torch's variables, checked: ranks must be contiguous per node with the same count on each
+        node (what torchrun does with one --nproc-per-node), as smddp's node layout needs."""
+        missing = [n for n in ("LOCAL_RANK", "LOCAL_WORLD_SIZE") if not env.get(n)]
+        if missing:
+            raise BootstrapError(
+                f"{' and '.join(missing)} not set: start the workers with torchrun (or smddp-launch), "
+                "or set them as torchrun does"
+            )
+        try:
+            local_rank, local_size = int(env["LOCAL_RANK"]), int(env["LOCAL_WORLD_SIZE"])
+            node = int(env["GROUP_RANK"]) if env.get("GROUP_RANK") else rank // max(local_size, 1)
+            restart = int(env.get("TORCHELASTIC_RESTART_COUNT") or 0)
+        except ValueError as e:
+            raise BootstrapError(f"a malformed torch launcher variable: {e}") from None
+        if local_size < 1 or size % local_size or not 0 <= local_rank < local_size:
+            raise BootstrapError(
+                f"rank {rank}: smddp needs the same number of workers on every node, but this node has "
+                f"LOCAL_WORLD_SIZE={local_size} of WORLD_SIZE={size} (LOCAL_RANK={local_rank})"
+            )
+        nnodes = size // local_size
+        if rank != node * local_size + local_rank or not 0 <= node < nnodes:
+            raise BootstrapError(
+                f"rank {rank} is local rank {local_rank} of node {node} with {local_size} workers per node: "
+                "smddp needs ranks contiguous per node (rank = node x LOCAL_WORLD_SIZE + LOCAL_RANK), "
+                "as torchrun assigns them with one --nproc-per-node for every node"
+            )
+        return cls(rank, size, node, nnodes, local_rank, local_size, restart)
+
+    def worker_env(self, job_hex: str) -> dict[str, str]:
+        """The SMDDP_ placement variables smddp-launch would have set (Client.connect reads them)."""
+        return {
+            "SMDDP_JOB_ID": job_hex,
+            "SMDDP_RANK": str(self.rank),
+            "SMDDP_NODE": str(self.node),
+            "SMDDP_LOCAL_RANK": str(self.local_rank),
+            "SMDDP_LOCAL_SIZE": str(self.local_size),
+            "SMDDP_NNODES": str(self.nnodes),
+            "SMDDP_RESTART_COUNT": str(self.restart_count),
+        }
+
+
+def _get(store: KVStore, key: str, timeout: float, what: str) -> str:
+    try:
+        store.wait([key], timedelta(seconds=timeout))
+        return store.get(key).decode()
+    except Exception as e:  # torch's store raises DistStoreError / RuntimeError of its own
+        raise BootstrapError(f"{what} within {timeout:g}s: {e}") from None
+
+
+class DaemonChild:
+    """The node's smddp-daemon, started by the node's first worker and ended with it."""
+
+    def __init__(self, place: ElasticPlace, job_hex: str, env: Mapping[str, str]) -> None:
+        from smddp.launcher.mpirun import daemon_command
+
+        self.place = place
+        self.job_hex = job_hex
+        mine, theirs = socket.socketpair()
+        child_env = {**env, **place.worker_env(job_hex)}
+        # Only the smddp-launch job's variables would mislead a daemon started here.
+        for name in ("SMDDP_LEDGER",):
+            child_env.pop(name, None)
+        argv = [
+            *daemon_command(),
+            *("--workers-per-node", str(place.local_size)),
+            *("--rendezvous-fd", str(theirs.fileno())),
+        ]
+        try:
+            self.proc = subprocess.Popen(
+                argv,
+                env=child_env,
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+            )
+        except OSError as e:
+            mine.close()
+            raise BootstrapError(f"cannot start the smddp-daemon ({argv[0]}): {e}") from None
+        finally:
+            theirs.close()
+        self.conn = LineConn(mine, f"the smddp-daemon of node {place.node} (pid {self.proc.pid})")
+        # Tied to this worker: the daemon asks the kernel for SIGTERM when we die (smddp.daemon.run),
+        # and until it has, its end of the pair closing with us ends its bootstrap.
+        # After a clean end of the script (and smddp's own shutdown, registered later, so run
+        # earlier), give the daemon the time to say BYE to its peers before this process goes and
+        # the kernel ends it.
+        atexit.register(self.wait_exit, DAEMON_EXIT_WAIT_S)
+
+    def describe(self) -> str:
+        code = self.proc.poll()
+        if code is None:
+            return "stopped answering"
+        return f"exited with status {code}" if code >= 0 else f"was killed by signal {-code}"
+
+    def bootstrap(self, store: KVStore, timeout: float) -> None:
+        """Relay the daemons' bootstrap, then wait for the job description it writes."""
+        relay = StoreRelay(store, f"{PREFIX}boot/", self.place.node, self.place.nnodes, timeout)
+        try:
+            relay.serve(self.conn, self.describe)
+        finally:
+            self.conn.close()
+        directory = job_dir(default_socket_dir(), self.job_hex, self.place.node)
+        deadline = time.monotonic() + timeout
+        while read_job(directory) is None:
+            if self.proc.poll() is not None:
+                raise BootstrapError(f"the smddp-daemon of node {self.place.node} {self.describe()}")
+            if time.monotonic() > deadline:
+                raise BootstrapError(
+                    f"the smddp-daemon of node {self.place.node} wrote no job description within {timeout:g}s"
+                )
+            time.sleep(0.01)
+
+    def wait_exit(self, timeout: float) -> None:
+        """Wait (at most `timeout` s) for the daemon to end, then end it; its directory goes with it."""
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.terminate()  # its SIGTERM handler removes the job's directory
+            try:
+                self.proc.wait(5.0)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(job_dir(default_socket_dir(), self.job_hex, self.place.node), ignore_errors=True)
+
+
+def join_through_store(
+    store: KVStore, rank: int, size: int, timeout: float, env: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """Collective over every rank of the job: start and bootstrap the daemons through `store`.
+
+    Returns the SMDDP_ placement variables to join with (smddp.init's `env`). Raises BootstrapError
+    naming the cause on every rank when a daemon cannot start, and ConfigError for a layout smddp
+    cannot run."""
+    environ = os.environ if env is None else env
+    place = ElasticPlace.from_env(environ, rank, size)
+    if rank == 0:
+        store.set(f"{PREFIX}job", secrets.token_hex(JOB_ID_SIZE).encode())
+    job_hex = _get(store, f"{PREFIX}job", timeout, f"rank {rank}: rank 0 chose no smddp job id")
+    if len(job_hex) != 2 * JOB_ID_SIZE or any(c not in "0123456789abcdef" for c in job_hex):
+        raise BootstrapError(f"rank {rank}: the store holds a malformed smddp job id {job_hex[:40]!r}")
+    node_key = f"{PREFIX}node/{place.node}"
+    if place.local_rank == 0:
+        daemon: DaemonChild | None = None
+        try:
+            daemon = DaemonChild(place, job_hex, environ)
+            daemon.bootstrap(store, timeout)
+        except SmddpError as e:
+            store.set(node_key, json.dumps({"error": str(e)}).encode())
+            if daemon is not None:
+                daemon.wait_exit(5.0)
+            raise
+        store.set(node_key, json.dumps({"ok": daemon.proc.pid}).encode())
+    else:
+        raw = _get(
+            store, node_key, timeout, f"rank {rank}: the first worker of node {place.node} started no daemon"
+        )
+        try:
+            word = json.loads(raw)
+        except ValueError:
+            word = None
+        if not isinstance(word, dict) or not ("ok" in word or "error" in word):
+            raise BootstrapError(
+                f"rank {rank}: the store holds a malformed word for node {place.node}: {raw[:80]!r}"
+            )
+        if "error" in word:
+            raise BootstrapError(f"rank {rank}: {word['error']}")
+    return {**environ, **place.worker_env(job_hex)}
+
+
+def check_launcher(env: Mapping[str, str]) -> bool:
+    """Whether this worker runs under smddp-launch (True) or must join through the store (False)."""
+    if env.get("SMDDP_JOB_ID") and env.get("SMDDP_RANK"):
+        return True
+    if env.get("LOCAL_RANK") is None:
+        raise ConfigError(
+            "the smddp backend needs a launcher: smddp-launch -np W -- python SCRIPT, or "
+            "torchrun --nproc-per-node G SCRIPT (or one that sets torch's env:// variables)"
+        )
+    return False

@@ -1,0 +1,188 @@
+"""The daemons' bootstrap relayed through a store (torchrun's path), without processes: daemons and workers as threads over real socket pairs and torch's HashStore."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from smddp.errors import BootstrapError
+from smddp.launcher.elastic import ElasticPlace
+from smddp.transport.bootstrap import Membership, bootstrap_daemons, job_secret, read_secret_file
+from smddp.transport.relay import LineConn, RelayComm, StoreRelay
+from tests.conftest import need_module
+
+torch = need_module("torch", "pip install -e '.[torch]'")
+dist = torch.distributed
+
+JOB = "0123456789abcdef0123456789abcdef"
+
+
+def _run(n: int, secrets_: list[bytes | None] | None = None, sabotage: Any = None, timeout: float = 10.0):
+    """n daemons (threads) bootstrapping through n relays (threads) over one store.
+
+    Returns (what each daemon got: a Membership or its BootstrapError, what each relay raised or None)."""
+    store = dist.HashStore()
+    daemons: list[Any] = [None] * n
+    relays: list[Any] = [None] * n
+    threads = []
+    for node in range(n):
+        mine, theirs = socket.socketpair()
+
+        def daemon(node: int = node, fd: int = theirs.detach()) -> None:
+            try:
+                comm = RelayComm(fd, timeout)
+                if sabotage is not None and sabotage[0] == node:
+                    sabotage[1](comm)
+                    return
+                user = secrets_[node] if secrets_ else None
+                daemons[node] = bootstrap_daemons(
+                    comm, lambda nd, _job, _one: ("127.0.0.1", 5000 + nd, f"/s{nd}"), 2, JOB, user
+                )
+            except BootstrapError as e:
+                daemons[node] = e
+
+        def relay(node: int = node, sock: socket.socket = mine) -> None:
+            r = StoreRelay(store, "boot/", node, n, timeout)
+            try:
+                r.serve(LineConn(sock, f"daemon {node}"), lambda: "exited")
+            except BootstrapError as e:
+                relays[node] = e
+            finally:
+                sock.close()
+
+        threads += [threading.Thread(target=daemon), threading.Thread(target=relay)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+        assert not t.is_alive()
+    return daemons, relays
+
+
+def test_three_daemons_agree_on_one_job() -> None:
+    daemons, relays = _run(3)
+    assert relays == [None] * 3
+    assert all(isinstance(d, Membership) for d in daemons)
+    jobs = [d.job for d in daemons]
+    assert [d.node for d in daemons] == [0, 1, 2]
+    assert jobs[0].job_hex == JOB and len(jobs[0].secret) == 32
+    assert all(j == jobs[0] and j.secret == jobs[0].secret for j in jobs)
+    assert [(e.tcp_port, e.socket_path) for e in jobs[0].daemons] == [
+        (5000, "/s0"),
+        (5001, "/s1"),
+        (5002, "/s2"),
+    ]
+    assert jobs[0].size == 6
+
+
+def test_a_secret_file_is_derived_per_job_and_never_sent() -> None:
+    key = os.urandom(40)
+    daemons, _ = _run(2, [key, key])
+    assert all(isinstance(d, Membership) for d in daemons)
+    assert daemons[0].job.secret == daemons[1].job.secret == job_secret(key, bytes.fromhex(JOB))
+    assert job_secret(key, bytes(16)) != job_secret(key, bytes.fromhex(JOB))
+
+
+@pytest.mark.parametrize("which", ["different", "missing"])
+def test_secret_files_that_differ_fail_every_daemon(which: str) -> None:
+    secrets_: list[bytes | None] = [os.urandom(32), os.urandom(32) if which == "different" else None]
+    daemons, relays = _run(2, secrets_)
+    why = (
+        "secret differs between node 0 and node(s) 1"
+        if which == "different"
+        else "node 1 has no --secret-file but node 0 has one"
+    )
+    # Every daemon refuses the job with the same cause, and each tells the worker relaying for it.
+    for d, r in zip(daemons, relays, strict=True):
+        assert isinstance(d, BootstrapError) and why in str(d), d
+        assert isinstance(r, BootstrapError) and why in str(r), r
+
+
+def test_a_daemon_that_dies_fails_every_node_with_its_cause() -> None:
+    def die(comm: RelayComm) -> None:
+        comm.allgather([socket.gethostname(), 1])
+        comm._conn.close()  # gone after the first collective, as a crashed daemon
+
+    daemons, relays = _run(3, sabotage=(1, die))
+    for node in (0, 2):
+        assert isinstance(daemons[node], BootstrapError)
+        assert "the smddp-daemon of node 1 exited during the bootstrap" in str(daemons[node])
+        assert "the smddp-daemon of node 1 exited during the bootstrap" in str(relays[node])
+    assert "the smddp-daemon of node 1 exited during the bootstrap" in str(relays[1])
+
+
+def test_a_daemon_asking_nonsense_is_named() -> None:
+    def garbage(comm: RelayComm) -> None:
+        comm._conn.sock.sendall(b"not json\n")
+
+    daemons, relays = _run(2, sabotage=(0, garbage))
+    assert "sent something that is not JSON" in str(relays[0])
+    assert isinstance(daemons[1], BootstrapError) and "node 0" in str(daemons[1])
+
+
+def test_garbage_in_the_store_is_refused_by_name() -> None:
+    store = dist.HashStore()
+    store.set("boot/0/1", b"\x00garbage")
+    store.set("boot/0/0", b'{"v": 1}')
+    r = StoreRelay(store, "boot/", 0, 2, 2.0)
+    with pytest.raises(BootstrapError, match="malformed bootstrap value for node 1"):
+        r._get("boot/0/1", "node 1")
+
+
+def test_a_node_that_never_comes_is_bounded() -> None:
+    store = dist.HashStore()
+    r = StoreRelay(store, "boot/", 0, 2, 0.5)
+    with pytest.raises(BootstrapError, match=r"node 1 did not take part in the smddp bootstrap within 0\.5s"):
+        r._get("boot/0/1", "node 1")
+
+
+def test_secret_file_checks(tmp_path: Path) -> None:
+    f = tmp_path / "secret"
+    f.write_bytes(os.urandom(32))
+    f.chmod(0o600)
+    assert len(read_secret_file(str(f))) == 32
+    f.chmod(0o640)
+    with pytest.raises(BootstrapError, match="only its owner can read"):
+        read_secret_file(str(f))
+    f.chmod(0o600)
+    f.write_bytes(b"short")
+    with pytest.raises(BootstrapError, match="holds 5 bytes; at least 32"):
+        read_secret_file(str(f))
+    with pytest.raises(BootstrapError, match="cannot read the secret file"):
+        read_secret_file(str(tmp_path / "none"))
+    (tmp_path / "link").symlink_to(f)
+    with pytest.raises(BootstrapError, match="cannot read the secret file"):
+        read_secret_file(str(tmp_path / "link"))
+
+
+def _env(**kw: str) -> dict[str, str]:
+    return {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1", **kw}
+
+
+def test_elastic_place_from_torchrun_variables() -> None:
+    p = ElasticPlace.from_env({**_env(), "TORCHELASTIC_RESTART_COUNT": "3"}, 3, 4)
+    assert (p.node, p.nnodes, p.local_rank, p.local_size, p.restart_count) == (1, 2, 1, 2, 3)
+    assert p.worker_env("ab")["SMDDP_RANK"] == "3" and p.worker_env("ab")["SMDDP_NNODES"] == "2"
+    # Without GROUP_RANK (an env:// launcher that is not torchrun): the node from the rank.
+    assert ElasticPlace.from_env({"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}, 2, 4).node == 1
+
+
+@pytest.mark.parametrize(
+    ("env", "rank", "size", "match"),
+    [
+        ({"LOCAL_RANK": "0"}, 0, 2, "LOCAL_WORLD_SIZE not set"),
+        (_env(LOCAL_WORLD_SIZE="3"), 3, 4, "the same number of workers on every node"),
+        (_env(GROUP_RANK="0"), 3, 4, "ranks contiguous per node"),
+        (_env(LOCAL_RANK="x"), 3, 4, "malformed torch launcher variable"),
+    ],
+)
+def test_elastic_place_refuses_what_smddp_cannot_run(
+    env: dict[str, str], rank: int, size: int, match: str
+) -> None:
+    with pytest.raises(BootstrapError, match=match):
+        ElasticPlace.from_env(env, rank, size)
