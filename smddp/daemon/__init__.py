@@ -106,9 +106,14 @@ def run(cfg: DaemonConfig) -> int:
         held.update(tcp=tcp, unix=unix, dir=jobdir)
         return host, tcp.getsockname()[1], path
 
+    comm: DaemonComm | None = None
     try:
-        user_secret = read_secret_file(cfg.secret_file) if cfg.secret_file else None
-        comm: DaemonComm = RelayComm(cfg.rendezvous_fd, cfg.connect_timeout_s) if relayed else MpiComm()
+        comm = RelayComm(cfg.rendezvous_fd, cfg.connect_timeout_s) if relayed else MpiComm()
+        try:
+            user_secret = read_secret_file(cfg.secret_file) if cfg.secret_file else None
+        except BootstrapError as e:
+            comm.abort(str(e))  # under torchrun, every rank then ends with this cause
+            raise
         me = bootstrap_daemons(comm, open_endpoint, cfg.local_size, cfg.job_id_hex, user_secret)
     except BootstrapError as e:
         logging.getLogger("smddp.daemon").error("bootstrap failed: %s", e)
@@ -164,7 +169,9 @@ def write_job_files(jobdir: str, job: Job, node: int, attempt: int = 0) -> None:
     alone (0600, in a 0700 directory), as the shell that runs it is; never in argv, environment or
     logs. The secret goes first and job.json last, renamed into place: a reader that sees job.json
     sees both whole."""
-    info = json.dumps({**job_description(job, node), "attempt": attempt}).encode()
+    # Under torchrun, which run of torch elastic this job is an attempt of ("" under smddp-launch).
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    info = json.dumps({**job_description(job, node), "attempt": attempt, "run": run}).encode()
     for name, data in ((SECRET_FILE, job.secret), (JOB_FILE, info)):
         tmp = os.path.join(jobdir, f".{name}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)

@@ -137,14 +137,17 @@ class DaemonChild:
         atexit.register(self.wait_exit, DAEMON_EXIT_WAIT_S)
 
     def describe(self) -> str:
-        code = self.proc.poll()
-        if code is None:
+        try:
+            code = self.proc.wait(2.0)  # it closed its end: it is ending, or has ended
+        except subprocess.TimeoutExpired:
             return "stopped answering"
         return f"exited with status {code}" if code >= 0 else f"was killed by signal {-code}"
 
     def bootstrap(self, store: KVStore, timeout: float) -> None:
         """Relay the daemons' bootstrap, then wait for the job description it writes."""
-        relay = StoreRelay(store, f"{PREFIX}boot/", self.place.node, self.place.nnodes, timeout)
+        relay = StoreRelay(
+            store, f"{PREFIX}{self.job_hex}/boot/", self.place.node, self.place.nnodes, timeout
+        )
         try:
             relay.serve(self.conn, self.describe)
         finally:
@@ -174,6 +177,53 @@ class DaemonChild:
         shutil.rmtree(job_dir(default_socket_dir(), self.job_hex, self.place.node), ignore_errors=True)
 
 
+def agree_job_id(store: KVStore, rank: int, size: int, timeout: float) -> str:
+    """A fresh job id of rank 0's on every rank (collective), never one of an earlier attempt.
+
+    torch elastic keeps one store for every restart of a run (and its restart counts may differ
+    between nodes), so a key an earlier attempt wrote may still be there: reading "the job id" could
+    give the last attempt's. Instead each rank asks under a nonce of its own, which no earlier attempt
+    can have answered; rank 0 answers whatever it finds asked (an earlier attempt's question too,
+    harmlessly) until each rank has confirmed under the new id, which no earlier attempt can have
+    written either. Everything else of the job lives under that id.
+    """
+    deadline = time.monotonic() + timeout
+    if rank != 0:
+        nonce = secrets.token_hex(16)
+        store.set(f"{PREFIX}ask/{rank}", nonce.encode())
+        job_hex = _get(
+            store, f"{PREFIX}answer/{rank}/{nonce}", timeout, f"rank {rank}: rank 0 gave no smddp job id"
+        )
+        if len(job_hex) != 2 * JOB_ID_SIZE or any(c not in "0123456789abcdef" for c in job_hex):
+            raise BootstrapError(f"rank {rank}: the store holds a malformed smddp job id {job_hex[:40]!r}")
+        store.set(f"{PREFIX}{job_hex}/joined/{rank}", b"1")
+        return job_hex
+    job_hex = secrets.token_hex(JOB_ID_SIZE)
+    answered: dict[int, bytes] = {}
+    pending = set(range(1, size))
+    pause = 0.001
+    try:
+        while pending:
+            for r in sorted(pending):
+                if store.check([f"{PREFIX}{job_hex}/joined/{r}"]):
+                    pending.discard(r)
+                elif store.check([f"{PREFIX}ask/{r}"]):
+                    asked = store.get(f"{PREFIX}ask/{r}")
+                    if answered.get(r) != asked:
+                        store.set(f"{PREFIX}answer/{r}/{asked.decode(errors='replace')}", job_hex.encode())
+                        answered[r] = asked
+            if pending and time.monotonic() > deadline:
+                late = ", ".join(map(str, sorted(pending)[:16]))
+                raise BootstrapError(f"rank 0: rank(s) {late} did not join the smddp job within {timeout:g}s")
+            time.sleep(pause)
+            pause = min(2 * pause, 0.02)
+    except BootstrapError:
+        raise
+    except Exception as e:  # torch's store raises its own errors
+        raise BootstrapError(f"rank 0: the store failed while agreeing on the smddp job id: {e}") from None
+    return job_hex
+
+
 def join_through_store(
     store: KVStore, rank: int, size: int, timeout: float, env: Mapping[str, str] | None = None
 ) -> dict[str, str]:
@@ -184,12 +234,8 @@ def join_through_store(
     cannot run."""
     environ = os.environ if env is None else env
     place = ElasticPlace.from_env(environ, rank, size)
-    if rank == 0:
-        store.set(f"{PREFIX}job", secrets.token_hex(JOB_ID_SIZE).encode())
-    job_hex = _get(store, f"{PREFIX}job", timeout, f"rank {rank}: rank 0 chose no smddp job id")
-    if len(job_hex) != 2 * JOB_ID_SIZE or any(c not in "0123456789abcdef" for c in job_hex):
-        raise BootstrapError(f"rank {rank}: the store holds a malformed smddp job id {job_hex[:40]!r}")
-    node_key = f"{PREFIX}node/{place.node}"
+    job_hex = agree_job_id(store, rank, size, timeout)
+    node_key = f"{PREFIX}{job_hex}/node/{place.node}"
     if place.local_rank == 0:
         daemon: DaemonChild | None = None
         try:

@@ -89,9 +89,15 @@ def main() -> int:
     ap.add_argument("--modes", default="default,bucket_view,unused,static,no_sync,hook,smddp_ddp")
     ap.add_argument("--dtypes", default="float32")
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument(
+        "--no-init",
+        action="store_true",
+        help="leave smddp.init() to the backend (under torchrun, init_process_group('smddp') starts smddp)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
-    smddp.init()  # joins the smddp job in both cases (the launcher's daemons wait for every worker)
+    if not args.no_init:
+        smddp.init()  # joins the smddp job in both cases (the launcher's daemons wait for every worker)
     dist.init_process_group(backend=args.backend)
     rank = dist.get_rank()
     results: dict[str, Any] = {}

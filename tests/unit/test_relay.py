@@ -5,13 +5,14 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from smddp.errors import BootstrapError
-from smddp.launcher.elastic import ElasticPlace
+from smddp.launcher.elastic import ElasticPlace, agree_job_id
 from smddp.transport.bootstrap import Membership, bootstrap_daemons, job_secret, read_secret_file
 from smddp.transport.relay import LineConn, RelayComm, StoreRelay
 from tests.conftest import need_module
@@ -186,3 +187,40 @@ def test_elastic_place_refuses_what_smddp_cannot_run(
 ) -> None:
     with pytest.raises(BootstrapError, match=match):
         ElasticPlace.from_env(env, rank, size)
+
+
+def _agree(store: Any, size: int, delays: list[float]) -> list[Any]:
+    got: list[Any] = [None] * size
+
+    def rank(r: int) -> None:
+        time.sleep(delays[r])
+        try:
+            got[r] = agree_job_id(store, r, size, 10.0)
+        except BootstrapError as e:
+            got[r] = e
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return got
+
+
+@pytest.mark.parametrize("rank0_late", [False, True], ids=["rank0-first", "rank0-last"])
+def test_every_rank_gets_this_attempts_job_id_never_a_stale_one(rank0_late: bool) -> None:
+    """torch elastic keeps one store across restarts: an earlier attempt's keys are still there."""
+    store = dist.HashStore()
+    first = _agree(store, 3, [0.0, 0.0, 0.0])
+    assert len(set(first)) == 1 and isinstance(first[0], str) and len(first[0]) == 32
+    # The next attempt, on the same store, with rank 0 arriving before or after the others.
+    delays = [0.3, 0.0, 0.05] if rank0_late else [0.0, 0.2, 0.3]
+    second = _agree(store, 3, delays)
+    assert len(set(second)) == 1 and isinstance(second[0], str), second
+    assert second[0] != first[0]
+
+
+def test_a_rank_that_never_asks_is_named_by_rank_0() -> None:
+    store = dist.HashStore()
+    with pytest.raises(BootstrapError, match=r"rank\(s\) 1 did not join the smddp job within 0\.3s"):
+        agree_job_id(store, 0, 2, 0.3)
