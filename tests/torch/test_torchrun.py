@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -244,3 +245,18 @@ def test_a_secret_file_keeps_the_secret_off_the_store(
     got = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     assert all(g["derived"] and g["sum"] == 3.0 for g in got), got
     assert got[0]["job"] == got[1]["job"]
+
+
+def test_examples_run_under_torchrun(torchrun: Any, tmp_path: Path) -> None:
+    """The DDP example and the Hugging Face Trainer one, unchanged, under torchrun."""
+    proc = torchrun(4, [str(EXAMPLES / "train_digits.py"), "--epochs", "4"])
+    _ok(proc)
+    acc = [float(m) for m in re.findall(r"test accuracy (\d\.\d+)", proc.stdout)]
+    assert len(acc) == 4 and acc[-1] > 0.85, proc.stdout[-3000:]
+    assert "replicas agree bit for bit: True" in proc.stdout
+    need_module("transformers", "make setup installs it")
+    save = tmp_path / "hf.pt"
+    proc = torchrun(2, [str(EXAMPLES / "train_hf_trainer.py"), "--epochs", "1", "--save", str(save)])
+    _ok(proc)
+    assert "replicas agree bit for bit: True" in proc.stdout, proc.stdout[-3000:]
+    assert "backend smddp, 2 workers" in proc.stdout, proc.stdout[-3000:]
