@@ -159,8 +159,10 @@ SECRET_FILE_MIN_BYTES = 32
 def read_secret_file(path: str) -> bytes:
     """The contents of a user's secret file (--secret-file), refused unless only its owner, this
     user, can read it and it holds at least SECRET_FILE_MIN_BYTES bytes (as ssh treats a key)."""
+    # Symbolic links are followed (a Kubernetes Secret's files are links into its ..data directory):
+    # what counts is the file read, whose owner and mode fstat gives.
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDONLY)
     except OSError as e:
         raise BootstrapError(f"cannot read the secret file {path}: {e.strerror}") from None
     with os.fdopen(fd, "rb") as f:

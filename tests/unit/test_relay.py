@@ -156,8 +156,12 @@ def test_secret_file_checks(tmp_path: Path) -> None:
         read_secret_file(str(f))
     with pytest.raises(BootstrapError, match="cannot read the secret file"):
         read_secret_file(str(tmp_path / "none"))
+    # A link is followed (Kubernetes mounts a Secret's files as links); the file it reaches is checked.
+    f.write_bytes(os.urandom(32))
     (tmp_path / "link").symlink_to(f)
-    with pytest.raises(BootstrapError, match="cannot read the secret file"):
+    assert read_secret_file(str(tmp_path / "link")) == f.read_bytes()
+    f.chmod(0o644)
+    with pytest.raises(BootstrapError, match="only its owner can read"):
         read_secret_file(str(tmp_path / "link"))
 
 
