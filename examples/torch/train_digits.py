@@ -1,6 +1,7 @@
 """Data-parallel training of a digit classifier with stock PyTorch DDP on the smddp backend.
 
     smddp-launch -np 4 --local-nodes 2 -- python examples/torch/train_digits.py
+    torchrun --nproc-per-node 4 examples/torch/train_digits.py      (the same, without mpirun)
 
 The data set is scikit-learn's bundled handwritten digits (1797 8x8 images, no download). The only
 smddp-specific lines are `import smddp.torch` and `backend="smddp"`.
@@ -53,7 +54,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=0.05)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    dist.init_process_group(backend="smddp")  # RANK, WORLD_SIZE, ... come from smddp-launch
+    dist.init_process_group(backend="smddp")  # RANK, WORLD_SIZE, ... come from smddp-launch or torchrun
     rank, world = dist.get_rank(), dist.get_world_size()
     train_set, test_set = datasets()
     torch.manual_seed(rank)  # different initial weights per rank: DDP broadcasts rank 0's

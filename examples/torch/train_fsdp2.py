@@ -30,7 +30,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=0.05)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    dist.init_process_group(backend="smddp")  # RANK, WORLD_SIZE, ... come from smddp-launch
+    dist.init_process_group(backend="smddp")  # RANK, WORLD_SIZE, ... come from smddp-launch or torchrun
     rank, world = dist.get_rank(), dist.get_world_size()
     device = device_for(int(os.environ["LOCAL_RANK"]))
     train_set, test_set = digits()

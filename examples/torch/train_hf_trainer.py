@@ -1,6 +1,7 @@
 """Hugging Face `Trainer` on the smddp backend.
 
     smddp-launch -np 4 --local-nodes 2 -- python examples/torch/train_hf_trainer.py
+    torchrun --nproc-per-node 4 examples/torch/train_hf_trainer.py  (the same, without mpirun)
 
 The one smddp-specific step: start torch.distributed on smddp before building TrainingArguments.
 Trainer (through accelerate) then uses that group and wraps the model in stock DDP on it. (On
@@ -63,7 +64,7 @@ def main() -> None:
     ap.add_argument("--save", default="", help="write the final parameters here (rank 0)")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    dist.init_process_group(backend=args.backend)  # RANK, WORLD_SIZE, ... come from smddp-launch
+    dist.init_process_group(backend=args.backend)  # RANK, WORLD_SIZE, ... come from smddp-launch or torchrun
     train_set, test_set = digits()
     torch.manual_seed(0)
     model = DigitNet()
