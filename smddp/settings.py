@@ -200,8 +200,24 @@ SETTINGS: tuple[Setting, ...] = (
         env="SMDDP_LIBFABRIC",
         metavar="PATH",
     ),
-    S("chunk_kb", int, 1024, "the daemons' pipelining chunk (KiB)", ("--chunk-kb",), (LAUNCH, DAEMON)),
-    S("threads", int, 2, "reduction threads per daemon", ("--threads",), (LAUNCH, DAEMON)),
+    S(
+        "chunk_kb",
+        int,
+        1024,
+        "the daemons' pipelining chunk (KiB)",
+        ("--chunk-kb",),
+        (LAUNCH, DAEMON),
+        env="SMDDP_CHUNK_KB",
+    ),
+    S(
+        "threads",
+        int,
+        2,
+        "reduction threads per daemon",
+        ("--threads",),
+        (LAUNCH, DAEMON),
+        env="SMDDP_THREADS",
+    ),
     S(
         "replicate_kb",
         int,
@@ -209,6 +225,7 @@ SETTINGS: tuple[Setting, ...] = (
         "all-reduces of at most this many KiB x (nodes - 1) take one network step (0: never)",
         ("--replicate-kb",),
         (LAUNCH, DAEMON),
+        env="SMDDP_REPLICATE_KB",
     ),
     S(
         "pipeline_kb",
@@ -255,6 +272,7 @@ SETTINGS: tuple[Setting, ...] = (
         "every local worker and every peer daemon must connect within this long of a daemon's start (s)",
         ("--connect-timeout",),
         (DAEMON,),
+        env="SMDDP_CONNECT_TIMEOUT_S",
     ),
     S(
         "stall_warning_s",
@@ -263,6 +281,7 @@ SETTINGS: tuple[Setting, ...] = (
         "log collectives that wait longer than this, and for whom (s)",
         ("--stall-warning-s", "--stall-warning"),
         (LAUNCH, DAEMON),
+        env="SMDDP_STALL_WARNING_S",
     ),
     S(
         "stall_timeout_s",
@@ -273,6 +292,7 @@ SETTINGS: tuple[Setting, ...] = (
         "hear who is late rather than a bare timeout of their own",
         ("--stall-timeout",),
         (LAUNCH, DAEMON),
+        env="SMDDP_STALL_TIMEOUT_S",
     ),
     # -- observability
     S(
@@ -282,6 +302,7 @@ SETTINGS: tuple[Setting, ...] = (
         "Prometheus /metrics: the daemon of node n serves on PORT+n (0: off)",
         ("--metrics-port",),
         (LAUNCH, DAEMON),
+        env="SMDDP_METRICS_PORT",
     ),
     S(
         "timeline",

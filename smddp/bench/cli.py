@@ -125,6 +125,12 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
     d.add_argument("--name", default="ddp", help="output file stem")
     d.add_argument(
+        "--launcher",
+        choices=["smddp-launch", "torchrun"],
+        default="smddp-launch",
+        help="torchrun: also run smddp under torchrun, interleaved, against smddp-launch (step and start-up)",
+    )
+    d.add_argument(
         "--device",
         choices=["cpu", "cuda"],
         default="cpu",
@@ -226,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
                     outdir=a.out,
                     name=a.name,
                     command=command,
+                    launcher=a.launcher,
                 )
             )
             return 0

@@ -23,6 +23,8 @@ from smddp.bench.runner import (
 )
 
 IMPLS = ("smddp", "gloo")
+#: With --launcher torchrun: smddp under torchrun too, between the other two.
+TORCHRUN_IMPLS = ("smddp", "smddp-torchrun", "gloo")
 
 
 @dataclass(frozen=True)
@@ -41,17 +43,24 @@ class DdpConfig:
     outdir: str = "bench-results"
     name: str = "ddp"
     command: str = ""
+    launcher: str = "smddp-launch"  # or "torchrun": smddp also under torchrun, interleaved
+
+    @property
+    def impls(self) -> tuple[str, ...]:
+        return TORCHRUN_IMPLS if self.launcher == "torchrun" else IMPLS
 
     def __post_init__(self) -> None:
         if self.rounds < 1 or self.steps < 1 or self.warmup < 0:
             raise ValueError("rounds and steps must be at least 1, warmup at least 0")
+        if self.launcher not in ("smddp-launch", "torchrun"):
+            raise ValueError(f"launcher must be smddp-launch or torchrun, got {self.launcher!r}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
 
     def program(self, impl: str, outdir: str) -> list[str]:
         return [
             sys.executable,
-            *("-m", "smddp.bench.ddp_worker", "--impl", impl, "--out", outdir),
+            *("-m", "smddp.bench.ddp_worker", "--impl", impl.split("-")[0], "--out", outdir),
             *("--width", str(self.width), "--depth", str(self.depth), "--inputs", str(self.inputs)),
             *("--batch", str(self.batch), "--bucket-mb", f"{self.bucket_mb:g}"),
             *("--steps", str(self.steps), "--warmup", str(self.warmup)),
@@ -60,7 +69,9 @@ class DdpConfig:
 
 
 def run_once(cfg: DdpConfig, impl: str, p: Any, log: TextIO) -> dict[str, Any]:
-    """One launch of `impl`: per step the slowest rank's time, and the parameters' digest checked equal."""
+    """One launch of `impl`: per step the slowest rank's time, and the parameters' digest checked equal;
+    its start-up: from the command to the last rank's first all-reduce done."""
+    started = time.time()
     cmd, settings, wall, per_rank = launch_ranks(
         impl, p, (), log, opts=cfg.options, program=lambda outdir: cfg.program(impl, outdir)
     )
@@ -79,6 +90,8 @@ def run_once(cfg: DdpConfig, impl: str, p: Any, log: TextIO) -> dict[str, Any]:
         "device": per_rank[0].get("device", "cpu"),
         "step_s": steps,
         "median_s": statistics.median(steps),
+        "startup_s": max(r["first_allreduce_at"] for r in per_rank) - started,
+        "params_sha256": per_rank[0]["params_sha256"],
     }
 
 
@@ -87,15 +100,16 @@ def run_ddp(cfg: DdpConfig, log: TextIO = sys.stderr) -> dict[str, Any]:
     if not have_torch():
         raise BenchError("smddp-bench ddp needs torch (pip install torch)")
     machine = machine_info()
-    runs: dict[str, list[dict[str, Any]]] = {i: [] for i in IMPLS}
+    impls = cfg.impls
+    runs: dict[str, list[dict[str, Any]]] = {i: [] for i in impls}
     t0 = time.monotonic()
     with place(cfg.topology, cfg.options) as p:
         for rnd in range(cfg.rounds):
-            for impl in IMPLS:
+            for impl in impls:
                 print(f"smddp-bench ddp: round {rnd + 1}/{cfg.rounds} {impl}", file=log, flush=True)
                 runs[impl].append(run_once(cfg, impl, p, log))
     machine["loadavg_after"] = list(os.getloadavg())
-    pooled = {i: statistics.median(s for r in runs[i] for s in r["step_s"]) for i in IMPLS}
+    pooled = {i: statistics.median(s for r in runs[i] for s in r["step_s"]) for i in impls}
     result: dict[str, Any] = {
         "kind": "ddp",
         "command": cfg.command,
@@ -112,7 +126,20 @@ def run_ddp(cfg: DdpConfig, log: TextIO = sys.stderr) -> dict[str, Any]:
         "ratio_per_round": [
             s["median_s"] / g["median_s"] for s, g in zip(runs["smddp"], runs["gloo"], strict=True)
         ],
+        "startup_s": {i: statistics.median(r["startup_s"] for r in runs[i]) for i in impls},
     }
+    if "smddp-torchrun" in runs:
+        # One data plane: the same training gives the same bits under either launcher.
+        same = {r["params_sha256"] for i in ("smddp", "smddp-torchrun") for r in runs[i]}
+        result["torchrun"] = {
+            "step_ratio": pooled["smddp-torchrun"] / pooled["smddp"],
+            "step_ratio_per_round": [
+                t["median_s"] / s["median_s"]
+                for t, s in zip(runs["smddp-torchrun"], runs["smddp"], strict=True)
+            ],
+            "startup_ratio": result["startup_s"]["smddp-torchrun"] / result["startup_s"]["smddp"],
+            "same_bits": len(same) == 1,
+        }
     out = Path(cfg.outdir)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{cfg.name}.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -141,12 +168,27 @@ def ddp_markdown(res: dict[str, Any]) -> str:
         "| implementation | median step ms | per launch (median ms) |",
         "| --- | ---: | --- |",
     ]
-    for impl in IMPLS:
+    impls = list(res["runs"])
+    startup = res.get("startup_s", {})
+    for impl in impls:
         per = ", ".join(f"{r['median_s'] * 1e3:.1f}" for r in res["runs"][impl])
-        lines.append(f"| {impl} | {res['median_s'][impl] * 1e3:.1f} | {per} |")
+        up = f" | {startup[impl]:.2f}" if startup else ""
+        lines.append(f"| {impl} | {res['median_s'][impl] * 1e3:.1f} | {per}{up} |")
+    if startup:
+        lines[lines.index("| implementation | median step ms | per launch (median ms) |")] += " start-up s |"
+        lines[lines.index("| --- | ---: | --- |")] += " ---: |"
     rounds = ", ".join(f"{x:.3f}" for x in res["ratio_per_round"])
     lines += ["", f"smddp / gloo: **{res['ratio']:.3f}** (per launch: {rounds}).", ""]
+    if "torchrun" in res:
+        t = res["torchrun"]
+        per = ", ".join(f"{x:.3f}" for x in t["step_ratio_per_round"])
+        lines += [
+            f"smddp under torchrun / under smddp-launch: step **{t['step_ratio']:.3f}** (per launch: {per}); "
+            f"start-up (the command to the last rank's first all-reduce, median) **{t['startup_ratio']:.2f}**; "
+            f"the same parameters to the bit under both: {t['same_bits']}.",
+            "",
+        ]
     lines += ["Launched as (the first launch; the output directory differs per launch):", ""]
-    lines += [f"- {impl}: `{res['runs'][impl][0]['command']}`" for impl in IMPLS]
+    lines += [f"- {impl}: `{res['runs'][impl][0]['command']}`" for impl in impls]
     lines.append("")
     return "\n".join(lines)

@@ -59,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         rank, world = int(os.environ["OMPI_COMM_WORLD_RANK"]), int(os.environ["OMPI_COMM_WORLD_SIZE"])
         dist.init_process_group("gloo", rank=rank, world_size=world)
     rank, world = dist.get_rank(), dist.get_world_size()
+    dist.all_reduce(torch.zeros(1))
+    first_allreduce_at = time.time()  # the launcher's start-up ends here (smddp-bench ddp)
     device, name = torch.device("cpu"), "cpu"
     if args.device == "cuda":
         if not torch.cuda.is_available():
@@ -105,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         "step_s": steps,
         "loss": float(loss),
         "params_sha256": digest.hexdigest(),
+        "first_allreduce_at": first_allreduce_at,
     }
     os.makedirs(args.out, exist_ok=True)
     tmp = os.path.join(args.out, f".rank{rank}.json.tmp")

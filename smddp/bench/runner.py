@@ -267,6 +267,8 @@ def build_command(
         worker = list(program)
     env: dict[str, str] = {"PYTHONUNBUFFERED": "1"}
     settings: dict[str, Any] = {}
+    if impl == "smddp-torchrun":
+        return _torchrun_command(p, opts, worker)
     if impl in ("smddp", "smddp-ofi"):
         cmd = [_bin("smddp-launch"), "-np", str(topo.workers)]
         if p.cluster is not None:
@@ -316,6 +318,58 @@ def build_command(
     if p.cluster is not None:
         cmd += [*p.cluster.mpirun_args(), "-H", p.cluster.host_list(topo.per_node)]
     cmd += worker
+    return cmd, env, settings
+
+
+def _torchrun_command(
+    p: Place, opts: RunOptions, worker: Sequence[str]
+) -> tuple[list[str], dict[str, str], dict[str, Any]]:
+    """smddp under torchrun: one torchrun per node (through the cluster's launch agent on simulated
+    nodes, run together by smddp.bench.fanout), the c10d rendezvous on node 0, the same daemon
+    settings as the smddp-launch runs (as the environment variables the daemons read)."""
+    topo = p.topo
+    if worker[:2] != [sys.executable, "-m"]:
+        raise BenchError("under torchrun the per-rank program must be a module (python -m ...)")
+    host0 = p.cluster.hosts()[0] if p.cluster is not None else "127.0.0.1"
+    port, run_id = service_port(), f"bench-{os.urandom(6).hex()}"
+    per_node = [
+        _bin("torchrun"),
+        *("--nnodes", str(topo.nodes), "--nproc-per-node", str(topo.per_node)),
+        *("--rdzv-backend", "c10d", "--rdzv-endpoint", f"{host0}:{port}", "--rdzv-id", run_id),
+        *("--monitor-interval", "0.1"),
+        *worker[1:],
+    ]
+    env = {
+        "PYTHONUNBUFFERED": "1",
+        "SMDDP_CHUNK_KB": str(opts.chunk_kb),
+        "SMDDP_THREADS": str(opts.threads),
+        "SMDDP_FABRIC": "tcp",
+        "SMDDP_REPLICATE_KB": str(opts.replicate_kb),
+        "SMDDP_PIPELINE_KB": str(opts.pipeline_kb),
+    }
+    if p.cluster is not None:
+        env["SMDDP_IFACE"] = p.cluster.config.cidr
+        agent = p.cluster.launch_agent_path()
+        cmd = [
+            sys.executable,
+            "-m",
+            "smddp.bench.fanout",
+            json.dumps([[agent, h, *per_node] for h in p.cluster.hosts()]),
+        ]
+    elif topo.nodes > 1:
+        raise BenchError(
+            "smddp under torchrun on one host runs one node (--nodes 1), or simulated nodes (--sim)"
+        )
+    else:
+        cmd = per_node
+    settings = {
+        "launcher": "torchrun",
+        "chunk_kb": opts.chunk_kb,
+        "daemon_threads": opts.threads,
+        "replicate_kb": opts.replicate_kb,
+        "pipeline_kb": opts.pipeline_kb,
+        "fabric": "tcp",
+    }
     return cmd, env, settings
 
 
