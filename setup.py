@@ -1,6 +1,8 @@
 """Build hook for the compiled part, the engine (C++17, required; metadata lives in pyproject.toml)."""
 
+import os
 import shutil
+import sys
 import sysconfig
 
 from setuptools import Extension, setup
@@ -8,24 +10,32 @@ from setuptools.command.build_ext import build_ext
 
 # Warnings are errors in the engine: what the compiler doubts, the wire will find.
 ENGINE_FLAGS = ["-std=c++17", "-O3", "-Wall", "-Wextra", "-Wshadow", "-Werror", "-fvisibility=hidden"]
+# The C++ runtime goes into the extension itself: the wheel then needs only glibc's old symbols
+# (auditwheel tags it manylinux), not the libstdc++ of the machine that built it.
+LINK_FLAGS = ["-static-libstdc++", "-static-libgcc"]
+# From Python 3.11 on the bindings keep to the stable ABI (its buffer protocol came in 3.11): one
+# cp311-abi3 wheel serves 3.11 and every later CPython. 3.10 gets a wheel of its own.
+LIMITED_API = sys.version_info >= (3, 11) and not os.environ.get("SMDDP_NO_LIMITED_API")
 
 
 class BuildExt(build_ext):
     """Says exactly what is missing when there is no C++ compiler, instead of a compiler's traceback."""
 
     def build_extensions(self) -> None:
-        cxx = (sysconfig.get_config_var("CXX") or "g++").split()[0]
-        if (
-            self.compiler.compiler_type == "unix"
-            and shutil.which(cxx) is None
-            and shutil.which("g++") is None
-        ):
+        # $CXX first, as setuptools itself takes it; then the compiler Python was built with.
+        given = os.environ.get("CXX")
+        cxx = (given or sysconfig.get_config_var("CXX") or "g++").split()[0]
+        if self.compiler.compiler_type == "unix" and shutil.which(cxx) is None and (given or shutil.which("g++") is None):
+            where = f"{cxx!r} ($CXX)" if given else f"neither {cxx!r} (Python's CXX) nor 'g++'"
             raise SystemExit(
                 f"smddp: building from source needs a C++17 compiler for its engine (smddp._engine), and "
-                f"neither {cxx!r} (Python's CXX) nor 'g++' is on PATH. Install one (Debian/Ubuntu: "
+                f"{where} is not on PATH. Install one (Debian/Ubuntu: "
                 "apt install g++; RHEL: dnf install gcc-c++) or set CXX, or install a built wheel "
                 "(pip wheel . on a machine with a compiler), which needs none."
             )
+        # The engine's sources compile in parallel (setuptools compiles one at a time by default).
+        if self.parallel is None:
+            self.parallel = os.cpu_count() or 1
         super().build_extensions()
 
 
@@ -50,6 +60,13 @@ extensions = [
         ],
         language="c++",
         extra_compile_args=ENGINE_FLAGS,
+        extra_link_args=LINK_FLAGS,
+        define_macros=[("Py_LIMITED_API", "0x030B0000")] if LIMITED_API else [],
+        py_limited_api=LIMITED_API,
     ),
 ]
-setup(ext_modules=extensions, cmdclass={"build_ext": BuildExt})
+setup(
+    ext_modules=extensions,
+    cmdclass={"build_ext": BuildExt},
+    options={"bdist_wheel": {"py_limited_api": "cp311"}} if LIMITED_API else {},
+)

@@ -24,6 +24,24 @@
 #include "reduce.h"
 #include "reduce16.h"
 
+// The stable ABI (Py_LIMITED_API, where setup.py builds an abi3 wheel) has no access to a type's
+// fields: the heap types' allocator and deallocator come through PyType_GetSlot.
+static PyObject* alloc_instance(PyTypeObject* type) {
+  auto alloc = reinterpret_cast<allocfunc>(PyType_GetSlot(type, Py_tp_alloc));
+  return alloc(type, 0);
+}
+
+static void free_instance(PyTypeObject* type, PyObject* self) {
+  auto release = reinterpret_cast<freefunc>(PyType_GetSlot(type, Py_tp_free));
+  release(self);
+}
+
+// Item i of a list or tuple made by PySequence_Fast (borrowed, as PySequence_Fast_GET_ITEM's).
+static PyObject* fast_item(PyObject* seq, Py_ssize_t i) {
+  return PyList_Check(seq) ? PyList_GetItem(seq, i) : PyTuple_GetItem(seq, i);
+}
+
+
 namespace {
 
 struct ModuleState {
@@ -172,7 +190,7 @@ PyObject* py_reduce16(PyObject*, PyObject* args) {
   if (kind == 0 && !smddp::have_f16c()) return PyErr_Format(PyExc_NotImplementedError, "float16 needs a CPU with F16C");
   PyObject* seq = PySequence_Fast(inputs, "inputs must be a sequence");
   if (seq == nullptr) return nullptr;
-  const Py_ssize_t k = PySequence_Fast_GET_SIZE(seq);
+  const Py_ssize_t k = PySequence_Size(seq);
   PyObject* result = nullptr;
   {
     Views v;
@@ -185,7 +203,7 @@ PyObject* py_reduce16(PyObject*, PyObject* args) {
       bool ok = len % 2 == 0;
       if (!ok) PyErr_SetString(PyExc_ValueError, "out holds an odd number of bytes");
       for (Py_ssize_t j = 0; ok && j < k; j++) {
-        ok = v.get(PySequence_Fast_GET_ITEM(seq, j), PyBUF_C_CONTIGUOUS);
+        ok = v.get(fast_item(seq, j), PyBUF_C_CONTIGUOUS);
         if (ok && v.views.back().len != len) {
           PyErr_Format(PyExc_ValueError, "input %zd holds %zd bytes, out %zd", j, v.views.back().len, len);
           ok = false;
@@ -213,7 +231,7 @@ PyObject* py_reduce16(PyObject*, PyObject* args) {
               Py_CLEAR(result);
               break;
             }
-            PyList_SET_ITEM(result, static_cast<Py_ssize_t>(i), b);
+            PyList_SetItem(result, static_cast<Py_ssize_t>(i), b);
           }
         }
       }
@@ -237,7 +255,7 @@ PyObject* py_reduce(PyObject*, PyObject* args) {
   const std::size_t size = smddp::dtype_size(static_cast<std::uint8_t>(dtype));
   PyObject* seq = PySequence_Fast(inputs, "inputs must be a sequence");
   if (seq == nullptr) return nullptr;
-  const Py_ssize_t k = PySequence_Fast_GET_SIZE(seq);
+  const Py_ssize_t k = PySequence_Size(seq);
   bool ok = false;
   {
     Views v;
@@ -249,7 +267,7 @@ PyObject* py_reduce(PyObject*, PyObject* args) {
       ok = len % static_cast<Py_ssize_t>(size) == 0;
       if (!ok) PyErr_Format(PyExc_ValueError, "out holds %zd bytes, not whole elements of %zu", len, size);
       for (Py_ssize_t j = 0; ok && j < k; j++) {
-        ok = v.get(PySequence_Fast_GET_ITEM(seq, j), PyBUF_C_CONTIGUOUS);
+        ok = v.get(fast_item(seq, j), PyBUF_C_CONTIGUOUS);
         if (ok && v.views.back().len != len) {
           PyErr_Format(PyExc_ValueError, "input %zd holds %zd bytes, out %zd", j, v.views.back().len, len);
           ok = false;
@@ -296,7 +314,7 @@ smddp::Collective& coll(PyObject* self) { return **reinterpret_cast<CollectiveOb
 // A new Python Collective sharing `c`.
 PyObject* wrap_collective(PyObject* module, const std::shared_ptr<smddp::Collective>& c) {
   auto* type = reinterpret_cast<PyTypeObject*>(state(module)->collective_type);
-  PyObject* self = type->tp_alloc(type, 0);
+  PyObject* self = alloc_instance(type);
   if (self == nullptr) return nullptr;
   try {
     reinterpret_cast<CollectiveObject*>(self)->c = new std::shared_ptr<smddp::Collective>(c);
@@ -361,7 +379,7 @@ PyObject* collective_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   if (!text(who_obj, &who)) return nullptr;
   const std::string why = smddp::Collective::check(spec, topo);
   if (!why.empty()) return raise_protocol(module, who + ": " + why);
-  PyObject* self = type->tp_alloc(type, 0);
+  PyObject* self = alloc_instance(type);
   if (self == nullptr) return nullptr;
   try {
     reinterpret_cast<CollectiveObject*>(self)->c =
@@ -379,7 +397,7 @@ template <typename Obj, auto Member>
 void dealloc_owner(PyObject* self) {
   PyTypeObject* type = Py_TYPE(self);
   delete (reinterpret_cast<Obj*>(self)->*Member);
-  type->tp_free(self);
+  free_instance(type, self);
   Py_DECREF(type);
 }
 
@@ -415,7 +433,7 @@ PyObject* collective_local_tasks(PyObject* self, PyObject*) {
       Py_CLEAR(list);
       break;
     }
-    PyList_SET_ITEM(list, static_cast<Py_ssize_t>(i), t);
+    PyList_SetItem(list, static_cast<Py_ssize_t>(i), t);
   }
   return list;
 }
@@ -560,7 +578,7 @@ PyObject* collective_late_nodes(PyObject* self, PyObject*) {
       Py_CLEAR(list);
       break;
     }
-    PyList_SET_ITEM(list, static_cast<Py_ssize_t>(i), v);
+    PyList_SetItem(list, static_cast<Py_ssize_t>(i), v);
   }
   return list;
 }
@@ -660,11 +678,11 @@ PyObject* raise_verdict(PyObject* self, const smddp::Verdict& v) {
 bool strings(PyObject* seq, std::vector<std::string>* out) {
   PyObject* fast = PySequence_Fast(seq, "expected a sequence of str");
   if (fast == nullptr) return false;
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+  const Py_ssize_t n = PySequence_Size(fast);
   bool ok = true;
   for (Py_ssize_t i = 0; ok && i < n; i++) {
     std::string one;
-    PyObject* item = PySequence_Fast_GET_ITEM(fast, i);
+    PyObject* item = fast_item(fast, i);
     ok = PyUnicode_Check(item) && text(item, &one);
     if (ok) out->push_back(one);
     else if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "expected a sequence of str");
@@ -697,7 +715,7 @@ PyObject* node_state_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   topo.world = static_cast<std::uint32_t>(world);
   topo.chunk_bytes = static_cast<std::uint64_t>(chunk_bytes);
   topo.replicate_bytes = static_cast<std::uint64_t>(replicate_bytes);
-  PyObject* self = type->tp_alloc(type, 0);
+  PyObject* self = alloc_instance(type);
   if (self == nullptr) return nullptr;
   try {
     reinterpret_cast<NodeStateObject*>(self)->s = new smddp::NodeState(topo, node_names, rank_names);
@@ -924,7 +942,7 @@ smddp::Segment& segment_of(PyObject* self) { return **reinterpret_cast<SegmentOb
 
 PyObject* wrap_segment(PyObject* module, const std::shared_ptr<smddp::Segment>& seg) {
   auto* type = reinterpret_cast<PyTypeObject*>(state(module)->segment_type);
-  PyObject* self = type->tp_alloc(type, 0);
+  PyObject* self = alloc_instance(type);
   if (self == nullptr) return nullptr;
   try {
     reinterpret_cast<SegmentObject*>(self)->seg = new std::shared_ptr<smddp::Segment>(seg);
@@ -1058,7 +1076,7 @@ PyObject* arena_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
       !text(name_obj, &name))
     return nullptr;
   if (segment_bytes < 0) return raise_protocol(PyType_GetModule(type), "segment_bytes must not be negative");
-  PyObject* self = type->tp_alloc(type, 0);
+  PyObject* self = alloc_instance(type);
   if (self == nullptr) return nullptr;
   try {
     reinterpret_cast<ArenaObject*>(self)->arena = new smddp::Arena(name, static_cast<std::uint64_t>(segment_bytes));
@@ -1238,7 +1256,7 @@ PyObject* plane_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   cfg.ofi_library = ofi_library;
   cfg.ofi_provider = ofi_provider;
   smddp::Arena* scratch = scratch_obj == Py_None ? nullptr : reinterpret_cast<ArenaObject*>(scratch_obj)->arena;
-  PyObject* self = type->tp_alloc(type, 0);
+  PyObject* self = alloc_instance(type);
   if (self == nullptr) return nullptr;
   try {
     reinterpret_cast<PlaneObject*>(self)->plane =
@@ -1270,7 +1288,7 @@ void plane_dealloc(PyObject* self) {
   }
   Py_XDECREF(obj->arena);
   Py_XDECREF(obj->scratch);
-  type->tp_free(self);
+  free_instance(type, self);
   Py_DECREF(type);
 }
 
@@ -1543,7 +1561,7 @@ PyObject* plane_peer_counters(PyObject* self, PyObject*) {
       Py_DECREF(out);
       return nullptr;
     }
-    PyList_SET_ITEM(out, static_cast<Py_ssize_t>(i), row);
+    PyList_SetItem(out, static_cast<Py_ssize_t>(i), row);
   }
   return out;
 }
@@ -1568,14 +1586,14 @@ PyObject* plane_take_traces(PyObject* self, PyObject*) {
         Py_DECREF(out);
         return nullptr;
       }
-      PyList_SET_ITEM(phases, static_cast<Py_ssize_t>(k), ph);
+      PyList_SetItem(phases, static_cast<Py_ssize_t>(k), ph);
     }
     PyObject* row = Py_BuildValue("(KsN)", static_cast<unsigned long long>(t.seq), t.what.c_str(), phases);
     if (row == nullptr) {
       Py_DECREF(out);
       return nullptr;
     }
-    PyList_SET_ITEM(out, static_cast<Py_ssize_t>(i), row);
+    PyList_SetItem(out, static_cast<Py_ssize_t>(i), row);
   }
   return out;
 }
@@ -1597,7 +1615,7 @@ PyObject* plane_take_completions(PyObject* self, PyObject*) {
       Py_DECREF(out);
       return nullptr;
     }
-    PyList_SET_ITEM(out, static_cast<Py_ssize_t>(i), row);
+    PyList_SetItem(out, static_cast<Py_ssize_t>(i), row);
   }
   return out;
 }
@@ -1687,7 +1705,7 @@ PyObject* channel_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
     PyErr_SetString(PyExc_OSError, why.c_str());
     return nullptr;
   }
-  PyObject* self = type->tp_alloc(type, 0);
+  PyObject* self = alloc_instance(type);
   if (self == nullptr) return nullptr;
   reinterpret_cast<ChannelObject*>(self)->ch = ch.release();
   return self;
@@ -1971,7 +1989,7 @@ PyObject* daemon_channel_new(PyTypeObject* type, PyObject* args, PyObject* kwarg
     PyErr_Format(PyExc_ValueError, "a channel is a writable segment of at least %zu bytes", smddp::channel_bytes());
     return nullptr;
   }
-  PyObject* self = type->tp_alloc(type, 0);
+  PyObject* self = alloc_instance(type);
   if (self == nullptr) return nullptr;
   reinterpret_cast<DaemonChannelObject*>(self)->end = new DaemonEnd(std::move(seg));
   return self;

