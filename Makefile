@@ -52,7 +52,13 @@ multiprocess: $(STAMP)
 	$(BIN)/pytest -q tests/multiprocess
 
 test: lint typecheck engine-sanitize engine-fuzz engine-sanitize-jobs $(STAMP)
-	$(BIN)/pytest -q -ra tests
+	$(BIN)/pytest -q -ra -m "not long" tests
+
+# The combinations CI leaves out (marked `long`: more topologies, providers and front-end layouts of
+# what CI runs in its representative ones); about 10 minutes here.
+.PHONY: test-long
+test-long: $(STAMP)
+	$(BIN)/pytest -q -ra -m long tests
 
 # The engine built with AddressSanitizer+UndefinedBehaviorSanitizer and with ThreadSanitizer, and its
 # decoders fuzzed under both for a bounded time (tests/engine/fuzz_*.cc): any bytes give a header or
@@ -63,7 +69,9 @@ ENGINE_CORE := smddp/engine/frame.cc smddp/engine/layout.cc smddp/engine/reduce1
   smddp/engine/node_state.cc smddp/engine/arena.cc \
   smddp/engine/tcp_fabric.cc smddp/engine/ofi_fabric.cc smddp/engine/ofi_wire.cc smddp/engine/ring.cc smddp/engine/channel.cc \
   smddp/engine/local_plane.cc
-FUZZ_SECONDS ?= 15
+# Each driver's own bounded run under ASan+UBSan and under TSan (the coverage-guided libFuzzer runs of
+# engine-fuzz go deeper; `make fuzz` longer still).
+FUZZ_SECONDS ?= 5
 FUZZERS := fuzz_frame fuzz_layout fuzz_collective fuzz_node_state fuzz_reduce fuzz_ofi_wire
 ENGINE_TESTS := test_fabric test_ofi_fabric test_ring test_arena test_local_plane test_node_plane
 # The engine's core is compiled once per sanitizer (objects under $(SAN_DIR)/asan and /tsan), and
@@ -132,7 +140,7 @@ fuzz:
 # Real jobs against the engine built with each sanitizer: the extension itself compiled with
 # ASan+UBSan, then with TSan, loaded into the daemons and workers of a named subset of the
 # multi-process tier (tests/engine/sanitized_jobs.sh says how; tests/engine/tsan.supp what of Open
-# MPI is not ours). The subset: every collective, dtype and op bit-exact with 4 workers on one node
+# MPI is not ours). The subset under ASan+UBSan (TSan's, smaller, below): every collective, dtype and op bit-exact with 4 workers on one node
 # (the rings, 64 MiB cases included), the sharded path on 3 nodes and pipelined pieces on 2 (the
 # fabric; without the 64 MiB cases, which TSan's shadow memory cannot hold 6 times on this machine),
 # pipelined pieces on 2 nodes over the ofi fabric (libfabric's tcp provider), bad arguments and a mismatch failing every rank, an authenticated worker's garbage on its ring,
@@ -143,10 +151,15 @@ SAN_JOBS := 'tests/multiprocess/test_collectives.py::test_every_collective_bit_e
   'tests/multiprocess/test_ofi.py::test_both_reduce_paths_over_ofi[pipelined-16KiB-pieces]' \
   tests/multiprocess/test_launch.py::test_bad_arguments_refused_and_mismatch_fails_every_rank \
   tests/faults/test_rogue.py tests/faults/test_faults.py::test_worker_killed_mid_collective
+# Under TSan (5-15x slower) the jobs whose threads meet: the rings and the fabric with pipelined
+# pieces on 2 nodes, over TCP and over libfabric, and a worker killed in the middle of a collective.
+SAN_JOBS_TSAN := 'tests/multiprocess/test_collectives.py::test_both_reduce_paths_bit_exact[W4-N2-pipelined-16KiB-pieces]' \
+  'tests/multiprocess/test_ofi.py::test_both_reduce_paths_over_ofi[pipelined-16KiB-pieces]' \
+  tests/faults/test_faults.py::test_worker_killed_mid_collective
 .PHONY: engine-sanitize-jobs
 engine-sanitize-jobs: $(STAMP)
 	bash tests/engine/sanitized_jobs.sh asan $(BIN) $(SAN_DIR) $(SAN_JOBS)
-	bash tests/engine/sanitized_jobs.sh tsan $(BIN) $(SAN_DIR) $(SAN_JOBS)
+	bash tests/engine/sanitized_jobs.sh tsan $(BIN) $(SAN_DIR) $(SAN_JOBS_TSAN)
 
 # For a lent GPU machine (tests/gpu/on_gpu.sh, docs/gpu.md "On a lent GPU machine"): smddp built for
 # that machine's Python (3.12), and what it lacks beside torch and CuPy, as wheels in .whl/ (ignored

@@ -106,34 +106,38 @@ def test_isolated_sweep_times_each_call_after_a_barrier(tmp_path):
     assert "Mode: **isolated**" in (tmp_path / "iso.md").read_text()
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(420)
 def test_tiny_ddp_step_benchmark(tmp_path):
-    """`smddp-bench ddp`: stock DDP on smddp (2 local nodes) and on gloo, launches interleaved."""
+    """`smddp-bench ddp --launcher torchrun`: stock DDP on smddp under smddp-launch, under torchrun, and
+    on gloo, launches interleaved; the same bits under both launchers."""
     need_module("torch", "make setup installs it")
     cmd = [
         str(BIN / "smddp-bench"),
-        *("ddp", "--width", "64", "--depth", "1", "--steps", "3", "--warmup", "1", "--rounds", "2"),
+        *("ddp", "--width", "64", "--depth", "1", "--steps", "3", "--warmup", "1", "--rounds", "1"),
+        *("--nodes", "1", "--per-node", "2", "--launcher", "torchrun"),
         *("--out", str(tmp_path), "--name", "tinyddp", "--timeout", "120"),
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=140, cwd=REPO)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    # Interleaved: smddp, gloo, smddp, gloo.
     order = [line.split()[-1] for line in proc.stderr.splitlines() if "smddp-bench ddp: round" in line]
-    assert order == ["smddp", "gloo", "smddp", "gloo"], proc.stderr
+    assert order == ["smddp", "smddp-torchrun", "gloo"], proc.stderr
     res = json.loads((tmp_path / "tinyddp.json").read_text())
-    assert res["kind"] == "ddp" and res["ranks"] == 4
+    assert res["kind"] == "ddp" and res["ranks"] == 2
     assert res["params"] == 256 * 64 + 64 + 64 * 64 + 64 + 64 * 10 + 10
-    for impl in ("smddp", "gloo"):
-        runs = res["runs"][impl]
-        assert len(runs) == 2
-        for r in runs:
-            assert len(r["step_s"]) == 3 and all(s > 0 for s in r["step_s"])
-            assert r["torch_threads"] == 1
-    assert "--local-nodes 2" in res["runs"]["smddp"][0]["command"]
+    for impl in ("smddp", "smddp-torchrun", "gloo"):
+        (run,) = res["runs"][impl]
+        assert len(run["step_s"]) == 3 and all(s > 0 for s in run["step_s"])
+        assert run["torch_threads"] == 1 and run["startup_s"] > 0
+    assert res["runs"]["smddp"][0]["command"].split()[0].endswith("smddp-launch")
+    assert res["runs"]["smddp-torchrun"][0]["command"].split()[0].endswith("torchrun")
     assert res["runs"]["gloo"][0]["command"].split()[0].endswith("mpirun")
     assert res["ratio"] == pytest.approx(res["median_s"]["smddp"] / res["median_s"]["gloo"])
+    t = res["torchrun"]
+    assert t["same_bits"] is True
+    assert t["step_ratio"] == pytest.approx(res["median_s"]["smddp-torchrun"] / res["median_s"]["smddp"])
     md = (tmp_path / "tinyddp.md").read_text()
-    assert f"smddp / gloo: **{res['ratio']:.3f}**" in md and "| gloo |" in md
+    assert f"smddp / gloo: **{res['ratio']:.3f}**" in md and "| gloo |" in md and "| smddp-torchrun |" in md
+    assert f"step **{t['step_ratio']:.3f}**" in md
     assert res["device"] == "cpu" and ", on the CPU:" in md
 
 

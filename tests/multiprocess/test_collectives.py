@@ -14,9 +14,18 @@ pytestmark = pytest.mark.multiprocess
 SCRIPT = str(Path(__file__).parent / "check_collectives.py")
 # (workers, local nodes): W = 1..4 and --local-nodes 1..3, every split that divides evenly.
 CONFIGS = [(1, 1), (2, 1), (2, 2), (3, 1), (3, 3), (4, 1), (4, 2)]
+# CI runs one rank alone, 4 on one node, 3 nodes of 1 and 2 of 2; the other splits are `make test-long`.
+LONG = {(2, 1), (2, 2), (3, 1)}
 
 
-@pytest.mark.parametrize(("world", "nodes"), CONFIGS, ids=[f"W{w}-N{n}" for w, n in CONFIGS])
+def configs(pairs: list[tuple[int, int]], long: set[tuple[int, int]]) -> list:  # type: ignore[type-arg]
+    return [
+        pytest.param(w, n, id=f"W{w}-N{n}", marks=[pytest.mark.long] if (w, n) in long else [])
+        for w, n in pairs
+    ]
+
+
+@pytest.mark.parametrize(("world", "nodes"), configs(CONFIGS, LONG))
 def test_every_collective_bit_exact(world: int, nodes: int, tmp_path: Path, clean_host: None) -> None:
     check_every_collective(world, nodes, tmp_path)
 
@@ -61,7 +70,7 @@ PATHS = {
 
 
 @pytest.mark.parametrize("path", list(PATHS))
-@pytest.mark.parametrize(("world", "nodes"), MULTI, ids=[f"W{w}-N{n}" for w, n in MULTI])
+@pytest.mark.parametrize(("world", "nodes"), configs(MULTI, {(2, 2)}))
 def test_both_reduce_paths_bit_exact(
     world: int, nodes: int, path: str, tmp_path: Path, clean_host: None
 ) -> None:

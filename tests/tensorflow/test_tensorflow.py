@@ -92,7 +92,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int, int], Run]:
     return get
 
 
-JOBS = pytest.mark.parametrize(("world", "nodes"), [(2, 1), (4, 2)], ids=["W2-N1", "W4-N2"])
+# CI runs every check on 4 workers over 2 nodes; on 2 workers of one node: `make test-long`.
+JOBS = pytest.mark.parametrize(
+    ("world", "nodes"),
+    [pytest.param(2, 1, id="W2-N1", marks=pytest.mark.long), pytest.param(4, 2, id="W4-N2")],
+)
 
 
 def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
