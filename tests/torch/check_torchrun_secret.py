@@ -1,10 +1,12 @@
-"""Worker script under torchrun with --secret-file: the job's secret is the one derived from the file, and collectives run."""
+"""Worker script under torchrun with --secret-file: the job's secret is the one derived from the file, collectives run, `smddp status` sees the job."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import subprocess
+import sys
 
 import torch
 import torch.distributed as dist
@@ -23,8 +25,15 @@ def main() -> int:
     dist.all_reduce(x)
     job = smddp.client().job
     derived = job_secret(read_secret_file(os.environ["SMDDP_SECRET_FILE"]), job.job_id)
+    status = ""
+    if dist.get_rank() == 0:  # `smddp status` finds a torchrun job as it finds an smddp-launch one
+        cmd = [sys.executable, "-m", "smddp.launcher.cli", "status", "--job", job.job_hex, "--json"]
+        status = subprocess.run(cmd, capture_output=True, text=True, timeout=60).stdout
+    dist.barrier()
     with open(os.path.join(args.out, f"rank{dist.get_rank()}.json"), "w") as f:
-        json.dump({"derived": job.secret == derived, "sum": x[0].item(), "job": job.job_hex}, f)
+        json.dump(
+            {"derived": job.secret == derived, "sum": x[0].item(), "job": job.job_hex, "status": status}, f
+        )
     dist.destroy_process_group()
     return 0
 

@@ -245,6 +245,10 @@ def test_a_secret_file_keeps_the_secret_off_the_store(
     got = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     assert all(g["derived"] and g["sum"] == 3.0 for g in got), got
     assert got[0]["job"] == got[1]["job"]
+    status = json.loads(got[0]["status"])
+    assert status["job"] == got[0]["job"] and len(status["daemons"]) == 1, status
+    w = status["daemons"][0]["workers"]
+    assert (w["connected"], w["expected"], w["ranks"]) == (2, 2, [0, 1]), status
 
 
 def test_examples_run_under_torchrun(torchrun: Any, tmp_path: Path) -> None:

@@ -31,6 +31,8 @@ MAKE_BENCH = (
     "smddp-bench ddp --nodes 1 --per-node 4 --out bench-results --name ddp-host1x4",
     "smddp-bench ddp --nodes 2 --per-node 2 --out bench-results --name ddp-host4",
     "smddp-bench ddp --sim --nodes 4 --per-node 1 --rate-mbit 1000 --out bench-results --name ddp-sim4",
+    "smddp-bench ddp --nodes 1 --per-node 4 --launcher torchrun --out bench-results --name ddp-torchrun-host1x4",
+    "smddp-bench ddp --sim --nodes 4 --per-node 1 --rate-mbit 1000 --launcher torchrun --out bench-results --name ddp-torchrun-sim4",
     "python -m smddp_rigs.bench targets --out bench-results",
     "python -m smddp_rigs.bench model --check --out bench-results",
     "python -m smddp_rigs.bench benchmarks --targets bench-results/targets.json --model bench-results/model.json --sweeps bench-results --out BENCHMARKS.md",
@@ -346,7 +348,9 @@ def render(
             "## DDP training step (the user's number, issue 17)",
             "",
             "`smddp-bench ddp`: stock torch DDP on the `smddp` backend against gloo, the same script "
-            "(`smddp/bench/ddp_worker.py`) under smddp-launch and under a plain mpirun.",
+            "(`smddp/bench/ddp_worker.py`) under smddp-launch and under a plain mpirun; with `--launcher "
+            "torchrun` (issue 30) also smddp under torchrun, interleaved, with each launcher's start-up "
+            "(from the command to the last rank's first all-reduce).",
             "",
         ]
         for d in ddps:
