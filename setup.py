@@ -25,7 +25,11 @@ class BuildExt(build_ext):
         # $CXX first, as setuptools itself takes it; then the compiler Python was built with.
         given = os.environ.get("CXX")
         cxx = (given or sysconfig.get_config_var("CXX") or "g++").split()[0]
-        if self.compiler.compiler_type == "unix" and shutil.which(cxx) is None and (given or shutil.which("g++") is None):
+        if (
+            self.compiler.compiler_type == "unix"
+            and shutil.which(cxx) is None
+            and (given or shutil.which("g++") is None)
+        ):
             where = f"{cxx!r} ($CXX)" if given else f"neither {cxx!r} (Python's CXX) nor 'g++'"
             raise SystemExit(
                 f"smddp: building from source needs a C++17 compiler for its engine (smddp._engine), and "
