@@ -1,9 +1,10 @@
 """Joining a job under torchrun (or any env:// launcher): the node's first worker starts its daemon and relays the daemons' bootstrap through the store."""
 
 # No mpirun on this path. Every worker reads its place from torch's environment (RANK, WORLD_SIZE,
-# LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK); rank 0 picks a fresh job id and puts it in the store
-# torch hands the backend (which torch elastic scopes to one restart attempt, so every attempt is a
-# new job). The first worker of each node starts that node's smddp-daemon as its child, tied to it
+# LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK); rank 0 picks a fresh job id, which every rank learns
+# through the store torch hands the backend under a nonce of its own (torch elastic keeps that store
+# across restarts: agree_job_id), so every attempt is a new job and everything of it lives under its
+# id in the store. The first worker of each node starts that node's smddp-daemon as its child, tied to it
 # by PR_SET_PDEATHSIG, and relays the daemons' bootstrap collectives through the store
 # (transport/relay.py). Once its daemon has written the job description, it says so under
 # "node/N" in the store; the node's other workers wait for that word (or the error that stopped
