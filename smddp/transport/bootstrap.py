@@ -384,6 +384,17 @@ def read_job(directory: str) -> Job | None:
     return job_from_description(info, secret)
 
 
+#: The variables that say where smddp-launch (or, under torchrun, the backend) put a worker.
+PLACEMENT_VARS = (
+    "SMDDP_JOB_ID",
+    "SMDDP_RANK",
+    "SMDDP_NODE",
+    "SMDDP_LOCAL_RANK",
+    "SMDDP_LOCAL_SIZE",
+    "SMDDP_NNODES",
+)
+
+
 @dataclass(frozen=True)
 class Placement:
     """Where smddp-launch put one worker (exported to it as SMDDP_RANK, SMDDP_NODE, ...)."""
@@ -397,15 +408,7 @@ class Placement:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Placement:
-        names = (
-            "SMDDP_JOB_ID",
-            "SMDDP_RANK",
-            "SMDDP_NODE",
-            "SMDDP_LOCAL_RANK",
-            "SMDDP_LOCAL_SIZE",
-            "SMDDP_NNODES",
-        )
-        missing = [n for n in names if not env.get(n)]
+        missing = [n for n in PLACEMENT_VARS if not env.get(n)]
         if missing:
             raise BootstrapError(
                 f"{', '.join(missing)} not set: start the workers with smddp-launch -np W -- COMMAND, "

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from smddp.transport.bootstrap import default_socket_dir
+from smddp.transport.bootstrap import PLACEMENT_VARS, default_socket_dir
 from smddp.transport.netif import service_port
 from tests.conftest import BIN, REPO, need_module, smddp_launch
 
@@ -40,15 +40,8 @@ def torchrun_argv(nproc: int, run_id: str, script: list[str], extra: list[str] |
 
 
 def run_env() -> dict[str, str]:
-    placement = (
-        "SMDDP_JOB_ID",
-        "SMDDP_RANK",
-        "SMDDP_NODE",
-        "SMDDP_LOCAL_RANK",
-        "SMDDP_LOCAL_SIZE",
-        "SMDDP_NNODES",
-    )
-    env = {k: v for k, v in os.environ.items() if k not in placement}
+    # A developer's shell may hold a job's placement; torchrun's workers must not inherit it.
+    env = {k: v for k, v in os.environ.items() if k not in PLACEMENT_VARS}
     return {**env, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 
 
