@@ -135,6 +135,18 @@ def need_root(what: str) -> None:
         skip_or_fail(f"{what} need root on Linux (network namespaces, veth, tc)")
 
 
+def communicate_all(procs: list[subprocess.Popen[str]], timeout: float) -> list[tuple[str, str]]:
+    """(stdout, stderr) of every process, each waited for at most `timeout` s; none outlives the call
+    (a timeout or error kills every one still running)."""
+    try:
+        return [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+
+
 def fault_at_checkpoint(
     cmd: list[str], env: dict[str, str], checkpoint: Path, fault: Callable[[], None], timeout: float = 180
 ) -> tuple[int, str, str]:

@@ -77,6 +77,12 @@ def build(out: Path, py: dict[str, str]) -> list[Path]:
     return made
 
 
+def _pip_settings() -> dict[str, str]:
+    """Where this machine's pip finds packages (an index mirror, a cache), for the bare venvs."""
+    names = ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_FIND_LINKS", "PIP_CACHE_DIR", "PIP_TRUSTED_HOST")
+    return {k: os.environ[k] for k in names if k in os.environ}
+
+
 def bare_path(root: Path) -> str:
     """A PATH with the few system tools the demo needs and no compiler at all."""
     bindir = root / "bin"
@@ -95,10 +101,7 @@ def check_wheel(wheel: Path, python: str, work: Path, find_links: str = "") -> s
     venv = work / f"venv-{Path(python).name}"
     run([python, "-m", "venv", str(venv)])
     path = f"{venv / 'bin'}:{bare_path(work / 'tools')}"
-    env = {"PATH": path, "HOME": str(work), "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
-    for k in ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_FIND_LINKS", "PIP_CACHE_DIR", "PIP_TRUSTED_HOST"):
-        if k in os.environ:
-            env[k] = os.environ[k]
+    env = {"PATH": path, "HOME": str(work), "PIP_DISABLE_PIP_VERSION_CHECK": "1", **_pip_settings()}
     env.setdefault("PIP_CACHE_DIR", os.path.expanduser("~/.cache/pip"))
     for c in COMPILERS:
         probe = subprocess.run(["sh", "-c", f"command -v {c}"], env=env, capture_output=True, text=True)
@@ -119,10 +122,12 @@ def check_sdist_without_compiler(sdist: Path, python: str, work: Path) -> str:
     """pip install of the sdist where no compiler is found: the error names what is missing."""
     venv = work / "venv-sdist"
     run([python, "-m", "venv", str(venv)])
-    env = {"PATH": f"{venv / 'bin'}:{bare_path(work / 'tools')}", "HOME": str(work), "CXX": "g++-nowhere"}
-    for k in ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_FIND_LINKS", "PIP_CACHE_DIR", "PIP_TRUSTED_HOST"):
-        if k in os.environ:
-            env[k] = os.environ[k]
+    env = {
+        "PATH": f"{venv / 'bin'}:{bare_path(work / 'tools')}",
+        "HOME": str(work),
+        "CXX": "g++-nowhere",
+        **_pip_settings(),
+    }
     out = subprocess.run(
         [str(venv / "bin" / "pip"), "install", "--no-deps", str(sdist)],
         capture_output=True,

@@ -81,10 +81,13 @@ def run(cfg: DaemonConfig) -> int:
     )
     held: dict[str, object] = {}
 
-    def stopped_early(signum: int, _frame: object) -> None:
-        # Stopped during the bootstrap (the worker that started us died): leave nothing behind.
+    def remove_dir() -> None:
         if "dir" in held:
             shutil.rmtree(str(held["dir"]), ignore_errors=True)
+
+    def stopped_early(signum: int, _frame: object) -> None:
+        # Stopped during the bootstrap (the worker that started us died): leave nothing behind.
+        remove_dir()
         os._exit(128 + signum)
 
     signal.signal(signal.SIGTERM, stopped_early)
@@ -106,9 +109,8 @@ def run(cfg: DaemonConfig) -> int:
         held.update(tcp=tcp, unix=unix, dir=jobdir)
         return host, tcp.getsockname()[1], path
 
-    comm: DaemonComm | None = None
     try:
-        comm = RelayComm(cfg.rendezvous_fd, cfg.connect_timeout_s) if relayed else MpiComm()
+        comm: DaemonComm = RelayComm(cfg.rendezvous_fd, cfg.connect_timeout_s) if relayed else MpiComm()
         try:
             user_secret = read_secret_file(cfg.secret_file) if cfg.secret_file else None
         except BootstrapError as e:
@@ -117,8 +119,7 @@ def run(cfg: DaemonConfig) -> int:
         me = bootstrap_daemons(comm, open_endpoint, cfg.local_size, cfg.job_id_hex, user_secret)
     except BootstrapError as e:
         logging.getLogger("smddp.daemon").error("bootstrap failed: %s", e)
-        if "dir" in held:
-            shutil.rmtree(str(held["dir"]), ignore_errors=True)
+        remove_dir()
         return 2
     jobdir = str(held["dir"])
 

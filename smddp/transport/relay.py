@@ -25,6 +25,7 @@ import json
 import select
 import socket
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Protocol
 
@@ -192,7 +193,7 @@ class StoreRelay:
         except Exception:  # the store is gone too: the others' own timeouts bound them
             pass
 
-    def serve(self, conn: LineConn, describe: Any) -> None:
+    def serve(self, conn: LineConn, describe: Callable[[], str]) -> None:
         """Relay until the daemon says done. Raises BootstrapError (after telling the other nodes)
         when the daemon ends, goes silent or asks nonsense, or another node failed."""
         conn.send({"node": self.node, "nnodes": self.nnodes})

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from smddp.transport.netif import service_port
+from tests.conftest import communicate_all
 from tests.deploy.helpers import BIN, DEPLOY, REPO, base_env
 from tests.deploy.test_kubernetes import SCHEMAS, STRICT, documents, registry
 
@@ -140,14 +141,7 @@ def test_the_pods_command_runs_under_the_operators_environment(tmp_path: Path) -
                 argv, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
             )
         )
-    outs = []
-    for p in procs:
-        try:
-            outs.append(p.communicate(timeout=300))
-        finally:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
+    outs = communicate_all(procs, 300)
     for p, (out, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, out[-2000:] + err[-4000:]
     assert "training" in outs[0][0] and "on 2 workers" in outs[0][0], outs[0][0]

@@ -9,7 +9,15 @@ from pathlib import Path
 import pytest
 from smddp_rigs.simcluster import ClusterConfig, SimCluster, cleanup_stale
 
-from tests.conftest import BIN, REPO, need_module, need_root, processes_in_nodes, smddp_launch
+from tests.conftest import (
+    BIN,
+    REPO,
+    communicate_all,
+    need_module,
+    need_root,
+    processes_in_nodes,
+    smddp_launch,
+)
 from tests.torch.test_torchrun import run_env, torchrun_leftovers
 
 pytestmark = pytest.mark.multinode
@@ -51,14 +59,7 @@ def test_ddp_under_torchrun_on_four_nodes_gives_the_bits_of_smddp_launch(
             )
             for i in range(4)
         ]
-        outs = []
-        for p in procs:
-            try:
-                outs.append(p.communicate(timeout=400))
-            finally:
-                if p.poll() is None:
-                    p.kill()
-                    p.communicate()
+        outs = communicate_all(procs, 400)
         for i, (p, (out, err)) in enumerate(zip(procs, outs, strict=True)):
             assert p.returncode == 0, f"node {i}: " + out[-2000:] + err[-4000:]
         # Nothing of the job stays in any node: no daemon, no worker, no agent.
