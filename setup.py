@@ -1,5 +1,6 @@
 """Build hook for the compiled part, the engine (C++17, required; metadata lives in pyproject.toml)."""
 
+import glob
 import os
 import shutil
 import sys
@@ -62,6 +63,8 @@ extensions = [
             "smddp/engine/local_plane.cc",
             "smddp/engine/module.cc",
         ],
+        # Headers too: a changed one (wire.h, generated) rebuilds the engine.
+        depends=sorted(glob.glob("smddp/engine/*.h")),
         language="c++",
         extra_compile_args=ENGINE_FLAGS,
         extra_link_args=LINK_FLAGS,

@@ -25,17 +25,6 @@ std::uint64_t chunks_in(std::uint64_t length, std::uint64_t unit) {
 
 }  // namespace
 
-const char* kind_label(std::uint8_t code) {
-  switch (code) {
-    case 1: return "allreduce";
-    case 2: return "broadcast";
-    case 3: return "allgather";
-    case 4: return "reduce_scatter";
-    case 5: return "barrier";
-    default: return nullptr;
-  }
-}
-
 std::string Collective::check(const Spec& s, const Topology& t) {
   const char* label = kind_label(s.kind);
   if (label == nullptr) return "collective #" + num(s.seq) + " of unknown kind " + num(s.kind);

@@ -13,13 +13,9 @@
 #include <vector>
 
 #include "layout.h"
+#include "wire.h"  // Kind and kind_label: the wire's collective kinds
 
 namespace smddp {
-
-enum class Kind : std::uint8_t { kAllreduce = 1, kBroadcast = 2, kAllgather = 3, kReduceScatter = 4, kBarrier = 5 };
-
-// The wire name of a collective kind ("allreduce", ...), or nullptr for a code that is none.
-const char* kind_label(std::uint8_t code);
 
 // Where this daemon sits in the job; the same for every collective.
 struct Topology {

@@ -1,42 +1,20 @@
 // The engine's frame header codec (docs/protocol.md): every field checked before anything trusts it.
 //
-// Pure: no I/O, no allocation but the error text, no Python. The Python reference of the same rules
-// is smddp/proto/frames.py; tests/engine checks that both take and refuse the same bytes.
+// Pure: no I/O, no allocation but the error text, no Python. What the rules check against (codes,
+// offsets, limits, which messages carry a fingerprint) is wire.h, generated from smddp/proto, whose
+// frames.py is the Python codec of the same rules; tests/engine checks that both take and refuse
+// the same bytes.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <string>
 
+#include "wire.h"  // codes, offsets and limits, generated from smddp/proto
+
 namespace smddp {
 
-constexpr std::size_t kHeaderSize = 56;
-constexpr std::uint8_t kVersion = 1;
 constexpr std::uint64_t kMaxU63 = (std::uint64_t{1} << 63) - 1;
-constexpr std::uint64_t kMaxControlPayload = 64 * 1024;
-constexpr std::uint64_t kMaxReportPayload = 1 << 20;
-constexpr std::uint64_t kMaxDataPayload = 256ull * 1024 * 1024;
-
-enum class Msg : std::uint8_t {
-  kChallenge = 1,
-  kHello = 2,
-  kWelcome = 3,
-  kAttach = 10,
-  kSubmit = 11,
-  kRelease = 12,
-  kChannel = 13,
-  kSegment = 20,
-  kDone = 21,
-  kPartial = 30,
-  kResult = 31,
-  kBlock = 32,
-  kHeartbeat = 33,
-  kError = 40,
-  kBye = 41,
-  kStatus = 42,
-  kReport = 43,
-  kExited = 44,
-};
 
 // One decoded header. dtype, op and kind are wire codes (0 where the type carries none).
 struct Header {
@@ -55,7 +33,10 @@ struct Header {
 };
 
 // The name of a known message type, or nullptr for a code that is none.
-const char* msg_name(std::uint8_t code);
+inline const char* msg_name(std::uint8_t code) {
+  const MsgInfo* m = msg_info(code);
+  return m != nullptr ? m->name : nullptr;
+}
 
 // Decodes `n` bytes at `data` into `*out`. Returns the empty string on success, else why the bytes
 // are not a header (then `*out` is unspecified). Reads exactly kHeaderSize bytes and no more.

@@ -12,7 +12,6 @@
 #include <utility>
 
 #include "reduce.h"
-#include "reduce16.h"
 
 namespace smddp {
 namespace {
@@ -29,12 +28,6 @@ constexpr int kDrainMs = 2000;
 // The progress thread's longest sleep in the fabric: close() and heartbeats are never later than this.
 constexpr int kProgressSliceMs = 50;
 
-constexpr std::uint8_t kFloat16 = 4;
-constexpr std::uint8_t kBfloat16 = 5;
-constexpr std::uint8_t kOpSum = 1;
-constexpr std::uint8_t kOpAvg = 2;
-constexpr std::uint8_t kOpMin = 3;
-constexpr std::uint8_t kOpMax = 4;
 // Collectives larger than this are reduced by the compute threads, smaller ones by the thread that
 // made the work ready (handing them to another thread would cost more than reducing them).
 constexpr std::uint64_t kInlineBytes = 64 << 10;
@@ -60,7 +53,7 @@ bool spec_of(const Header& h, Spec* spec) {
   spec->kind = h.kind;
   spec->dtype = h.dtype;
   spec->itemsize = static_cast<std::uint32_t>(isz);
-  spec->widened = h.dtype == kFloat16 || h.dtype == kBfloat16;
+  spec->widened = dtype_info(h.dtype)->widened;  // known: dtype_size found it
   spec->count = h.count;
   spec->op = h.op;
   spec->has_op = h.op != 0;
@@ -404,31 +397,16 @@ bool LocalPlane::fold(const Op& op, const std::vector<const void*>& in, std::uin
   if (n == 0) return true;
   const Spec& s = op.spec;
   const std::size_t k = in.size();
-  std::uint8_t rop = s.has_op ? s.op : kOpSum;  // a barrier reduces nothing
+  const auto sum = static_cast<std::uint8_t>(ReduceOp::kSum), avg = static_cast<std::uint8_t>(ReduceOp::kAvg);
+  std::uint8_t rop = s.has_op ? s.op : sum;  // a barrier reduces nothing
   // A node's partial of an average is a sum: the server divides once.
-  const bool divide = rop == kOpAvg && !partial;
-  if (rop == kOpAvg && partial) rop = kOpSum;
+  const bool divide = rop == avg && !partial;
+  if (rop == avg && partial) rop = sum;
   const Clock::time_point r0 = Clock::now();
-  if (s.widened) {
-    const Half half = s.dtype == kFloat16 ? Half::kFloat16 : Half::kBfloat16;
-    const Fold f = rop == kOpMin ? Fold::kMin : rop == kOpMax ? Fold::kMax : Fold::kSum;
-    const float div = divide ? static_cast<float>(cfg_.topo.world) : 0.0f;
-    std::vector<const std::uint16_t*> in16(k);
-    for (std::size_t i = 0; i < k; i++) in16[i] = static_cast<const std::uint16_t*>(in[i]);
-    auto* out16 = reinterpret_cast<std::uint16_t*>(out);
-    std::vector<std::size_t> nan_blocks;
-    if (half == Half::kFloat16 && !have_f16c()) {
-      for (std::size_t b = 0; b * kReduceBlock < n; b++) nan_blocks.push_back(b);  // all by the portable path
-    } else {
-      reduce16(half, f, in16.data(), k, n, out16, div, &nan_blocks);
-    }
-    for (std::size_t b : nan_blocks) reduce16_nan_block(half, f, in16.data(), k, n, b, out16, div);
-  } else {
-    const std::string w = reduce(s.dtype, rop, in.data(), k, n, out, divide ? cfg_.topo.world : 0);
-    if (!w.empty()) {
-      fail(Verdict{Fault::kProtocol, cfg_.me + ": collective #" + num(s.seq) + ": " + w});
-      return false;
-    }
+  const std::string w = reduce_wire(s.dtype, rop, in.data(), k, n, out, divide ? cfg_.topo.world : 0);
+  if (!w.empty()) {
+    fail(Verdict{Fault::kProtocol, cfg_.me + ": collective #" + num(s.seq) + ": " + w});
+    return false;
   }
   const double secs = std::chrono::duration<double>(Clock::now() - r0).count();
   std::lock_guard<std::mutex> g(mu_);

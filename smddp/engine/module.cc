@@ -241,16 +241,16 @@ PyObject* py_reduce16(PyObject*, PyObject* args) {
   return result;
 }
 
-// reduce(dtype, op, inputs, out, divisor) -> None, for uint8, int32, int64, float32, float64 (wire
-// codes). Inputs and out are C-contiguous buffers of equally many bytes, a multiple of the itemsize;
-// out may alias an input element-wise. divisor: 0 for none (a plain sum for an average).
+// reduce(dtype, op, inputs, out, divisor) -> None: the daemon's kernel (reduce_wire) for any wire
+// dtype and op. Inputs and out are C-contiguous buffers of equally many bytes, a multiple of the
+// itemsize; out may alias an input element-wise. divisor: 0 for none (a plain sum for an average).
 PyObject* py_reduce(PyObject*, PyObject* args) {
   int dtype = 0, op = 0;
   PyObject *inputs = nullptr, *out_obj = nullptr;
   unsigned long long divisor = 0;
   if (!PyArg_ParseTuple(args, "iiOOK", &dtype, &op, &inputs, &out_obj, &divisor)) return nullptr;
-  if (dtype < 0 || dtype > 255 || !smddp::reduce_supports(static_cast<std::uint8_t>(dtype)))
-    return PyErr_Format(PyExc_ValueError, "dtype %d has no kernel here", dtype);
+  if (dtype < 0 || dtype > 255 || smddp::dtype_size(static_cast<std::uint8_t>(dtype)) == 0)
+    return PyErr_Format(PyExc_ValueError, "dtype %d is not a wire dtype", dtype);
   if (op < 1 || op > 4) return PyErr_Format(PyExc_ValueError, "unknown op %d", op);
   const std::size_t size = smddp::dtype_size(static_cast<std::uint8_t>(dtype));
   PyObject* seq = PySequence_Fast(inputs, "inputs must be a sequence");
@@ -279,8 +279,12 @@ PyObject* py_reduce(PyObject*, PyObject* args) {
         const std::size_t n = static_cast<std::size_t>(len) / size;
         std::string why;
         Py_BEGIN_ALLOW_THREADS
-        why = smddp::reduce(static_cast<std::uint8_t>(dtype), static_cast<std::uint8_t>(op), ptrs.data(),
-                            static_cast<std::size_t>(k), n, out, divisor);
+        try {
+          why = smddp::reduce_wire(static_cast<std::uint8_t>(dtype), static_cast<std::uint8_t>(op), ptrs.data(),
+                                   static_cast<std::size_t>(k), n, out, divisor);
+        } catch (const std::bad_alloc&) {
+          why = "out of memory";
+        }
         Py_END_ALLOW_THREADS
         if (!why.empty()) {
           PyErr_SetString(PyExc_ValueError, why.c_str());
@@ -2107,7 +2111,7 @@ PyMethodDef kMethods[] = {
     {"reduce16", py_reduce16, METH_VARARGS,
      "reduce16(kind, op, inputs, out, divisor) -> block indices (NaN) left for the caller"},
     {"reduce", py_reduce, METH_VARARGS,
-     "reduce(dtype, op, inputs, out, divisor) -> None: uint8, int32, int64, float32, float64"},
+     "reduce(dtype, op, inputs, out, divisor) -> None: the daemon's kernel, any wire dtype"},
     {"segment_create", py_segment_create, METH_VARARGS, "segment_create(id, size, name) -> Segment (sealed memfd)"},
     {"segment_attach", py_segment_attach, METH_VARARGS,
      "segment_attach(id, fd, size, writable) -> Segment; takes the fd over"},

@@ -7,26 +7,8 @@ namespace smddp {
 namespace {
 
 const char* dtype_label(std::uint8_t code) {
-  switch (code) {
-    case 1: return "uint8";
-    case 2: return "int32";
-    case 3: return "int64";
-    case 4: return "float16";
-    case 5: return "bfloat16";
-    case 6: return "float32";
-    case 7: return "float64";
-    default: return nullptr;
-  }
-}
-
-const char* op_label(std::uint8_t code) {
-  switch (code) {
-    case 1: return "sum";
-    case 2: return "avg";
-    case 3: return "min";
-    case 4: return "max";
-    default: return nullptr;
-  }
+  const DTypeInfo* d = dtype_info(code);
+  return d != nullptr ? d->label : nullptr;
 }
 
 std::string label_or_code(const char* label, std::uint8_t code) {
@@ -39,7 +21,7 @@ Verdict fail(Fault f, std::string why) { return {f, std::move(why)}; }
 
 std::string describe(const Spec& s) {
   std::string extra;
-  if (s.has_op) extra = ", op=" + label_or_code(op_label(s.op), s.op);
+  if (s.has_op) extra = ", op=" + label_or_code(reduce_op_label(s.op), s.op);
   if (s.kind == static_cast<std::uint8_t>(Kind::kBroadcast)) {
     extra = ", root=" + std::to_string(s.root);
   } else if (s.kind == static_cast<std::uint8_t>(Kind::kAllreduce) && s.root != 0) {

@@ -5,6 +5,10 @@
 #include <cmath>
 #include <cstring>
 #include <type_traits>
+#include <vector>
+
+#include "reduce16.h"
+#include "wire.h"
 
 namespace smddp {
 namespace {
@@ -136,10 +140,10 @@ template <class T>
 [[gnu::always_inline]] inline std::string typed(std::uint8_t op, const void* const* in, std::size_t k, std::size_t n, void* out,
                          std::uint64_t divisor) {
   switch (op) {
-    case 1: fold<T>(in, k, n, out, 0, Sum<T>{}); return {};
-    case 2: fold<T>(in, k, n, out, divisor, Sum<T>{}); return {};
-    case 3: fold<T>(in, k, n, out, 0, Min<T>{}); return {};
-    case 4: fold<T>(in, k, n, out, 0, Max<T>{}); return {};
+    case static_cast<std::uint8_t>(ReduceOp::kSum): fold<T>(in, k, n, out, 0, Sum<T>{}); return {};
+    case static_cast<std::uint8_t>(ReduceOp::kAvg): fold<T>(in, k, n, out, divisor, Sum<T>{}); return {};
+    case static_cast<std::uint8_t>(ReduceOp::kMin): fold<T>(in, k, n, out, 0, Min<T>{}); return {};
+    case static_cast<std::uint8_t>(ReduceOp::kMax): fold<T>(in, k, n, out, 0, Max<T>{}); return {};
     default: return "unknown reduce op " + std::to_string(op);
   }
 }
@@ -147,11 +151,11 @@ template <class T>
 [[gnu::always_inline]] inline std::string any_type(std::uint8_t dtype, std::uint8_t op, const void* const* in,
                                                    std::size_t k, std::size_t n, void* out, std::uint64_t divisor) {
   switch (dtype) {
-    case 1: return typed<std::uint8_t>(op, in, k, n, out, divisor);
-    case 2: return typed<std::int32_t>(op, in, k, n, out, divisor);
-    case 3: return typed<std::int64_t>(op, in, k, n, out, divisor);
-    case 6: return typed<float>(op, in, k, n, out, divisor);
-    case 7: return typed<double>(op, in, k, n, out, divisor);
+    case static_cast<std::uint8_t>(DType::kUint8): return typed<std::uint8_t>(op, in, k, n, out, divisor);
+    case static_cast<std::uint8_t>(DType::kInt32): return typed<std::int32_t>(op, in, k, n, out, divisor);
+    case static_cast<std::uint8_t>(DType::kInt64): return typed<std::int64_t>(op, in, k, n, out, divisor);
+    case static_cast<std::uint8_t>(DType::kFloat32): return typed<float>(op, in, k, n, out, divisor);
+    case static_cast<std::uint8_t>(DType::kFloat64): return typed<double>(op, in, k, n, out, divisor);
     default: return "dtype " + std::to_string(dtype) + " has no kernel here (16-bit floats: reduce16)";
   }
 }
@@ -179,19 +183,14 @@ bool have_avx2() {
 
 }  // namespace
 
-bool reduce_supports(std::uint8_t dtype) { return dtype == 1 || dtype == 2 || dtype == 3 || dtype == 6 || dtype == 7; }
+bool reduce_supports(std::uint8_t dtype) {
+  const DTypeInfo* d = dtype_info(dtype);
+  return d != nullptr && !d->widened;
+}
 
 std::size_t dtype_size(std::uint8_t dtype) {
-  switch (dtype) {
-    case 1: return 1;
-    case 2: return 4;
-    case 3: return 8;
-    case 4: return 2;
-    case 5: return 2;
-    case 6: return 4;
-    case 7: return 8;
-    default: return 0;
-  }
+  const DTypeInfo* d = dtype_info(dtype);
+  return d != nullptr ? d->itemsize : 0;
 }
 
 std::string reduce(std::uint8_t dtype, std::uint8_t op, const void* const* in, std::size_t k, std::size_t n, void* out,
@@ -201,6 +200,35 @@ std::string reduce(std::uint8_t dtype, std::uint8_t op, const void* const* in, s
   if (have_avx2()) return any_type_avx2(dtype, op, in, k, n, out, divisor);
 #endif
   return any_type_base(dtype, op, in, k, n, out, divisor);
+}
+
+std::string reduce_wire(std::uint8_t dtype, std::uint8_t op, const void* const* in, std::size_t k, std::size_t n,
+                        void* out, std::uint64_t divisor) {
+  const DTypeInfo* d = dtype_info(dtype);
+  if (d == nullptr) return "unknown dtype " + std::to_string(dtype);
+  if (!d->widened) return reduce(dtype, op, in, k, n, out, divisor);
+  if (k == 0) return "nothing to reduce";
+  Fold f = Fold::kSum;
+  switch (op) {
+    case static_cast<std::uint8_t>(ReduceOp::kSum): break;
+    case static_cast<std::uint8_t>(ReduceOp::kAvg): break;
+    case static_cast<std::uint8_t>(ReduceOp::kMin): f = Fold::kMin; break;
+    case static_cast<std::uint8_t>(ReduceOp::kMax): f = Fold::kMax; break;
+    default: return "unknown reduce op " + std::to_string(op);
+  }
+  const Half half = dtype == static_cast<std::uint8_t>(DType::kFloat16) ? Half::kFloat16 : Half::kBfloat16;
+  const float div = op == static_cast<std::uint8_t>(ReduceOp::kAvg) ? static_cast<float>(divisor) : 0.0f;
+  std::vector<const std::uint16_t*> in16(k);
+  for (std::size_t i = 0; i < k; i++) in16[i] = static_cast<const std::uint16_t*>(in[i]);
+  auto* out16 = static_cast<std::uint16_t*>(out);
+  std::vector<std::size_t> nan_blocks;
+  if (half == Half::kFloat16 && !have_f16c()) {
+    for (std::size_t b = 0; b * kReduceBlock < n; b++) nan_blocks.push_back(b);  // all by the portable path
+  } else {
+    reduce16(half, f, in16.data(), k, n, out16, div, &nan_blocks);
+  }
+  for (std::size_t b : nan_blocks) reduce16_nan_block(half, f, in16.data(), k, n, b, out16, div);
+  return {};
 }
 
 }  // namespace smddp

@@ -16,8 +16,8 @@
 
 namespace smddp {
 
-// Wire codes (docs/protocol.md): dtype 1 uint8, 2 int32, 3 int64, 6 float32, 7 float64; op 1 sum,
-// 2 average, 3 min, 4 max.
+// Wire codes (wire.h): every dtype but the 16-bit floats (reduce16.h sums those); ops sum, average,
+// min, max.
 bool reduce_supports(std::uint8_t dtype);
 std::size_t dtype_size(std::uint8_t dtype);  // 0 for a code that is none
 
@@ -26,5 +26,11 @@ std::size_t dtype_size(std::uint8_t dtype);  // 0 for a code that is none
 // or why the call is refused (unsupported dtype or op, no inputs); then nothing is written.
 std::string reduce(std::uint8_t dtype, std::uint8_t op, const void* const* in, std::size_t k, std::size_t n, void* out,
                    std::uint64_t divisor);
+
+// What the daemon runs for any wire dtype: reduce() above, or for float16/bfloat16 reduce16 with its
+// NaN blocks written by reduce16_nan_block (reduce16.h), so every block follows the engine's rules.
+// Same contract as reduce(); float16 without F16C goes element by element.
+std::string reduce_wire(std::uint8_t dtype, std::uint8_t op, const void* const* in, std::size_t k, std::size_t n,
+                        void* out, std::uint64_t divisor);
 
 }  // namespace smddp

@@ -12,8 +12,27 @@ from smddp.proto.dtypes import DType, Kind, ReduceOp
 MAGIC = b"SMDP"
 VERSION = 1
 
-# magic, version, type, flags, dtype, op, kind, reserved, sender, seq, shard, aux, offset, length, count
-_HEADER = struct.Struct("<4sBBHBBBBIQIIQQQ")
+# The header's fields in wire order, each with its struct code (little-endian, no padding). This
+# module and dtypes.py are the one definition of the wire: the engine's codes, offsets and limits
+# (smddp/engine/wire.h) are generated from them (`make wire-header`; a test fails when it is stale).
+HEADER_FIELDS = (
+    ("magic", "4s"),
+    ("version", "B"),
+    ("type", "B"),
+    ("flags", "H"),
+    ("dtype", "B"),
+    ("op", "B"),
+    ("kind", "B"),
+    ("reserved", "B"),
+    ("sender", "I"),
+    ("seq", "Q"),
+    ("shard", "I"),
+    ("aux", "I"),
+    ("offset", "Q"),
+    ("length", "Q"),
+    ("count", "Q"),
+)
+_HEADER = struct.Struct("<" + "".join(code for _, code in HEADER_FIELDS))
 HEADER_SIZE = _HEADER.size  # 56
 
 # A control payload (handshake, error text) is small; anything larger is an attack or a bug.
@@ -83,7 +102,7 @@ _EMPTY = {
     MsgType.EXITED,
 }
 # Messages that describe a collective carry its fingerprint: kind, dtype, op, count, root.
-_FINGERPRINTED = {MsgType.SUBMIT, MsgType.DONE} | _DATA
+FINGERPRINTED = frozenset({MsgType.SUBMIT, MsgType.DONE} | _DATA)
 # Wire value -> member. A dict lookup costs a tenth of calling the enum, and every frame pays it.
 _TYPES = {int(t): t for t in MsgType}
 _DTYPES = {int(d): d for d in DType}
@@ -127,7 +146,7 @@ def encode_header(h: Header) -> bytes:
     _check_length(h.type, h.length)
     if h.flags != 0:
         raise ProtocolError(f"cannot encode {h.type.name}: no flags are defined in version {VERSION}")
-    if h.type in _FINGERPRINTED:
+    if h.type in FINGERPRINTED:
         if h.dtype is None or h.kind is None:
             raise ProtocolError(f"cannot encode {h.type.name} without its dtype and kind")
     elif h.dtype is not None or h.op is not None or h.kind is not None:
@@ -185,7 +204,7 @@ def decode_header(data: bytes | bytearray | memoryview) -> Header:
         raise ProtocolError(f"{t.name}: seq/offset/count beyond 2**63")
     _check_length(t, length)
     d = o = k = None
-    if t in _FINGERPRINTED:
+    if t in FINGERPRINTED:
         d = _DTYPES.get(dtype)
         k = _KINDS.get(kind)
         if d is None or k is None:
@@ -212,15 +231,19 @@ def decode_header(data: bytes | bytearray | memoryview) -> Header:
     )
 
 
-def _check_length(t: MsgType, length: int) -> None:
+def payload_limit(t: MsgType) -> int:
+    """The most payload bytes a message of type `t` may carry."""
     if t in _EMPTY:
-        limit = 0
-    elif t is MsgType.REPORT:
-        limit = MAX_REPORT_PAYLOAD
-    elif t in _CONTROL:
-        limit = MAX_CONTROL_PAYLOAD
-    else:
-        limit = MAX_DATA_PAYLOAD
+        return 0
+    if t is MsgType.REPORT:
+        return MAX_REPORT_PAYLOAD
+    if t in _CONTROL:
+        return MAX_CONTROL_PAYLOAD
+    return MAX_DATA_PAYLOAD
+
+
+def _check_length(t: MsgType, length: int) -> None:
+    limit = payload_limit(t)
     if not 0 <= length <= limit:
         raise ProtocolError(f"{t.name}: payload length {length} exceeds the limit of {limit} bytes")
 

@@ -290,7 +290,7 @@ def render(
         out += [
             "### Reduction kernel (T5)",
             "",
-            f"smddp's `Reducer` summing {k['inputs']} inputs of {k['mib_per_input']} MiB on one thread, "
+            f"The engine's kernel (what the daemon runs) summing {k['inputs']} inputs of {k['mib_per_input']} MiB on one thread, "
             "GB/s of input, fastest of 7 runs (median in parentheses): "
             + ", ".join(
                 f"{dt} {k[f'reducer_{dt}_gbps']:.2f} ({k.get(f'reducer_{dt}_median_gbps', float('nan')):.2f})"

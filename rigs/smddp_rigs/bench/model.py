@@ -16,7 +16,7 @@ reduction speed g (bytes of input summed per second per core) and smddp's chunk 
 
 a and b are fitted (least squares) to 4 KiB all-reduces at 2, 4 and 8 simulated nodes, where the
 bandwidth and reduction terms vanish; B is measured with one TCP stream over the same shaped link;
-g with smddp's own Reducer on float32. The model is then checked against 64 MiB all-reduces at 2, 4
+g with the engine's kernel on float32. The model is then checked against 64 MiB all-reduces at 2, 4
 and 8 nodes, which it did not see.
 """
 
@@ -284,7 +284,7 @@ def model_markdown(res: dict[str, Any]) -> str:
     p = Params(**res["params"])
     lines = [
         f"Parameters: B = {p.bandwidth * 8 / 1e9:.3f} Gbit/s (one TCP stream over a 1 Gbit/s tbf link), "
-        f"g = {p.gamma / 1e9:.2f} GB/s per core (float32 Reducer), c = {p.chunk // 1024} KiB; "
+        f"g = {p.gamma / 1e9:.2f} GB/s per core (float32, the engine's kernel), c = {p.chunk // 1024} KiB; "
         f"smddp a = {fmt_time(p.smddp_a)}, b = {fmt_time(p.smddp_b)} per extra node; "
         f"ring a = {fmt_time(p.ring_a)}, b = {fmt_time(p.ring_b)} per extra node.",
         "",

@@ -16,8 +16,8 @@ round by round, so that slow periods of a shared machine hit all of them alike):
 - `host4`: one host, 4 workers. T3 (64 MiB), T5 (float16/bfloat16).
 - T5 compares one gradient of 16 Mi elements: 64 MiB as float32 against 32 MiB as float16 or
   bfloat16 (the same model, half the bytes), all-reduced by smddp.
-- T5's kernel speed: smddp's `Reducer` summing four 16 MiB float16/bfloat16 inputs on one thread,
-  against numpy's own float16 add.
+- T5's kernel speed: the engine's kernel (`_engine.reduce`, what the daemon's threads run) summing
+  four 16 MiB float16/bfloat16 inputs on one thread, against numpy's own float16 add.
 - T6: one host, 4 workers on 2 smddp nodes (`--local-nodes 2`: shared memory and TCP),
   `t6_collectives` all-reduces of 1 MiB float32 back to back; every daemon's RSS sampled from /proc.
 """
@@ -185,18 +185,17 @@ def _ratio(
 
 
 def kernel_speed(mib: int = 16, inputs: int = 4, repeats: int = 7) -> dict[str, Any]:
-    """GB/s of input summed per core by smddp's Reducer, and numpy's float16 add.
+    """GB/s of input summed per core by the engine's kernel (the daemon's), and numpy's float16 add.
 
     The machine is shared: `*_gbps` is the fastest of `repeats` runs (the kernel's speed when it has
     a core to itself), `*_median_gbps` the median.
     """
-    from smddp.daemon.kernels import Reducer
+    from smddp import _engine
     from smddp.proto.dtypes import DType, ReduceOp
 
     n = mib * MiB // 2
     rng = np.random.default_rng(0)
     out: dict[str, Any] = {"inputs": inputs, "mib_per_input": mib, "threads": 1}
-    red = Reducer()
 
     def timed(fn: Callable[[], object]) -> tuple[float, float]:
         fn()
@@ -221,7 +220,7 @@ def kernel_speed(mib: int = 16, inputs: int = 4, repeats: int = 7) -> dict[str, 
         res = np.empty_like(xs[0])
 
         def run(xs: list[np.ndarray] = xs, res: np.ndarray = res, dt: DType = dt) -> None:
-            red.reduce(xs, res, dt, ReduceOp.SUM)
+            _engine.reduce(int(dt), int(ReduceOp.SUM), xs, res, 0)
 
         t, tm = timed(run)
         out[f"reducer_{name}_gbps"] = inputs * xs[0].nbytes / t / 1e9
@@ -481,7 +480,7 @@ def checks(res: dict[str, Any]) -> list[Check]:
             out.append(
                 Check(
                     "T5",
-                    f"daemon Reducer sums {dt}, one core (best of 7)",
+                    f"the engine's kernel sums {dt}, one core (best of 7)",
                     k[f"reducer_{dt}_gbps"],
                     2.0,
                     ">=",
