@@ -315,6 +315,9 @@ DAEMON_GRACE_S = 30.0
 # After the daemons failed, how long the workers get to hear why, report and leave (the daemons'
 # failure_linger_s) before they are stopped.
 WORKER_GRACE_S = 35.0
+# After the workers have ended, when a rank said it lost its own daemon (frozen, gone): that daemon
+# will not finish, so the others get only this long to send their last words before all are stopped.
+LOST_DAEMON_GRACE_S = 2.0
 
 
 def launch(cfg: LaunchConfig) -> int:
@@ -518,7 +521,9 @@ def run_attempt(cfg: LaunchConfig) -> Outcome:
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        status, daemons_first = supervise(daemons, workers, daemons_ever_up=ledger.ever_up)
+        status, daemons_first = supervise(
+            daemons, workers, daemons_ever_up=ledger.ever_up, daemon_lost=ledger.a_rank_lost_its_daemon
+        )
         unfinished = ledger.unfinished()
         if status == 0 and any(why == NEVER_SAID for _, why in unfinished):
             # mpirun reports success after it lost a node and tore the job down (the wheel's Open
@@ -566,14 +571,18 @@ def supervise(
     worker_grace_s: float = WORKER_GRACE_S,
     tick: float = 0.05,
     daemons_ever_up: Callable[[], bool] = lambda: True,
+    daemon_lost: Callable[[], bool] = lambda: False,
 ) -> tuple[int, bool]:
     """Wait for both worlds; the exit status says what went wrong first, and whether the daemons'
     world failed first (while the workers still ran). `daemons_ever_up` says whether any daemon got
-    as far as its bootstrap: if none did, no worker can have joined one to hear why it failed."""
+    as far as its bootstrap: if none did, no worker can have joined one to hear why it failed.
+    `daemon_lost` says whether a rank lost its own daemon: then the daemons' world will not finish
+    by itself, and it is stopped after LOST_DAEMON_GRACE_S instead of `daemon_grace_s`."""
     while True:
         w = workers.poll()
         if w is not None:
-            if not _wait(daemons, daemon_grace_s):
+            grace = min(daemon_grace_s, LOST_DAEMON_GRACE_S) if w != 0 and daemon_lost() else daemon_grace_s
+            if not _wait(daemons, grace):
                 _stop(daemons, 10.0)  # the workers' status tells the story
                 return shell_status(w), False
             return shell_status(w) or shell_status(daemons.returncode), False

@@ -203,18 +203,23 @@ def run_worker(command: list[str], prefix: str, report: Report | None) -> int:
     code = shell_status(child.wait())
     for sig in forwarded:  # from here a SIGTERM (mpirun's teardown) ends the wrapper itself
         signal.signal(sig, signal.SIG_DFL)
+    joined_ok = joined is not None and joined.settle()
+    lost_daemon = joined is not None and joined.infra is not None
+    if code != 0 and report is not None and lost_daemon:
+        # Its daemon may be unable to say (frozen, gone): smddp-launch hears the cause from here,
+        # first, so that it stops the daemons' world rather than wait for it to finish.
+        assert joined is not None and joined.infra is not None
+        report.infra(joined.infra)
     # A wrapper told to end does not wait on a daemon that is being torn down too (up to
-    # REPORT_TIMEOUT_S): it ends with its worker.
-    if report is not None and joined is not None and not torn_down.is_set():
-        if not joined.settle():
+    # REPORT_TIMEOUT_S), nor on one its worker lost (a frozen daemon would hold the handshake for
+    # its whole timeout): it ends with its worker.
+    if report is not None and joined is not None and not torn_down.is_set() and not lost_daemon:
+        if not joined_ok:
             report.send(code)
         elif code != 0:
             report.send(code, wait=False)  # its daemon waits a moment for this before failing the job
     for t in pumps:
         t.join(timeout=5)
-    if code != 0 and report is not None and joined is not None and joined.infra is not None:
-        # Its daemon may be unable to say (frozen, gone): smddp-launch hears the cause from here.
-        report.infra(joined.infra)
     if code != 0 and joined is not None and joined.cause is not None:
         return joined.cause
     return code

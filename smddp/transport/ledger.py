@@ -82,6 +82,12 @@ class Ledger:
                     out.append((n, why or "it failed"))
             return out
 
+    def a_rank_lost_its_daemon(self) -> bool:
+        """A worker's wrapper said its rank lost its own daemon (gone, silent, not reading its ring):
+        that daemon will not finish by itself."""
+        with self._lock:
+            return bool(self.ranks_infra)
+
     def infra_failures(self) -> list[tuple[str, int, str]]:
         """What says the job failed for an infrastructure cause (a lost, silent or killed process,
         peer, link or node), as ("node", n, why) and ("rank", r, why): daemons that said so or never

@@ -117,3 +117,34 @@ def test_ever_up_and_daemons_that_never_came_up() -> None:
     daemons = subprocess.Popen(["sh", "-c", "exit 2"])
     workers = subprocess.Popen(["sh", "-c", "sleep 0.3; exit 1"])
     assert supervise(daemons, workers, worker_grace_s=30.0, daemons_ever_up=lambda: True) == (1, True)
+
+
+def test_a_daemon_a_rank_lost_is_not_waited_for():
+    """A rank whose own daemon froze said so through its wrapper: after the workers end, the daemons'
+    world (which cannot finish by itself) is stopped after LOST_DAEMON_GRACE_S, not the full grace;
+    the ledger says whether a wrapper reported that."""
+    import subprocess
+
+    from smddp.launcher.mpirun import LOST_DAEMON_GRACE_S, supervise
+    from smddp.transport.ledger import report_infra
+
+    ledger = Ledger(["127.0.0.1"])
+    try:
+        assert not ledger.a_rank_lost_its_daemon()
+        assert report_infra(ledger.spec, 1, "rank 1: lost the node daemon: silent for 3s")
+        deadline = time.monotonic() + 10
+        while not ledger.a_rank_lost_its_daemon() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ledger.a_rank_lost_its_daemon()
+    finally:
+        ledger.close()
+    daemons = subprocess.Popen(["sleep", "600"])  # a frozen daemon: it never finishes
+    workers = subprocess.Popen(["sh", "-c", "exit 1"])
+    t0 = time.monotonic()
+    assert supervise(daemons, workers, daemon_grace_s=300.0, daemon_lost=lambda: True) == (1, False)
+    assert time.monotonic() - t0 < LOST_DAEMON_GRACE_S + 10.0 and daemons.poll() is not None
+    # Without that word, a daemon world still running gets the grace meant for finishing by itself.
+    daemons = subprocess.Popen(["sh", "-c", "sleep 1; exit 0"])
+    workers = subprocess.Popen(["sh", "-c", "exit 1"])
+    assert supervise(daemons, workers, daemon_grace_s=300.0, daemon_lost=lambda: False) == (1, False)
+    assert daemons.returncode == 0  # it finished by itself, not stopped
