@@ -235,7 +235,10 @@ class LocalPlane final : private Sink {
   std::map<std::uint64_t, std::shared_ptr<Op>> ops_;
   std::deque<PlaneEvent> events_;
   std::vector<Completion> completions_;
-  PlaneCounters counters_;
+  // Counters (counters()): atomics, bumped without the lock by the threads that do the work.
+  std::atomic<std::uint64_t> collectives_{0};
+  std::atomic<std::uint64_t> reduced_bytes_{0};  // input bytes the reductions read
+  std::atomic<std::uint64_t> reduce_ns_{0};
   bool failed_ = false;
   bool closed_ = false;
   std::condition_variable work_cv_;  // queue_ has work, or the plane closed
