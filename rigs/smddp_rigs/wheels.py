@@ -95,12 +95,12 @@ def bare_path(root: Path) -> str:
     return str(bindir)
 
 
-def check_wheel(wheel: Path, python: str, work: Path, find_links: str = "") -> str:
-    """Install `wheel` into a fresh venv of `python` where no compiler is on PATH, and run the demo
-    (4 workers on 2 simulated nodes) from it. Returns the demo's output."""
+def install_bare(wheel: Path, python: str, work: Path, find_links: str = "") -> tuple[Path, dict[str, str]]:
+    """Install `wheel` into a fresh venv of `python` where no compiler is on PATH; the venv and the
+    environment to run it in (several may be installed at once: each has its own venv)."""
     venv = work / f"venv-{Path(python).name}"
     run([python, "-m", "venv", str(venv)])
-    path = f"{venv / 'bin'}:{bare_path(work / 'tools')}"
+    path = f"{venv / 'bin'}:{bare_path(work / f'tools-{Path(python).name}')}"
     env = {"PATH": path, "HOME": str(work), "PIP_DISABLE_PIP_VERSION_CHECK": "1", **_pip_settings()}
     env.setdefault("PIP_CACHE_DIR", os.path.expanduser("~/.cache/pip"))
     for c in COMPILERS:
@@ -109,6 +109,11 @@ def check_wheel(wheel: Path, python: str, work: Path, find_links: str = "") -> s
     extra = ["--find-links", find_links] if find_links else []
     # --only-binary: nothing may be built from source here (there is no compiler to build with).
     run([str(venv / "bin" / "pip"), "install", "-q", "--only-binary", ":all:", *extra, str(wheel)], env=env)
+    return venv, env
+
+
+def run_demo(venv: Path, env: dict[str, str], work: Path) -> str:
+    """The demo (4 workers on 2 simulated nodes) from an installed venv; its output."""
     demo = [
         str(venv / "bin" / DEMO[0]),
         *DEMO[1:],
@@ -116,6 +121,13 @@ def check_wheel(wheel: Path, python: str, work: Path, find_links: str = "") -> s
         str(REPO / "examples" / "mlp_numpy.py"),
     ]
     return run(demo, env=env, cwd=str(work), timeout=300).stdout
+
+
+def check_wheel(wheel: Path, python: str, work: Path, find_links: str = "") -> str:
+    """Install `wheel` into a fresh venv of `python` where no compiler is on PATH, and run the demo
+    from it. Returns the demo's output."""
+    venv, env = install_bare(wheel, python, work, find_links)
+    return run_demo(venv, env, work)
 
 
 def check_sdist_without_compiler(sdist: Path, python: str, work: Path) -> str:

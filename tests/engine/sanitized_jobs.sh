@@ -43,9 +43,15 @@ cp -r smddp "$pkg/smddp"
 find "$pkg/smddp" \( -name '*.so' -o -name __pycache__ \) -prune -exec rm -rf {} +
 include=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
 suffix=$("$py" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
-sources=(smddp/engine/*.cc)
-g++ -std=c++17 -O1 -g -Wall -Wextra -Wshadow -Werror -fno-omit-frame-pointer -fPIC -shared -pthread \
-  -I"$include" -Ismddp/engine "${flags[@]}" "${sources[@]}" -o "$pkg/smddp/_engine$suffix"
+# One compile per source, as many at once as there are cores, then one link.
+objs=$out/$san-objs
+rm -rf "$objs" && mkdir -p "$objs"
+cxx=(g++ -std=c++17 -O1 -g -Wall -Wextra -Wshadow -Werror -fno-omit-frame-pointer -fPIC -pthread
+  -I"$include" -Ismddp/engine "${flags[@]}")
+printf '%s\0' smddp/engine/*.cc |
+  xargs -0 -P "$(nproc)" -I{} sh -c 'src=$0 dir=$1; shift; exec "$@" -c "$src" -o "$dir/$(basename "$src" .cc).o"' \
+    {} "$objs" "${cxx[@]}"
+"${cxx[@]}" -shared "$objs"/*.o -o "$pkg/smddp/_engine$suffix"
 export PYTHONPATH=$pkg LD_PRELOAD=$runtime
 # Outside the checkout, so that its own smddp/ is not the one imported.
 (cd / && "$py" -c 'import smddp._engine as e, sys; sys.exit(0 if e.__file__.startswith(sys.argv[1]) else "not the sanitized engine: " + e.__file__)' "$pkg")

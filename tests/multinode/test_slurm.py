@@ -109,7 +109,9 @@ def check_results(site: Site, out: Path) -> None:
     assert not bad, f"{len(bad)} results differ from the reference, first: {bad[:3]}"
 
 
-@pytest.mark.parametrize("agent", ["srun", "srun-agent", "ssh"])
+# CI: mpirun's own Slurm launcher and smddp's srun agent; ssh between the nodes (Open MPI's plm,
+# which tests/multinode/test_ssh.py runs outside Slurm) is `long`.
+@pytest.mark.parametrize("agent", ["srun", "srun-agent", pytest.param("ssh", marks=pytest.mark.long)])
 def test_sbatch_the_recipe(site, agent, tmp_path, clean_host):
     """smddp.sbatch as docs/deploy.md says to submit it: mpirun's own Slurm launcher (srun, the
     default), the srun agent, or ssh between the nodes (SMDDP_MPI_ARGS="--prtemca plm ssh")."""
