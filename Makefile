@@ -51,7 +51,15 @@ unit: $(STAMP)
 multiprocess: $(STAMP)
 	$(BIN)/pytest -q tests/multiprocess
 
-test: lint typecheck engine-sanitize engine-fuzz engine-sanitize-jobs $(STAMP)
+# Everything CI runs but pytest. The sanitizer and libFuzzer compiles run beside ruff and mypy (one
+# job per core, each target's output kept together); then the fuzz runs, the engine's own tests and
+# the sanitized jobs, one at a time.
+.PHONY: checks
+checks: $(STAMP)
+	$(MAKE) -j$(JOBS) --output-sync=target lint typecheck engine-sanitize-build engine-fuzz-build
+	$(MAKE) engine-sanitize engine-fuzz engine-sanitize-jobs
+
+test: checks
 	$(BIN)/pytest -q -ra -m "not long" tests
 
 # The combinations CI leaves out (marked `long`: more topologies, providers and front-end layouts of
@@ -65,7 +73,8 @@ test-long: $(STAMP)
 # a reason, never a crash or a read out of bounds. Warnings are errors here too.
 SAN_DIR := build/sanitize
 JOBS ?= $(shell nproc)
-SAN_FLAGS := -std=c++17 -O1 -g -Wall -Wextra -Wshadow -Werror -fno-omit-frame-pointer -Ismddp/engine -Itests/engine -pthread
+# -fPIC: the same core objects also go into the sanitized extension of engine-sanitize-jobs.
+SAN_FLAGS := -std=c++17 -O1 -g -Wall -Wextra -Wshadow -Werror -fno-omit-frame-pointer -fPIC -Ismddp/engine -Itests/engine -pthread
 ENGINE_CORE := smddp/engine/frame.cc smddp/engine/layout.cc smddp/engine/reduce16.cc smddp/engine/reduce.cc smddp/engine/collective.cc \
   smddp/engine/node_state.cc smddp/engine/arena.cc \
   smddp/engine/tcp_fabric.cc smddp/engine/ofi_fabric.cc smddp/engine/ofi_wire.cc smddp/engine/ring.cc smddp/engine/channel.cc \
@@ -81,10 +90,10 @@ SAN_ASAN := -fsanitize=address,undefined -fno-sanitize-recover=all
 SAN_TSAN := -fsanitize=thread
 ASAN_OBJS := $(patsubst smddp/engine/%.cc,$(SAN_DIR)/asan/%.o,$(ENGINE_CORE))
 TSAN_OBJS := $(patsubst smddp/engine/%.cc,$(SAN_DIR)/tsan/%.o,$(ENGINE_CORE))
-$(SAN_DIR)/asan/%.o: smddp/engine/%.cc $(wildcard smddp/engine/*.h)
+$(SAN_DIR)/asan/%.o: smddp/engine/%.cc $(wildcard smddp/engine/*.h) Makefile
 	@mkdir -p $(@D)
 	g++ $(SAN_FLAGS) $(SAN_ASAN) -c $< -o $@
-$(SAN_DIR)/tsan/%.o: smddp/engine/%.cc $(wildcard smddp/engine/*.h)
+$(SAN_DIR)/tsan/%.o: smddp/engine/%.cc $(wildcard smddp/engine/*.h) Makefile
 	@mkdir -p $(@D)
 	g++ $(SAN_FLAGS) $(SAN_TSAN) -c $< -o $@
 # Every object and binary is a target of its own, built by a parallel sub-make (one job per core);
@@ -118,7 +127,7 @@ engine-sanitize:
 # each and merges what gained coverage into the committed corpus.
 CLANGXX ?= clang++
 FUZZ_DIR := build/fuzz
-LIBFUZZ_SECONDS ?= 10
+LIBFUZZ_SECONDS ?= 6
 # CI's runs start from one seed, so that a run is reproducible (what it finds is then the change's,
 # not the draw's); `make fuzz` draws a new one each time (0), to explore. The memory limit is 4 GiB, not
 # libFuzzer's 2: a collective's bookkeeping may take 66 MiB (collective.cc, kMaxChunks), a round keeps
@@ -168,6 +177,7 @@ SAN_JOBS_TSAN := 'tests/multiprocess/test_collectives.py::test_both_reduce_paths
   tests/faults/test_faults.py::test_worker_killed_mid_collective
 .PHONY: engine-sanitize-jobs
 engine-sanitize-jobs: $(STAMP)
+	$(MAKE) -j$(JOBS) $(ASAN_OBJS) $(TSAN_OBJS)
 	bash tests/engine/sanitized_jobs.sh asan $(BIN) $(SAN_DIR) $(SAN_JOBS)
 	bash tests/engine/sanitized_jobs.sh tsan $(BIN) $(SAN_DIR) $(SAN_JOBS_TSAN)
 

@@ -3,8 +3,9 @@
 #
 # Usage: tests/engine/sanitized_jobs.sh asan|tsan VENV_BIN BUILD_DIR TEST...
 #
-# The extension (smddp._engine) is compiled with the sanitizer into a copy of the smddp package under
-# BUILD_DIR/<san>-pkg, which shadows the installed one through PYTHONPATH in pytest and in every
+# The extension (smddp._engine) is linked with the sanitizer from the engine's core objects that
+# make engine-sanitize built (BUILD_DIR/<san>/*.o, compiled with -fPIC) and its bindings (module.cc,
+# compiled here), into a copy of the smddp package under BUILD_DIR/<san>-pkg, which shadows the installed one through PYTHONPATH in pytest and in every
 # process of the jobs it launches (daemons and workers inherit the environment); the sanitizer's
 # runtime is preloaded, since the Python interpreter itself is not instrumented. A report fails the
 # process that found it, so the job, so the test.
@@ -43,15 +44,15 @@ cp -r smddp "$pkg/smddp"
 find "$pkg/smddp" \( -name '*.so' -o -name __pycache__ \) -prune -exec rm -rf {} +
 include=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
 suffix=$("$py" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
-# One compile per source, as many at once as there are cores, then one link.
-objs=$out/$san-objs
-rm -rf "$objs" && mkdir -p "$objs"
+core=("$out/$san"/*.o)
+if [[ ! -e ${core[0]} ]]; then
+  echo "$0: no engine objects in $out/$san: make engine-sanitize-jobs builds them" >&2
+  exit 2
+fi
 cxx=(g++ -std=c++17 -O1 -g -Wall -Wextra -Wshadow -Werror -fno-omit-frame-pointer -fPIC -pthread
   -I"$include" -Ismddp/engine "${flags[@]}")
-printf '%s\0' smddp/engine/*.cc |
-  xargs -0 -P "$(nproc)" -I{} sh -c 'src=$0 dir=$1; shift; exec "$@" -c "$src" -o "$dir/$(basename "$src" .cc).o"' \
-    {} "$objs" "${cxx[@]}"
-"${cxx[@]}" -shared "$objs"/*.o -o "$pkg/smddp/_engine$suffix"
+"${cxx[@]}" -c smddp/engine/module.cc -o "$out/$san-module.o"
+"${cxx[@]}" -shared "${core[@]}" "$out/$san-module.o" -o "$pkg/smddp/_engine$suffix"
 export PYTHONPATH=$pkg LD_PRELOAD=$runtime
 # Outside the checkout, so that its own smddp/ is not the one imported.
 (cd / && "$py" -c 'import smddp._engine as e, sys; sys.exit(0 if e.__file__.startswith(sys.argv[1]) else "not the sanitized engine: " + e.__file__)' "$pkg")

@@ -62,6 +62,7 @@ def test_every_collective_on_the_device_route(
         assert d["routed"] and all(d["routed"].values()), d["routed"]
 
 
+@pytest.mark.long  # CI: DDP on the device route against gloo at realistic sizes (below)
 def test_ddp_on_the_device_route_matches_the_host_route(tmp_path: Path, clean_host: None) -> None:
     """Stock DDP in every mode (buckets, hook, unused parameters, no_sync...): the same bits both ways."""
     modes = "default,bucket_view,unused,static,no_sync,hook,smddp_ddp"

@@ -181,6 +181,7 @@ def test_sagemaker_scripts(style: str, tmp_path: Path, clean_host: None) -> None
     assert runs[0]["params"] == runs[1]["params"]  # initial weights differed per rank: DDP synced them
 
 
+@pytest.mark.long  # CI runs this example under torchrun (tests/torch/test_torchrun.py, 4 workers)
 def test_example_digits_classifier(clean_host: None) -> None:
     proc = smddp_launch(4, 2, [str(REPO / "examples" / "torch" / "train_digits.py"), "--epochs", "8"])
     _ok(proc)

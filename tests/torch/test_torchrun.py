@@ -138,6 +138,9 @@ def test_ddp_under_torchrun_gives_gloo_bits(torchrun: Any, tmp_path: Path) -> No
             assert torch.equal(t, ref[r]["default/float32"]["params"][name]), name
 
 
+# `long`: CI compares torchrun's bits with smddp-launch's on 4 simulated nodes
+# (tests/multinode/test_torchrun.py), and runs 4 workers on one host in test_examples_run_under_torchrun.
+@pytest.mark.long
 def test_four_workers_under_torchrun_give_the_bits_of_smddp_launch(torchrun: Any, tmp_path: Path) -> None:
     """One data plane: 4 workers under torchrun sum exactly as under smddp-launch (mpirun)."""
     modes = "default,no_sync"
