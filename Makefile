@@ -104,7 +104,10 @@ $(SAN_DIR)/%-asan: tests/engine/%.cc $(ASAN_OBJS) $(wildcard tests/engine/*.h)
 $(SAN_DIR)/%-tsan: tests/engine/%.cc $(TSAN_OBJS) $(wildcard tests/engine/*.h)
 	g++ $(SAN_FLAGS) $(SAN_TSAN) $< $(TSAN_OBJS) -o $@
 .PHONY: engine-sanitize-build
-engine-sanitize-build: $(SAN_BINS)
+# The objects are named as prerequisites so that make keeps them: reached only through a pattern
+# rule's prerequisites they would be intermediate files, deleted after the build (and compiled again
+# for the sanitized jobs).
+engine-sanitize-build: $(ASAN_OBJS) $(TSAN_OBJS) $(SAN_BINS)
 .PHONY: engine-sanitize
 engine-sanitize:
 	$(MAKE) -j$(JOBS) engine-sanitize-build
@@ -142,7 +145,7 @@ FUZZ_BINS := $(foreach f,$(FUZZERS),$(FUZZ_DIR)/$(f))
 $(FUZZ_DIR)/fuzz_%: tests/engine/fuzz_%.cc $(FUZZ_OBJS) $(wildcard tests/engine/*.h)
 	$(CLANGXX) $(LIBFUZZ_FLAGS) -fsanitize=fuzzer $< $(FUZZ_OBJS) -o $@
 .PHONY: engine-fuzz-build engine-fuzz fuzz
-engine-fuzz-build: $(FUZZ_BINS)
+engine-fuzz-build: $(FUZZ_OBJS) $(FUZZ_BINS)
 engine-fuzz:
 	$(MAKE) -j$(JOBS) engine-fuzz-build
 	for f in $(FUZZERS); do \
