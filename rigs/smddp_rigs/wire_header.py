@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import struct
 import sys
 from collections.abc import Iterable
 
 from smddp.proto.dtypes import DType, Kind, ReduceOp
 from smddp.proto.frames import (
     FINGERPRINTED,
-    HEADER_FIELDS,
+    HEADER_OFFSETS,
     HEADER_SIZE,
     MAGIC,
     MAX_CONTROL_PAYLOAD,
@@ -43,12 +42,9 @@ def _table(ctype: str, name: str, rows: dict[int, str], empty: str) -> list[str]
 
 def render() -> str:
     """The header's text: codes, names, offsets and limits, from smddp.proto."""
-    offsets: list[str] = []
-    at = 0
-    for field, code in HEADER_FIELDS:
-        offsets.append(f"inline constexpr std::size_t kOff{field.capitalize()} = {at};")
-        at += struct.calcsize("<" + code)
-    assert at == HEADER_SIZE
+    offsets = [
+        f"inline constexpr std::size_t kOff{f.capitalize()} = {at};" for f, at in HEADER_OFFSETS.items()
+    ]
     msgs = {
         int(t): f'{{"{t.name}", {payload_limit(t)}u, {"true" if t in FINGERPRINTED else "false"}}}'
         for t in MsgType

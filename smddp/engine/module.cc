@@ -177,7 +177,8 @@ struct Views {
   }
 };
 
-// reduce16(kind, op, inputs, out, divisor) -> block indices left for the caller (their result holds a NaN).
+// reduce16(kind, op, inputs, out, divisor) -> block indices left unwritten (their result holds a NaN):
+// the block kernel alone, for its tests; reduce() is what the daemon runs.
 // kind: 0 float16, 1 bfloat16; op: 0 sum, 1 min, 2 max; divisor 0.0 for none. Inputs and out are
 // C-contiguous buffers of equally many 16-bit elements; out may alias an input element-wise.
 PyObject* py_reduce16(PyObject*, PyObject* args) {

@@ -88,7 +88,7 @@ inline T average(T sum, std::uint64_t divisor) {
   if constexpr (std::is_floating_point_v<T>) {
     return sum / static_cast<T>(divisor);
   } else if constexpr (std::is_signed_v<T>) {
-    // C division truncates toward zero, as the numpy path's floor division plus its correction.
+    // C division truncates toward zero, as numpy's floor division plus a correction does.
     return static_cast<T>(static_cast<std::int64_t>(sum) / static_cast<std::int64_t>(divisor));
   } else {
     return static_cast<T>(static_cast<std::uint64_t>(sum) / divisor);

@@ -1,6 +1,6 @@
 // The reduction kernel for the types reduced in their own width: uint8, int32, int64, float32, float64.
 //
-// It computes exactly what numpy computes for the same call (smddp.daemon.kernels' numpy path, and
+// It computes exactly what numpy's ufuncs compute for the same call (tests/engine/test_reduce.py,
 // tests/reference.py): fold the inputs left to right element by element, then divide once for an
 // average. Integers wrap on overflow (two's complement, as numpy's add) and an integer average
 // truncates toward zero. For floats the NaN rules are spelled out rather than left to which operand

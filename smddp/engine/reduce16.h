@@ -1,11 +1,12 @@
 // The 16-bit float reduction kernel (float16, bfloat16), accumulated in float32.
 //
-// It computes exactly what smddp.daemon.kernels' numpy path computes: widen every input to float32,
+// It computes exactly what numpy's ufuncs compute (tests/reference.py): widen every input to float32,
 // fold left to right (+, or numpy's minimum/maximum, which keep the first operand only when it is
 // strictly smaller/larger or NaN), divide once for an average, round to nearest even once at the
 // end. NaN payload rules are where compiled code and numpy could disagree (which NaN a+b returns,
 // how a signalling NaN narrows), so a block whose float32 result holds a NaN is not written: its
-// index is reported and the caller reduces that block with numpy. Pure: no Python, no allocation.
+// index is reported and the caller writes that block with reduce16_nan_block (reduce_wire in
+// reduce.cc does). Pure: no Python, no allocation.
 #pragma once
 
 #include <cstddef>

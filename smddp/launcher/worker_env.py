@@ -204,12 +204,12 @@ def run_worker(command: list[str], prefix: str, report: Report | None) -> int:
     for sig in forwarded:  # from here a SIGTERM (mpirun's teardown) ends the wrapper itself
         signal.signal(sig, signal.SIG_DFL)
     joined_ok = joined is not None and joined.settle()
-    lost_daemon = joined is not None and joined.infra is not None
-    if code != 0 and report is not None and lost_daemon:
+    lost = joined.infra if joined is not None else None  # why its rank lost its own daemon
+    lost_daemon = lost is not None
+    if code != 0 and report is not None and lost is not None:
         # Its daemon may be unable to say (frozen, gone): smddp-launch hears the cause from here,
         # first, so that it stops the daemons' world rather than wait for it to finish.
-        assert joined is not None and joined.infra is not None
-        report.infra(joined.infra)
+        report.infra(lost)
     # A wrapper told to end does not wait on a daemon that is being torn down too (up to
     # REPORT_TIMEOUT_S), nor on one its worker lost (a frozen daemon would hold the handshake for
     # its whole timeout): it ends with its worker.

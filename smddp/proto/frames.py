@@ -34,6 +34,11 @@ HEADER_FIELDS = (
 )
 _HEADER = struct.Struct("<" + "".join(code for _, code in HEADER_FIELDS))
 HEADER_SIZE = _HEADER.size  # 56
+# Byte offset of each field in the header.
+HEADER_OFFSETS = {
+    name: struct.calcsize("<" + "".join(code for _, code in HEADER_FIELDS[:i]))
+    for i, (name, _) in enumerate(HEADER_FIELDS)
+}
 
 # A control payload (handshake, error text) is small; anything larger is an attack or a bug.
 MAX_CONTROL_PAYLOAD = 64 * 1024

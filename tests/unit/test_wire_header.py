@@ -10,7 +10,15 @@ from smddp_rigs import wire_header
 from smddp import _engine
 from smddp.errors import ProtocolError
 from smddp.proto.dtypes import DType, Kind, ReduceOp
-from smddp.proto.frames import HEADER_SIZE, Header, MsgType, encode_header, payload_limit
+from smddp.proto.frames import (
+    FINGERPRINTED,
+    HEADER_OFFSETS,
+    HEADER_SIZE,
+    Header,
+    MsgType,
+    encode_header,
+    payload_limit,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -32,14 +40,14 @@ def test_a_changed_spec_changes_the_header(monkeypatch: pytest.MonkeyPatch) -> N
 @pytest.mark.parametrize("t", list(MsgType), ids=lambda t: t.name)
 def test_the_engine_takes_every_message_at_its_limit_and_refuses_one_byte_more(t: MsgType) -> None:
     """The built engine's limits and fingerprint rules, per message type, are the spec's."""
-    fp = t in {MsgType.SUBMIT, MsgType.DONE, MsgType.PARTIAL, MsgType.RESULT, MsgType.BLOCK}
-    extra = {"dtype": DType.FLOAT16, "kind": Kind.ALLREDUCE, "op": ReduceOp.AVG} if fp else {}
+    extra = {"dtype": DType.FLOAT16, "kind": Kind.ALLREDUCE, "op": ReduceOp.AVG} if t in FINGERPRINTED else {}
     limit = payload_limit(t)
     wire = encode_header(Header(t, length=limit, **extra))  # type: ignore[arg-type]
     assert len(wire) == HEADER_SIZE
     assert _engine.decode_header(wire)[0] == int(t)
     over = bytearray(wire)
-    over[40:48] = (limit + 1).to_bytes(8, "little")
+    at = HEADER_OFFSETS["length"]
+    over[at : at + 8] = (limit + 1).to_bytes(8, "little")
     with pytest.raises(ProtocolError, match="exceeds the limit"):
         _engine.decode_header(bytes(over))
 
@@ -48,15 +56,15 @@ def test_the_engine_names_every_dtype_op_and_kind_as_proto_does() -> None:
     """Codes outside the spec are refused by both codecs; every code inside it is taken by both."""
     for code in range(256):
         wire = bytearray(encode_header(Header(MsgType.DONE, dtype=DType.UINT8, kind=Kind.BARRIER)))
-        wire[8] = code
+        wire[HEADER_OFFSETS["dtype"]] = code
         known = code in {int(d) for d in DType}
         if known:
             assert _engine.decode_header(bytes(wire))[2] == code
         else:
             with pytest.raises(ProtocolError, match="unknown dtype"):
                 _engine.decode_header(bytes(wire))
-        wire[8] = int(DType.UINT8)
-        wire[10] = code
+        wire[HEADER_OFFSETS["dtype"]] = int(DType.UINT8)
+        wire[HEADER_OFFSETS["kind"]] = code
         if code in {int(k) for k in Kind}:
             assert _engine.decode_header(bytes(wire))[4] == code
         else:
