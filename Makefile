@@ -172,17 +172,31 @@ SAN_JOBS := 'tests/multiprocess/test_collectives.py::test_every_collective_bit_e
   'tests/multiprocess/test_collectives.py::test_both_reduce_paths_bit_exact[W4-N2-pipelined-16KiB-pieces]' \
   'tests/multiprocess/test_ofi.py::test_both_reduce_paths_over_ofi[pipelined-16KiB-pieces]' \
   tests/multiprocess/test_launch.py::test_bad_arguments_refused_and_mismatch_fails_every_rank \
-  tests/faults/test_rogue.py tests/faults/test_faults.py::test_worker_killed_mid_collective
-# Under TSan (5-15x slower) the jobs whose threads meet: the rings and the fabric with pipelined
-# pieces on 2 nodes, over TCP and over libfabric, and a worker killed in the middle of a collective.
-SAN_JOBS_TSAN := 'tests/multiprocess/test_collectives.py::test_both_reduce_paths_bit_exact[W4-N2-pipelined-16KiB-pieces]' \
-  'tests/multiprocess/test_ofi.py::test_both_reduce_paths_over_ofi[pipelined-16KiB-pieces]' \
+  "tests/faults/test_rogue.py::test_invalid_frame_from_an_authenticated_worker[out of bounds]" \
+  "tests/faults/test_rogue.py::test_invalid_frame_from_an_authenticated_worker[unknown segment]" \
+  "tests/faults/test_rogue.py::test_invalid_frame_from_an_authenticated_worker[skipped sequence number]" \
   tests/faults/test_faults.py::test_worker_killed_mid_collective
+# Under TSan (5-15x slower) the jobs whose threads meet: the rings and the fabric with pipelined
+# pieces on 2 nodes over TCP, and a worker killed in the middle of a collective (the ofi fabric's
+# threads are TSan's in engine-sanitize's test_ofi_fabric).
+SAN_JOBS_TSAN := 'tests/multiprocess/test_collectives.py::test_both_reduce_paths_bit_exact[W4-N2-pipelined-16KiB-pieces]' \
+  tests/faults/test_faults.py::test_worker_killed_mid_collective
+# What CI leaves out (make engine-sanitize-jobs-long): the rogue frames that only a decoder refuses
+# (the fuzzers' ground), and the ofi job under TSan.
+SAN_JOBS_MORE := "tests/faults/test_rogue.py::test_invalid_frame_from_an_authenticated_worker[another rank's name]" \
+  "tests/faults/test_rogue.py::test_invalid_frame_from_an_authenticated_worker[release of nothing]" \
+  "tests/faults/test_rogue.py::test_invalid_frame_from_an_authenticated_worker[a daemon's message]"
+SAN_JOBS_TSAN_MORE := 'tests/multiprocess/test_ofi.py::test_both_reduce_paths_over_ofi[pipelined-16KiB-pieces]'
 .PHONY: engine-sanitize-jobs
 engine-sanitize-jobs: $(STAMP)
 	$(MAKE) -j$(JOBS) $(ASAN_OBJS) $(TSAN_OBJS)
 	bash tests/engine/sanitized_jobs.sh asan $(BIN) $(SAN_DIR) $(SAN_JOBS)
 	bash tests/engine/sanitized_jobs.sh tsan $(BIN) $(SAN_DIR) $(SAN_JOBS_TSAN)
+.PHONY: engine-sanitize-jobs-long
+engine-sanitize-jobs-long: $(STAMP)
+	$(MAKE) -j$(JOBS) $(ASAN_OBJS) $(TSAN_OBJS)
+	bash tests/engine/sanitized_jobs.sh asan $(BIN) $(SAN_DIR) $(SAN_JOBS) $(SAN_JOBS_MORE)
+	bash tests/engine/sanitized_jobs.sh tsan $(BIN) $(SAN_DIR) $(SAN_JOBS_TSAN) $(SAN_JOBS_TSAN_MORE)
 
 # For a lent GPU machine (tests/gpu/on_gpu.sh, docs/gpu.md "On a lent GPU machine"): smddp built for
 # that machine's Python (3.12), and what it lacks beside torch and CuPy, as wheels in .whl/ (ignored
