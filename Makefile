@@ -76,14 +76,14 @@ JOBS ?= $(shell nproc)
 # -fPIC: the same core objects also go into the sanitized extension of engine-sanitize-jobs.
 SAN_FLAGS := -std=c++17 -O1 -g -Wall -Wextra -Wshadow -Werror -fno-omit-frame-pointer -fPIC -Ismddp/engine -Itests/engine -pthread
 ENGINE_CORE := smddp/engine/frame.cc smddp/engine/layout.cc smddp/engine/reduce16.cc smddp/engine/reduce.cc smddp/engine/collective.cc \
-  smddp/engine/node_state.cc smddp/engine/arena.cc \
+  smddp/engine/node_state.cc smddp/engine/arena.cc smddp/engine/fdpass.cc \
   smddp/engine/tcp_fabric.cc smddp/engine/ofi_fabric.cc smddp/engine/ofi_wire.cc smddp/engine/ring.cc smddp/engine/channel.cc \
   smddp/engine/local_plane.cc
 # Each driver's own bounded run under ASan+UBSan and under TSan (the coverage-guided libFuzzer runs of
 # engine-fuzz go deeper; `make fuzz` longer still).
 FUZZ_SECONDS ?= 5
 FUZZERS := fuzz_frame fuzz_layout fuzz_collective fuzz_node_state fuzz_reduce fuzz_ofi_wire
-ENGINE_TESTS := test_fabric test_ofi_fabric test_ring test_arena test_local_plane test_node_plane
+ENGINE_TESTS := test_fabric test_ofi_fabric test_ring test_arena test_fdpass test_local_plane test_node_plane
 # The engine's core is compiled once per sanitizer (objects under $(SAN_DIR)/asan and /tsan), and
 # each driver and test linked against it: 2 compiles of the core instead of 24.
 SAN_ASAN := -fsanitize=address,undefined -fno-sanitize-recover=all
@@ -175,6 +175,7 @@ SAN_JOBS := 'tests/multiprocess/test_collectives.py::test_every_collective_bit_e
   "tests/faults/test_rogue.py::test_invalid_frame_from_an_authenticated_worker[out of bounds]" \
   "tests/faults/test_rogue.py::test_invalid_frame_from_an_authenticated_worker[unknown segment]" \
   "tests/faults/test_rogue.py::test_invalid_frame_from_an_authenticated_worker[skipped sequence number]" \
+  "tests/faults/test_rogue.py::test_invalid_frame_from_an_authenticated_worker[an attach without its fd]" \
   tests/faults/test_faults.py::test_worker_killed_mid_collective
 # Under TSan (5-15x slower) the jobs whose threads meet: the rings and the fabric with pipelined
 # pieces on 2 nodes over TCP, and a worker killed in the middle of a collective (the ofi fabric's

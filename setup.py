@@ -45,7 +45,7 @@ class BuildExt(build_ext):
 
 def _compile_in_parallel(compiler: object, jobs: int) -> None:
     """The engine's sources compiled `jobs` at a time: setuptools' own --parallel runs extensions side
-    by side, and the engine is one extension of 14 sources, which it compiles one after another."""
+    by side, and the engine is one extension of 15 sources, which it compiles one after another."""
 
     # The same steps as CCompiler.compile (distutils), the per-object calls on a thread pool.
     def compile(
@@ -80,6 +80,7 @@ extensions = [
             "smddp/engine/collective.cc",
             "smddp/engine/node_state.cc",
             "smddp/engine/arena.cc",
+            "smddp/engine/fdpass.cc",
             "smddp/engine/ring.cc",
             "smddp/engine/tcp_fabric.cc",
             "smddp/engine/ofi_fabric.cc",

@@ -39,7 +39,7 @@ from smddp.errors import (
 from smddp.proto.dtypes import DType, Kind, ReduceOp
 from smddp.proto.failure import exit_status_of, infra_of, read_failure
 from smddp.proto.frames import Header, MsgType, Role, decode_header
-from smddp.proto.messages import Attach, Bye, Channel, Done, SegmentMsg, Submit
+from smddp.proto.messages import Bye, Channel, Done, Submit
 from smddp.settings import KiB, MiB, default
 from smddp.trace import span
 from smddp.transport.auth import client_handshake
@@ -308,13 +308,18 @@ class Client:
         self._deferred: collections.deque[_Deferred] = collections.deque()
         self._deferred_cv = threading.Condition(self._lock)
         self._submitter: threading.Thread | None = None
-        self._results_cv = threading.Condition(self._lock)  # a result segment arrived
-        # SUBMIT, RELEASE and BYE go on this channel's submit ring and DONE comes on its done ring
-        # (docs/protocol.md, CHANNEL); the socket carries the rest.
+        # ATTACH, SUBMIT, RELEASE and BYE go on this channel's submit ring, SEGMENT and DONE come on
+        # its done ring, the fds of ATTACH and SEGMENT on its side socket (docs/protocol.md, CHANNEL);
+        # the unix socket carries the rest.
         self._channel = _engine.WorkerChannel(f"smddp-channel-rank{self.rank}")
         seg = self._channel.segment
-        conn.send_frame(Channel(self.rank, 0, seg.size).header(), fds=[seg.fd], timeout=config.timeout_s)
+        conn.send_frame(
+            Channel(self.rank, 0, seg.size).header(),
+            fds=[seg.fd, self._channel.daemon_end],
+            timeout=config.timeout_s,
+        )
         seg.close_fd()  # the daemon has its own; the mapping stays
+        self._channel.close_daemon_end()
         self._done_thread = threading.Thread(target=self._done_loop, name="smddp-client-done", daemon=True)
         self._done_thread.start()
         self._reader = threading.Thread(target=self._read_loop, name="smddp-client-reader", daemon=True)
@@ -447,17 +452,29 @@ class Client:
             raise fresh(self._failure)
 
     def _alloc_locked(self, nbytes: int) -> tuple[Slot, ConnectionClosed | None]:
-        """A slot of the arena, with _lock held; a new segment is ATTACHed first (the daemon must map
-        it before a SUBMIT names it). The connection's loss comes back for the caller to fail with."""
+        """A slot of the arena, with _lock held; a new segment is ATTACHed on the ring first, ahead of
+        the SUBMIT that names it. The daemon's loss comes back for the caller to fail with."""
         slot, seg = self._arena.alloc(nbytes)
         if seg is not None:
             try:
-                self._conn.send_frame(
-                    Attach(self.rank, seg.id, seg.size).header(), fds=[seg.fd], timeout=self.config.timeout_s
+                self._channel.attach(seg.native, self.rank, self.config.timeout_s, RING_SPIN_US)
+            except TimeoutError:
+                return slot, ConnectionClosed(
+                    f"the daemon did not read this worker's ring for {self.config.timeout_s:g}s (frozen or gone)"
                 )
-            except ConnectionClosed as e:
-                return slot, e
+            except ProtocolError as e:  # its fd could not go: the daemon's end of the side socket is gone
+                return slot, ConnectionClosed(str(e))
         return slot, None
+
+    def _result_segment(self, seg_id: int) -> Segment | None:
+        """Result segment `seg_id`, as the channel took it in from its SEGMENT (None: never sent)."""
+        seg = self._results.get(seg_id)
+        if seg is None:
+            native = self._channel.result(seg_id)
+            if native is None:
+                return None
+            seg = self._results.setdefault(seg_id, Segment(native))
+        return seg
 
     def submit(
         self,
@@ -755,23 +772,12 @@ class Client:
         try:
             while True:
                 h, fds = self._conn.recv_header(idle=self.config.heartbeat_timeout_s)
-                if fds and h.type is not MsgType.SEGMENT:
+                if fds:  # a result segment's fd travels beside its SEGMENT, on the channel
                     for fd in fds:
                         os.close(fd)
                     raise ProtocolError(f"the daemon passed file descriptors with {h.type.name}")
                 if h.type is MsgType.HEARTBEAT:
                     continue
-                elif h.type is MsgType.SEGMENT:
-                    given = SegmentMsg.of(h)
-                    if len(fds) != 1 or given.segment in self._results:
-                        for fd in fds:
-                            os.close(fd)
-                        raise ProtocolError(f"SEGMENT {given.segment} with {len(fds)} fds (or sent twice)")
-                    seg = Segment.attach(given.segment, fds[0], given.size, writable=False)
-                    self._channel.add_result(seg.native)
-                    with self._results_cv:
-                        self._results[given.segment] = seg
-                        self._results_cv.notify_all()
                 elif h.type is MsgType.ERROR:
                     text = self._conn.recv_bytes(h.length, timeout=5.0).decode("utf-8", "replace")
                     kind, why = read_failure(text)
@@ -837,14 +843,7 @@ class Client:
             handle = self._handles.pop(h.seq, None)
         if handle is None or (h.kind, h.dtype, h.count) != (handle.kind, handle.dtype, handle.count):
             raise ProtocolError(f"DONE for collective #{h.seq} does not match anything this rank submitted")
-        seg = self._results.get(h.segment)
-        if seg is None:
-            # The ring can outrun the socket: the daemon sent the SEGMENT before this DONE.
-            with self._results_cv:
-                self._results_cv.wait_for(
-                    lambda: h.segment in self._results or self._failure is not None, self.config.timeout_s
-                )
-                seg = self._results.get(h.segment)
+        seg = self._result_segment(h.segment)  # its SEGMENT came before it on the ring
         if seg is None:
             raise ProtocolError(f"DONE for #{h.seq} names result segment {h.segment}, which was never sent")
         total = _result_bytes(handle.kind, h.count * handle.dtype.itemsize, self.size)

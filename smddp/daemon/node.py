@@ -7,6 +7,7 @@ import logging
 import os
 import shutil
 import socket
+import stat
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,20 +31,18 @@ from smddp.proto.dtypes import DType, Kind
 from smddp.proto.failure import exit_status_of, failure_frame, infra_of, infra_status, read_failure
 from smddp.proto.frames import HEADER_SIZE, Header, MsgType, Role, error_frame
 from smddp.proto.messages import (
-    Attach,
     Bye,
     Channel,
     Exited,
     Heartbeat,
     Report,
-    SegmentMsg,
     StatusRequest,
 )
 from smddp.trace import span
 from smddp.transport.auth import client_handshake
 from smddp.transport.bootstrap import Job
 from smddp.transport.conn import Connection, ConnectionClosed
-from smddp.transport.shm import Arena, Segment
+from smddp.transport.shm import Arena
 
 MAX_HANDSHAKES = 64  # unauthenticated connections being served at once
 
@@ -56,10 +55,8 @@ class WorkerLink:
     rank: int
     conn: Connection
     pid: int
-    segments: dict[int, Segment] = field(default_factory=dict)
     said_bye: bool = False
-    channel: bool = False  # its SUBMIT, RELEASE and BYE come on the engine's ring (CHANNEL)
-    told: set[int] = field(default_factory=set)  # result segments it was sent
+    channel: bool = False  # its ATTACH, SUBMIT, RELEASE and BYE come on the engine's ring (CHANNEL)
 
 
 @dataclass
@@ -78,8 +75,6 @@ EXIT_REPORT_WAIT_S = 1.0
 # the core between looks, smddp/engine/ring.cc): measured with 4 workers on 2 cores, a 4 KiB
 # all-reduce took ~100 us with 200 us here and in the client's RING_SPIN_US, ~200 us with 20 us.
 PLANE_SPIN_US = 200.0
-# A SUBMIT on a ring that names a segment whose ATTACH (on the socket) has not been read yet waits this long.
-PLANE_ATTACH_WAIT_S = 10.0
 TCP = FabricChoice("tcp", why="the default")
 
 
@@ -134,7 +129,6 @@ class NodeDaemon:
             self.results.native,
             PLANE_SPIN_US,
             cfg.heartbeat_timeout_s,
-            PLANE_ATTACH_WAIT_S,
             cfg.threads,
             nnodes=self.nnodes,
             world=self.world,
@@ -381,9 +375,6 @@ class NodeDaemon:
             self.workers[local] = link
             self.plane.name_rank(local, conn.peer)
             failed = self._failure_frame
-            # Everything already in the result arena, so DONE can point anywhere in it.
-            for seg in self.results.segments.values():
-                self._send_segment(link, seg)
         log.info("%s: %s connected", self.me, conn.peer)
         if failed is not None:
             # The job failed before this rank came: say why at once, then wait for it to leave.
@@ -467,14 +458,6 @@ class NodeDaemon:
             log.info("%s: %s", self.me, reason)
             self._maybe_finish()
 
-    def _send_segment(self, link: WorkerLink, seg: Segment) -> None:
-        """Tell a worker of a result segment, once (lock held)."""
-        if seg.id in link.told:
-            return
-        link.told.add(seg.id)
-        header = SegmentMsg(self.node, seg.id, seg.size).header().encode()
-        self._to_worker(link, [header], fds=[seg.fd])
-
     def _to_worker(self, link: WorkerLink, parts: list[bytes], fds: list[int] | None = None) -> None:
         """Send to a local worker; a broken connection means that worker is lost, and says so.
 
@@ -495,28 +478,14 @@ class NodeDaemon:
                 for fd in fds:
                     os.close(fd)
                 raise ProtocolError(f"{conn.peer} sent a frame claiming to be rank {h.sender}")
-            if fds and h.type not in (MsgType.ATTACH, MsgType.CHANNEL):
+            if fds and h.type is not MsgType.CHANNEL:
                 for fd in fds:
                     os.close(fd)
                 raise ProtocolError(f"{conn.peer} passed file descriptors with {h.type.name}")
-            if h.type in (MsgType.SUBMIT, MsgType.RELEASE, MsgType.BYE):
+            if h.type in (MsgType.ATTACH, MsgType.SUBMIT, MsgType.RELEASE, MsgType.BYE):
                 raise ProtocolError(f"{conn.peer} sent {h.type.name} on its socket: its ring carries them")
             if h.type is MsgType.CHANNEL:
                 self._on_channel(link, h, fds)
-            elif h.type is MsgType.ATTACH:
-                if len(fds) != 1 or not link.channel:
-                    for fd in fds:
-                        os.close(fd)
-                    why = "before its CHANNEL" if len(fds) == 1 else f"with {len(fds)} fds, not one"
-                    raise ProtocolError(f"{conn.peer} sent ATTACH {why}")
-                att = Attach.of(h)
-                if att.segment in link.segments:
-                    os.close(fds[0])
-                    raise ProtocolError(f"{conn.peer}: segment {att.segment} attached twice")
-                seg = link.segments[att.segment] = Segment.attach(
-                    att.segment, fds[0], att.size, writable=False
-                )
-                self.plane.add_segment(link.local_rank, seg.native)
             elif h.type is MsgType.ERROR:
                 text = conn.recv_bytes(h.length, timeout=5.0).decode("utf-8", "replace")
                 raise CollectiveError(f"{conn.peer} aborted the job: {text}")
@@ -524,39 +493,42 @@ class NodeDaemon:
                 raise ProtocolError(f"{conn.peer} sent {h.type.name}, which workers may not send")
 
     def _on_channel(self, link: WorkerLink, h: Header, fds: list[int]) -> None:
-        """The worker's rings (docs/protocol.md, CHANNEL): from now on the engine's plane serves it."""
-        if link.channel or len(fds) != 1:
+        """The worker's rings and side socket (docs/protocol.md, CHANNEL): from now on the engine's
+        plane serves it."""
+        if link.channel or len(fds) != 2:
             for fd in fds:
                 os.close(fd)
-            raise ProtocolError(f"{link.conn.peer} sent CHANNEL, refused: a second one, or no fd")
+            raise ProtocolError(
+                f"{link.conn.peer} sent CHANNEL, refused: a second one, or {len(fds)} fds (its segment "
+                "and its side socket are two)"
+            )
         ch = Channel.of(h)
         if ch.size < _engine.CHANNEL_BYTES:
-            os.close(fds[0])
+            for fd in fds:
+                os.close(fd)
             raise ProtocolError(
                 f"{link.conn.peer}: a channel of {ch.size} bytes, {_engine.CHANNEL_BYTES} needed"
             )
-        native = _engine.segment_attach(0, fds[0], ch.size, True)
-        self.plane.add_worker(link.local_rank, link.rank, link.conn.peer, native)
+        seg_fd, side = fds
+        if not stat.S_ISSOCK(os.fstat(side).st_mode):
+            for fd in fds:
+                os.close(fd)
+            raise ProtocolError(f"{link.conn.peer}: CHANNEL's second fd is not its side socket")
+        try:
+            native = _engine.segment_attach(0, seg_fd, ch.size, True)  # takes seg_fd over
+        except BaseException:
+            os.close(side)
+            raise
+        self.plane.add_worker(link.local_rank, link.rank, link.conn.peer, native, side)  # takes side over
         link.channel = True
 
     def _plane_loop(self, plane: _engine.LocalPlane) -> None:
-        """The plane's events: result segments its workers must be sent, peers' control frames, and
-        the plane's own failure."""
+        """The plane's events: peers' control frames, and the plane's own failure."""
         while not (self._stop.is_set() or self._finished.is_set()):
             ev = plane.next_event(0.5)
             if ev is None:
                 continue
-            if ev[0] == "segment":
-                assert isinstance(ev[1], _engine.Segment)
-                with self._lock:
-                    seg = self.results.adopt(ev[1])
-                    for w in self.workers:
-                        if w is not None and not w.said_bye:
-                            try:
-                                self._send_segment(w, seg)
-                            except PeerLostError:
-                                pass  # its hang-up is seen by its own thread, which names it
-            elif len(ev) == 6:  # ("peer", node, type, seq, aux, payload): a peer's control frame
+            if len(ev) == 6:  # ("peer", node, type, seq, aux, payload): a peer's control frame
                 _, node, mtype, seq, aux, body = ev
                 self._on_peer_control(self.peers[node], MsgType(mtype), seq, aux, body)
             elif len(ev) == 3:

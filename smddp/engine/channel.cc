@@ -1,6 +1,8 @@
 // The worker's side of its channel: the submit ring's producer, the done ring's takers, the fast path.
 #include "channel.h"
 
+#include <unistd.h>
+
 #include <chrono>
 #include <cstring>
 #include <utility>
@@ -28,15 +30,80 @@ std::string num(std::uint64_t v) { return std::to_string(v); }
 
 std::size_t channel_bytes() { return 2 * ring_bytes(kChannelSlots); }
 
-WorkerChannel::WorkerChannel(std::shared_ptr<Segment> seg)
+WorkerChannel::WorkerChannel(std::shared_ptr<Segment> seg, int side, int daemon_end)
     : seg_(std::move(seg)),
       submit_(seg_->base(), kChannelSlots, true),
-      done_(seg_->base() + done_ring_offset(), kChannelSlots, true) {}
+      done_(seg_->base() + done_ring_offset(), kChannelSlots, true),
+      side_(side),
+      daemon_end_(daemon_end) {}
+
+WorkerChannel::~WorkerChannel() {
+  close_daemon_end();
+  if (side_ >= 0) ::close(side_);
+}
 
 std::unique_ptr<WorkerChannel> WorkerChannel::create(const std::string& name, std::string* why) {
   std::shared_ptr<Segment> seg = Segment::create(0, channel_bytes(), name, why);
   if (!seg) return nullptr;
-  return std::unique_ptr<WorkerChannel>(new WorkerChannel(std::move(seg)));
+  int fds[2];
+  *why = side_pair(fds);
+  if (!why->empty()) return nullptr;
+  return std::unique_ptr<WorkerChannel>(new WorkerChannel(std::move(seg), fds[0], fds[1]));
+}
+
+void WorkerChannel::close_daemon_end() {
+  if (daemon_end_ >= 0) ::close(daemon_end_);
+  daemon_end_ = -1;
+}
+
+RingWait WorkerChannel::attach(const Segment& seg, std::uint32_t rank, std::int64_t timeout_ns,
+                               std::int64_t spin_ns) {
+  Header h;
+  h.type = Msg::kAttach;
+  h.sender = rank;
+  h.shard = seg.id();
+  h.offset = seg.size();
+  std::array<std::uint8_t, kHeaderSize> frame{};
+  std::string w = encode_header(h, frame.data());
+  if (w.empty() && seg.fd() < 0) w = "segment " + num(seg.id()) + " has no fd left to pass";
+  std::lock_guard<std::mutex> lock(push_mu_);
+  if (w.empty()) {
+    // Under the push lock: the fds leave in the order of their descriptors on the ring.
+    bool gone = false;
+    w = send_fd(side_, seg.id(), seg.size(), seg.fd(), &gone);
+  }
+  if (!w.empty()) {
+    refused("ATTACH: " + w);
+    return RingWait::kCorrupt;
+  }
+  return push_locked(frame.data(), timeout_ns, spin_ns);
+}
+
+std::shared_ptr<Segment> WorkerChannel::result(std::uint32_t id) {
+  std::lock_guard<std::mutex> lock(results_mu_);
+  auto it = results_.find(id);
+  return it == results_.end() ? nullptr : it->second;
+}
+
+int WorkerChannel::take_segment(const Descriptor& d) {
+  Header h;
+  if (!decode_header(d.data(), kHeaderSize, &h).empty() || h.type != Msg::kSegment) return 0;
+  const std::uint32_t id = h.shard;
+  std::lock_guard<std::mutex> lock(results_mu_);
+  if (results_.count(id)) {
+    refused("the daemon sent result segment " + num(id) + " twice");
+    return -1;
+  }
+  int fd = -1;
+  std::string w = recv_fd(side_, id, h.offset, &fd);
+  std::shared_ptr<Segment> seg;
+  if (w.empty()) seg = Segment::attach(id, fd, h.offset, false, &w);
+  if (!seg) {
+    refused("the daemon's result " + w);
+    return -1;
+  }
+  results_.emplace(id, std::move(seg));
+  return 1;
 }
 
 FastEnd WorkerChannel::refused(const std::string& why) {
@@ -209,6 +276,15 @@ RingWait WorkerChannel::pop(std::uint8_t* out, std::int64_t timeout_ns, std::int
     popping_ = false;
     wake_takers();
     if (r == RingWait::kReady) {
+      const int seg = take_segment(slot);
+      if (seg < 0) {
+        r = RingWait::kCorrupt;
+        break;
+      }
+      if (seg > 0) {  // a result segment, now in the table
+        r = RingWait::kTimeout;
+        continue;
+      }
       if (route_fast(slot)) {  // a fast collective's: kept for it
         r = RingWait::kTimeout;
         continue;
@@ -238,12 +314,6 @@ void WorkerChannel::kick() {
   kick_.store(true, std::memory_order_seq_cst);
   if (popping_) done_.nudge();
   wake_takers();
-}
-
-void WorkerChannel::add_result(std::shared_ptr<Segment> seg) {
-  std::lock_guard<std::mutex> lock(results_mu_);
-  results_[seg->id()] = std::move(seg);
-  results_cv_.notify_all();
 }
 
 // ----------------------------------------------------------------------------------- the fast path
@@ -330,6 +400,14 @@ FastEnd WorkerChannel::finish(Arena& arena, const Slot& slot, const Header& subm
         end = refused("the daemon broke this worker's done ring: " + done_.why());
         break;
       }
+      if (r == RingWait::kReady) {
+        const int seg = take_segment(d);
+        if (seg < 0) {
+          end = FastEnd::kRefused;
+          break;
+        }
+        if (seg > 0) continue;  // a result segment, now in the table
+      }
       if (r == RingWait::kReady && !route_fast(d)) {
         // The general way's (another thread's collective): theirs to take.
         if (general_out_ > 0) general_out_--;
@@ -350,24 +428,10 @@ FastEnd WorkerChannel::finish(Arena& arena, const Slot& slot, const Header& subm
   if (!w.empty()) return refused("the daemon wrote a descriptor that is not a frame: " + w);
   if (h.kind != submit.kind || h.dtype != submit.dtype || h.count != submit.count)
     return refused("DONE for collective #" + num(h.seq) + " does not match what this rank submitted");
-  std::shared_ptr<Segment> result;
-  {
-    // The ring can outrun the socket: the daemon sent the SEGMENT before this DONE.
-    std::unique_lock<std::mutex> lock(results_mu_);
-    for (;;) {
-      auto it = results_.find(h.shard);
-      if (it != results_.end()) {
-        result = it->second;
-        break;
-      }
-      const std::int64_t left = left_of(t0, timeout_ns);
-      if (aborted_.load()) return refused("the channel closed while DONE for #" + num(h.seq) + " was handled");
-      if (left <= 0)
-        return refused("DONE for #" + num(h.seq) + " names result segment " + num(h.shard) +
-                       ", which was never sent");
-      results_cv_.wait_for(lock, std::chrono::nanoseconds(slice_of(left)));
-    }
-  }
+  // Its SEGMENT came before it on the same ring: a segment not in the table was never sent.
+  std::shared_ptr<Segment> result = this->result(h.shard);
+  if (!result)
+    return refused("DONE for #" + num(h.seq) + " names result segment " + num(h.shard) + ", which was never sent");
   std::uint8_t* p = nullptr;
   w = result->range(h.offset, slot.nbytes, &p);
   if (!w.empty()) return refused("DONE for #" + num(h.seq) + ": " + w);

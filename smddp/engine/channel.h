@@ -1,9 +1,12 @@
 // A worker's channel to its daemon: the layout both sides share, and the worker's side (WorkerChannel).
 //
 // The channel is one memfd segment the worker creates and passes with CHANNEL: the submit ring
-// (worker -> daemon: SUBMIT, RELEASE, BYE), then the done ring (daemon -> worker: DONE), each of
-// kChannelSlots slots holding one 56-byte frame header (docs/protocol.md). The daemon's side is
-// LocalPlane's link (local_plane.h).
+// (worker -> daemon: ATTACH, SUBMIT, RELEASE, BYE), then the done ring (daemon -> worker: SEGMENT,
+// DONE), each of kChannelSlots slots holding one 56-byte frame header (docs/protocol.md), and a
+// side socket for the fds of ATTACH and SEGMENT (fdpass.h). The rings are the one ordered channel:
+// a segment is ATTACHed before the SUBMIT that names it, and the daemon pushes a result segment's
+// SEGMENT before the first DONE that names it, so neither side ever waits for a segment. The
+// daemon's side is LocalPlane's link (local_plane.h).
 //
 // The worker's side serves three kinds of takers of the done ring, one popping at a time:
 // - a waiter: a thread in Handle.wait() for a collective submitted the general way (pop(waiter));
@@ -16,8 +19,12 @@
 //   DONE it meets to the others (`kept_`).
 // Waiters and the fast path go first: the background taker's pop ends when one comes.
 //
-// Memory: the channel owns its segment. The caller's buffers (start's source, finish's destination)
-// and the arena must stay alive for the call; result segments are shared with the caller's table.
+// A SEGMENT is taken in by whichever taker pops it (its fd off the side socket, mapped read-only
+// into the result table); it never reaches the caller.
+//
+// Memory: the channel owns its segment, its end of the side socket (and the daemon's end until
+// close_daemon_end) and the result segments it was sent (shared with the callers of result()). The
+// caller's buffers (start's source, finish's destination) and the arena must stay alive for the call.
 #pragma once
 
 #include <array>
@@ -32,6 +39,7 @@
 #include <vector>
 
 #include "arena.h"
+#include "fdpass.h"
 #include "frame.h"
 #include "ring.h"
 
@@ -56,7 +64,17 @@ class WorkerChannel {
  public:
   // A new channel segment (sealed memfd) with both rings reset; nullptr and *why on failure.
   static std::unique_ptr<WorkerChannel> create(const std::string& name, std::string* why);
+  ~WorkerChannel();
   const std::shared_ptr<Segment>& segment() const { return seg_; }
+  // The daemon's end of the side socket, to pass with CHANNEL; -1 once closed here (after passing it).
+  int daemon_end() const { return daemon_end_; }
+  void close_daemon_end();
+
+  // ATTACH of input segment `seg` (`rank`'s): its fd on the side socket, then the descriptor on the
+  // submit ring, in the ring's order with every other push. kCorrupt (why()) if the fd cannot go.
+  RingWait attach(const Segment& seg, std::uint32_t rank, std::int64_t timeout_ns, std::int64_t spin_ns);
+  // Result segment `id`, if the daemon has sent it (a DONE names only one it has).
+  std::shared_ptr<Segment> result(std::uint32_t id);
 
   // Pushes the held RELEASEs, then one 56-byte header; kTimeout when the daemon left the ring full,
   // kCorrupt (why()) when the ring is broken. A SUBMIT pushed here is collected the general way.
@@ -90,9 +108,6 @@ class WorkerChannel {
   // its DONE in `out` if that had already come, else it is collected by pop() when it comes.
   bool adopt(std::uint64_t seq, std::uint8_t* out);
 
-  // A result segment the daemon sent (SEGMENT): finish() copies results out of it.
-  void add_result(std::shared_ptr<Segment> seg);
-
   // Stops pops and fast waits (the job failed or the client closes): they return within one sleep slice.
   void abort();
   bool aborted() const { return aborted_.load(); }
@@ -100,7 +115,7 @@ class WorkerChannel {
 
  private:
   using Descriptor = std::array<std::uint8_t, kSlotBytes>;
-  explicit WorkerChannel(std::shared_ptr<Segment> seg);
+  WorkerChannel(std::shared_ptr<Segment> seg, int side, int daemon_end);
   RingWait push_locked(const std::uint8_t* header, std::int64_t timeout_ns, std::int64_t spin_ns);
   // Called with pop_mu_ held after a taker took `d` off the ring: true if it is a parked or waiting
   // fast collective's (then kept in fast_ for it), false if it is the general way's.
@@ -110,6 +125,9 @@ class WorkerChannel {
   void wake_background();
   void wake_takers();
   FastEnd refused(const std::string& why);  // records why; kRefused
+  // A descriptor some taker popped: a SEGMENT is taken in here (1), or refused (-1, why() says
+  // why); anything else is the caller's (0).
+  int take_segment(const Descriptor& d);
 
   std::shared_ptr<Segment> seg_;
   std::mutex push_mu_;  // guards the submit ring's producer side and held_
@@ -137,8 +155,9 @@ class WorkerChannel {
   std::deque<Descriptor> kept_;
   // Fast collectives started and not finished or adopted, with their DONE once some taker met it.
   std::map<std::uint64_t, std::pair<bool, Descriptor>> fast_;
+  int side_ = -1;        // this worker's end of the side socket
+  int daemon_end_ = -1;  // the daemon's, until passed
   std::mutex results_mu_;
-  std::condition_variable results_cv_;
   std::map<std::uint32_t, std::shared_ptr<Segment>> results_;
   std::mutex why_mu_;
   std::string why_;  // a refusal of the fast path (the rings keep their own)

@@ -8,9 +8,11 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <set>
 #include <stdexcept>
 #include <utility>
 
+#include "fdpass.h"
 #include "reduce.h"
 
 namespace smddp {
@@ -70,20 +72,26 @@ const char* phase_name(Phase p) {
 }
 
 struct LocalPlane::Link {
-  Link(std::uint32_t l, std::uint32_t r, std::string n, std::shared_ptr<Segment> ch)
+  Link(std::uint32_t l, std::uint32_t r, std::string n, std::shared_ptr<Segment> ch, int s)
       : local(l),
         rank(r),
         name(std::move(n)),
         channel(std::move(ch)),
+        side(s),
         submit(channel->base(), kChannelSlots, false),
         done(channel->base() + done_ring_offset(), kChannelSlots, false) {}
+  ~Link() { ::close(side); }
+  Link(const Link&) = delete;
+  Link& operator=(const Link&) = delete;
   std::uint32_t local;
   std::uint32_t rank;
   std::string name;
   std::shared_ptr<Segment> channel;
+  int side;         // the side socket: ATTACH fds read by this link's thread, SEGMENT fds sent under done_mu
   RingView submit;  // popped by this link's thread only
   RingView done;    // pushed under done_mu
   std::mutex done_mu;
+  std::set<std::uint32_t> told;  // result segments whose SEGMENT went on the done ring (under done_mu)
   std::map<std::uint32_t, std::shared_ptr<Segment>> segments;  // under the plane's mutex
   std::atomic<bool> stop{false};
   bool said_bye = false;  // under the plane's mutex
@@ -195,26 +203,20 @@ LocalPlane::LocalPlane(PlaneConfig cfg, Arena* results, Arena* scratch)
 LocalPlane::~LocalPlane() { close(); }
 
 std::string LocalPlane::add_worker(std::uint32_t local, std::uint32_t rank, const std::string& name,
-                                   std::shared_ptr<Segment> channel) {
-  if (local >= links_.size()) return "local rank " + num(local) + " out of range";
+                                   std::shared_ptr<Segment> channel, int side) {
+  auto refuse = [side](std::string why) {
+    ::close(side);
+    return why;
+  };
+  if (local >= links_.size()) return refuse("local rank " + num(local) + " out of range");
   if (!channel || channel->size() < channel_bytes() || !channel->writable())
-    return name + ": its channel is not a writable segment of " + num(channel_bytes()) + " bytes";
+    return refuse(name + ": its channel is not a writable segment of " + num(channel_bytes()) + " bytes");
   std::lock_guard<std::mutex> lock(mu_);
-  if (closed_) return "the plane is closed";
-  if (links_[local]) return name + " joined twice";
-  links_[local] = std::make_unique<Link>(local, rank, name, std::move(channel));
+  if (closed_) return refuse("the plane is closed");
+  if (links_[local]) return refuse(name + " joined twice");
+  links_[local] = std::make_unique<Link>(local, rank, name, std::move(channel), side);
   Link* link = links_[local].get();
   link->thread = std::thread([this, link] { run(link); });
-  return {};
-}
-
-std::string LocalPlane::add_segment(std::uint32_t local, std::shared_ptr<Segment> seg) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (local >= links_.size() || !links_[local]) return "local rank " + num(local) + " has not joined";
-  Link* link = links_[local].get();
-  if (!link->segments.emplace(seg->id(), seg).second)
-    return link->name + ": segment " + num(seg->id()) + " attached twice";
-  attach_cv_.notify_all();
   return {};
 }
 
@@ -224,11 +226,6 @@ bool LocalPlane::remove_worker(std::uint32_t local) {
     std::lock_guard<std::mutex> lock(mu_);
     if (local >= links_.size() || !links_[local]) return false;
     link = links_[local].get();
-  }
-  link->stop.store(true, std::memory_order_release);
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    attach_cv_.notify_all();  // a SUBMIT waiting for its segment gives up
   }
   link->join();
   std::lock_guard<std::mutex> lock(mu_);
@@ -260,6 +257,7 @@ void LocalPlane::handle(Link* link, const std::uint8_t* slot) {
   if (h.sender != link->rank)
     return fail(Verdict{Fault::kProtocol, link->name + " wrote a frame claiming to be rank " + num(h.sender)});
   switch (h.type) {
+    case Msg::kAttach: return on_attach(link, h);
     case Msg::kSubmit: return on_submit(link, h);
     case Msg::kRelease: return on_release(link, h);
     case Msg::kBye: return on_bye(link);
@@ -267,6 +265,19 @@ void LocalPlane::handle(Link* link, const std::uint8_t* slot) {
       return fail(Verdict{Fault::kProtocol, link->name + " wrote " + msg_name(static_cast<std::uint8_t>(h.type)) +
                                                 ", which workers may not write on their ring"});
   }
+}
+
+void LocalPlane::on_attach(Link* link, const Header& h) {
+  // Its fd was sent on the side socket before this descriptor was pushed: it is there now, or never.
+  int fd = -1;
+  std::string w = recv_fd(link->side, h.shard, h.offset, &fd);
+  std::shared_ptr<Segment> seg;
+  if (w.empty()) seg = Segment::attach(h.shard, fd, h.offset, false, &w);
+  if (!seg) return fail(Verdict{Fault::kProtocol, link->name + " wrote ATTACH of " + w});
+  std::lock_guard<std::mutex> lock(mu_);
+  if (failed_) return;
+  if (!link->segments.emplace(h.shard, std::move(seg)).second)
+    return fail_locked(Verdict{Fault::kProtocol, link->name + ": segment " + num(h.shard) + " attached twice"});
 }
 
 void LocalPlane::on_submit(Link* link, const Header& h) {
@@ -279,21 +290,12 @@ void LocalPlane::on_submit(Link* link, const Header& h) {
   std::shared_ptr<Segment> seg;
   const std::uint8_t* data = nullptr;
   if (h.shard != kNoSegment) {
-    // Its ATTACH travels on the socket and may be read after this SUBMIT: wait for it a while.
-    const Clock::time_point deadline = Clock::now() + std::chrono::nanoseconds(cfg_.attach_wait_ns);
-    for (;;) {
-      auto it = link->segments.find(h.shard);
-      if (it != link->segments.end()) {
-        seg = it->second;
-        break;
-      }
-      if (failed_) return;
-      if (link->stop.load() || attach_cv_.wait_until(lock, deadline) == std::cv_status::timeout) {
-        if (link->segments.count(h.shard)) continue;
-        return fail_locked(Verdict{Fault::kProtocol,
-                                   link->name + " named segment " + num(h.shard) + ", which it never attached"});
-      }
-    }
+    // Its ATTACH came before it on the same ring.
+    auto it = link->segments.find(h.shard);
+    if (it == link->segments.end())
+      return fail_locked(
+          Verdict{Fault::kProtocol, link->name + " named segment " + num(h.shard) + ", which it never attached"});
+    seg = it->second;
     std::uint8_t* p = nullptr;
     const std::string w = seg->range(h.offset, nbytes, &p);
     if (!w.empty())
@@ -349,10 +351,7 @@ std::shared_ptr<LocalPlane::Op> LocalPlane::new_op_locked(const Spec& spec, std:
     *why = cfg_.me + ": no result memory for collective #" + num(spec.seq) + ": " + w;
     return nullptr;
   }
-  if (fresh) {
-    push_event_locked(PlaneEvent{PlaneEvent::kSegment, fresh, {}, 0, {}, {}});
-    lend_locked(*fresh);
-  }
+  if (fresh) lend_locked(*fresh);  // its SEGMENT goes to each worker with the first DONE in it
   if (op->c->server_rows() > 0) {
     const Range r = op->c->own_range();
     op->row_bytes = (r.end - r.start) * spec.itemsize;
@@ -669,15 +668,36 @@ void LocalPlane::complete_locked(const std::shared_ptr<Op>& op, std::unique_lock
   std::uint8_t frame[kHeaderSize];
   const std::string w = encode_header(h, frame);
   if (!w.empty()) return fail_locked(Verdict{Fault::kProtocol, cfg_.me + ": " + w});
+  // The result segment's SEGMENT, for a worker not told of it yet: its fd on the side socket, then
+  // the descriptor, just ahead of this DONE on the same ring.
+  Header sh;
+  sh.type = Msg::kSegment;
+  sh.sender = cfg_.topo.node;
+  sh.shard = op->result.segment;
+  sh.offset = op->result_seg->size();
+  std::uint8_t seg_frame[kHeaderSize];
+  const std::string sw = encode_header(sh, seg_frame);
+  if (!sw.empty()) return fail_locked(Verdict{Fault::kProtocol, cfg_.me + ": " + sw});
+  const std::shared_ptr<Segment> result = op->result_seg;
   std::vector<Link*> to;
   for (auto& l : links_)
     if (l && !l->said_bye && !l->stop.load()) to.push_back(l.get());
   lock->unlock();  // a full ring may make a push wait: never with the plane's lock held
   for (Link* l : to) {
-    RingWait r;
+    RingWait r = RingWait::kReady;
     {
       std::lock_guard<std::mutex> g(l->done_mu);
-      r = l->done.push(frame, kHeaderSize, cfg_.push_timeout_ns, 0);
+      if (!l->told.count(sh.shard)) {
+        bool gone = false;
+        const std::string sent = send_fd(l->side, sh.shard, sh.offset, result->fd(), &gone);
+        // A worker whose end has closed is gone: its connection's end says so and names it.
+        if (gone) continue;
+        if (!sent.empty())
+          return fail(Verdict{Fault::kPeerLost, l->name + " did not take its result segments: " + sent});
+        r = l->done.push(seg_frame, kHeaderSize, cfg_.push_timeout_ns, 0);
+        if (r == RingWait::kReady) l->told.insert(sh.shard);
+      }
+      if (r == RingWait::kReady) r = l->done.push(frame, kHeaderSize, cfg_.push_timeout_ns, 0);
     }
     if (r == RingWait::kTimeout)
       return fail(Verdict{Fault::kPeerLost, l->name + " did not take its results for " +
@@ -921,7 +941,7 @@ void LocalPlane::on_frame(std::uint32_t peer, const Header& h) {
       case Msg::kStatus:
       case Msg::kReport:
       case Msg::kError: {
-        PlaneEvent e{PlaneEvent::kPeer, nullptr, {}, peer, h, std::move(p->control)};
+        PlaneEvent e{PlaneEvent::kPeer, {}, peer, h, std::move(p->control)};
         p->control.clear();
         push_event_locked(std::move(e));
         return;
@@ -1020,8 +1040,7 @@ void LocalPlane::push_event_locked(PlaneEvent e) {
 void LocalPlane::fail_locked(const Verdict& v) {
   if (failed_) return;
   failed_ = true;
-  push_event_locked(PlaneEvent{PlaneEvent::kFailed, nullptr, v, 0, {}, {}});
-  attach_cv_.notify_all();
+  push_event_locked(PlaneEvent{PlaneEvent::kFailed, v, 0, {}, {}});
 }
 
 void LocalPlane::fail(const Verdict& v) {
@@ -1032,7 +1051,6 @@ void LocalPlane::fail(const Verdict& v) {
 void LocalPlane::abort() {
   std::lock_guard<std::mutex> lock(mu_);
   failed_ = true;
-  attach_cv_.notify_all();
 }
 
 Verdict LocalPlane::rank_left_early(std::uint32_t local, bool joined, const std::string& reason, bool* recorded) {
@@ -1109,7 +1127,6 @@ void LocalPlane::close() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     closed_ = true;
-    attach_cv_.notify_all();
     event_cv_.notify_all();
     work_cv_.notify_all();
     flush_cv_.notify_all();

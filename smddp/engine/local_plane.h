@@ -4,7 +4,8 @@
 // Each worker shares a channel segment with its daemon (channel_bytes(): the submit ring, worker ->
 // daemon, then the done ring, daemon -> worker; kSlotBytes slots holding 56-byte frame headers of
 // docs/protocol.md). One engine thread per worker pops its submit ring (spinning briefly, then
-// sleeping on the ring's futex) and handles SUBMIT, RELEASE and BYE in ring order: the table's rules
+// sleeping on the ring's futex) and handles ATTACH (its fd taken off the channel's side socket,
+// fdpass.h), SUBMIT, RELEASE and BYE in ring order: the table's rules
 // (node_state.h), every segment, offset and length checked against the worker's attached segments
 // before a pointer is formed, the result slot from the daemon's result arena. In a job of several
 // nodes the plane also owns a Fabric (fabric.h) to the other daemons: the links Python authenticated
@@ -12,18 +13,19 @@
 // memory (every chunk a frame claims located by the collective's state machine first), heartbeats,
 // and a progress thread that spins briefly after activity and then sleeps in the fabric. The thread
 // that makes work ready runs it when it is small (the reduction kernels, a gather's copies, the
-// frames to send); larger work goes to the compute threads. DONE goes to every worker's done ring.
-// Python keeps the unix sockets (handshake, memfd passing, liveness, ERROR), the peers' handshakes,
-// and learns what it must act on from events: a result segment the workers must be sent, a control
-// frame from a peer (STATUS, REPORT, ERROR, BYE), or the plane's own failure with its fault.
+// frames to send); larger work goes to the compute threads. DONE goes to every worker's done ring,
+// after the SEGMENT of its result segment the first time a worker is sent one (its fd on the side
+// socket). Python keeps the unix sockets (handshake, CHANNEL, liveness, ERROR), the peers'
+// handshakes, and learns what it must act on from events: a control frame from a peer (STATUS,
+// REPORT, ERROR, BYE), or the plane's own failure with its fault.
 //
 // Threads and memory: the plane's mutex guards the table, the op records, the links' segment maps
 // and the peers' state; reductions and copies run outside it on memory the op record keeps mapped
 // (shared_ptr segments). Lock order: the plane's mutex, then the fabric's (the fabric never calls
 // the plane with its own held). The plane owns its NodeState, its op records, its fabric and its
 // threads, and the payloads of the control frames it sends until they leave; the result and scratch
-// arenas belong to the caller and must outlive the plane; each link holds the channel and input
-// segments it was given. A frame queued to a peer points into an op's memory, which the op keeps
+// arenas belong to the caller and must outlive the plane; each link holds the channel, the side
+// socket's end (closed with the link) and the input segments it was given. A frame queued to a peer points into an op's memory, which the op keeps
 // until the send completes (Collective::send_started/send_finished); close() stops the progress
 // thread and drops the fabric before any op's memory goes.
 #pragma once
@@ -57,7 +59,6 @@ struct PlaneConfig {
   std::string me;  // how this daemon is named in messages ("node 0 (host, ranks 0-3)")
   std::int64_t spin_ns = 200'000;  // link threads and the progress thread spin (yielding) this long, then sleep
   std::int64_t push_timeout_ns = 60'000'000'000;  // a done ring full this long: its worker is stuck
-  std::int64_t attach_wait_ns = 10'000'000'000;  // a SUBMIT naming a segment its ATTACH has not brought yet
   std::uint32_t threads = 2;  // compute threads sharing the chunks of large collectives (0: none)
   // Between daemons: a HEARTBEAT to every peer each quarter of this, and a link that brings nothing
   // for this long goes down as silent (0: neither).
@@ -76,9 +77,8 @@ const char* phase_name(Phase p);
 
 // What Python must act on, in order.
 struct PlaneEvent {
-  enum Kind { kSegment = 1, kFailed = 2, kPeer = 3 } kind = kSegment;
-  std::shared_ptr<Segment> segment;  // kSegment: a new result segment, for every worker
-  Verdict verdict;                   // kFailed: why
+  enum Kind { kFailed = 2, kPeer = 3 } kind = kFailed;
+  Verdict verdict;  // kFailed: why
   // kPeer: a control frame (STATUS, REPORT, ERROR, BYE) from peer node `peer`, whole.
   std::uint32_t peer = 0;
   Header header;
@@ -124,11 +124,10 @@ class LocalPlane final : private Sink {
   LocalPlane& operator=(const LocalPlane&) = delete;
 
   // Local rank `local` (global rank `rank`, named `name`) joined with its channel (mapped
-  // read-write, channel_bytes() or more): its thread starts. "" or why not.
+  // read-write, channel_bytes() or more) and the daemon's end of its side socket (`side`, which the
+  // plane owns from now on: closed on a refusal too): its thread starts. "" or why not.
   std::string add_worker(std::uint32_t local, std::uint32_t rank, const std::string& name,
-                         std::shared_ptr<Segment> channel);
-  // An input segment the worker attached (its ATTACH). "" or why not (attached twice).
-  std::string add_segment(std::uint32_t local, std::shared_ptr<Segment> seg);
+                         std::shared_ptr<Segment> channel, int side);
   // The worker's connection ended: its thread handles what the worker had published, then stops.
   // Returns whether the worker said BYE on its ring.
   bool remove_worker(std::uint32_t local);
@@ -181,6 +180,7 @@ class LocalPlane final : private Sink {
   struct Op;
   void run(Link* link);
   void handle(Link* link, const std::uint8_t* slot);
+  void on_attach(Link* link, const Header& h);
   void on_submit(Link* link, const Header& h);
   void on_release(Link* link, const Header& h);
   void on_bye(Link* link);
@@ -228,7 +228,6 @@ class LocalPlane final : private Sink {
   Arena* results_;
   Arena* scratch_;
   std::mutex mu_;
-  std::condition_variable attach_cv_;  // a segment arrived, or the plane failed
   std::condition_variable event_cv_;
   NodeState table_;
   std::vector<std::unique_ptr<Link>> links_;  // by local rank; null before it joins

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <map>
 #include <memory>
 #include <cstring>
 #include <new>
@@ -17,6 +18,7 @@
 #include "arena.h"
 #include "channel.h"
 #include "collective.h"
+#include "fdpass.h"
 #include "frame.h"
 #include "layout.h"
 #include "local_plane.h"
@@ -1193,8 +1195,7 @@ struct PlaneObject {
 
 smddp::LocalPlane& plane_of(PyObject* self) { return *reinterpret_cast<PlaneObject*>(self)->plane; }
 
-// LocalPlane(node, local_size, chunk_bytes, rank_names, me, results, spin_us, push_timeout_s, attach_wait_s,
-//            threads=2, *, nnodes=1, world=local_size, first_rank=0, replicate_bytes=0, node_names=None,
+// LocalPlane(node, local_size, chunk_bytes, rank_names, me, results, spin_us, push_timeout_s, threads=2, *, nnodes=1, world=local_size, first_rank=0, replicate_bytes=0, node_names=None,
 //            scratch=None, heartbeat_s=0.0, trace=False, fabric="tcp", ofi_library="", ofi_provider="efa")
 PyObject* plane_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   long long node = 0, local_size = 0, chunk_bytes = 0, threads = 2, nnodes = 1, world = -1, first_rank = 0,
@@ -1202,16 +1203,16 @@ PyObject* plane_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   PyObject *names_obj = nullptr, *me_obj = nullptr, *arena_obj = nullptr, *node_names_obj = Py_None,
            *scratch_obj = Py_None;
   const char *fabric = "tcp", *ofi_library = "", *ofi_provider = "efa";
-  double spin_us = 0, push_timeout_s = 0, attach_wait_s = 0, heartbeat_s = 0;
+  double spin_us = 0, push_timeout_s = 0, heartbeat_s = 0;
   int trace = 0;
   static const char* kw[] = {"node",        "local_size", "chunk_bytes",     "rank_names", "me",
-                             "results",     "spin_us",    "push_timeout_s",  "attach_wait_s",
+                             "results",     "spin_us",    "push_timeout_s",
                              "threads",     "nnodes",     "world",           "first_rank", "replicate_bytes",
                              "node_names",  "scratch",    "heartbeat_s",     "trace",      "fabric",
                              "ofi_library", "ofi_provider", nullptr};
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "LLLOUOddd|L$LLLLOOdpsss", const_cast<char**>(kw), &node,
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "LLLOUOdd|L$LLLLOOdpsss", const_cast<char**>(kw), &node,
                                    &local_size, &chunk_bytes, &names_obj, &me_obj, &arena_obj, &spin_us,
-                                   &push_timeout_s, &attach_wait_s, &threads, &nnodes, &world, &first_rank,
+                                   &push_timeout_s, &threads, &nnodes, &world, &first_rank,
                                    &replicate_bytes, &node_names_obj, &scratch_obj, &heartbeat_s, &trace, &fabric,
                                    &ofi_library, &ofi_provider))
     return nullptr;
@@ -1228,9 +1229,9 @@ PyObject* plane_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
     PyErr_SetString(PyExc_TypeError, "results and scratch must be smddp._engine.Arena objects");
     return nullptr;
   }
-  if (spin_us < 0 || push_timeout_s <= 0 || attach_wait_s <= 0 || threads < 0 || threads > 256 || heartbeat_s < 0) {
+  if (spin_us < 0 || push_timeout_s <= 0 || threads < 0 || threads > 256 || heartbeat_s < 0) {
     PyErr_SetString(PyExc_ValueError,
-                    "spin_us, heartbeat_s and threads (at most 256) must not be negative, the timeouts must be positive");
+                    "spin_us, heartbeat_s and threads (at most 256) must not be negative, push_timeout_s must be positive");
     return nullptr;
   }
   smddp::PlaneConfig cfg;
@@ -1253,7 +1254,6 @@ PyObject* plane_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   cfg.topo.replicate_bytes = static_cast<std::uint64_t>(replicate_bytes);
   cfg.spin_ns = static_cast<std::int64_t>(spin_us * 1e3);
   cfg.push_timeout_ns = static_cast<std::int64_t>(push_timeout_s * 1e9);
-  cfg.attach_wait_ns = static_cast<std::int64_t>(attach_wait_s * 1e9);
   cfg.heartbeat_ns = static_cast<std::int64_t>(heartbeat_s * 1e9);
   cfg.threads = static_cast<std::uint32_t>(threads);
   cfg.trace = trace != 0;
@@ -1307,36 +1307,30 @@ bool local_arg(PyObject* self, long long v, std::uint32_t* out) {
   return true;
 }
 
-// add_worker(local, rank, name, channel)
+// add_worker(local, rank, name, channel, side): the plane takes the fd `side` over (closed on failure too)
 PyObject* plane_add_worker(PyObject* self, PyObject* args) {
   long long local = 0, rank = 0;
+  int side = -1;
   PyObject *name_obj = nullptr, *seg_obj = nullptr;
   std::string name;
   std::uint32_t i = 0;
-  if (!PyArg_ParseTuple(args, "LLUO", &local, &rank, &name_obj, &seg_obj) || !text(name_obj, &name) ||
-      !local_arg(self, local, &i) || !non_negative(module_of(self), {rank}))
+  if (!PyArg_ParseTuple(args, "LLUOi", &local, &rank, &name_obj, &seg_obj, &side)) return nullptr;
+  if (side < 0) {
+    PyErr_SetString(PyExc_ValueError, "add_worker: side is an fd");
     return nullptr;
-  std::shared_ptr<smddp::Segment> seg = segment_arg(module_of(self), seg_obj);
-  if (!seg) return nullptr;
+  }
+  std::shared_ptr<smddp::Segment> seg;
+  if (!text(name_obj, &name) || !local_arg(self, local, &i) || !non_negative(module_of(self), {rank}) ||
+      !(seg = segment_arg(module_of(self), seg_obj))) {
+    ::close(side);
+    return nullptr;
+  }
   std::string why;
   try {
-    why = plane_of(self).add_worker(i, static_cast<std::uint32_t>(rank), name, std::move(seg));
+    why = plane_of(self).add_worker(i, static_cast<std::uint32_t>(rank), name, std::move(seg), side);
   } catch (const std::system_error& e) {
     why = std::string("cannot start its thread: ") + e.what();
   }
-  if (!why.empty()) return raise_from(self, why);
-  Py_RETURN_NONE;
-}
-
-// add_segment(local, segment)
-PyObject* plane_add_segment(PyObject* self, PyObject* args) {
-  long long local = 0;
-  PyObject* seg_obj = nullptr;
-  std::uint32_t i = 0;
-  if (!PyArg_ParseTuple(args, "LO", &local, &seg_obj) || !local_arg(self, local, &i)) return nullptr;
-  std::shared_ptr<smddp::Segment> seg = segment_arg(module_of(self), seg_obj);
-  if (!seg) return nullptr;
-  const std::string why = plane_of(self).add_segment(i, std::move(seg));
   if (!why.empty()) return raise_from(self, why);
   Py_RETURN_NONE;
 }
@@ -1450,7 +1444,7 @@ PyObject* plane_abort(PyObject* self, PyObject*) {
   Py_RETURN_NONE;
 }
 
-// next_event(timeout_s) -> None, ("segment", Segment) or ("failed", fault, why)
+// next_event(timeout_s) -> None, ("peer", node, type, seq, aux, payload) or ("failed", fault, why)
 PyObject* plane_next_event(PyObject* self, PyObject* arg) {
   const double timeout = PyFloat_AsDouble(arg);
   if (timeout == -1.0 && PyErr_Occurred()) return nullptr;
@@ -1460,11 +1454,6 @@ PyObject* plane_next_event(PyObject* self, PyObject* arg) {
   got = plane_of(self).next_event(static_cast<std::int64_t>((timeout > 0 ? timeout : 0) * 1e9), &e);
   Py_END_ALLOW_THREADS
   if (!got) Py_RETURN_NONE;
-  if (e.kind == smddp::PlaneEvent::kSegment) {
-    PyObject* seg = wrap_segment(module_of(self), e.segment);
-    if (seg == nullptr) return nullptr;
-    return Py_BuildValue("(sN)", "segment", seg);
-  }
   if (e.kind == smddp::PlaneEvent::kPeer)
     return Py_BuildValue("(sIBKIy#)", "peer", e.peer, static_cast<unsigned char>(e.header.type),
                          static_cast<unsigned long long>(e.header.seq), e.header.aux, e.payload.data(),
@@ -1642,8 +1631,8 @@ PyObject* plane_close(PyObject* self, PyObject*) {
 Py_ssize_t plane_len(PyObject* self) { return static_cast<Py_ssize_t>(plane_of(self).in_flight()); }
 
 PyMethodDef kPlaneMethods[] = {
-    {"add_worker", plane_add_worker, METH_VARARGS, "add_worker(local, rank, name, channel): its thread starts"},
-    {"add_segment", plane_add_segment, METH_VARARGS, "add_segment(local, segment): an input segment it attached"},
+    {"add_worker", plane_add_worker, METH_VARARGS,
+     "add_worker(local, rank, name, channel, side): its thread starts (the plane owns the fd side)"},
     {"remove_worker", plane_remove_worker, METH_O, "remove_worker(local) -> it said BYE (its ring handled first)"},
     {"rank_left_early", plane_rank_left_early, METH_VARARGS,
      "rank_left_early(local, joined, reason) -> recorded; raises if a collective waits for it"},
@@ -1908,15 +1897,42 @@ PyObject* channel_adopt(PyObject* self, PyObject* arg) {
   return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(slot), static_cast<Py_ssize_t>(smddp::kHeaderSize));
 }
 
-// add_result(segment): a result segment the daemon sent, for finish() to copy results out of
-PyObject* channel_add_result(PyObject* self, PyObject* arg) {
-  std::shared_ptr<smddp::Segment> seg = segment_arg(module_of(self), arg);
+// attach(segment, rank, timeout_s, spin_us): ATTACH of an input segment (its fd beside it)
+PyObject* channel_attach(PyObject* self, PyObject* args) {
+  PyObject* seg_obj = nullptr;
+  long long rank = 0;
+  double timeout = 0, spin_us = 0;
+  if (!PyArg_ParseTuple(args, "OLdd", &seg_obj, &rank, &timeout, &spin_us) ||
+      !non_negative(module_of(self), {rank}))
+    return nullptr;
+  std::shared_ptr<smddp::Segment> seg = segment_arg(module_of(self), seg_obj);
   if (!seg) return nullptr;
-  channel_of(self).add_result(std::move(seg));
+  smddp::RingWait r;
+  Py_BEGIN_ALLOW_THREADS
+  r = channel_of(self).attach(*seg, static_cast<std::uint32_t>(rank), static_cast<std::int64_t>(timeout * 1e9),
+                              static_cast<std::int64_t>(spin_us * 1e3));
+  Py_END_ALLOW_THREADS
+  if (r != smddp::RingWait::kReady) return channel_ring_error(self, r, "the daemon left this worker's submit ring full");
+  Py_RETURN_NONE;
+}
+
+// result(id) -> the result segment the daemon sent as `id`, or None
+PyObject* channel_result(PyObject* self, PyObject* arg) {
+  const long long id = PyLong_AsLongLong(arg);
+  if (id == -1 && PyErr_Occurred()) return nullptr;
+  if (id < 0 || id > static_cast<long long>(UINT32_MAX)) Py_RETURN_NONE;
+  std::shared_ptr<smddp::Segment> seg = channel_of(self).result(static_cast<std::uint32_t>(id));
+  if (!seg) Py_RETURN_NONE;
+  return wrap_segment(module_of(self), seg);
+}
+
+PyObject* channel_close_daemon_end(PyObject* self, PyObject*) {
+  channel_of(self).close_daemon_end();
   Py_RETURN_NONE;
 }
 
 PyObject* get_channel_segment(PyObject* self, void*) { return wrap_segment(module_of(self), channel_of(self).segment()); }
+PyObject* get_channel_daemon_end(PyObject* self, void*) { return PyLong_FromLong(channel_of(self).daemon_end()); }
 
 PyMethodDef kChannelMethods[] = {
     {"push", channel_push, METH_VARARGS, "push(header, timeout_s, spin_us): onto the submit ring"},
@@ -1933,12 +1949,18 @@ PyMethodDef kChannelMethods[] = {
      "finish(arena, kind, segment, offset, dst, rank, seq, count, dtype, op, batch_bytes, timeout_s, spin_us) -> "
      "bool: the fast path's wait, copy-out and RELEASE"},
     {"adopt", channel_adopt, METH_O, "adopt(seq) -> DONE or None: a parked fast collective goes the general way"},
-    {"add_result", channel_add_result, METH_O, "add_result(segment): a result segment the daemon sent"},
+    {"attach", channel_attach, METH_VARARGS,
+     "attach(segment, rank, timeout_s, spin_us): ATTACH an input segment (its fd on the side socket)"},
+    {"result", channel_result, METH_O, "result(id) -> the result segment the daemon sent as id, or None"},
+    {"close_daemon_end", channel_close_daemon_end, METH_NOARGS,
+     "close_daemon_end(): the daemon's end of the side socket is closed here (once passed)"},
     {nullptr, nullptr, 0, nullptr},
 };
 
 PyGetSetDef kChannelGetters[] = {
     {"segment", get_channel_segment, nullptr, "the channel's segment (pass its fd to the daemon)", nullptr},
+    {"daemon_end", get_channel_daemon_end, nullptr, "the daemon's end of the side socket (pass it with CHANNEL)",
+     nullptr},
     {nullptr, nullptr, nullptr, nullptr, nullptr},
 };
 
@@ -1961,17 +1983,23 @@ PyType_Spec kChannelSpec = {
 
 // ---------------------------------------------------------------------------------- DaemonChannel
 
-// The daemon's end of a worker's channel (the plane holds the same two views for each worker):
-// what a stand-in daemon uses to read a real client's descriptors and answer them.
+// The daemon's end of a worker's channel (the plane holds the same two views and side socket for
+// each worker): what a stand-in daemon uses to read a real client's descriptors and answer them.
 struct DaemonEnd {
-  DaemonEnd(std::shared_ptr<smddp::Segment> s)
+  DaemonEnd(std::shared_ptr<smddp::Segment> s, int sd)
       : seg(std::move(s)),
+        side(sd),
         submit(seg->base(), smddp::kChannelSlots, false),
         done(seg->base() + smddp::done_ring_offset(), smddp::kChannelSlots, false) {}
+  ~DaemonEnd() { ::close(side); }
+  DaemonEnd(const DaemonEnd&) = delete;
+  DaemonEnd& operator=(const DaemonEnd&) = delete;
   std::shared_ptr<smddp::Segment> seg;  // keeps the mapping while the views use it
+  int side;                             // the side socket's daemon end (owned)
   smddp::RingView submit;               // consumer
   smddp::RingView done;                 // producer
   std::mutex pop_mu, push_mu;           // one thread at a time on each side
+  std::map<std::uint32_t, std::shared_ptr<smddp::Segment>> inputs;  // ATTACHed (under pop_mu)
 };
 
 struct DaemonChannelObject {
@@ -1981,28 +2009,36 @@ struct DaemonChannelObject {
 
 DaemonEnd& end_of(PyObject* self) { return *reinterpret_cast<DaemonChannelObject*>(self)->end; }
 
-// DaemonChannel(segment): the segment a worker passed with CHANNEL, attached read-write
+// DaemonChannel(segment, side): the segment a worker passed with CHANNEL, attached read-write, and
+// the side socket's end that came with it (taken over: closed on failure too)
 PyObject* daemon_channel_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   PyObject* seg_obj = nullptr;
-  static const char* kw[] = {"segment", nullptr};
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O", const_cast<char**>(kw), &seg_obj)) return nullptr;
-  PyObject* module = PyType_GetModule(type);
-  if (module == nullptr) return nullptr;
-  std::shared_ptr<smddp::Segment> seg = segment_arg(module, seg_obj);
-  if (!seg) return nullptr;
-  if (!seg->writable() || seg->size() < smddp::channel_bytes()) {
-    PyErr_Format(PyExc_ValueError, "a channel is a writable segment of at least %zu bytes", smddp::channel_bytes());
+  int side = -1;
+  static const char* kw[] = {"segment", "side", nullptr};
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "Oi", const_cast<char**>(kw), &seg_obj, &side)) return nullptr;
+  if (side < 0) {
+    PyErr_SetString(PyExc_ValueError, "DaemonChannel: side is an fd");
     return nullptr;
   }
-  PyObject* self = alloc_instance(type);
-  if (self == nullptr) return nullptr;
-  reinterpret_cast<DaemonChannelObject*>(self)->end = new DaemonEnd(std::move(seg));
+  PyObject* module = PyType_GetModule(type);
+  std::shared_ptr<smddp::Segment> seg = module == nullptr ? nullptr : segment_arg(module, seg_obj);
+  if (seg && (!seg->writable() || seg->size() < smddp::channel_bytes())) {
+    PyErr_Format(PyExc_ValueError, "a channel is a writable segment of at least %zu bytes", smddp::channel_bytes());
+    seg = nullptr;
+  }
+  PyObject* self = seg ? alloc_instance(type) : nullptr;
+  if (self == nullptr) {
+    ::close(side);
+    return nullptr;
+  }
+  reinterpret_cast<DaemonChannelObject*>(self)->end = new DaemonEnd(std::move(seg), side);
   return self;
 }
 
 constexpr void (*daemon_channel_dealloc)(PyObject*) = &dealloc_owner<DaemonChannelObject, &DaemonChannelObject::end>;
 
-// pop(timeout_s) -> the next 56-byte header of the submit ring, or None
+// pop(timeout_s) -> the next 56-byte header of the submit ring, or None; an ATTACH is taken in
+// here (its fd off the side socket, the segment kept), as the plane does, and not returned
 PyObject* daemon_channel_pop(PyObject* self, PyObject* arg) {
   const double timeout = PyFloat_AsDouble(arg);
   if (timeout == -1.0 && PyErr_Occurred()) return nullptr;
@@ -2011,13 +2047,30 @@ PyObject* daemon_channel_pop(PyObject* self, PyObject* arg) {
   std::string why;
   Py_BEGIN_ALLOW_THREADS
   {
-    std::lock_guard<std::mutex> g(end_of(self).pop_mu);
-    r = end_of(self).submit.pop(slot, static_cast<std::int64_t>(timeout * 1e9), 0);
-    if (r == smddp::RingWait::kCorrupt) why = end_of(self).submit.why();
+    DaemonEnd& end = end_of(self);
+    std::lock_guard<std::mutex> g(end.pop_mu);
+    for (;;) {
+      r = end.submit.pop(slot, static_cast<std::int64_t>(timeout * 1e9), 0);
+      if (r == smddp::RingWait::kCorrupt) why = "the worker broke its submit ring: " + end.submit.why();
+      smddp::Header h;
+      if (r != smddp::RingWait::kReady || !smddp::decode_header(slot, smddp::kHeaderSize, &h).empty() ||
+          h.type != smddp::Msg::kAttach)
+        break;
+      int fd = -1;
+      why = smddp::recv_fd(end.side, h.shard, h.offset, &fd);
+      std::shared_ptr<smddp::Segment> seg;
+      if (why.empty()) seg = smddp::Segment::attach(h.shard, fd, h.offset, false, &why);
+      if (!seg) {
+        why = "the worker's ATTACH of " + why;
+        r = smddp::RingWait::kCorrupt;
+        break;
+      }
+      end.inputs[h.shard] = std::move(seg);
+    }
   }
   Py_END_ALLOW_THREADS
   if (r == smddp::RingWait::kTimeout) Py_RETURN_NONE;
-  if (r == smddp::RingWait::kCorrupt) return raise_from(self, "the worker broke its submit ring: " + why);
+  if (r == smddp::RingWait::kCorrupt) return raise_from(self, why);
   return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(slot), static_cast<Py_ssize_t>(smddp::kHeaderSize));
 }
 
@@ -2051,8 +2104,48 @@ PyObject* daemon_channel_push(PyObject* self, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+// send_segment(segment, node, timeout_s): a result segment's fd on the side socket, then its SEGMENT
+PyObject* daemon_channel_send_segment(PyObject* self, PyObject* args) {
+  PyObject* seg_obj = nullptr;
+  long long node = 0;
+  double timeout = 0;
+  if (!PyArg_ParseTuple(args, "OLd", &seg_obj, &node, &timeout) || !non_negative(module_of(self), {node}))
+    return nullptr;
+  std::shared_ptr<smddp::Segment> seg = segment_arg(module_of(self), seg_obj);
+  if (!seg) return nullptr;
+  smddp::Header h;
+  h.type = smddp::Msg::kSegment;
+  h.sender = static_cast<std::uint32_t>(node);
+  h.shard = seg->id();
+  h.offset = seg->size();
+  std::uint8_t frame[smddp::kHeaderSize];
+  std::string why = smddp::encode_header(h, frame);
+  smddp::RingWait r = smddp::RingWait::kCorrupt;
+  Py_BEGIN_ALLOW_THREADS
+  {
+    DaemonEnd& end = end_of(self);
+    std::lock_guard<std::mutex> g(end.push_mu);
+    bool gone = false;
+    if (why.empty()) why = smddp::send_fd(end.side, seg->id(), seg->size(), seg->fd(), &gone);
+    if (why.empty()) {
+      r = end.done.push(frame, smddp::kHeaderSize, static_cast<std::int64_t>(timeout * 1e9), 0);
+      if (r == smddp::RingWait::kCorrupt) why = "the worker broke its done ring: " + end.done.why();
+    }
+  }
+  Py_END_ALLOW_THREADS
+  if (r == smddp::RingWait::kTimeout) {
+    PyErr_SetString(PyExc_TimeoutError, "the worker left its done ring full");
+    return nullptr;
+  }
+  if (r != smddp::RingWait::kReady) return raise_from(self, why);
+  Py_RETURN_NONE;
+}
+
 PyMethodDef kDaemonChannelMethods[] = {
-    {"pop", daemon_channel_pop, METH_O, "pop(timeout_s) -> the next header of the submit ring, or None"},
+    {"pop", daemon_channel_pop, METH_O,
+     "pop(timeout_s) -> the next header of the submit ring (ATTACHes taken in on the way), or None"},
+    {"send_segment", daemon_channel_send_segment, METH_VARARGS,
+     "send_segment(segment, node, timeout_s): its fd on the side socket, then SEGMENT on the done ring"},
     {"push", daemon_channel_push, METH_VARARGS, "push(header, timeout_s): onto the done ring"},
     {nullptr, nullptr, 0, nullptr},
 };

@@ -6,6 +6,8 @@
 // submits outside its memory, must each fail the plane with a reason, while close() still ends
 // every thread. Built and run under ASan+UBSan and TSan by `make engine-sanitize`. Exit status 0:
 // every check held.
+#include <unistd.h>
+
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -35,7 +37,6 @@ smddp::PlaneConfig config(std::uint32_t n) {
   cfg.me = "node 0";
   cfg.spin_ns = 0;  // every wait sleeps on the futex
   cfg.push_timeout_ns = 20 * kSecond;
-  cfg.attach_wait_ns = 5 * kSecond;
   return cfg;
 }
 
@@ -107,8 +108,13 @@ struct Rig {
       // The plane uses the worker's own mapping of the channel: ThreadSanitizer tells synchronisation
       // by address, and a second mapping (as the daemon has, in its own process) would hide the
       // rings' release/acquire pairs from it. tests/unit and the job tests cover the real attach.
-      check(plane.add_worker(i, i, "rank " + std::to_string(i), channels.back()->segment()).empty(), "add_worker");
-      check(plane.add_segment(i, inputs.back()).empty(), "add_segment");
+      // The daemon's end of the side socket goes to the plane (a duplicate: the plane owns what it is given).
+      check(plane.add_worker(i, i, "rank " + std::to_string(i), channels.back()->segment(),
+                             ::dup(channels.back()->daemon_end()))
+                .empty(),
+            "add_worker");
+      channels.back()->close_daemon_end();
+      check(channels.back()->attach(*inputs.back(), i, kSecond, 0) == smddp::RingWait::kReady, "ATTACH");
     }
   }
 
@@ -159,8 +165,7 @@ void broken_rings() {
 // The worker's fast path (WorkerChannel::start/finish) against the same plane: each worker thread
 // copies its input in from its own memory and its result out into its own memory, with its RELEASEs
 // held; every other collective of rank 0 goes the general way (pushed, and left to a background
-// taker thread), so that the two kinds of takers hand each other DONEs. The main thread forwards
-// the plane's result segments to every channel, as the client's reader does with SEGMENT.
+// taker thread), so that the two kinds of takers hand each other DONEs, and the SEGMENTs before them.
 void fast_collectives() {
   constexpr int kIters = 600;
   Rig rig(kWorkers);
@@ -168,15 +173,11 @@ void fast_collectives() {
   for (std::uint32_t i = 0; i < kWorkers; i++) arenas.push_back(std::make_unique<smddp::Arena>("test-fast", 1 << 20));
   std::atomic<bool> stop{false};
   std::atomic<int> general_done{0};
-  std::thread forward([&] {
+  std::thread watch([&] {
     smddp::PlaneEvent e;
-    while (!stop.load()) {
-      if (!rig.plane.next_event(kSecond / 100, &e)) continue;
-      if (e.kind == smddp::PlaneEvent::kSegment)
-        for (auto& ch : rig.channels) ch->add_result(e.segment);
-      else
+    while (!stop.load())
+      if (rig.plane.next_event(kSecond / 100, &e))
         check(e.kind != smddp::PlaneEvent::kFailed, "plane failed: " + e.verdict.why);
-    }
   });
   std::thread background([&] {
     std::uint8_t slot[smddp::kSlotBytes];
@@ -203,7 +204,7 @@ void fast_collectives() {
       smddp::Slot slot;
       std::shared_ptr<smddp::Segment> fresh;
       check(arena.alloc(nbytes, &slot, &fresh).empty(), "alloc");
-      if (fresh) check(rig.plane.add_segment(rank, fresh).empty(), "attach");  // the ATTACH
+      if (fresh) check(ch->attach(*fresh, rank, 10 * kSecond, 0) == smddp::RingWait::kReady, "ATTACH");
       smddp::Header h;
       h.type = smddp::Msg::kSubmit;
       h.sender = rank;
@@ -247,7 +248,7 @@ void fast_collectives() {
   for (auto& t : threads) t.join();
   check(general_done.load() == kIters / 2, "every general collective's DONE reached the background taker");
   stop.store(true);
-  forward.join();
+  watch.join();
   background.join();
   for (std::uint32_t i = 0; i < kWorkers; i++) check(rig.plane.remove_worker(i), "rank said BYE");
   check(rig.failure(0).empty(), "no failure");

@@ -4,6 +4,9 @@ every worker's ring, memory back on release, and every refusal a failure event n
 
 from __future__ import annotations
 
+import os
+import time
+
 import numpy as np
 import pytest
 
@@ -20,21 +23,21 @@ NO_SEGMENT = 2**32 - 1
 class Rig:
     """A plane with `n` workers: each a channel and one input segment, as the client makes them."""
 
-    def __init__(self, n: int, attach_wait_s: float = 5.0) -> None:
+    def __init__(self, n: int) -> None:
         self.n, self.first = n, 0
         self.results = _engine.Arena("rig-results", 1 << 20)
         self.plane = _engine.LocalPlane(
-            0, n, 4096, [f"rank {i}" for i in range(n)], "node 0",
-            self.results, 5.0, 10.0, attach_wait_s,
-        )  # fmt: skip
+            0, n, 4096, [f"rank {i}" for i in range(n)], "node 0", self.results, 5.0, 10.0
+        )
         self.channels = [_engine.WorkerChannel(f"rig-ch{i}") for i in range(n)]
         self.inputs = [_engine.segment_create(1, 1 << 20, f"rig-in{i}") for i in range(n)]
         self.seq = [0] * n
-        self.result_segments: dict[int, _engine.Segment] = {}
-        for i in range(n):
+        for i, ch in enumerate(self.channels):
             self.plane.name_rank(i, f"rank {i} (pid {100 + i})")
-            self.plane.add_worker(i, i, f"rank {i} (pid {100 + i})", self.channels[i].segment)
-            self.plane.add_segment(i, self.inputs[i])
+            # The plane owns the side socket's end it is given (the channel closes its own).
+            self.plane.add_worker(i, i, f"rank {i} (pid {100 + i})", ch.segment, os.dup(ch.daemon_end))
+            ch.close_daemon_end()
+            ch.attach(self.inputs[i], i, 5.0, 0.0)  # the ATTACH, ahead of every SUBMIT on the ring
 
     def submit(self, i: int, kind: Kind, dtype: DType, data: np.ndarray | None, count: int, op=None, root=0):
         self.seq[i] += 1
@@ -49,8 +52,6 @@ class Rig:
     def events(self, timeout: float = 0.2) -> list[tuple]:
         out = []
         while (e := self.plane.next_event(timeout)) is not None:
-            if e[0] == "segment":
-                self.result_segments[e[1].id] = e[1]
             out.append(e)
         return out
 
@@ -60,8 +61,8 @@ class Rig:
         return Done.of(decode_header(raw))
 
     def result(self, d: Done, nbytes: int) -> np.ndarray:
-        self.events(0.0)
-        seg = self.result_segments[d.segment]
+        # The channel that popped the DONE took its SEGMENT in first.
+        seg = next(s for ch in self.channels if (s := ch.result(d.segment)) is not None)
         return np.frombuffer(memoryview(seg), np.uint8)[d.offset : d.offset + nbytes]
 
     def release(self, i: int, seq: int) -> None:
@@ -178,11 +179,19 @@ def test_out_of_bounds_and_unattached_segments_are_refused(rig):
     r.channels[0].push(hdr, 5.0, 0.0)
     fault, why = failure(r)
     assert fault == 1 and why.startswith("rank 0 (pid 100) submitted collective #1 outside its memory"), why
-    r2 = rig(1, attach_wait_s=0.2)
+    # The ring is the one ordered channel: a segment not attached ahead of the SUBMIT never was.
+    r2 = rig(1)
     hdr = Submit(0, 1, 9, 0, 0, 4, DType.FLOAT32, ReduceOp.SUM, Kind.ALLREDUCE).header().encode()
+    t0 = time.monotonic()
     r2.channels[0].push(hdr, 5.0, 0.0)
     fault, why = failure(r2)
     assert fault == 1 and "named segment 9, which it never attached" in why, why
+    assert time.monotonic() - t0 < 2.0, "refused at once, not after a wait for the segment"
+    # An ATTACH pushed without its fd on the side socket.
+    r3 = rig(1)
+    r3.channels[0].push(Header(MsgType.ATTACH, sender=0, shard=5, offset=4096).encode(), 5.0, 0.0)
+    fault, why = failure(r3)
+    assert fault == 1 and "wrote ATTACH of segment 5's fd was not sent before its descriptor" in why, why
 
 
 def test_garbage_and_impostors_fail_the_plane(rig):

@@ -45,7 +45,6 @@ smddp::PlaneConfig config(std::uint32_t node) {
   cfg.me = "node " + std::to_string(node);
   cfg.spin_ns = 0;  // every wait sleeps
   cfg.push_timeout_ns = 20 * kSecond;
-  cfg.attach_wait_ns = 5 * kSecond;
   cfg.heartbeat_ns = 0;
   return cfg;
 }
@@ -66,10 +65,12 @@ struct Node {
       inputs.push_back(smddp::Segment::create(3, 1 << 20, "test-in", &why));
       check(inputs.back() != nullptr, "input: " + why);
       check(plane.add_worker(i, node * kPerNode + i, "rank " + std::to_string(node * kPerNode + i),
-                             channels.back()->segment())
+                             channels.back()->segment(), ::dup(channels.back()->daemon_end()))
                 .empty(),
             "add_worker");
-      check(plane.add_segment(i, inputs.back()).empty(), "add_segment");
+      channels.back()->close_daemon_end();
+      check(channels.back()->attach(*inputs.back(), node * kPerNode + i, 1'000'000'000, 0) == smddp::RingWait::kReady,
+            "ATTACH");
     }
   }
 };

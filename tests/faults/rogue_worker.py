@@ -47,6 +47,8 @@ ROGUE_FRAMES = {
         op=ReduceOp.SUM,
         kind=Kind.ALLREDUCE,
     ),
+    # the ring's ATTACH with no fd sent beside it on the side socket
+    "an attach without its fd": lambda rank: Header(MsgType.ATTACH, sender=rank, shard=9, offset=4096),
     "another rank's name": lambda rank: Header(MsgType.RELEASE, sender=rank + 1, seq=1),
     "release of nothing": lambda rank: Header(MsgType.RELEASE, sender=rank, seq=1),
     "a daemon's message": lambda rank: Header(MsgType.HEARTBEAT, sender=rank),

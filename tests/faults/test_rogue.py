@@ -16,6 +16,7 @@ FRAMES = [
     "out of bounds",
     "unknown segment",
     "skipped sequence number",
+    "an attach without its fd",
     "another rank's name",
     "release of nothing",
     "a daemon's message",

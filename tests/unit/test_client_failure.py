@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 
@@ -10,14 +11,20 @@ import pytest
 
 from smddp.client.collectives import allreduce_async
 from smddp.errors import PeerLostError
+from smddp.transport.conn import Connection
 from tests.unit.lonely import lonely_client
 
 
 @pytest.mark.timeout(30)  # the bug this guards against was a deadlock
 def test_submit_after_the_daemon_hung_up_raises_instead_of_deadlocking():
     client, daemon_end = lonely_client()
-    # The daemon stops reading but has not closed: our reader sees no EOF, our next send fails. That
+    # The daemon took the CHANNEL, dropped the side socket's end that came with it and stopped
+    # reading, but has not closed: our reader sees no EOF, and the first ATTACH's fd cannot go. That
     # is the moment submit() must fail the client without taking its own lock twice.
+    _, fds = Connection(daemon_end, "the worker").recv_header(timeout=5.0)
+    assert len(fds) == 2
+    for fd in fds:
+        os.close(fd)
     daemon_end.shutdown(socket.SHUT_RD)
     outcome: list[BaseException | str] = []
 

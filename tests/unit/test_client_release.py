@@ -25,11 +25,11 @@ class ScriptedDaemon:
     def __init__(self, sock: socket.socket) -> None:
         self.conn = Connection(sock, "the worker")
         h, fds = self.conn.recv_header(timeout=5.0)
-        assert h.type is MsgType.CHANNEL and len(fds) == 1, h
-        self.rings = _engine.DaemonChannel(_engine.segment_attach(0, fds[0], h.offset, True))
+        assert h.type is MsgType.CHANNEL and len(fds) == 2, h  # its segment and its side socket
+        self.rings = _engine.DaemonChannel(_engine.segment_attach(0, fds[0], h.offset, True), fds[1])
         self.back: list[Header] = []  # popped by pending(), not yet taken by frames()
         self.results = Segment.create(0, RESULTS, "smddp-test-results")
-        self.conn.send_frame(Header(MsgType.SEGMENT, shard=0, offset=RESULTS), fds=[self.results.fd])
+        self.rings.send_segment(self.results.native, 0, 5.0)
 
     def _pop(self, timeout: float) -> Header | None:
         raw = self.rings.pop(timeout)
@@ -37,7 +37,7 @@ class ScriptedDaemon:
 
     def frames(self, n: int) -> list[Header]:
         """The next `n` descriptors from the worker's submit ring (SUBMIT, RELEASE, BYE, in order;
-        ATTACH goes on the socket and is not read: only the ring's order matters here)."""
+        DaemonChannel takes ATTACHes in on the way, as the plane does)."""
         out = []
         for _ in range(n):
             h = self.back.pop(0) if self.back else self._pop(5.0)
