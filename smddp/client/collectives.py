@@ -115,7 +115,8 @@ def allreduce_async(c: Client, buf: Any, op: Any = ReduceOp.SUM, stream: Any = N
         return c.submit(Kind.ALLREDUCE, None, dev.dtype, dev.count, rop, 0, lambda _r: buf, device=plan)
     _no_stream(stream)
     view = as_buffer(buf, writable=True)
-    return _allreduce_pieces(c, view, rop, view.array, buf)
+    handle = c.allreduce_engine(view, rop, buf)  # the engine's, where it can take it whole
+    return handle if handle is not None else _allreduce_pieces(c, view, rop, view.array, buf)
 
 
 def allreduce(c: Client, buf: Any, op: Any, timeout: float | None, stream: Any = None) -> Any:

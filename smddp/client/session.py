@@ -200,6 +200,44 @@ class Handle:
             _call_back(fn, self)
 
 
+class EngineHandle(Handle):
+    """A host all-reduce run by the engine's fast path asynchronously (Client.allreduce_engine): its
+    copy-in was the engine's, and wait() runs its wait, copy-out and RELEASE in the engine too, GIL
+    released (WorkerChannel::finish). If its DONE is taken while nobody waits for it (the client's
+    DONE thread, for its callbacks), it is completed the general way instead, as any Handle."""
+
+    def __init__(
+        self,
+        client: Client,
+        seq: int,
+        dtype: DType,
+        count: int,
+        out: np.ndarray,
+        op: ReduceOp,
+        result: Any,
+        slot: Slot,
+        keepalive: Any,
+        default_timeout_s: float,
+    ) -> None:
+        def deliver(r: np.ndarray) -> Any:
+            out[:] = r.view(out.dtype)
+            return result
+
+        super().__init__(seq, Kind.ALLREDUCE, dtype, count, deliver, slot, keepalive, default_timeout_s)
+        self._client = client
+        self._out = out  # the caller's memory, 1-D in the storage dtype: the source and the destination
+        self._op = op
+        self._value = result
+
+    def wait(self, timeout: float | None = None, stream: Any = None) -> Any:
+        t = self._default_timeout_s if timeout is None else timeout
+        if not self._event.is_set():
+            t0 = time.monotonic()
+            self._client._finish_engine(self, t)
+            t = max(0.0, t - (time.monotonic() - t0))
+        return super().wait(t, stream)  # done; else not in time, or gone the general way (its _drive)
+
+
 def when_all(handles: Sequence[Handle], fn: Callable[[], None]) -> None:
     """Call `fn()` once every handle has finished (at once if there are none), in the thread that
     finishes the last; the same rules as Handle.add_done_callback."""
@@ -605,6 +643,87 @@ class Client:
             return self._finish_now(buf, dtype, count, op, slot, seq, t)
         finally:
             self._fast.discard(seq)  # (a set's discard is atomic under the GIL)
+
+    def allreduce_engine(self, view: BufferView, op: ReduceOp, result: Any) -> EngineHandle | None:
+        """An asynchronous all-reduce of host memory in place, started by the engine (the copy into
+        shared memory and the SUBMIT, GIL released: WorkerChannel::start); its handle's wait() runs
+        the rest there too. None, with nothing done, where it must go the general way (as
+        allreduce_now: pieces, a timeline, an empty buffer, device copies queued ahead of it).
+        `result` is what the handle gives back."""
+        dtype, count = view.dtype, view.count
+        nbytes = count * dtype.itemsize
+        piece_bytes = self.config.pipeline_bytes if self.job.nnodes > 1 else 0
+        if nbytes == 0 or (0 < piece_bytes < nbytes) or self.config.timeline_dir:
+            return None
+        out, arena = view.array, self._arena
+        lost: ConnectionClosed | None = None
+        broken: ProtocolError | None = None
+        with self._lock:
+            self._check_open()
+            if self._deferred:
+                return None
+            slot, lost = self._alloc_locked(nbytes)
+            seq = self._next_seq
+            self._next_seq += 1
+            handle = EngineHandle(
+                self, seq, dtype, count, out, op, result, slot, view.keepalive, self.config.timeout_s
+            )
+            handle._drive = self._drive
+            if lost is None:
+                # Registered before its SUBMIT: a DONE that goes the general way finds it.
+                self._handles[seq] = handle
+                try:
+                    self._channel.start(
+                        arena.native, Kind.ALLREDUCE, slot.segment, slot.offset, out, self.rank, seq,
+                        count, dtype, op, self.config.timeout_s, RING_SPIN_US, True,
+                    )  # fmt: skip
+                except TimeoutError:
+                    lost = ConnectionClosed(
+                        f"the daemon did not read this worker's ring for {self.config.timeout_s:g}s (frozen or gone)"
+                    )
+                except ProtocolError as e:  # the daemon broke the ring
+                    broken = e
+            if lost is not None or broken is not None:
+                self._handles.pop(seq, None)
+                arena.free(slot)
+        if broken is not None:
+            self._distrust(broken)
+            assert self._failure is not None
+            raise fresh(self._failure) from None
+        if lost is not None:
+            self._fail(_daemon_lost(f"rank {self.rank}: lost the node daemon: {lost}"))
+            assert self._failure is not None
+            raise fresh(self._failure) from None
+        return handle
+
+    def _finish_engine(self, handle: EngineHandle, timeout: float) -> None:
+        """An EngineHandle's wait in the engine: its DONE, the copy-out, the input slot freed and its
+        RELEASE held (WorkerChannel::finish), then the handle finished on this thread. Not in time,
+        gone the general way, or failed: the handle's own wait says so."""
+        if self._failure is not None or self._closed:
+            return
+        slot = handle._slot
+        assert slot is not None
+        try:
+            done = self._channel.finish(
+                self._arena.native, Kind.ALLREDUCE, slot.segment, slot.offset, handle._out, self.rank,
+                handle.seq, handle.count, handle.dtype, handle._op, RELEASE_BATCH_BYTES, timeout,
+                RING_SPIN_US,
+            )  # fmt: skip
+        except TimeoutError:  # its RELEASE found the ring full for the whole timeout
+            self._fail(
+                _daemon_lost(f"rank {self.rank}: lost the node daemon: it did not read this worker's ring")
+            )
+            return
+        except ProtocolError as e:
+            if self._failure is None and not self._closed:
+                self._distrust(e)
+            return
+        if done:
+            with self._lock:
+                mine = self._handles.pop(handle.seq, None) is not None  # else a failure finished it
+            if mine:
+                handle._finish(handle._value)
 
     def _finish_now(
         self, buf: np.ndarray, dtype: DType, count: int, op: ReduceOp, slot: Slot, seq: int, t: float

@@ -230,8 +230,18 @@ bool WorkerChannel::route_fast(const Descriptor& d) {
   Header h;
   if (!decode_header(d.data(), kHeaderSize, &h).empty() || h.type != Msg::kDone) return false;
   auto it = fast_.find(h.seq);
-  if (it == fast_.end() || it->second.first) return false;
-  it->second = {true, d};
+  if (it == fast_.end() || it->second.came) return false;
+  Fast& f = it->second;
+  if (f.async) {
+    if (f.waited == 0) {
+      // Nobody is in its finish(): the general way's, which counted it from start on.
+      fast_.erase(it);
+      return false;
+    }
+    if (general_out_ > 0) general_out_--;  // it will not go the general way
+  }
+  f.came = true;
+  f.done = d;
   wake_takers();
   return true;
 }
@@ -319,7 +329,7 @@ void WorkerChannel::kick() {
 // ----------------------------------------------------------------------------------- the fast path
 
 FastEnd WorkerChannel::start(Arena& arena, const Slot& slot, const std::uint8_t* src, const Header& submit,
-                             std::int64_t timeout_ns, std::int64_t spin_ns) {
+                             std::int64_t timeout_ns, std::int64_t spin_ns, bool async) {
   std::array<std::uint8_t, kHeaderSize> frame{};
   std::string w = encode_header(submit, frame.data());
   if (!w.empty()) return refused("cannot encode SUBMIT: " + w);
@@ -334,8 +344,13 @@ FastEnd WorkerChannel::start(Arena& arena, const Slot& slot, const std::uint8_t*
   {
     // Registered before it can complete: whoever takes its DONE keeps it for finish().
     std::lock_guard<std::mutex> lock(pop_mu_);
-    if (!fast_.emplace(submit.seq, std::make_pair(false, Descriptor{})).second)
-      return refused("collective #" + num(submit.seq) + " was started twice");
+    Fast f;
+    f.async = async;
+    if (!fast_.emplace(submit.seq, f).second) return refused("collective #" + num(submit.seq) + " was started twice");
+    if (async) {
+      general_out_++;  // until a finish() takes it, the background taker may have to collect it
+      wake_background();
+    }
   }
   RingWait r;
   {
@@ -345,6 +360,7 @@ FastEnd WorkerChannel::start(Arena& arena, const Slot& slot, const std::uint8_t*
   if (r == RingWait::kReady) return FastEnd::kDone;
   std::lock_guard<std::mutex> lock(pop_mu_);
   fast_.erase(submit.seq);
+  if (async && general_out_ > 0) general_out_--;
   return r == RingWait::kTimeout ? FastEnd::kRingFull : FastEnd::kRefused;
 }
 
@@ -355,20 +371,25 @@ FastEnd WorkerChannel::finish(Arena& arena, const Slot& slot, const Header& subm
   FastEnd end = FastEnd::kTimeout;
   {
     std::unique_lock<std::mutex> lock(pop_mu_);
-    if (fast_.find(submit.seq) == fast_.end())
-      return refused("collective #" + num(submit.seq) + " was not started on the fast path");
+    auto at = fast_.find(submit.seq);
+    if (at == fast_.end()) return FastEnd::kGone;
+    at->second.waited++;
+    const bool async = at->second.async;
     fast_waiters_++;
     yield_.store(true, std::memory_order_seq_cst);
     if (popping_) done_.nudge();
     Descriptor d;
     for (bool first = true;; first = false) {
       auto it = fast_.find(submit.seq);
-      if (it == fast_.end()) {  // adopted meanwhile by another thread: the caller's misuse
-        end = refused("collective #" + num(submit.seq) + " was handed over while it was waited for");
+      if (it == fast_.end()) {
+        // An asynchronous one another thread waited for too, and finished: this wait is over. A
+        // blocking one adopted while it was waited for: the caller's misuse.
+        end = async ? FastEnd::kGone
+                    : refused("collective #" + num(submit.seq) + " was handed over while it was waited for");
         break;
       }
-      if (it->second.first) {
-        mine = it->second.second;
+      if (it->second.came) {
+        mine = it->second.done;
         fast_.erase(it);
         end = FastEnd::kDone;
         break;
@@ -417,6 +438,15 @@ FastEnd WorkerChannel::finish(Arena& arena, const Slot& slot, const Header& subm
       }
     }
     fast_waiters_--;
+    if (end != FastEnd::kDone) {
+      auto it = fast_.find(submit.seq);
+      if (it != fast_.end() && --it->second.waited == 0 && it->second.async && it->second.came) {
+        // Its DONE came as this wait gave up: nobody may wait again, so it goes the general way
+        // now (kept_ holds DONEs already uncounted in general_out_).
+        kept_.push_back(it->second.done);
+        fast_.erase(it);
+      }
+    }
     yield_.store(may_yield(), std::memory_order_seq_cst);
     wake_takers();
     wake_background();
@@ -451,10 +481,11 @@ bool WorkerChannel::adopt(std::uint64_t seq, std::uint8_t* out) {
   std::lock_guard<std::mutex> lock(pop_mu_);
   auto it = fast_.find(seq);
   if (it == fast_.end()) return false;
-  const bool came = it->second.first;
-  if (came) std::memcpy(out, it->second.second.data(), kSlotBytes);
+  const bool came = it->second.came;
+  if (came) std::memcpy(out, it->second.done.data(), kSlotBytes);
+  const bool counted = it->second.async;  // already in general_out_
   fast_.erase(it);
-  if (!came) {
+  if (!came && !counted) {
     general_out_++;  // its DONE is still to come: the general way's takers collect it
     wake_background();
   }

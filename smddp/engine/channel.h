@@ -13,10 +13,14 @@
 // - the background taker: the client's DONE thread, for collectives nobody waits for (pop(!waiter));
 //   it enters the ring only while such collectives are out (`general_out_`), so a worker whose every
 //   collective is waited for is never woken for nothing;
-// - the fast path (start/finish): a blocking host collective run entirely here, GIL released, from
-//   the copy into shared memory to the copy of the result out of it and its RELEASE. Its DONE is
-//   its own: any other taker that meets it keeps it aside for it (`fast_`), and it hands any other
-//   DONE it meets to the others (`kept_`).
+// - the fast path (start/finish): a host collective run entirely here, GIL released, from the copy
+//   into shared memory to the copy of the result out of it and its RELEASE. Its DONE is its own:
+//   any other taker that meets it keeps it aside for it (`fast_`), and it hands any other DONE it
+//   meets to the others (`kept_`). A blocking call runs start and finish on one thread; an
+//   asynchronous one (start(..., async)) returns after start, and its finish runs in whichever
+//   thread waits for it. If nobody is in its finish when its DONE is taken, that DONE goes the
+//   general way instead (the background taker's, counted in `general_out_` from start on), and
+//   finish then answers kGone: the caller completes it as any other collective.
 // Waiters and the fast path go first: the background taker's pop ends when one comes.
 //
 // A SEGMENT is taken in by whichever taker pops it (its fd off the side socket, mapped read-only
@@ -58,6 +62,7 @@ enum class FastEnd {
   kTimeout,   // finish: not complete in time, or the channel aborted; the collective stays parked (adopt)
   kRingFull,  // start: the daemon left the submit ring full for the whole timeout (nothing was pushed)
   kRefused,   // why(): a broken ring, a DONE that does not match, or a range outside its segment
+  kGone,      // finish: not (or no longer) the fast path's: an asynchronous one's DONE went the general way
 };
 
 class WorkerChannel {
@@ -96,12 +101,13 @@ class WorkerChannel {
   // The fast path, first half (the caller holds its lock, so that SUBMITs leave in sequence order):
   // copies `submit.count` elements (`nbytes`) from `src` into `slot` of `arena`, then pushes the
   // held RELEASEs and `submit` (its shard and offset are the slot's). From here the collective's
-  // DONE is this channel's to keep for finish().
+  // DONE is this channel's to keep for finish(); an `async` one's only while a finish() waits for it.
   FastEnd start(Arena& arena, const Slot& slot, const std::uint8_t* src, const Header& submit,
-                std::int64_t timeout_ns, std::int64_t spin_ns);
+                std::int64_t timeout_ns, std::int64_t spin_ns, bool async = false);
   // Second half: waits for `seq`'s DONE, checks it against `submit`, copies the result (`nbytes`
   // from its result segment) to `dst`, frees the slot and RELEASEs the result (held within
-  // `batch_bytes`). kTimeout leaves the collective parked until adopt(seq).
+  // `batch_bytes`). kTimeout leaves the collective parked until adopt(seq) (or, async, until a later
+  // finish or the general way); kGone: its DONE went the general way (or it was never started here).
   FastEnd finish(Arena& arena, const Slot& slot, const Header& submit, std::uint8_t* dst, std::uint64_t batch_bytes,
                  std::int64_t timeout_ns, std::int64_t spin_ns);
   // A parked fast collective goes the general way from now on (the caller registered it): true and
@@ -154,7 +160,13 @@ class WorkerChannel {
   // DONEs of the general way that a fast taker (or a background pop during a wait) took: handed out first.
   std::deque<Descriptor> kept_;
   // Fast collectives started and not finished or adopted, with their DONE once some taker met it.
-  std::map<std::uint64_t, std::pair<bool, Descriptor>> fast_;
+  struct Fast {
+    bool came = false;  // its DONE was taken, and is in `done`
+    Descriptor done{};
+    bool async = false;  // started by start(..., async): counted in general_out_ until it is taken
+    int waited = 0;      // threads in finish() for it
+  };
+  std::map<std::uint64_t, Fast> fast_;
   int side_ = -1;        // this worker's end of the side socket
   int daemon_end_ = -1;  // the daemon's, until passed
   std::mutex results_mu_;

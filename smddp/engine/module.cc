@@ -1838,28 +1838,31 @@ PyObject* fast_error(PyObject* self, smddp::FastEnd end) {
   return raise_from(self, channel_of(self).why());
 }
 
-// start(arena, kind, segment, offset, src, rank, seq, count, dtype, op, timeout_s, spin_us): copies
-// `src` into the slot and pushes its SUBMIT; TimeoutError when the ring stayed full
+// start(arena, kind, segment, offset, src, rank, seq, count, dtype, op, timeout_s, spin_us, async=False):
+// copies `src` into the slot and pushes its SUBMIT; TimeoutError when the ring stayed full
 PyObject* channel_start(PyObject* self, PyObject* args) {
   PyObject *arena = nullptr, *buf = nullptr;
   long long kind = 0, segment = 0, offset = 0, rank = 0, seq = 0, count = 0, dtype = 0, op = 0;
   double timeout = 0, spin_us = 0;
-  if (!PyArg_ParseTuple(args, "OLLLOLLLLLdd", &arena, &kind, &segment, &offset, &buf, &rank, &seq, &count, &dtype,
-                        &op, &timeout, &spin_us))
+  int async = 0;
+  if (!PyArg_ParseTuple(args, "OLLLOLLLLLdd|p", &arena, &kind, &segment, &offset, &buf, &rank, &seq, &count, &dtype,
+                        &op, &timeout, &spin_us, &async))
     return nullptr;
   FastArgs a;
   if (!fast_args(self, arena, kind, segment, offset, buf, false, rank, seq, count, dtype, op, &a)) return nullptr;
   smddp::FastEnd end;
   Py_BEGIN_ALLOW_THREADS
   end = channel_of(self).start(*a.arena, a.slot, static_cast<const std::uint8_t*>(a.buf.buf), a.submit,
-                               static_cast<std::int64_t>(timeout * 1e9), static_cast<std::int64_t>(spin_us * 1e3));
+                               static_cast<std::int64_t>(timeout * 1e9), static_cast<std::int64_t>(spin_us * 1e3),
+                               async != 0);
   Py_END_ALLOW_THREADS
   if (end != smddp::FastEnd::kDone) return fast_error(self, end);
   Py_RETURN_NONE;
 }
 
 // finish(arena, kind, segment, offset, dst, rank, seq, count, dtype, op, batch_bytes, timeout_s, spin_us)
-// -> True once the result is in `dst`, False when it did not come in time (parked: adopt(seq))
+// -> True once the result is in `dst`, False when it did not come in time (parked: adopt(seq)), None
+// when its DONE went the general way (an asynchronous one's, taken while nobody was in its finish)
 PyObject* channel_finish(PyObject* self, PyObject* args) {
   PyObject *arena = nullptr, *buf = nullptr;
   long long kind = 0, segment = 0, offset = 0, rank = 0, seq = 0, count = 0, dtype = 0, op = 0, batch = 0;
@@ -1881,6 +1884,7 @@ PyObject* channel_finish(PyObject* self, PyObject* args) {
   Py_END_ALLOW_THREADS
   if (end == smddp::FastEnd::kDone) Py_RETURN_TRUE;
   if (end == smddp::FastEnd::kTimeout) Py_RETURN_FALSE;
+  if (end == smddp::FastEnd::kGone) Py_RETURN_NONE;
   return fast_error(self, end);
 }
 
@@ -1943,11 +1947,11 @@ PyMethodDef kChannelMethods[] = {
     {"release", channel_release, METH_VARARGS,
      "release(rank, seq, nbytes, batch_bytes, timeout_s, spin_us): RELEASE a result slot (small ones held)"},
     {"start", channel_start, METH_VARARGS,
-     "start(arena, kind, segment, offset, src, rank, seq, count, dtype, op, timeout_s, spin_us): the fast path's "
-     "copy-in and SUBMIT"},
+     "start(arena, kind, segment, offset, src, rank, seq, count, dtype, op, timeout_s, spin_us, async=False): the "
+     "fast path's copy-in and SUBMIT"},
     {"finish", channel_finish, METH_VARARGS,
      "finish(arena, kind, segment, offset, dst, rank, seq, count, dtype, op, batch_bytes, timeout_s, spin_us) -> "
-     "bool: the fast path's wait, copy-out and RELEASE"},
+     "bool or None: the fast path's wait, copy-out and RELEASE (None: its DONE went the general way)"},
     {"adopt", channel_adopt, METH_O, "adopt(seq) -> DONE or None: a parked fast collective goes the general way"},
     {"attach", channel_attach, METH_VARARGS,
      "attach(segment, rank, timeout_s, spin_us): ATTACH an input segment (its fd on the side socket)"},

@@ -187,6 +187,52 @@ def test_a_killed_worker_is_restarted_by_torchrun_and_training_finishes(
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
+def test_a_node_that_joins_starts_a_new_round_which_is_a_fresh_job(torchrun: Any, tmp_path: Path) -> None:
+    """torchrun --nnodes 1:2: the first agent trains alone (2 workers, one daemon), a second agent
+    joins, torch elastic restarts the round with both (4 workers, two daemons): a fresh smddp job,
+    new id, the first round's daemon gone, every sum right; nothing left behind."""
+    run_id = f"t{secrets.token_hex(6)}"
+    torchrun.runs.append(run_id)
+    script = [str(HERE / "check_torchrun_elastic.py"), "--out", str(tmp_path), "--want", "4"]
+    # The round closes 1 s after the minimum is there (torch's default waits 30 s for more).
+    conf = ["--rdzv-conf", "last_call_timeout=1"]
+    argv = torchrun_argv(2, run_id, script, conf)
+    argv[argv.index("--nnodes") + 1] = "1:2"
+    agents = [
+        subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=run_env(), cwd=REPO
+        )
+    ]
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "round2-rank1.json").exists():
+            assert agents[0].poll() is None and time.monotonic() < deadline, "the first round did not start"
+            time.sleep(0.05)
+        first = json.loads((tmp_path / "round2-rank0.json").read_text())
+        agents.append(
+            subprocess.Popen(
+                argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=run_env(), cwd=REPO
+            )
+        )
+        outs = [a.communicate(timeout=300) for a in agents]
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                a.kill()
+                a.communicate()
+    for a, (out, err) in zip(agents, outs, strict=True):
+        assert a.returncode == 0, _why(out, err)
+    rounds = {r: json.loads((tmp_path / f"round4-rank{r}.json").read_text()) for r in range(4)}
+    assert {x["job"] for x in rounds.values()} == {rounds[0]["job"]} and rounds[0]["job"] != first["job"]
+    assert all(x["sum_ok"] for x in rounds.values()) and first["sum_ok"]
+    assert sorted(x["node"] for x in rounds.values()) == [0, 0, 1, 1]
+    assert first["daemon_pid"] not in {x["daemon_pid"] for x in rounds.values()}
+    assert (
+        not Path(f"/proc/{first['daemon_pid']}").exists()
+        or "zombie" in Path(f"/proc/{first['daemon_pid']}/status").read_text()
+    ), "the first round's daemon outlived its round"
+
+
 def _worker_pid(agent: int, local_rank: int) -> int:
     """The pid of torchrun's worker with LOCAL_RANK=`local_rank` (a child of the agent)."""
     deadline = time.monotonic() + 30

@@ -14,7 +14,7 @@ import pytest
 
 from smddp.client import collectives
 from smddp.client.collectives import allreduce_async
-from smddp.client.session import Client
+from smddp.client.session import Client, EngineHandle
 from smddp.errors import CollectiveError, CollectiveTimeoutError, SmddpError
 from smddp.proto.dtypes import DType, Kind, ReduceOp
 from smddp.proto.frames import Header, MsgType
@@ -182,3 +182,67 @@ def test_shutdown_waits_for_a_fast_call_and_names_it_unfinished(pair):
         client.shutdown(timeout=0.3)
     with pytest.raises(SmddpError):
         call.join()
+
+
+def test_an_async_all_reduce_is_the_engines_and_its_wait_completes_it_there(pair):
+    """allreduce_async of host memory: started by the engine (an EngineHandle); wait() takes its DONE,
+    copies the result out and holds its RELEASE in the engine, as the blocking call does."""
+    client, daemon = pair
+    buf = np.zeros(1024, np.float32)
+    h = allreduce_async(client, buf)
+    assert isinstance(h, EngineHandle)
+    s = until_submits(daemon, 1)[-1]
+    assert (s.seq, s.kind, s.dtype, s.count, s.op) == (1, Kind.ALLREDUCE, DType.FLOAT32, 1024, ReduceOp.SUM)
+    waited = Call(lambda: h.wait(timeout=5))
+    time.sleep(0.05)  # the waiter is in the engine's finish when the DONE comes
+    daemon.done(s, 4.0)
+    assert waited.join() is buf and h.done()
+    assert np.array_equal(buf, np.full(1024, 4.0, np.float32))
+    assert client._handles == {} and client._arena.in_use == 0
+    assert not daemon.pending(), "a 4 KiB result's RELEASE went out on its own"
+    h2 = allreduce_async(client, buf)
+    frames = until_submits(daemon, 1)
+    assert sent(frames) == [(MsgType.RELEASE, 1), (MsgType.SUBMIT, 2)]
+    daemon.done(frames[-1], 6.0)
+    assert h2.wait(timeout=5) is buf
+    assert np.array_equal(buf, np.full(1024, 6.0, np.float32))
+
+
+def test_an_async_all_reduce_nobody_waits_for_completes_the_general_way(pair):
+    """No wait: the client's DONE thread takes its DONE and completes it the general way, callbacks
+    included; a wait() after that returns at once."""
+    client, daemon = pair
+    buf = np.zeros(256, np.float32)
+    h = allreduce_async(client, buf)
+    seen = threading.Event()
+    h.add_done_callback(lambda _h: seen.set())
+    daemon.done(until_submits(daemon, 1)[-1], 2.0)
+    assert seen.wait(5), "the callback of an unwaited engine collective never ran"
+    assert np.array_equal(buf, np.full(256, 2.0, np.float32))
+    assert h.wait(timeout=0.0) is buf
+    assert client._handles == {} and client._arena.in_use == 0
+
+
+def test_an_async_wait_that_times_out_can_wait_again(pair):
+    client, daemon = pair
+    buf = np.zeros(64, np.float32)
+    h = allreduce_async(client, buf)
+    with pytest.raises(CollectiveTimeoutError, match=r"collective #1 .*still in flight"):
+        h.wait(timeout=0.1)
+    waited = Call(lambda: h.wait(timeout=5))
+    time.sleep(0.05)
+    daemon.done(until_submits(daemon, 1)[-1], 3.0)
+    assert waited.join() is buf
+    assert np.array_equal(buf, np.full(64, 3.0, np.float32)) and client._failure is None
+
+
+def test_two_threads_waiting_for_one_async_all_reduce_both_get_it(pair):
+    client, daemon = pair
+    buf = np.zeros(64, np.float32)
+    h = allreduce_async(client, buf)
+    calls = [Call(lambda: h.wait(timeout=5)) for _ in range(2)]
+    time.sleep(0.05)
+    daemon.done(until_submits(daemon, 1)[-1], 8.0)
+    assert all(c.join() is buf for c in calls)
+    assert np.array_equal(buf, np.full(64, 8.0, np.float32))
+    assert client._failure is None and client._handles == {} and client._arena.in_use == 0
