@@ -203,8 +203,9 @@ class Handle:
 class EngineHandle(Handle):
     """A host all-reduce run by the engine's fast path asynchronously (Client.allreduce_engine): its
     copy-in was the engine's, and wait() runs its wait, copy-out and RELEASE in the engine too, GIL
-    released (WorkerChannel::finish). If its DONE is taken while nobody waits for it (the client's
-    DONE thread, for its callbacks), it is completed the general way instead, as any Handle."""
+    released (WorkerChannel::finish). Nothing else is woken for it until a callback is added: from
+    then on, a DONE taken while nobody waits goes the general way (the client's DONE thread runs
+    the callbacks), as any Handle's."""
 
     def __init__(
         self,
@@ -228,6 +229,11 @@ class EngineHandle(Handle):
         self._out = out  # the caller's memory, 1-D in the storage dtype: the source and the destination
         self._op = op
         self._value = result
+
+    def add_done_callback(self, fn: Callable[[Handle], None]) -> None:
+        super().add_done_callback(fn)
+        if not self._event.is_set():
+            self._client._channel.collect(self.seq)  # someone must take its DONE if nobody waits
 
     def wait(self, timeout: float | None = None, stream: Any = None) -> Any:
         t = self._default_timeout_s if timeout is None else timeout
@@ -441,7 +447,13 @@ class Client:
         with self._lock:
             pending = list(self._handles.values())
         for h in pending:
-            h._event.wait(max(0.0, deadline - time.monotonic()))
+            if isinstance(h, EngineHandle):
+                try:  # nothing takes an unwaited one's DONE: its wait does
+                    h.wait(max(0.0, deadline - time.monotonic()))
+                except SmddpError:
+                    pass  # failed or not in time: said below
+            else:
+                h._event.wait(max(0.0, deadline - time.monotonic()))
         while self._fast and time.monotonic() < deadline:  # another thread's blocking all-reduce
             time.sleep(0.001)
         unfinished = [h.seq for h in pending if not h._event.is_set()] + sorted(self._fast)

@@ -232,15 +232,14 @@ bool WorkerChannel::route_fast(const Descriptor& d) {
   auto it = fast_.find(h.seq);
   if (it == fast_.end() || it->second.came) return false;
   Fast& f = it->second;
-  if (f.async) {
-    if (f.waited == 0) {
-      // Nobody is in its finish(): the general way's, which counted it from start on.
-      fast_.erase(it);
-      return false;
-    }
-    if (general_out_ > 0) general_out_--;  // it will not go the general way
+  if (f.async && f.waited == 0 && f.wanted) {
+    // Nobody is in its finish() and its callbacks wait: the general way's (counted since collect()).
+    fast_.erase(it);
+    return false;
   }
-  f.came = true;
+  if (f.wanted && general_out_ > 0) general_out_--;  // it will not go the general way
+  f.wanted = false;
+  f.came = true;  // for its finish(), now or later
   f.done = d;
   wake_takers();
   return true;
@@ -347,10 +346,6 @@ FastEnd WorkerChannel::start(Arena& arena, const Slot& slot, const std::uint8_t*
     Fast f;
     f.async = async;
     if (!fast_.emplace(submit.seq, f).second) return refused("collective #" + num(submit.seq) + " was started twice");
-    if (async) {
-      general_out_++;  // until a finish() takes it, the background taker may have to collect it
-      wake_background();
-    }
   }
   RingWait r;
   {
@@ -359,8 +354,11 @@ FastEnd WorkerChannel::start(Arena& arena, const Slot& slot, const std::uint8_t*
   }
   if (r == RingWait::kReady) return FastEnd::kDone;
   std::lock_guard<std::mutex> lock(pop_mu_);
-  fast_.erase(submit.seq);
-  if (async && general_out_ > 0) general_out_--;
+  auto it = fast_.find(submit.seq);
+  if (it != fast_.end()) {
+    if (it->second.wanted && general_out_ > 0) general_out_--;
+    fast_.erase(it);
+  }
   return r == RingWait::kTimeout ? FastEnd::kRingFull : FastEnd::kRefused;
 }
 
@@ -440,12 +438,7 @@ FastEnd WorkerChannel::finish(Arena& arena, const Slot& slot, const Header& subm
     fast_waiters_--;
     if (end != FastEnd::kDone) {
       auto it = fast_.find(submit.seq);
-      if (it != fast_.end() && --it->second.waited == 0 && it->second.async && it->second.came) {
-        // Its DONE came as this wait gave up: nobody may wait again, so it goes the general way
-        // now (kept_ holds DONEs already uncounted in general_out_).
-        kept_.push_back(it->second.done);
-        fast_.erase(it);
-      }
+      if (it != fast_.end()) it->second.waited--;
     }
     yield_.store(may_yield(), std::memory_order_seq_cst);
     wake_takers();
@@ -477,13 +470,29 @@ FastEnd WorkerChannel::finish(Arena& arena, const Slot& slot, const Header& subm
   return FastEnd::kDone;
 }
 
+void WorkerChannel::collect(std::uint64_t seq) {
+  std::lock_guard<std::mutex> lock(pop_mu_);
+  auto it = fast_.find(seq);
+  if (it == fast_.end() || !it->second.async || it->second.wanted) return;  // done, or asked before
+  if (it->second.came && it->second.waited > 0) return;  // a finish() is taking it now
+  if (it->second.came) {
+    // Its DONE came and waits parked: the general way's now (kept_ holds DONEs uncounted in general_out_).
+    kept_.push_back(it->second.done);
+    fast_.erase(it);
+  } else {
+    it->second.wanted = true;
+    general_out_++;  // the background taker enters the ring for it
+  }
+  wake_background();
+}
+
 bool WorkerChannel::adopt(std::uint64_t seq, std::uint8_t* out) {
   std::lock_guard<std::mutex> lock(pop_mu_);
   auto it = fast_.find(seq);
   if (it == fast_.end()) return false;
   const bool came = it->second.came;
   if (came) std::memcpy(out, it->second.done.data(), kSlotBytes);
-  const bool counted = it->second.async;  // already in general_out_
+  const bool counted = it->second.wanted;  // already in general_out_
   fast_.erase(it);
   if (!came && !counted) {
     general_out_++;  // its DONE is still to come: the general way's takers collect it

@@ -18,9 +18,11 @@
 //   any other taker that meets it keeps it aside for it (`fast_`), and it hands any other DONE it
 //   meets to the others (`kept_`). A blocking call runs start and finish on one thread; an
 //   asynchronous one (start(..., async)) returns after start, and its finish runs in whichever
-//   thread waits for it. If nobody is in its finish when its DONE is taken, that DONE goes the
-//   general way instead (the background taker's, counted in `general_out_` from start on), and
-//   finish then answers kGone: the caller completes it as any other collective.
+//   thread waits for it, later. Until something waits for it, nobody is woken for it: its DONE,
+//   if some taker meets it, is parked for a finish to come. Once callbacks wait for it
+//   (collect(seq)), it is counted in `general_out_` like a collective of the general way, and its
+//   DONE goes the general way if nobody is in its finish when it is taken (or is parked already);
+//   finish then answers kGone, and the caller completes it as any other collective.
 // Waiters and the fast path go first: the background taker's pop ends when one comes.
 //
 // A SEGMENT is taken in by whichever taker pops it (its fd off the side socket, mapped read-only
@@ -101,7 +103,8 @@ class WorkerChannel {
   // The fast path, first half (the caller holds its lock, so that SUBMITs leave in sequence order):
   // copies `submit.count` elements (`nbytes`) from `src` into `slot` of `arena`, then pushes the
   // held RELEASEs and `submit` (its shard and offset are the slot's). From here the collective's
-  // DONE is this channel's to keep for finish(); an `async` one's only while a finish() waits for it.
+  // DONE is this channel's to keep for finish(); an `async` one's until collect() asks for it while no
+  // finish() waits for it.
   FastEnd start(Arena& arena, const Slot& slot, const std::uint8_t* src, const Header& submit,
                 std::int64_t timeout_ns, std::int64_t spin_ns, bool async = false);
   // Second half: waits for `seq`'s DONE, checks it against `submit`, copies the result (`nbytes`
@@ -110,6 +113,9 @@ class WorkerChannel {
   // finish or the general way); kGone: its DONE went the general way (or it was never started here).
   FastEnd finish(Arena& arena, const Slot& slot, const Header& submit, std::uint8_t* dst, std::uint64_t batch_bytes,
                  std::int64_t timeout_ns, std::int64_t spin_ns);
+  // An asynchronous one has callbacks waiting (and maybe no waiter ever): its DONE goes the general
+  // way unless a finish() is waiting for it when it comes; one already parked goes now.
+  void collect(std::uint64_t seq);
   // A parked fast collective goes the general way from now on (the caller registered it): true and
   // its DONE in `out` if that had already come, else it is collected by pop() when it comes.
   bool adopt(std::uint64_t seq, std::uint8_t* out);
@@ -163,8 +169,9 @@ class WorkerChannel {
   struct Fast {
     bool came = false;  // its DONE was taken, and is in `done`
     Descriptor done{};
-    bool async = false;  // started by start(..., async): counted in general_out_ until it is taken
-    int waited = 0;      // threads in finish() for it
+    bool async = false;   // started by start(..., async)
+    bool wanted = false;  // collect(): counted in general_out_ until it is taken
+    int waited = 0;       // threads in finish() for it
   };
   std::map<std::uint64_t, Fast> fast_;
   int side_ = -1;        // this worker's end of the side socket

@@ -1888,6 +1888,18 @@ PyObject* channel_finish(PyObject* self, PyObject* args) {
   return fast_error(self, end);
 }
 
+// collect(seq): an asynchronous fast collective has callbacks waiting: its DONE may go the general way
+PyObject* channel_collect(PyObject* self, PyObject* arg) {
+  const long long seq = PyLong_AsLongLong(arg);
+  if (seq == -1 && PyErr_Occurred()) return nullptr;
+  if (seq < 0) {
+    PyErr_SetString(PyExc_ValueError, "collect: seq is non-negative");
+    return nullptr;
+  }
+  channel_of(self).collect(static_cast<std::uint64_t>(seq));
+  Py_RETURN_NONE;
+}
+
 // adopt(seq) -> the DONE that already came (56 bytes), or None: the collective goes the general way
 PyObject* channel_adopt(PyObject* self, PyObject* arg) {
   const long long seq = PyLong_AsLongLong(arg);
@@ -1953,6 +1965,8 @@ PyMethodDef kChannelMethods[] = {
      "finish(arena, kind, segment, offset, dst, rank, seq, count, dtype, op, batch_bytes, timeout_s, spin_us) -> "
      "bool or None: the fast path's wait, copy-out and RELEASE (None: its DONE went the general way)"},
     {"adopt", channel_adopt, METH_O, "adopt(seq) -> DONE or None: a parked fast collective goes the general way"},
+    {"collect", channel_collect, METH_O,
+     "collect(seq): an asynchronous fast collective's callbacks wait: its DONE may go the general way"},
     {"attach", channel_attach, METH_VARARGS,
      "attach(segment, rank, timeout_s, spin_us): ATTACH an input segment (its fd on the side socket)"},
     {"result", channel_result, METH_O, "result(id) -> the result segment the daemon sent as id, or None"},

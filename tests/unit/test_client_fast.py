@@ -246,3 +246,32 @@ def test_two_threads_waiting_for_one_async_all_reduce_both_get_it(pair):
     assert all(c.join() is buf for c in calls)
     assert np.array_equal(buf, np.full(64, 8.0, np.float32))
     assert client._failure is None and client._handles == {} and client._arena.in_use == 0
+
+
+def test_a_parked_async_done_goes_to_a_callback_added_later(pair):
+    """Nobody waits and no callback yet: a taker that meets its DONE parks it (nothing was woken for
+    it); a callback added then gets it through the DONE thread."""
+    client, daemon = pair
+    parked = np.zeros(128, np.float32)
+    h = allreduce_async(client, parked)
+    buf = np.zeros(64, np.float32)
+    call = fast(client, buf)  # a blocking call's taker meets the first DONE and parks it
+    s1, s2 = [f for f in until_submits(daemon, 2) if f.type is MsgType.SUBMIT]
+    daemon.done(s1, 5.0)
+    time.sleep(0.05)
+    daemon.done(s2, 6.0)
+    call.join()
+    assert not h.done() and np.array_equal(parked, np.zeros(128, np.float32))
+    seen = threading.Event()
+    h.add_done_callback(lambda _h: seen.set())
+    assert seen.wait(5), "the parked DONE never reached the callback"
+    assert np.array_equal(parked, np.full(128, 5.0, np.float32)) and client._handles == {}
+
+
+def test_shutdown_collects_an_async_all_reduce_nobody_waited_for(pair):
+    client, daemon = pair
+    buf = np.zeros(32, np.float32)
+    allreduce_async(client, buf)
+    daemon.done(until_submits(daemon, 1)[-1], 2.0)
+    client.shutdown(timeout=5)  # no "unfinished": its own wait took the DONE
+    assert np.array_equal(buf, np.full(32, 2.0, np.float32))

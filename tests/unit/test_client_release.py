@@ -57,12 +57,14 @@ class ScriptedDaemon:
         """Complete `submit` with every element equal to `value`."""
         assert submit.dtype is not None
         nbytes = submit.count * submit.dtype.itemsize
-        self.results.view(0, nbytes).view(submit.dtype.storage)[:] = value
+        # A slot of its own, as a real daemon's (a result parked for a later wait is copied out then).
+        offset = (submit.seq % 16) * (RESULTS // 16) if nbytes <= RESULTS // 16 else 0
+        self.results.view(offset, nbytes).view(submit.dtype.storage)[:] = value
         done = Header(
             MsgType.DONE,
             seq=submit.seq,
             shard=0,
-            offset=0,
+            offset=offset,
             count=submit.count,
             dtype=submit.dtype,
             op=submit.op,
