@@ -187,6 +187,7 @@ def test_a_killed_worker_is_restarted_by_torchrun_and_training_finishes(
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
+@pytest.mark.long  # 21 s; CI keeps the restart of a killed worker, which is a fresh job the same way
 def test_a_node_that_joins_starts_a_new_round_which_is_a_fresh_job(torchrun: Any, tmp_path: Path) -> None:
     """torchrun --nnodes 1:2: the first agent trains alone (2 workers, one daemon), a second agent
     joins, torch elastic restarts the round with both (4 workers, two daemons): a fresh smddp job,
@@ -198,10 +199,12 @@ def test_a_node_that_joins_starts_a_new_round_which_is_a_fresh_job(torchrun: Any
     conf = ["--rdzv-conf", "last_call_timeout=1"]
     argv = torchrun_argv(2, run_id, script, conf)
     argv[argv.index("--nnodes") + 1] = "1:2"
+    # torch 2.13's agents, sharing the rendezvous store with the job (its default), never finish the
+    # round after a node joins (both wait for keys the other writes elsewhere: the same with gloo and
+    # no smddp at all); with a store of the job's own they do. docs/launching.md says so.
+    env = {**run_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     agents = [
-        subprocess.Popen(
-            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=run_env(), cwd=REPO
-        )
+        subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
     ]
     try:
         deadline = time.monotonic() + 120
@@ -211,7 +214,7 @@ def test_a_node_that_joins_starts_a_new_round_which_is_a_fresh_job(torchrun: Any
         first = json.loads((tmp_path / "round2-rank0.json").read_text())
         agents.append(
             subprocess.Popen(
-                argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=run_env(), cwd=REPO
+                argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO
             )
         )
         outs = [a.communicate(timeout=300) for a in agents]
