@@ -612,45 +612,16 @@ class Client:
         other (its result lands in `buf` when it comes) and CollectiveTimeoutError is raised, as
         wait() does.
         """
-        nbytes = count * dtype.itemsize
-        piece_bytes = self.config.pipeline_bytes if self.job.nnodes > 1 else 0
-        if nbytes == 0 or (0 < piece_bytes < nbytes) or self.config.timeline_dir:
-            return False
         t = self.config.timeout_s if timeout is None else timeout
-        kind, arena = Kind.ALLREDUCE, self._arena
-        lost: ConnectionClosed | None = None
-        broken: ProtocolError | None = None
-        with self._lock:
-            self._check_open()
-            if self._deferred:
-                return False
-            slot, lost = self._alloc_locked(nbytes)
-            seq = self._next_seq
-            self._next_seq += 1
-            self._fast.add(seq)
-            if lost is None:
-                try:
-                    self._channel.start(
-                        arena.native, kind, slot.segment, slot.offset, buf, self.rank, seq,
-                        count, dtype, op, self.config.timeout_s, RING_SPIN_US,
-                    )  # fmt: skip
-                except TimeoutError:
-                    lost = ConnectionClosed(
-                        f"the daemon did not read this worker's ring for {self.config.timeout_s:g}s (frozen or gone)"
-                    )
-                except ProtocolError as e:  # the daemon broke the ring
-                    broken = e
-            if lost is not None or broken is not None:
-                arena.free(slot)
-                self._fast.discard(seq)
-        if broken is not None:
-            self._distrust(broken)
-            assert self._failure is not None
-            raise fresh(self._failure) from None
-        if lost is not None:
-            self._fail(_daemon_lost(f"rank {self.rank}: lost the node daemon: {lost}"))
-            assert self._failure is not None
-            raise fresh(self._failure) from None
+
+        def track(seq: int, _slot: Slot) -> Callable[[], None]:
+            self._fast.add(seq)  # for shutdown to wait for
+            return lambda: self._fast.discard(seq)
+
+        started = self._start_engine(buf, dtype, count, op, False, track)
+        if started is None:
+            return False
+        seq, slot = started
         try:
             return self._finish_now(buf, dtype, count, op, slot, seq, t)
         finally:
@@ -662,12 +633,48 @@ class Client:
         the rest there too. None, with nothing done, where it must go the general way (as
         allreduce_now: pieces, a timeline, an empty buffer, device copies queued ahead of it).
         `result` is what the handle gives back."""
-        dtype, count = view.dtype, view.count
+        made: list[EngineHandle] = []
+
+        def register(seq: int, slot: Slot) -> Callable[[], None]:
+            handle = EngineHandle(
+                self, seq, view.dtype, view.count, view.array, op, result, slot, view.keepalive,
+                self.config.timeout_s,
+            )  # fmt: skip
+            handle._drive = self._drive
+            made.append(handle)
+            # Registered before its SUBMIT: a DONE that goes the general way finds it.
+            self._handles[seq] = handle
+
+            def undo() -> None:
+                self._handles.pop(seq, None)
+
+            return undo
+
+        if self._start_engine(view.array, view.dtype, view.count, op, True, register) is None:
+            return None
+        (handle,) = made
+        return handle
+
+    def _start_engine(
+        self,
+        buf: np.ndarray,
+        dtype: DType,
+        count: int,
+        op: ReduceOp,
+        async_: bool,
+        register: Callable[[int, Slot], Callable[[], None]],
+    ) -> tuple[int, Slot] | None:
+        """The fast path's first half (WorkerChannel::start): under the client's lock, a slot (ATTACHed
+        if new), the next sequence number, `register(seq, slot)` (which returns its undo), then the
+        copy of `buf` in and the SUBMIT, GIL released. None, with nothing done, where the collective
+        must go the general way: pieces (a large buffer in a job of several nodes), a timeline to
+        record, an empty buffer, or device copies still queued ahead of it. A lost or broken ring
+        fails the client and raises that."""
         nbytes = count * dtype.itemsize
         piece_bytes = self.config.pipeline_bytes if self.job.nnodes > 1 else 0
         if nbytes == 0 or (0 < piece_bytes < nbytes) or self.config.timeline_dir:
             return None
-        out, arena = view.array, self._arena
+        arena = self._arena
         lost: ConnectionClosed | None = None
         broken: ProtocolError | None = None
         with self._lock:
@@ -677,17 +684,12 @@ class Client:
             slot, lost = self._alloc_locked(nbytes)
             seq = self._next_seq
             self._next_seq += 1
-            handle = EngineHandle(
-                self, seq, dtype, count, out, op, result, slot, view.keepalive, self.config.timeout_s
-            )
-            handle._drive = self._drive
+            undo = register(seq, slot)
             if lost is None:
-                # Registered before its SUBMIT: a DONE that goes the general way finds it.
-                self._handles[seq] = handle
                 try:
                     self._channel.start(
-                        arena.native, Kind.ALLREDUCE, slot.segment, slot.offset, out, self.rank, seq,
-                        count, dtype, op, self.config.timeout_s, RING_SPIN_US, True,
+                        arena.native, Kind.ALLREDUCE, slot.segment, slot.offset, buf, self.rank, seq,
+                        count, dtype, op, self.config.timeout_s, RING_SPIN_US, async_,
                     )  # fmt: skip
                 except TimeoutError:
                     lost = ConnectionClosed(
@@ -696,7 +698,7 @@ class Client:
                 except ProtocolError as e:  # the daemon broke the ring
                     broken = e
             if lost is not None or broken is not None:
-                self._handles.pop(seq, None)
+                undo()
                 arena.free(slot)
         if broken is not None:
             self._distrust(broken)
@@ -706,7 +708,7 @@ class Client:
             self._fail(_daemon_lost(f"rank {self.rank}: lost the node daemon: {lost}"))
             assert self._failure is not None
             raise fresh(self._failure) from None
-        return handle
+        return seq, slot
 
     def _finish_engine(self, handle: EngineHandle, timeout: float) -> None:
         """An EngineHandle's wait in the engine: its DONE, the copy-out, the input slot freed and its

@@ -1888,28 +1888,32 @@ PyObject* channel_finish(PyObject* self, PyObject* args) {
   return fast_error(self, end);
 }
 
+// A sequence number argument (`what` names the call in the error).
+bool seq_arg(PyObject* arg, const char* what, std::uint64_t* out) {
+  const long long seq = PyLong_AsLongLong(arg);
+  if (seq == -1 && PyErr_Occurred()) return false;
+  if (seq < 0) {
+    PyErr_Format(PyExc_ValueError, "%s: seq is non-negative", what);
+    return false;
+  }
+  *out = static_cast<std::uint64_t>(seq);
+  return true;
+}
+
 // collect(seq): an asynchronous fast collective has callbacks waiting: its DONE may go the general way
 PyObject* channel_collect(PyObject* self, PyObject* arg) {
-  const long long seq = PyLong_AsLongLong(arg);
-  if (seq == -1 && PyErr_Occurred()) return nullptr;
-  if (seq < 0) {
-    PyErr_SetString(PyExc_ValueError, "collect: seq is non-negative");
-    return nullptr;
-  }
-  channel_of(self).collect(static_cast<std::uint64_t>(seq));
+  std::uint64_t seq = 0;
+  if (!seq_arg(arg, "collect", &seq)) return nullptr;
+  channel_of(self).collect(seq);
   Py_RETURN_NONE;
 }
 
 // adopt(seq) -> the DONE that already came (56 bytes), or None: the collective goes the general way
 PyObject* channel_adopt(PyObject* self, PyObject* arg) {
-  const long long seq = PyLong_AsLongLong(arg);
-  if (seq == -1 && PyErr_Occurred()) return nullptr;
-  if (seq < 0) {
-    PyErr_SetString(PyExc_ValueError, "adopt: seq is non-negative");
-    return nullptr;
-  }
+  std::uint64_t seq = 0;
+  if (!seq_arg(arg, "adopt", &seq)) return nullptr;
   std::uint8_t slot[smddp::kSlotBytes];
-  if (!channel_of(self).adopt(static_cast<std::uint64_t>(seq), slot)) Py_RETURN_NONE;
+  if (!channel_of(self).adopt(seq, slot)) Py_RETURN_NONE;
   return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(slot), static_cast<Py_ssize_t>(smddp::kHeaderSize));
 }
 
