@@ -235,6 +235,13 @@ class EngineHandle(Handle):
         if not self._event.is_set():
             self._client._channel.collect(self.seq)  # someone must take its DONE if nobody waits
 
+    def done(self) -> bool:
+        if self._event.is_set():
+            return True
+        # Polled rather than waited for: from now on the DONE thread completes it.
+        self._client._channel.collect(self.seq)
+        return self._event.is_set()
+
     def wait(self, timeout: float | None = None, stream: Any = None) -> Any:
         t = self._default_timeout_s if timeout is None else timeout
         if not self._event.is_set():

@@ -275,3 +275,17 @@ def test_shutdown_collects_an_async_all_reduce_nobody_waited_for(pair):
     daemon.done(until_submits(daemon, 1)[-1], 2.0)
     client.shutdown(timeout=5)  # no "unfinished": its own wait took the DONE
     assert np.array_equal(buf, np.full(32, 2.0, np.float32))
+
+
+def test_an_async_all_reduce_that_is_only_polled_completes(pair):
+    """done() polled in a loop, never a wait or a callback: the DONE thread completes it."""
+    client, daemon = pair
+    buf = np.zeros(32, np.float32)
+    h = allreduce_async(client, buf)
+    assert not h.done()
+    daemon.done(until_submits(daemon, 1)[-1], 4.0)
+    deadline = time.monotonic() + 5
+    while not h.done():
+        assert time.monotonic() < deadline, "a polled engine collective never completed"
+        time.sleep(0.005)
+    assert np.array_equal(buf, np.full(32, 4.0, np.float32))
