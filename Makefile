@@ -81,7 +81,7 @@ ENGINE_CORE := smddp/engine/frame.cc smddp/engine/layout.cc smddp/engine/reduce1
   smddp/engine/local_plane.cc
 # Each driver's own bounded run under ASan+UBSan and under TSan (the coverage-guided libFuzzer runs of
 # engine-fuzz go deeper; `make fuzz` longer still).
-FUZZ_SECONDS ?= 5
+FUZZ_SECONDS ?= 4
 FUZZERS := fuzz_frame fuzz_layout fuzz_collective fuzz_node_state fuzz_reduce fuzz_ofi_wire
 ENGINE_TESTS := test_fabric test_ofi_fabric test_ring test_arena test_fdpass test_local_plane test_node_plane
 # The engine's core is compiled once per sanitizer (objects under $(SAN_DIR)/asan and /tsan), and
@@ -130,7 +130,7 @@ engine-sanitize:
 # each and merges what gained coverage into the committed corpus.
 CLANGXX ?= clang++
 FUZZ_DIR := build/fuzz
-LIBFUZZ_SECONDS ?= 6
+LIBFUZZ_SECONDS ?= 5
 # CI's runs start from one seed, so that a run is reproducible (what it finds is then the change's,
 # not the draw's); `make fuzz` draws a new one each time (0), to explore. The memory limit is 4 GiB, not
 # libFuzzer's 2: a collective's bookkeeping may take 66 MiB (collective.cc, kMaxChunks), a round keeps
