@@ -71,6 +71,10 @@ RingWait WorkerChannel::attach(const Segment& seg, std::uint32_t rank, std::int6
     // Under the push lock: the fds leave in the order of their descriptors on the ring.
     bool gone = false;
     w = send_fd(side_, seg.id(), seg.size(), seg.fd(), &gone);
+    // The daemon's plane is gone (its end closes only with it): the daemon is ending, and what ends
+    // it (its ERROR naming the cause, or its connection's end) comes on the unix socket. Nothing to
+    // push: the collective waits for that, as one pushed just before would.
+    if (gone) return RingWait::kReady;
   }
   if (!w.empty()) {
     refused("ATTACH: " + w);

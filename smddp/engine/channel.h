@@ -78,7 +78,9 @@ class WorkerChannel {
   void close_daemon_end();
 
   // ATTACH of input segment `seg` (`rank`'s): its fd on the side socket, then the descriptor on the
-  // submit ring, in the ring's order with every other push. kCorrupt (why()) if the fd cannot go.
+  // submit ring, in the ring's order with every other push. kCorrupt (why()) if the fd cannot go;
+  // kReady, with nothing pushed, when the daemon's end has closed (its plane is gone: the unix
+  // socket says why).
   RingWait attach(const Segment& seg, std::uint32_t rank, std::int64_t timeout_ns, std::int64_t spin_ns);
   // Result segment `id`, if the daemon has sent it (a DONE names only one it has).
   std::shared_ptr<Segment> result(std::uint32_t id);

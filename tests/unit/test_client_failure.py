@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import threading
 
 import numpy as np
@@ -18,14 +17,15 @@ from tests.unit.lonely import lonely_client
 @pytest.mark.timeout(30)  # the bug this guards against was a deadlock
 def test_submit_after_the_daemon_hung_up_raises_instead_of_deadlocking():
     client, daemon_end = lonely_client()
-    # The daemon took the CHANNEL, dropped the side socket's end that came with it and stopped
-    # reading, but has not closed: our reader sees no EOF, and the first ATTACH's fd cannot go. That
-    # is the moment submit() must fail the client without taking its own lock twice.
+    # The daemon took the CHANNEL, then went: the side socket's end that came with it and its
+    # connection close. The first ATTACH's fd cannot go (that alone fails nothing: the unix socket is
+    # the daemon's liveness), and the reader sees the connection's end: every call must fail with
+    # PeerLostError, none deadlock.
     _, fds = Connection(daemon_end, "the worker").recv_header(timeout=5.0)
     assert len(fds) == 2
     for fd in fds:
         os.close(fd)
-    daemon_end.shutdown(socket.SHUT_RD)
+    daemon_end.close()
     outcome: list[BaseException | str] = []
 
     def submit() -> None:
