@@ -519,7 +519,7 @@ class Client:
                 return slot, ConnectionClosed(
                     f"the daemon did not read this worker's ring for {self.config.timeout_s:g}s (frozen or gone)"
                 )
-            except ProtocolError as e:  # its fd could not go: the daemon's end of the side socket is gone
+            except ProtocolError as e:  # its fd could not go (not for a closed daemon end: that is no error)
                 return slot, ConnectionClosed(str(e))
         return slot, None
 

@@ -89,14 +89,12 @@ std::shared_ptr<Segment> WorkerChannel::result(std::uint32_t id) {
   return it == results_.end() ? nullptr : it->second;
 }
 
-int WorkerChannel::take_segment(const Descriptor& d) {
-  Header h;
-  if (!decode_header(d.data(), kHeaderSize, &h).empty() || h.type != Msg::kSegment) return 0;
+bool WorkerChannel::take_segment(const Header& h) {
   const std::uint32_t id = h.shard;
   std::lock_guard<std::mutex> lock(results_mu_);
   if (results_.count(id)) {
     refused("the daemon sent result segment " + num(id) + " twice");
-    return -1;
+    return false;
   }
   int fd = -1;
   std::string w = recv_fd(side_, id, h.offset, &fd);
@@ -104,10 +102,10 @@ int WorkerChannel::take_segment(const Descriptor& d) {
   if (w.empty()) seg = Segment::attach(id, fd, h.offset, false, &w);
   if (!seg) {
     refused("the daemon's result " + w);
-    return -1;
+    return false;
   }
   results_.emplace(id, std::move(seg));
-  return 1;
+  return true;
 }
 
 FastEnd WorkerChannel::refused(const std::string& why) {
@@ -230,23 +228,26 @@ RingWait WorkerChannel::release(std::uint32_t rank, std::uint64_t seq, std::int6
 
 // ----------------------------------------------------------------------------------- the done ring
 
-bool WorkerChannel::route_fast(const Descriptor& d) {
+WorkerChannel::Route WorkerChannel::route(const Descriptor& d) {
   Header h;
-  if (!decode_header(d.data(), kHeaderSize, &h).empty() || h.type != Msg::kDone) return false;
+  // Decoded once here for every taker; one that does not decode is the caller's to refuse.
+  if (!decode_header(d.data(), kHeaderSize, &h).empty()) return Route::kGeneral;
+  if (h.type == Msg::kSegment) return take_segment(h) ? Route::kKept : Route::kBroken;
+  if (h.type != Msg::kDone) return Route::kGeneral;
   auto it = fast_.find(h.seq);
-  if (it == fast_.end() || it->second.came) return false;
+  if (it == fast_.end() || it->second.came) return Route::kGeneral;
   Fast& f = it->second;
-  if (f.async && f.waited == 0 && f.wanted) {
+  if (f.wanted && f.waited == 0) {
     // Nobody is in its finish() and its callbacks wait: the general way's (counted since collect()).
     fast_.erase(it);
-    return false;
+    return Route::kGeneral;
   }
   if (f.wanted && general_out_ > 0) general_out_--;  // it will not go the general way
   f.wanted = false;
   f.came = true;  // for its finish(), now or later
   f.done = d;
   wake_takers();
-  return true;
+  return Route::kKept;
 }
 
 RingWait WorkerChannel::pop(std::uint8_t* out, std::int64_t timeout_ns, std::int64_t spin_ns, bool waiter) {
@@ -289,16 +290,12 @@ RingWait WorkerChannel::pop(std::uint8_t* out, std::int64_t timeout_ns, std::int
     popping_ = false;
     wake_takers();
     if (r == RingWait::kReady) {
-      const int seg = take_segment(slot);
-      if (seg < 0) {
+      const Route where = route(slot);
+      if (where == Route::kBroken) {
         r = RingWait::kCorrupt;
         break;
       }
-      if (seg > 0) {  // a result segment, now in the table
-        r = RingWait::kTimeout;
-        continue;
-      }
-      if (route_fast(slot)) {  // a fast collective's: kept for it
+      if (where == Route::kKept) {  // a result segment taken in, or a fast collective's DONE kept for it
         r = RingWait::kTimeout;
         continue;
       }
@@ -358,11 +355,7 @@ FastEnd WorkerChannel::start(Arena& arena, const Slot& slot, const std::uint8_t*
   }
   if (r == RingWait::kReady) return FastEnd::kDone;
   std::lock_guard<std::mutex> lock(pop_mu_);
-  auto it = fast_.find(submit.seq);
-  if (it != fast_.end()) {
-    if (it->second.wanted && general_out_ > 0) general_out_--;
-    fast_.erase(it);
-  }
+  fast_.erase(submit.seq);  // nobody could collect() it yet: it was never counted
   return r == RingWait::kTimeout ? FastEnd::kRingFull : FastEnd::kRefused;
 }
 
@@ -423,15 +416,12 @@ FastEnd WorkerChannel::finish(Arena& arena, const Slot& slot, const Header& subm
         end = refused("the daemon broke this worker's done ring: " + done_.why());
         break;
       }
-      if (r == RingWait::kReady) {
-        const int seg = take_segment(d);
-        if (seg < 0) {
-          end = FastEnd::kRefused;
-          break;
-        }
-        if (seg > 0) continue;  // a result segment, now in the table
+      const Route where = r == RingWait::kReady ? route(d) : Route::kKept;
+      if (where == Route::kBroken) {
+        end = FastEnd::kRefused;
+        break;
       }
-      if (r == RingWait::kReady && !route_fast(d)) {
+      if (where == Route::kGeneral) {
         // The general way's (another thread's collective): theirs to take.
         if (general_out_ > 0) general_out_--;
         kept_.push_back(d);
@@ -496,9 +486,8 @@ bool WorkerChannel::adopt(std::uint64_t seq, std::uint8_t* out) {
   if (it == fast_.end()) return false;
   const bool came = it->second.came;
   if (came) std::memcpy(out, it->second.done.data(), kSlotBytes);
-  const bool counted = it->second.wanted;  // already in general_out_
-  fast_.erase(it);
-  if (!came && !counted) {
+  fast_.erase(it);  // a blocking one's: never collect()ed, so never counted
+  if (!came) {
     general_out_++;  // its DONE is still to come: the general way's takers collect it
     wake_background();
   }

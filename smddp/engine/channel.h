@@ -131,17 +131,19 @@ class WorkerChannel {
   using Descriptor = std::array<std::uint8_t, kSlotBytes>;
   WorkerChannel(std::shared_ptr<Segment> seg, int side, int daemon_end);
   RingWait push_locked(const std::uint8_t* header, std::int64_t timeout_ns, std::int64_t spin_ns);
-  // Called with pop_mu_ held after a taker took `d` off the ring: true if it is a parked or waiting
-  // fast collective's (then kept in fast_ for it), false if it is the general way's.
-  bool route_fast(const Descriptor& d);
+  // Where a descriptor a taker took off the ring goes (called with pop_mu_ held, decoding it once):
+  // kKept, a SEGMENT taken into the result table or a fast collective's DONE kept in fast_ for its
+  // finish(); kGeneral, the general way's (or not a frame: the caller refuses it); kBroken, a
+  // SEGMENT refused (why() says why).
+  enum class Route { kGeneral, kKept, kBroken };
+  Route route(const Descriptor& d);
   bool may_yield() const { return waiters_ > 0 || fast_waiters_ > 0; }
   // With pop_mu_ held: wake the background taker if it can take something now; wake the waiters.
   void wake_background();
   void wake_takers();
   FastEnd refused(const std::string& why);  // records why; kRefused
-  // A descriptor some taker popped: a SEGMENT is taken in here (1), or refused (-1, why() says
-  // why); anything else is the caller's (0).
-  int take_segment(const Descriptor& d);
+  // A SEGMENT some taker popped, taken in (its fd off the side socket); false: refused (why()).
+  bool take_segment(const Header& h);
 
   std::shared_ptr<Segment> seg_;
   std::mutex push_mu_;  // guards the submit ring's producer side and held_

@@ -668,17 +668,8 @@ void LocalPlane::complete_locked(const std::shared_ptr<Op>& op, std::unique_lock
   std::uint8_t frame[kHeaderSize];
   const std::string w = encode_header(h, frame);
   if (!w.empty()) return fail_locked(Verdict{Fault::kProtocol, cfg_.me + ": " + w});
-  // The result segment's SEGMENT, for a worker not told of it yet: its fd on the side socket, then
-  // the descriptor, just ahead of this DONE on the same ring.
-  Header sh;
-  sh.type = Msg::kSegment;
-  sh.sender = cfg_.topo.node;
-  sh.shard = op->result.segment;
-  sh.offset = op->result_seg->size();
-  std::uint8_t seg_frame[kHeaderSize];
-  const std::string sw = encode_header(sh, seg_frame);
-  if (!sw.empty()) return fail_locked(Verdict{Fault::kProtocol, cfg_.me + ": " + sw});
   const std::shared_ptr<Segment> result = op->result_seg;
+  const std::uint32_t rid = op->result.segment;
   std::vector<Link*> to;
   for (auto& l : links_)
     if (l && !l->said_bye && !l->stop.load()) to.push_back(l.get());
@@ -687,15 +678,25 @@ void LocalPlane::complete_locked(const std::shared_ptr<Op>& op, std::unique_lock
     RingWait r = RingWait::kReady;
     {
       std::lock_guard<std::mutex> g(l->done_mu);
-      if (!l->told.count(sh.shard)) {
+      if (!l->told.count(rid)) {
+        // The first DONE in this result segment for this worker: its SEGMENT just ahead of it on
+        // the same ring, its fd on the side socket before that.
+        Header sh;
+        sh.type = Msg::kSegment;
+        sh.sender = cfg_.topo.node;
+        sh.shard = rid;
+        sh.offset = result->size();
+        std::uint8_t seg_frame[kHeaderSize];
+        const std::string sw = encode_header(sh, seg_frame);
+        if (!sw.empty()) return fail(Verdict{Fault::kProtocol, cfg_.me + ": " + sw});
         bool gone = false;
-        const std::string sent = send_fd(l->side, sh.shard, sh.offset, result->fd(), &gone);
+        const std::string sent = send_fd(l->side, rid, sh.offset, result->fd(), &gone);
         // A worker whose end has closed is gone: its connection's end says so and names it.
         if (gone) continue;
         if (!sent.empty())
           return fail(Verdict{Fault::kPeerLost, l->name + " did not take its result segments: " + sent});
         r = l->done.push(seg_frame, kHeaderSize, cfg_.push_timeout_ns, 0);
-        if (r == RingWait::kReady) l->told.insert(sh.shard);
+        if (r == RingWait::kReady) l->told.insert(rid);
       }
       if (r == RingWait::kReady) r = l->done.push(frame, kHeaderSize, cfg_.push_timeout_ns, 0);
     }
