@@ -212,8 +212,8 @@ SETTINGS: tuple[Setting, ...] = (
     S(
         "threads",
         int,
-        2,
-        "reduction threads per daemon",
+        0,
+        "reduction threads per daemon (0: auto, the host's cores beyond its workers, 2 to 8)",
         ("--threads",),
         (LAUNCH, DAEMON),
         env="SMDDP_THREADS",
@@ -236,6 +236,17 @@ SETTINGS: tuple[Setting, ...] = (
         ("--pipeline-kb",),
         (LAUNCH, WORKER),
         env="SMDDP_PIPELINE_KB",
+    ),
+    S(
+        "device_pipeline_kb",
+        int,
+        4096,
+        "workers send larger all-reduces of device (CUDA) buffers as pipelined pieces of this many KiB, "
+        "so that copies to and from the device overlap the reduction (0: never; every rank must use the "
+        "same value)",
+        ("--device-pipeline-kb",),
+        (LAUNCH, WORKER),
+        env="SMDDP_DEVICE_PIPELINE_KB",
     ),
     S(
         "device_runtime",

@@ -118,7 +118,8 @@ def _measure(
 def _job(runtime: str, workers: int, args: argparse.Namespace) -> dict[str, Any]:
     """One launch of `workers` ranks; per size and case the slowest rank's time per round, and medians."""
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [str(Path(sys.executable).parent / "smddp-launch"), "-np", str(workers), "--", sys.executable]
+        cmd = [str(Path(sys.executable).parent / "smddp-launch"), "-np", str(workers)]
+        cmd += [*shlex.split(args.launch_args), "--", sys.executable]
         cmd += ["-m", "smddp.bench.torch_gpu", "--worker", "--runtime", runtime, "--sizes", args.sizes]
         cmd += ["--repeats", str(args.repeats), "--warmup", str(args.warmup), "--result", tmp]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
@@ -176,6 +177,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m smddp.bench.torch
     ap.add_argument("--out", default="bench-results")
     ap.add_argument("--name", default="torch-gpu")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per job")
+    ap.add_argument(
+        "--launch-args", default="", help="more smddp-launch flags, one string (e.g. '--threads 2')"
+    )
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

@@ -107,12 +107,31 @@ def _allreduce_pieces(
     return PipelinedHandle(handles, view.count, result)
 
 
+def _allreduce_device(c: Client, dev: DeviceBuffer, rop: ReduceOp, stream: Any, result: Any) -> Handle:
+    """All-reduce device buffer `dev` in place: in one piece, or in pieces (ClientConfig.device_pipeline_bytes)
+    that all wait for the same point of the caller's stream, so that the copy of one to the host,
+    the reduction of another and the copy of a third back to the device overlap."""
+    plan = c.device_plan(dev, [(dev, 0, dev.nbytes)], stream, dev, dev.keepalive)
+    ranges = pieces(dev.count, dev.dtype.itemsize, c.config.device_pipeline_bytes)
+    if len(ranges) == 1:
+        return c.submit(Kind.ALLREDUCE, None, dev.dtype, dev.count, rop, 0, lambda _r: result, device=plan)
+    isz, k = dev.dtype.itemsize, len(ranges)
+    handles = []
+    for a, b in ranges:
+        part = dataclasses.replace(dev, ptr=dev.ptr + a * isz, shape=(b - a,), count=b - a)
+        piece = dataclasses.replace(plan, src=part, outputs=[(part, 0, part.nbytes)])
+        # SUBMIT's aux counts the pieces, as a host all-reduce's does (see _allreduce_pieces).
+        handles.append(
+            c.submit(Kind.ALLREDUCE, None, dev.dtype, b - a, rop, k, lambda _r: result, device=piece)
+        )
+    return PipelinedHandle(handles, dev.count, result)
+
+
 def allreduce_async(c: Client, buf: Any, op: Any = ReduceOp.SUM, stream: Any = None) -> Handle:
     rop = check_op(op)
     dev = c.device_buffer(buf, "buffer", writable=True)
     if dev is not None:
-        plan = c.device_plan(dev, [(dev, 0, dev.nbytes)], stream, dev, dev.keepalive)
-        return c.submit(Kind.ALLREDUCE, None, dev.dtype, dev.count, rop, 0, lambda _r: buf, device=plan)
+        return _allreduce_device(c, dev, rop, stream, buf)
     _no_stream(stream)
     view = as_buffer(buf, writable=True)
     handle = c.allreduce_engine(view, rop, buf)  # the engine's, where it can take it whole

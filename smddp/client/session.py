@@ -69,6 +69,10 @@ class ClientConfig:
     # most this size, so the daemon starts on the first while this rank copies the next, and results
     # are copied out while later pieces are in flight (0 = never). Every rank must use the same value.
     pipeline_bytes: int = default("pipeline_kb") * KiB
+    # A device all-reduce larger than this goes as pieces of at most this size on any number of nodes:
+    # the device-to-host copy of the next piece, the reduction of this one and the host-to-device copy
+    # of the one before run at once (0 = never). Every rank must use the same value.
+    device_pipeline_bytes: int = default("device_pipeline_kb") * KiB
     connect_timeout_s: float = 60.0  # fixed: how long a worker waits for its daemon's job.json
     heartbeat_timeout_s: float = default("heartbeat_timeout_s")  # the daemon beats every quarter of this
     timeline_dir: str = default("timeline_dir")
@@ -85,6 +89,7 @@ class ClientConfig:
             arena_bytes=max(fusion * 2, 64 << 20),
             fusion_bytes=fusion,
             pipeline_bytes=v["pipeline_kb"] * KiB,
+            device_pipeline_bytes=v["device_pipeline_kb"] * KiB,
             heartbeat_timeout_s=v["heartbeat_timeout_s"],
             timeline_dir=v["timeline_dir"],
             log_level=v["log_level"],
@@ -311,7 +316,12 @@ class PipelinedHandle(Handle):
         return self._result
 
     def synchronize(self, timeout: float | None = None) -> Any:
-        return self.wait(timeout)
+        t = self._default_timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + t
+        self.wait(t)
+        for h in self.pieces:  # device pieces: each one's copy to the device reached, on the host
+            h.synchronize(max(0.0, deadline - time.monotonic()))
+        return self._result
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from smddp.errors import ConfigError
@@ -14,7 +15,7 @@ class DaemonConfig:
 
     local_size: int = default("local_size")
     chunk_bytes: int = default("chunk_kb") * KiB
-    threads: int = default("threads")
+    threads: int = default("threads")  # 0: auto (compute_threads)
     iface: str = default("iface")
     socket_dir: str = default("socket_dir")  # "" -> default_socket_dir()
     job_id_hex: str = default("job_id")  # "" -> a random id chosen at bootstrap
@@ -39,6 +40,13 @@ class DaemonConfig:
     shutdown_timeout_s: float = 30.0  # how long to wait for peers' BYE at the end
     failure_linger_s: float = 30.0  # after a failure, how long local workers get to leave
 
+    def compute_threads(self, cores: int | None = None) -> int:
+        """The reduction threads this daemon runs: `threads`, or for 0 the cores of this host (its CPU
+        affinity) that its workers leave, at least 2 and at most 8."""
+        if self.threads:
+            return self.threads
+        return auto_threads(len(os.sched_getaffinity(0)) if cores is None else cores, self.local_size)
+
     def __post_init__(self) -> None:
         if not 4096 <= self.chunk_bytes <= 64 << 20:
             raise ConfigError("chunk_bytes must be between 4 KiB and 64 MiB")
@@ -46,9 +54,21 @@ class DaemonConfig:
             raise ConfigError("replicate_bytes must be between 0 and 1 GiB")
         if self.local_size < 1:
             raise ConfigError("workers per node must be at least 1")
-        if self.threads < 1:
-            raise ConfigError("threads must be at least 1")
+        if self.threads < 0:
+            raise ConfigError("threads must be at least 1 (or 0: auto)")
         if not 0.2 <= self.heartbeat_timeout_s <= 3600:
             raise ConfigError("heartbeat timeout must be between 0.2 s and 1 hour")
         if self.stall_timeout_s < 0:
             raise ConfigError("--stall-timeout must not be negative (0: no limit)")
+
+
+# Memory bandwidth, not cores, bounds the reductions beyond about 8 threads; below 2 a large
+# collective's chunks would not overlap with the next one's local work.
+AUTO_THREADS_MIN, AUTO_THREADS_MAX = 2, 8
+
+
+def auto_threads(cores: int, local_size: int) -> int:
+    """Reduction threads for a daemon on a host of `cores` usable cores that runs `local_size` workers:
+    the cores the workers leave (a GPU's worker mostly waits on its device, but its input pipeline
+    does not), between AUTO_THREADS_MIN and AUTO_THREADS_MAX."""
+    return max(AUTO_THREADS_MIN, min(AUTO_THREADS_MAX, cores - local_size))

@@ -129,7 +129,7 @@ class NodeDaemon:
             self.results.native,
             PLANE_SPIN_US,
             cfg.heartbeat_timeout_s,
-            cfg.threads,
+            cfg.compute_threads(),
             nnodes=self.nnodes,
             world=self.world,
             first_rank=job.ranks_of(node).start,

@@ -113,7 +113,16 @@ def test_daemon_config_errors_are_config_errors():
     with pytest.raises(ConfigError, match="heartbeat"):
         DaemonConfig(heartbeat_timeout_s=0.0)
     with pytest.raises(ConfigError, match="threads"):
-        DaemonConfig(threads=0)
+        DaemonConfig(threads=-1)
+
+
+def test_auto_threads_are_the_cores_the_workers_leave_from_2_to_8():
+    # (cores, workers) -> threads: CI's 2 cores keep 2; a GPU host's 16 cores and 4 workers give 8.
+    cases = {(2, 4): 2, (2, 1): 2, (4, 1): 3, (8, 2): 6, (16, 4): 8, (96, 8): 8}
+    for (cores, workers), want in cases.items():
+        assert DaemonConfig(local_size=workers).compute_threads(cores) == want, (cores, workers)
+    assert DaemonConfig(local_size=4, threads=3).compute_threads(64) == 3  # given: as given
+    assert 2 <= DaemonConfig().compute_threads() <= 8  # this host's affinity
 
 
 def test_multi_host_jobs_forward_the_launching_environment(monkeypatch):

@@ -88,6 +88,8 @@ GPU_COMMANDS = [
     "pytest -q -ra -m gpu tests/gpu/test_gpu.py -s     # every dtype, every consumer of a Work, DDP on CUDA against gloo",
     "smddp-bench gpu --sizes 1M,16M,64M,256M --workers 1,2,4 --repeats 5 --out bench-results/gpu",
     "smddp-bench torch-gpu --sizes 4096,16777216,67108864 --workers 2,4 --repeats 20 --out bench-results/gpu",
+    "smddp-bench torch-gpu --sizes 16777216,67108864 --workers 2,4 --repeats 10 --name torch-gpu-before --launch-args '--threads 2 --device-pipeline-kb 0' --out bench-results/gpu",
+    "smddp-bench torch-gpu --sizes 16777216,67108864 --workers 2,4 --repeats 10 --name torch-gpu-whole --launch-args '--device-pipeline-kb 0' --out bench-results/gpu",
     "smddp-bench ddp --device cuda --nodes 1 --per-node 2 --width 2048 --depth 5 --steps 10 --warmup 2 --rounds 2 --out bench-results/gpu --name ddp-cuda2",
     "smddp-bench ddp --device cuda --nodes 1 --per-node 4 --width 2048 --depth 5 --steps 10 --warmup 2 --rounds 2 --out bench-results/gpu --name ddp-cuda4",
 ]
@@ -190,7 +192,10 @@ def gpu_section(gpu_dir: Path) -> list[str]:
         out += ["### Correctness", "", *gpu_tests(gpu_dir)]
         for title, names in (
             ("Device buffers through the client", ["gpu.md"]),
-            ("torch.distributed on CUDA tensors", ["torch-gpu.md"]),
+            (
+                "torch.distributed on CUDA tensors",
+                ["torch-gpu.md", "torch-gpu-before.md", "torch-gpu-whole.md"],
+            ),
             ("Stock DDP on CUDA", ["ddp-cuda2.md", "ddp-cuda4.md"]),
         ):
             found = [gpu_dir / n for n in names if (gpu_dir / n).exists()]
