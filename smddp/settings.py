@@ -231,22 +231,11 @@ SETTINGS: tuple[Setting, ...] = (
         "pipeline_kb",
         int,
         8192,
-        "in jobs of several nodes, workers send larger host all-reduces as pipelined pieces of this "
-        "many KiB (0: never; every rank must use the same value)",
+        "in jobs of several nodes, workers send larger all-reduces (host or device memory) as pipelined "
+        "pieces of this many KiB (0: never; every rank must use the same value)",
         ("--pipeline-kb",),
         (LAUNCH, WORKER),
         env="SMDDP_PIPELINE_KB",
-    ),
-    S(
-        "device_pipeline_kb",
-        int,
-        4096,
-        "workers send larger all-reduces of device (CUDA) buffers as pipelined pieces of this many KiB, "
-        "so that copies to and from the device overlap the reduction (0: never; every rank must use the "
-        "same value)",
-        ("--device-pipeline-kb",),
-        (LAUNCH, WORKER),
-        env="SMDDP_DEVICE_PIPELINE_KB",
     ),
     S(
         "device_runtime",

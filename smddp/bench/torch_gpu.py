@@ -154,6 +154,7 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         f"Command: `{report['command']}`",
         "",
+        *([f"Settings: {report['settings']}", ""] if report.get("settings") else []),
         "| ranks | size | smddp ms | gloo ms | copy ms | smddp / gloo | smddp / copy | checked |",
         "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
@@ -190,6 +191,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m smddp.bench.torch
         "runtime": args.runtime,
         "command": shlex.join([*prog.split(), *argv]),
         "repeats": args.repeats,
+        "settings": f"smddp-launch {args.launch_args}" if args.launch_args else "smddp-launch's defaults",
         "jobs": [_job(args.runtime, int(w), args) for w in args.workers.split(",")],
     }
     out = Path(args.out)

@@ -78,15 +78,24 @@ def pieces(count: int, itemsize: int, piece_bytes: int) -> list[tuple[int, int]]
     return shard_bounds(count, min(count, -(-count * itemsize // piece_bytes)))
 
 
+def _piece_bytes(c: Client) -> int:
+    """The piece size of this job's all-reduces, host and device memory alike (so that ranks passing
+    either cut alike): pipeline_bytes in a job of several nodes, else whole.
+
+    Pieces overlap this rank's copies with the network; on one node there is no network to overlap,
+    and the extra collectives only cost: host memory 56 ms -> 65 ms for 64 MiB, 4 workers (2 cores);
+    device memory on an H200 with 8 reduction threads, 4 MiB pieces against whole buffers, 16 MiB
+    4.16 against 2.98 ms (2 ranks) and 4.15 against 4.23 ms (4 ranks), 64 MiB 7.80 against 7.44 ms
+    and 11.39 against 11.44 ms (bench-results/gpu/2026-11-27)."""
+    return c.config.pipeline_bytes if c.job.nnodes > 1 else 0
+
+
 def _allreduce_pieces(
     c: Client, view: BufferView | PartsView, rop: ReduceOp, out: np.ndarray, result: Any
 ) -> Handle:
     """All-reduce `view` piece by piece, each piece's result copied into `out` (1-D, storage dtype)
     as soon as it is back; the handle returns `result`."""
-    # Pieces overlap this rank's copies with the network; on one node there is no network to
-    # overlap, and the extra collectives only cost (measured: 56 ms -> 65 ms for 64 MiB, 4 workers).
-    piece_bytes = c.config.pipeline_bytes if c.job.nnodes > 1 else 0
-    ranges = pieces(view.count, view.dtype.itemsize, piece_bytes)
+    ranges = pieces(view.count, view.dtype.itemsize, _piece_bytes(c))
 
     def deliver(a: int, b: int) -> Callable[[np.ndarray], Any]:
         def put(r: np.ndarray) -> Any:
@@ -108,11 +117,11 @@ def _allreduce_pieces(
 
 
 def _allreduce_device(c: Client, dev: DeviceBuffer, rop: ReduceOp, stream: Any, result: Any) -> Handle:
-    """All-reduce device buffer `dev` in place: in one piece, or in pieces (ClientConfig.device_pipeline_bytes)
-    that all wait for the same point of the caller's stream, so that the copy of one to the host,
-    the reduction of another and the copy of a third back to the device overlap."""
+    """All-reduce device buffer `dev` in place: in one piece, or in pieces (_piece_bytes) that all wait
+    for the same point of the caller's stream, so that the copy of one to the host, the network steps
+    of another and the copy of a third back to the device overlap."""
     plan = c.device_plan(dev, [(dev, 0, dev.nbytes)], stream, dev, dev.keepalive)
-    ranges = pieces(dev.count, dev.dtype.itemsize, c.config.device_pipeline_bytes)
+    ranges = pieces(dev.count, dev.dtype.itemsize, _piece_bytes(c))
     if len(ranges) == 1:
         return c.submit(Kind.ALLREDUCE, None, dev.dtype, dev.count, rop, 0, lambda _r: result, device=plan)
     isz, k = dev.dtype.itemsize, len(ranges)

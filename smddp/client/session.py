@@ -65,14 +65,11 @@ class ClientConfig:
     timeout_s: float = default("timeout_s")  # default for wait(timeout=None) and shutdown
     arena_bytes: int = 256 << 20  # first input segment (from_env: twice the fusion buffer, 64 MiB at least)
     fusion_bytes: int = int(default("fusion_mb") * MiB)
-    # In a job of several nodes, a host all-reduce larger than this goes as consecutive pieces of at
-    # most this size, so the daemon starts on the first while this rank copies the next, and results
-    # are copied out while later pieces are in flight (0 = never). Every rank must use the same value.
+    # In a job of several nodes, an all-reduce larger than this (host or device memory) goes as
+    # consecutive pieces of at most this size, so the daemon starts on the first while this rank
+    # copies the next, and results are copied out while later pieces are in flight (0 = never).
+    # Every rank must use the same value.
     pipeline_bytes: int = default("pipeline_kb") * KiB
-    # A device all-reduce larger than this goes as pieces of at most this size on any number of nodes:
-    # the device-to-host copy of the next piece, the reduction of this one and the host-to-device copy
-    # of the one before run at once (0 = never). Every rank must use the same value.
-    device_pipeline_bytes: int = default("device_pipeline_kb") * KiB
     connect_timeout_s: float = 60.0  # fixed: how long a worker waits for its daemon's job.json
     heartbeat_timeout_s: float = default("heartbeat_timeout_s")  # the daemon beats every quarter of this
     timeline_dir: str = default("timeline_dir")
@@ -89,7 +86,6 @@ class ClientConfig:
             arena_bytes=max(fusion * 2, 64 << 20),
             fusion_bytes=fusion,
             pipeline_bytes=v["pipeline_kb"] * KiB,
-            device_pipeline_bytes=v["device_pipeline_kb"] * KiB,
             heartbeat_timeout_s=v["heartbeat_timeout_s"],
             timeline_dir=v["timeline_dir"],
             log_level=v["log_level"],

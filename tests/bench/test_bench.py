@@ -321,7 +321,13 @@ def test_gpu_section_reads_a_lent_gpus_results(tmp_path):
         "### Stock DDP on CUDA",
     ):
         assert title in text
-    assert text.count("smddp / gloo: **") == 2
+    # The full run's two DDP tables, then a later, shorter run's (bench-results/gpu/2026-11-27/): its
+    # notes, the settings of each torch-gpu table, its two DDP tables.
+    assert text.count("smddp / gloo: **") == 4
+    later = text.index("### A later, shorter run: 2026-11-27")
+    assert later > text.index("### Stock DDP on CUDA")
+    assert "Settings: --threads 2, device buffers whole" in text[later:]
+    assert "| 2 | 0 of 480 |" in text[later:]  # its own consumer checks
     (tmp_path / "gpu.json").write_text(json.dumps({"runtime": "standin"}))
     assert "**No GPU numbers**" in "\n".join(gpu_section(tmp_path))
     assert "**No GPU numbers**" in "\n".join(gpu_section(tmp_path / "absent"))

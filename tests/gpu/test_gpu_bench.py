@@ -36,11 +36,12 @@ def test_gpu_bench_on_the_standin(tmp_path: Path, clean_host: None) -> None:
 
 
 def test_torch_gpu_bench_on_the_standin(tmp_path: Path, clean_host: None) -> None:
-    """`smddp-bench torch-gpu` end to end on CPU tensors through the stand-in device route; the 1 MiB
-    all-reduce in 4 pieces (the launch flags passed through, and the pieces checked like the rest)."""
+    """`smddp-bench torch-gpu` end to end on CPU tensors through the stand-in device route, the two ranks
+    on two simulated nodes: the 1 MiB all-reduce goes in 4 pieces (the launch flags passed through,
+    and the pieces checked like the rest)."""
     cmd = [str(BIN / "smddp-bench"), "torch-gpu", "--runtime", "standin", "--sizes", "4096,1048576"]
     cmd += ["--workers", "2", "--repeats", "3", "--out", str(tmp_path), "--name", "tg"]
-    cmd += ["--launch-args", "--device-pipeline-kb 256"]
+    cmd += ["--launch-args", "--local-nodes 2 --pipeline-kb 256"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=job_env(), cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "tg.json").read_text())

@@ -88,8 +88,7 @@ GPU_COMMANDS = [
     "pytest -q -ra -m gpu tests/gpu/test_gpu.py -s     # every dtype, every consumer of a Work, DDP on CUDA against gloo",
     "smddp-bench gpu --sizes 1M,16M,64M,256M --workers 1,2,4 --repeats 5 --out bench-results/gpu",
     "smddp-bench torch-gpu --sizes 4096,16777216,67108864 --workers 2,4 --repeats 20 --out bench-results/gpu",
-    "smddp-bench torch-gpu --sizes 16777216,67108864 --workers 2,4 --repeats 10 --name torch-gpu-before --launch-args '--threads 2 --device-pipeline-kb 0' --out bench-results/gpu",
-    "smddp-bench torch-gpu --sizes 16777216,67108864 --workers 2,4 --repeats 10 --name torch-gpu-whole --launch-args '--device-pipeline-kb 0' --out bench-results/gpu",
+    "smddp-bench torch-gpu --sizes 16777216,67108864 --workers 2,4 --repeats 10 --name torch-gpu-before --launch-args '--threads 2' --out bench-results/gpu",
     "smddp-bench ddp --device cuda --nodes 1 --per-node 2 --width 2048 --depth 5 --steps 10 --warmup 2 --rounds 2 --out bench-results/gpu --name ddp-cuda2",
     "smddp-bench ddp --device cuda --nodes 1 --per-node 4 --width 2048 --depth 5 --steps 10 --warmup 2 --rounds 2 --out bench-results/gpu --name ddp-cuda4",
 ]
@@ -174,6 +173,22 @@ def gpu_tests(gpu_dir: Path) -> list[str]:
     return out
 
 
+def later_gpu_run(run: Path) -> list[str]:
+    """A later, shorter run on a lent GPU (bench-results/gpu/<date>/): its notes (what ran, with which
+    settings, what did not finish), its correctness figures and its tables, before the full run's."""
+    env = (run / "env.txt").read_text().splitlines() if (run / "env.txt").exists() else []
+    out = [f"### A later, shorter run: {run.name}", ""]
+    if len(env) >= 4:
+        out += [f"On {env[1]} (name, driver, memory), {env[3]} cores; {env[2]}; measured {env[0]}.", ""]
+    if (run / "NOTES.md").exists():
+        out += [(run / "NOTES.md").read_text().strip(), ""]
+    out += gpu_tests(run)
+    for name in ("torch-gpu.md", "torch-gpu-whole.md", "torch-gpu-before.md", "ddp-cuda2.md", "ddp-cuda4.md"):
+        if (run / name).exists():
+            out += [(run / name).read_text().strip(), ""]
+    return out
+
+
 def gpu_section(gpu_dir: Path) -> list[str]:
     """Issues 10 and 28: what a lent GPU measured (bench-results/gpu/), else why there is nothing."""
     out = ["## GPU (issues 10 and 28)", ""]
@@ -189,6 +204,13 @@ def gpu_section(gpu_dir: Path) -> list[str]:
                 "",
             ]
         out += ["```sh", *GPU_COMMANDS, "```", ""]
+        later = sorted(d for d in gpu_dir.iterdir() if d.is_dir())
+        if later:
+            out += [
+                "Later, shorter runs (" + ", ".join(d.name for d in later) + ") follow the full one, each in "
+                "its own subsection at the end, with what it ran and with which settings.",
+                "",
+            ]
         out += ["### Correctness", "", *gpu_tests(gpu_dir)]
         for title, names in (
             ("Device buffers through the client", ["gpu.md"]),
@@ -202,6 +224,8 @@ def gpu_section(gpu_dir: Path) -> list[str]:
             if found:
                 out += [f"### {title}", ""]
                 out += [line for f in found for line in (f.read_text().strip(), "")]
+        for d in later:
+            out += later_gpu_run(d)
         return out
     return [
         *out,
