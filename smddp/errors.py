@@ -15,6 +15,11 @@ class BootstrapError(SmddpError):
     """The job could not be set up: MPI bootstrap, roles, node layout."""
 
 
+class BootstrapCancelled(BootstrapError):
+    """A daemon started ahead of its job (under torchrun, at `import smddp.torch`) was never given one:
+    the worker that started it ended, or chose to start another. Not a failure: the daemon just ends."""
+
+
 class ProtocolError(SmddpError):
     """A frame on the wire broke the protocol (bad magic, version, field out of bounds)."""
 

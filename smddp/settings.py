@@ -141,6 +141,16 @@ SETTINGS: tuple[Setting, ...] = (
         metavar="PATH",
     ),
     S(
+        "daemon_at_import",
+        bool,
+        True,
+        "under torchrun, the node's first worker starts its smddp-daemon at `import smddp.torch`, so that "
+        "the daemon's start-up overlaps the script's (0: at the first smddp group)",
+        (),
+        (WORKER,),
+        env="SMDDP_DAEMON_AT_IMPORT",
+    ),
+    S(
         "rendezvous_fd",
         int,
         -1,

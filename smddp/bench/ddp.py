@@ -23,8 +23,9 @@ from smddp.bench.runner import (
 )
 
 IMPLS = ("smddp", "gloo")
-#: With --launcher torchrun: smddp under torchrun too, between the other two.
-TORCHRUN_IMPLS = ("smddp", "smddp-torchrun", "gloo")
+#: With --launcher torchrun: smddp and gloo under torchrun too (gloo's start-up under each launcher
+#: is what torchrun itself costs, the floor of smddp's under it).
+TORCHRUN_IMPLS = ("smddp", "smddp-torchrun", "gloo", "gloo-torchrun")
 
 
 @dataclass(frozen=True)
@@ -138,6 +139,7 @@ def run_ddp(cfg: DdpConfig, log: TextIO = sys.stderr) -> dict[str, Any]:
                 for t, s in zip(runs["smddp-torchrun"], runs["smddp"], strict=True)
             ],
             "startup_ratio": result["startup_s"]["smddp-torchrun"] / result["startup_s"]["smddp"],
+            "gloo_startup_ratio": result["startup_s"]["gloo-torchrun"] / result["startup_s"]["gloo"],
             "same_bits": len(same) == 1,
         }
     out = Path(cfg.outdir)
@@ -185,7 +187,12 @@ def ddp_markdown(res: dict[str, Any]) -> str:
         lines += [
             f"smddp under torchrun / under smddp-launch: step **{t['step_ratio']:.3f}** (per launch: {per}); "
             f"start-up (the command to the last rank's first all-reduce, median) **{t['startup_ratio']:.2f}**; "
-            f"the same parameters to the bit under both: {t['same_bits']}.",
+            f"the same parameters to the bit under both: {t['same_bits']}."
+            + (
+                f" gloo under torchrun / under mpirun, start-up: {t['gloo_startup_ratio']:.2f} (torchrun's own cost)."
+                if "gloo_startup_ratio" in t
+                else ""
+            ),
             "",
         ]
     lines += ["Launched as (the first launch; the output directory differs per launch):", ""]

@@ -55,9 +55,11 @@ def main(argv: list[str] | None = None) -> int:
         import smddp.torch  # registers the backend
 
         smddp.torch.init_process_group(backend="smddp")
-    else:
+    elif "OMPI_COMM_WORLD_RANK" in os.environ:  # gloo under mpirun
         rank, world = int(os.environ["OMPI_COMM_WORLD_RANK"]), int(os.environ["OMPI_COMM_WORLD_SIZE"])
         dist.init_process_group("gloo", rank=rank, world_size=world)
+    else:  # gloo under torchrun: env://
+        dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     dist.all_reduce(torch.zeros(1))
     first_allreduce_at = time.time()  # the launcher's start-up ends here (smddp-bench ddp)

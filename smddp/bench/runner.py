@@ -267,7 +267,7 @@ def build_command(
         worker = list(program)
     env: dict[str, str] = {"PYTHONUNBUFFERED": "1"}
     settings: dict[str, Any] = {}
-    if impl == "smddp-torchrun":
+    if impl.endswith("-torchrun"):
         return _torchrun_command(p, opts, worker)
     if impl in ("smddp", "smddp-ofi"):
         cmd = [_bin("smddp-launch"), "-np", str(topo.workers)]
@@ -324,9 +324,9 @@ def build_command(
 def _torchrun_command(
     p: Place, opts: RunOptions, worker: Sequence[str]
 ) -> tuple[list[str], dict[str, str], dict[str, Any]]:
-    """smddp under torchrun: one torchrun per node (through the cluster's launch agent on simulated
-    nodes, run together by smddp.bench.fanout), the c10d rendezvous on node 0, the same daemon
-    settings as the smddp-launch runs (as the environment variables the daemons read)."""
+    """smddp (or gloo) under torchrun: one torchrun per node (through the cluster's launch agent on
+    simulated nodes, run together by smddp.bench.fanout), the c10d rendezvous on node 0, the same
+    daemon settings as the smddp-launch runs (as the environment variables the daemons read)."""
     topo = p.topo
     if worker[:2] != [sys.executable, "-m"]:
         raise BenchError("under torchrun the per-rank program must be a module (python -m ...)")
@@ -349,6 +349,7 @@ def _torchrun_command(
     }
     if p.cluster is not None:
         env["SMDDP_IFACE"] = p.cluster.config.cidr
+        env["GLOO_SOCKET_IFNAME"] = "eth0"  # gloo's, as its mpirun runs have it
         agent = p.cluster.launch_agent_path()
         cmd = [
             sys.executable,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -15,7 +16,7 @@ from smddp.daemon.config import DaemonConfig
 from smddp.daemon.fabric import choose_fabric, use_wheel_providers
 from smddp.daemon.kernels import engine_kernels
 from smddp.daemon.node import NodeDaemon
-from smddp.errors import BootstrapError, ConfigError
+from smddp.errors import BootstrapCancelled, BootstrapError, ConfigError
 from smddp.lifetime import signal_on_parent_death
 from smddp.transport.bootstrap import (
     JOB_FILE,
@@ -110,13 +111,23 @@ def run(cfg: DaemonConfig) -> int:
         return host, tcp.getsockname()[1], path
 
     try:
-        comm: DaemonComm = RelayComm(cfg.rendezvous_fd, cfg.connect_timeout_s) if relayed else MpiComm()
+        comm: DaemonComm
+        if relayed:
+            relay = RelayComm(cfg.rendezvous_fd, cfg.connect_timeout_s)
+            if relay.job:  # started before its job was known (elastic.EarlyDaemon): the worker says it now
+                cfg = dataclasses.replace(cfg, job_id_hex=relay.job)
+            comm = relay
+        else:
+            comm = MpiComm()
         try:
             user_secret = read_secret_file(cfg.secret_file) if cfg.secret_file else None
         except BootstrapError as e:
             comm.abort(str(e))  # under torchrun, every rank then ends with this cause
             raise
         me = bootstrap_daemons(comm, open_endpoint, cfg.local_size, cfg.job_id_hex, user_secret)
+    except BootstrapCancelled as e:
+        logging.getLogger("smddp.daemon").info("%s: ending", e)
+        return 0
     except BootstrapError as e:
         logging.getLogger("smddp.daemon").error("bootstrap failed: %s", e)
         remove_dir()

@@ -6,24 +6,29 @@
 # across restarts: agree_job_id), so every attempt is a new job and everything of it lives under its
 # id in the store. The first worker of each node starts that node's smddp-daemon as its child, tied to it
 # by PR_SET_PDEATHSIG, and relays the daemons' bootstrap collectives through the store
-# (transport/relay.py). Once its daemon has written the job description, it says so under
+# (transport/relay.py). It starts the daemon before it knows the job's id, and tells it the id first
+# thing over their socket pair: at `import smddp.torch` (EarlyDaemon), so that the daemon's own
+# start-up runs while the script goes on to its first smddp group, or else as that group begins. Once its daemon has written the job description, it says so under
 # "node/N" in the store; the node's other workers wait for that word (or the error that stopped
 # the daemon) and then join exactly as under smddp-launch, through the daemon's private directory.
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import secrets
 import shutil
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
+from smddp import settings
 from smddp.errors import BootstrapError, ConfigError, SmddpError
 from smddp.proto.handshake import JOB_ID_SIZE
 from smddp.transport.bootstrap import default_socket_dir, job_dir, read_job
@@ -100,17 +105,18 @@ def _get(store: KVStore, key: str, timeout: float, what: str) -> str:
 
 
 class DaemonChild:
-    """The node's smddp-daemon, started by the node's first worker and ended with it."""
+    """The node's smddp-daemon, started by the node's first worker and ended with it. It is started
+    without its job's id, which `bootstrap` tells it first (so it may be started ahead of the job)."""
 
-    def __init__(self, place: ElasticPlace, job_hex: str, env: Mapping[str, str]) -> None:
+    def __init__(self, place: ElasticPlace, env: Mapping[str, str]) -> None:
         from smddp.launcher.mpirun import daemon_command
 
         self.place = place
-        self.job_hex = job_hex
+        self.job_hex = ""  # until bootstrap
         mine, theirs = socket.socketpair()
-        child_env = {**env, **place.worker_env(job_hex)}
-        # Only the smddp-launch job's variables would mislead a daemon started here.
-        for name in ("SMDDP_LEDGER",):
+        child_env = {**env, **place.worker_env("")}
+        # Only the smddp-launch job's variables would mislead a daemon started here; its id comes later.
+        for name in ("SMDDP_LEDGER", "SMDDP_JOB_ID"):
             child_env.pop(name, None)
         argv = [
             *daemon_command(),
@@ -144,10 +150,11 @@ class DaemonChild:
             return "stopped answering"
         return f"exited with status {code}" if code >= 0 else f"was killed by signal {-code}"
 
-    def bootstrap(self, store: KVStore, timeout: float) -> None:
-        """Relay the daemons' bootstrap, then wait for the job description it writes."""
+    def bootstrap(self, store: KVStore, job_hex: str, timeout: float) -> None:
+        """Give the daemon its job, relay the daemons' bootstrap, then wait for the job description it writes."""
+        self.job_hex = job_hex
         relay = StoreRelay(
-            store, f"{PREFIX}{self.job_hex}/boot/", self.place.node, self.place.nnodes, timeout
+            store, f"{PREFIX}{job_hex}/boot/", self.place.node, self.place.nnodes, timeout, job=job_hex
         )
         try:
             relay.serve(self.conn, self.describe)
@@ -166,6 +173,10 @@ class DaemonChild:
 
     def wait_exit(self, timeout: float) -> None:
         """Wait (at most `timeout` s) for the daemon to end, then end it; its directory goes with it."""
+        if not self.job_hex:
+            # Never given a job: it waits for one on the pair, and ends as soon as the pair closes.
+            self.conn.close()
+            timeout = min(timeout, 5.0)
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -175,7 +186,74 @@ class DaemonChild:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        shutil.rmtree(job_dir(default_socket_dir(), self.job_hex, self.place.node), ignore_errors=True)
+        if self.job_hex:
+            shutil.rmtree(job_dir(default_socket_dir(), self.job_hex, self.place.node), ignore_errors=True)
+
+
+def _daemon_settings(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    """What a daemon started with environment `env` was started with: smddp's variables."""
+    return tuple(sorted((k, v) for k, v in env.items() if k.startswith("SMDDP_")))
+
+
+def _torchrun_place(env: Mapping[str, str]) -> ElasticPlace | None:
+    """This worker's place under torchrun (or another env:// launcher); None under smddp-launch,
+    without a launcher, or with variables join_through_store will refuse by name."""
+    if env.get("SMDDP_JOB_ID") and env.get("SMDDP_RANK"):
+        return None
+    try:
+        return ElasticPlace.from_env(env, int(env.get("RANK", "")), int(env.get("WORLD_SIZE", "")))
+    except (BootstrapError, ValueError):
+        return None
+
+
+class EarlyDaemon:
+    """The daemon the node's first worker starts at `import smddp.torch` (start), before any smddp group
+    exists, so that its start-up (its interpreter and imports: most of a second) runs while the script
+    goes on. The first smddp group takes it (take) if this worker's place and smddp's variables are
+    still those it was started with; else it is told to end (it has no job yet: it just exits), and
+    the group starts a fresh one. One per process."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._child: DaemonChild | None = None
+        self._started_with: tuple[tuple[str, str], ...] = ()
+
+    def start(self, env: Mapping[str, str]) -> None:
+        """Start the daemon now if this is a node's first worker under torchrun and the setting allows."""
+        place = _torchrun_place(env)
+        if place is None or place.local_rank != 0:
+            return
+        try:
+            if not settings.from_env(settings.WORKER, env)["daemon_at_import"]:
+                return
+        except ConfigError:
+            return  # a malformed variable: the first smddp group names it
+        with self._lock:
+            if self._child is not None:
+                return
+            with contextlib.suppress(BootstrapError):  # the first smddp group tries again and says why
+                self._child = DaemonChild(place, env)
+                self._started_with = _daemon_settings(env)
+
+    def take(self, place: ElasticPlace, env: Mapping[str, str]) -> DaemonChild | None:
+        """The early daemon, if it was started for `place` with the smddp variables of `env` and is alive."""
+        with self._lock:
+            child, self._child = self._child, None
+        if child is None:
+            return None
+        if child.place == place and self._started_with == _daemon_settings(env) and child.proc.poll() is None:
+            return child
+        child.wait_exit(5.0)
+        return None
+
+
+#: The process's early daemon (`import smddp.torch` calls start_early_daemon).
+_early = EarlyDaemon()
+
+
+def start_early_daemon(env: Mapping[str, str] | None = None) -> None:
+    """Under torchrun, on a node's first worker: start the node's daemon now (EarlyDaemon)."""
+    _early.start(os.environ if env is None else env)
 
 
 def agree_job_id(store: KVStore, rank: int, size: int, timeout: float) -> str:
@@ -235,13 +313,23 @@ def join_through_store(
     cannot run."""
     environ = os.environ if env is None else env
     place = ElasticPlace.from_env(environ, rank, size)
+    daemon: DaemonChild | None = None
+    error: SmddpError | None = None
+    if place.local_rank == 0:
+        # Started before the job's id is agreed (or at import): its start-up overlaps the agreement.
+        daemon = _early.take(place, environ)
+        try:
+            daemon = daemon or DaemonChild(place, environ)
+        except SmddpError as e:
+            error = e  # said under the node's key once there is a job to say it in
     job_hex = agree_job_id(store, rank, size, timeout)
     node_key = f"{PREFIX}{job_hex}/node/{place.node}"
     if place.local_rank == 0:
-        daemon: DaemonChild | None = None
         try:
-            daemon = DaemonChild(place, job_hex, environ)
-            daemon.bootstrap(store, timeout)
+            if error is not None:
+                raise error
+            assert daemon is not None
+            daemon.bootstrap(store, job_hex, timeout)
         except SmddpError as e:
             store.set(node_key, json.dumps({"error": str(e)}).encode())
             if daemon is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from smddp.launcher.elastic import start_early_daemon
 from smddp.torch.backend import (
     BACKEND_NAME,
     SUPPORTED_DTYPES,
@@ -21,6 +22,8 @@ from smddp.torch.ddp import (
 )
 
 register()
+# Under torchrun, a node's first worker starts its daemon now: its start-up overlaps the script's.
+start_early_daemon()
 
 __all__ = [
     "BACKEND_NAME",

@@ -6,7 +6,9 @@
 # never talks to the store (it imports no torch, and the store is not authenticated); the worker
 # never interprets what it relays. On the pair, one JSON object per line:
 #
-#   worker -> daemon   {"node": n, "nnodes": N}                     once, first
+#   worker -> daemon   {"node": n, "nnodes": N, "job": "hex id"}    once, first (the daemon may have
+#                                                                   been started well before: it waits
+#                                                                   for this as long as the worker lives)
 #   daemon -> worker   {"op": "allgather", "value": V}              -> {"values": [V0, ... VN-1]}
 #                      {"op": "bcast", "root": r, "value": V}      -> {"value": Vr}
 #                      {"op": "done"}                               the bootstrap is over
@@ -29,7 +31,8 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Protocol
 
-from smddp.errors import BootstrapError
+from smddp.errors import BootstrapCancelled, BootstrapError
+from smddp.proto.handshake import JOB_ID_SIZE
 
 #: The longest line either side accepts (an endpoint list of thousands of nodes fits many times).
 MAX_LINE = 1 << 22
@@ -60,14 +63,15 @@ class LineConn:
     def send(self, obj: Any) -> None:
         self.sock.sendall(json.dumps(obj).encode() + b"\n")
 
-    def recv(self, timeout: float) -> Any:
-        """The next line as JSON; None at end of stream; BootstrapError on silence or garbage."""
-        deadline = time.monotonic() + timeout
+    def recv(self, timeout: float | None) -> Any:
+        """The next line as JSON; None at end of stream; BootstrapError on silence (for `timeout`
+        seconds; None: wait until the other end speaks or closes) or garbage."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         while b"\n" not in self._buf:
             if len(self._buf) > MAX_LINE:
                 raise BootstrapError(f"{self.peer} sent a line longer than {MAX_LINE} bytes")
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([self.sock], [], [], left)[0]:
+            left = None if deadline is None else deadline - time.monotonic()
+            if (left is not None and left <= 0) or not select.select([self.sock], [], [], left)[0]:
                 raise BootstrapError(f"{self.peer} said nothing for {timeout:g}s during the bootstrap")
             try:
                 data = self.sock.recv(65536)
@@ -90,17 +94,29 @@ class RelayComm:
     """The daemon's side: bootstrap collectives asked of the worker that started it (DaemonComm)."""
 
     def __init__(self, fd: int, timeout: float) -> None:
+        """Wait for the worker's greeting for as long as it lives (it may have started this daemon ahead
+        of its job); `timeout` bounds each later answer. BootstrapCancelled if it hangs up first."""
         self._conn = LineConn(socket.socket(fileno=fd), "the worker that started this daemon")
         self._timeout = timeout
-        hello = self._conn.recv(timeout)
+        hello = self._conn.recv(None)
+        if hello is None:
+            self._conn.close()
+            raise BootstrapCancelled("the worker that started this daemon gave it no job")
         try:
             self.rank, self.size = int(hello["node"]), int(hello["nnodes"])
-        except (TypeError, KeyError, ValueError):
+            self.job = str(hello.get("job", ""))
+        except (TypeError, KeyError, ValueError, AttributeError):
             raise BootstrapError(
                 f"a malformed greeting from the worker that started this daemon: {hello!r:.80}"
             ) from None
         if not 0 <= self.rank < self.size:
             raise BootstrapError(f"node {self.rank} of {self.size}: not a node of the job")
+        if self.job and (
+            len(self.job) != 2 * JOB_ID_SIZE or any(c not in "0123456789abcdef" for c in self.job)
+        ):
+            raise BootstrapError(
+                f"a malformed job id from the worker that started this daemon: {self.job[:40]!r}"
+            )
 
     def _ask(self, request: dict[str, Any], key: str) -> Any:
         self._conn.send(request)
@@ -144,7 +160,10 @@ class StoreRelay:
 
     `describe` names the daemon in errors (its exit status, once it has ended)."""
 
-    def __init__(self, store: KVStore, prefix: str, node: int, nnodes: int, timeout: float) -> None:
+    def __init__(
+        self, store: KVStore, prefix: str, node: int, nnodes: int, timeout: float, job: str = ""
+    ) -> None:
+        self.job = job  # the job's id, for a daemon started before it was known ("": it has one)
         self.store = store
         self.prefix = prefix
         self.node = node
@@ -196,7 +215,7 @@ class StoreRelay:
     def serve(self, conn: LineConn, describe: Callable[[], str]) -> None:
         """Relay until the daemon says done. Raises BootstrapError (after telling the other nodes)
         when the daemon ends, goes silent or asks nonsense, or another node failed."""
-        conn.send({"node": self.node, "nnodes": self.nnodes})
+        conn.send({"node": self.node, "nnodes": self.nnodes, **({"job": self.job} if self.job else {})})
         while True:
             try:
                 req = conn.recv(self.timeout)

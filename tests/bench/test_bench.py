@@ -109,7 +109,8 @@ def test_isolated_sweep_times_each_call_after_a_barrier(tmp_path):
 @pytest.mark.timeout(420)
 def test_tiny_ddp_step_benchmark(tmp_path):
     """`smddp-bench ddp --launcher torchrun`: stock DDP on smddp under smddp-launch, under torchrun, and
-    on gloo, launches interleaved; the same bits under both launchers."""
+    on gloo under mpirun and under torchrun (torchrun's own start-up), launches interleaved; the same
+    bits under both launchers."""
     need_module("torch", "make setup installs it")
     cmd = [
         str(BIN / "smddp-bench"),
@@ -120,17 +121,18 @@ def test_tiny_ddp_step_benchmark(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     order = [line.split()[-1] for line in proc.stderr.splitlines() if "smddp-bench ddp: round" in line]
-    assert order == ["smddp", "smddp-torchrun", "gloo"], proc.stderr
+    assert order == ["smddp", "smddp-torchrun", "gloo", "gloo-torchrun"], proc.stderr
     res = json.loads((tmp_path / "tinyddp.json").read_text())
     assert res["kind"] == "ddp" and res["ranks"] == 2
     assert res["params"] == 256 * 64 + 64 + 64 * 64 + 64 + 64 * 10 + 10
-    for impl in ("smddp", "smddp-torchrun", "gloo"):
+    for impl in ("smddp", "smddp-torchrun", "gloo", "gloo-torchrun"):
         (run,) = res["runs"][impl]
         assert len(run["step_s"]) == 3 and all(s > 0 for s in run["step_s"])
         assert run["torch_threads"] == 1 and run["startup_s"] > 0
     assert res["runs"]["smddp"][0]["command"].split()[0].endswith("smddp-launch")
     assert res["runs"]["smddp-torchrun"][0]["command"].split()[0].endswith("torchrun")
     assert res["runs"]["gloo"][0]["command"].split()[0].endswith("mpirun")
+    assert res["runs"]["gloo-torchrun"][0]["command"].split()[0].endswith("torchrun")
     assert res["ratio"] == pytest.approx(res["median_s"]["smddp"] / res["median_s"]["gloo"])
     t = res["torchrun"]
     assert t["same_bits"] is True
@@ -138,6 +140,10 @@ def test_tiny_ddp_step_benchmark(tmp_path):
     md = (tmp_path / "tinyddp.md").read_text()
     assert f"smddp / gloo: **{res['ratio']:.3f}**" in md and "| gloo |" in md and "| smddp-torchrun |" in md
     assert f"step **{t['step_ratio']:.3f}**" in md
+    assert t["gloo_startup_ratio"] == pytest.approx(
+        res["startup_s"]["gloo-torchrun"] / res["startup_s"]["gloo"]
+    )
+    assert f"gloo under torchrun / under mpirun, start-up: {t['gloo_startup_ratio']:.2f}" in md
     assert res["device"] == "cpu" and ", on the CPU:" in md
 
 

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from smddp.errors import BootstrapError
-from smddp.launcher.elastic import ElasticPlace, agree_job_id
+from smddp.errors import BootstrapCancelled, BootstrapError
+from smddp.launcher.elastic import EarlyDaemon, ElasticPlace, agree_job_id
 from smddp.transport.bootstrap import Membership, bootstrap_daemons, job_secret, read_secret_file
 from smddp.transport.relay import LineConn, RelayComm, StoreRelay
 from tests.conftest import need_module
@@ -228,3 +228,72 @@ def test_a_rank_that_never_asks_is_named_by_rank_0() -> None:
     store = dist.HashStore()
     with pytest.raises(BootstrapError, match=r"rank\(s\) 1 did not join the smddp job within 0\.3s"):
         agree_job_id(store, 0, 2, 0.3)
+
+
+def test_the_greeting_gives_a_daemon_started_ahead_its_job() -> None:
+    """A daemon started before its job was known (EarlyDaemon) learns the id from the greeting; one whose
+    worker hangs up first is cancelled, not failed; a malformed id is refused by name."""
+    store = dist.HashStore()
+    mine, theirs = socket.socketpair()
+    got: list[Any] = []
+
+    def daemon() -> None:
+        comm = RelayComm(theirs.detach(), 10.0)
+        got.append(comm.job)
+        comm.close()
+
+    t = threading.Thread(target=daemon)
+    t.start()
+    time.sleep(0.3)  # the daemon waits for the greeting however long the worker takes (no timeout)
+    StoreRelay(store, "boot/", 0, 1, 10.0, job=JOB).serve(LineConn(mine, "daemon 0"), lambda: "exited")
+    t.join(10)
+    assert got == [JOB]
+
+    mine, theirs = socket.socketpair()
+    mine.close()
+    with pytest.raises(BootstrapCancelled, match="gave it no job"):
+        RelayComm(theirs.detach(), 10.0)
+
+    mine, theirs = socket.socketpair()
+    mine.sendall(b'{"node": 0, "nnodes": 1, "job": "not hex"}\n')
+    with pytest.raises(BootstrapError, match="malformed job id"):
+        RelayComm(theirs.detach(), 10.0)
+    mine.close()
+
+
+def _torchrun_env(**more: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SMDDP_")}
+    env.update({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", **more})
+    return env
+
+
+def test_an_early_daemon_is_taken_only_for_what_it_was_started_with() -> None:
+    """`import smddp.torch` on a node's first worker under torchrun starts a real smddp-daemon that waits
+    for its job (EarlyDaemon). The first group takes it while smddp's variables are unchanged; one started
+    with other variables is ended (status 0: it had no job) and the group starts a fresh one. Other local
+    ranks, smddp-launch's workers and SMDDP_DAEMON_AT_IMPORT=0 start none."""
+    env = _torchrun_env()
+    place = ElasticPlace.from_env(env, 0, 2)
+    early = EarlyDaemon()
+    early.start(env)
+    child = early.take(place, env)
+    assert child is not None and child.proc.poll() is None  # alive, waiting for its job
+    assert early.take(place, env) is None  # taken once
+    t0 = time.monotonic()
+    child.wait_exit(10.0)  # never given a job: it ends as soon as its pair closes
+    assert child.proc.returncode == 0 and time.monotonic() - t0 < 5.0
+
+    early.start(env)
+    stale = early._child
+    assert stale is not None
+    assert early.take(place, {**env, "SMDDP_THREADS": "3"}) is None  # set after the import
+    assert stale.proc.wait(5.0) == 0
+
+    for other in (
+        _torchrun_env(LOCAL_RANK="1", RANK="1"),
+        _torchrun_env(SMDDP_DAEMON_AT_IMPORT="0"),
+        {**env, "SMDDP_JOB_ID": JOB, "SMDDP_RANK": "0"},  # under smddp-launch
+        {k: v for k, v in env.items() if k != "LOCAL_RANK"},  # no launcher
+    ):
+        early.start(other)
+        assert early._child is None, other
