@@ -188,6 +188,47 @@ class SmddpWork(dist.Work):
             self._device.order(self)
 
 
+class _DoneWork(dist.Work):
+    """A Work complete before it is returned: a blocking call (torch's `async_op=False`, which waits
+    on the Work at once, in the same thread) that ran whole in the caller's thread. Nothing is left to
+    wait for, so nothing is made for it: no event, no future until one is asked for, no watchdog."""
+
+    def __init__(self, result: Any) -> None:
+        super().__init__()
+        self._result = result
+        self._future: Future[Any] | None = None
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        return True
+
+    def get_future(self) -> Future[Any]:
+        if self._future is None:
+            fut: Future[Any] = Future()
+            fut.set_result(self._result)
+            self._future = fut
+        return self._future
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def exception(self) -> BaseException | None:
+        return None
+
+    def result(self) -> Any:
+        return self._result
+
+    def synchronize(self) -> None:
+        pass
+
+
+# torch dtypes a host tensor's `numpy()` view keeps (numpy has no bfloat16): what the blocking
+# all-reduce hands smddp as an array, which takes the engine's one-pass path (smddp.allreduce).
+_NUMPY_DTYPES = frozenset(SUPPORTED_DTYPES) - {torch.bfloat16}
+
+
 # -- the completion thread ------------------------------------------------------------------------
 
 
@@ -793,10 +834,16 @@ class ProcessGroupSmddp(dist.ProcessGroup):
     # -- collectives
 
     @_routable("all_reduce", "allreduce")
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> SmddpWork:
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         opts = opts if opts is not None else dist.AllreduceOptions()
         op = _op(opts, "all_reduce")
         ts = [_check_tensor(t, "all_reduce") for t in tensors]
+        if (
+            not getattr(opts, "asyncOp", True)
+            and all(t.dtype in _NUMPY_DTYPES and t.is_contiguous() for t in ts)
+            and _device_of(ts, "all_reduce") is _HOST
+        ):
+            return self._allreduce_now(ts, op, opts, tensors)
         pairs = [(t, *_contiguous(t)) for t in ts]
 
         def start(d: _Device) -> list[smddp.Handle]:
@@ -810,7 +857,24 @@ class ProcessGroupSmddp(dist.ProcessGroup):
         nbytes = sum(t.numel() * t.element_size() for t in ts)
         return self._submit("all_reduce", start, tensors, opts, finish, nbytes, _all(pairs))
 
-    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> SmddpWork:
+    def _allreduce_now(self, ts: list[torch.Tensor], op: smddp.ReduceOp, opts: Any, result: Any) -> dist.Work:
+        """A blocking all-reduce of contiguous host tensors: run here, whole, each through the engine in
+        one pass (smddp.allreduce: copy-in, SUBMIT, DONE, copy-out, GIL released), as torch waits for it
+        at once in this thread anyway. A failure raises here, as the Work's wait() would."""
+        trace = None
+        if self.trace is not None:
+            trace = TraceEvent(
+                "all_reduce", sum(t.numel() * t.element_size() for t in ts), time.perf_counter()
+            )
+            self.trace.append(trace)
+        timeout = self._timeout_of(opts).total_seconds()
+        for t in ts:
+            smddp.allreduce(t.detach().numpy(), op, timeout)
+        if trace is not None:
+            trace.done = time.perf_counter()
+        return _DoneWork(result)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         o = dist.AllreduceOptions()
         if opts is not None:
             o.reduceOp = opts.reduceOp

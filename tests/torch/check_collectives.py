@@ -67,6 +67,22 @@ def main() -> int:
     t = torch.full((4,), float(2 * r + 2))
     dist.all_reduce(t, op=dist.ReduceOp.AVG)
     checks["avg"] = bool((t == float(w + 1)).all())
+    # A blocking all-reduce (asyncOp false, as dist.all_reduce passes it) of host tensors runs whole in
+    # the call: its Work is complete when returned, with a completed future; an asynchronous one's
+    # Work is not. (Under the stand-in device runtime these tensors are device memory: a Work in flight.)
+    device_route = os.environ.get("SMDDP_DEVICE_RUNTIME", "auto") not in ("auto", "cupy")
+    pg = dist.distributed_c10d._get_default_group()
+    opts = dist.AllreduceOptions()
+    opts.asyncOp = False
+    t = torch.full((5,), float(r + 1))
+    work = pg.allreduce([t], opts)
+    kind = "SmddpWork" if device_route else "_DoneWork"
+    done = type(work).__name__ == kind and (device_route or work.is_completed()) and work.wait()
+    checks["blocking_done_at_return"] = done and bool((t == w * (w + 1) // 2).all())
+    checks["blocking_future"] = bool((work.get_future().wait()[0] == w * (w + 1) // 2).all())
+    opts.asyncOp = True
+    work = pg.allreduce([torch.ones(5)], opts)
+    checks["async_is_a_work_in_flight"] = type(work).__name__ == "SmddpWork" and work.wait()
     # Non-contiguous tensors are reduced through a copy and written back.
     m = torch.ones(4, 6)
     col = m[:, 1]
