@@ -8,9 +8,10 @@
 # by PR_SET_PDEATHSIG, and relays the daemons' bootstrap collectives through the store
 # (transport/relay.py). It starts the daemon before it knows the job's id, and tells it the id first
 # thing over their socket pair: at `import smddp.torch` (EarlyDaemon), so that the daemon's own
-# start-up runs while the script goes on to its first smddp group, or else as that group begins. Once its daemon has written the job description, it says so under
-# "node/N" in the store; the node's other workers wait for that word (or the error that stopped
-# the daemon) and then join exactly as under smddp-launch, through the daemon's private directory.
+# start-up runs while the script goes on to its first smddp group, or else as that group begins.
+# Once its daemon has written the job description, it says so under "node/N" in the store; the
+# node's other workers wait for that word (or the error that stopped the daemon) and then join
+# exactly as under smddp-launch, through the daemon's private directory.
 
 from __future__ import annotations
 
