@@ -337,3 +337,28 @@ def test_gpu_section_reads_a_lent_gpus_results(tmp_path):
     (tmp_path / "gpu.json").write_text(json.dumps({"runtime": "standin"}))
     assert "**No GPU numbers**" in "\n".join(gpu_section(tmp_path))
     assert "**No GPU numbers**" in "\n".join(gpu_section(tmp_path / "absent"))
+
+
+@pytest.mark.timeout(180)
+def test_calls_rig_writes_what_benchmarks_md_quotes(tmp_path):
+    """`python -m smddp_rigs.bench.calls --out` (make bench): the three calls interleaved in one job of
+    2 workers, each timed; NAME.json and NAME.md with the ratios to the blocking call and the target's
+    verdict, which BENCHMARKS.md's section renders."""
+    need_module("torch", "make setup installs it")
+    from smddp_rigs.bench.benchmarks_md import render
+    from smddp_rigs.bench.calls import CALLS, TARGET_X
+
+    cmd = [sys.executable, "-m", "smddp_rigs.bench.calls", "--np", "2", "--rounds", "20", "--warmup", "3"]
+    cmd += ["--out", str(tmp_path), "--name", "calls-t"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=170, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "calls-t.json").read_text())
+    assert report["kind"] == "calls" and report["np"] == 2 and report["rounds"] == 20
+    assert set(report["slowest_s"]) == set(CALLS) and all(v > 0 for v in report["slowest_s"].values())
+    md = (tmp_path / "calls-t.md").read_text()
+    ratio = report["slowest_s"]["torch"] / report["slowest_s"]["blocking"]
+    assert f"| torch | {report['slowest_s']['torch'] * 1e6:.1f} | {ratio:.2f} |" in md
+    assert f"torch: {'met' if ratio <= TARGET_X else 'missed'}" in md
+    targets = json.loads((REPO / "bench-results" / "targets.json").read_text())
+    text = render(targets, None, [], calls=[report])
+    assert "## One call, the way a training step meets it (issue 29)" in text and md.strip() in text

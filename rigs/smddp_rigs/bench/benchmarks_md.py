@@ -33,6 +33,7 @@ MAKE_BENCH = (
     "smddp-bench ddp --sim --nodes 4 --per-node 1 --rate-mbit 1000 --out bench-results --name ddp-sim4",
     "smddp-bench ddp --nodes 1 --per-node 4 --launcher torchrun --out bench-results --name ddp-torchrun-host1x4",
     "smddp-bench ddp --sim --nodes 4 --per-node 1 --rate-mbit 1000 --launcher torchrun --out bench-results --name ddp-torchrun-sim4",
+    "python -m smddp_rigs.bench.calls --out bench-results --name calls-host4",
     "python -m smddp_rigs.bench targets --out bench-results",
     "python -m smddp_rigs.bench model --check --out bench-results",
     "python -m smddp_rigs.bench benchmarks --targets bench-results/targets.json --model bench-results/model.json --sweeps bench-results --out BENCHMARKS.md",
@@ -254,6 +255,7 @@ def render(
     gpu_dir: Path | None = None,
     ddps: list[dict[str, Any]] | None = None,
     before: dict[str, dict[str, Any]] | None = None,
+    calls: list[dict[str, Any]] | None = None,
 ) -> str:
     cks = [Check(**{k: v for k, v in c.items() if k != "met"}) for c in targets["checks"]]
     misses = [m for m in (_miss(c) for c in cks) if m]
@@ -384,6 +386,12 @@ def render(
         ]
         for d in ddps:
             out += [f"Command: `{d['command']}` ({d['wall_s'] / 60:.1f} min).", "", ddp_markdown(d), ""]
+    if calls:
+        from smddp_rigs.bench.calls import calls_markdown
+
+        out += ["## One call, the way a training step meets it (issue 29)", ""]
+        for c in calls:
+            out += [calls_markdown(c), ""]
     out += ofi_section(targets)
     out += engine_section(
         targets,
@@ -435,6 +443,9 @@ def write_benchmarks_md(cfg: ReportConfig, log: TextIO = sys.stderr) -> None:
         )
         profiles.append(pr)
     ddps = [json.loads(path.read_text()) for path in sorted(Path(cfg.sweeps).glob("ddp*.json"))]
+    calls = [json.loads(path.read_text()) for path in sorted(Path(cfg.sweeps).glob("calls*.json"))]
     gpu_dir = Path(cfg.sweeps) / "gpu"
-    Path(cfg.out).write_text(render(targets, model, sweeps, profiles, gpu_dir, ddps, load_before(cfg.sweeps)))
+    Path(cfg.out).write_text(
+        render(targets, model, sweeps, profiles, gpu_dir, ddps, load_before(cfg.sweeps), calls)
+    )
     print(f"smddp-bench: wrote {cfg.out}", file=log)
