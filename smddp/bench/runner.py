@@ -309,8 +309,11 @@ def build_command(
     settings["mpirun_options"] = " ".join(mpi)
     if impl == "gloo":
         master = p.cluster.addr(0) if p.cluster is not None else "127.0.0.1"
-        ifname = "eth0" if p.cluster is not None else "lo"
-        gloo_env = {"MASTER_ADDR": master, "MASTER_PORT": str(service_port()), "GLOO_SOCKET_IFNAME": ifname}
+        gloo_env = {
+            "MASTER_ADDR": master,
+            "MASTER_PORT": str(service_port()),
+            "GLOO_SOCKET_IFNAME": _gloo_ifname(p),
+        }
         for k, v in gloo_env.items():
             cmd += ["-x", f"{k}={v}"]
         settings.update(gloo_env, torch_threads=opts.torch_threads)
@@ -319,6 +322,11 @@ def build_command(
         cmd += [*p.cluster.mpirun_args(), "-H", p.cluster.host_list(topo.per_node)]
     cmd += worker
     return cmd, env, settings
+
+
+def _gloo_ifname(p: Place) -> str:
+    """The interface gloo's ranks talk on: a simulated node's eth0, else loopback."""
+    return "eth0" if p.cluster is not None else "lo"
 
 
 def _torchrun_command(
@@ -347,9 +355,9 @@ def _torchrun_command(
         "SMDDP_REPLICATE_KB": str(opts.replicate_kb),
         "SMDDP_PIPELINE_KB": str(opts.pipeline_kb),
     }
+    env["GLOO_SOCKET_IFNAME"] = _gloo_ifname(p)  # gloo's (gloo-torchrun), as its mpirun runs have it
     if p.cluster is not None:
         env["SMDDP_IFACE"] = p.cluster.config.cidr
-        env["GLOO_SOCKET_IFNAME"] = "eth0"  # gloo's, as its mpirun runs have it
         agent = p.cluster.launch_agent_path()
         cmd = [
             sys.executable,

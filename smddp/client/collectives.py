@@ -95,25 +95,29 @@ def _allreduce_pieces(
 ) -> Handle:
     """All-reduce `view` piece by piece, each piece's result copied into `out` (1-D, storage dtype)
     as soon as it is back; the handle returns `result`."""
-    ranges = pieces(view.count, view.dtype.itemsize, _piece_bytes(c))
 
-    def deliver(a: int, b: int) -> Callable[[np.ndarray], Any]:
+    def submit(a: int, b: int, aux: int) -> Handle:
         def put(r: np.ndarray) -> Any:
             out[a:b] = r.view(out.dtype)
             return result
 
-        return put
+        part = view if aux == 0 else view.piece(a, b)
+        return c.submit(Kind.ALLREDUCE, part, view.dtype, b - a, rop, aux, put)
 
+    return _in_pieces(c, view.count, view.dtype.itemsize, result, submit)
+
+
+def _in_pieces(
+    c: Client, count: int, itemsize: int, result: Any, submit: Callable[[int, int, int], Handle]
+) -> Handle:
+    """An all-reduce of `count` elements, whole or cut into pieces (_piece_bytes): `submit(a, b, aux)`
+    sends elements [a, b) with SUBMIT's aux, 0 for a whole buffer, else the number of pieces, which
+    every piece names: ranks whose buffers differ but whose pieces happen to be the same size fail
+    with a mismatch instead of reducing unrelated data."""
+    ranges = pieces(count, itemsize, _piece_bytes(c))
     if len(ranges) == 1:
-        return c.submit(Kind.ALLREDUCE, view, view.dtype, view.count, rop, 0, deliver(0, view.count))
-    # Every piece names how many there are (SUBMIT's aux): ranks whose buffers differ but whose
-    # pieces happen to be the same size fail with a mismatch instead of reducing unrelated data.
-    k = len(ranges)
-    handles = [
-        c.submit(Kind.ALLREDUCE, view.piece(a, b), view.dtype, b - a, rop, k, deliver(a, b))
-        for a, b in ranges
-    ]
-    return PipelinedHandle(handles, view.count, result)
+        return submit(0, count, 0)
+    return PipelinedHandle([submit(a, b, len(ranges)) for a, b in ranges], count, result)
 
 
 def _allreduce_device(c: Client, dev: DeviceBuffer, rop: ReduceOp, stream: Any, result: Any) -> Handle:
@@ -121,19 +125,15 @@ def _allreduce_device(c: Client, dev: DeviceBuffer, rop: ReduceOp, stream: Any, 
     for the same point of the caller's stream, so that the copy of one to the host, the network steps
     of another and the copy of a third back to the device overlap."""
     plan = c.device_plan(dev, [(dev, 0, dev.nbytes)], stream, dev, dev.keepalive)
-    ranges = pieces(dev.count, dev.dtype.itemsize, _piece_bytes(c))
-    if len(ranges) == 1:
-        return c.submit(Kind.ALLREDUCE, None, dev.dtype, dev.count, rop, 0, lambda _r: result, device=plan)
-    isz, k = dev.dtype.itemsize, len(ranges)
-    handles = []
-    for a, b in ranges:
-        part = dataclasses.replace(dev, ptr=dev.ptr + a * isz, shape=(b - a,), count=b - a)
-        piece = dataclasses.replace(plan, src=part, outputs=[(part, 0, part.nbytes)])
-        # SUBMIT's aux counts the pieces, as a host all-reduce's does (see _allreduce_pieces).
-        handles.append(
-            c.submit(Kind.ALLREDUCE, None, dev.dtype, b - a, rop, k, lambda _r: result, device=piece)
-        )
-    return PipelinedHandle(handles, dev.count, result)
+
+    def submit(a: int, b: int, aux: int) -> Handle:
+        piece = plan
+        if aux:
+            part = dataclasses.replace(dev, ptr=dev.ptr + a * dev.dtype.itemsize, shape=(b - a,), count=b - a)
+            piece = dataclasses.replace(plan, src=part, outputs=[(part, 0, part.nbytes)])
+        return c.submit(Kind.ALLREDUCE, None, dev.dtype, b - a, rop, aux, lambda _r: result, device=piece)
+
+    return _in_pieces(c, dev.count, dev.dtype.itemsize, result, submit)
 
 
 def allreduce_async(c: Client, buf: Any, op: Any = ReduceOp.SUM, stream: Any = None) -> Handle:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -111,20 +110,15 @@ def run(cfg: DaemonConfig) -> int:
         return host, tcp.getsockname()[1], path
 
     try:
-        comm: DaemonComm
-        if relayed:
-            relay = RelayComm(cfg.rendezvous_fd, cfg.connect_timeout_s)
-            if relay.job:  # started before its job was known (elastic.EarlyDaemon): the worker says it now
-                cfg = dataclasses.replace(cfg, job_id_hex=relay.job)
-            comm = relay
-        else:
-            comm = MpiComm()
+        comm: DaemonComm = RelayComm(cfg.rendezvous_fd, cfg.connect_timeout_s) if relayed else MpiComm()
+        # Started before its job was known (elastic.EarlyDaemon): the worker's greeting names it.
+        job_hex = (comm.job if isinstance(comm, RelayComm) else "") or cfg.job_id_hex
         try:
             user_secret = read_secret_file(cfg.secret_file) if cfg.secret_file else None
         except BootstrapError as e:
             comm.abort(str(e))  # under torchrun, every rank then ends with this cause
             raise
-        me = bootstrap_daemons(comm, open_endpoint, cfg.local_size, cfg.job_id_hex, user_secret)
+        me = bootstrap_daemons(comm, open_endpoint, cfg.local_size, job_hex, user_secret)
     except BootstrapCancelled as e:
         logging.getLogger("smddp.daemon").info("%s: ending", e)
         return 0

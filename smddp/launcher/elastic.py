@@ -31,7 +31,7 @@ from datetime import timedelta
 
 from smddp import settings
 from smddp.errors import BootstrapError, ConfigError, SmddpError
-from smddp.proto.handshake import JOB_ID_SIZE
+from smddp.proto.handshake import JOB_ID_SIZE, is_job_hex
 from smddp.transport.bootstrap import default_socket_dir, job_dir, read_job
 from smddp.transport.relay import KVStore, LineConn, StoreRelay
 
@@ -274,7 +274,7 @@ def agree_job_id(store: KVStore, rank: int, size: int, timeout: float) -> str:
         job_hex = _get(
             store, f"{PREFIX}answer/{rank}/{nonce}", timeout, f"rank {rank}: rank 0 gave no smddp job id"
         )
-        if len(job_hex) != 2 * JOB_ID_SIZE or any(c not in "0123456789abcdef" for c in job_hex):
+        if not is_job_hex(job_hex):
             raise BootstrapError(f"rank {rank}: the store holds a malformed smddp job id {job_hex[:40]!r}")
         store.set(f"{PREFIX}{job_hex}/joined/{rank}", b"1")
         return job_hex
@@ -318,18 +318,17 @@ def join_through_store(
     error: SmddpError | None = None
     if place.local_rank == 0:
         # Started before the job's id is agreed (or at import): its start-up overlaps the agreement.
-        daemon = _early.take(place, environ)
         try:
-            daemon = daemon or DaemonChild(place, environ)
+            daemon = _early.take(place, environ) or DaemonChild(place, environ)
         except SmddpError as e:
             error = e  # said under the node's key once there is a job to say it in
     job_hex = agree_job_id(store, rank, size, timeout)
     node_key = f"{PREFIX}{job_hex}/node/{place.node}"
     if place.local_rank == 0:
         try:
-            if error is not None:
+            if daemon is None:
+                assert error is not None
                 raise error
-            assert daemon is not None
             daemon.bootstrap(store, job_hex, timeout)
         except SmddpError as e:
             store.set(node_key, json.dumps({"error": str(e)}).encode())

@@ -20,6 +20,7 @@ from smddp.errors import ConfigError
 from smddp.launcher.hosts import Host
 from smddp.launcher.worker_env import shell_status
 from smddp.lifetime import signal_on_parent_death
+from smddp.proto.handshake import is_job_hex
 from smddp.settings import daemon_args, default, worker_env
 from smddp.transport.bootstrap import default_socket_dir, job_dirs
 from smddp.transport.ledger import NEVER_SAID, Ledger
@@ -83,7 +84,7 @@ class LaunchConfig:
             raise ConfigError("--iface takes an interface name or a CIDR when the job spans hosts")
         if not self.command:
             raise ConfigError("no command to run: smddp-launch -np W -- COMMAND ...")
-        if len(self.job_id) != 32 or any(ch not in "0123456789abcdef" for ch in self.job_id):
+        if not is_job_hex(self.job_id):
             raise ConfigError(f"job id {self.job_id!r} must be 32 lowercase hex digits (SMDDP_JOB_ID)")
         if self.fusion_mb <= 0:
             raise ConfigError("--fusion-mb must be positive")

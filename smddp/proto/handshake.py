@@ -16,6 +16,12 @@ NONCE_SIZE = 32
 MAC_SIZE = 32
 SECRET_SIZE = 32
 
+
+def is_job_hex(text: str) -> bool:
+    """Whether `text` spells a job id: JOB_ID_SIZE bytes as lowercase hex digits."""
+    return len(text) == 2 * JOB_ID_SIZE and all(c in "0123456789abcdef" for c in text)
+
+
 _CHALLENGE = struct.Struct(f"<{JOB_ID_SIZE}s{NONCE_SIZE}s")
 _HELLO = struct.Struct(f"<{JOB_ID_SIZE}s{NONCE_SIZE}s{MAC_SIZE}s")
 _WELCOME = struct.Struct(f"<{MAC_SIZE}s")

@@ -810,6 +810,14 @@ class ProcessGroupSmddp(dist.ProcessGroup):
         t = getattr(opts, "timeout", None)
         return t if isinstance(t, timedelta) and t > timedelta(0) else self._timeout
 
+    def _trace_start(self, name: str, nbytes: int) -> TraceEvent | None:
+        """A new TraceEvent of this call in `trace` (None when nobody traces); its Work sets `done`."""
+        if self.trace is None:
+            return None
+        trace = TraceEvent(name, nbytes, time.perf_counter())
+        self.trace.append(trace)
+        return trace
+
     def _submit(
         self,
         name: str,
@@ -819,14 +827,12 @@ class ProcessGroupSmddp(dist.ProcessGroup):
         finish: Callable[[], None] | None = None,
         nbytes: int = 0,
         tensors: Sequence[torch.Tensor] = (),
+        device: _Device | None = None,
     ) -> SmddpWork:
-        """Run `start(device)` for this call's `tensors` (inputs, outputs and scratch) and queue its Work."""
-        device = _device_of(tensors, name)
-        trace = None
-        if self.trace is not None:
-            trace = TraceEvent(name, nbytes, time.perf_counter())
-            self.trace.append(trace)
-        work = SmddpWork(name, result, self._timeout_of(opts), trace, device)
+        """Run `start(device)` for this call's `tensors` (inputs, outputs and scratch) and queue its Work;
+        `device`: where they live, if the caller has found that out already."""
+        device = device if device is not None else _device_of(tensors, name)
+        work = SmddpWork(name, result, self._timeout_of(opts), self._trace_start(name, nbytes), device)
         handles = start(device)  # raises (nothing sent) on a bad argument, before the Work is queued
         _queue_work(work, handles, finish, list(tensors) if device is not _HOST else None)
         return work
@@ -838,10 +844,11 @@ class ProcessGroupSmddp(dist.ProcessGroup):
         opts = opts if opts is not None else dist.AllreduceOptions()
         op = _op(opts, "all_reduce")
         ts = [_check_tensor(t, "all_reduce") for t in tensors]
+        device = _device_of(ts, "all_reduce")
         if (
-            not getattr(opts, "asyncOp", True)
+            device is _HOST
+            and not getattr(opts, "asyncOp", True)
             and all(t.dtype in _NUMPY_DTYPES and t.is_contiguous() for t in ts)
-            and _device_of(ts, "all_reduce") is _HOST
         ):
             return self._allreduce_now(ts, op, opts, tensors)
         pairs = [(t, *_contiguous(t)) for t in ts]
@@ -855,18 +862,15 @@ class ProcessGroupSmddp(dist.ProcessGroup):
                     t.copy_(buf)
 
         nbytes = sum(t.numel() * t.element_size() for t in ts)
-        return self._submit("all_reduce", start, tensors, opts, finish, nbytes, _all(pairs))
+        return self._submit("all_reduce", start, tensors, opts, finish, nbytes, _all(pairs), device)
 
     def _allreduce_now(self, ts: list[torch.Tensor], op: smddp.ReduceOp, opts: Any, result: Any) -> dist.Work:
         """A blocking all-reduce of contiguous host tensors: run here, whole, each through the engine in
         one pass (smddp.allreduce: copy-in, SUBMIT, DONE, copy-out, GIL released), as torch waits for it
         at once in this thread anyway. A failure raises here, as the Work's wait() would."""
         trace = None
-        if self.trace is not None:
-            trace = TraceEvent(
-                "all_reduce", sum(t.numel() * t.element_size() for t in ts), time.perf_counter()
-            )
-            self.trace.append(trace)
+        if self.trace is not None:  # (the byte count only when someone traces: this is the hot path)
+            trace = self._trace_start("all_reduce", sum(t.numel() * t.element_size() for t in ts))
         timeout = self._timeout_of(opts).total_seconds()
         for t in ts:
             smddp.allreduce(t.detach().numpy(), op, timeout)

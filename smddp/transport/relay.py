@@ -32,7 +32,7 @@ from datetime import timedelta
 from typing import Any, Protocol
 
 from smddp.errors import BootstrapCancelled, BootstrapError
-from smddp.proto.handshake import JOB_ID_SIZE
+from smddp.proto.handshake import is_job_hex
 
 #: The longest line either side accepts (an endpoint list of thousands of nodes fits many times).
 MAX_LINE = 1 << 22
@@ -111,9 +111,7 @@ class RelayComm:
             ) from None
         if not 0 <= self.rank < self.size:
             raise BootstrapError(f"node {self.rank} of {self.size}: not a node of the job")
-        if self.job and (
-            len(self.job) != 2 * JOB_ID_SIZE or any(c not in "0123456789abcdef" for c in self.job)
-        ):
+        if self.job and not is_job_hex(self.job):
             raise BootstrapError(
                 f"a malformed job id from the worker that started this daemon: {self.job[:40]!r}"
             )

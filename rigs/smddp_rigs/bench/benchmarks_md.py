@@ -174,6 +174,14 @@ def gpu_tests(gpu_dir: Path) -> list[str]:
     return out
 
 
+#: The GPU benchmarks' tables (bench-results/gpu/, or a later run's directory), under their titles.
+GPU_TABLES = (
+    ("Device buffers through the client", ("gpu.md",)),
+    ("torch.distributed on CUDA tensors", ("torch-gpu.md", "torch-gpu-whole.md", "torch-gpu-before.md")),
+    ("Stock DDP on CUDA", ("ddp-cuda2.md", "ddp-cuda4.md")),
+)
+
+
 def later_gpu_run(run: Path) -> list[str]:
     """A later, shorter run on a lent GPU (bench-results/gpu/<date>/): its notes (what ran, with which
     settings, what did not finish), its correctness figures and its tables, before the full run's."""
@@ -184,9 +192,8 @@ def later_gpu_run(run: Path) -> list[str]:
     if (run / "NOTES.md").exists():
         out += [(run / "NOTES.md").read_text().strip(), ""]
     out += gpu_tests(run)
-    for name in ("torch-gpu.md", "torch-gpu-whole.md", "torch-gpu-before.md", "ddp-cuda2.md", "ddp-cuda4.md"):
-        if (run / name).exists():
-            out += [(run / name).read_text().strip(), ""]
+    for _title, names in GPU_TABLES:
+        out += [line for n in names if (run / n).exists() for line in ((run / n).read_text().strip(), "")]
     return out
 
 
@@ -213,14 +220,7 @@ def gpu_section(gpu_dir: Path) -> list[str]:
                 "",
             ]
         out += ["### Correctness", "", *gpu_tests(gpu_dir)]
-        for title, names in (
-            ("Device buffers through the client", ["gpu.md"]),
-            (
-                "torch.distributed on CUDA tensors",
-                ["torch-gpu.md", "torch-gpu-before.md", "torch-gpu-whole.md"],
-            ),
-            ("Stock DDP on CUDA", ["ddp-cuda2.md", "ddp-cuda4.md"]),
-        ):
+        for title, names in GPU_TABLES:
             found = [gpu_dir / n for n in names if (gpu_dir / n).exists()]
             if found:
                 out += [f"### {title}", ""]
