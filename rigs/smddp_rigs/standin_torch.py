@@ -74,6 +74,9 @@ class StandinStreams:
         self.rt.wait_event(int(stream), event, 0)
         self.rt.event_synchronize(event)
 
+    def query(self, event: Any) -> bool:
+        return self.rt.event_done(event)
+
     def future(self) -> StandinFuture:
         return StandinFuture(self)
 

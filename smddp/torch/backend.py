@@ -85,6 +85,13 @@ class SmddpWork(dist.Work):
     `get_future()` returns a future that C++ consumers (DDP's reducer) see fail as well: it is
     chained with `then`, so a failure is raised inside the callback and torch records it as the
     future's error, a real C++ exception rather than a value.
+
+    Host Works complete where they are consumed. A Work that is waited for is completed by the
+    waiting thread itself (its handles' waits take their DONEs off the ring, the engine's all-reduce
+    copies its result out there): no other thread is woken for it. Only once something needs it to
+    complete on its own (`get_future()`, `is_completed()` and the other polls, or the Work being
+    dropped unwaited) are its handles' callbacks armed, and the client's DONE thread completes it
+    (and the watchdog fails it at its timeout).
     """
 
     def __init__(
@@ -108,31 +115,53 @@ class SmddpWork(dist.Work):
         self._completing = False
         self._unwatch: Callable[[], None] = _nothing  # the watchdog's, once it watches this Work
         self._handles: list[smddp.Handle] = []  # host Works: what wait() drives (_drive)
-        self._base: Future[Any] = self._device.future()
-        self._future: Future[Any] = self._base.then(self._unwrap)
+        self._finish: Callable[[], None] | None = (
+            None  # host Works: the copy back into non-contiguous tensors
+        )
+        self._armed = False  # host Works: the handles' callbacks complete it (_arm)
+        self._value: Any = None  # what the base future holds once complete
+        # Made at once for device Works (completed with their tensors on the route's side stream,
+        # where the future records its event); for host Works only when asked for.
+        self._base: Future[Any] | None = None
+        self._future: Future[Any] | None = None
+        if self._device is not _HOST:
+            self._base = self._device.future()
+            self._future = self._base.then(self._unwrap)
 
     def _unwrap(self, _fut: Future[Any]) -> Any:
         if self._error is not None:
             raise self._error
         return self._result
 
-    def _complete(self, error: BaseException | None, value: Any = None) -> None:
-        """Complete once: the first of the handles' callback and the watchdog's timeout wins.
+    def _complete(
+        self, error: BaseException | None, value: Any = None, finish: Callable[[], None] | None = None
+    ) -> None:
+        """Complete once: the first of the waiter, the handles' callback and the watchdog's timeout wins.
 
         `value` is what the base future holds: a device Work's tensors, so that the device-aware
         future records its event on the current stream (none is recorded for a value without them).
+        `finish` (the copy back) runs only for the one that wins, before anyone sees the Work done.
         """
         with self._lock:
             if self._completing:
                 return
             self._completing = True
+        if finish is not None and error is None:
+            try:
+                finish()
+            except BaseException as e:  # a bug in a copy back: the Work fails with it, never hangs
+                error = e
         if self._trace is not None:
             self._trace.done = time.perf_counter()
         self._error = error
+        self._value = value
         self._unwatch()
-        # Completed before the future says so: whoever the future wakes sees is_completed() true.
-        self._done.set()
-        self._base.set_result(value)  # runs _unwrap: the chained future gets the result or the error
+        with self._lock:  # a future made from now on is made complete (get_future)
+            # Completed before the future says so: whoever the future wakes sees is_completed() true.
+            self._done.set()
+            base = self._base
+        if base is not None:
+            base.set_result(value)  # runs _unwrap: the chained future gets the result or the error
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         """Block until done; raises the collective's error. A zero/None timeout means the group's.
@@ -157,25 +186,67 @@ class SmddpWork(dist.Work):
         return True
 
     def _drive(self, deadline: float) -> None:
-        """Host Works: take DONEs off the client's ring on this thread (Handle.wait does), so the last
-        handle's callback completes this Work here, instead of waking this thread from the client's
-        DONE thread: one wake-up fewer per blocking call. How it ended is the Work's to say."""
+        """Host Works: wait for the handles on this thread (their waits take the DONEs off the client's
+        ring here), then complete the Work here: nothing else is woken for a Work that is waited for."""
         for h in self._handles:
             try:
                 h.wait(max(0.0, deadline - time.monotonic()))
-            except SmddpError:
-                return  # failed or not in time: the Work's completion (or the wait below) says so
+            except CollectiveTimeoutError:
+                return  # not in time: still in flight, and the wait below says so
+            except SmddpError as e:
+                self._complete(e)
+                return
+        self._complete(None, finish=self._finish)
+
+    def _arm(self) -> None:
+        """Host Works: from now on the Work completes on its own (the handles' callbacks, in the thread
+        that finishes the last; the watchdog at the timeout), for consumers that do not wait: a
+        future's callbacks, DDP's reducer, a poll of is_completed()."""
+        with self._lock:
+            if self._armed or self._completing or not self._handles:
+                return
+            self._armed = True
+        _completer.watchdog.watch(self)
+        if self._completing:  # a waiter completed it meanwhile, maybe before the watch: nothing to watch
+            self._unwatch()
+        _complete_on_done(self, self._handles, self._finish)
+
+    def __del__(self) -> None:
+        # Dropped unwaited and unarmed: the collective still runs on the other ranks, so its DONE must
+        # still be taken, its result copied back and its memory given back (the handles' callbacks do
+        # it without this Work).
+        if self._handles and not self._armed and not self._completing:
+            try:
+                _complete_on_done(None, self._handles, self._finish)
+            except Exception:  # the interpreter is ending, or the client is gone: nothing is left to take
+                pass
 
     def get_future(self) -> Future[Any]:
-        return self._future
+        self._arm()
+        with self._lock:
+            if self._future is not None:
+                return self._future
+            base = self._base = self._device.future()
+            future = self._future = base.then(self._unwrap)
+            late = self._done.is_set()  # _complete found no future to complete: this one is made complete
+        if late:
+            base.set_result(self._value)
+        return future
 
     def is_completed(self) -> bool:
-        return self._done.is_set()
+        """True once the result is in the tensors: for device Works, once the device has reached the
+        copies' event (as NCCL's Work answers), not when they were enqueued; never blocks."""
+        if not self._done.is_set():
+            self._arm()
+            if not self._done.is_set():
+                return False
+        return self._device.reached(self)
 
     def is_success(self) -> bool:
-        return self._done.is_set() and self._error is None
+        return self.is_completed() and self._error is None
 
     def exception(self) -> BaseException | None:
+        self.is_completed()
         return self._error
 
     def result(self) -> Any:
@@ -236,24 +307,30 @@ _Job = tuple[SmddpWork, list[smddp.Handle], Callable[[], None] | None, list[torc
 
 
 def _complete_on_done(
-    work: SmddpWork, handles: list[smddp.Handle], finish: Callable[[], None] | None
+    work: SmddpWork | None, handles: list[smddp.Handle], finish: Callable[[], None] | None
 ) -> None:
     """Host tensors: complete `work` from the handles' done-callbacks, in the thread that finished the last.
 
-    No thread hop: the client's reader delivers the result, runs `finish` (copies back into
-    non-contiguous tensors) and completes the torch future in one go.
+    No thread hop: the client's DONE thread (or a waiter) delivers the result, runs `finish` (copies
+    back into non-contiguous tensors) and completes the torch future in one go. `work` None: a Work
+    dropped unwaited, whose result still lands in its tensors.
     """
 
     def complete() -> None:
         try:
             for h in handles:
                 h.wait(0.0)  # all finished: raises the first one's error, if any
-            if finish is not None:
-                finish()
         except BaseException as e:
-            work._complete(e)
+            if work is not None:
+                work._complete(e)
             return
-        work._complete(None)
+        if work is not None:
+            work._complete(None, finish=finish)
+        elif finish is not None:
+            try:
+                finish()
+            except Exception:
+                log.exception("smddp: the copy back of a dropped Work failed")
 
     when_all(handles, complete)
 
@@ -389,11 +466,13 @@ def _queue_work(
     finish: Callable[[], None] | None,
     touched: list[torch.Tensor] | None,
 ) -> None:
-    """Arrange for `work` to complete: by the handles' callbacks (host), or on the completer (device)."""
+    """Arrange for `work` to complete: where it is consumed (host: SmddpWork._drive, or its handles'
+    callbacks once armed), or on the completer (device)."""
     if work._device is _HOST:
-        _completer.watchdog.watch(work)
         work._handles = handles
-        _complete_on_done(work, handles, finish)
+        work._finish = finish
+        if not handles:
+            work._complete(None, finish=finish)
     else:
         _get_completer().put(work, handles, finish, touched)
 
@@ -405,8 +484,9 @@ class _Device:
     """Host tensors: smddp takes them as they are, and a Work is complete once the handles are."""
 
     def buf(self, t: torch.Tensor) -> Any:
-        """What to hand smddp for tensor `t`."""
-        return t
+        """What to hand smddp for tensor `t`: its numpy view where numpy holds its dtype (the same
+        memory, read without the DLPack exchange), else the tensor."""
+        return t.detach().numpy() if t.dtype in _NUMPY_DTYPES else t
 
     def kw(self) -> dict[str, Any]:
         """Extra arguments of the smddp call (evaluated in the caller's thread, at the call)."""
@@ -431,6 +511,10 @@ class _Device:
 
     def order(self, work: SmddpWork) -> None:
         """After a host wait on a completed Work: make the caller's stream see the result."""
+
+    def reached(self, work: SmddpWork) -> bool:
+        """Of a completed Work: its result is in its tensors (any reader may read them now)."""
+        return True
 
 
 _HOST = _Device()
@@ -477,6 +561,10 @@ class DeviceStreams(Protocol):
         """Later work on `stream` waits for `event`."""
         ...
 
+    def query(self, event: Any) -> bool:
+        """The device has reached `event` (never blocks)."""
+        ...
+
     def future(self) -> Future[Any]:
         """A future whose value's readers are ordered after the streams current when it completes."""
         ...
@@ -519,6 +607,9 @@ class CudaStreams:
 
     def wait(self, stream: Any, event: Any) -> None:
         stream.wait_event(event)
+
+    def query(self, event: Any) -> bool:
+        return bool(event.query())
 
     def future(self) -> Future[Any]:
         return Future(devices=[self.device])
@@ -576,6 +667,9 @@ class _DeviceRoute(_Device):
         if work._event is not None:
             s = self.streams
             s.wait(s.current(), work._event)
+
+    def reached(self, work: SmddpWork) -> bool:
+        return work._event is None or self.streams.query(work._event)
 
 
 def _device_of(tensors: Sequence[torch.Tensor], what: str) -> _Device:

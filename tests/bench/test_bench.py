@@ -341,7 +341,7 @@ def test_gpu_section_reads_a_lent_gpus_results(tmp_path):
 
 @pytest.mark.timeout(180)
 def test_calls_rig_writes_what_benchmarks_md_quotes(tmp_path):
-    """`python -m smddp_rigs.bench.calls --out` (make bench): the three calls interleaved in one job of
+    """`python -m smddp_rigs.bench.calls --out` (make bench): every call interleaved in one job of
     2 workers, each timed; NAME.json and NAME.md with the ratios to the blocking call and the target's
     verdict, which BENCHMARKS.md's section renders."""
     need_module("torch", "make setup installs it")

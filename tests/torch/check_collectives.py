@@ -9,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from typing import Any
 
 import torch
@@ -120,6 +121,33 @@ def main() -> int:
     checks["async_completed"] = all(wk.is_completed() and wk.is_success() for wk in works)
     fut = dist.all_reduce(torch.ones(3), async_op=True).get_future()
     checks["future_value"] = fut.wait()[0].tolist() == [float(w)] * 3
+    # A host Work is completed where it is consumed: by its waiter, else (once polled, asked for its
+    # future or dropped) on its own. Each way must land the result.
+    t3 = torch.ones(3)
+    wk = dist.all_reduce(t3, async_op=True)
+    waited = wk.wait() and wk.is_completed() and t3.tolist() == [float(w)] * 3
+    checks["future_after_wait"] = waited and wk.get_future().wait()[0].tolist() == [float(w)] * 3
+    t3 = torch.ones(3)
+    wk = dist.all_reduce(t3, async_op=True)
+    deadline = time.monotonic() + 60
+    while not wk.is_completed() and time.monotonic() < deadline:  # polled, never waited
+        time.sleep(0.001)
+    checks["polled"] = wk.is_completed() and wk.is_success() and t3.tolist() == [float(w)] * 3
+    dropped = torch.ones(3)
+    dist.all_reduce(dropped, async_op=True)  # its Work dropped at once: the result still lands
+    deadline = time.monotonic() + 60
+    while dropped.tolist() != [float(w)] * 3 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    checks["dropped_lands"] = dropped.tolist() == [float(w)] * 3
+    m2 = torch.ones(4, 6)
+    wk = dist.all_reduce(m2[:, 2], async_op=True)  # a copy written back by whoever completes it
+    fut = wk.get_future()
+    checks["non_contiguous_future"] = (
+        fut.wait()[0].tolist() == [float(w)] * 4 and m2[:, 2].tolist() == [float(w)] * 4
+    )
+    m2 = torch.ones(4, 6)
+    wk = dist.all_reduce(m2[:, 3], async_op=True)
+    checks["non_contiguous_wait"] = wk.wait() and m2[:, 3].tolist() == [float(w)] * 4
     # The *_object helpers.
     objs: list[Any] = [None] * w
     dist.all_gather_object(objs, {"rank": r, "s": "x" * r})
