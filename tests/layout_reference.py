@@ -7,7 +7,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from smddp import _engine
+from smddp_rigs import _engine_testing
+
 from smddp.errors import ProtocolError
 from smddp.proto.layout import Chunk, shard_bounds, split_range
 
@@ -39,7 +40,7 @@ class ReduceLayout:
 
         The check is the engine's (smddp/engine/layout.cc), the one every offset from the wire passes.
         """
-        index, a, b = _engine.locate_reduce(
+        index, a, b = _engine_testing.locate_reduce(
             self.count, self.itemsize, self.nshards, self.chunk_elems, shard, byte_offset, byte_length
         )
         return Chunk(shard, index, a, b)
@@ -101,4 +102,4 @@ class GatherLayout:
         blk = self.block_of(node)
         if blk is None:
             raise ProtocolError(f"node {node} contributes no block to this collective")
-        return int(_engine.locate_block(blk[0], blk[1], self.chunk_bytes, byte_offset, byte_length))
+        return int(_engine_testing.locate_block(blk[0], blk[1], self.chunk_bytes, byte_offset, byte_length))

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from smddp_rigs import _engine_testing
 
-from smddp import _engine
 from smddp.errors import ProtocolError
 from smddp.proto.dtypes import Kind
 from tests.layout_reference import GatherLayout, ReduceLayout
@@ -31,10 +31,10 @@ def make(
     replicate: int = 0,
     widened: bool = False,
     seq: int = 7,
-) -> _engine.Collective:
+) -> _engine_testing.Collective:
     if has_op is None:
         has_op = kind in (Kind.ALLREDUCE, Kind.REDUCE_SCATTER)
-    return _engine.Collective(
+    return _engine_testing.Collective(
         f"node {node}", seq, int(kind), itemsize, widened, count, has_op, root, node, nnodes, local,
         nnodes * local, chunk, replicate,
     )  # fmt: skip
@@ -45,7 +45,7 @@ class Node:
     """One daemon's side of a collective, driven the way smddp/daemon/node.py drives it."""
 
     j: int
-    sm: _engine.Collective
+    sm: _engine_testing.Collective
     outbox: list[tuple] = field(default_factory=list)  # (to, type, shard, offset, length)
     done_calls: int = 0
     covered: list[tuple[int, int]] = field(default_factory=list)  # result ranges written here

@@ -7,8 +7,8 @@ import struct
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from smddp_rigs import _engine_testing
 
-from smddp import _engine
 from smddp.errors import ProtocolError
 from smddp.proto.dtypes import DType, Kind, ReduceOp
 from smddp.proto.frames import HEADER_SIZE, Header, MsgType, decode_header
@@ -64,7 +64,7 @@ def _reference(data: bytes) -> tuple[int, ...] | None:
 
 def _engine_verdict(data: bytes) -> tuple[int, ...] | None:
     try:
-        return tuple(_engine.decode_header(data))
+        return tuple(_engine_testing.decode_header(data))
     except ProtocolError:
         return None
 
@@ -108,12 +108,12 @@ def test_every_valid_message_round_trips():
         fp = t in (MsgType.SUBMIT, MsgType.DONE, MsgType.PARTIAL, MsgType.RESULT, MsgType.BLOCK)
         h = Header(t, sender=3, seq=2**63 - 1, shard=7, aux=2, offset=4096, count=10)
         args = (int(t), 3, 2**63 - 1, 7, 2, 4096, 0, 10, 6 if fp else 0, 1 if fp else 0, 1 if fp else 0)
-        wire = _engine.encode_header(*args)
+        wire = _engine_testing.encode_header(*args)
         if fp:
             h = Header(t, sender=3, seq=2**63 - 1, shard=7, aux=2, offset=4096, count=10,
                        dtype=DType(6), op=ReduceOp(1), kind=Kind(1))  # fmt: skip
-        assert wire == h.encode() and len(wire) == HEADER_SIZE == _engine.HEADER_SIZE
-        assert _engine.decode_header(wire) == _reference(wire)
+        assert wire == h.encode() and len(wire) == HEADER_SIZE == _engine_testing.HEADER_SIZE
+        assert _engine_testing.decode_header(wire) == _reference(wire)
 
 
 @pytest.mark.parametrize(
@@ -129,4 +129,4 @@ def test_every_valid_message_round_trips():
 )
 def test_encode_refuses_what_decode_would(args, why):
     with pytest.raises(ProtocolError, match=why):
-        _engine.encode_header(*args)
+        _engine_testing.encode_header(*args)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from smddp_rigs import _engine_testing
 
-from smddp import _engine
 from smddp.errors import ProtocolError
 from smddp.proto.layout import shard_bounds, split_range
 from tests.layout_reference import GatherLayout, ReduceLayout
@@ -17,7 +17,7 @@ from tests.layout_reference import GatherLayout, ReduceLayout
 def test_shard_range_is_shard_bounds(count, n):
     bounds = shard_bounds(count, n)
     for j in {0, n // 2, n - 1, min(count % n, n - 1)}:
-        assert _engine.shard_range(count, n, j) == bounds[j]
+        assert _engine_testing.shard_range(count, n, j) == bounds[j]
 
 
 _BIG = st.one_of(st.integers(0, 2**63 - 1), st.sampled_from([0, 1, 2**32, 2**62, 2**63 - 1, 2**63 - 8]))
@@ -66,9 +66,9 @@ def test_block_locate_takes_only_real_chunks(nbytes, nnodes, chunk_bytes, node, 
 
 def test_negative_and_huge_values_are_refused_not_wrapped():
     with pytest.raises(ProtocolError, match="out of range"):
-        _engine.locate_reduce(100, 4, 4, 10, -1, 0, 40)
+        _engine_testing.locate_reduce(100, 4, 4, 10, -1, 0, 40)
     with pytest.raises(ProtocolError):
-        _engine.locate_reduce(100, 4, 4, 10, 0, 2**63 - 4, 40)
+        _engine_testing.locate_reduce(100, 4, 4, 10, 0, 2**63 - 4, 40)
     with pytest.raises(OverflowError):
-        _engine.locate_block(0, 100, 10, 2**64, 10)
-    assert split_range(0, 0, 4) == [(0, 0)] and _engine.locate_block(0, 0, 4, 0, 0) == 0
+        _engine_testing.locate_block(0, 100, 10, 2**64, 10)
+    assert split_range(0, 0, 4) == [(0, 0)] and _engine_testing.locate_block(0, 0, 4, 0, 0) == 0

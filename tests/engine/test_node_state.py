@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from smddp_rigs import _engine_testing
 
-from smddp import _engine
 from smddp.errors import CollectiveMismatchError, PeerLostError, ProtocolError
 from smddp.proto.dtypes import DType, Kind, ReduceOp
 
@@ -25,8 +25,8 @@ def describe(kind: Kind, dtype: DType, count: int, op: ReduceOp | None, root: in
 F32, I32 = DType.FLOAT32, DType.INT32
 
 
-def table(node: int = 0, nnodes: int = 2, local: int = 2, replicate: int = 0) -> _engine.NodeState:
-    t = _engine.NodeState(
+def table(node: int = 0, nnodes: int = 2, local: int = 2, replicate: int = 0) -> _engine_testing.NodeState:
+    t = _engine_testing.NodeState(
         node, nnodes, local, nnodes * local, 4096, replicate,
         [f"node {j}" for j in range(nnodes)], [f"rank {node * local + i}" for i in range(local)],
     )  # fmt: skip
@@ -58,11 +58,11 @@ def spec(
 def test_first_sight_creates_and_every_rank_joins_it():
     t = table()
     sm, all_in = t.submit(0, *spec(1))
-    assert isinstance(sm, _engine.Collective) and not all_in and len(t) == 1
+    assert isinstance(sm, _engine_testing.Collective) and not all_in and len(t) == 1
     again, all_in = t.submit(1, *spec(1))
     assert again is None and all_in  # found, not created: the daemon keeps its memory for it
     # A peer's frame for a collective we have not seen yet creates it too.
-    assert isinstance(t.op_for(*spec(2), "node 1"), _engine.Collective) and len(t) == 2
+    assert isinstance(t.op_for(*spec(2), "node 1"), _engine_testing.Collective) and len(t) == 2
     assert t.op_for(*spec(2), "node 1") is None
 
 
@@ -192,7 +192,7 @@ def test_out_of_range_arguments_are_refused():
     with pytest.raises(ProtocolError, match="out of range"):
         t.submit(0, 1, 300, 6, 4, False, 8, 1, 0)
     with pytest.raises(ProtocolError, match="impossible job layout"):
-        _engine.NodeState(2, 2, 1, 2, 4096, 0, [], [])
+        _engine_testing.NodeState(2, 2, 1, 2, 4096, 0, [], [])
 
 
 @given(

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from smddp_rigs import _engine_testing
 
-from smddp import _engine
 from smddp.proto.dtypes import DType, ReduceOp
 
 TYPES = [DType.UINT8, DType.INT32, DType.INT64, DType.FLOAT32, DType.FLOAT64]
@@ -80,10 +80,10 @@ def test_engine_kernel_gives_numpys_bits(dtype, op, k, n, divisor, alias, seed):
     div = divisor if op == ReduceOp.AVG and divisor is not None else 0
     if alias:
         out = inputs[-1]  # the engine's daemon reduces into an input's memory this way
-        _engine.reduce(int(dtype), int(op), inputs, out, div)
+        _engine_testing.reduce(int(dtype), int(op), inputs, out, div)
     else:
         out = np.full(n, 7, dtype.storage)
-        _engine.reduce(int(dtype), int(op), inputs, out, div)
+        _engine_testing.reduce(int(dtype), int(op), inputs, out, div)
     if dtype.is_float:
         # Where two NaNs meet, numpy itself returns one or the other depending on the array's
         # length (its vector loop takes the second, its scalar loop the first): a NaN is a NaN
@@ -114,7 +114,7 @@ def test_where_nans_meet_the_first_one_wins(dtype):
             (ReduceOp.MAX, [one, s, a], snan3),
             (ReduceOp.SUM, [np.full(n, np.inf, dtype.storage), np.full(n, -np.inf, dtype.storage), a], None),
         ]:
-            _engine.reduce(int(dtype), int(op), inputs, out, 2 if op == ReduceOp.AVG else 0)
+            _engine_testing.reduce(int(dtype), int(op), inputs, out, 2 if op == ReduceOp.AVG else 0)
             got = out.view(u)
             if want is None:  # inf - inf: the CPU's default NaN, then kept by the next addition
                 assert np.isnan(out).all() and (got == got[0]).all() and got[0] != nan1
@@ -125,16 +125,16 @@ def test_where_nans_meet_the_first_one_wins(dtype):
 def test_refusals():
     a = np.zeros(4, np.float32)
     with pytest.raises(ValueError, match="dtype 8 is not a wire dtype"):
-        _engine.reduce(8, 1, [a], a, 0)
+        _engine_testing.reduce(8, 1, [a], a, 0)
     with pytest.raises(ValueError, match="unknown op"):
-        _engine.reduce(int(DType.FLOAT32), 9, [a], a, 0)
+        _engine_testing.reduce(int(DType.FLOAT32), 9, [a], a, 0)
     with pytest.raises(ValueError, match="between 1 and"):
-        _engine.reduce(int(DType.FLOAT32), 1, [], a, 0)
+        _engine_testing.reduce(int(DType.FLOAT32), 1, [], a, 0)
     with pytest.raises(ValueError, match="input 1 holds 8 bytes"):
-        _engine.reduce(int(DType.FLOAT32), 1, [a, a[:2]], a, 0)
+        _engine_testing.reduce(int(DType.FLOAT32), 1, [a, a[:2]], a, 0)
     with pytest.raises(ValueError, match="not whole elements"):
-        _engine.reduce(int(DType.FLOAT32), 1, [a.view(np.uint8)[:6]], a.view(np.uint8)[:6], 0)
+        _engine_testing.reduce(int(DType.FLOAT32), 1, [a.view(np.uint8)[:6]], a.view(np.uint8)[:6], 0)
     with pytest.raises(BufferError):
-        _engine.reduce(int(DType.FLOAT32), 1, [a], bytes(16), 0)  # read-only out
+        _engine_testing.reduce(int(DType.FLOAT32), 1, [a], bytes(16), 0)  # read-only out
     with pytest.raises(ValueError, match="not C-contiguous"):
-        _engine.reduce(int(DType.FLOAT32), 1, [a[::2]], a[:2], 0)
+        _engine_testing.reduce(int(DType.FLOAT32), 1, [a[::2]], a[:2], 0)

@@ -12,7 +12,7 @@ from smddp.transport.conn import Connection
 
 def lonely_client() -> tuple[Client, socket.socket]:
     """Rank 0 of a one-rank job, and the daemon's end of its connection, on which the client has
-    already sent its CHANNEL (the rings: _engine.DaemonChannel reads and answers them)."""
+    already sent its CHANNEL (the rings: smddp_rigs._engine_testing.DaemonChannel reads and answers them)."""
     job = Job(
         job_id=b"j" * 16,
         secret=b"s" * 32,

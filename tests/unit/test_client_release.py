@@ -7,8 +7,8 @@ import socket
 
 import numpy as np
 import pytest
+from smddp_rigs import _engine_testing
 
-from smddp import _engine
 from smddp.client.collectives import allreduce_async
 from smddp.client.session import RELEASE_BATCH_BYTES, Client
 from smddp.proto.frames import Header, MsgType, decode_header
@@ -26,10 +26,11 @@ class ScriptedDaemon:
         self.conn = Connection(sock, "the worker")
         h, fds = self.conn.recv_header(timeout=5.0)
         assert h.type is MsgType.CHANNEL and len(fds) == 2, h  # its segment and its side socket
-        self.rings = _engine.DaemonChannel(_engine.segment_attach(0, fds[0], h.offset, True), fds[1])
+        self.rings = _engine_testing.DaemonChannel(fds[0], h.offset, fds[1])
         self.back: list[Header] = []  # popped by pending(), not yet taken by frames()
         self.results = Segment.create(0, RESULTS, "smddp-test-results")
-        self.rings.send_segment(self.results.native, 0, 5.0)
+        seg = self.results.native
+        self.rings.send_segment(seg.fd, seg.id, seg.size, 0, 5.0)
 
     def _pop(self, timeout: float) -> Header | None:
         raw = self.rings.pop(timeout)

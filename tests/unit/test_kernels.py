@@ -5,8 +5,8 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
+from smddp_rigs import _engine_testing
 
-from smddp import _engine
 from smddp.proto.dtypes import DType, ReduceOp
 from tests import reference as ref
 
@@ -172,7 +172,7 @@ def test_reference_other_collectives():
 
 
 # -- the daemon's kernel against the reference ------------------------------------------------------
-# `_engine.reduce` is what the daemon's threads run on every chunk (reduce_wire in smddp/engine/reduce.cc:
+# `_engine_testing.reduce` is what the daemon's threads run on every chunk (reduce_wire in smddp/engine/reduce.cc:
 # reduce.cc for uint8, int32, int64, float32, float64; reduce16.cc for float16 and bfloat16, with the
 # blocks that hold a NaN written by the engine's own NaN rule). It must give the reference's bits.
 
@@ -181,7 +181,7 @@ def fold(
     inputs: list[np.ndarray], out: np.ndarray, dtype: DType, op: ReduceOp, divisor: int | None = None
 ) -> None:
     """out = op(inputs...) by the daemon's kernel; divisor None: an average is a plain sum (a node partial)."""
-    _engine.reduce(int(dtype), int(op), inputs, out, divisor if op == ReduceOp.AVG and divisor else 0)
+    _engine_testing.reduce(int(dtype), int(op), inputs, out, divisor if op == ReduceOp.AVG and divisor else 0)
 
 
 @pytest.mark.parametrize("n", LENGTHS)
@@ -325,13 +325,13 @@ def test_empty_reduce_is_a_no_op_and_nothing_to_reduce_refused():
 def test_the_kernel_refuses_what_is_not_on_the_wire():
     a = np.zeros(8, np.float32)
     with pytest.raises(ValueError, match="dtype 9 is not a wire dtype"):
-        _engine.reduce(9, int(ReduceOp.SUM), [a], a, 0)
+        _engine_testing.reduce(9, int(ReduceOp.SUM), [a], a, 0)
     with pytest.raises(ValueError, match="op"):
-        _engine.reduce(int(DType.FLOAT16), 7, [a.view(np.uint16)], a.view(np.uint16), 0)
+        _engine_testing.reduce(int(DType.FLOAT16), 7, [a.view(np.uint16)], a.view(np.uint16), 0)
     with pytest.raises(ValueError, match="holds"):
-        _engine.reduce(int(DType.FLOAT32), int(ReduceOp.SUM), [a, np.zeros(4, np.float32)], a, 0)
+        _engine_testing.reduce(int(DType.FLOAT32), int(ReduceOp.SUM), [a, np.zeros(4, np.float32)], a, 0)
     with pytest.raises(ValueError, match="whole elements"):
-        _engine.reduce(int(DType.FLOAT64), int(ReduceOp.SUM), [a[:3]], a[:3], 0)
+        _engine_testing.reduce(int(DType.FLOAT64), int(ReduceOp.SUM), [a[:3]], a[:3], 0)
 
 
 # -- the compiled 16-bit kernel on its own ---------------------------------------------------------
@@ -354,7 +354,7 @@ def _as_float(dtype: str, x: np.ndarray) -> np.ndarray:
 
 @pytest.fixture
 def compiled():
-    return _engine
+    return _engine_testing
 
 
 @pytest.mark.parametrize("ninputs", [1, 2, 4, 7])

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from smddp import _engine
 from smddp.proto.dtypes import DType, ReduceOp
+from smddp_rigs import _engine_testing
 
 
 def numpy_sum(xs: list[np.ndarray], out: np.ndarray, dtype: DType, acc: np.ndarray) -> None:
@@ -63,7 +63,7 @@ def run_kernels(cfg: KernelsConfig) -> list[dict]:
                         if name == "numpy":
                             numpy_sum(xs, out, dtype, acc)
                         else:
-                            _engine.reduce(int(dtype), int(ReduceOp.SUM), xs, out, 0)
+                            _engine_testing.reduce(int(dtype), int(ReduceOp.SUM), xs, out, 0)
                     times[name].append((time.perf_counter() - t) / reps)
             med = {k: statistics.median(v) for k, v in times.items()}
             rows.append(

@@ -16,7 +16,7 @@ round by round, so that slow periods of a shared machine hit all of them alike):
 - `host4`: one host, 4 workers. T3 (64 MiB), T5 (float16/bfloat16).
 - T5 compares one gradient of 16 Mi elements: 64 MiB as float32 against 32 MiB as float16 or
   bfloat16 (the same model, half the bytes), all-reduced by smddp.
-- T5's kernel speed: the engine's kernel (`_engine.reduce`, what the daemon's threads run) summing
+- T5's kernel speed: the engine's kernel (`_engine_testing.reduce`, what the daemon's threads run) summing
   four 16 MiB float16/bfloat16 inputs on one thread, against numpy's own float16 add.
 - T6: one host, 4 workers on 2 smddp nodes (`--local-nodes 2`: shared memory and TCP),
   `t6_collectives` all-reduces of 1 MiB float32 back to back; every daemon's RSS sampled from /proc.
@@ -190,8 +190,8 @@ def kernel_speed(mib: int = 16, inputs: int = 4, repeats: int = 7) -> dict[str, 
     The machine is shared: `*_gbps` is the fastest of `repeats` runs (the kernel's speed when it has
     a core to itself), `*_median_gbps` the median.
     """
-    from smddp import _engine
     from smddp.proto.dtypes import DType, ReduceOp
+    from smddp_rigs import _engine_testing
 
     n = mib * MiB // 2
     rng = np.random.default_rng(0)
@@ -220,7 +220,7 @@ def kernel_speed(mib: int = 16, inputs: int = 4, repeats: int = 7) -> dict[str, 
         res = np.empty_like(xs[0])
 
         def run(xs: list[np.ndarray] = xs, res: np.ndarray = res, dt: DType = dt) -> None:
-            _engine.reduce(int(dt), int(ReduceOp.SUM), xs, res, 0)
+            _engine_testing.reduce(int(dt), int(ReduceOp.SUM), xs, res, 0)
 
         t, tm = timed(run)
         out[f"reducer_{name}_gbps"] = inputs * xs[0].nbytes / t / 1e9

@@ -1,0 +1,56 @@
+"""The engine's two Python faces: smddp._engine binds what smddp runs, smddp_rigs._engine_testing what only tests and rigs call; each stub lists its module exactly."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+from smddp_rigs import _engine_testing
+
+from smddp import _engine
+
+REPO = Path(__file__).resolve().parents[2]
+FACES = [
+    (_engine, REPO / "smddp" / "_engine.pyi"),
+    (_engine_testing, REPO / "rigs" / "smddp_rigs" / "_engine_testing.pyi"),
+]
+
+
+def _stub(path: Path) -> dict[str, set[str] | None]:
+    """Top-level names of a stub; for each class, its members (None for functions and constants)."""
+    out: dict[str, set[str] | None] = {}
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ClassDef):
+            members = {
+                n.name
+                for n in node.body
+                if isinstance(n, ast.FunctionDef) and not (n.name.startswith("__") and n.name.endswith("__"))
+            }
+            out[node.name] = members
+        elif isinstance(node, ast.FunctionDef):
+            out[node.name] = None
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            out[node.target.id] = None
+    return out
+
+
+def _public(obj: object) -> set[str]:
+    return {n for n in dir(obj) if not n.startswith("_")}
+
+
+@pytest.mark.parametrize(("module", "stub"), FACES, ids=["_engine", "_engine_testing"])
+def test_each_stub_lists_its_module_exactly(module: ModuleType, stub: Path) -> None:
+    declared = _stub(stub)
+    assert set(declared) == _public(module)
+    for name, members in declared.items():
+        if members is not None:
+            assert members == _public(getattr(module, name)), name
+
+
+def test_the_shipped_engine_binds_nothing_only_tests_call() -> None:
+    """What the rigs' module binds (the codec, layouts, kernels, state machines, a daemon's end of the
+    rings) is not in the wheel's module, and the two share nothing but the engine's sources."""
+    assert _public(_engine) & _public(_engine_testing) == set()
+    assert {"Collective", "NodeState", "DaemonChannel", "decode_header", "reduce"} <= _public(_engine_testing)
