@@ -528,14 +528,15 @@ class NodeDaemon:
             ev = plane.next_event(0.5)
             if ev is None:
                 continue
-            if len(ev) == 6:  # ("peer", node, type, seq, aux, payload): a peer's control frame
+            if ev[0] == "peer":  # ("peer", node, type, seq, aux, payload): a peer's control frame
                 _, node, mtype, seq, aux, body = ev
                 self._on_peer_control(self.peers[node], MsgType(mtype), seq, aux, body)
-            elif len(ev) == 3:
+            else:  # ("failed", fault, why): the plane's own failure
                 _, fault, why = ev
-                kind: type[SmddpError] = {2: CollectiveMismatchError, 3: PeerLostError}.get(
-                    fault, ProtocolError
-                )
+                kind: type[SmddpError] = {
+                    "mismatch": CollectiveMismatchError,
+                    "peer_lost": PeerLostError,
+                }.get(fault, ProtocolError)
                 # A peer lost or silent (its daemon, node or link) is the infrastructure's doing.
                 self.fail(why, kind, infra=kind is PeerLostError)
 

@@ -566,7 +566,10 @@ PyObject* plane_next_event(PyObject* self, PyObject* arg) {
     return Py_BuildValue("(sIBKIy#)", "peer", e.peer, static_cast<unsigned char>(e.header.type),
                          static_cast<unsigned long long>(e.header.seq), e.header.aux, e.payload.data(),
                          static_cast<Py_ssize_t>(e.payload.size()));
-  return Py_BuildValue("(sis)", "failed", static_cast<int>(e.verdict.fault), e.verdict.why.c_str());
+  const char* fault = e.verdict.fault == smddp::Fault::kMismatch   ? "mismatch"
+                      : e.verdict.fault == smddp::Fault::kPeerLost ? "peer_lost"
+                                                                   : "protocol";
+  return Py_BuildValue("(sss)", "failed", fault, e.verdict.why.c_str());
 }
 
 bool node_arg(long long v, std::uint32_t* out) {
