@@ -528,17 +528,16 @@ class NodeDaemon:
             ev = plane.next_event(0.5)
             if ev is None:
                 continue
-            if ev[0] == "peer":  # ("peer", node, type, seq, aux, payload): a peer's control frame
-                _, node, mtype, seq, aux, body = ev
-                self._on_peer_control(self.peers[node], MsgType(mtype), seq, aux, body)
-            else:  # ("failed", fault, why): the plane's own failure
-                _, fault, why = ev
-                kind: type[SmddpError] = {
-                    "mismatch": CollectiveMismatchError,
-                    "peer_lost": PeerLostError,
-                }.get(fault, ProtocolError)
-                # A peer lost or silent (its daemon, node or link) is the infrastructure's doing.
-                self.fail(why, kind, infra=kind is PeerLostError)
+            match ev:
+                case ("peer", node, mtype, seq, aux, body):  # a peer's control frame
+                    self._on_peer_control(self.peers[node], MsgType(mtype), seq, aux, body)
+                case ("failed", fault, why):  # the plane's own failure
+                    kind: type[SmddpError] = {
+                        "mismatch": CollectiveMismatchError,
+                        "peer_lost": PeerLostError,
+                    }.get(fault, ProtocolError)
+                    # A peer lost or silent (its daemon, node or link) is the infrastructure's doing.
+                    self.fail(why, kind, infra=kind is PeerLostError)
 
     def count_plane(self) -> None:
         """Bring what the plane did since the last call into the daemon's statistics."""
