@@ -252,6 +252,7 @@ soak: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/pip install -q 'matplotlib==3.11.2' 'py-spy==0.4.3'
 	$(BIN)/smddp-bench sweep --sizes 4K-256M --out $(BENCH_OUT) --name sweep-host4
+	$(BIN)/smddp-bench sweep --isolated --sizes 4K-1M --impls smddp,mpi,gloo --out $(BENCH_OUT) --name sweep-host4-isolated
 	$(BIN)/smddp-bench sweep --sim --nodes 4 --per-node 1 --rate-mbit 1000 --sizes 4K-256M --impls smddp,mpi,mpi-ring,gloo,smddp-ofi --out $(BENCH_OUT) --name sweep-sim4
 	$(BIN)/smddp-bench sweep --sim --nodes 4 --per-node 1 --rate-mbit 1000 --delay-ms 0.5 --sizes 4K-1M --impls smddp,mpi,mpi-ring,gloo,smddp-ofi --out $(BENCH_OUT) --name sweep-sim4d
 	$(BIN)/smddp-bench profile --size 4K --per-node 4 --py-spy --name profile-host4-4k --out $(BENCH_OUT)

@@ -178,4 +178,4 @@ def barrier_async() -> Handle:
 
 def barrier(timeout: float | None = None) -> None:
     """Return once every rank has entered the barrier."""
-    barrier_async().wait(timeout)
+    _c.barrier(_default.get(), timeout)

@@ -299,6 +299,13 @@ def barrier_async(c: Client) -> Handle:
     return c.submit(Kind.BARRIER, None, DType.UINT8, 0, None, 0, lambda _r: None)
 
 
+def barrier(c: Client, timeout: float | None) -> None:
+    """The blocking barrier: through the engine in one call where it can (Client.barrier_now: no
+    Handle, no DONE thread woken), else barrier_async(...).wait(). The same SUBMIT either way."""
+    if not c.barrier_now(timeout):
+        barrier_async(c).wait(timeout)
+
+
 def _check_root(c: Client, root: Any) -> int:
     if isinstance(root, bool) or not isinstance(root, (int, np.integer)):
         raise InvalidArgumentError(f"root must be an int rank, got {root!r}")

@@ -48,6 +48,9 @@ from smddp.transport.conn import Connection, ConnectionClosed
 from smddp.transport.shm import Arena, Segment, Slot
 
 NO_SEGMENT = 2**32 - 1
+# A barrier's "slot" on the engine's fast path (it sends no data, and frees nothing), and its buffer.
+_NO_SLOT = Slot(NO_SEGMENT, 0, 0)
+_NO_DATA = np.empty(0, np.uint8)
 # Results up to this many bytes in all may wait for the next descriptor to be RELEASEd (Client._release).
 RELEASE_BATCH_BYTES = 256 << 10
 # How long a wait on the engine's rings spins before it sleeps on the ring's futex: long enough to
@@ -625,18 +628,35 @@ class Client:
         other (its result lands in `buf` when it comes) and CollectiveTimeoutError is raised, as
         wait() does.
         """
+        return self._now(buf, dtype, count, op, timeout, Kind.ALLREDUCE)
+
+    def barrier_now(self, timeout: float | None) -> bool:
+        """A blocking barrier, run by the engine as allreduce_now is (SUBMIT, DONE, RELEASE, GIL
+        released; no data): no Handle, no DONE thread. False, with nothing done, where it must go the
+        general way (a timeline to record, device copies queued ahead of it)."""
+        return self._now(_NO_DATA, DType.UINT8, 0, None, timeout, Kind.BARRIER)
+
+    def _now(
+        self,
+        buf: np.ndarray,
+        dtype: DType,
+        count: int,
+        op: ReduceOp | None,
+        timeout: float | None,
+        kind: Kind,
+    ) -> bool:
         t = self.config.timeout_s if timeout is None else timeout
 
         def track(seq: int, _slot: Slot) -> Callable[[], None]:
             self._fast.add(seq)  # for shutdown to wait for
             return lambda: self._fast.discard(seq)
 
-        started = self._start_engine(buf, dtype, count, op, False, track)
+        started = self._start_engine(buf, dtype, count, op, False, track, kind)
         if started is None:
             return False
         seq, slot = started
         try:
-            return self._finish_now(buf, dtype, count, op, slot, seq, t)
+            return self._finish_now(buf, dtype, count, op, slot, seq, t, kind)
         finally:
             self._fast.discard(seq)  # (a set's discard is atomic under the GIL)
 
@@ -673,19 +693,21 @@ class Client:
         buf: np.ndarray,
         dtype: DType,
         count: int,
-        op: ReduceOp,
+        op: ReduceOp | None,
         async_: bool,
         register: Callable[[int, Slot], Callable[[], None]],
+        kind: Kind = Kind.ALLREDUCE,
     ) -> tuple[int, Slot] | None:
         """The fast path's first half (WorkerChannel::start): under the client's lock, a slot (ATTACHed
         if new), the next sequence number, `register(seq, slot)` (which returns its undo), then the
         copy of `buf` in and the SUBMIT, GIL released. None, with nothing done, where the collective
         must go the general way: pieces (a large buffer in a job of several nodes), a timeline to
         record, an empty buffer, or device copies still queued ahead of it. A lost or broken ring
-        fails the client and raises that."""
+        fails the client and raises that. A barrier (`kind`) has no data: no slot, nothing copied."""
         nbytes = count * dtype.itemsize
+        data = kind is not Kind.BARRIER
         piece_bytes = self.config.pipeline_bytes if self.job.nnodes > 1 else 0
-        if nbytes == 0 or (0 < piece_bytes < nbytes) or self.config.timeline_dir:
+        if (data and (nbytes == 0 or 0 < piece_bytes < nbytes)) or self.config.timeline_dir:
             return None
         arena = self._arena
         lost: ConnectionClosed | None = None
@@ -694,15 +716,15 @@ class Client:
             self._check_open()
             if self._deferred:
                 return None
-            slot, lost = self._alloc_locked(nbytes)
+            slot, lost = self._alloc_locked(nbytes) if data else (_NO_SLOT, None)
             seq = self._next_seq
             self._next_seq += 1
             undo = register(seq, slot)
             if lost is None:
                 try:
                     self._channel.start(
-                        arena.native, Kind.ALLREDUCE, slot.segment, slot.offset, buf, self.rank, seq,
-                        count, dtype, op, self.config.timeout_s, RING_SPIN_US, async_,
+                        arena.native, kind, slot.segment, slot.offset, buf, self.rank, seq,
+                        count, dtype, op or 0, self.config.timeout_s, RING_SPIN_US, async_,
                     )  # fmt: skip
                 except TimeoutError:
                     lost = ConnectionClosed(
@@ -712,7 +734,8 @@ class Client:
                     broken = e
             if lost is not None or broken is not None:
                 undo()
-                arena.free(slot)
+                if data:
+                    arena.free(slot)
         if broken is not None:
             self._distrust(broken)
             assert self._failure is not None
@@ -753,14 +776,23 @@ class Client:
                 handle._finish(handle._value)
 
     def _finish_now(
-        self, buf: np.ndarray, dtype: DType, count: int, op: ReduceOp, slot: Slot, seq: int, t: float
+        self,
+        buf: np.ndarray,
+        dtype: DType,
+        count: int,
+        op: ReduceOp | None,
+        slot: Slot,
+        seq: int,
+        t: float,
+        kind: Kind,
     ) -> bool:
-        """allreduce_now's wait, copy-out and RELEASE; a timeout hands the collective to a Handle."""
-        kind, arena = Kind.ALLREDUCE, self._arena
+        """allreduce_now's (or barrier_now's) wait, copy-out and RELEASE; a timeout hands the
+        collective to a Handle."""
+        arena = self._arena
         try:
             done = self._channel.finish(
                 arena.native, kind, slot.segment, slot.offset, buf, self.rank, seq,
-                count, dtype, op, RELEASE_BATCH_BYTES, t, RING_SPIN_US,
+                count, dtype, op or 0, RELEASE_BATCH_BYTES, t, RING_SPIN_US,
             )  # fmt: skip
         except TimeoutError:  # its RELEASE found the ring full for the whole timeout
             self._fail(
@@ -784,7 +816,10 @@ class Client:
             out[:] = r.view(out.dtype)
             return out
 
-        handle = Handle(seq, kind, dtype, count, deliver, slot, None, self.config.timeout_s)
+        handle = Handle(
+            seq, kind, dtype, count, deliver if kind is Kind.ALLREDUCE else lambda _r: None,
+            slot if slot is not _NO_SLOT else None, None, self.config.timeout_s,
+        )  # fmt: skip
         handle._drive = self._drive
         with self._lock:
             self._handles[seq] = handle

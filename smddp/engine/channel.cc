@@ -335,12 +335,17 @@ FastEnd WorkerChannel::start(Arena& arena, const Slot& slot, const std::uint8_t*
   if (!w.empty()) return refused("cannot encode SUBMIT: " + w);
   if (submit.type != Msg::kSubmit || submit.shard != slot.segment || submit.offset != slot.offset)
     return refused("a fast SUBMIT must name its own slot");
-  std::shared_ptr<Segment> seg = arena.segment(slot.segment);
-  if (!seg) return refused("input segment " + num(slot.segment) + " is not in the arena");
-  std::uint8_t* p = nullptr;
-  w = seg->range(slot.offset, slot.nbytes, &p);
-  if (!w.empty()) return refused("input slot: " + w);
-  if (slot.nbytes != 0) std::memcpy(p, src, slot.nbytes);
+  if (slot.segment == kNoSegment) {
+    // A collective without data (a barrier): nothing to copy in, and nothing to free at the end.
+    if (slot.nbytes != 0) return refused("a fast SUBMIT without a segment carries no data");
+  } else {
+    std::shared_ptr<Segment> seg = arena.segment(slot.segment);
+    if (!seg) return refused("input segment " + num(slot.segment) + " is not in the arena");
+    std::uint8_t* p = nullptr;
+    w = seg->range(slot.offset, slot.nbytes, &p);
+    if (!w.empty()) return refused("input slot: " + w);
+    if (slot.nbytes != 0) std::memcpy(p, src, slot.nbytes);
+  }
   {
     // Registered before it can complete: whoever takes its DONE keeps it for finish().
     std::lock_guard<std::mutex> lock(pop_mu_);
@@ -453,8 +458,10 @@ FastEnd WorkerChannel::finish(Arena& arena, const Slot& slot, const Header& subm
   w = result->range(h.offset, slot.nbytes, &p);
   if (!w.empty()) return refused("DONE for #" + num(h.seq) + ": " + w);
   if (slot.nbytes != 0) std::memcpy(dst, p, slot.nbytes);
-  w = arena.free(slot);
-  if (!w.empty()) return refused("input slot of #" + num(h.seq) + ": " + w);
+  if (slot.segment != kNoSegment) {
+    w = arena.free(slot);
+    if (!w.empty()) return refused("input slot of #" + num(h.seq) + ": " + w);
+  }
   // The collective is complete: its RELEASE may wait for ring space the whole timeout, not what is
   // left of it (a full ring for that long means the daemon is gone).
   const RingWait r =

@@ -103,7 +103,8 @@ class WorkerChannel {
   void kick();
 
   // The fast path, first half (the caller holds its lock, so that SUBMITs leave in sequence order):
-  // copies `submit.count` elements (`nbytes`) from `src` into `slot` of `arena`, then pushes the
+  // copies `submit.count` elements (`nbytes`) from `src` into `slot` of `arena` (nothing for a
+  // collective without data, a barrier: its slot is {kNoSegment, 0, 0}, never freed), then pushes the
   // held RELEASEs and `submit` (its shard and offset are the slot's). From here the collective's
   // DONE is this channel's to keep for finish(); an `async` one's until collect() asks for it while no
   // finish() waits for it.

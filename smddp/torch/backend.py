@@ -1145,7 +1145,15 @@ class ProcessGroupSmddp(dist.ProcessGroup):
         return self._submit(f"{name} (coalesced)", start, outputs, opts, finish, tensors=[*outputs, *inputs])
 
     @_routable("barrier", "barrier")
-    def barrier(self, opts: Any = None) -> SmddpWork:
+    def barrier(self, opts: Any = None) -> dist.Work:
+        if opts is not None and not getattr(opts, "asyncOp", True):
+            # torch waits on it at once in this thread: run it whole here, through the engine
+            # (smddp.barrier), as the blocking all-reduce does.
+            trace = self._trace_start("barrier", 0)
+            smddp.barrier(self._timeout_of(opts).total_seconds())
+            if trace is not None:
+                trace.done = time.perf_counter()
+            return _DoneWork(None)
         return self._submit("barrier", lambda d: [smddp.barrier_async()], None, opts)
 
     @_routable("reduce", "reduce")

@@ -289,3 +289,46 @@ def test_an_async_all_reduce_that_is_only_polled_completes(pair):
         assert time.monotonic() < deadline, "a polled engine collective never completed"
         time.sleep(0.005)
     assert np.array_equal(buf, np.full(32, 4.0, np.float32))
+
+
+def test_a_blocking_barrier_is_the_engines_no_data_no_handle(pair):
+    """smddp.barrier's SUBMIT (kind BARRIER, no segment, count 0) leaves from the engine's fast path,
+    whose DONE completes it on the calling thread; its 0-byte RELEASE rides with the next SUBMIT;
+    nothing was allocated, and no Handle was made for it."""
+    client, daemon = pair
+    call = Call(lambda: collectives.barrier(client, 5.0))
+    s = until_submits(daemon, 1)[-1]
+    assert (s.seq, s.kind, s.dtype, s.count, s.shard, s.offset) == (
+        1,
+        Kind.BARRIER,
+        DType.UINT8,
+        0,
+        2**32 - 1,
+        0,
+    )
+    assert s.op is None  # as the general way's barrier encodes it: the same fingerprint
+    assert client._handles == {}, "the engine's barrier made a Handle"
+    daemon.done(s, 0.0)
+    assert call.join() is None
+    assert client._arena.in_use == 0 and not daemon.pending()
+    buf = np.zeros(8, np.float32)
+    call = fast(client, buf)
+    frames = until_submits(daemon, 1)
+    assert sent(frames) == [(MsgType.RELEASE, 1), (MsgType.SUBMIT, 2)]
+    daemon.done(frames[-1], 1.0)
+    call.join()
+
+
+def test_a_barrier_not_in_time_becomes_a_handle_and_completes_later(pair):
+    """A barrier whose DONE is late raises CollectiveTimeoutError; it stays in flight, and its DONE,
+    when it comes, is taken the general way (nothing freed: it had no slot)."""
+    client, daemon = pair
+    call = Call(lambda: collectives.barrier(client, 0.2))
+    s = until_submits(daemon, 1)[-1]
+    with pytest.raises(CollectiveTimeoutError, match="still in flight"):
+        call.join()
+    handle = client._handles[s.seq]
+    assert handle.kind is Kind.BARRIER and handle._slot is None
+    daemon.done(s, 0.0)
+    assert handle.wait(5.0) is None
+    assert client._arena.in_use == 0

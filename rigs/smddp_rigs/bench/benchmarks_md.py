@@ -19,6 +19,7 @@ from smddp_rigs.bench.targets import Check, target_table
 #: The commands `make bench` runs, in order; BENCHMARKS.md quotes them.
 MAKE_BENCH = (
     "smddp-bench sweep --sizes 4K-256M --out bench-results --name sweep-host4",
+    "smddp-bench sweep --isolated --sizes 4K-1M --impls smddp,mpi,gloo --out bench-results --name sweep-host4-isolated",
     "smddp-bench sweep --sim --nodes 4 --per-node 1 --rate-mbit 1000 --sizes 4K-256M --impls smddp,mpi,mpi-ring,gloo,smddp-ofi --out bench-results --name sweep-sim4",
     "smddp-bench sweep --sim --nodes 4 --per-node 1 --rate-mbit 1000 --delay-ms 0.5 --sizes 4K-1M --impls smddp,mpi,mpi-ring,gloo,smddp-ofi --out bench-results --name sweep-sim4d",
     "smddp-bench profile --size 4K --per-node 4 --py-spy --name profile-host4-4k --out bench-results",
