@@ -83,10 +83,14 @@ def settings_lines(runs: Sequence[ImplRun]) -> str:
     return "\n".join(out)
 
 
-def _mode(result: dict[str, Any]) -> str:
+def is_isolated(result: dict[str, Any]) -> bool:
+    """A sweep timed in the isolated mode (`--isolated`: one all-reduce per round)."""
+    return result.get("config", {}).get("options", {}).get("max_iters") == 1
+
+
+def mode_line(result: dict[str, Any]) -> str:
     """How a round was timed: one all-reduce after a barrier (isolated), or a run of them back to back."""
-    opts = result.get("config", {}).get("options", {})
-    if opts.get("max_iters") == 1:
+    if is_isolated(result):
         return (
             "Mode: **isolated**: every round is a barrier, then one all-reduce, timed alone (the way a "
             "training step meets a collective)."
@@ -107,7 +111,7 @@ def sweep_markdown(result: dict[str, Any]) -> str:
         f"kernel {m.get('kernel')}, load average before {m.get('loadavg_1_5_15')}.",
         f"Command: `{result['command']}`",
         "",
-        _mode(result),
+        mode_line(result),
         "",
         "Time is the median over rounds of the slowest rank's time per all-reduce; spread is "
         "(max - min) / median; algbw = size / time; busbw = algbw * 2 (n-1)/n with n ranks "

@@ -10,7 +10,7 @@ from typing import Any, TextIO
 
 from smddp.bench.ddp import ddp_markdown
 from smddp.bench.profile import profile_markdown
-from smddp.bench.report import comparison_table, settings_lines
+from smddp.bench.report import comparison_table, is_isolated, mode_line, settings_lines
 from smddp.bench.runner import ImplRun, Topology
 from smddp_rigs.bench.engine_md import engine_section, load_before
 from smddp_rigs.bench.model import model_markdown
@@ -365,10 +365,13 @@ def render(
         out += ["## Sweeps", ""]
         for s in sweeps:
             runs = [ImplRun.from_json(r) for r in s["runs"]]
+            mode = ", isolated (a barrier before each all-reduce)" if is_isolated(s) else ""
             out += [
-                f"### {Topology(**s['config']['topology']).label()}",
+                f"### {Topology(**s['config']['topology']).label()}{mode}",
                 "",
                 f"Command: `{s['command']}`. busbw against size: `{s['_png']}` (written beside the JSON).",
+                "",
+                mode_line(s),
                 "",
                 comparison_table(runs),
                 "",
