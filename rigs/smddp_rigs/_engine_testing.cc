@@ -354,17 +354,25 @@ PyObject* collective_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
 
 constexpr void (*collective_dealloc)(PyObject*) = &dealloc_owner<CollectiveObject, &CollectiveObject::c>;
 
-// submit(local_rank, who) -> whether every local rank has now submitted
-PyObject* collective_submit(PyObject* self, PyObject* args) {
+// A Collective's step taken by (local_rank, who): the bool it answers, or ProtocolError naming why not.
+template <typename Step>
+PyObject* local_step(PyObject* self, PyObject* args, Step step) {
   long long local = 0;
   PyObject* who_obj = nullptr;
   std::string who;
   if (!PyArg_ParseTuple(args, "LU", &local, &who_obj) || !text(who_obj, &who)) return nullptr;
   if (local < 0 || local > static_cast<long long>(UINT32_MAX)) return raise_from(self, who + " is not a local rank");
-  bool all_in = false;
-  const std::string why = coll(self).submit(static_cast<std::uint32_t>(local), who, &all_in);
+  bool answer = false;
+  const std::string why = step(coll(self), static_cast<std::uint32_t>(local), who, &answer);
   if (!why.empty()) return raise_from(self, why);
-  return PyBool_FromLong(all_in ? 1 : 0);
+  return PyBool_FromLong(answer ? 1 : 0);
+}
+
+// submit(local_rank, who) -> whether every local rank has now submitted
+PyObject* collective_submit(PyObject* self, PyObject* args) {
+  return local_step(self, args, [](smddp::Collective& c, std::uint32_t local, const std::string& who, bool* all_in) {
+    return c.submit(local, who, all_in);
+  });
 }
 
 // local_tasks() -> [(shard, index, start, end)]
@@ -495,15 +503,9 @@ PyObject* collective_send_finished(PyObject* self, PyObject*) {
 
 // release(local_rank, who) -> whether the collective may now retire
 PyObject* collective_release(PyObject* self, PyObject* args) {
-  long long local = 0;
-  PyObject* who_obj = nullptr;
-  std::string who;
-  if (!PyArg_ParseTuple(args, "LU", &local, &who_obj) || !text(who_obj, &who)) return nullptr;
-  if (local < 0 || local > static_cast<long long>(UINT32_MAX)) return raise_from(self, who + " is not a local rank");
-  bool retire = false;
-  const std::string why = coll(self).release(static_cast<std::uint32_t>(local), who, &retire);
-  if (!why.empty()) return raise_from(self, why);
-  return PyBool_FromLong(retire ? 1 : 0);
+  return local_step(self, args, [](smddp::Collective& c, std::uint32_t local, const std::string& who, bool* retire) {
+    return c.release(local, who, retire);
+  });
 }
 
 PyObject* collective_lacks_from(PyObject* self, PyObject* arg) {
@@ -1056,12 +1058,6 @@ PyMethodDef kMethods[] = {
      "locate_block(start, end, chunk_bytes, byte_offset, byte_length) -> index"},
     {nullptr, nullptr, 0, nullptr},
 };
-
-int add_type(PyObject* module, PyType_Spec* spec, const char* name, PyObject** slot) {
-  *slot = PyType_FromModuleAndSpec(module, spec, nullptr);
-  if (*slot == nullptr) return -1;
-  return PyModule_AddObjectRef(module, name, *slot);
-}
 
 int exec_module(PyObject* module) {
   if (load_errors(module) != 0) return -1;

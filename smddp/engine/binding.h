@@ -79,6 +79,14 @@ inline void clear_errors(PyObject* module) {
   Py_CLEAR(e->peer_lost);
 }
 
+// In a module's exec: the heap type of `spec`, kept in the state's `*slot` and added to the module
+// as `name`; -1 with the error set.
+inline int add_type(PyObject* module, PyType_Spec* spec, const char* name, PyObject** slot) {
+  *slot = PyType_FromModuleAndSpec(module, spec, nullptr);
+  if (*slot == nullptr) return -1;
+  return PyModule_AddObjectRef(module, name, *slot);
+}
+
 inline PyObject* module_of(PyObject* self) { return PyType_GetModule(Py_TYPE(self)); }
 
 // ProtocolError(why); nullptr always (for `return`).

@@ -1153,18 +1153,12 @@ PyMethodDef kMethods[] = {
 
 int exec_module(PyObject* module) {
   if (load_errors(module) != 0) return -1;
-  state(module)->segment_type = PyType_FromModuleAndSpec(module, &kSegmentSpec, nullptr);
-  if (state(module)->segment_type == nullptr) return -1;
-  if (PyModule_AddObjectRef(module, "Segment", state(module)->segment_type) != 0) return -1;
-  state(module)->arena_type = PyType_FromModuleAndSpec(module, &kArenaSpec, nullptr);
-  if (state(module)->arena_type == nullptr) return -1;
-  if (PyModule_AddObjectRef(module, "Arena", state(module)->arena_type) != 0) return -1;
-  state(module)->plane_type = PyType_FromModuleAndSpec(module, &kPlaneSpec, nullptr);
-  if (state(module)->plane_type == nullptr) return -1;
-  if (PyModule_AddObjectRef(module, "LocalPlane", state(module)->plane_type) != 0) return -1;
-  state(module)->channel_type = PyType_FromModuleAndSpec(module, &kChannelSpec, nullptr);
-  if (state(module)->channel_type == nullptr) return -1;
-  if (PyModule_AddObjectRef(module, "WorkerChannel", state(module)->channel_type) != 0) return -1;
+  ModuleState* st = state(module);
+  if (add_type(module, &kSegmentSpec, "Segment", &st->segment_type) != 0 ||
+      add_type(module, &kArenaSpec, "Arena", &st->arena_type) != 0 ||
+      add_type(module, &kPlaneSpec, "LocalPlane", &st->plane_type) != 0 ||
+      add_type(module, &kChannelSpec, "WorkerChannel", &st->channel_type) != 0)
+    return -1;
   if (PyModule_AddIntConstant(module, "CHANNEL_BYTES", static_cast<long>(smddp::channel_bytes())) != 0) return -1;
   if (PyModule_AddIntConstant(module, "SLOT_ALIGN", static_cast<long>(smddp::kSlotAlign)) != 0) return -1;
   return 0;
