@@ -115,9 +115,8 @@ class SmddpWork(dist.Work):
         self._completing = False
         self._unwatch: Callable[[], None] = _nothing  # the watchdog's, once it watches this Work
         self._handles: list[smddp.Handle] = []  # host Works: what wait() drives (_drive)
-        self._finish: Callable[[], None] | None = (
-            None  # host Works: the copy back into non-contiguous tensors
-        )
+        # Host Works: the copy back into non-contiguous tensors, run by whoever completes the Work.
+        self._finish: Callable[[], None] | None = None
         self._armed = False  # host Works: the handles' callbacks complete it (_arm)
         self._value: Any = None  # what the base future holds once complete
         # Made at once for device Works (completed with their tensors on the route's side stream,
