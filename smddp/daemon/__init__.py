@@ -110,9 +110,15 @@ def run(cfg: DaemonConfig) -> int:
         return host, tcp.getsockname()[1], path
 
     try:
-        comm: DaemonComm = RelayComm(cfg.rendezvous_fd, cfg.connect_timeout_s) if relayed else MpiComm()
-        # Started before its job was known (elastic.EarlyDaemon): the worker's greeting names it.
-        job_hex = (comm.job if isinstance(comm, RelayComm) else "") or cfg.job_id_hex
+        comm: DaemonComm
+        job_hex = cfg.job_id_hex
+        if relayed:
+            relay = RelayComm(cfg.rendezvous_fd, cfg.connect_timeout_s)
+            # Started before its job was known (elastic.EarlyDaemon): the worker's greeting names it.
+            job_hex = relay.job or job_hex
+            comm = relay
+        else:
+            comm = MpiComm()
         try:
             user_secret = read_secret_file(cfg.secret_file) if cfg.secret_file else None
         except BootstrapError as e:

@@ -961,12 +961,21 @@ class ProcessGroupSmddp(dist.ProcessGroup):
         """A blocking all-reduce of contiguous host tensors: run here, whole, each through the engine in
         one pass (smddp.allreduce: copy-in, SUBMIT, DONE, copy-out, GIL released), as torch waits for it
         at once in this thread anyway. A failure raises here, as the Work's wait() would."""
-        trace = None
-        if self.trace is not None:  # (the byte count only when someone traces: this is the hot path)
-            trace = self._trace_start("all_reduce", sum(t.numel() * t.element_size() for t in ts))
         timeout = self._timeout_of(opts).total_seconds()
-        for t in ts:
-            smddp.allreduce(t.detach().numpy(), op, timeout)
+
+        def run() -> None:
+            for t in ts:
+                smddp.allreduce(_HOST.buf(t), op, timeout)
+
+        return self._run_now("all_reduce", lambda: sum(t.numel() * t.element_size() for t in ts), run, result)
+
+    def _run_now(
+        self, name: str, nbytes: Callable[[], int], run: Callable[[], None], result: Any
+    ) -> dist.Work:
+        """A blocking call torch waits for at once in this thread: `run()` here, traced when someone
+        traces (`nbytes()` only then: this is the hot path), and a Work already complete."""
+        trace = self._trace_start(name, nbytes()) if self.trace is not None else None
+        run()
         if trace is not None:
             trace.done = time.perf_counter()
         return _DoneWork(result)
@@ -1146,13 +1155,9 @@ class ProcessGroupSmddp(dist.ProcessGroup):
     @_routable("barrier", "barrier")
     def barrier(self, opts: Any = None) -> dist.Work:
         if opts is not None and not getattr(opts, "asyncOp", True):
-            # torch waits on it at once in this thread: run it whole here, through the engine
-            # (smddp.barrier), as the blocking all-reduce does.
-            trace = self._trace_start("barrier", 0)
-            smddp.barrier(self._timeout_of(opts).total_seconds())
-            if trace is not None:
-                trace.done = time.perf_counter()
-            return _DoneWork(None)
+            # Run whole here, through the engine (smddp.barrier), as the blocking all-reduce is.
+            timeout = self._timeout_of(opts).total_seconds()
+            return self._run_now("barrier", lambda: 0, lambda: smddp.barrier(timeout), None)
         return self._submit("barrier", lambda d: [smddp.barrier_async()], None, opts)
 
     @_routable("reduce", "reduce")

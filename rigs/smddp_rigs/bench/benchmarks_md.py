@@ -194,7 +194,9 @@ def later_gpu_run(run: Path) -> list[str]:
         out += [(run / "NOTES.md").read_text().strip(), ""]
     out += gpu_tests(run)
     for _title, names in GPU_TABLES:
-        out += [line for n in names if (run / n).exists() for line in ((run / n).read_text().strip(), "")]
+        for name in names:
+            if (run / name).exists():
+                out += [(run / name).read_text().strip(), ""]
     return out
 
 
