@@ -10,7 +10,7 @@ import numpy as np
 
 from smddp.client.buffers import BufferView, PartsView, as_buffer, as_parts
 from smddp.client.device.buffers import DeviceBuffer
-from smddp.client.session import Client, Handle, PipelinedHandle, check_op
+from smddp.client.session import NO_DATA, Client, Delivery, Handle, PipelinedHandle, check_op
 from smddp.errors import InvalidArgumentError, UnsupportedBufferError
 from smddp.proto.dtypes import DType, Kind, ReduceOp, dtype_from_numpy
 from smddp.proto.layout import shard_bounds
@@ -216,15 +216,24 @@ def broadcast_async(c: Client, buf: Any, root: int = 0, stream: Any = None) -> H
         )
     _no_stream(stream)
     view = as_buffer(buf, writable=True)
+    mine = c.rank == root
 
     def deliver(result: np.ndarray) -> Any:
-        if c.rank != root:
+        if not mine:
             view.array[:] = result.view(view.dtype.storage)
         return buf
 
-    return c.submit(
-        Kind.BROADCAST, view, view.dtype, view.count, None, root, deliver, send_data=c.rank == root
-    )
+    if view.count:
+        # The root sends its buffer and takes nothing back; the others send nothing and take it all.
+        arr = view.array
+        sent, back = (arr, NO_DATA) if mine else (NO_DATA, arr)
+        h = c.start_async(
+            Kind.BROADCAST, sent, view.dtype, view.count, None, root, Delivery(back, 0, arr.nbytes), deliver,
+            buf, view.keepalive,
+        )  # fmt: skip
+        if h is not None:
+            return h
+    return c.submit(Kind.BROADCAST, view, view.dtype, view.count, None, root, deliver, send_data=mine)
 
 
 def allgather_async(c: Client, buf: Any, out: Any = None, stream: Any = None) -> Handle:
@@ -246,6 +255,14 @@ def allgather_async(c: Client, buf: Any, out: Any = None, stream: Any = None) ->
         out_view.array[:] = result.view(view.dtype.storage)
         return out
 
+    if view.count:
+        dst = out_view.array
+        h = c.start_async(
+            Kind.ALLGATHER, view.array, view.dtype, view.count, None, 0, Delivery(dst, 0, dst.nbytes), deliver,
+            out, (view.keepalive, out_view.keepalive),
+        )  # fmt: skip
+        if h is not None:
+            return h
     return c.submit(Kind.ALLGATHER, view, view.dtype, view.count, None, 0, deliver)
 
 
@@ -292,11 +309,26 @@ def reduce_scatter_async(
         out_view.array[:] = result.view(view.dtype.storage)[lo : lo + part]
         return out
 
+    if part:
+        isz = view.dtype.itemsize
+        h = c.start_async(
+            Kind.REDUCE_SCATTER, view.array, view.dtype, view.count, rop, 0,
+            Delivery(out_view.array, lo * isz, view.nbytes), deliver, out, (view.keepalive, out_view.keepalive),
+        )  # fmt: skip
+        if h is not None:
+            return h
     return c.submit(Kind.REDUCE_SCATTER, view, view.dtype, view.count, rop, 0, deliver)
 
 
+def _nothing(_r: np.ndarray) -> None:
+    return None
+
+
 def barrier_async(c: Client) -> Handle:
-    return c.submit(Kind.BARRIER, None, DType.UINT8, 0, None, 0, lambda _r: None)
+    h = c.start_async(
+        Kind.BARRIER, NO_DATA, DType.UINT8, 0, None, 0, Delivery(NO_DATA, 0, 0), _nothing, None, None
+    )
+    return h if h is not None else c.submit(Kind.BARRIER, None, DType.UINT8, 0, None, 0, _nothing)
 
 
 def barrier(c: Client, timeout: float | None) -> None:

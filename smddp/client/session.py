@@ -48,9 +48,11 @@ from smddp.transport.conn import Connection, ConnectionClosed
 from smddp.transport.shm import Arena, Segment, Slot
 
 NO_SEGMENT = 2**32 - 1
-# A barrier's "slot" on the engine's fast path (it sends no data, and frees nothing), and its buffer.
+# The "slot" of a rank that sends no data on the engine's path (a barrier, a broadcast's other ranks):
+# nothing is copied in or freed. NO_DATA is what such a rank sends, and what one that takes nothing
+# back (a barrier, a broadcast's root) takes.
 _NO_SLOT = Slot(NO_SEGMENT, 0, 0)
-_NO_DATA = np.empty(0, np.uint8)
+NO_DATA = np.empty(0, np.uint8)
 # Results up to this many bytes in all may wait for the next descriptor to be RELEASEd (Client._release).
 RELEASE_BATCH_BYTES = 256 << 10
 # How long a wait on the engine's rings spins before it sleeps on the ring's futex: long enough to
@@ -204,33 +206,41 @@ class Handle:
             _call_back(fn, self)
 
 
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """Where a host collective's result goes on the engine's path (the engine's Delivery, channel.h):
+    `dst` (1-D, C-contiguous; empty for none) takes its bytes of the result from `src_offset`;
+    `result_bytes` is the whole result's size (the range the DONE names, and what its RELEASE frees)."""
+
+    dst: np.ndarray
+    src_offset: int
+    result_bytes: int
+
+
 class EngineHandle(Handle):
-    """A host all-reduce run by the engine's fast path asynchronously (Client.allreduce_engine): its
-    copy-in was the engine's, and wait() runs its wait, copy-out and RELEASE in the engine too, GIL
-    released (WorkerChannel::finish). Nothing else is woken for it until a callback is added: from
-    then on, a DONE taken while nobody waits goes the general way (the client's DONE thread runs
-    the callbacks), as any Handle's."""
+    """A host collective run by the engine's fast path asynchronously (Client.start_async): its copy-in
+    and SUBMIT were the engine's, and wait() runs its wait, copy-out (its Delivery) and RELEASE in the
+    engine too, GIL released (WorkerChannel::finish). Nothing else is woken for it until a callback is
+    added: from then on, a DONE taken while nobody waits goes the general way (the client's DONE thread
+    runs `deliver` and the callbacks), as any Handle's."""
 
     def __init__(
         self,
         client: Client,
         seq: int,
+        kind: Kind,
         dtype: DType,
         count: int,
-        out: np.ndarray,
-        op: ReduceOp,
+        deliver: Callable[[np.ndarray], Any],
+        out: Delivery,
+        op: ReduceOp | None,
         result: Any,
-        slot: Slot,
+        slot: Slot | None,
         keepalive: Any,
-        default_timeout_s: float,
     ) -> None:
-        def deliver(r: np.ndarray) -> Any:
-            out[:] = r.view(out.dtype)
-            return result
-
-        super().__init__(seq, Kind.ALLREDUCE, dtype, count, deliver, slot, keepalive, default_timeout_s)
+        super().__init__(seq, kind, dtype, count, deliver, slot, keepalive, client.config.timeout_s)
         self._client = client
-        self._out = out  # the caller's memory, 1-D in the storage dtype: the source and the destination
+        self._out = out
         self._op = op
         self._value = result
 
@@ -628,13 +638,20 @@ class Client:
         other (its result lands in `buf` when it comes) and CollectiveTimeoutError is raised, as
         wait() does.
         """
+        if count == 0 or self._pieced(count * dtype.itemsize):
+            return False
         return self._now(buf, dtype, count, op, timeout, Kind.ALLREDUCE)
 
     def barrier_now(self, timeout: float | None) -> bool:
         """A blocking barrier, run by the engine as allreduce_now is (SUBMIT, DONE, RELEASE, GIL
         released; no data): no Handle, no DONE thread. False, with nothing done, where it must go the
         general way (a timeline to record, device copies queued ahead of it)."""
-        return self._now(_NO_DATA, DType.UINT8, 0, None, timeout, Kind.BARRIER)
+        return self._now(NO_DATA, DType.UINT8, 0, None, timeout, Kind.BARRIER)
+
+    def _pieced(self, nbytes: int) -> bool:
+        """Whether an all-reduce of `nbytes` goes in pieces (collectives.pieces): the general way's."""
+        piece_bytes = self.config.pipeline_bytes if self.job.nnodes > 1 else 0
+        return 0 < piece_bytes < nbytes
 
     def _now(
         self,
@@ -651,7 +668,7 @@ class Client:
             self._fast.add(seq)  # for shutdown to wait for
             return lambda: self._fast.discard(seq)
 
-        started = self._start_engine(buf, dtype, count, op, False, track, kind)
+        started = self._start_engine(kind, buf, dtype, count, op, 0, False, track)
         if started is None:
             return False
         seq, slot = started
@@ -661,17 +678,48 @@ class Client:
             self._fast.discard(seq)  # (a set's discard is atomic under the GIL)
 
     def allreduce_engine(self, view: BufferView, op: ReduceOp, result: Any) -> EngineHandle | None:
-        """An asynchronous all-reduce of host memory in place, started by the engine (the copy into
-        shared memory and the SUBMIT, GIL released: WorkerChannel::start); its handle's wait() runs
-        the rest there too. None, with nothing done, where it must go the general way (as
-        allreduce_now: pieces, a timeline, an empty buffer, device copies queued ahead of it).
-        `result` is what the handle gives back."""
+        """An asynchronous all-reduce of host memory in place on the engine's path (start_async). None,
+        with nothing done, where it must go the general way (as allreduce_now: pieces, a timeline, an
+        empty buffer, device copies queued ahead of it). `result` is what the handle gives back."""
+        arr = view.array
+        if view.count == 0 or self._pieced(arr.nbytes):
+            return None
+
+        def deliver(r: np.ndarray) -> Any:
+            arr[:] = r.view(arr.dtype)
+            return result
+
+        return self.start_async(
+            Kind.ALLREDUCE, arr, view.dtype, view.count, op, 0, Delivery(arr, 0, arr.nbytes), deliver,
+            result, view.keepalive,
+        )  # fmt: skip
+
+    def start_async(
+        self,
+        kind: Kind,
+        src: np.ndarray,
+        dtype: DType,
+        count: int,
+        op: ReduceOp | None,
+        root: int,
+        out: Delivery,
+        deliver: Callable[[np.ndarray], Any],
+        result: Any,
+        keepalive: Any,
+    ) -> EngineHandle | None:
+        """An asynchronous host collective of any kind, started by the engine (the copy of `src` into
+        shared memory and the SUBMIT, GIL released: WorkerChannel::start); its handle's wait() runs the
+        rest there too, into `out`. `src` is what this rank sends (1-D, C-contiguous; empty: nothing,
+        as a broadcast's other ranks and a barrier), `deliver` what the general way runs instead if the
+        DONE goes that way (a callback, a poll, a timeout), `result` what the handle gives back. None,
+        with nothing done, where it must go the general way: a timeline to record, or device copies
+        still queued ahead of it."""
         made: list[EngineHandle] = []
 
         def register(seq: int, slot: Slot) -> Callable[[], None]:
             handle = EngineHandle(
-                self, seq, view.dtype, view.count, view.array, op, result, slot, view.keepalive,
-                self.config.timeout_s,
+                self, seq, kind, dtype, count, deliver, out, op, result,
+                slot if slot is not _NO_SLOT else None, keepalive,
             )  # fmt: skip
             handle._drive = self._drive
             made.append(handle)
@@ -683,32 +731,30 @@ class Client:
 
             return undo
 
-        if self._start_engine(view.array, view.dtype, view.count, op, True, register) is None:
+        if self._start_engine(kind, src, dtype, count, op, root, True, register) is None:
             return None
         (handle,) = made
         return handle
 
     def _start_engine(
         self,
-        buf: np.ndarray,
+        kind: Kind,
+        src: np.ndarray,
         dtype: DType,
         count: int,
         op: ReduceOp | None,
+        root: int,
         async_: bool,
         register: Callable[[int, Slot], Callable[[], None]],
-        kind: Kind = Kind.ALLREDUCE,
     ) -> tuple[int, Slot] | None:
-        """The fast path's first half (WorkerChannel::start): under the client's lock, a slot (ATTACHed
-        if new), the next sequence number, `register(seq, slot)` (which returns its undo), then the
-        copy of `buf` in and the SUBMIT, GIL released. None, with nothing done, where the collective
-        must go the general way: pieces (a large buffer in a job of several nodes), a timeline to
-        record, an empty buffer, or device copies still queued ahead of it. A lost or broken ring
-        fails the client and raises that. A barrier (`kind`) has no data: no slot, nothing copied."""
-        nbytes = count * dtype.itemsize
-        data = kind is not Kind.BARRIER
-        piece_bytes = self.config.pipeline_bytes if self.job.nnodes > 1 else 0
-        if (data and (nbytes == 0 or 0 < piece_bytes < nbytes)) or self.config.timeline_dir:
+        """The fast path's first half (WorkerChannel::start): under the client's lock, a slot for `src`
+        (ATTACHed if new; none if `src` is empty), the next sequence number, `register(seq, slot)`
+        (which returns its undo), then the copy of `src` in and the SUBMIT, GIL released. None, with
+        nothing done, where the collective must go the general way: a timeline to record, or device
+        copies still queued ahead of it. A lost or broken ring fails the client and raises that."""
+        if self.config.timeline_dir:
             return None
+        nbytes = src.nbytes
         arena = self._arena
         lost: ConnectionClosed | None = None
         broken: ProtocolError | None = None
@@ -716,15 +762,15 @@ class Client:
             self._check_open()
             if self._deferred:
                 return None
-            slot, lost = self._alloc_locked(nbytes) if data else (_NO_SLOT, None)
+            slot, lost = self._alloc_locked(nbytes) if nbytes else (_NO_SLOT, None)
             seq = self._next_seq
             self._next_seq += 1
             undo = register(seq, slot)
             if lost is None:
                 try:
                     self._channel.start(
-                        arena.native, kind, slot.segment, slot.offset, buf, self.rank, seq,
-                        count, dtype, op or 0, self.config.timeout_s, RING_SPIN_US, async_,
+                        arena.native, kind, slot.segment, slot.offset, src, self.rank, seq,
+                        count, dtype, op or 0, root, self.config.timeout_s, RING_SPIN_US, async_,
                     )  # fmt: skip
                 except TimeoutError:
                     lost = ConnectionClosed(
@@ -734,7 +780,7 @@ class Client:
                     broken = e
             if lost is not None or broken is not None:
                 undo()
-                if data:
+                if nbytes:
                     arena.free(slot)
         if broken is not None:
             self._distrust(broken)
@@ -752,13 +798,13 @@ class Client:
         gone the general way, or failed: the handle's own wait says so."""
         if self._failure is not None or self._closed:
             return
-        slot = handle._slot
-        assert slot is not None
+        slot = handle._slot if handle._slot is not None else _NO_SLOT
+        out = handle._out
         try:
             done = self._channel.finish(
-                self._arena.native, Kind.ALLREDUCE, slot.segment, slot.offset, handle._out, self.rank,
-                handle.seq, handle.count, handle.dtype, handle._op, RELEASE_BATCH_BYTES, timeout,
-                RING_SPIN_US,
+                self._arena.native, handle.kind, slot.segment, slot.offset, slot.nbytes, out.dst,
+                out.src_offset, out.result_bytes, self.rank, handle.seq, handle.count, handle.dtype,
+                handle._op or 0, RELEASE_BATCH_BYTES, timeout, RING_SPIN_US,
             )  # fmt: skip
         except TimeoutError:  # its RELEASE found the ring full for the whole timeout
             self._fail(
@@ -791,8 +837,8 @@ class Client:
         arena = self._arena
         try:
             done = self._channel.finish(
-                arena.native, kind, slot.segment, slot.offset, buf, self.rank, seq,
-                count, dtype, op or 0, RELEASE_BATCH_BYTES, t, RING_SPIN_US,
+                arena.native, kind, slot.segment, slot.offset, slot.nbytes, buf, 0, buf.nbytes, self.rank,
+                seq, count, dtype, op or 0, RELEASE_BATCH_BYTES, t, RING_SPIN_US,
             )  # fmt: skip
         except TimeoutError:  # its RELEASE found the ring full for the whole timeout
             self._fail(

@@ -364,8 +364,10 @@ FastEnd WorkerChannel::start(Arena& arena, const Slot& slot, const std::uint8_t*
   return r == RingWait::kTimeout ? FastEnd::kRingFull : FastEnd::kRefused;
 }
 
-FastEnd WorkerChannel::finish(Arena& arena, const Slot& slot, const Header& submit, std::uint8_t* dst,
+FastEnd WorkerChannel::finish(Arena& arena, const Slot& slot, const Header& submit, const Delivery& out,
                               std::uint64_t batch_bytes, std::int64_t timeout_ns, std::int64_t spin_ns) {
+  if (out.src_offset > out.result_bytes || out.nbytes > out.result_bytes - out.src_offset)
+    return refused("collective #" + num(submit.seq) + ": its destination lies outside its result");
   const Clock::time_point t0 = Clock::now();
   Descriptor mine;
   FastEnd end = FastEnd::kTimeout;
@@ -455,9 +457,9 @@ FastEnd WorkerChannel::finish(Arena& arena, const Slot& slot, const Header& subm
   if (!result)
     return refused("DONE for #" + num(h.seq) + " names result segment " + num(h.shard) + ", which was never sent");
   std::uint8_t* p = nullptr;
-  w = result->range(h.offset, slot.nbytes, &p);
+  w = result->range(h.offset, out.result_bytes, &p);
   if (!w.empty()) return refused("DONE for #" + num(h.seq) + ": " + w);
-  if (slot.nbytes != 0) std::memcpy(dst, p, slot.nbytes);
+  if (out.nbytes != 0) std::memcpy(out.dst, p + out.src_offset, out.nbytes);
   if (slot.segment != kNoSegment) {
     w = arena.free(slot);
     if (!w.empty()) return refused("input slot of #" + num(h.seq) + ": " + w);
@@ -465,7 +467,7 @@ FastEnd WorkerChannel::finish(Arena& arena, const Slot& slot, const Header& subm
   // The collective is complete: its RELEASE may wait for ring space the whole timeout, not what is
   // left of it (a full ring for that long means the daemon is gone).
   const RingWait r =
-      release(submit.sender, h.seq, static_cast<std::int64_t>(slot.nbytes), batch_bytes, timeout_ns, spin_ns);
+      release(submit.sender, h.seq, static_cast<std::int64_t>(out.result_bytes), batch_bytes, timeout_ns, spin_ns);
   if (r == RingWait::kTimeout) return FastEnd::kRingFull;
   if (r != RingWait::kReady) return FastEnd::kRefused;
   return FastEnd::kDone;

@@ -13,8 +13,8 @@
 // - the background taker: the client's DONE thread, for collectives nobody waits for (pop(!waiter));
 //   it enters the ring only while such collectives are out (`general_out_`), so a worker whose every
 //   collective is waited for is never woken for nothing;
-// - the fast path (start/finish): a host collective run entirely here, GIL released, from the copy
-//   into shared memory to the copy of the result out of it and its RELEASE. Its DONE is its own:
+// - the fast path (start/finish): a host collective of any kind run entirely here, GIL released,
+//   from the copy into shared memory to the copy of the result out of it (Delivery) and its RELEASE. Its DONE is its own:
 //   any other taker that meets it keeps it aside for it (`fast_`), and it hands any other DONE it
 //   meets to the others (`kept_`). A blocking call runs start and finish on one thread; an
 //   asynchronous one (start(..., async)) returns after start, and its finish runs in whichever
@@ -57,6 +57,17 @@ constexpr std::uint32_t kNoSegment = 0xFFFFFFFFu;  // a SUBMIT without data (a b
 // Bytes of a worker's channel segment: the submit ring, then the done ring.
 std::size_t channel_bytes();
 inline std::size_t done_ring_offset() { return ring_bytes(kChannelSlots); }
+
+// Where a fast collective's result goes, for every kind alike: `nbytes` from `src_offset` of its
+// result (`result_bytes` in all: the range the DONE names, and what its RELEASE gives back) to `dst`.
+// An all-reduce takes its whole result back into its input; an all-gather the world's blocks into
+// another buffer; a reduce-scatter its own shard; a broadcast's root and a barrier nothing.
+struct Delivery {
+  std::uint8_t* dst = nullptr;
+  std::uint64_t nbytes = 0;
+  std::uint64_t src_offset = 0;
+  std::uint64_t result_bytes = 0;
+};
 
 // How a fast-path call ended.
 enum class FastEnd {
@@ -110,12 +121,12 @@ class WorkerChannel {
   // finish() waits for it.
   FastEnd start(Arena& arena, const Slot& slot, const std::uint8_t* src, const Header& submit,
                 std::int64_t timeout_ns, std::int64_t spin_ns, bool async = false);
-  // Second half: waits for `seq`'s DONE, checks it against `submit`, copies the result (`nbytes`
-  // from its result segment) to `dst`, frees the slot and RELEASEs the result (held within
-  // `batch_bytes`). kTimeout leaves the collective parked until adopt(seq) (or, async, until a later
-  // finish or the general way); kGone: its DONE went the general way (or it was never started here).
-  FastEnd finish(Arena& arena, const Slot& slot, const Header& submit, std::uint8_t* dst, std::uint64_t batch_bytes,
-                 std::int64_t timeout_ns, std::int64_t spin_ns);
+  // Second half: waits for `seq`'s DONE, checks it against `submit`, copies what `out` names of the
+  // result to its destination, frees the slot and RELEASEs the result (held within `batch_bytes`).
+  // kTimeout leaves the collective parked until adopt(seq) (or, async, until a later finish or the
+  // general way); kGone: its DONE went the general way (or it was never started here).
+  FastEnd finish(Arena& arena, const Slot& slot, const Header& submit, const Delivery& out,
+                 std::uint64_t batch_bytes, std::int64_t timeout_ns, std::int64_t spin_ns);
   // An asynchronous one has callbacks waiting (and maybe no waiter ever): its DONE goes the general
   // way unless a finish() is waiting for it when it comes; one already parked goes now.
   void collect(std::uint64_t seq);

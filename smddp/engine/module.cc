@@ -896,8 +896,9 @@ PyObject* channel_release(PyObject* self, PyObject* args) {
   Py_RETURN_NONE;
 }
 
-// The arguments start() and finish() share: the arena and the collective's SUBMIT, its slot and the
-// caller's buffer (`writable` for finish's destination), which must hold exactly the slot's bytes.
+// The arguments start() and finish() share: the arena, the collective's SUBMIT and its slot (the
+// slot's bytes: start's source buffer, or finish's `slot_bytes`), and the caller's buffer (start's
+// source; finish's destination, `writable`).
 struct FastArgs {
   smddp::Arena* arena = nullptr;
   smddp::Slot slot;
@@ -911,14 +912,14 @@ struct FastArgs {
 
 bool fast_args(PyObject* self, PyObject* arena, long long kind, long long segment, long long offset, PyObject* buf,
                bool writable, long long rank, long long seq, long long count, long long dtype, long long op,
-               FastArgs* out) {
+               long long root, FastArgs* out) {
   if (!PyObject_TypeCheck(arena, reinterpret_cast<PyTypeObject*>(state(module_of(self))->arena_type))) {
     PyErr_SetString(PyExc_TypeError, "expected an smddp._engine.Arena");
     return false;
   }
-  if (kind < 0 || kind > 255 || dtype < 0 || dtype > 255 || op < 0 || op > 255 || segment < 0 ||
-      segment > static_cast<long long>(UINT32_MAX) || offset < 0 || rank < 0 ||
-      rank > static_cast<long long>(UINT32_MAX) || seq < 0 || count < 0) {
+  constexpr long long kU32 = static_cast<long long>(UINT32_MAX);
+  if (kind < 0 || kind > 255 || dtype < 0 || dtype > 255 || op < 0 || op > 255 || segment < 0 || segment > kU32 ||
+      offset < 0 || rank < 0 || rank > kU32 || seq < 0 || count < 0 || root < 0 || root > kU32) {
     PyErr_SetString(PyExc_ValueError, "a fast collective's fields are out of range");
     return false;
   }
@@ -937,6 +938,7 @@ bool fast_args(PyObject* self, PyObject* arena, long long kind, long long segmen
   h.seq = static_cast<std::uint64_t>(seq);
   h.shard = static_cast<std::uint32_t>(segment);
   h.offset = static_cast<std::uint64_t>(offset);
+  h.aux = static_cast<std::uint32_t>(root);
   h.count = static_cast<std::uint64_t>(count);
   return true;
 }
@@ -949,18 +951,18 @@ PyObject* fast_error(PyObject* self, smddp::FastEnd end) {
   return raise_from(self, channel_of(self).why());
 }
 
-// start(arena, kind, segment, offset, src, rank, seq, count, dtype, op, timeout_s, spin_us, async=False):
+// start(arena, kind, segment, offset, src, rank, seq, count, dtype, op, root, timeout_s, spin_us, async=False):
 // copies `src` into the slot and pushes its SUBMIT; TimeoutError when the ring stayed full
 PyObject* channel_start(PyObject* self, PyObject* args) {
   PyObject *arena = nullptr, *buf = nullptr;
-  long long kind = 0, segment = 0, offset = 0, rank = 0, seq = 0, count = 0, dtype = 0, op = 0;
+  long long kind = 0, segment = 0, offset = 0, rank = 0, seq = 0, count = 0, dtype = 0, op = 0, root = 0;
   double timeout = 0, spin_us = 0;
   int async = 0;
-  if (!PyArg_ParseTuple(args, "OLLLOLLLLLdd|p", &arena, &kind, &segment, &offset, &buf, &rank, &seq, &count, &dtype,
-                        &op, &timeout, &spin_us, &async))
+  if (!PyArg_ParseTuple(args, "OLLLOLLLLLLdd|p", &arena, &kind, &segment, &offset, &buf, &rank, &seq, &count, &dtype,
+                        &op, &root, &timeout, &spin_us, &async))
     return nullptr;
   FastArgs a;
-  if (!fast_args(self, arena, kind, segment, offset, buf, false, rank, seq, count, dtype, op, &a)) return nullptr;
+  if (!fast_args(self, arena, kind, segment, offset, buf, false, rank, seq, count, dtype, op, root, &a)) return nullptr;
   smddp::FastEnd end;
   Py_BEGIN_ALLOW_THREADS
   end = channel_of(self).start(*a.arena, a.slot, static_cast<const std::uint8_t*>(a.buf.buf), a.submit,
@@ -971,27 +973,31 @@ PyObject* channel_start(PyObject* self, PyObject* args) {
   Py_RETURN_NONE;
 }
 
-// finish(arena, kind, segment, offset, dst, rank, seq, count, dtype, op, batch_bytes, timeout_s, spin_us)
-// -> True once the result is in `dst`, False when it did not come in time (parked: adopt(seq)), None
-// when its DONE went the general way (an asynchronous one's, taken while nobody was in its finish)
+// finish(arena, kind, segment, offset, slot_bytes, dst, src_offset, result_bytes, rank, seq, count, dtype, op,
+// batch_bytes, timeout_s, spin_us) -> True once `dst` holds its bytes of the result from `src_offset`,
+// False when it did not come in time (parked: adopt(seq)), None when its DONE went the general way
+// (an asynchronous one's, taken while nobody was in its finish)
 PyObject* channel_finish(PyObject* self, PyObject* args) {
   PyObject *arena = nullptr, *buf = nullptr;
-  long long kind = 0, segment = 0, offset = 0, rank = 0, seq = 0, count = 0, dtype = 0, op = 0, batch = 0;
+  long long kind = 0, segment = 0, offset = 0, slot_bytes = 0, src_offset = 0, result_bytes = 0, rank = 0, seq = 0,
+            count = 0, dtype = 0, op = 0, batch = 0;
   double timeout = 0, spin_us = 0;
-  if (!PyArg_ParseTuple(args, "OLLLOLLLLLLdd", &arena, &kind, &segment, &offset, &buf, &rank, &seq, &count, &dtype,
-                        &op, &batch, &timeout, &spin_us))
+  if (!PyArg_ParseTuple(args, "OLLLLOLLLLLLLLdd", &arena, &kind, &segment, &offset, &slot_bytes, &buf, &src_offset,
+                        &result_bytes, &rank, &seq, &count, &dtype, &op, &batch, &timeout, &spin_us))
     return nullptr;
   FastArgs a;
-  if (!fast_args(self, arena, kind, segment, offset, buf, true, rank, seq, count, dtype, op, &a)) return nullptr;
-  if (batch < 0) {
-    PyErr_SetString(PyExc_ValueError, "finish: batch_bytes is non-negative");
+  if (!fast_args(self, arena, kind, segment, offset, buf, true, rank, seq, count, dtype, op, 0, &a)) return nullptr;
+  if (batch < 0 || slot_bytes < 0 || src_offset < 0 || result_bytes < 0) {
+    PyErr_SetString(PyExc_ValueError, "finish: slot_bytes, src_offset, result_bytes and batch_bytes are non-negative");
     return nullptr;
   }
+  const smddp::Delivery out{static_cast<std::uint8_t*>(a.buf.buf), static_cast<std::uint64_t>(a.buf.len),
+                            static_cast<std::uint64_t>(src_offset), static_cast<std::uint64_t>(result_bytes)};
+  a.slot.nbytes = static_cast<std::uint64_t>(slot_bytes);
   smddp::FastEnd end;
   Py_BEGIN_ALLOW_THREADS
-  end = channel_of(self).finish(*a.arena, a.slot, a.submit, static_cast<std::uint8_t*>(a.buf.buf),
-                                static_cast<std::uint64_t>(batch), static_cast<std::int64_t>(timeout * 1e9),
-                                static_cast<std::int64_t>(spin_us * 1e3));
+  end = channel_of(self).finish(*a.arena, a.slot, a.submit, out, static_cast<std::uint64_t>(batch),
+                                static_cast<std::int64_t>(timeout * 1e9), static_cast<std::int64_t>(spin_us * 1e3));
   Py_END_ALLOW_THREADS
   if (end == smddp::FastEnd::kDone) Py_RETURN_TRUE;
   if (end == smddp::FastEnd::kTimeout) Py_RETURN_FALSE;
@@ -1074,11 +1080,12 @@ PyMethodDef kChannelMethods[] = {
     {"release", channel_release, METH_VARARGS,
      "release(rank, seq, nbytes, batch_bytes, timeout_s, spin_us): RELEASE a result slot (small ones held)"},
     {"start", channel_start, METH_VARARGS,
-     "start(arena, kind, segment, offset, src, rank, seq, count, dtype, op, timeout_s, spin_us, async=False): the "
-     "fast path's copy-in and SUBMIT"},
+     "start(arena, kind, segment, offset, src, rank, seq, count, dtype, op, root, timeout_s, spin_us, async=False): "
+     "the fast path's copy-in and SUBMIT"},
     {"finish", channel_finish, METH_VARARGS,
-     "finish(arena, kind, segment, offset, dst, rank, seq, count, dtype, op, batch_bytes, timeout_s, spin_us) -> "
-     "bool or None: the fast path's wait, copy-out and RELEASE (None: its DONE went the general way)"},
+     "finish(arena, kind, segment, offset, slot_bytes, dst, src_offset, result_bytes, rank, seq, count, dtype, op, "
+     "batch_bytes, timeout_s, spin_us) -> bool or None: the fast path's wait, copy-out and RELEASE (None: its DONE "
+     "went the general way)"},
     {"adopt", channel_adopt, METH_O, "adopt(seq) -> DONE or None: a parked fast collective goes the general way"},
     {"collect", channel_collect, METH_O,
      "collect(seq): an asynchronous fast collective's callbacks wait: its DONE may go the general way"},

@@ -227,7 +227,8 @@ void fast_collectives() {
             "start: " + ch->why());
       dst.assign(count, -1);
       const smddp::FastEnd end =
-          ch->finish(arena, slot, h, reinterpret_cast<std::uint8_t*>(dst.data()), 64 << 10, 10 * kSecond, 20'000);
+          ch->finish(arena, slot, h, smddp::Delivery{reinterpret_cast<std::uint8_t*>(dst.data()), nbytes, 0, nbytes},
+                     64 << 10, 10 * kSecond, 20'000);
       check(end == smddp::FastEnd::kDone, "finish #" + std::to_string(it) + " on rank " + std::to_string(rank) +
                                                ": " + ch->why());
       bool ok = true;

@@ -14,8 +14,8 @@ import pytest
 
 from smddp.client import collectives
 from smddp.client.collectives import allreduce_async
-from smddp.client.session import Client, EngineHandle
-from smddp.errors import CollectiveError, CollectiveTimeoutError, SmddpError
+from smddp.client.session import NO_DATA, Client, Delivery, EngineHandle
+from smddp.errors import CollectiveError, CollectiveTimeoutError, ProtocolError, SmddpError
 from smddp.proto.dtypes import DType, Kind, ReduceOp
 from smddp.proto.frames import Header, MsgType
 from tests.unit.lonely import lonely_client
@@ -332,3 +332,104 @@ def test_a_barrier_not_in_time_becomes_a_handle_and_completes_later(pair):
     daemon.done(s, 0.0)
     assert handle.wait(5.0) is None
     assert client._arena.in_use == 0
+
+
+@pytest.mark.parametrize("kind", ["allgather", "reduce_scatter", "broadcast", "barrier"])
+def test_every_host_collective_is_the_engines_and_its_wait_completes_it_there(pair, kind):
+    """Not only the all-reduce: an all-gather, a reduce-scatter, a broadcast and a barrier of host
+    memory are started by the engine (EngineHandle) with the general way's SUBMIT, and wait() takes
+    the DONE, copies what the kind takes back, frees the slot and holds the RELEASE in the engine."""
+    client, daemon = pair
+    src = np.arange(1, 65, dtype=np.float32)
+    out = np.zeros(64, np.float32)
+    call = {
+        "allgather": lambda: collectives.allgather_async(client, src, out),
+        "reduce_scatter": lambda: collectives.reduce_scatter_async(client, src, ReduceOp.SUM, out),
+        "broadcast": lambda: collectives.broadcast_async(client, src, 0),
+        "barrier": lambda: collectives.barrier_async(client),
+    }[kind]
+    h = call()
+    assert isinstance(h, EngineHandle)
+    s = until_submits(daemon, 1)[-1]
+    want_kind = {"allgather": Kind.ALLGATHER, "reduce_scatter": Kind.REDUCE_SCATTER}.get(kind)
+    want_kind = want_kind or (Kind.BROADCAST if kind == "broadcast" else Kind.BARRIER)
+    assert (s.seq, s.kind, s.count) == (1, want_kind, 0 if kind == "barrier" else 64)
+    assert (s.shard == 2**32 - 1) == (kind == "barrier"), "data where none goes, or none where it does"
+    assert client._handles == {1: h}
+    waited = Call(lambda: h.wait(timeout=5))
+    time.sleep(0.05)  # the waiter is in the engine's finish when the DONE comes
+    daemon.done(s, 9.0)
+    got = waited.join()
+    if kind in ("allgather", "reduce_scatter"):
+        assert got is out and np.array_equal(out, np.full(64, 9.0, np.float32))
+    elif kind == "broadcast":  # the root takes nothing back: its buffer is what it sent
+        assert got is src and np.array_equal(src, np.arange(1, 65, dtype=np.float32))
+    assert h.done() and client._handles == {} and client._arena.in_use == 0
+    assert not daemon.pending(), "a small result's RELEASE went out on its own"
+
+
+def test_a_broadcast_to_another_rank_sends_nothing_and_takes_the_result(pair):
+    """A rank that is not the root: no slot and no data on its SUBMIT (aux names the root), and the
+    root's data lands in its buffer through the engine. (A one-rank job has no other rank: the engine
+    is asked directly, as collectives.broadcast_async asks it on a rank that is not the root.)"""
+    client, daemon = pair
+    buf = np.zeros(32, np.float32)
+    h = client.start_async(
+        Kind.BROADCAST,
+        NO_DATA,
+        DType.FLOAT32,
+        32,
+        None,
+        0,
+        Delivery(buf, 0, buf.nbytes),
+        lambda _r: buf,
+        buf,
+        None,
+    )
+    assert h is not None and h._slot is None
+    s = until_submits(daemon, 1)[-1]
+    assert (s.kind, s.count, s.shard, s.aux) == (Kind.BROADCAST, 32, 2**32 - 1, 0)
+    daemon.done(s, 3.0)
+    assert h.wait(timeout=5) is buf and np.array_equal(buf, np.full(32, 3.0, np.float32))
+    assert client._arena.in_use == 0
+
+
+def test_an_unwaited_engine_all_gather_completes_the_general_way_into_its_output(pair):
+    """A callback, never a wait: the DONE thread runs the general way's delivery for the engine's
+    collective, so the output is written as by the engine's own copy-out."""
+    client, daemon = pair
+    src = np.ones(16, np.int32)
+    out = np.zeros(16, np.int32)
+    h = collectives.allgather_async(client, src, out)
+    seen = threading.Event()
+    h.add_done_callback(lambda _h: seen.set())
+    daemon.done(until_submits(daemon, 1)[-1], 5.0)
+    assert seen.wait(5), "the callback of an unwaited engine all-gather never ran"
+    assert np.array_equal(out, np.full(16, 5, np.int32)) and h.wait(timeout=0.0) is out
+    assert client._handles == {} and client._arena.in_use == 0
+
+
+def test_a_delivery_outside_its_result_is_refused_before_anything_is_touched(pair):
+    """The engine checks where a result goes against the result's size before it waits or copies."""
+    client, _daemon = pair
+    dst = np.zeros(8, np.uint8)
+    with pytest.raises(ProtocolError, match="outside its result"):
+        client._channel.finish(
+            client._arena.native,
+            Kind.ALLREDUCE,
+            2**32 - 1,
+            0,
+            0,
+            dst,
+            4,
+            8,
+            0,
+            7,
+            8,
+            DType.UINT8,
+            0,
+            0,
+            1.0,
+            0.0,
+        )
+    assert np.array_equal(dst, np.zeros(8, np.uint8))
