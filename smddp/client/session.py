@@ -247,13 +247,13 @@ class EngineHandle(Handle):
     def add_done_callback(self, fn: Callable[[Handle], None]) -> None:
         super().add_done_callback(fn)
         if not self._event.is_set():
-            self._client._channel.collect(self.seq)  # someone must take its DONE if nobody waits
+            self._client._collect(self)  # someone must take its DONE if nobody waits
 
     def done(self) -> bool:
         if self._event.is_set():
             return True
         # Polled rather than waited for: from now on the DONE thread completes it.
-        self._client._channel.collect(self.seq)
+        self._client._collect(self)
         return self._event.is_set()
 
     def wait(self, timeout: float | None = None, stream: Any = None) -> Any:
@@ -821,6 +821,17 @@ class Client:
             if mine:
                 handle._finish(handle._value)
 
+    def _collect(self, handle: EngineHandle) -> None:
+        """Nobody may wait for `handle`: whichever thread takes its DONE off the ring (the DONE thread,
+        a waiter) completes it in the engine, its Delivery copied and its RELEASE held there
+        (WorkerChannel::collect); that thread's pop then hands back only its sequence number
+        (_on_engine_done). Asked again, nothing changes."""
+        out = handle._out
+        self._channel.collect(
+            handle.seq, out.dst, out.src_offset, out.result_bytes, handle.kind, handle.dtype, handle.count,
+            self.rank, RELEASE_BATCH_BYTES, self.config.timeout_s,
+        )  # fmt: skip
+
     def _finish_now(
         self,
         buf: np.ndarray,
@@ -1034,7 +1045,7 @@ class Client:
             while not self._closed:
                 raw = channel.pop(0.5, 0.0, False)  # a waiter (_drive) takes the ring from us
                 if raw is not None:
-                    self._on_done(decode_header(raw))
+                    self._taken(raw)
                     channel.kick()  # a waiter that came meanwhile sleeps on the ring: it is done now
         except SmddpError as e:
             self._distrust(e)
@@ -1055,7 +1066,7 @@ class Client:
                     return
                 raw = channel.pop(min(left, 0.05), RING_SPIN_US, True)
                 if raw is not None:
-                    self._on_done(decode_header(raw))
+                    self._taken(raw)
         except SmddpError as e:
             self._distrust(e)
 
@@ -1063,6 +1074,28 @@ class Client:
         """A frame we cannot trust: fail here, and hang up so the daemon fails the job for everyone."""
         self._fail(e if isinstance(e, CollectiveError) else CollectiveError(f"rank {self.rank}: {e}"))
         self._conn.close()
+
+    def _taken(self, raw: bytes | int) -> None:
+        """What a pop of the done ring gave: a DONE to complete here, or the sequence number of an
+        engine collective the engine completed (collect)."""
+        if type(raw) is int:
+            self._on_engine_done(raw)
+        else:
+            assert isinstance(raw, bytes)
+            self._on_done(decode_header(raw))
+
+    def _on_engine_done(self, seq: int) -> None:
+        """An engine collective completed by the engine in a pop (its result in place, its RELEASE held or
+        sent): its input slot goes back and its handle finishes here (callbacks included)."""
+        with self._lock:
+            handle = self._handles.pop(seq, None)
+        if handle is None and (self._failure is not None or self._closed):
+            return  # the failure finished it meanwhile (its memory is the channel's to keep until now)
+        if not isinstance(handle, EngineHandle):
+            raise ProtocolError(f"the engine completed collective #{seq}, which this rank did not collect")
+        if handle._slot is not None:
+            self._arena.free(handle._slot)
+        handle._finish(handle._value)
 
     def _on_done(self, header: Header) -> None:
         h = Done.of(header)

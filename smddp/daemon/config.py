@@ -62,6 +62,31 @@ class DaemonConfig:
             raise ConfigError("--stall-timeout must not be negative (0: no limit)")
 
 
+@dataclass(frozen=True, slots=True)
+class PlaneConfig:
+    """What the engine's data plane is built with (smddp._engine.LocalPlane; smddp/engine/local_plane.h's
+    PlaneConfig, read field by field by name)."""
+
+    node: int  # this daemon's node
+    local_size: int  # its workers
+    world: int  # ranks in the job
+    first_rank: int  # its first worker's global rank
+    nnodes: int
+    chunk_bytes: int  # the pipelining chunk
+    rank_names: tuple[str, ...]  # local rank i before it connects, as messages name it
+    me: str  # this daemon, as messages name it ("node 0 (host, ranks 0-3)")
+    spin_us: float  # link threads and the progress thread spin this long, then sleep
+    push_timeout_s: float  # a done ring full this long: its worker is stuck
+    threads: int  # compute threads sharing the chunks of large collectives (0: none)
+    replicate_bytes: int = 0  # collectives up to this size are replicated on every node
+    node_names: tuple[str, ...] = ()  # node j in messages (one per node; several nodes only)
+    heartbeat_s: float = 0.0  # between daemons: a link silent this long is down (0: no heartbeats)
+    trace: bool = False  # keep each collective's phases for the timeline (take_traces)
+    fabric: str = "tcp"  # "tcp", or "ofi" (libfabric from ofi_library, provider ofi_provider)
+    ofi_library: str = ""
+    ofi_provider: str = "efa"
+
+
 # Memory bandwidth, not cores, bounds the reductions beyond about 8 threads; below 2 a large
 # collective's chunks would not overlap with the next one's local work.
 AUTO_THREADS_MIN, AUTO_THREADS_MAX = 2, 8

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from smddp import _engine
-from smddp.daemon.config import DaemonConfig
+from smddp.daemon.config import DaemonConfig, PlaneConfig
 from smddp.daemon.fabric import FabricChoice
 from smddp.daemon.kernels import engine_kernels
 from smddp.daemon.stats import Stats
@@ -120,28 +120,27 @@ class NodeDaemon:
         # collective (fingerprints, order, who left), the reductions, the shard exchange with the
         # other daemons over the links handed to it (add_peer), heartbeats and DONE, all on the
         # engine's own threads. Python serves the handshakes, the sockets' control frames, status.
-        self.plane = _engine.LocalPlane(
-            node,
-            self.local_size,
-            cfg.chunk_bytes,
-            [job.describe_rank(r) for r in job.ranks_of(node)],
-            self.me,
-            self.results.native,
-            PLANE_SPIN_US,
-            cfg.heartbeat_timeout_s,
-            cfg.compute_threads(),
-            nnodes=self.nnodes,
+        plane = PlaneConfig(
+            node=node,
+            local_size=self.local_size,
             world=self.world,
             first_rank=job.ranks_of(node).start,
+            nnodes=self.nnodes,
+            chunk_bytes=cfg.chunk_bytes,
+            rank_names=tuple(job.describe_rank(r) for r in job.ranks_of(node)),
+            me=self.me,
+            spin_us=PLANE_SPIN_US,
+            push_timeout_s=cfg.heartbeat_timeout_s,
+            threads=cfg.compute_threads(),
             replicate_bytes=cfg.replicate_bytes,
-            node_names=self._node_names,
-            scratch=self.scratch.native,
+            node_names=tuple(self._node_names),
             heartbeat_s=cfg.heartbeat_timeout_s,
             trace=bool(cfg.timeline_dir),
             fabric=fabric.fabric,
             ofi_library=fabric.library,
             ofi_provider=fabric.provider,
         )
+        self.plane = _engine.LocalPlane(plane, self.results.native, self.scratch.native)
         self._plane_reduced = (0, 0.0)  # the plane's reduced bytes and seconds already in self.stats
         self._plane_peer_counted: dict[int, tuple[int, int]] = {}  # node -> bytes in, out in self.stats
         self._plane_queued: dict[int, int] = {}  # node -> frames queued to it, as last counted
@@ -529,9 +528,9 @@ class NodeDaemon:
             if ev is None:
                 continue
             match ev:
-                case ("peer", node, mtype, seq, aux, body):  # a peer's control frame
+                case _engine.PeerFrame(node, mtype, seq, aux, body):  # a peer's control frame
                     self._on_peer_control(self.peers[node], MsgType(mtype), seq, aux, body)
-                case ("failed", fault, why):  # the plane's own failure
+                case _engine.PlaneFailure(fault, why):  # the plane's own failure
                     kind: type[SmddpError] = {
                         "mismatch": CollectiveMismatchError,
                         "peer_lost": PeerLostError,
@@ -548,7 +547,8 @@ class NodeDaemon:
         plane = self.plane
         for kind, dtype, nbytes, seconds in plane.take_completions():
             self.stats.done(Kind(kind).label, DType(dtype).label, nbytes, seconds)
-        _, reduced, secs = plane.counters()
+        totals = plane.counters()
+        reduced, secs = totals.reduced_bytes, totals.reduce_seconds
         reduced0, secs0 = self._plane_reduced
         if reduced > reduced0:
             self.stats.add_reduce(reduced - reduced0, secs - secs0)
@@ -776,7 +776,7 @@ class NodeDaemon:
         with self._lock:
             waiting = self.plane.waiting()
             pids = [w.pid if w is not None else None for w in self.workers]
-        for seq, age, what, late, late_nodes in sorted(waiting, key=lambda w: -w[1]):
+        for seq, age, what, late, late_nodes in sorted(waiting, key=lambda w: -w.age_s):
             if not (late or late_nodes) or age <= limit:
                 continue
             if not late and age <= limit + 2 * self.cfg.heartbeat_timeout_s:

@@ -238,7 +238,8 @@ WorkerChannel::Route WorkerChannel::route(const Descriptor& d) {
   if (it == fast_.end() || it->second.came) return Route::kGeneral;
   Fast& f = it->second;
   if (f.wanted && f.waited == 0) {
-    // Nobody is in its finish() and its callbacks wait: the general way's (counted since collect()).
+    // Nobody is in its finish() and its callbacks wait: the takers' to hand out (counted since
+    // collect()), and the one that does completes it (complete_collected).
     fast_.erase(it);
     return Route::kGeneral;
   }
@@ -250,7 +251,9 @@ WorkerChannel::Route WorkerChannel::route(const Descriptor& d) {
   return Route::kKept;
 }
 
-RingWait WorkerChannel::pop(std::uint8_t* out, std::int64_t timeout_ns, std::int64_t spin_ns, bool waiter) {
+RingWait WorkerChannel::pop(std::uint8_t* out, std::int64_t timeout_ns, std::int64_t spin_ns, bool waiter,
+                            bool* completed) {
+  if (completed != nullptr) *completed = false;
   const Clock::time_point t0 = Clock::now();
   std::unique_lock<std::mutex> lock(pop_mu_);
   if (waiter) {
@@ -313,6 +316,48 @@ RingWait WorkerChannel::pop(std::uint8_t* out, std::int64_t timeout_ns, std::int
   if (waiter && --waiters_ == 0) yield_.store(may_yield(), std::memory_order_seq_cst);
   wake_takers();
   wake_background();
+  if (r != RingWait::kReady) return r;
+  Descriptor d;
+  std::memcpy(d.data(), out, kSlotBytes);
+  bool done = false;
+  r = complete_collected(d, &lock, &done);
+  if (completed != nullptr) *completed = done;
+  return r;
+}
+
+RingWait WorkerChannel::complete_collected(const Descriptor& d, std::unique_lock<std::mutex>* lock, bool* done) {
+  *done = false;
+  Header h;
+  if (!decode_header(d.data(), kHeaderSize, &h).empty() || h.type != Msg::kDone) return RingWait::kReady;
+  auto it = collected_.find(h.seq);
+  if (it == collected_.end()) return RingWait::kReady;  // the general way's: the caller's to complete
+  const Collected c = it->second;
+  collected_.erase(it);
+  lock->unlock();  // the copy and the RELEASE need none of the takers' state
+  *done = true;
+  if (h.kind != c.kind || h.dtype != c.dtype || h.count != c.count) {
+    refused("DONE for collective #" + num(h.seq) + " does not match what this rank submitted");
+    return RingWait::kCorrupt;
+  }
+  // Its SEGMENT came before it on the same ring: a segment not in the table was never sent.
+  std::shared_ptr<Segment> seg = result(h.shard);
+  if (!seg) {
+    refused("DONE for #" + num(h.seq) + " names result segment " + num(h.shard) + ", which was never sent");
+    return RingWait::kCorrupt;
+  }
+  std::uint8_t* p = nullptr;
+  const std::string w = seg->range(h.offset, c.out.result_bytes, &p);
+  if (!w.empty()) {
+    refused("DONE for #" + num(h.seq) + ": " + w);
+    return RingWait::kCorrupt;
+  }
+  if (c.out.nbytes != 0) std::memcpy(c.out.dst, p + c.out.src_offset, c.out.nbytes);
+  const RingWait r =
+      release(c.rank, h.seq, static_cast<std::int64_t>(c.out.result_bytes), c.batch_bytes, c.timeout_ns, 0);
+  if (r == RingWait::kTimeout) {
+    refused("the daemon left this worker's submit ring full: the RELEASE of #" + num(h.seq) + " could not go");
+    return RingWait::kCorrupt;
+  }
   return r;
 }
 
@@ -393,6 +438,7 @@ FastEnd WorkerChannel::finish(Arena& arena, const Slot& slot, const Header& subm
       if (it->second.came) {
         mine = it->second.done;
         fast_.erase(it);
+        collected_.erase(submit.seq);  // completed here, not by a taker
         end = FastEnd::kDone;
         break;
       }
@@ -473,11 +519,16 @@ FastEnd WorkerChannel::finish(Arena& arena, const Slot& slot, const Header& subm
   return FastEnd::kDone;
 }
 
-void WorkerChannel::collect(std::uint64_t seq) {
+bool WorkerChannel::collect(std::uint64_t seq, const Collected& how) {
   std::lock_guard<std::mutex> lock(pop_mu_);
   auto it = fast_.find(seq);
-  if (it == fast_.end() || !it->second.async || it->second.wanted) return;  // done, or asked before
-  if (it->second.came && it->second.waited > 0) return;  // a finish() is taking it now
+  if (it == fast_.end() || !it->second.async) return false;  // done (or never the fast path's)
+  // A destination outside its result is not taken: the caller completes that one its own way.
+  const bool stored =
+      how.out.src_offset <= how.out.result_bytes && how.out.nbytes <= how.out.result_bytes - how.out.src_offset;
+  if (stored) collected_[seq] = how;
+  if (it->second.wanted) return stored;                        // asked before
+  if (it->second.came && it->second.waited > 0) return stored;  // a finish() is taking it now
   if (it->second.came) {
     // Its DONE came and waits parked: the general way's now (kept_ holds DONEs uncounted in general_out_).
     kept_.push_back(it->second.done);
@@ -487,6 +538,7 @@ void WorkerChannel::collect(std::uint64_t seq) {
     general_out_++;  // the background taker enters the ring for it
   }
   wake_background();
+  return stored;
 }
 
 bool WorkerChannel::adopt(std::uint64_t seq, std::uint8_t* out) {

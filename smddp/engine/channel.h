@@ -14,15 +14,17 @@
 //   it enters the ring only while such collectives are out (`general_out_`), so a worker whose every
 //   collective is waited for is never woken for nothing;
 // - the fast path (start/finish): a host collective of any kind run entirely here, GIL released,
-//   from the copy into shared memory to the copy of the result out of it (Delivery) and its RELEASE. Its DONE is its own:
-//   any other taker that meets it keeps it aside for it (`fast_`), and it hands any other DONE it
-//   meets to the others (`kept_`). A blocking call runs start and finish on one thread; an
-//   asynchronous one (start(..., async)) returns after start, and its finish runs in whichever
-//   thread waits for it, later. Until something waits for it, nobody is woken for it: its DONE,
-//   if some taker meets it, is parked for a finish to come. Once callbacks wait for it
-//   (collect(seq)), it is counted in `general_out_` like a collective of the general way, and its
-//   DONE goes the general way if nobody is in its finish when it is taken (or is parked already);
-//   finish then answers kGone, and the caller completes it as any other collective.
+//   from the copy into shared memory to the copy of the result out of it (Delivery) and its
+//   RELEASE. Its DONE is its own: any other taker that meets it keeps it aside for it (`fast_`), and
+//   it hands any other DONE it meets to the others (`kept_`). A blocking call runs start and finish
+//   on one thread; an asynchronous one (start(..., async)) returns after start, and its finish runs
+//   in whichever thread waits for it, later. Until something waits for it, nobody is woken for it:
+//   its DONE, if some taker meets it, is parked for a finish to come. Once callbacks wait for it
+//   (collect(seq, ...)), it is counted in `general_out_` like a collective of the general way, and
+//   if nobody is in its finish when its DONE is taken (or it is parked already), the taker that
+//   hands it out of pop() completes it there: the DONE checked, its Delivery copied, its RELEASE
+//   held or sent, all here (`collected_`), and pop() says so (`*completed`): the caller has only
+//   its input slot to free and its callbacks to run. finish then answers kGone.
 // Waiters and the fast path go first: the background taker's pop ends when one comes.
 //
 // A SEGMENT is taken in by whichever taker pops it (its fd off the side socket, mapped read-only
@@ -30,7 +32,9 @@
 //
 // Memory: the channel owns its segment, its end of the side socket (and the daemon's end until
 // close_daemon_end) and the result segments it was sent (shared with the callers of result()). The
-// caller's buffers (start's source, finish's destination) and the arena must stay alive for the call.
+// caller's buffers (start's source, finish's destination) and the arena must stay alive for the call;
+// a collected collective's destination (collect) until it completes or the channel is gone (the
+// Python binding holds it: module.cc's ChannelObject::keep).
 #pragma once
 
 #include <array>
@@ -108,8 +112,11 @@ class WorkerChannel {
                    std::int64_t timeout_ns, std::int64_t spin_ns);
 
   // Pops the next DONE of a collective submitted the general way into `out` (kSlotBytes); kTimeout
-  // when none came in time or the channel aborted. A `waiter` goes first (see above).
-  RingWait pop(std::uint8_t* out, std::int64_t timeout_ns, std::int64_t spin_ns, bool waiter);
+  // when none came in time or the channel aborted. A `waiter` goes first (see above). *completed
+  // (if given) is true when that DONE was a collected fast collective's and it was completed here
+  // (collect): its result is in place and its RELEASE held or sent.
+  RingWait pop(std::uint8_t* out, std::int64_t timeout_ns, std::int64_t spin_ns, bool waiter,
+               bool* completed = nullptr);
   // Another thread completed something a waiter may be waiting for: waiters' pops return now (kTimeout).
   void kick();
 
@@ -127,9 +134,24 @@ class WorkerChannel {
   // general way); kGone: its DONE went the general way (or it was never started here).
   FastEnd finish(Arena& arena, const Slot& slot, const Header& submit, const Delivery& out,
                  std::uint64_t batch_bytes, std::int64_t timeout_ns, std::int64_t spin_ns);
-  // An asynchronous one has callbacks waiting (and maybe no waiter ever): its DONE goes the general
-  // way unless a finish() is waiting for it when it comes; one already parked goes now.
-  void collect(std::uint64_t seq);
+  // What completing a collected collective takes: its SUBMIT's fingerprint and sender, where its
+  // result goes, and its RELEASE's batch and timeout. `out.dst` is the caller's, kept alive (and
+  // unmoved) by the caller until the collective completes or the channel is gone.
+  struct Collected {
+    Delivery out;
+    std::uint8_t kind = 0;
+    std::uint8_t dtype = 0;
+    std::uint64_t count = 0;
+    std::uint32_t rank = 0;
+    std::uint64_t batch_bytes = 0;
+    std::int64_t timeout_ns = 0;
+  };
+  // An asynchronous one has callbacks waiting (and maybe no waiter ever): unless a finish() is
+  // waiting for it when its DONE comes, the taker that hands that DONE out of pop() completes it as
+  // `how` says; one parked goes now. Returns whether `how` was kept: not when the collective is no
+  // longer the fast path's (finished, never started); not either when `how` names a destination
+  // outside its result, and then its DONE comes out of pop() for the caller to complete.
+  bool collect(std::uint64_t seq, const Collected& how);
   // A parked fast collective goes the general way from now on (the caller registered it): true and
   // its DONE in `out` if that had already come, else it is collected by pop() when it comes.
   bool adopt(std::uint64_t seq, std::uint8_t* out);
@@ -190,6 +212,11 @@ class WorkerChannel {
     int waited = 0;       // threads in finish() for it
   };
   std::map<std::uint64_t, Fast> fast_;
+  // Collected fast collectives (collect) whose DONE the taker that hands it out completes.
+  std::map<std::uint64_t, Collected> collected_;
+  // With pop_mu_ held by `lock`: completes the collected collective whose DONE is `d`, if it is one
+  // (unlocking to copy and RELEASE); kReady and *done true when it did, kCorrupt when it refused.
+  RingWait complete_collected(const Descriptor& d, std::unique_lock<std::mutex>* lock, bool* done);
   int side_ = -1;        // this worker's end of the side socket
   int daemon_end_ = -1;  // the daemon's, until passed
   std::mutex results_mu_;

@@ -30,15 +30,89 @@ namespace {
 
 using namespace smddp::py;
 
+// The plane's results, as records whose fields have names (struct sequences, as os.stat_result):
+// still tuples, so they unpack as before, and `match` takes them by class.
+enum Record { kPeerFrame, kPlaneFailure, kPeerCounters, kWaiting, kCompletion, kTrace, kPlaneCounters, kRecords };
+
+PyStructSequence_Field kPeerFrameFields[] = {
+    {"node", "the peer node that sent it"},
+    {"type", "its message type (the wire code: STATUS, REPORT, ERROR or BYE)"},
+    {"seq", "its header's seq"},
+    {"aux", "its header's aux"},
+    {"payload", "its payload, whole (bytes)"},
+    {nullptr, nullptr}};
+PyStructSequence_Field kPlaneFailureFields[] = {
+    {"fault", "what failed: 'protocol', 'mismatch' or 'peer_lost' (the smddp.errors class to raise)"},
+    {"why", "the message every rank prints"},
+    {nullptr, nullptr}};
+PyStructSequence_Field kPeerCountersFields[] = {
+    {"node", "the peer node"},
+    {"up", "its link is handed over and not down"},
+    {"bytes_in", "data frames' bytes received from it, headers included"},
+    {"bytes_out", "data frames' bytes sent to it, headers included"},
+    {"queued", "frames queued to it that have not left yet"},
+    {nullptr, nullptr}};
+PyStructSequence_Field kWaitingFields[] = {
+    {"seq", "the collective's sequence number"},
+    {"age_s", "seconds since this daemon first saw it"},
+    {"what", "its fingerprint as messages spell it"},
+    {"late", "the local ranks that have not submitted it"},
+    {"late_nodes", "the peer nodes whose part has not come"},
+    {nullptr, nullptr}};
+PyStructSequence_Field kCompletionFields[] = {
+    {"kind", "the collective's kind (wire code)"},
+    {"dtype", "its dtype (wire code)"},
+    {"nbytes", "its input bytes per rank"},
+    {"seconds", "from its first sight here to its DONE"},
+    {nullptr, nullptr}};
+PyStructSequence_Field kTraceFields[] = {
+    {"seq", "the collective's sequence number"},
+    {"what", "its fingerprint as messages spell it"},
+    {"phases", "[(phase name, start, end)] in wall-clock seconds"},
+    {nullptr, nullptr}};
+PyStructSequence_Field kPlaneCountersFields[] = {
+    {"collectives", "collectives completed"},
+    {"reduced_bytes", "input bytes the reductions read"},
+    {"reduce_seconds", "seconds the reductions took"},
+    {nullptr, nullptr}};
+
+PyStructSequence_Desc kRecordDescs[kRecords] = {
+    {"smddp._engine.PeerFrame", "A control frame from a peer daemon (next_event).", kPeerFrameFields, 5},
+    {"smddp._engine.PlaneFailure", "The plane's own failure, with its fault (next_event).", kPlaneFailureFields, 2},
+    {"smddp._engine.PeerCounters", "One peer daemon's link as the plane counts it (peer_counters).",
+     kPeerCountersFields, 5},
+    {"smddp._engine.Waiting", "A collective in flight and not done (waiting).", kWaitingFields, 5},
+    {"smddp._engine.Completion", "A collective completed here (take_completions).", kCompletionFields, 4},
+    {"smddp._engine.Trace", "A retired collective's phases (take_traces).", kTraceFields, 3},
+    {"smddp._engine.PlaneCounters", "The plane's running totals (counters).", kPlaneCountersFields, 3},
+};
+const char* const kRecordNames[kRecords] = {"PeerFrame", "PlaneFailure", "PeerCounters", "Waiting",
+                                            "Completion", "Trace", "PlaneCounters"};
+
 struct ModuleState {
   Errors errors;              // first (binding.h): smddp.errors' classes, owned by the module
   PyObject* segment_type;     // the Segment class
   PyObject* arena_type;       // the Arena class
   PyObject* plane_type;       // the LocalPlane class
   PyObject* channel_type;     // the WorkerChannel class
+  PyObject* records[kRecords];  // the record classes (struct sequences)
 };
 
 ModuleState* state(PyObject* module) { return static_cast<ModuleState*>(PyModule_GetState(module)); }
+
+// `tuple` (a new reference, or null on an error already raised) as a record of class `which`, its
+// items the record's fields in order; null on failure.
+PyObject* record(PyObject* self, Record which, PyObject* tuple) {
+  if (tuple == nullptr) return nullptr;
+  auto* type = reinterpret_cast<PyTypeObject*>(state(module_of(self))->records[which]);
+  PyObject* rec = PyStructSequence_New(type);
+  if (rec != nullptr) {
+    const Py_ssize_t n = PyTuple_Size(tuple);
+    for (Py_ssize_t i = 0; i < n; i++) PyStructSequence_SetItem(rec, i, Py_NewRef(PyTuple_GetItem(tuple, i)));
+  }
+  Py_DECREF(tuple);
+  return rec;
+}
 
 
 PyObject* py_has_f16c(PyObject*, PyObject*) { return PyBool_FromLong(smddp::have_f16c() ? 1 : 0); }
@@ -303,28 +377,92 @@ struct PlaneObject {
 
 smddp::LocalPlane& plane_of(PyObject* self) { return *reinterpret_cast<PlaneObject*>(self)->plane; }
 
-// LocalPlane(node, local_size, chunk_bytes, rank_names, me, results, spin_us, push_timeout_s, threads=2, *, nnodes=1, world=local_size, first_rank=0, replicate_bytes=0, node_names=None,
-//            scratch=None, heartbeat_s=0.0, trace=False, fabric="tcp", ofi_library="", ofi_provider="efa")
+// The fields of a PlaneConfig (smddp.daemon.config), read by name: a wrong type or a missing field
+// raises TypeError naming it. `ok` turns false at the first error (the rest then read nothing).
+struct ConfigFields {
+  PyObject* obj;
+  bool ok = true;
+
+  PyObject* get(const char* name) {
+    if (!ok) return nullptr;
+    PyObject* v = PyObject_GetAttrString(obj, name);
+    if (v == nullptr) ok = false;
+    return v;
+  }
+  bool wrong(PyObject* v, const char* name, const char* want) {
+    Py_XDECREF(v);
+    PyErr_Format(PyExc_TypeError, "PlaneConfig.%s must be %s", name, want);
+    ok = false;
+    return false;
+  }
+  long long integer(const char* name) {
+    PyObject* v = get(name);
+    if (v == nullptr) return 0;
+    if (!PyLong_Check(v) || PyBool_Check(v)) return wrong(v, name, "an int"), 0;
+    const long long x = PyLong_AsLongLong(v);
+    Py_DECREF(v);
+    if (x == -1 && PyErr_Occurred()) ok = false;
+    return x;
+  }
+  double real(const char* name) {
+    PyObject* v = get(name);
+    if (v == nullptr) return 0;
+    if (!PyFloat_Check(v) && !(PyLong_Check(v) && !PyBool_Check(v))) return wrong(v, name, "a number"), 0;
+    const double x = PyFloat_AsDouble(v);
+    Py_DECREF(v);
+    if (x == -1.0 && PyErr_Occurred()) ok = false;
+    return x;
+  }
+  bool flag(const char* name) {
+    PyObject* v = get(name);
+    if (v == nullptr) return false;
+    if (!PyBool_Check(v)) return wrong(v, name, "a bool");
+    const bool x = v == Py_True;
+    Py_DECREF(v);
+    return x;
+  }
+  std::string str(const char* name) {
+    PyObject* v = get(name);
+    std::string out;
+    if (v == nullptr) return out;
+    if (!PyUnicode_Check(v)) return wrong(v, name, "a str"), out;
+    ok = text(v, &out);
+    Py_DECREF(v);
+    return out;
+  }
+  std::vector<std::string> strs(const char* name) {
+    PyObject* v = get(name);
+    std::vector<std::string> out;
+    if (v == nullptr) return out;
+    if (PyUnicode_Check(v) || PyBytes_Check(v)) return wrong(v, name, "a sequence of str"), out;
+    ok = strings(v, &out);
+    Py_DECREF(v);
+    return out;
+  }
+};
+
+// LocalPlane(config, results, scratch=None): `config` a PlaneConfig (smddp.daemon.config)
 PyObject* plane_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
-  long long node = 0, local_size = 0, chunk_bytes = 0, threads = 2, nnodes = 1, world = -1, first_rank = 0,
-            replicate_bytes = 0;
-  PyObject *names_obj = nullptr, *me_obj = nullptr, *arena_obj = nullptr, *node_names_obj = Py_None,
-           *scratch_obj = Py_None;
-  const char *fabric = "tcp", *ofi_library = "", *ofi_provider = "efa";
-  double spin_us = 0, push_timeout_s = 0, heartbeat_s = 0;
-  int trace = 0;
-  static const char* kw[] = {"node",        "local_size", "chunk_bytes",     "rank_names", "me",
-                             "results",     "spin_us",    "push_timeout_s",
-                             "threads",     "nnodes",     "world",           "first_rank", "replicate_bytes",
-                             "node_names",  "scratch",    "heartbeat_s",     "trace",      "fabric",
-                             "ofi_library", "ofi_provider", nullptr};
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "LLLOUOdd|L$LLLLOOdpsss", const_cast<char**>(kw), &node,
-                                   &local_size, &chunk_bytes, &names_obj, &me_obj, &arena_obj, &spin_us,
-                                   &push_timeout_s, &threads, &nnodes, &world, &first_rank,
-                                   &replicate_bytes, &node_names_obj, &scratch_obj, &heartbeat_s, &trace, &fabric,
-                                   &ofi_library, &ofi_provider))
+  PyObject *config = nullptr, *arena_obj = nullptr, *scratch_obj = Py_None;
+  static const char* kw[] = {"config", "results", "scratch", nullptr};
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO|O", const_cast<char**>(kw), &config, &arena_obj, &scratch_obj))
     return nullptr;
-  if (world < 0) world = local_size;
+  ConfigFields f{config};
+  const long long node = f.integer("node"), local_size = f.integer("local_size"), world = f.integer("world"),
+                  first_rank = f.integer("first_rank"), nnodes = f.integer("nnodes"),
+                  chunk_bytes = f.integer("chunk_bytes"), replicate_bytes = f.integer("replicate_bytes"),
+                  threads = f.integer("threads");
+  const double spin_us = f.real("spin_us"), push_timeout_s = f.real("push_timeout_s"),
+               heartbeat_s = f.real("heartbeat_s");
+  smddp::PlaneConfig cfg;
+  cfg.rank_names = f.strs("rank_names");
+  cfg.node_names = f.strs("node_names");
+  cfg.me = f.str("me");
+  cfg.trace = f.flag("trace");
+  cfg.fabric = f.str("fabric");
+  cfg.ofi_library = f.str("ofi_library");
+  cfg.ofi_provider = f.str("ofi_provider");
+  if (!f.ok) return nullptr;
   PyObject* module = PyType_GetModule(type);
   if (!non_negative(module, {node, local_size, chunk_bytes, nnodes, first_rank, replicate_bytes})) return nullptr;
   constexpr long long kU32 = static_cast<long long>(UINT32_MAX);
@@ -342,9 +480,6 @@ PyObject* plane_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
                     "spin_us, heartbeat_s and threads (at most 256) must not be negative, push_timeout_s must be positive");
     return nullptr;
   }
-  smddp::PlaneConfig cfg;
-  if (!strings(names_obj, &cfg.rank_names) || !text(me_obj, &cfg.me)) return nullptr;
-  if (node_names_obj != Py_None && !strings(node_names_obj, &cfg.node_names)) return nullptr;
   if (cfg.rank_names.size() != static_cast<std::size_t>(local_size)) {
     PyErr_SetString(PyExc_ValueError, "one rank name per local rank");
     return nullptr;
@@ -364,10 +499,6 @@ PyObject* plane_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   cfg.push_timeout_ns = static_cast<std::int64_t>(push_timeout_s * 1e9);
   cfg.heartbeat_ns = static_cast<std::int64_t>(heartbeat_s * 1e9);
   cfg.threads = static_cast<std::uint32_t>(threads);
-  cfg.trace = trace != 0;
-  cfg.fabric = fabric;
-  cfg.ofi_library = ofi_library;
-  cfg.ofi_provider = ofi_provider;
   smddp::Arena* scratch = scratch_obj == Py_None ? nullptr : reinterpret_cast<ArenaObject*>(scratch_obj)->arena;
   PyObject* self = alloc_instance(type);
   if (self == nullptr) return nullptr;
@@ -535,8 +666,8 @@ PyObject* plane_waiting(PyObject* self, PyObject*) {
       }
       Py_DECREF(v);
     }
-    PyObject* row =
-        Py_BuildValue("(KdsNN)", static_cast<unsigned long long>(w.seq), w.age_s, w.what.c_str(), ranks, nodes);
+    PyObject* row = record(
+        self, kWaiting, Py_BuildValue("(KdsNN)", static_cast<unsigned long long>(w.seq), w.age_s, w.what.c_str(), ranks, nodes));
     if (row == nullptr || PyList_Append(out, row) != 0) {
       Py_XDECREF(row);
       Py_DECREF(out);
@@ -563,13 +694,14 @@ PyObject* plane_next_event(PyObject* self, PyObject* arg) {
   Py_END_ALLOW_THREADS
   if (!got) Py_RETURN_NONE;
   if (e.kind == smddp::PlaneEvent::kPeer)
-    return Py_BuildValue("(sIBKIy#)", "peer", e.peer, static_cast<unsigned char>(e.header.type),
-                         static_cast<unsigned long long>(e.header.seq), e.header.aux, e.payload.data(),
-                         static_cast<Py_ssize_t>(e.payload.size()));
+    return record(self, kPeerFrame,
+                  Py_BuildValue("(IBKIy#)", e.peer, static_cast<unsigned char>(e.header.type),
+                                static_cast<unsigned long long>(e.header.seq), e.header.aux, e.payload.data(),
+                                static_cast<Py_ssize_t>(e.payload.size())));
   const char* fault = e.verdict.fault == smddp::Fault::kMismatch   ? "mismatch"
                       : e.verdict.fault == smddp::Fault::kPeerLost ? "peer_lost"
                                                                    : "protocol";
-  return Py_BuildValue("(sss)", "failed", fault, e.verdict.why.c_str());
+  return record(self, kPlaneFailure, Py_BuildValue("(ss)", fault, e.verdict.why.c_str()));
 }
 
 bool node_arg(long long v, std::uint32_t* out) {
@@ -659,9 +791,11 @@ PyObject* plane_peer_counters(PyObject* self, PyObject*) {
   if (out == nullptr) return nullptr;
   for (std::size_t i = 0; i < rows.size(); i++) {
     const auto& r = rows[i];
-    PyObject* row = Py_BuildValue("(INKKK)", r.node, PyBool_FromLong(r.up ? 1 : 0),
-                                  static_cast<unsigned long long>(r.bytes_in),
-                                  static_cast<unsigned long long>(r.bytes_out), static_cast<unsigned long long>(r.queued));
+    PyObject* row = record(self, kPeerCounters,
+                           Py_BuildValue("(INKKK)", r.node, PyBool_FromLong(r.up ? 1 : 0),
+                                         static_cast<unsigned long long>(r.bytes_in),
+                                         static_cast<unsigned long long>(r.bytes_out),
+                                         static_cast<unsigned long long>(r.queued)));
     if (row == nullptr) {
       Py_DECREF(out);
       return nullptr;
@@ -693,7 +827,8 @@ PyObject* plane_take_traces(PyObject* self, PyObject*) {
       }
       PyList_SetItem(phases, static_cast<Py_ssize_t>(k), ph);
     }
-    PyObject* row = Py_BuildValue("(KsN)", static_cast<unsigned long long>(t.seq), t.what.c_str(), phases);
+    PyObject* row =
+        record(self, kTrace, Py_BuildValue("(KsN)", static_cast<unsigned long long>(t.seq), t.what.c_str(), phases));
     if (row == nullptr) {
       Py_DECREF(out);
       return nullptr;
@@ -714,8 +849,9 @@ PyObject* plane_take_completions(PyObject* self, PyObject*) {
   PyObject* out = PyList_New(static_cast<Py_ssize_t>(done.size()));
   if (out == nullptr) return nullptr;
   for (std::size_t i = 0; i < done.size(); i++) {
-    PyObject* row = Py_BuildValue("(BBKd)", done[i].kind, done[i].dtype, static_cast<unsigned long long>(done[i].nbytes),
-                                  done[i].seconds);
+    PyObject* row = record(self, kCompletion,
+                           Py_BuildValue("(BBKd)", done[i].kind, done[i].dtype,
+                                         static_cast<unsigned long long>(done[i].nbytes), done[i].seconds));
     if (row == nullptr) {
       Py_DECREF(out);
       return nullptr;
@@ -728,8 +864,9 @@ PyObject* plane_take_completions(PyObject* self, PyObject*) {
 // counters() -> (collectives, reduced_bytes, reduce_seconds)
 PyObject* plane_counters(PyObject* self, PyObject*) {
   const smddp::PlaneCounters c = plane_of(self).counters();
-  return Py_BuildValue("(KKd)", static_cast<unsigned long long>(c.collectives),
-                       static_cast<unsigned long long>(c.reduced_bytes), c.reduce_seconds);
+  return record(self, kPlaneCounters,
+                Py_BuildValue("(KKd)", static_cast<unsigned long long>(c.collectives),
+                              static_cast<unsigned long long>(c.reduced_bytes), c.reduce_seconds));
 }
 
 PyObject* plane_close(PyObject* self, PyObject*) {
@@ -791,9 +928,14 @@ PyType_Spec kPlaneSpec = {
 
 // ---------------------------------------------------------------------------------- WorkerChannel
 
+// Owns its channel; `keep` (seq -> the destination object, or null before the first) holds each
+// collected collective's destination alive while the channel may still copy into it (collect): a
+// taker's copy may be running while the caller's own failure handling gives up its references. An
+// entry goes when the collective completes here (pop, finish) or with the channel.
 struct ChannelObject {
   PyObject_HEAD
   smddp::WorkerChannel* ch;
+  PyObject* keep;
 };
 
 smddp::WorkerChannel& channel_of(PyObject* self) { return *reinterpret_cast<ChannelObject*>(self)->ch; }
@@ -816,7 +958,27 @@ PyObject* channel_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   return self;
 }
 
-constexpr void (*channel_dealloc)(PyObject*) = &dealloc_owner<ChannelObject, &ChannelObject::ch>;
+void channel_dealloc(PyObject* self) {
+  PyTypeObject* type = Py_TYPE(self);
+  auto* obj = reinterpret_cast<ChannelObject*>(self);
+  delete obj->ch;  // no taker is left to copy into what `keep` holds
+  Py_XDECREF(obj->keep);
+  free_instance(type, self);
+  Py_DECREF(type);
+}
+
+// The collective `seq` completed here: its destination need not be kept any longer.
+void unkeep(PyObject* self, std::uint64_t seq) {
+  PyObject* keep = reinterpret_cast<ChannelObject*>(self)->keep;
+  if (keep == nullptr) return;
+  PyObject* key = PyLong_FromUnsignedLongLong(seq);
+  if (key == nullptr) {
+    PyErr_Clear();  // kept until the channel goes: memory, not correctness
+    return;
+  }
+  if (PyDict_DelItem(keep, key) != 0) PyErr_Clear();  // not collected: nothing kept
+  Py_DECREF(key);
+}
 
 PyObject* channel_ring_error(PyObject* self, smddp::RingWait r, const char* what) {
   if (r == smddp::RingWait::kTimeout) {
@@ -851,19 +1013,27 @@ PyObject* channel_push(PyObject* self, PyObject* args) {
   Py_RETURN_NONE;
 }
 
-// pop(timeout_s, spin_us, waiter) -> the next 56-byte header, or None
+// pop(timeout_s, spin_us, waiter) -> the next 56-byte header; or the seq (an int) of a collected
+// collective completed here (collect); or None
 PyObject* channel_pop(PyObject* self, PyObject* args) {
   double timeout = 0, spin_us = 0;
   int waiter = 0;
   if (!PyArg_ParseTuple(args, "ddp", &timeout, &spin_us, &waiter)) return nullptr;
   std::uint8_t slot[smddp::kSlotBytes];
   smddp::RingWait r;
+  bool completed = false;
   Py_BEGIN_ALLOW_THREADS
   r = channel_of(self).pop(slot, static_cast<std::int64_t>(timeout * 1e9), static_cast<std::int64_t>(spin_us * 1e3),
-                           waiter != 0);
+                           waiter != 0, &completed);
   Py_END_ALLOW_THREADS
   if (r == smddp::RingWait::kTimeout) Py_RETURN_NONE;
   if (r == smddp::RingWait::kCorrupt) return raise_from(self, channel_of(self).why());
+  if (completed) {
+    smddp::Header h;  // the channel decoded it: a DONE
+    (void)smddp::decode_header(slot, smddp::kHeaderSize, &h);
+    unkeep(self, h.seq);
+    return PyLong_FromUnsignedLongLong(h.seq);
+  }
   return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(slot), static_cast<Py_ssize_t>(smddp::kHeaderSize));
 }
 
@@ -999,7 +1169,10 @@ PyObject* channel_finish(PyObject* self, PyObject* args) {
   end = channel_of(self).finish(*a.arena, a.slot, a.submit, out, static_cast<std::uint64_t>(batch),
                                 static_cast<std::int64_t>(timeout * 1e9), static_cast<std::int64_t>(spin_us * 1e3));
   Py_END_ALLOW_THREADS
-  if (end == smddp::FastEnd::kDone) Py_RETURN_TRUE;
+  if (end == smddp::FastEnd::kDone) {
+    unkeep(self, a.submit.seq);
+    Py_RETURN_TRUE;
+  }
   if (end == smddp::FastEnd::kTimeout) Py_RETURN_FALSE;
   if (end == smddp::FastEnd::kGone) Py_RETURN_NONE;
   return fast_error(self, end);
@@ -1017,12 +1190,49 @@ bool seq_arg(PyObject* arg, const char* what, std::uint64_t* out) {
   return true;
 }
 
-// collect(seq): an asynchronous fast collective has callbacks waiting: its DONE may go the general way
-PyObject* channel_collect(PyObject* self, PyObject* arg) {
-  std::uint64_t seq = 0;
-  if (!seq_arg(arg, "collect", &seq)) return nullptr;
-  channel_of(self).collect(seq);
-  Py_RETURN_NONE;
+// collect(seq, dst, src_offset, result_bytes, kind, dtype, count, rank, batch_bytes, timeout_s) -> bool: an
+// asynchronous fast collective has callbacks waiting: the taker that meets its DONE completes it into
+// `dst` (pop() then returns its seq). True when it was taken so (`dst` is kept alive here until the
+// collective completes).
+PyObject* channel_collect(PyObject* self, PyObject* args) {
+  long long seq = 0, src_offset = 0, result_bytes = 0, kind = 0, dtype = 0, count = 0, rank = 0, batch = 0;
+  PyObject* dst = nullptr;
+  double timeout = 0;
+  if (!PyArg_ParseTuple(args, "LOLLLLLLLd", &seq, &dst, &src_offset, &result_bytes, &kind, &dtype, &count, &rank,
+                        &batch, &timeout))
+    return nullptr;
+  smddp::WorkerChannel& ch = channel_of(self);
+  constexpr long long kU32 = static_cast<long long>(UINT32_MAX);
+  if (seq < 0 || src_offset < 0 || result_bytes < 0 || kind < 0 || kind > 255 || dtype < 0 || dtype > 255 || count < 0 ||
+      rank < 0 || rank > kU32 || batch < 0 || !(timeout > 0)) {
+    PyErr_SetString(PyExc_ValueError, "collect: a collected collective's fields are out of range");
+    return nullptr;
+  }
+  Py_buffer view;
+  if (PyObject_GetBuffer(dst, &view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) != 0) return nullptr;
+  smddp::WorkerChannel::Collected how;
+  how.out = smddp::Delivery{static_cast<std::uint8_t*>(view.buf), static_cast<std::uint64_t>(view.len),
+                            static_cast<std::uint64_t>(src_offset), static_cast<std::uint64_t>(result_bytes)};
+  PyBuffer_Release(&view);  // the object itself is kept below: its memory stays where it is
+  how.kind = static_cast<std::uint8_t>(kind);
+  how.dtype = static_cast<std::uint8_t>(dtype);
+  how.count = static_cast<std::uint64_t>(count);
+  how.rank = static_cast<std::uint32_t>(rank);
+  how.batch_bytes = static_cast<std::uint64_t>(batch);
+  how.timeout_ns = static_cast<std::int64_t>(timeout * 1e9);
+  auto* obj = reinterpret_cast<ChannelObject*>(self);
+  if (obj->keep == nullptr && (obj->keep = PyDict_New()) == nullptr) return nullptr;
+  PyObject* key = PyLong_FromLongLong(seq);
+  if (key == nullptr) return nullptr;
+  // Kept before the channel may copy into it (a taker may meet its DONE as soon as collect returns).
+  if (PyDict_SetItem(obj->keep, key, dst) != 0) {
+    Py_DECREF(key);
+    return nullptr;
+  }
+  const bool taken = ch.collect(static_cast<std::uint64_t>(seq), how);
+  if (!taken && PyDict_DelItem(obj->keep, key) != 0) PyErr_Clear();
+  Py_DECREF(key);
+  return PyBool_FromLong(taken);
 }
 
 // adopt(seq) -> the DONE that already came (56 bytes), or None: the collective goes the general way
@@ -1074,7 +1284,8 @@ PyObject* get_channel_daemon_end(PyObject* self, void*) { return PyLong_FromLong
 PyMethodDef kChannelMethods[] = {
     {"push", channel_push, METH_VARARGS, "push(header, timeout_s, spin_us): onto the submit ring"},
     {"pop", channel_pop, METH_VARARGS,
-     "pop(timeout_s, spin_us, waiter) -> the next header of the done ring, or None (waiters go first)"},
+     "pop(timeout_s, spin_us, waiter) -> the next header of the done ring, the seq of a collected collective it "
+     "completed, or None (waiters go first)"},
     {"kick", channel_kick, METH_NOARGS, "kick(): waiters' pops return, to look at their collective again"},
     {"abort", channel_abort, METH_NOARGS, "abort(): pops return None from now on"},
     {"release", channel_release, METH_VARARGS,
@@ -1087,8 +1298,10 @@ PyMethodDef kChannelMethods[] = {
      "batch_bytes, timeout_s, spin_us) -> bool or None: the fast path's wait, copy-out and RELEASE (None: its DONE "
      "went the general way)"},
     {"adopt", channel_adopt, METH_O, "adopt(seq) -> DONE or None: a parked fast collective goes the general way"},
-    {"collect", channel_collect, METH_O,
-     "collect(seq): an asynchronous fast collective's callbacks wait: its DONE may go the general way"},
+    {"collect", channel_collect, METH_VARARGS,
+     "collect(seq, dst, src_offset, result_bytes, kind, dtype, count, rank, batch_bytes, timeout_s) -> bool: an "
+     "asynchronous fast collective's callbacks wait: whoever takes its DONE completes it into dst (pop returns "
+     "its seq)"},
     {"attach", channel_attach, METH_VARARGS,
      "attach(segment, rank, timeout_s, spin_us): ATTACH an input segment (its fd on the side socket)"},
     {"result", channel_result, METH_O, "result(id) -> the result segment the daemon sent as id, or None"},
@@ -1166,6 +1379,10 @@ int exec_module(PyObject* module) {
       add_type(module, &kPlaneSpec, "LocalPlane", &st->plane_type) != 0 ||
       add_type(module, &kChannelSpec, "WorkerChannel", &st->channel_type) != 0)
     return -1;
+  for (int i = 0; i < kRecords; i++) {
+    st->records[i] = reinterpret_cast<PyObject*>(PyStructSequence_NewType(&kRecordDescs[i]));
+    if (st->records[i] == nullptr || PyModule_AddObjectRef(module, kRecordNames[i], st->records[i]) != 0) return -1;
+  }
   if (PyModule_AddIntConstant(module, "CHANNEL_BYTES", static_cast<long>(smddp::channel_bytes())) != 0) return -1;
   if (PyModule_AddIntConstant(module, "SLOT_ALIGN", static_cast<long>(smddp::kSlotAlign)) != 0) return -1;
   return 0;
@@ -1177,6 +1394,7 @@ int traverse(PyObject* module, visitproc visit, void* arg) {
   Py_VISIT(state(module)->arena_type);
   Py_VISIT(state(module)->plane_type);
   Py_VISIT(state(module)->channel_type);
+  for (PyObject* r : state(module)->records) Py_VISIT(r);
   return 0;
 }
 
@@ -1186,6 +1404,7 @@ int clear(PyObject* module) {
   Py_CLEAR(state(module)->arena_type);
   Py_CLEAR(state(module)->plane_type);
   Py_CLEAR(state(module)->channel_type);
+  for (PyObject*& r : state(module)->records) Py_CLEAR(r);
   return 0;
 }
 

@@ -12,6 +12,8 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <map>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -166,6 +168,9 @@ void broken_rings() {
 // copies its input in from its own memory and its result out into its own memory, with its RELEASEs
 // held; every other collective of rank 0 goes the general way (pushed, and left to a background
 // taker thread), so that the two kinds of takers hand each other DONEs, and the SEGMENTs before them.
+// Every third collective of rank 1 is started asynchronously and collected (collect with its
+// Delivery), never finished: its own background taker, or rank 1's later finish() calls, meet its
+// DONE, and the taker that hands it out of pop() completes it into its own memory.
 void fast_collectives() {
   constexpr int kIters = 600;
   Rig rig(kWorkers);
@@ -178,6 +183,25 @@ void fast_collectives() {
     while (!stop.load())
       if (rig.plane.next_event(kSecond / 100, &e))
         check(e.kind != smddp::PlaneEvent::kFailed, "plane failed: " + e.verdict.why);
+  });
+  // Rank 1's collected collectives: seq -> (input slot, destination), and how many the taker completed.
+  std::mutex collected_mu;
+  std::map<std::uint64_t, std::pair<smddp::Slot, std::vector<std::int32_t>>> collected;
+  std::atomic<int> collected_done{0};
+  std::thread background1([&] {
+    std::uint8_t slot[smddp::kSlotBytes];
+    while (!stop.load()) {
+      bool completed = false;
+      const smddp::RingWait r = rig.channels[1]->pop(slot, kSecond / 100, 0, false, &completed);
+      if (r == smddp::RingWait::kTimeout) continue;
+      check(r == smddp::RingWait::kReady, "rank 1's taker: " + rig.channels[1]->why());
+      smddp::Header d;
+      check(smddp::decode_header(slot, smddp::kHeaderSize, &d).empty() && completed && d.seq % 3 == 0,
+            "rank 1's taker got a DONE it did not complete: #" + std::to_string(d.seq));
+      std::lock_guard<std::mutex> g(collected_mu);
+      check(arenas[1]->free(collected.at(d.seq).first).empty(), "free a collected input slot");
+      collected_done++;
+    }
   });
   std::thread background([&] {
     std::uint8_t slot[smddp::kSlotBytes];
@@ -222,6 +246,29 @@ void fast_collectives() {
         check(ch->push(frame, 10 * kSecond, 0) == smddp::RingWait::kReady, "push general SUBMIT");
         continue;  // its input slot stays taken: the arena is large enough for all of them
       }
+      if (rank == 1 && it % 3 == 0) {  // asynchronous, collected, never finished
+        std::vector<std::int32_t>* out = nullptr;
+        {
+          std::lock_guard<std::mutex> g(collected_mu);
+          auto& entry = collected[h.seq];
+          entry.first = slot;
+          entry.second.assign(count, -1);
+          out = &entry.second;
+        }
+        check(ch->start(arena, slot, reinterpret_cast<const std::uint8_t*>(src.data()), h, 10 * kSecond, 20'000,
+                        true) == smddp::FastEnd::kDone,
+              "start async: " + ch->why());
+        smddp::WorkerChannel::Collected how;
+        how.out = smddp::Delivery{reinterpret_cast<std::uint8_t*>(out->data()), nbytes, 0, nbytes};
+        how.kind = h.kind;
+        how.dtype = h.dtype;
+        how.count = h.count;
+        how.rank = rank;
+        how.batch_bytes = 64 << 10;
+        how.timeout_ns = 10 * kSecond;
+        check(ch->collect(h.seq, how), "collect #" + std::to_string(it));
+        continue;
+      }
       check(ch->start(arena, slot, reinterpret_cast<const std::uint8_t*>(src.data()), h, 10 * kSecond, 20'000) ==
                 smddp::FastEnd::kDone,
             "start: " + ch->why());
@@ -241,6 +288,8 @@ void fast_collectives() {
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
     while (rank == 0 && general_done.load() < kIters / 2 && std::chrono::steady_clock::now() < deadline)
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    while (rank == 1 && collected_done.load() < kIters / 3 && std::chrono::steady_clock::now() < deadline)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
     const auto bye = header(smddp::Msg::kBye, rank, 0, 0, 0, 0, 0, 0, 0);
     check(ch->push(bye.data(), 10 * kSecond, 0) == smddp::RingWait::kReady, "push BYE (with the held RELEASEs)");
   };
@@ -248,9 +297,17 @@ void fast_collectives() {
   for (std::uint32_t i = 0; i < kWorkers; i++) threads.emplace_back(run, i);
   for (auto& t : threads) t.join();
   check(general_done.load() == kIters / 2, "every general collective's DONE reached the background taker");
+  check(collected_done.load() == kIters / 3, "every collected collective was completed by a taker");
+  for (const auto& [seq, entry] : collected) {
+    bool ok = true;
+    for (std::uint64_t i = 0; i < entry.second.size() && ok; i++)
+      ok = entry.second[i] == static_cast<std::int32_t>((kWorkers * (kWorkers + 1) / 2) * (i + seq));
+    check(ok, "collected result of #" + std::to_string(seq) + " in its own memory");
+  }
   stop.store(true);
   watch.join();
   background.join();
+  background1.join();
   for (std::uint32_t i = 0; i < kWorkers; i++) check(rig.plane.remove_worker(i), "rank said BYE");
   check(rig.failure(0).empty(), "no failure");
   check(rig.plane.in_flight() == 0 && rig.results.in_use() == 0, "every result slot given back");

@@ -4,6 +4,7 @@ every worker's ring, memory back on release, and every refusal a failure event n
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 from smddp import _engine
+from smddp.daemon.config import PlaneConfig
 from smddp.proto import decode_header
 from smddp.proto.dtypes import DType, Kind, ReduceOp
 from smddp.proto.frames import Header, MsgType
@@ -26,9 +28,20 @@ class Rig:
     def __init__(self, n: int) -> None:
         self.n, self.first = n, 0
         self.results = _engine.Arena("rig-results", 1 << 20)
-        self.plane = _engine.LocalPlane(
-            0, n, 4096, [f"rank {i}" for i in range(n)], "node 0", self.results, 5.0, 10.0
+        config = PlaneConfig(
+            node=0,
+            local_size=n,
+            world=n,
+            first_rank=0,
+            nnodes=1,
+            chunk_bytes=4096,
+            rank_names=tuple(f"rank {i}" for i in range(n)),
+            me="node 0",
+            spin_us=5.0,
+            push_timeout_s=10.0,
+            threads=2,
         )
+        self.plane = _engine.LocalPlane(config, self.results)
         self.channels = [_engine.WorkerChannel(f"rig-ch{i}") for i in range(n)]
         self.inputs = [_engine.segment_create(1, 1 << 20, f"rig-in{i}") for i in range(n)]
         self.seq = [0] * n
@@ -110,7 +123,7 @@ def test_allreduce_is_the_reference_on_every_ring(rig, dtype, op):
         got = r.result(d, count * dtype.itemsize)
         assert got.tobytes() == np.ascontiguousarray(want).view(np.uint8).tobytes()
         r.release(i, 1)
-    assert [e for e in r.events() if e[0] == "failed"] == []
+    assert [e for e in r.events() if isinstance(e, _engine.PlaneFailure)] == []
     for _ in range(100):
         if len(r.plane) == 0:
             break
@@ -154,14 +167,14 @@ def test_bye_is_seen_after_everything_before_it(rig):
         r.channels[i].push(Header(MsgType.BYE, sender=i).encode(), 5.0, 0.0)
         assert r.plane.remove_worker(i) is True
     assert r.plane.all_ranks_gone()
-    assert [e for e in r.events() if e[0] == "failed"] == []
+    assert [e for e in r.events() if isinstance(e, _engine.PlaneFailure)] == []
 
 
 def failure(r: Rig, timeout: float = 5.0) -> tuple[str, str]:
     for _ in range(int(timeout / 0.1)):
         for e in r.events(0.1):
-            if e[0] == "failed":
-                return e[1], e[2]
+            if isinstance(e, _engine.PlaneFailure):
+                return e.fault, e.why
     raise AssertionError("the plane did not fail")
 
 
@@ -302,4 +315,24 @@ def test_large_allreduce_on_the_compute_threads(rig, dtype):
         got = r.result(d, count * dtype.itemsize)
         assert got.tobytes() == np.ascontiguousarray(want).view(np.uint8).tobytes()
         r.release(i, d.seq)
-    assert [e for e in r.events() if e[0] == "failed"] == []
+    assert [e for e in r.events() if isinstance(e, _engine.PlaneFailure)] == []
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "want"),
+    [
+        ("chunk_bytes", "4096", "an int"),
+        ("trace", 1, "a bool"),
+        ("rank_names", "rank 0", "a sequence of str"),
+    ],
+)
+def test_a_plane_config_field_of_the_wrong_type_is_named(field, value, want):
+    """The plane reads its PlaneConfig by name: a field of the wrong type is refused, naming it."""
+    good = PlaneConfig(
+        node=0, local_size=1, world=1, first_rank=0, nnodes=1, chunk_bytes=4096, rank_names=("rank 0",),
+        me="node 0", spin_us=0.0, push_timeout_s=1.0, threads=0,
+    )  # fmt: skip
+    results = _engine.Arena("rig-config", 1 << 20)
+    _engine.LocalPlane(good, results).close()
+    with pytest.raises(TypeError, match=rf"PlaneConfig\.{field} must be {want}"):
+        _engine.LocalPlane(dataclasses.replace(good, **{field: value}), results)

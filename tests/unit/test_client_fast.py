@@ -208,10 +208,25 @@ def test_an_async_all_reduce_is_the_engines_and_its_wait_completes_it_there(pair
     assert np.array_equal(buf, np.full(1024, 6.0, np.float32))
 
 
-def test_an_async_all_reduce_nobody_waits_for_completes_the_general_way(pair):
-    """No wait: the client's DONE thread takes its DONE and completes it the general way, callbacks
-    included; a wait() after that returns at once."""
+def general_way(client: Client) -> list[int]:
+    """The sequence numbers of the DONEs the client completes in Python from now on (Client._on_done)."""
+    seen: list[int] = []
+    on_done = client._on_done
+
+    def spy(header: Header) -> None:
+        seen.append(header.seq)
+        on_done(header)
+
+    client._on_done = spy  # type: ignore[method-assign]
+    return seen
+
+
+def test_an_async_all_reduce_nobody_waits_for_is_completed_by_the_engine(pair):
+    """No wait: the client's DONE thread takes its DONE, and the engine completes it there (the
+    result copied, the RELEASE held); Python only frees the slot and runs the callbacks. A wait()
+    after that returns at once."""
     client, daemon = pair
+    python = general_way(client)
     buf = np.zeros(256, np.float32)
     h = allreduce_async(client, buf)
     seen = threading.Event()
@@ -221,6 +236,23 @@ def test_an_async_all_reduce_nobody_waits_for_completes_the_general_way(pair):
     assert np.array_equal(buf, np.full(256, 2.0, np.float32))
     assert h.wait(timeout=0.0) is buf
     assert client._handles == {} and client._arena.in_use == 0
+    assert python == [], "the DONE was completed in Python, not by the engine"
+    assert not daemon.pending(), "a small result's RELEASE went out on its own"
+
+
+def test_a_collected_done_that_lies_fails_the_client_naming_why(pair):
+    """The engine checks a collected collective's DONE as its own finish does: a wrong count fails
+    the client, naming why, and nothing is copied."""
+    client, daemon = pair
+    buf = np.zeros(64, np.float32)
+    h = allreduce_async(client, buf)
+    h.add_done_callback(lambda _h: None)
+    s = until_submits(daemon, 1)[-1]
+    lie = Header(MsgType.DONE, seq=s.seq, shard=0, offset=0, count=63, dtype=s.dtype, op=s.op, kind=s.kind)
+    daemon.rings.push(lie.encode(), 5.0)
+    with pytest.raises(CollectiveError, match="does not match what this rank submitted"):
+        h.wait(timeout=5)
+    assert np.array_equal(buf, np.zeros(64, np.float32))
 
 
 def test_an_async_wait_that_times_out_can_wait_again(pair):
@@ -261,11 +293,14 @@ def test_a_parked_async_done_goes_to_a_callback_added_later(pair):
     time.sleep(0.05)
     daemon.done(s2, 6.0)
     call.join()
-    assert not h.done() and np.array_equal(parked, np.zeros(128, np.float32))
+    # (Looked at without done(): a poll collects it, as the callback below does.)
+    assert not h._event.is_set() and np.array_equal(parked, np.zeros(128, np.float32))
+    python = general_way(client)
     seen = threading.Event()
     h.add_done_callback(lambda _h: seen.set())
     assert seen.wait(5), "the parked DONE never reached the callback"
     assert np.array_equal(parked, np.full(128, 5.0, np.float32)) and client._handles == {}
+    assert python == [], "the parked DONE was completed in Python, not by the engine"
 
 
 def test_shutdown_collects_an_async_all_reduce_nobody_waited_for(pair):
@@ -394,10 +429,11 @@ def test_a_broadcast_to_another_rank_sends_nothing_and_takes_the_result(pair):
     assert client._arena.in_use == 0
 
 
-def test_an_unwaited_engine_all_gather_completes_the_general_way_into_its_output(pair):
-    """A callback, never a wait: the DONE thread runs the general way's delivery for the engine's
-    collective, so the output is written as by the engine's own copy-out."""
+def test_an_unwaited_engine_all_gather_is_completed_into_its_output_by_the_engine(pair):
+    """A callback, never a wait: the DONE thread's pop completes the all-gather in the engine, into
+    its output (its Delivery), with no Python per DONE."""
     client, daemon = pair
+    python = general_way(client)
     src = np.ones(16, np.int32)
     out = np.zeros(16, np.int32)
     h = collectives.allgather_async(client, src, out)
@@ -406,7 +442,7 @@ def test_an_unwaited_engine_all_gather_completes_the_general_way_into_its_output
     daemon.done(until_submits(daemon, 1)[-1], 5.0)
     assert seen.wait(5), "the callback of an unwaited engine all-gather never ran"
     assert np.array_equal(out, np.full(16, 5, np.int32)) and h.wait(timeout=0.0) is out
-    assert client._handles == {} and client._arena.in_use == 0
+    assert client._handles == {} and client._arena.in_use == 0 and python == []
 
 
 def test_a_delivery_outside_its_result_is_refused_before_anything_is_touched(pair):

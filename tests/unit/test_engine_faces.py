@@ -37,6 +37,9 @@ def _stub(path: Path) -> dict[str, set[str] | None]:
 
 
 def _public(obj: object) -> set[str]:
+    """Public names; a record class's (a struct sequence: a tuple whose fields have names) are its fields."""
+    if isinstance(obj, type) and issubclass(obj, tuple):
+        return set(obj.__match_args__)
     return {n for n in dir(obj) if not n.startswith("_")}
 
 
