@@ -102,6 +102,16 @@ def _allreduce_pieces(
             return result
 
         part = view if aux == 0 else view.piece(a, b)
+        if isinstance(part, BufferView) and b > a:
+            # One array's piece: the engine's, from its copy-in to its copy-out (a PartsView goes
+            # the general way: its parts are copied in one by one).
+            dst = out[a:b]
+            h = c.start_async(
+                Kind.ALLREDUCE, part.array, view.dtype, b - a, rop, aux, Delivery(dst, 0, dst.nbytes), put,
+                result, part.keepalive,
+            )  # fmt: skip
+            if h is not None:
+                return h
         return c.submit(Kind.ALLREDUCE, part, view.dtype, b - a, rop, aux, put)
 
     return _in_pieces(c, view.count, view.dtype.itemsize, result, submit)
