@@ -102,12 +102,12 @@ def _allreduce_pieces(
             return result
 
         part = view if aux == 0 else view.piece(a, b)
-        if isinstance(part, BufferView) and b > a:
-            # One array's piece: the engine's, from its copy-in to its copy-out (a PartsView goes
-            # the general way: its parts are copied in one by one).
+        if b > a:
+            # The engine's, from its copy-in (a fused buffer's parts one after another, never packed
+            # first) to its copy-out.
             dst = out[a:b]
             h = c.start_async(
-                Kind.ALLREDUCE, part.array, view.dtype, b - a, rop, aux, Delivery(dst, 0, dst.nbytes), put,
+                Kind.ALLREDUCE, _sources(part), view.dtype, b - a, rop, aux, Delivery(dst, 0, dst.nbytes), put,
                 result, part.keepalive,
             )  # fmt: skip
             if h is not None:
@@ -115,6 +115,11 @@ def _allreduce_pieces(
         return c.submit(Kind.ALLREDUCE, part, view.dtype, b - a, rop, aux, put)
 
     return _in_pieces(c, view.count, view.dtype.itemsize, result, submit)
+
+
+def _sources(view: BufferView | PartsView) -> np.ndarray | tuple[np.ndarray, ...]:
+    """What the engine copies in for `view`: its array, or its parts' arrays in order."""
+    return view.array if isinstance(view, BufferView) else tuple(p.array for p in view.parts)
 
 
 def _in_pieces(
@@ -203,7 +208,15 @@ def broadcast_parts_async(c: Client, parts: Sequence[Any], root: int = 0) -> Han
         out[:] = r.view(out.dtype)
         return result
 
-    return c.submit(Kind.BROADCAST, pv, pv.dtype, pv.count, None, root, deliver, send_data=c.rank == root)
+    mine = c.rank == root
+    if pv.count:
+        h = c.start_async(
+            Kind.BROADCAST, _sources(pv) if mine else NO_DATA, pv.dtype, pv.count, None, root,
+            Delivery(out, 0, out.nbytes), deliver, result, pv.keepalive,
+        )  # fmt: skip
+        if h is not None:
+            return h
+    return c.submit(Kind.BROADCAST, pv, pv.dtype, pv.count, None, root, deliver, send_data=mine)
 
 
 def broadcast_async(c: Client, buf: Any, root: int = 0, stream: Any = None) -> Handle:

@@ -373,8 +373,19 @@ void WorkerChannel::kick() {
 
 // ----------------------------------------------------------------------------------- the fast path
 
-FastEnd WorkerChannel::start(Arena& arena, const Slot& slot, const std::uint8_t* src, const Header& submit,
+FastEnd WorkerChannel::start(Arena& arena, const Slot& slot, const Source* src, std::size_t n, const Header& submit,
                              std::int64_t timeout_ns, std::int64_t spin_ns, bool async) {
+  std::uint64_t total = 0;
+  for (std::size_t i = 0; i < n; i++) {
+    if (src[i].nbytes > slot.nbytes - total) return refused("a fast SUBMIT's sources overrun its slot");
+    total += src[i].nbytes;
+  }
+  if (total != slot.nbytes) return refused("a fast SUBMIT's sources do not fill its slot");
+  // What it sends is its count of its dtype, or nothing (a barrier, a broadcast's other ranks).
+  const DTypeInfo* dt = dtype_info(submit.dtype);
+  const std::uint64_t isz = dt != nullptr ? dt->itemsize : 0;
+  if (slot.nbytes != 0 && (isz == 0 || submit.count > slot.nbytes / isz || submit.count * isz != slot.nbytes))
+    return refused("a fast SUBMIT's data (" + num(slot.nbytes) + " bytes) is not its count of its dtype");
   std::array<std::uint8_t, kHeaderSize> frame{};
   std::string w = encode_header(submit, frame.data());
   if (!w.empty()) return refused("cannot encode SUBMIT: " + w);
@@ -389,7 +400,10 @@ FastEnd WorkerChannel::start(Arena& arena, const Slot& slot, const std::uint8_t*
     std::uint8_t* p = nullptr;
     w = seg->range(slot.offset, slot.nbytes, &p);
     if (!w.empty()) return refused("input slot: " + w);
-    if (slot.nbytes != 0) std::memcpy(p, src, slot.nbytes);
+    for (std::size_t i = 0; i < n; i++) {
+      if (src[i].nbytes != 0) std::memcpy(p, src[i].data, src[i].nbytes);
+      p += src[i].nbytes;
+    }
   }
   {
     // Registered before it can complete: whoever takes its DONE keeps it for finish().

@@ -73,6 +73,12 @@ struct Delivery {
   std::uint64_t result_bytes = 0;
 };
 
+// One piece of what a fast collective sends: `nbytes` at `data` (the caller's memory).
+struct Source {
+  const std::uint8_t* data = nullptr;
+  std::uint64_t nbytes = 0;
+};
+
 // How a fast-path call ended.
 enum class FastEnd {
   kDone,      // finish: the result is in place, the slot freed, its RELEASE held or sent
@@ -127,6 +133,13 @@ class WorkerChannel {
   // DONE is this channel's to keep for finish(); an `async` one's until collect() asks for it while no
   // finish() waits for it.
   FastEnd start(Arena& arena, const Slot& slot, const std::uint8_t* src, const Header& submit,
+                std::int64_t timeout_ns, std::int64_t spin_ns, bool async = false) {
+    const Source one{src, slot.nbytes};
+    return start(arena, slot, &one, 1, submit, timeout_ns, spin_ns, async);
+  }
+  // The same from `n` sources copied one after another (a fused buffer's parts, never packed
+  // first); their bytes add up to the slot's, or nothing is copied or pushed (kRefused).
+  FastEnd start(Arena& arena, const Slot& slot, const Source* src, std::size_t n, const Header& submit,
                 std::int64_t timeout_ns, std::int64_t spin_ns, bool async = false);
   // Second half: waits for `seq`'s DONE, checks it against `submit`, copies what `out` names of the
   // result to its destination, frees the slot and RELEASEs the result (held within `batch_bytes`).

@@ -1093,12 +1093,15 @@ bool fast_args(PyObject* self, PyObject* arena, long long kind, long long segmen
     PyErr_SetString(PyExc_ValueError, "a fast collective's fields are out of range");
     return false;
   }
-  if (PyObject_GetBuffer(buf, &out->buf, writable ? (PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) : PyBUF_C_CONTIGUOUS) != 0)
-    return false;
-  out->have_buf = true;
+  if (buf != nullptr) {  // null: the caller takes its buffers itself (start's parts)
+    if (PyObject_GetBuffer(buf, &out->buf, writable ? (PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) : PyBUF_C_CONTIGUOUS) !=
+        0)
+      return false;
+    out->have_buf = true;
+  }
   out->arena = reinterpret_cast<ArenaObject*>(arena)->arena;
   out->slot = smddp::Slot{static_cast<std::uint32_t>(segment), static_cast<std::uint64_t>(offset),
-                          static_cast<std::uint64_t>(out->buf.len)};
+                          out->have_buf ? static_cast<std::uint64_t>(out->buf.len) : 0};
   smddp::Header& h = out->submit;
   h.type = smddp::Msg::kSubmit;
   h.kind = static_cast<std::uint8_t>(kind);
@@ -1122,7 +1125,30 @@ PyObject* fast_error(PyObject* self, smddp::FastEnd end) {
 }
 
 // start(arena, kind, segment, offset, src, rank, seq, count, dtype, op, root, timeout_s, spin_us, async=False):
-// copies `src` into the slot and pushes its SUBMIT; TimeoutError when the ring stayed full
+// copies `src` (a buffer, or a tuple of buffers one after another) into the slot and pushes its
+// SUBMIT; TimeoutError when the ring stayed full
+// A fused buffer's parts (a tuple of C-contiguous buffers), held for one start() call.
+struct Parts {
+  std::vector<Py_buffer> views;
+  std::vector<smddp::Source> sources;
+  std::uint64_t total = 0;
+  ~Parts() {
+    for (Py_buffer& v : views) PyBuffer_Release(&v);
+  }
+  bool take(PyObject* tuple) {
+    const Py_ssize_t n = PyTuple_Size(tuple);
+    views.reserve(static_cast<std::size_t>(n));
+    for (Py_ssize_t i = 0; i < n; i++) {
+      Py_buffer v;
+      if (PyObject_GetBuffer(PyTuple_GetItem(tuple, i), &v, PyBUF_C_CONTIGUOUS) != 0) return false;
+      views.push_back(v);
+      sources.push_back(smddp::Source{static_cast<const std::uint8_t*>(v.buf), static_cast<std::uint64_t>(v.len)});
+      total += static_cast<std::uint64_t>(v.len);
+    }
+    return true;
+  }
+};
+
 PyObject* channel_start(PyObject* self, PyObject* args) {
   PyObject *arena = nullptr, *buf = nullptr;
   long long kind = 0, segment = 0, offset = 0, rank = 0, seq = 0, count = 0, dtype = 0, op = 0, root = 0;
@@ -1131,13 +1157,21 @@ PyObject* channel_start(PyObject* self, PyObject* args) {
   if (!PyArg_ParseTuple(args, "OLLLOLLLLLLdd|p", &arena, &kind, &segment, &offset, &buf, &rank, &seq, &count, &dtype,
                         &op, &root, &timeout, &spin_us, &async))
     return nullptr;
+  const bool fused = PyTuple_Check(buf);
+  Parts parts;
+  if (fused && !parts.take(buf)) return nullptr;
   FastArgs a;
-  if (!fast_args(self, arena, kind, segment, offset, buf, false, rank, seq, count, dtype, op, root, &a)) return nullptr;
+  if (!fast_args(self, arena, kind, segment, offset, fused ? nullptr : buf, false, rank, seq, count, dtype, op, root,
+                 &a))
+    return nullptr;
+  smddp::Source one{static_cast<const std::uint8_t*>(a.buf.buf), a.slot.nbytes};
+  if (fused) a.slot.nbytes = parts.total;
+  const smddp::Source* src = fused ? parts.sources.data() : &one;
+  const std::size_t n = fused ? parts.sources.size() : 1;
   smddp::FastEnd end;
   Py_BEGIN_ALLOW_THREADS
-  end = channel_of(self).start(*a.arena, a.slot, static_cast<const std::uint8_t*>(a.buf.buf), a.submit,
-                               static_cast<std::int64_t>(timeout * 1e9), static_cast<std::int64_t>(spin_us * 1e3),
-                               async != 0);
+  end = channel_of(self).start(*a.arena, a.slot, src, n, a.submit, static_cast<std::int64_t>(timeout * 1e9),
+                               static_cast<std::int64_t>(spin_us * 1e3), async != 0);
   Py_END_ALLOW_THREADS
   if (end != smddp::FastEnd::kDone) return fast_error(self, end);
   Py_RETURN_NONE;

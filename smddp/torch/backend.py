@@ -21,7 +21,7 @@ from torch.futures import Future
 
 import smddp
 from smddp.client.device.runtime import BUILTIN as BUILTIN_RUNTIMES
-from smddp.client.session import when_all
+from smddp.client.session import Latch, when_all
 from smddp.errors import CollectiveError, CollectiveTimeoutError, ConfigError, SmddpError, fresh
 from smddp.launcher.elastic import check_launcher, join_through_store
 
@@ -110,7 +110,7 @@ class SmddpWork(dist.Work):
         self._device: _Device = device if device is not None else _HOST
         self._event: Any = None  # device Works: reached once the result is in the tensors
         self._error: BaseException | None = None
-        self._done = threading.Event()
+        self._done = Latch()
         self._lock = threading.Lock()
         self._completing = False
         self._unwatch: Callable[[], None] = _nothing  # the watchdog's, once it watches this Work

@@ -469,3 +469,40 @@ def test_a_delivery_outside_its_result_is_refused_before_anything_is_touched(pai
             0.0,
         )
     assert np.array_equal(dst, np.zeros(8, np.uint8))
+
+
+@pytest.mark.parametrize("kind", ["allreduce", "broadcast"])
+def test_a_fused_buffers_parts_go_through_the_engine_unpacked(pair, kind):
+    """allreduce_parts_async and broadcast_parts_async: the parts are copied into one slot by the
+    engine, one after another (no packing copy in Python), and the result lands in a new array."""
+    client, daemon = pair
+    python = general_way(client)
+    parts = [np.full(3, 1.0, np.float32), np.full(5, 2.0, np.float32)]
+    call = collectives.allreduce_parts_async if kind == "allreduce" else collectives.broadcast_parts_async
+    h = call(client, parts)
+    assert isinstance(h, EngineHandle)
+    s = until_submits(daemon, 1)[-1]
+    assert s.count == 8 and s.shard != 2**32 - 1
+    daemon.done(s, 4.0)
+    got = h.wait(timeout=5)
+    assert np.array_equal(got, np.full(8, 4.0, np.float32))
+    assert all(
+        np.array_equal(p, np.full(p.size, v, np.float32)) for p, v in zip(parts, (1.0, 2.0), strict=True)
+    )
+    assert client._handles == {} and client._arena.in_use == 0 and python == []
+
+
+def test_sources_that_are_not_the_submits_count_are_refused(pair):
+    """The engine copies what a rank sends (one buffer, or a fused buffer's parts) only when it is
+    the SUBMIT's count of its dtype: nothing is copied or pushed otherwise."""
+    client, _daemon = pair
+    arena = client._arena
+    slot, _lost = client._alloc_locked(16)
+    try:
+        with pytest.raises(ProtocolError, match=r"data \(8 bytes\) is not its count of its dtype"):
+            client._channel.start(
+                arena.native, Kind.ALLREDUCE, slot.segment, slot.offset, (np.zeros(2, np.float32),), 0, 99, 4,
+                DType.FLOAT32, ReduceOp.SUM, 0, 1.0, 0.0,
+            )  # fmt: skip
+    finally:
+        arena.free(slot)
