@@ -255,8 +255,9 @@ class EngineHandle(Handle):
     """A host collective run by the engine's fast path asynchronously (Client.start_async): its copy-in
     and SUBMIT were the engine's, and wait() runs its wait, copy-out (its Delivery) and RELEASE in the
     engine too, GIL released (WorkerChannel::finish). Nothing else is woken for it until a callback is
-    added: from then on, a DONE taken while nobody waits goes the general way (the client's DONE thread
-    runs `deliver` and the callbacks), as any Handle's."""
+    added or it is polled: from then on it is collected (Client._collect), and a DONE taken while
+    nobody waits is completed in the engine by the thread that took it (the client's DONE thread, or a
+    waiter), which then runs the callbacks (Client._on_engine_done)."""
 
     def __init__(
         self,
@@ -743,11 +744,12 @@ class Client:
     ) -> EngineHandle | None:
         """An asynchronous host collective of any kind, started by the engine (the copy of `src` into
         shared memory and the SUBMIT, GIL released: WorkerChannel::start); its handle's wait() runs the
-        rest there too, into `out`. `src` is what this rank sends (1-D, C-contiguous, or a tuple of
-        such parts sent one after another; empty: nothing, as a broadcast's other ranks and a barrier), `deliver` what the general way runs instead if the
-        DONE goes that way (a callback, a poll, a timeout), `result` what the handle gives back. None,
-        with nothing done, where it must go the general way: a timeline to record, or device copies
-        still queued ahead of it."""
+        rest there too, into `out`, and so does whichever thread takes its DONE once callbacks or a
+        poll wait for it (_collect). `src` is what this rank sends (1-D, C-contiguous, or a tuple of
+        such parts sent one after another; empty: nothing, as a broadcast's other ranks and a
+        barrier); `deliver` what Python runs instead should its DONE still come to Python (a Delivery
+        the engine refused); `result` what the handle gives back. None, with nothing done, where it
+        must go the general way: a timeline to record, or device copies still queued ahead of it."""
         made: list[EngineHandle] = []
 
         def register(seq: int, slot: Slot) -> Callable[[], None]:
