@@ -158,8 +158,7 @@ def allreduce_async(c: Client, buf: Any, op: Any = ReduceOp.SUM, stream: Any = N
         return _allreduce_device(c, dev, rop, stream, buf)
     _no_stream(stream)
     view = as_buffer(buf, writable=True)
-    handle = c.allreduce_engine(view, rop, buf)  # the engine's, where it can take it whole
-    return handle if handle is not None else _allreduce_pieces(c, view, rop, view.array, buf)
+    return _allreduce_pieces(c, view, rop, view.array, buf)
 
 
 def allreduce(c: Client, buf: Any, op: Any, timeout: float | None, stream: Any = None) -> Any:
@@ -174,6 +173,8 @@ def allreduce(c: Client, buf: Any, op: Any, timeout: float | None, stream: Any =
             dt is not None
             and flags.c_contiguous
             and flags.writeable
+            and buf.size
+            and len(pieces(buf.size, dt.itemsize, _piece_bytes(c))) == 1
             and c.allreduce_now(buf, dt, buf.size, check_op(op), timeout)
         ):
             return buf

@@ -665,16 +665,13 @@ class Client:
         """A blocking all-reduce of host memory in place, run by the engine from the copy into shared
         memory to the copy of the result back and its RELEASE (WorkerChannel start/finish, without
         the GIL): no Handle, no Python per DONE. False, with nothing done, where it must go the
-        general way: pieces (a large buffer in a job of several nodes), a timeline to record, an
-        empty buffer, or device copies still queued ahead of it.
+        general way: a timeline to record, or device copies still queued ahead of it.
 
-        `buf` is a C-contiguous, writable numpy array of `count` elements of `dtype` (the caller
-        checked). A collective that does not complete within `timeout` becomes a Handle like any
+        `buf` is a C-contiguous, writable numpy array of `count` elements of `dtype`, not empty and
+        taken whole (the caller checked: collectives.allreduce). A collective that does not complete within `timeout` becomes a Handle like any
         other (its result lands in `buf` when it comes) and CollectiveTimeoutError is raised, as
         wait() does.
         """
-        if count == 0 or self._pieced(count * dtype.itemsize):
-            return False
         return self._now(buf, dtype, count, op, timeout, Kind.ALLREDUCE)
 
     def barrier_now(self, timeout: float | None) -> bool:
@@ -682,11 +679,6 @@ class Client:
         released; no data): no Handle, no DONE thread. False, with nothing done, where it must go the
         general way (a timeline to record, device copies queued ahead of it)."""
         return self._now(NO_DATA, DType.UINT8, 0, None, timeout, Kind.BARRIER)
-
-    def _pieced(self, nbytes: int) -> bool:
-        """Whether an all-reduce of `nbytes` goes in pieces (collectives.pieces): the general way's."""
-        piece_bytes = self.config.pipeline_bytes if self.job.nnodes > 1 else 0
-        return 0 < piece_bytes < nbytes
 
     def _now(
         self,
@@ -711,23 +703,6 @@ class Client:
             return self._finish_now(buf, dtype, count, op, slot, seq, t, kind)
         finally:
             self._fast.discard(seq)  # (a set's discard is atomic under the GIL)
-
-    def allreduce_engine(self, view: BufferView, op: ReduceOp, result: Any) -> EngineHandle | None:
-        """An asynchronous all-reduce of host memory in place on the engine's path (start_async). None,
-        with nothing done, where it must go the general way (as allreduce_now: pieces, a timeline, an
-        empty buffer, device copies queued ahead of it). `result` is what the handle gives back."""
-        arr = view.array
-        if view.count == 0 or self._pieced(arr.nbytes):
-            return None
-
-        def deliver(r: np.ndarray) -> Any:
-            arr[:] = r.view(arr.dtype)
-            return result
-
-        return self.start_async(
-            Kind.ALLREDUCE, arr, view.dtype, view.count, op, 0, Delivery(arr, 0, arr.nbytes), deliver,
-            result, view.keepalive,
-        )  # fmt: skip
 
     def start_async(
         self,

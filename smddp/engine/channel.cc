@@ -317,48 +317,26 @@ RingWait WorkerChannel::pop(std::uint8_t* out, std::int64_t timeout_ns, std::int
   wake_takers();
   wake_background();
   if (r != RingWait::kReady) return r;
-  Descriptor d;
-  std::memcpy(d.data(), out, kSlotBytes);
   bool done = false;
-  r = complete_collected(d, &lock, &done);
+  r = complete_collected(out, &lock, &done);
   if (completed != nullptr) *completed = done;
   return r;
 }
 
-RingWait WorkerChannel::complete_collected(const Descriptor& d, std::unique_lock<std::mutex>* lock, bool* done) {
+RingWait WorkerChannel::complete_collected(const std::uint8_t* d, std::unique_lock<std::mutex>* lock, bool* done) {
   *done = false;
   Header h;
-  if (!decode_header(d.data(), kHeaderSize, &h).empty() || h.type != Msg::kDone) return RingWait::kReady;
+  if (!decode_header(d, kHeaderSize, &h).empty() || h.type != Msg::kDone) return RingWait::kReady;
   auto it = collected_.find(h.seq);
   if (it == collected_.end()) return RingWait::kReady;  // the general way's: the caller's to complete
   const Collected c = it->second;
   collected_.erase(it);
   lock->unlock();  // the copy and the RELEASE need none of the takers' state
   *done = true;
-  if (h.kind != c.kind || h.dtype != c.dtype || h.count != c.count) {
-    refused("DONE for collective #" + num(h.seq) + " does not match what this rank submitted");
-    return RingWait::kCorrupt;
-  }
-  // Its SEGMENT came before it on the same ring: a segment not in the table was never sent.
-  std::shared_ptr<Segment> seg = result(h.shard);
-  if (!seg) {
-    refused("DONE for #" + num(h.seq) + " names result segment " + num(h.shard) + ", which was never sent");
-    return RingWait::kCorrupt;
-  }
-  std::uint8_t* p = nullptr;
-  const std::string w = seg->range(h.offset, c.out.result_bytes, &p);
-  if (!w.empty()) {
-    refused("DONE for #" + num(h.seq) + ": " + w);
-    return RingWait::kCorrupt;
-  }
-  if (c.out.nbytes != 0) std::memcpy(c.out.dst, p + c.out.src_offset, c.out.nbytes);
-  const RingWait r =
-      release(c.rank, h.seq, static_cast<std::int64_t>(c.out.result_bytes), c.batch_bytes, c.timeout_ns, 0);
-  if (r == RingWait::kTimeout) {
-    refused("the daemon left this worker's submit ring full: the RELEASE of #" + num(h.seq) + " could not go");
-    return RingWait::kCorrupt;
-  }
-  return r;
+  const RingWait r = deliver(h, c.submit, c.out, c.batch_bytes, c.timeout_ns, 0);
+  if (r != RingWait::kTimeout) return r;
+  refused("the daemon left this worker's submit ring full: the RELEASE of #" + num(h.seq) + " could not go");
+  return RingWait::kCorrupt;
 }
 
 void WorkerChannel::kick() {
@@ -508,29 +486,39 @@ FastEnd WorkerChannel::finish(Arena& arena, const Slot& slot, const Header& subm
   if (end != FastEnd::kDone) return end;  // kTimeout: parked until adopt()
 
   Header h;
-  std::string w = decode_header(mine.data(), kHeaderSize, &h);
+  const std::string w = decode_header(mine.data(), kHeaderSize, &h);
   if (!w.empty()) return refused("the daemon wrote a descriptor that is not a frame: " + w);
-  if (h.kind != submit.kind || h.dtype != submit.dtype || h.count != submit.count)
-    return refused("DONE for collective #" + num(h.seq) + " does not match what this rank submitted");
-  // Its SEGMENT came before it on the same ring: a segment not in the table was never sent.
-  std::shared_ptr<Segment> result = this->result(h.shard);
-  if (!result)
-    return refused("DONE for #" + num(h.seq) + " names result segment " + num(h.shard) + ", which was never sent");
-  std::uint8_t* p = nullptr;
-  w = result->range(h.offset, out.result_bytes, &p);
-  if (!w.empty()) return refused("DONE for #" + num(h.seq) + ": " + w);
-  if (out.nbytes != 0) std::memcpy(out.dst, p + out.src_offset, out.nbytes);
+  const RingWait r = deliver(h, submit, out, batch_bytes, timeout_ns, spin_ns);
+  if (r == RingWait::kCorrupt) return FastEnd::kRefused;
   if (slot.segment != kNoSegment) {
-    w = arena.free(slot);
-    if (!w.empty()) return refused("input slot of #" + num(h.seq) + ": " + w);
+    const std::string fw = arena.free(slot);
+    if (!fw.empty()) return refused("input slot of #" + num(h.seq) + ": " + fw);
   }
+  return r == RingWait::kTimeout ? FastEnd::kRingFull : FastEnd::kDone;
+}
+
+RingWait WorkerChannel::deliver(const Header& h, const Header& submit, const Delivery& out, std::uint64_t batch_bytes,
+                                std::int64_t timeout_ns, std::int64_t spin_ns) {
+  if (h.kind != submit.kind || h.dtype != submit.dtype || h.count != submit.count) {
+    refused("DONE for collective #" + num(h.seq) + " does not match what this rank submitted");
+    return RingWait::kCorrupt;
+  }
+  // Its SEGMENT came before it on the same ring: a segment not in the table was never sent.
+  std::shared_ptr<Segment> seg = result(h.shard);
+  if (!seg) {
+    refused("DONE for #" + num(h.seq) + " names result segment " + num(h.shard) + ", which was never sent");
+    return RingWait::kCorrupt;
+  }
+  std::uint8_t* p = nullptr;
+  const std::string w = seg->range(h.offset, out.result_bytes, &p);
+  if (!w.empty()) {
+    refused("DONE for #" + num(h.seq) + ": " + w);
+    return RingWait::kCorrupt;
+  }
+  if (out.nbytes != 0) std::memcpy(out.dst, p + out.src_offset, out.nbytes);
   // The collective is complete: its RELEASE may wait for ring space the whole timeout, not what is
   // left of it (a full ring for that long means the daemon is gone).
-  const RingWait r =
-      release(submit.sender, h.seq, static_cast<std::int64_t>(out.result_bytes), batch_bytes, timeout_ns, spin_ns);
-  if (r == RingWait::kTimeout) return FastEnd::kRingFull;
-  if (r != RingWait::kReady) return FastEnd::kRefused;
-  return FastEnd::kDone;
+  return release(submit.sender, h.seq, static_cast<std::int64_t>(out.result_bytes), batch_bytes, timeout_ns, spin_ns);
 }
 
 bool WorkerChannel::collect(std::uint64_t seq, const Collected& how) {

@@ -151,11 +151,8 @@ class WorkerChannel {
   // result goes, and its RELEASE's batch and timeout. `out.dst` is the caller's, kept alive (and
   // unmoved) by the caller until the collective completes or the channel is gone.
   struct Collected {
+    Header submit;  // its SUBMIT's fingerprint (kind, dtype, count) and sender, as finish() takes it
     Delivery out;
-    std::uint8_t kind = 0;
-    std::uint8_t dtype = 0;
-    std::uint64_t count = 0;
-    std::uint32_t rank = 0;
     std::uint64_t batch_bytes = 0;
     std::int64_t timeout_ns = 0;
   };
@@ -229,7 +226,12 @@ class WorkerChannel {
   std::map<std::uint64_t, Collected> collected_;
   // With pop_mu_ held by `lock`: completes the collected collective whose DONE is `d`, if it is one
   // (unlocking to copy and RELEASE); kReady and *done true when it did, kCorrupt when it refused.
-  RingWait complete_collected(const Descriptor& d, std::unique_lock<std::mutex>* lock, bool* done);
+  RingWait complete_collected(const std::uint8_t* d, std::unique_lock<std::mutex>* lock, bool* done);
+  // `submit`'s DONE `h` taken, by its finish() or by a taker (collect): checked against `submit`,
+  // `out` copied from its result, its RELEASE held or sent. kCorrupt (why()) when refused; kTimeout
+  // when the RELEASE found the ring full for the whole timeout.
+  RingWait deliver(const Header& h, const Header& submit, const Delivery& out, std::uint64_t batch_bytes,
+                   std::int64_t timeout_ns, std::int64_t spin_ns);
   int side_ = -1;        // this worker's end of the side socket
   int daemon_end_ = -1;  // the daemon's, until passed
   std::mutex results_mu_;

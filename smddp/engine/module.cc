@@ -1248,10 +1248,12 @@ PyObject* channel_collect(PyObject* self, PyObject* args) {
   how.out = smddp::Delivery{static_cast<std::uint8_t*>(view.buf), static_cast<std::uint64_t>(view.len),
                             static_cast<std::uint64_t>(src_offset), static_cast<std::uint64_t>(result_bytes)};
   PyBuffer_Release(&view);  // the object itself is kept below: its memory stays where it is
-  how.kind = static_cast<std::uint8_t>(kind);
-  how.dtype = static_cast<std::uint8_t>(dtype);
-  how.count = static_cast<std::uint64_t>(count);
-  how.rank = static_cast<std::uint32_t>(rank);
+  how.submit.type = smddp::Msg::kSubmit;
+  how.submit.seq = static_cast<std::uint64_t>(seq);
+  how.submit.kind = static_cast<std::uint8_t>(kind);
+  how.submit.dtype = static_cast<std::uint8_t>(dtype);
+  how.submit.count = static_cast<std::uint64_t>(count);
+  how.submit.sender = static_cast<std::uint32_t>(rank);
   how.batch_bytes = static_cast<std::uint64_t>(batch);
   how.timeout_ns = static_cast<std::int64_t>(timeout * 1e9);
   auto* obj = reinterpret_cast<ChannelObject*>(self);

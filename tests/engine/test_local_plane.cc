@@ -260,10 +260,7 @@ void fast_collectives() {
               "start async: " + ch->why());
         smddp::WorkerChannel::Collected how;
         how.out = smddp::Delivery{reinterpret_cast<std::uint8_t*>(out->data()), nbytes, 0, nbytes};
-        how.kind = h.kind;
-        how.dtype = h.dtype;
-        how.count = h.count;
-        how.rank = rank;
+        how.submit = h;
         how.batch_bytes = 64 << 10;
         how.timeout_ns = 10 * kSecond;
         check(ch->collect(h.seq, how), "collect #" + std::to_string(it));
