@@ -78,12 +78,12 @@ SAN_FLAGS := -std=c++17 -O1 -g -Wall -Wextra -Wshadow -Werror -fno-omit-frame-po
 ENGINE_CORE := smddp/engine/frame.cc smddp/engine/layout.cc smddp/engine/reduce16.cc smddp/engine/reduce.cc smddp/engine/collective.cc \
   smddp/engine/node_state.cc smddp/engine/arena.cc smddp/engine/fdpass.cc \
   smddp/engine/tcp_fabric.cc smddp/engine/ofi_fabric.cc smddp/engine/ofi_wire.cc smddp/engine/ring.cc smddp/engine/channel.cc \
-  smddp/engine/local_plane.cc
+  smddp/engine/executor.cc smddp/engine/exchange.cc smddp/engine/worker_port.cc smddp/engine/local_plane.cc
 # Each driver's own bounded run under ASan+UBSan and under TSan (the coverage-guided libFuzzer runs of
 # engine-fuzz go deeper; `make fuzz` longer still).
 FUZZ_SECONDS ?= 4
 FUZZERS := fuzz_frame fuzz_layout fuzz_collective fuzz_node_state fuzz_reduce fuzz_ofi_wire
-ENGINE_TESTS := test_fabric test_ofi_fabric test_ring test_arena test_fdpass test_local_plane test_node_plane
+ENGINE_TESTS := test_executor test_fabric test_ofi_fabric test_ring test_arena test_fdpass test_local_plane test_node_plane
 # The engine's core is compiled once per sanitizer (objects under $(SAN_DIR)/asan and /tsan), and
 # each driver and test linked against it: 2 compiles of the core instead of 24.
 SAN_ASAN := -fsanitize=address,undefined -fno-sanitize-recover=all

@@ -85,6 +85,10 @@ class PlaneConfig:
     fabric: str = "tcp"  # "tcp", or "ofi" (libfabric from ofi_library, provider ofi_provider)
     ofi_library: str = ""
     ofi_provider: str = "efa"
+    # How take_completions classes what completed: size classes' upper limits in bytes and latency
+    # buckets' upper bounds in seconds, both ascending (smddp.daemon.stats declares them).
+    size_limits: tuple[int, ...] = ()
+    latency_buckets: tuple[float, ...] = ()
 
 
 # Memory bandwidth, not cores, bounds the reductions beyond about 8 threads; below 2 a large

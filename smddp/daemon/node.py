@@ -16,7 +16,7 @@ from smddp import _engine
 from smddp.daemon.config import DaemonConfig, PlaneConfig
 from smddp.daemon.fabric import FabricChoice
 from smddp.daemon.kernels import engine_kernels
-from smddp.daemon.stats import Stats
+from smddp.daemon.stats import LATENCY_BUCKETS, SIZE_LIMITS, Stats
 from smddp.errors import (
     AuthenticationError,
     CollectiveError,
@@ -27,7 +27,6 @@ from smddp.errors import (
     SmddpError,
 )
 from smddp.proto import handshake as hs
-from smddp.proto.dtypes import DType, Kind
 from smddp.proto.failure import exit_status_of, failure_frame, infra_of, infra_status, read_failure
 from smddp.proto.frames import HEADER_SIZE, Header, MsgType, Role, error_frame
 from smddp.proto.messages import (
@@ -139,6 +138,8 @@ class NodeDaemon:
             fabric=fabric.fabric,
             ofi_library=fabric.library,
             ofi_provider=fabric.provider,
+            size_limits=SIZE_LIMITS,
+            latency_buckets=LATENCY_BUCKETS,
         )
         self.plane = _engine.LocalPlane(plane, self.results.native, self.scratch.native)
         self._plane_reduced = (0, 0.0)  # the plane's reduced bytes and seconds already in self.stats
@@ -545,8 +546,8 @@ class NodeDaemon:
 
     def _count_plane_locked(self) -> None:
         plane = self.plane
-        for kind, dtype, nbytes, seconds in plane.take_completions():
-            self.stats.done(Kind(kind).label, DType(dtype).label, nbytes, seconds)
+        for kind, dtype, size_class, bucket, completed, seconds in plane.take_completions():
+            self.stats.done(kind, dtype, size_class, bucket, completed, seconds)
         totals = plane.counters()
         reduced, secs = totals.reduced_bytes, totals.reduce_seconds
         reduced0, secs0 = self._plane_reduced

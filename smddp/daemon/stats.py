@@ -7,16 +7,16 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-# Latency histograms are kept per size class, the way users reason about collectives.
+from smddp.proto.dtypes import DType, Kind
+
+# Latency histograms are kept per size class, the way users reason about collectives. The engine
+# classes each completion (its plane is built with SIZE_LIMITS and LATENCY_BUCKETS) and hands over
+# sums, so that no Python runs per collective.
 SIZE_CLASSES = ((64 << 10, "<=64KiB"), (1 << 20, "<=1MiB"), (16 << 20, "<=16MiB"), (None, ">16MiB"))
+SIZE_LIMITS = tuple(limit for limit, _ in SIZE_CLASSES if limit is not None)
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-
-
-def size_class(nbytes: int) -> str:
-    for limit, name in SIZE_CLASSES:
-        if limit is None or nbytes <= limit:
-            return name
-    return SIZE_CLASSES[-1][1]
+_KIND_LABELS = {k.value: k.label for k in Kind}
+_DTYPE_LABELS = {d.value: d.label for d in DType}
 
 
 @dataclass
@@ -25,13 +25,12 @@ class Histogram:
     total: float = 0.0
     n: int = 0
 
-    def add(self, seconds: float) -> None:
-        i = 0
-        while i < len(LATENCY_BUCKETS) and seconds > LATENCY_BUCKETS[i]:
-            i += 1
-        self.counts[i] += 1
+    def add(self, bucket: int, count: int, seconds: float) -> None:
+        """`count` latencies in `bucket` (an index into LATENCY_BUCKETS; its length: slower than all),
+        summing to `seconds`."""
+        self.counts[bucket] += count
         self.total += seconds
-        self.n += 1
+        self.n += count
 
 
 class Stats:
@@ -69,10 +68,12 @@ class Stats:
             self.reduce_bytes += nbytes
             self.reduce_seconds += seconds
 
-    def done(self, kind: str, dtype: str, nbytes: int, seconds: float) -> None:
+    def done(self, kind: int, dtype: int, size_class: int, bucket: int, count: int, seconds: float) -> None:
+        """`count` collectives of `kind` and `dtype` (wire codes) completed, in size class `size_class`
+        (an index into SIZE_CLASSES) and latency bucket `bucket`, their latencies summing to `seconds`."""
         with self._lock:
-            self.collectives[(kind, dtype)] += 1
-            self.latency[size_class(nbytes)].add(seconds)
+            self.collectives[(_KIND_LABELS[kind], _DTYPE_LABELS[dtype])] += count
+            self.latency[SIZE_CLASSES[size_class][1]].add(bucket, count, seconds)
 
     def error(self, kind: str, text: str) -> None:
         with self._lock:

@@ -1,8 +1,7 @@
-// The daemon's data plane: a thread per worker ring, the table's rules, the kernels, the shard
-// exchange with the other daemons over the fabric, DONE.
+// The daemon's data plane: the op table's rules and records, the kernels, what the worker ports, the
+// exchange and the executor are asked to do, DONE.
 #include "local_plane.h"
 
-#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -23,19 +22,12 @@ using Clock = std::chrono::steady_clock;
 // How long one pop of a link thread waits before it looks at its stop flag again: remove_worker
 // returns within about this much.
 constexpr std::int64_t kPopSliceNs = 20'000'000;
-// Completions (and traces) kept between two takes; past this the oldest go (the counters stay).
-constexpr std::size_t kMaxCompletions = 1 << 16;
-// How long close() waits for the peers to acknowledge what was sent to them.
-constexpr int kDrainMs = 2000;
-// The progress thread's longest sleep in the fabric: close() and heartbeats are never later than this.
-constexpr int kProgressSliceMs = 50;
+// Traces kept between two takes; past this the newest are not kept (the counters stay).
+constexpr std::size_t kMaxTraces = 1 << 16;
 
 // Collectives larger than this are reduced by the compute threads, smaller ones by the thread that
 // made the work ready (handing them to another thread would cost more than reducing them).
 constexpr std::uint64_t kInlineBytes = 64 << 10;
-// Send cookies: a data frame's is its collective's sequence number (below 2**63), a control frame's
-// has the top bit set.
-constexpr std::uint64_t kControlBit = std::uint64_t{1} << 63;
 
 std::uint64_t s_bytes(const Spec& s) { return s.count * s.itemsize; }
 
@@ -71,40 +63,6 @@ const char* phase_name(Phase p) {
   return p < kPhases ? kNames[p] : "?";
 }
 
-struct LocalPlane::Link {
-  Link(std::uint32_t l, std::uint32_t r, std::string n, std::shared_ptr<Segment> ch, int s)
-      : local(l),
-        rank(r),
-        name(std::move(n)),
-        channel(std::move(ch)),
-        side(s),
-        submit(channel->base(), kChannelSlots, false),
-        done(channel->base() + done_ring_offset(), kChannelSlots, false) {}
-  ~Link() { ::close(side); }
-  Link(const Link&) = delete;
-  Link& operator=(const Link&) = delete;
-  std::uint32_t local;
-  std::uint32_t rank;
-  std::string name;
-  std::shared_ptr<Segment> channel;
-  int side;         // the side socket: ATTACH fds read by this link's thread, SEGMENT fds sent under done_mu
-  RingView submit;  // popped by this link's thread only
-  RingView done;    // pushed under done_mu
-  std::mutex done_mu;
-  std::set<std::uint32_t> told;  // result segments whose SEGMENT went on the done ring (under done_mu)
-  std::map<std::uint32_t, std::shared_ptr<Segment>> segments;  // under the plane's mutex
-  std::atomic<bool> stop{false};
-  bool said_bye = false;  // under the plane's mutex
-  std::thread thread;
-  std::mutex join_mu;  // remove_worker and close may both join it, from two threads: one at a time
-
-  void join() {
-    stop.store(true, std::memory_order_release);
-    std::lock_guard<std::mutex> g(join_mu);
-    if (thread.joinable()) thread.join();
-  }
-};
-
 struct LocalPlane::Op {
   std::shared_ptr<Collective> c;
   Spec spec;
@@ -124,79 +82,30 @@ struct LocalPlane::Op {
   std::array<std::pair<double, double>, kPhases> spans{};  // first start, last end; 0: never
 };
 
-// A peer daemon as the plane sees it (under the plane's mutex).
-struct LocalPlane::Peer {
-  std::string name;
-  bool added = false;  // its link is in the fabric
-  bool down = false;
-  bool bye = false;  // its BYE came: every frame of it came before
-  std::uint64_t bytes_in = 0;
-  std::uint64_t bytes_out = 0;
-  std::uint64_t queued = 0;
-  struct Held {
-    std::array<std::uint8_t, kHeaderSize> header;
-    const std::uint8_t* payload;
-    std::uint64_t length;
-    std::uint64_t cookie;
-  };
-  std::vector<Held> before;  // frames queued before its link was handed over, in order
-  // The frame being received (progress thread): where its payload goes.
-  std::shared_ptr<Op> op;
-  Chunk chunk;
-  std::string control;
-  bool discard = false;
-};
-
 LocalPlane::LocalPlane(PlaneConfig cfg, Arena* results, Arena* scratch)
     : cfg_(std::move(cfg)),
       results_(results),
       scratch_(scratch),
       table_(cfg_.topo, cfg_.node_names.size() == cfg_.topo.nnodes ? cfg_.node_names : std::vector<std::string>{cfg_.me},
-             cfg_.rank_names) {
-  links_.resize(cfg_.topo.local_size);
+             cfg_.rank_names),
+      executor_(cfg_.threads, &failed_) {
+  ports_.resize(cfg_.topo.local_size);
   const std::uint32_t nn = cfg_.topo.nnodes;
   if (nn > 1) {
     if (scratch_ == nullptr || cfg_.node_names.size() != nn || cfg_.topo.node >= nn)
       throw std::invalid_argument("a plane of several nodes needs its scratch arena and a name per node");
-    peers_.resize(nn);
-    for (std::uint32_t j = 0; j < nn; j++) {
-      if (j == cfg_.topo.node) continue;
-      peers_[j] = std::make_unique<Peer>();
-      peers_[j]->name = cfg_.node_names[j];
-    }
-    std::string why;
-    if (cfg_.fabric == "ofi") {
-      OfiOptions o;
-      o.library = cfg_.ofi_library;
-      o.provider = cfg_.ofi_provider;
-      o.idle_ms = cfg_.heartbeat_ns / 1'000'000;
-      o.peers = nn - 1;
-      fabric_ = make_ofi_fabric(this, o, &why);
-    } else if (cfg_.fabric == "tcp") {
-      fabric_ = make_tcp_fabric(this, cfg_.heartbeat_ns / 1'000'000, &why);
-    } else {
-      why = "no fabric named '" + cfg_.fabric + "' (tcp or ofi)";
-    }
-    if (!fabric_) throw std::runtime_error("cannot start the fabric: " + why);
-    // Frames go out of and come into the two arenas: their segments are lent to the fabric once
-    // (registered, where it registers memory); those created later are lent as they come.
-    for (Arena* a : {results_, scratch_})
-      for (const auto& seg : a->segments()) {
-        why = fabric_->register_memory(seg->base(), seg->size());
-        if (!why.empty()) throw std::runtime_error("cannot register memory with the fabric: " + why);
-      }
-  }
-  try {
-    for (std::uint32_t i = 0; i < cfg_.threads; i++) pool_.emplace_back([this] { compute(); });
-    if (fabric_) progress_ = std::thread([this] { progress_loop(); });
-  } catch (...) {  // no destructor runs for a constructor that throws: stop what started
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      closed_ = true;
-    }
-    work_cv_.notify_all();
-    for (auto& t : pool_) t.join();
-    throw;
+    receiving_.resize(nn);
+    ExchangeConfig x;
+    x.node = cfg_.topo.node;
+    x.node_names = cfg_.node_names;
+    x.me = cfg_.me;
+    x.spin_ns = cfg_.spin_ns;
+    x.heartbeat_ns = cfg_.heartbeat_ns;
+    x.fabric = cfg_.fabric;
+    x.ofi_library = cfg_.ofi_library;
+    x.ofi_provider = cfg_.ofi_provider;
+    // Throws why not; the executor's threads (a member) stop as the constructor unwinds.
+    exchange_ = std::make_unique<Exchange>(std::move(x), static_cast<Exchange::Owner*>(this), results_, scratch_);
   }
 }
 
@@ -208,31 +117,30 @@ std::string LocalPlane::add_worker(std::uint32_t local, std::uint32_t rank, cons
     ::close(side);
     return why;
   };
-  if (local >= links_.size()) return refuse("local rank " + num(local) + " out of range");
+  if (local >= ports_.size()) return refuse("local rank " + num(local) + " out of range");
   if (!channel || channel->size() < channel_bytes() || !channel->writable())
     return refuse(name + ": its channel is not a writable segment of " + num(channel_bytes()) + " bytes");
   std::lock_guard<std::mutex> lock(mu_);
   if (closed_) return refuse("the plane is closed");
-  if (links_[local]) return refuse(name + " joined twice");
-  links_[local] = std::make_unique<Link>(local, rank, name, std::move(channel), side);
-  Link* link = links_[local].get();
-  link->thread = std::thread([this, link] { run(link); });
+  if (ports_[local]) return refuse(name + " joined twice");
+  ports_[local] = std::make_unique<WorkerPort>(local, rank, name, std::move(channel), side);
+  WorkerPort* port = ports_[local].get();
+  port->thread = std::thread([this, port] { run(port); });
   return {};
 }
 
 bool LocalPlane::remove_worker(std::uint32_t local) {
-  Link* link = nullptr;
+  WorkerPort* port = nullptr;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (local >= links_.size() || !links_[local]) return false;
-    link = links_[local].get();
+    if (local >= ports_.size() || !ports_[local]) return false;
+    port = ports_[local].get();
   }
-  link->join();
-  std::lock_guard<std::mutex> lock(mu_);
-  return link->said_bye;
+  port->join();
+  return port->said_bye.load();
 }
 
-void LocalPlane::run(Link* link) {
+void LocalPlane::run(WorkerPort* link) {
   alignas(8) std::uint8_t slot[kSlotBytes];
   for (;;) {
     // Once told to stop, whatever the worker had published is still handled (its last RELEASEs and
@@ -250,7 +158,7 @@ void LocalPlane::run(Link* link) {
   }
 }
 
-void LocalPlane::handle(Link* link, const std::uint8_t* slot) {
+void LocalPlane::handle(WorkerPort* link, const std::uint8_t* slot) {
   Header h;
   const std::string why = decode_header(slot, kHeaderSize, &h);
   if (!why.empty()) return fail(Verdict{Fault::kProtocol, link->name + " wrote a descriptor that is not a frame: " + why});
@@ -267,44 +175,42 @@ void LocalPlane::handle(Link* link, const std::uint8_t* slot) {
   }
 }
 
-void LocalPlane::on_attach(Link* link, const Header& h) {
+void LocalPlane::on_attach(WorkerPort* link, const Header& h) {
   // Its fd was sent on the side socket before this descriptor was pushed: it is there now, or never.
   int fd = -1;
   std::string w = recv_fd(link->side, h.shard, h.offset, &fd);
   std::shared_ptr<Segment> seg;
   if (w.empty()) seg = Segment::attach(h.shard, fd, h.offset, false, &w);
   if (!seg) return fail(Verdict{Fault::kProtocol, link->name + " wrote ATTACH of " + w});
-  std::lock_guard<std::mutex> lock(mu_);
   if (failed_) return;
-  if (!link->segments.emplace(h.shard, std::move(seg)).second)
-    return fail_locked(Verdict{Fault::kProtocol, link->name + ": segment " + num(h.shard) + " attached twice"});
+  if (!link->segments.emplace(h.shard, std::move(seg)).second)  // this port's thread alone
+    return fail(Verdict{Fault::kProtocol, link->name + ": segment " + num(h.shard) + " attached twice"});
 }
 
-void LocalPlane::on_submit(Link* link, const Header& h) {
+void LocalPlane::on_submit(WorkerPort* link, const Header& h) {
   Spec spec;
   if (!spec_of(h, &spec))
     return fail(Verdict{Fault::kProtocol, link->name + " submitted collective #" + num(h.seq) + " of an impossible size"});
   const std::uint64_t nbytes = s_bytes(spec);
-  std::unique_lock<std::mutex> lock(mu_);
-  if (failed_) return;
   std::shared_ptr<Segment> seg;
   const std::uint8_t* data = nullptr;
   if (h.shard != kNoSegment) {
-    // Its ATTACH came before it on the same ring.
+    // Its ATTACH came before it on the same ring (this port's thread keeps the segments).
     auto it = link->segments.find(h.shard);
     if (it == link->segments.end())
-      return fail_locked(
-          Verdict{Fault::kProtocol, link->name + " named segment " + num(h.shard) + ", which it never attached"});
+      return fail(Verdict{Fault::kProtocol, link->name + " named segment " + num(h.shard) + ", which it never attached"});
     seg = it->second;
     std::uint8_t* p = nullptr;
     const std::string w = seg->range(h.offset, nbytes, &p);
     if (!w.empty())
-      return fail_locked(Verdict{Fault::kProtocol,
-                                 link->name + " submitted collective #" + num(h.seq) + " outside its memory: " + w});
+      return fail(Verdict{Fault::kProtocol,
+                          link->name + " submitted collective #" + num(h.seq) + " outside its memory: " + w});
     data = p;
   } else if (nbytes != 0 && !(is_kind(spec, Kind::kBroadcast) && h.aux != link->rank)) {
-    return fail_locked(Verdict{Fault::kProtocol, link->name + " submitted collective #" + num(h.seq) + " without data"});
+    return fail(Verdict{Fault::kProtocol, link->name + " submitted collective #" + num(h.seq) + " without data"});
   }
+  std::unique_lock<std::mutex> lock(mu_);
+  if (failed_) return;
   std::shared_ptr<Collective> c;
   bool created = false, all_in = false;
   const Verdict v = table_.submit(link->local, spec, &c, &created, &all_in);
@@ -376,14 +282,16 @@ std::shared_ptr<LocalPlane::Op> LocalPlane::new_op_locked(const Spec& spec, std:
 
 void LocalPlane::start_locked(const std::shared_ptr<Op>& op, std::vector<Task> tasks,
                               std::unique_lock<std::mutex>* lock) {
-  if (!pool_.empty() && tasks.size() > 1 && s_bytes(op->spec) > kInlineBytes) {
+  lock->unlock();
+  if (!executor_.empty() && tasks.size() > 1 && s_bytes(op->spec) > kInlineBytes) {
     // Large, in several chunks: the compute threads share them, and this thread goes back to its
     // ring or link. (A single chunk gains nothing from a hand-off but its wake-up.)
-    for (Task& t : tasks) (t.server ? server_queue_ : queue_).push_back(std::move(t));
-    work_cv_.notify_all();
+    std::vector<Executor::Task> local, server;
+    for (Task& t : tasks) (t.server ? server : local).push_back([this, t] { run_task(t); });
+    if (!server.empty()) executor_.post(std::move(server), true);
+    if (!local.empty()) executor_.post(std::move(local), false);
     return;
   }
-  lock->unlock();
   // Small: this thread runs the work now (a hand-off would cost more than the work).
   for (const Task& t : tasks)
     if (!run_task(t)) return;
@@ -478,17 +386,13 @@ bool LocalPlane::run_local(const std::shared_ptr<Op>& op, const Chunk& t) {
     // One local input is its own partial: it goes out from the worker's slot, which the worker
     // reuses only after DONE, i.e. after this chunk's RESULT came back from a server that had
     // received all of it. (A reduce_scatter gets no RESULT for this chunk: it sends a copy.)
-    std::unique_lock<std::mutex> lock(mu_);
-    return send_data_locked(op, t.shard, Msg::kPartial, t.shard, off, o.inputs[0] + off, len);
+    return send_data(op, t.shard, Msg::kPartial, t.shard, off, o.inputs[0] + off, len);
   }
   // The partial goes out from the result region: the result of this chunk only comes back after the
   // server has it, so nothing overwrites it before the send is done.
   if (!fold(o, in, n, o.out + off, true)) return false;
   if (cfg_.trace) phase(o, kLocalReduce, w0, wall());
-  {
-    std::unique_lock<std::mutex> lock(mu_);
-    if (!send_data_locked(op, t.shard, Msg::kPartial, t.shard, off, o.out + off, len)) return false;
-  }
+  if (!send_data(op, t.shard, Msg::kPartial, t.shard, off, o.out + off, len)) return false;
   if (is_kind(s, Kind::kReduceScatter)) return chunk_done(op);  // no RESULT comes back for another's shard
   return true;
 }
@@ -515,17 +419,16 @@ void LocalPlane::partial_in(const std::shared_ptr<Op>& op, std::uint64_t index, 
   std::unique_lock<std::mutex> lock(mu_);
   if (failed_) return;
   bool ready = false;
-  const std::string& who = from == cfg_.topo.node ? cfg_.me : peers_[from]->name;
+  const std::string& who = from == cfg_.topo.node ? cfg_.me : cfg_.node_names[from];
   const std::string w = op->c->partial_arrived(index, from, who, &ready);
   if (!w.empty()) return fail_locked(Verdict{Fault::kProtocol, w});
   if (!ready) return;
   const Chunk chunk = op->c->own_chunk(index);
-  if (!pool_.empty() && s_bytes(op->spec) > kInlineBytes) {
-    server_queue_.push_back(Task{op, chunk, true});
-    work_cv_.notify_one();
+  lock.unlock();
+  if (!executor_.empty() && s_bytes(op->spec) > kInlineBytes) {
+    executor_.post({[this, op, chunk] { run_server(op, chunk); }}, true);
     return;
   }
-  lock.unlock();
   run_server(op, chunk);
 }
 
@@ -551,15 +454,13 @@ bool LocalPlane::chunk_done(const std::shared_ptr<Op>& op) {
 
 bool LocalPlane::send_all(const std::shared_ptr<Op>& op, Msg type, std::uint32_t shard, std::uint64_t offset,
                           const std::uint8_t* payload, std::uint64_t length) {
-  std::unique_lock<std::mutex> lock(mu_);
   for (std::uint32_t j = 0; j < cfg_.topo.nnodes; j++)
-    if (j != cfg_.topo.node && !send_data_locked(op, j, type, shard, offset, payload, length)) return false;
+    if (j != cfg_.topo.node && !send_data(op, j, type, shard, offset, payload, length)) return false;
   return true;
 }
 
-bool LocalPlane::send_data_locked(const std::shared_ptr<Op>& op, std::uint32_t node, Msg type, std::uint32_t shard,
-                                  std::uint64_t offset, const std::uint8_t* payload, std::uint64_t length) {
-  if (failed_) return false;
+bool LocalPlane::send_data(const std::shared_ptr<Op>& op, std::uint32_t node, Msg type, std::uint32_t shard,
+                           std::uint64_t offset, const std::uint8_t* payload, std::uint64_t length) {
   const Spec& s = op->spec;
   Header h;
   h.type = type;
@@ -576,46 +477,31 @@ bool LocalPlane::send_data_locked(const std::shared_ptr<Op>& op, std::uint32_t n
   std::uint8_t frame[kHeaderSize];
   std::string w = encode_header(h, frame);
   if (!w.empty()) {
-    fail_locked(Verdict{Fault::kProtocol, cfg_.me + ": " + w});
+    fail(Verdict{Fault::kProtocol, cfg_.me + ": " + w});
     return false;
   }
-  op->c->send_started();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (failed_) return false;
+    op->c->send_started();  // counted before it can leave: its data_sent finds it counted
+  }
+  // The fabric outside the table's lock: a send may wait for the fabric's own lock, or copy.
   bool left = false;
-  w = send_locked(node, frame, payload, length, s.seq, &left);
+  w = exchange_->send_data(node, frame, payload, length, s.seq, &left);
   if (!w.empty()) {
-    fail_locked(Verdict{Fault::kPeerLost, cfg_.me + " cannot send to " + peers_[node]->name + ": " + w});
+    fail(Verdict{Fault::kPeerLost, cfg_.me + " cannot send to " + cfg_.node_names[node] + ": " + w});
     return false;
   }
+  if (!cfg_.trace && !left) return true;
+  std::lock_guard<std::mutex> lock(mu_);
   if (cfg_.trace) {
     const double now = wall();
     phase_locked(*op, kSend, now, now);
   }
-  // Gone at once: as on_sent. (It cannot retire the collective here: a frame is always sent before
+  // Gone at once: as data_sent. (It cannot retire the collective here: a frame is always sent before
   // the chunk it belongs to completes, so the caller's memory stays.)
   if (left && table_.send_finished(s.seq)) retire_locked(s.seq);
   return true;
-}
-
-std::string LocalPlane::send_locked(std::uint32_t node, const std::uint8_t* header, const std::uint8_t* payload,
-                                    std::uint64_t length, std::uint64_t cookie, bool* left) {
-  *left = false;
-  Peer* p = node < peers_.size() ? peers_[node].get() : nullptr;
-  if (p == nullptr) return "no peer node " + num(node) + " in this job";
-  if (p->down) return "its link is down";
-  p->queued++;
-  if (!(cookie & kControlBit)) p->bytes_out += kHeaderSize + length;  // data frames, as status counts them
-  if (!p->added) {  // not handed over yet: these go first when it is
-    Peer::Held held{};
-    std::memcpy(held.header.data(), header, kHeaderSize);
-    held.payload = payload;
-    held.length = length;
-    held.cookie = cookie;
-    p->before.push_back(held);
-    return {};
-  }
-  const std::string w = fabric_->send(node, header, payload, length, cookie, left);
-  if (*left) p->queued--;
-  return w;
 }
 
 void LocalPlane::phase_locked(Op& op, Phase p, double t0, double t1) {
@@ -633,27 +519,27 @@ void LocalPlane::phase(Op& op, Phase p, double t0, double t1) {
   phase_locked(op, p, t0, t1);
 }
 
-void LocalPlane::compute() {
-  std::unique_lock<std::mutex> lock(mu_);
-  for (;;) {
-    work_cv_.wait(lock, [this] { return closed_ || !queue_.empty() || !server_queue_.empty(); });
-    std::deque<Task>& q = server_queue_.empty() ? queue_ : server_queue_;  // server work first
-    if (q.empty()) return;  // closed
-    Task task = std::move(q.front());
-    q.pop_front();
-    if (failed_) continue;  // a failed job's work is dropped
-    lock.unlock();
-    run_task(task);
-    lock.lock();
-  }
-}
-
 void LocalPlane::complete_locked(const std::shared_ptr<Op>& op, std::unique_lock<std::mutex>* lock) {
   const Spec& s = op->spec;
   collectives_.fetch_add(1, std::memory_order_relaxed);
-  if (completions_.size() < kMaxCompletions)
-    completions_.push_back(Completion{s.kind, s.dtype, s.count * s.itemsize,
-                                      std::chrono::duration<double>(Clock::now() - op->t0).count()});
+  {
+    const std::uint64_t nbytes = s.count * s.itemsize;
+    const double seconds = std::chrono::duration<double>(Clock::now() - op->t0).count();
+    const auto size_class = static_cast<std::uint8_t>(
+        std::lower_bound(cfg_.size_limits.begin(), cfg_.size_limits.end(), nbytes) - cfg_.size_limits.begin());
+    const auto bucket = static_cast<std::uint8_t>(
+        std::lower_bound(cfg_.latency_buckets.begin(), cfg_.latency_buckets.end(), seconds) -
+        cfg_.latency_buckets.begin());
+    const std::uint32_t key = std::uint32_t{s.kind} << 24 | std::uint32_t{s.dtype} << 16 |
+                              std::uint32_t{size_class} << 8 | bucket;
+    Completion& row = completions_[key];
+    row.kind = s.kind;
+    row.dtype = s.dtype;
+    row.size_class = size_class;
+    row.bucket = bucket;
+    row.count++;
+    row.seconds += seconds;
+  }
   Header h;
   h.type = Msg::kDone;
   h.sender = cfg_.topo.node;
@@ -670,45 +556,17 @@ void LocalPlane::complete_locked(const std::shared_ptr<Op>& op, std::unique_lock
   if (!w.empty()) return fail_locked(Verdict{Fault::kProtocol, cfg_.me + ": " + w});
   const std::shared_ptr<Segment> result = op->result_seg;
   const std::uint32_t rid = op->result.segment;
-  std::vector<Link*> to;
-  for (auto& l : links_)
-    if (l && !l->said_bye && !l->stop.load()) to.push_back(l.get());
-  lock->unlock();  // a full ring may make a push wait: never with the plane's lock held
-  for (Link* l : to) {
-    RingWait r = RingWait::kReady;
-    {
-      std::lock_guard<std::mutex> g(l->done_mu);
-      if (!l->told.count(rid)) {
-        // The first DONE in this result segment for this worker: its SEGMENT just ahead of it on
-        // the same ring, its fd on the side socket before that.
-        Header sh;
-        sh.type = Msg::kSegment;
-        sh.sender = cfg_.topo.node;
-        sh.shard = rid;
-        sh.offset = result->size();
-        std::uint8_t seg_frame[kHeaderSize];
-        const std::string sw = encode_header(sh, seg_frame);
-        if (!sw.empty()) return fail(Verdict{Fault::kProtocol, cfg_.me + ": " + sw});
-        bool gone = false;
-        const std::string sent = send_fd(l->side, rid, sh.offset, result->fd(), &gone);
-        // A worker whose end has closed is gone: its connection's end says so and names it.
-        if (gone) continue;
-        if (!sent.empty())
-          return fail(Verdict{Fault::kPeerLost, l->name + " did not take its result segments: " + sent});
-        r = l->done.push(seg_frame, kHeaderSize, cfg_.push_timeout_ns, 0);
-        if (r == RingWait::kReady) l->told.insert(rid);
-      }
-      if (r == RingWait::kReady) r = l->done.push(frame, kHeaderSize, cfg_.push_timeout_ns, 0);
-    }
-    if (r == RingWait::kTimeout)
-      return fail(Verdict{Fault::kPeerLost, l->name + " did not take its results for " +
-                                                num(static_cast<std::uint64_t>(cfg_.push_timeout_ns / 1'000'000'000)) +
-                                                " s (its done ring stayed full)"});
-    if (r == RingWait::kCorrupt) return fail(Verdict{Fault::kProtocol, l->name + " broke its done ring: " + l->done.why()});
+  std::vector<WorkerPort*> to;
+  for (auto& port : ports_)
+    if (port && !port->said_bye.load() && !port->stop.load()) to.push_back(port.get());
+  lock->unlock();  // a full ring may make a push wait: never with the table's lock held
+  for (WorkerPort* port : to) {
+    const Verdict v = port->push_done(frame, rid, *result, cfg_.topo.node, cfg_.push_timeout_ns);
+    if (!v.ok()) return fail(v);
   }
 }
 
-void LocalPlane::on_release(Link* link, const Header& h) {
+void LocalPlane::on_release(WorkerPort* link, const Header& h) {
   std::lock_guard<std::mutex> lock(mu_);
   if (failed_) return;
   bool retire = false;
@@ -727,7 +585,7 @@ void LocalPlane::retire_locked(std::uint64_t seq) {
     if (w.empty()) w = w2;
     op.has_server = false;
   }
-  if (cfg_.trace && traces_.size() < kMaxCompletions) {
+  if (cfg_.trace && traces_.size() < kMaxTraces) {
     Trace t{seq, describe(op.spec), {}};
     for (std::uint8_t p = 0; p < kPhases; p++)
       if (op.spans[p].first != 0 || op.spans[p].second != 0) t.phases.push_back({static_cast<Phase>(p), op.spans[p]});
@@ -737,9 +595,9 @@ void LocalPlane::retire_locked(std::uint64_t seq) {
   if (!w.empty()) fail_locked(Verdict{Fault::kProtocol, cfg_.me + ": " + w});
 }
 
-void LocalPlane::on_bye(Link* link) {
+void LocalPlane::on_bye(WorkerPort* link) {
+  link->said_bye.store(true);
   std::lock_guard<std::mutex> lock(mu_);
-  link->said_bye = true;
   if (failed_) return;
   const Verdict v = table_.rank_said_bye(link->local);
   if (!v.ok()) fail_locked(v);
@@ -748,280 +606,145 @@ void LocalPlane::on_bye(Link* link) {
 // ------------------------------------------------------------------------------------ peers
 
 std::string LocalPlane::add_peer(std::uint32_t node, int fd) {
-  std::lock_guard<std::mutex> lock(mu_);
-  Peer* p = !closed_ && fabric_ && node < peers_.size() ? peers_[node].get() : nullptr;
-  std::string w;
-  if (closed_) w = "the plane is closed";
-  else if (p == nullptr) w = "no peer node " + num(node) + " in this job";
-  else if (p->added || p->down) w = p->name + " connected twice";
-  else w = fabric_->add_peer(node, fd);
-  if (!w.empty()) {
-    ::close(fd);
-    return w;
-  }
-  p->added = true;
-  for (const Peer::Held& f : p->before) {
-    w = fabric_->send(node, f.header.data(), f.payload, f.length, f.cookie);
-    if (!w.empty()) {
-      fail_locked(Verdict{Fault::kPeerLost, cfg_.me + " cannot send to " + p->name + ": " + w});
-      break;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_ || !exchange_) {
+      ::close(fd);
+      return closed_ ? "the plane is closed" : "no peer node " + num(node) + " in this job";
     }
   }
-  p->before.clear();
-  return {};
+  return exchange_->add_peer(node, fd);
 }
 
 std::string LocalPlane::send_control(std::uint32_t node, const std::uint8_t header[kHeaderSize], std::string payload) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (closed_) return "the plane is closed";
-  if (!fabric_ || node >= peers_.size() || !peers_[node]) return "no peer node " + num(node) + " in this job";
-  const std::uint64_t cookie = kControlBit | ++next_control_;
-  auto it = control_out_.emplace(cookie, std::make_pair(node, std::move(payload))).first;
-  // The map's node, and so the string's bytes, stay where they are until on_sent erases it.
-  const std::string& bytes = it->second.second;
-  bool left = false;
-  const std::string w =
-      send_locked(node, header, reinterpret_cast<const std::uint8_t*>(bytes.data()), bytes.size(), cookie, &left);
-  if (!w.empty() || left) control_out_.erase(it);
-  if (left) flush_cv_.notify_all();
-  return w;
-}
-
-bool LocalPlane::flush(std::int64_t timeout_ns) {
-  std::unique_lock<std::mutex> lock(mu_);
-  return flush_cv_.wait_for(lock, std::chrono::nanoseconds(timeout_ns), [this] { return control_out_.empty(); });
-}
-
-void LocalPlane::beat() {
-  Header h;
-  h.type = Msg::kHeartbeat;
-  h.sender = cfg_.topo.node;
-  std::uint8_t frame[kHeaderSize];
-  if (!encode_header(h, frame).empty()) return;
-  std::lock_guard<std::mutex> lock(mu_);
-  for (std::uint32_t j = 0; j < peers_.size(); j++) {
-    Peer* p = peers_[j].get();
-    if (p == nullptr || !p->added || p->down || p->bye) continue;
-    const std::uint64_t cookie = kControlBit | ++next_control_;
-    auto it = control_out_.emplace(cookie, std::make_pair(j, std::string())).first;
-    bool left = false;
-    if (!send_locked(j, frame, nullptr, 0, cookie, &left).empty() || left) control_out_.erase(it);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) return "the plane is closed";
   }
+  if (!exchange_) return "no peer node " + num(node) + " in this job";
+  return exchange_->send_control(node, header, std::move(payload));
 }
 
-void LocalPlane::progress_loop() {
-  const std::int64_t period_ns = cfg_.heartbeat_ns / 4;
-  Clock::time_point busy = Clock::now();
-  Clock::time_point next_beat = busy + std::chrono::nanoseconds(period_ns);
-  while (!progress_stop_.load(std::memory_order_acquire)) {
-    Clock::time_point now = Clock::now();
-    // After activity, poll the fabric without waiting for spin_ns (yielding the core between polls, as
-    // the rings' waits do: on an oversubscribed machine the peers' and workers' threads run meanwhile),
-    // then sleep in it.
-    int wait_ms = 0;
-    if (std::chrono::duration_cast<std::chrono::nanoseconds>(now - busy).count() >= cfg_.spin_ns) {
-      wait_ms = kProgressSliceMs;
-      if (period_ns > 0) {
-        const auto to_beat = std::chrono::duration_cast<std::chrono::milliseconds>(next_beat - now).count();
-        wait_ms = static_cast<int>(std::max<std::int64_t>(1, std::min<std::int64_t>(wait_ms, to_beat)));
-      }
-    }
-    if (fabric_->progress(wait_ms) > 0)
-      busy = Clock::now();
-    else if (wait_ms == 0)
-      sched_yield();
-    if (period_ns > 0 && (now = Clock::now()) >= next_beat) {
-      beat();
-      next_beat = now + std::chrono::nanoseconds(period_ns);
-    }
-  }
+bool LocalPlane::flush(std::int64_t timeout_ns) { return exchange_ ? exchange_->flush(timeout_ns) : true; }
+
+void LocalPlane::refuse(Receiving* r, const Verdict& v) {
+  // The job fails, and the frame is read and dropped: the link stays up, so that the failure's ERROR
+  // reaches this peer too.
+  fail(v);
+  r->discard = true;
 }
 
-std::string LocalPlane::refuse_locked(Peer* p, const Verdict& v) {
-  // The job fails, and the frame is read and dropped: the link stays up, so that the failure's
-  // ERROR reaches this peer too (a link closed with bytes unread is reset, and what was queued on
-  // it lost). Only a header the fabric cannot decode closes a link: nothing after it can be framed.
-  fail_locked(v);
-  p->discard = true;
-  return {};
-}
-
-std::string LocalPlane::on_header(std::uint32_t peer, const Header& h, std::uint8_t** dest) {
+void LocalPlane::data_header(std::uint32_t peer, const Header& h, std::uint8_t** dest) {
   *dest = nullptr;
-  std::lock_guard<std::mutex> lock(mu_);
-  Peer* p = peer < peers_.size() ? peers_[peer].get() : nullptr;
-  if (p == nullptr) return "a link to no peer";  // never: the fabric only has links add_peer gave it
-  const std::string& who = p->name;
-  p->op.reset();
-  p->control.clear();
-  p->discard = false;
-  switch (h.type) {
-    case Msg::kHeartbeat:
-    case Msg::kStatus:
-    case Msg::kBye:
-      return {};
-    case Msg::kReport:
-    case Msg::kError:  // decode_header bounded their lengths
-      p->control.resize(h.length);
-      if (h.length != 0) *dest = reinterpret_cast<std::uint8_t*>(&p->control[0]);
-      return {};
-    case Msg::kPartial:
-    case Msg::kResult:
-    case Msg::kBlock:
-      break;
-    default:
-      return refuse_locked(p, Verdict{Fault::kProtocol,
-                                      who + " sent " + msg_name(static_cast<std::uint8_t>(h.type)) +
-                                          ", which daemons may not send"});
-  }
+  Receiving& r = receiving_[peer];
+  r.op.reset();
+  r.discard = false;
+  const std::string& who = cfg_.node_names[peer];
   std::string w;
   Spec spec;
   if (h.sender != peer) w = who + " sent a frame claiming to be from node " + num(h.sender);
   else if (!spec_of(h, &spec)) w = who + " sent collective #" + num(h.seq) + " of an impossible size";
-  if (!w.empty()) return refuse_locked(p, Verdict{Fault::kProtocol, w});
+  if (!w.empty()) return refuse(&r, Verdict{Fault::kProtocol, w});
+  std::unique_lock<std::mutex> lock(mu_);
   if (failed_ || closed_) {
     // The job is over: read the payload and drop it, keeping the link up for our ERROR and BYE.
-    p->discard = true;
-    return {};
+    r.discard = true;
+    return;
   }
   std::shared_ptr<Collective> c;
   bool created = false;
   const Verdict v = table_.op_for(spec, who, &c, &created);
-  if (!v.ok()) return refuse_locked(p, v);
   std::shared_ptr<Op> op;
-  if (created) {
-    op = new_op_locked(spec, c, &w);
-  } else {
-    auto it = ops_.find(h.seq);
-    if (it != ops_.end()) op = it->second;
-    else w = cfg_.me + ": collective #" + num(h.seq) + " has no record";
+  if (v.ok()) {
+    if (created) {
+      op = new_op_locked(spec, c, &w);
+    } else {
+      auto it = ops_.find(h.seq);
+      if (it != ops_.end()) op = it->second;
+      else w = cfg_.me + ": collective #" + num(h.seq) + " has no record";
+    }
   }
-  if (!op) return refuse_locked(p, Verdict{Fault::kProtocol, w});
   Chunk ch;
-  const std::uint64_t isz = spec.itemsize;
   std::uint8_t* to = nullptr;
-  if (h.type == Msg::kBlock) {
-    w = op->c->locate_block(peer, h.offset, h.length, who, &ch);
-    to = op->out + ch.start;
-  } else if (h.type == Msg::kPartial) {
-    w = op->c->locate_partial(peer, h.shard, h.offset, h.length, who, cfg_.me, &ch);
-    if (w.empty() && !op->has_server) w = cfg_.me + ": collective #" + num(h.seq) + " has no server rows";
-    if (w.empty()) to = op->rows + peer * op->row_bytes + (ch.start - op->c->own_range().start) * isz;
-  } else {
-    w = op->c->locate_result(peer, h.shard, h.offset, h.length, who, &ch);
-    to = op->out + ch.start * isz;
+  if (op) {
+    const std::uint64_t isz = spec.itemsize;
+    if (h.type == Msg::kBlock) {
+      w = op->c->locate_block(peer, h.offset, h.length, who, &ch);
+      to = op->out + ch.start;
+    } else if (h.type == Msg::kPartial) {
+      w = op->c->locate_partial(peer, h.shard, h.offset, h.length, who, cfg_.me, &ch);
+      if (w.empty() && !op->has_server) w = cfg_.me + ": collective #" + num(h.seq) + " has no server rows";
+      if (w.empty()) to = op->rows + peer * op->row_bytes + (ch.start - op->c->own_range().start) * isz;
+    } else {
+      w = op->c->locate_result(peer, h.shard, h.offset, h.length, who, &ch);
+      to = op->out + ch.start * isz;
+    }
   }
-  if (!w.empty()) return refuse_locked(p, Verdict{Fault::kProtocol, w});
-  p->op = std::move(op);
-  p->chunk = ch;
+  if (!v.ok() || !op || !w.empty()) {
+    fail_locked(!v.ok() ? v : Verdict{Fault::kProtocol, w});
+    r.discard = true;
+    return;
+  }
+  r.op = std::move(op);
+  r.chunk = ch;
   if (h.length != 0) *dest = to;
   if (cfg_.trace) {
     const double now = wall();
-    phase_locked(*p->op, kReceive, now, now);
+    phase_locked(*r.op, kReceive, now, now);
   }
-  return {};
 }
 
-void LocalPlane::on_frame(std::uint32_t peer, const Header& h) {
-  std::shared_ptr<Op> op;
-  Chunk ch;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    Peer* p = peers_[peer].get();
-    switch (h.type) {
-      case Msg::kHeartbeat:
-        return;
-      case Msg::kBye:
-        // Its BYE follows all its frames: a collective not done here never gets what it lacks.
-        p->bye = true;
-        if (!failed_) {
-          const Verdict v = table_.peer_said_bye(peer);
-          if (!v.ok()) fail_locked(v);
-        }
-        [[fallthrough]];
-      case Msg::kStatus:
-      case Msg::kReport:
-      case Msg::kError: {
-        PlaneEvent e{PlaneEvent::kPeer, {}, peer, h, std::move(p->control)};
-        p->control.clear();
-        push_event_locked(std::move(e));
-        return;
-      }
-      default:
-        break;
-    }
-    p->bytes_in += kHeaderSize + h.length;  // data frames, as status counts them
-    if (p->discard || !p->op) return;
-    op = std::move(p->op);
-    ch = p->chunk;
-    if (cfg_.trace) {
-      const double now = wall();
-      phase_locked(*op, kReceive, now, now);
-    }
-  }
+void LocalPlane::data_frame(std::uint32_t peer, const Header& h) {
+  Receiving& r = receiving_[peer];
+  if (r.discard || !r.op) return;
+  std::shared_ptr<Op> op = std::move(r.op);
+  r.op.reset();
+  const Chunk ch = r.chunk;
+  if (cfg_.trace) phase(*op, kReceive, wall(), wall());
   if (h.type == Msg::kPartial) partial_in(op, ch.index, peer);
   else chunk_done(op);
 }
 
-void LocalPlane::on_sent(std::uint32_t peer, std::uint64_t cookie) {
+void LocalPlane::data_sent(std::uint64_t seq) {
   std::lock_guard<std::mutex> lock(mu_);
-  Peer* p = peers_[peer].get();
-  if (p->queued > 0) p->queued--;
-  if (cookie & kControlBit) {
-    control_out_.erase(cookie);
-    flush_cv_.notify_all();
-    return;
-  }
   if (cfg_.trace) {
-    auto it = ops_.find(cookie);
+    auto it = ops_.find(seq);
     if (it != ops_.end()) {
       const double now = wall();
       phase_locked(*it->second, kSend, now, now);
     }
   }
-  if (table_.send_finished(cookie)) retire_locked(cookie);
+  if (table_.send_finished(seq)) retire_locked(seq);
 }
 
-void LocalPlane::on_link_down(std::uint32_t peer, const std::string& why, LinkEnd end) {
+void LocalPlane::control_frame(std::uint32_t peer, const Header& h, std::string payload) {
   std::lock_guard<std::mutex> lock(mu_);
-  Peer* p = peers_[peer].get();
-  p->down = true;
-  p->queued = 0;
-  // Its control frames still queued are dropped with the link: nobody waits for them.
-  for (auto it = control_out_.begin(); it != control_out_.end();)
-    it = it->second.first == peer ? control_out_.erase(it) : std::next(it);
-  flush_cv_.notify_all();
-  if (p->bye || failed_ || closed_) return;
-  if (end == LinkEnd::kBadFrame)  // what it sent cannot be framed: not a lost peer
-    return fail_locked(Verdict{Fault::kProtocol, cfg_.me + ": " + p->name + " " + why});
-  const char* hint = end == LinkEnd::kSilent ? " (frozen, or the link is down)" : "";
-  fail_locked(Verdict{Fault::kPeerLost, cfg_.me + " lost contact: " + p->name + " " + why + hint});
+  // Its BYE follows all its frames: a collective not done here never gets what it lacks.
+  if (h.type == Msg::kBye && !failed_) {
+    const Verdict v = table_.peer_said_bye(peer);
+    if (!v.ok()) fail_locked(v);
+  }
+  push_event_locked(PlaneEvent{PlaneEvent::kPeer, {}, peer, h, std::move(payload)});
+}
+
+void LocalPlane::exchange_failed(const Verdict& v) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (closed_) return;  // a link that ends while the plane closes is no failure
+  fail_locked(v);
 }
 
 void LocalPlane::lend_locked(const Segment& seg) {
-  if (!fabric_) return;
-  const std::string w = fabric_->register_memory(seg.base(), seg.size());
+  if (!exchange_) return;
+  const std::string w = exchange_->lend(seg);
   if (!w.empty()) fail_locked(Verdict{Fault::kProtocol, cfg_.me + ": cannot register memory with the fabric: " + w});
 }
 
-std::string LocalPlane::fabric_describe() {
-  std::lock_guard<std::mutex> lock(mu_);
-  return fabric_ ? fabric_->describe() : std::string();
-}
+std::string LocalPlane::fabric_describe() { return exchange_ ? exchange_->describe() : std::string(); }
 
-FabricCounters LocalPlane::fabric_counters() {
-  std::lock_guard<std::mutex> lock(mu_);
-  return fabric_ ? fabric_->counters() : FabricCounters{};
-}
+FabricCounters LocalPlane::fabric_counters() { return exchange_ ? exchange_->counters() : FabricCounters{}; }
 
 std::vector<PeerCounters> LocalPlane::peer_counters() {
-  std::lock_guard<std::mutex> lock(mu_);
-  std::vector<PeerCounters> out;
-  for (std::uint32_t j = 0; j < peers_.size(); j++) {
-    const Peer* p = peers_[j].get();
-    if (p != nullptr) out.push_back(PeerCounters{j, p->added && !p->down, p->bytes_in, p->bytes_out, p->queued});
-  }
-  return out;
+  return exchange_ ? exchange_->peer_counters() : std::vector<PeerCounters>{};
 }
 
 std::vector<Trace> LocalPlane::take_traces() {
@@ -1079,10 +802,7 @@ std::size_t LocalPlane::in_flight() {
   return ops_.size();
 }
 
-std::pair<std::size_t, std::size_t> LocalPlane::queued_tasks() {
-  std::lock_guard<std::mutex> lock(mu_);
-  return {queue_.size(), server_queue_.size()};
-}
+std::pair<std::size_t, std::size_t> LocalPlane::queued_tasks() { return executor_.queued(); }
 
 std::vector<LocalPlane::Waiting> LocalPlane::waiting() {
   std::lock_guard<std::mutex> lock(mu_);
@@ -1112,7 +832,9 @@ bool LocalPlane::next_event(std::int64_t timeout_ns, PlaneEvent* out) {
 std::vector<Completion> LocalPlane::take_completions() {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<Completion> out;
-  out.swap(completions_);
+  out.reserve(completions_.size());
+  for (const auto& [key, row] : completions_) out.push_back(row);
+  completions_.clear();
   return out;
 }
 
@@ -1129,35 +851,14 @@ void LocalPlane::close() {
     std::lock_guard<std::mutex> lock(mu_);
     closed_ = true;
     event_cv_.notify_all();
-    work_cv_.notify_all();
-    flush_cv_.notify_all();
   }
-  for (auto& l : links_)
-    if (l) l->join();
-  for (auto& t : pool_)
-    if (t.joinable()) t.join();
-  if (fabric_) {
-    // A close with unread bytes would reset the links and drop what is still in flight, such as
-    // the ERROR that tells the peers why this job failed: end the writing side after it, read on,
-    // and wait (briefly) until the peers' kernels have acknowledged every byte.
-    fabric_->shutdown_links();
-    const Clock::time_point deadline = Clock::now() + std::chrono::milliseconds(kDrainMs);
-    while (!fabric_->drained() && Clock::now() < deadline) std::this_thread::sleep_for(std::chrono::milliseconds(2));
-  }
-  // The fabric goes before any op's memory: frames queued on it point into that memory.
-  progress_stop_.store(true, std::memory_order_release);
-  if (fabric_) fabric_->wake();
-  if (progress_.joinable()) progress_.join();
+  for (auto& port : ports_)
+    if (port) port->join();
+  executor_.close();
+  // The exchange goes before any op's memory: frames queued on its fabric point into that memory.
+  if (exchange_) exchange_->close();
   std::lock_guard<std::mutex> lock(mu_);
-  fabric_.reset();
-  queue_.clear();
-  server_queue_.clear();
-  for (auto& p : peers_)
-    if (p) {
-      p->op.reset();
-      p->before.clear();
-    }
-  control_out_.clear();
+  for (Receiving& r : receiving_) r.op.reset();
   for (auto& [seq, op] : ops_) {
     (void)results_->free(op->result);
     if (op->has_server) (void)scratch_->free(op->server);

@@ -1,33 +1,38 @@
 // The daemon's data plane: the workers' rings in, the reductions, the shard exchange with the other
 // nodes' daemons, DONE out, with no Python on the way (docs/engine.md, "The data plane"; issue 17).
 //
-// Each worker shares a channel segment with its daemon (channel_bytes(): the submit ring, worker ->
-// daemon, then the done ring, daemon -> worker; kSlotBytes slots holding 56-byte frame headers of
-// docs/protocol.md). One engine thread per worker pops its submit ring (spinning briefly, then
-// sleeping on the ring's futex) and handles ATTACH (its fd taken off the channel's side socket,
-// fdpass.h), SUBMIT, RELEASE and BYE in ring order: the table's rules
-// (node_state.h), every segment, offset and length checked against the worker's attached segments
-// before a pointer is formed, the result slot from the daemon's result arena. In a job of several
-// nodes the plane also owns a Fabric (fabric.h) to the other daemons: the links Python authenticated
-// and handed over, PARTIAL, RESULT and BLOCK frames sent from and received straight into arena
-// memory (every chunk a frame claims located by the collective's state machine first), heartbeats,
-// and a progress thread that spins briefly after activity and then sleeps in the fabric. The thread
-// that makes work ready runs it when it is small (the reduction kernels, a gather's copies, the
-// frames to send); larger work goes to the compute threads. DONE goes to every worker's done ring,
-// after the SEGMENT of its result segment the first time a worker is sent one (its fd on the side
-// socket). Python keeps the unix sockets (handshake, CHANNEL, liveness, ERROR), the peers'
-// handshakes, and learns what it must act on from events: a control frame from a peer (STATUS,
-// REPORT, ERROR, BYE), or the plane's own failure with its fault.
+// It is cut along its seams, as gloo cuts its device, pairs and context (issue 29):
+// - worker ports (worker_port.h): each worker shares a channel segment with its daemon
+//   (channel_bytes(): the submit ring, worker -> daemon, then the done ring, daemon -> worker;
+//   kSlotBytes slots holding 56-byte frame headers of docs/protocol.md). One engine thread per worker
+//   pops its submit ring (spinning briefly, then sleeping on the ring's futex) and handles ATTACH (its
+//   fd taken off the channel's side socket, fdpass.h), SUBMIT, RELEASE and BYE in ring order; DONE
+//   goes to every worker's done ring, after the SEGMENT of its result segment the first time a worker
+//   is sent one (its fd on the side socket).
+// - the op table (this class): the I/O-free NodeState (node_state.h) and the op records (the memory
+//   each collective reduces from and into), under the table's mutex; every segment, offset and
+//   length checked against the worker's attached segments before a pointer is formed, the result
+//   slot from the daemon's result arena, every chunk a peer's frame claims located by the
+//   collective's state machine first.
+// - the exchange (exchange.h), in a job of several nodes: the fabric to the other daemons (the links
+//   Python authenticated and handed over), PARTIAL, RESULT and BLOCK sent from and received straight
+//   into arena memory, control frames, heartbeats, and a progress thread that spins briefly after
+//   activity and then sleeps in the fabric. The table calls it outside the table's lock.
+// - the executor (executor.h): the thread that makes work ready runs it when it is small (the
+//   reduction kernels, a gather's copies, the frames to send); larger work goes to the compute threads.
+// Python keeps the unix sockets (handshake, CHANNEL, liveness, ERROR), the peers' handshakes, and
+// learns what it must act on from events: a control frame from a peer (STATUS, REPORT, ERROR, BYE),
+// or the plane's own failure with its fault.
 //
-// Threads and memory: the plane's mutex guards the table, the op records, the links' segment maps
-// and the peers' state; reductions and copies run outside it on memory the op record keeps mapped
-// (shared_ptr segments). Lock order: the plane's mutex, then the fabric's (the fabric never calls
-// the plane with its own held). The plane owns its NodeState, its op records, its fabric and its
-// threads, and the payloads of the control frames it sends until they leave; the result and scratch
-// arenas belong to the caller and must outlive the plane; each link holds the channel, the side
-// socket's end (closed with the link) and the input segments it was given. A frame queued to a peer points into an op's memory, which the op keeps
-// until the send completes (Collective::send_started/send_finished); close() stops the progress
-// thread and drops the fabric before any op's memory goes.
+// Threads and memory: the table's mutex guards the NodeState, the op records, the events and the
+// traces; reductions and copies run outside it on memory the op record keeps mapped (shared_ptr
+// segments); counters are atomics. Each part has its own lock and none is held while another part
+// calls back into the table (lock order: the table's, then the exchange's or the executor's, then the
+// fabric's). The plane owns its NodeState, its op records, its ports, its exchange and its executor;
+// the result and scratch arenas belong to the caller and must outlive the plane. A frame queued to a
+// peer points into an op's memory, which the op keeps until the send completes
+// (Collective::send_started/send_finished); close() stops the exchange (its progress thread and
+// fabric) before any op's memory goes.
 #pragma once
 
 #include <array>
@@ -45,10 +50,13 @@
 #include "arena.h"
 #include "channel.h"
 #include "collective.h"
+#include "exchange.h"
+#include "executor.h"
 #include "fabric.h"
 #include "frame.h"
 #include "node_state.h"
 #include "ring.h"
+#include "worker_port.h"
 
 namespace smddp {
 
@@ -69,6 +77,11 @@ struct PlaneConfig {
   std::string fabric = "tcp";
   std::string ofi_library;
   std::string ofi_provider;
+  // How the daemon's statistics class completions (take_completions): size classes by their upper
+  // limits in bytes, ascending (one more class holds the larger ones), and latency buckets by their
+  // upper bounds in seconds, ascending (one more bucket holds the slower ones). At most 255 each.
+  std::vector<std::uint64_t> size_limits;
+  std::vector<double> latency_buckets;
 };
 
 // The phases of a collective the timeline shows, as the daemon names them.
@@ -85,15 +98,6 @@ struct PlaneEvent {
   std::string payload;
 };
 
-// One peer daemon's link as the plane counts it: data frames (PARTIAL, RESULT, BLOCK), headers included.
-struct PeerCounters {
-  std::uint32_t node = 0;
-  bool up = false;          // handed over and not down
-  std::uint64_t bytes_in = 0;
-  std::uint64_t bytes_out = 0;
-  std::uint64_t queued = 0;  // frames queued to it that have not left yet
-};
-
 // A retired collective's phases (wall-clock seconds), when PlaneConfig::trace is set.
 struct Trace {
   std::uint64_t seq = 0;
@@ -101,12 +105,15 @@ struct Trace {
   std::vector<std::pair<Phase, std::pair<double, double>>> phases;
 };
 
-// One collective completed here, for the daemon's statistics (kind, dtype are wire codes).
+// Collectives completed here, summed by what the daemon's statistics tell apart (kind, dtype are
+// wire codes; size_class and bucket index PlaneConfig::size_limits and latency_buckets).
 struct Completion {
   std::uint8_t kind = 0;
   std::uint8_t dtype = 0;
-  std::uint64_t nbytes = 0;
-  double seconds = 0;
+  std::uint8_t size_class = 0;
+  std::uint8_t bucket = 0;
+  std::uint64_t count = 0;
+  double seconds = 0;  // their latencies, from first sight here to DONE, summed
 };
 
 struct PlaneCounters {
@@ -115,7 +122,7 @@ struct PlaneCounters {
   double reduce_seconds = 0;
 };
 
-class LocalPlane final : private Sink {
+class LocalPlane final : private Exchange::Owner {
  public:
   // `scratch` holds the server rows of a job of several nodes (may be null for one node).
   LocalPlane(PlaneConfig cfg, Arena* results, Arena* scratch = nullptr);
@@ -168,6 +175,8 @@ class LocalPlane final : private Sink {
   void abort();
   // The next event, waiting up to timeout_ns; false if none came.
   bool next_event(std::int64_t timeout_ns, PlaneEvent* out);
+  // What completed since the last take, summed per (kind, dtype, size class, latency bucket): a few
+  // rows however many collectives, so that the daemon's Python does no work per collective.
   std::vector<Completion> take_completions();
   PlaneCounters counters();
   // Chunks waiting for a compute thread: this node's local work, server reductions.
@@ -176,46 +185,47 @@ class LocalPlane final : private Sink {
   void close();
 
  private:
-  struct Link;
   struct Op;
-  void run(Link* link);
-  void handle(Link* link, const std::uint8_t* slot);
-  void on_attach(Link* link, const Header& h);
-  void on_submit(Link* link, const Header& h);
-  void on_release(Link* link, const Header& h);
-  void on_bye(Link* link);
-  struct Peer;
-  struct Task {  // a chunk of a large collective, for a compute thread
+  // A chunk of a collective: this node's local work, or a server reduction (all nodes' partials in).
+  struct Task {
     std::shared_ptr<Op> op;
     Chunk chunk;
-    bool server = false;  // a server reduction (all nodes' partials in), else this node's local work
+    bool server = false;
   };
+  // The data frame being received from a peer (the progress thread only): where its payload went.
+  struct Receiving {
+    std::shared_ptr<Op> op;
+    Chunk chunk;
+    bool discard = false;  // the job failed at its header: read and dropped
+  };
+  void run(WorkerPort* port);
+  void handle(WorkerPort* port, const std::uint8_t* slot);
+  void on_attach(WorkerPort* port, const Header& h);
+  void on_submit(WorkerPort* port, const Header& h);
+  void on_release(WorkerPort* port, const Header& h);
+  void on_bye(WorkerPort* port);
   std::shared_ptr<Op> new_op_locked(const Spec& spec, std::shared_ptr<Collective> c, std::string* why);
   void start_locked(const std::shared_ptr<Op>& op, std::vector<Task> tasks, std::unique_lock<std::mutex>* lock);
   bool run_task(const Task& t);
-  void compute();
   bool run_local(const std::shared_ptr<Op>& op, const Chunk& chunk);
   bool run_server(const std::shared_ptr<Op>& op, const Chunk& chunk);
   bool fold(const Op& op, const std::vector<const void*>& in, std::uint64_t n, std::uint8_t* out, bool partial);
   void partial_in(const std::shared_ptr<Op>& op, std::uint64_t index, std::uint32_t from);
   bool chunk_done(const std::shared_ptr<Op>& op);
-  bool send_data_locked(const std::shared_ptr<Op>& op, std::uint32_t node, Msg type, std::uint32_t shard,
-                        std::uint64_t offset, const std::uint8_t* payload, std::uint64_t length);
+  // A data frame to peer `node`, through the exchange, without the table's lock.
+  bool send_data(const std::shared_ptr<Op>& op, std::uint32_t node, Msg type, std::uint32_t shard,
+                 std::uint64_t offset, const std::uint8_t* payload, std::uint64_t length);
   bool send_all(const std::shared_ptr<Op>& op, Msg type, std::uint32_t shard, std::uint64_t offset,
                 const std::uint8_t* payload, std::uint64_t length);
-  // *left: the frame went at once (no on_sent comes for it).
-  std::string send_locked(std::uint32_t node, const std::uint8_t* header, const std::uint8_t* payload,
-                          std::uint64_t length, std::uint64_t cookie, bool* left);
   void phase_locked(Op& op, Phase p, double t0, double t1);
   void phase(Op& op, Phase p, double t0, double t1);
-  void progress_loop();
-  void beat();
-  std::string refuse_locked(Peer* p, const Verdict& v);
-  // Sink (fabric.h): called on the progress thread.
-  std::string on_header(std::uint32_t peer, const Header& h, std::uint8_t** dest) override;
-  void on_frame(std::uint32_t peer, const Header& h) override;
-  void on_sent(std::uint32_t peer, std::uint64_t cookie) override;
-  void on_link_down(std::uint32_t peer, const std::string& why, LinkEnd end) override;
+  void refuse(Receiving* r, const Verdict& v);
+  // Exchange::Owner: called on the progress thread without the exchange's lock.
+  void data_header(std::uint32_t peer, const Header& h, std::uint8_t** dest) override;
+  void data_frame(std::uint32_t peer, const Header& h) override;
+  void data_sent(std::uint64_t seq) override;
+  void control_frame(std::uint32_t peer, const Header& h, std::string payload) override;
+  void exchange_failed(const Verdict& v) override;
   void complete_locked(const std::shared_ptr<Op>& op, std::unique_lock<std::mutex>* lock);
   void retire_locked(std::uint64_t seq);
   // A new arena segment: lent to the fabric (registered once, where it registers memory).
@@ -227,33 +237,26 @@ class LocalPlane final : private Sink {
   PlaneConfig cfg_;
   Arena* results_;
   Arena* scratch_;
+  // The op table: its rules, its records, the events and traces, under mu_.
   std::mutex mu_;
   std::condition_variable event_cv_;
   NodeState table_;
-  std::vector<std::unique_ptr<Link>> links_;  // by local rank; null before it joins
   std::map<std::uint64_t, std::shared_ptr<Op>> ops_;
   std::deque<PlaneEvent> events_;
-  std::vector<Completion> completions_;
+  std::map<std::uint32_t, Completion> completions_;  // by kind, dtype, size class, bucket
+  std::vector<Trace> traces_;
+  std::atomic<bool> failed_{false};  // set under mu_; read without it by the executor
+  bool closed_ = false;
   // Counters (counters()): atomics, bumped without the lock by the threads that do the work.
   std::atomic<std::uint64_t> collectives_{0};
   std::atomic<std::uint64_t> reduced_bytes_{0};  // input bytes the reductions read
   std::atomic<std::uint64_t> reduce_ns_{0};
-  bool failed_ = false;
-  bool closed_ = false;
-  std::condition_variable work_cv_;  // queue_ has work, or the plane closed
-  std::deque<Task> queue_;           // chunks of large collectives, for the compute threads
-  std::deque<Task> server_queue_;    // server reductions: first, they complete collectives
-  std::vector<std::thread> pool_;    // the compute threads
-  std::vector<Trace> traces_;
-  // Between daemons (several nodes only).
-  std::vector<std::unique_ptr<Peer>> peers_;  // by node; null for this node
-  // Control frames in flight: cookie -> (peer, payload).
-  std::map<std::uint64_t, std::pair<std::uint32_t, std::string>> control_out_;
-  std::uint64_t next_control_ = 0;
-  std::condition_variable flush_cv_;  // control_out_ shrank
-  std::unique_ptr<Fabric> fabric_;
-  std::atomic<bool> progress_stop_{false};
-  std::thread progress_;
+  // The worker ports, by local rank (null before it joins); the vector is sized once, its entries set
+  // under mu_.
+  std::vector<std::unique_ptr<WorkerPort>> ports_;
+  std::vector<Receiving> receiving_;  // by peer node: the progress thread only
+  Executor executor_;
+  std::unique_ptr<Exchange> exchange_;  // several nodes only
 };
 
 }  // namespace smddp

@@ -15,6 +15,7 @@
 #include <new>
 #include <system_error>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "arena.h"
@@ -60,10 +61,12 @@ PyStructSequence_Field kWaitingFields[] = {
     {"late_nodes", "the peer nodes whose part has not come"},
     {nullptr, nullptr}};
 PyStructSequence_Field kCompletionFields[] = {
-    {"kind", "the collective's kind (wire code)"},
-    {"dtype", "its dtype (wire code)"},
-    {"nbytes", "its input bytes per rank"},
-    {"seconds", "from its first sight here to its DONE"},
+    {"kind", "the collectives' kind (wire code)"},
+    {"dtype", "their dtype (wire code)"},
+    {"size_class", "their size class: an index into PlaneConfig.size_limits (its length: larger than all)"},
+    {"bucket", "their latency bucket: an index into PlaneConfig.latency_buckets (its length: slower than all)"},
+    {"completed", "how many completed"},
+    {"seconds", "their latencies (first sight here to DONE), summed"},
     {nullptr, nullptr}};
 PyStructSequence_Field kTraceFields[] = {
     {"seq", "the collective's sequence number"},
@@ -82,7 +85,7 @@ PyStructSequence_Desc kRecordDescs[kRecords] = {
     {"smddp._engine.PeerCounters", "One peer daemon's link as the plane counts it (peer_counters).",
      kPeerCountersFields, 5},
     {"smddp._engine.Waiting", "A collective in flight and not done (waiting).", kWaitingFields, 5},
-    {"smddp._engine.Completion", "A collective completed here (take_completions).", kCompletionFields, 4},
+    {"smddp._engine.Completion", "Collectives completed here, summed by kind, dtype, size class and latency bucket (take_completions).", kCompletionFields, 6},
     {"smddp._engine.Trace", "A retired collective's phases (take_traces).", kTraceFields, 3},
     {"smddp._engine.PlaneCounters", "The plane's running totals (counters).", kPlaneCountersFields, 3},
 };
@@ -430,6 +433,40 @@ struct ConfigFields {
     Py_DECREF(v);
     return out;
   }
+  // A sequence of numbers, ascending, at most 255 of them (the plane indexes them with a byte).
+  template <typename T>
+  std::vector<T> ascending(const char* name) {
+    PyObject* v = get(name);
+    std::vector<T> out;
+    if (v == nullptr) return out;
+    const char* want = "a sequence of numbers, ascending, at most 255";
+    if (PyUnicode_Check(v) || PyBytes_Check(v) || !PySequence_Check(v)) return wrong(v, name, want), out;
+    const Py_ssize_t n = PySequence_Size(v);
+    bool good = n >= 0 && n <= 255;
+    for (Py_ssize_t i = 0; good && i < n; i++) {
+      PyObject* x = PySequence_GetItem(v, i);
+      good = x != nullptr && !PyBool_Check(x) && (PyLong_Check(x) || (std::is_floating_point_v<T> && PyFloat_Check(x)));
+      T value{};
+      if (good) {
+        if constexpr (std::is_floating_point_v<T>) {
+          value = static_cast<T>(PyFloat_AsDouble(x));
+        } else {
+          const unsigned long long u = PyLong_AsUnsignedLongLong(x);  // a negative one raises OverflowError
+          good = !(u == static_cast<unsigned long long>(-1) && PyErr_Occurred());
+          value = static_cast<T>(u);
+        }
+      }
+      Py_XDECREF(x);
+      if (good && !out.empty() && !(out.back() < value)) good = false;
+      if (good) out.push_back(value);
+    }
+    if (!good) {
+      PyErr_Clear();
+      return wrong(v, name, want), std::vector<T>{};
+    }
+    Py_DECREF(v);
+    return out;
+  }
   std::vector<std::string> strs(const char* name) {
     PyObject* v = get(name);
     std::vector<std::string> out;
@@ -462,6 +499,8 @@ PyObject* plane_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   cfg.fabric = f.str("fabric");
   cfg.ofi_library = f.str("ofi_library");
   cfg.ofi_provider = f.str("ofi_provider");
+  cfg.size_limits = f.ascending<std::uint64_t>("size_limits");
+  cfg.latency_buckets = f.ascending<double>("latency_buckets");
   if (!f.ok) return nullptr;
   PyObject* module = PyType_GetModule(type);
   if (!non_negative(module, {node, local_size, chunk_bytes, nnodes, first_rank, replicate_bytes})) return nullptr;
@@ -843,15 +882,15 @@ PyObject* plane_queued_tasks(PyObject* self, PyObject*) {
   return Py_BuildValue("(nn)", static_cast<Py_ssize_t>(q.first), static_cast<Py_ssize_t>(q.second));
 }
 
-// take_completions() -> [(kind, dtype, nbytes, seconds)]
+// take_completions() -> [(kind, dtype, size_class, bucket, count, seconds)]
 PyObject* plane_take_completions(PyObject* self, PyObject*) {
   const std::vector<smddp::Completion> done = plane_of(self).take_completions();
   PyObject* out = PyList_New(static_cast<Py_ssize_t>(done.size()));
   if (out == nullptr) return nullptr;
   for (std::size_t i = 0; i < done.size(); i++) {
     PyObject* row = record(self, kCompletion,
-                           Py_BuildValue("(BBKd)", done[i].kind, done[i].dtype,
-                                         static_cast<unsigned long long>(done[i].nbytes), done[i].seconds));
+                           Py_BuildValue("(BBBBKd)", done[i].kind, done[i].dtype, done[i].size_class, done[i].bucket,
+                                         static_cast<unsigned long long>(done[i].count), done[i].seconds));
     if (row == nullptr) {
       Py_DECREF(out);
       return nullptr;
@@ -893,7 +932,7 @@ PyMethodDef kPlaneMethods[] = {
     {"next_event", plane_next_event, METH_O,
      "next_event(timeout_s) -> None, ('segment', Segment), ('peer', node, type, seq, aux, payload) or "
      "('failed', fault, why)"},
-    {"take_completions", plane_take_completions, METH_NOARGS, "take_completions() -> [(kind, dtype, nbytes, s)]"},
+    {"take_completions", plane_take_completions, METH_NOARGS, "take_completions() -> [(kind, dtype, size_class, bucket, count, seconds)]"},
     {"add_peer", plane_add_peer, METH_VARARGS, "add_peer(node, fd): the plane owns the authenticated stream"},
     {"send_control", plane_send_control, METH_VARARGS,
      "send_control(node, header, payload=b'') -> '' or why not: a control frame after what is queued"},

@@ -13,6 +13,7 @@ import pytest
 
 from smddp import _engine
 from smddp.daemon.config import PlaneConfig
+from smddp.daemon.stats import LATENCY_BUCKETS, SIZE_LIMITS
 from smddp.proto import decode_header
 from smddp.proto.dtypes import DType, Kind, ReduceOp
 from smddp.proto.frames import Header, MsgType
@@ -40,6 +41,8 @@ class Rig:
             spin_us=5.0,
             push_timeout_s=10.0,
             threads=2,
+            size_limits=SIZE_LIMITS,
+            latency_buckets=LATENCY_BUCKETS,
         )
         self.plane = _engine.LocalPlane(config, self.results)
         self.channels = [_engine.WorkerChannel(f"rig-ch{i}") for i in range(n)]
@@ -153,8 +156,40 @@ def test_gathers_broadcast_and_barrier(rig):
     assert [r.done(i).seq for i in range(3)] == [3, 3, 3]
     collectives, _, _ = r.plane.counters()
     assert collectives == 3
-    kinds = [c[0] for c in r.plane.take_completions()]
-    assert kinds == [Kind.ALLGATHER, Kind.BROADCAST, Kind.BARRIER]
+    rows = r.plane.take_completions()
+    assert sorted((c.kind, c.completed) for c in rows) == sorted(
+        [(Kind.ALLGATHER, 1), (Kind.BROADCAST, 1), (Kind.BARRIER, 1)]
+    )
+    assert r.plane.take_completions() == []  # taken
+
+
+def test_completions_come_summed_by_class_not_one_by_one(rig):
+    """The daemon's statistics get a few summed rows, however many collectives completed: each row's
+    size class and latency bucket are the ones smddp.daemon.stats would give each collective."""
+    r = rig(2)
+    small, large = np.ones(4, np.float32), np.ones((64 << 10) // 4 + 1, np.float32)  # 16 B; 64 KiB + 4 B
+    t0 = time.monotonic()
+    for x, times in ((small, 30), (large, 3)):
+        for _ in range(times):
+            for i in range(2):
+                r.submit(i, Kind.ALLREDUCE, DType.FLOAT32, x, x.size, ReduceOp.SUM)
+            for i in range(2):
+                d = r.done(i)
+                r.release(i, d.seq)
+    elapsed = time.monotonic() - t0
+    rows = r.plane.take_completions()
+    assert sum(c.completed for c in rows) == 33
+    by_class = {}
+    for c in rows:
+        assert (c.kind, c.dtype) == (Kind.ALLREDUCE, DType.FLOAT32)
+        by_class[c.size_class] = by_class.get(c.size_class, 0) + c.completed
+        # every latency in this row lies in its bucket: so does their mean
+        lo = LATENCY_BUCKETS[c.bucket - 1] if c.bucket > 0 else 0.0
+        hi = LATENCY_BUCKETS[c.bucket] if c.bucket < len(LATENCY_BUCKETS) else float("inf")
+        assert lo < c.seconds / c.completed <= hi
+        assert c.seconds <= elapsed
+    assert by_class == {0: 30, 1: 3}  # <=64KiB, <=1MiB
+    assert len(rows) <= 2 * (len(LATENCY_BUCKETS) + 1)
 
 
 def test_bye_is_seen_after_everything_before_it(rig):
@@ -324,6 +359,9 @@ def test_large_allreduce_on_the_compute_threads(rig, dtype):
         ("chunk_bytes", "4096", "an int"),
         ("trace", 1, "a bool"),
         ("rank_names", "rank 0", "a sequence of str"),
+        ("size_limits", (2, 1), "a sequence of numbers, ascending, at most 255"),
+        ("latency_buckets", ("0.1",), "a sequence of numbers, ascending, at most 255"),
+        ("size_limits", (-1,), "a sequence of numbers, ascending, at most 255"),
     ],
 )
 def test_a_plane_config_field_of_the_wrong_type_is_named(field, value, want):

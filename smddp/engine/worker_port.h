@@ -1,0 +1,59 @@
+// One worker's port on the daemon: its channel's two rings, its side socket, the result segments it
+// has been told of, and the engine thread that pops its submit ring (docs/engine.md, "The data plane").
+//
+// Threads and memory: the port's thread alone pops the submit ring and reads the side socket for
+// ATTACH fds, and so alone touches `segments` (the worker's input segments, mapped while the port
+// lives or an op record holds them); DONE and SEGMENT go out under `done_mu` from whichever thread
+// completes a collective. The port owns the channel mapping (shared), the side socket's end (closed
+// with the port) and its thread; the plane owns the port.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+
+#include "arena.h"
+#include "channel.h"
+#include "node_state.h"
+#include "ring.h"
+
+namespace smddp {
+
+struct WorkerPort {
+  WorkerPort(std::uint32_t local, std::uint32_t rank, std::string name, std::shared_ptr<Segment> channel, int side);
+  ~WorkerPort();
+  WorkerPort(const WorkerPort&) = delete;
+  WorkerPort& operator=(const WorkerPort&) = delete;
+
+  // DONE (`frame`, encoded) to this worker, after the SEGMENT of its result segment (`rid`) the first
+  // time the worker is sent one, that segment's fd on the side socket before it. A worker whose end
+  // has closed is skipped (its connection's end says so). Verdict: why the job fails, or ok.
+  Verdict push_done(const std::uint8_t* frame, std::uint32_t rid, const Segment& result, std::uint32_t node,
+                    std::int64_t push_timeout_ns);
+  // Stop the thread after what the worker had published, and wait for it. Any thread; idempotent.
+  void join();
+
+  const std::uint32_t local;
+  const std::uint32_t rank;
+  const std::string name;
+  const std::shared_ptr<Segment> channel;
+  const int side;   // the side socket: ATTACH fds read by this port's thread, SEGMENT fds sent under done_mu
+  RingView submit;  // popped by this port's thread only
+  RingView done;    // pushed under done_mu
+  std::map<std::uint32_t, std::shared_ptr<Segment>> segments;  // attached input segments: this port's thread only
+  std::atomic<bool> stop{false};
+  std::atomic<bool> said_bye{false};
+  std::thread thread;
+
+ private:
+  std::mutex done_mu_;
+  std::set<std::uint32_t> told_;  // result segments whose SEGMENT went on the done ring (under done_mu_)
+  std::mutex join_mu_;  // remove_worker and close may both join, from two threads: one at a time
+};
+
+}  // namespace smddp
