@@ -153,6 +153,10 @@ def _allreduce_device(c: Client, dev: DeviceBuffer, rop: ReduceOp, stream: Any, 
 
 def allreduce_async(c: Client, buf: Any, op: Any = ReduceOp.SUM, stream: Any = None) -> Handle:
     rop = check_op(op)
+    if stream is None and type(buf) is np.ndarray:
+        h = _allreduce_array_async(c, buf, rop)
+        if h is not None:
+            return h
     dev = c.device_buffer(buf, "buffer", writable=True)
     if dev is not None:
         return _allreduce_device(c, dev, rop, stream, buf)
@@ -165,20 +169,44 @@ def allreduce(c: Client, buf: Any, op: Any, timeout: float | None, stream: Any =
     """The blocking all-reduce: a numpy array in one pass through the engine where it can
     (Client.allreduce_now), anything else as allreduce_async(...).wait()."""
     if stream is None and type(buf) is np.ndarray:
-        # The checks as_buffer makes, in their cheapest form (this runs on every call): anything they
-        # refuse goes the general way, which refuses it with the full message.
-        dt = dtype_from_numpy(buf.dtype)
-        flags = buf.flags
-        if (
-            dt is not None
-            and flags.c_contiguous
-            and flags.writeable
-            and buf.size
-            and len(pieces(buf.size, dt.itemsize, _piece_bytes(c))) == 1
-            and c.allreduce_now(buf, dt, buf.size, check_op(op), timeout)
-        ):
+        dt = _usable_array(c, buf)
+        if dt is not None and c.allreduce_now(buf, dt, buf.size, check_op(op), timeout):
             return buf
     return allreduce_async(c, buf, op, stream).wait(timeout)
+
+
+def _usable_array(c: Client, buf: np.ndarray) -> DType | None:
+    """`buf`'s dtype where it is a host array the engine's one-piece path takes as it is: the checks
+    as_buffer makes, in their cheapest form (this runs on every call). None: anything else, which
+    goes the general way, where it is refused with the full message or cut into pieces."""
+    dt = dtype_from_numpy(buf.dtype)
+    flags = buf.flags
+    if (
+        dt is not None
+        and flags.c_contiguous
+        and flags.writeable
+        and buf.size
+        and len(pieces(buf.size, dt.itemsize, _piece_bytes(c))) == 1
+    ):
+        return dt
+    return None
+
+
+def _allreduce_array_async(c: Client, buf: np.ndarray, rop: ReduceOp) -> Handle | None:
+    """allreduce_async of a numpy array in one piece, straight to the engine (as _allreduce_pieces
+    would send it, without a BufferView and the piece machinery around it). None: the general way."""
+    dt = _usable_array(c, buf)
+    if dt is None:
+        return None
+    flat = buf if buf.ndim == 1 else buf.reshape(-1)
+
+    def put(r: np.ndarray) -> np.ndarray:
+        flat[:] = r.view(flat.dtype)
+        return buf
+
+    return c.start_async(
+        Kind.ALLREDUCE, flat, dt, buf.size, rop, 0, Delivery(flat, 0, flat.nbytes), put, buf, None
+    )
 
 
 def _parts_result(pv: PartsView) -> tuple[np.ndarray, np.ndarray]:
