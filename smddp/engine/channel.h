@@ -6,7 +6,7 @@
 // side socket for the fds of ATTACH and SEGMENT (fdpass.h). The rings are the one ordered channel:
 // a segment is ATTACHed before the SUBMIT that names it, and the daemon pushes a result segment's
 // SEGMENT before the first DONE that names it, so neither side ever waits for a segment. The
-// daemon's side is LocalPlane's link (local_plane.h).
+// daemon's side is the plane's WorkerPort (worker_port.h).
 //
 // The worker's side serves three kinds of takers of the done ring, one popping at a time:
 // - a waiter: a thread in Handle.wait() for a collective submitted the general way (pop(waiter));
