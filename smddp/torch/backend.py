@@ -673,7 +673,7 @@ class _DeviceRoute(_Device):
 
 def _device_of(tensors: Sequence[torch.Tensor], what: str) -> _Device:
     """Where one call's tensors live: all on the host, or all on one CUDA device."""
-    cuda = {t.device for t in tensors if t.device.type == "cuda"}
+    cuda = {t.device for t in tensors if t.is_cuda} if any(t.is_cuda for t in tensors) else None
     if cuda:
         if len(cuda) > 1 or len(cuda) != len({t.device for t in tensors}):
             names = ", ".join(sorted(str(d) for d in {t.device for t in tensors}))
@@ -698,7 +698,7 @@ def _device_of(tensors: Sequence[torch.Tensor], what: str) -> _Device:
 def _check_tensor(t: Any, what: str) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise UnsupportedCollectiveError(f"smddp {what}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.device.type not in ("cpu", "cuda"):
+    if not (t.is_cpu or t.is_cuda):  # t.device.type would make a device object on every call
         raise UnsupportedCollectiveError(
             f"smddp {what}: the tensor is on {t.device}; the smddp backend takes CPU and CUDA tensors"
         )
