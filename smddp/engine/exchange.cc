@@ -114,7 +114,7 @@ std::string Exchange::send_data(std::uint32_t node, const std::uint8_t header[kH
                                 const std::uint8_t* payload, std::uint64_t length, std::uint64_t seq, bool* left) {
   std::lock_guard<std::mutex> lock(mu_);
   if (closed_) return "the plane is closed";
-  return send_locked(node, header, payload, length, seq & ~kControlBit, left);
+  return send_locked(node, header, payload, length, seq, left);  // below 2**63: decode_header bounds every seq
 }
 
 std::string Exchange::send_locked(std::uint32_t node, const std::uint8_t* header, const std::uint8_t* payload,

@@ -697,10 +697,12 @@ void LocalPlane::data_header(std::uint32_t peer, const Header& h, std::uint8_t**
 void LocalPlane::data_frame(std::uint32_t peer, const Header& h) {
   Receiving& r = receiving_[peer];
   if (r.discard || !r.op) return;
-  std::shared_ptr<Op> op = std::move(r.op);
-  r.op.reset();
+  std::shared_ptr<Op> op = std::move(r.op);  // leaves r.op empty
   const Chunk ch = r.chunk;
-  if (cfg_.trace) phase(*op, kReceive, wall(), wall());
+  if (cfg_.trace) {
+    const double now = wall();
+    phase(*op, kReceive, now, now);
+  }
   if (h.type == Msg::kPartial) partial_in(op, ch.index, peer);
   else chunk_done(op);
 }

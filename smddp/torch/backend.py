@@ -673,6 +673,7 @@ class _DeviceRoute(_Device):
 
 def _device_of(tensors: Sequence[torch.Tensor], what: str) -> _Device:
     """Where one call's tensors live: all on the host, or all on one CUDA device."""
+    # Host tensors (the hot path) build no set and make no device object; t.device only for CUDA ones.
     cuda = {t.device for t in tensors if t.is_cuda} if any(t.is_cuda for t in tensors) else None
     if cuda:
         if len(cuda) > 1 or len(cuda) != len({t.device for t in tensors}):
