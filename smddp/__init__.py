@@ -149,7 +149,10 @@ def broadcast_async(buf: Any, root: int = 0, *, stream: Any = None) -> Handle:
 
 def broadcast(buf: Any, root: int = 0, timeout: float | None = None, *, stream: Any = None) -> Any:
     """Overwrite `buf` on every rank with root's `buf`; returns `buf`."""
-    return broadcast_async(buf, root, stream=stream).wait(timeout)
+    c = _default.get()
+    with c.waiting():
+        h = _c.broadcast_async(c, buf, root, stream)
+    return h.wait(timeout)
 
 
 def allgather_async(buf: Any, out: Any = None, *, stream: Any = None) -> Handle:
@@ -158,7 +161,10 @@ def allgather_async(buf: Any, out: Any = None, *, stream: Any = None) -> Handle:
 
 def allgather(buf: Any, out: Any = None, timeout: float | None = None, *, stream: Any = None) -> Any:
     """Every rank's `buf` stacked in rank order: a new array of shape (size, *buf.shape), or `out`."""
-    return allgather_async(buf, out, stream=stream).wait(timeout)
+    c = _default.get()
+    with c.waiting():
+        h = _c.allgather_async(c, buf, out, stream)
+    return h.wait(timeout)
 
 
 def reduce_scatter_async(buf: Any, op: ReduceOp = SUM, out: Any = None, *, stream: Any = None) -> Handle:
@@ -169,7 +175,10 @@ def reduce_scatter(
     buf: Any, op: ReduceOp = SUM, out: Any = None, timeout: float | None = None, *, stream: Any = None
 ) -> Any:
     """Reduce `buf` across ranks and return this rank's 1/size part (rank r gets part r)."""
-    return reduce_scatter_async(buf, op, out, stream=stream).wait(timeout)
+    c = _default.get()
+    with c.waiting():
+        h = _c.reduce_scatter_async(c, buf, op, out, stream)
+    return h.wait(timeout)
 
 
 def barrier_async() -> Handle:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import queue
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -39,6 +40,9 @@ class StandinStreams:
         self._pool: list[int] = []
         self._turn = itertools.count()
         self._lock = threading.Lock()
+        # Futures whose completion waits for their events, completed in order by one thread (_mark_loop).
+        self._marks: queue.SimpleQueue[tuple[StandinFuture, Any]] = queue.SimpleQueue()
+        self._marker: threading.Thread | None = None
 
     def buf(self, t: torch.Tensor) -> Any:
         if t.dtype == torch.bfloat16:
@@ -80,6 +84,23 @@ class StandinStreams:
     def future(self) -> StandinFuture:
         return StandinFuture(self)
 
+    def complete_later(self, fut: StandinFuture, value: Any) -> None:
+        """Complete `fut` with `value` once its events are reached, on this route's marker thread:
+        readers (DDP's reducer in C++ too) see it complete only after the device got there, and the
+        thread that set the result goes on at once, as markCompleted does on a GPU."""
+        with self._lock:
+            if self._marker is None:
+                self._marker = threading.Thread(
+                    target=self._mark_loop, name="standin-future-marker", daemon=True
+                )
+                self._marker.start()
+        self._marks.put((fut, value))
+
+    def _mark_loop(self) -> None:
+        while True:
+            fut, value = self._marks.get()
+            fut._complete(value)
+
     def pool_stream(self) -> int:
         """A stream of the callback pool (made on first use), as torch's future callbacks get."""
         with self._lock:
@@ -108,7 +129,10 @@ class StandinFuture(torch.futures.Future):
     those events; a `then` callback runs with a stream from the pool current, which waited for them,
     and its child future records on that stream. Readers here are host code (DDP's reducer in C++,
     `wait()` then a CPU operation), so the events are waited for on the host before the real future
-    is completed: a reader is ordered after exactly what CUDA would order it after, no more.
+    is completed: a reader is ordered after exactly what CUDA would order it after, no more. That
+    wait is another thread's (StandinStreams.complete_later), never the one that sets the result:
+    on a GPU, markCompleted does not block, so a thread that completes a future and then reads the
+    tensors itself reads them unordered unless something else orders it (a Work's wait()).
     """
 
     def __init__(self, streams: StandinStreams) -> None:
@@ -132,8 +156,12 @@ class StandinFuture(torch.futures.Future):
 
     def set_result(self, result: Any) -> None:
         self._events = self._mark(result)
+        self._streams.complete_later(self, result)
+
+    def _complete(self, result: Any) -> None:
+        """On the marker thread: the host is the reader, so it waits where a stream would, then completes."""
         try:
-            self._reach(self._events)  # the host is the reader: it waits where a stream would
+            self._reach(self._events)
         except DeviceError as e:  # a copy or kernel failed: the chained futures raise it
             self._device_error = e
         super().set_result(result)

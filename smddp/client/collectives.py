@@ -172,7 +172,9 @@ def allreduce(c: Client, buf: Any, op: Any, timeout: float | None, stream: Any =
         dt = _usable_array(c, buf)
         if dt is not None and c.allreduce_now(buf, dt, buf.size, check_op(op), timeout):
             return buf
-    return allreduce_async(c, buf, op, stream).wait(timeout)
+    with c.waiting():  # a device buffer's SUBMIT goes from the wait below, on this thread
+        h = allreduce_async(c, buf, op, stream)
+    return h.wait(timeout)
 
 
 def _usable_array(c: Client, buf: np.ndarray) -> DType | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import logging
@@ -11,7 +12,7 @@ import socket
 import stat
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,6 +61,14 @@ RELEASE_BATCH_BYTES = 256 << 10
 # looks, so the daemon's threads and the other workers still run (see PLANE_SPIN_US in the daemon).
 # The fast path's wait stops spinning for a while when its spins keep missing (WorkerChannel::finish).
 RING_SPIN_US = 200.0
+# A held-back SUBMIT whose collective is waited for at once (Client.waiting) is sent by that wait, not
+# by the submitter thread; should no wait come for it (the caller raised in between), the submitter
+# thread sends it after this long.
+WAITED_GRACE_S = 0.002
+# How a wait that sends its own SUBMIT watches the copy-in's event: this many polls that yield the
+# core, then sleeps of this long (never past the wait's deadline, as an event synchronize would be).
+COPY_POLLS = 200
+COPY_POLL_SLEEP_S = 0.0002
 log = logging.getLogger("smddp.client")
 
 
@@ -170,6 +179,8 @@ class Handle:
         self._result: Any = None
         self._error: SmddpError | None = None
         self.times: list[float] = []  # submit started, SUBMIT sent (wall clock), for the timeline
+        self._held = False  # its SUBMIT is held back, waiting for its copy-in (Client._send_held)
+        self._sends = False  # held, and sent by its wait rather than the submitter thread (Client.waiting)
         # wait() takes DONEs off the done ring itself (Client._drive).
         self._drive: Callable[[Handle, float], None] | None = None
 
@@ -375,6 +386,8 @@ class _Deferred:
     header: Header
     ready: Any  # the copy-in's event; None for a host collective queued behind a device one
     handle: Handle
+    waited: bool = False  # its caller waits for it at once and sends it (Client.waiting)
+    since: float = 0.0  # when it was held (time.monotonic), for WAITED_GRACE_S
 
 
 class Client:
@@ -412,7 +425,9 @@ class Client:
         self._device: DeviceIO | None = None
         self._deferred: collections.deque[_Deferred] = collections.deque()
         self._deferred_cv = threading.Condition(self._lock)
+        self._sending = False  # a thread is waiting for the first held SUBMIT's copy-in (_send_held)
         self._submitter: threading.Thread | None = None
+        self._tls = threading.local()  # .waited: inside waiting()
         # ATTACH, SUBMIT, RELEASE and BYE go on this channel's submit ring, SEGMENT and DONE come on
         # its done ring, the fds of ATTACH and SEGMENT on its side socket (docs/protocol.md, CHANNEL);
         # the unix socket carries the rest.
@@ -640,9 +655,15 @@ class Client:
             ).header()
             if lost is None and (ready is not None or self._deferred):
                 # SUBMITs leave in sequence order: this one waits for its copy-in, later ones for it.
-                self._deferred.append(_Deferred(h, ready, handle))
+                # One whose caller waits for it at once, with nothing held before it, is sent by that
+                # wait: the submitter thread is not woken for it (_send_held).
+                waited = not self._deferred and getattr(self._tls, "waited", False)
+                self._deferred.append(_Deferred(h, ready, handle, waited, time.monotonic()))
+                handle._held = True
+                handle._sends = waited
                 self._start_submitter()
-                self._deferred_cv.notify_all()
+                if not waited:
+                    self._deferred_cv.notify_all()
             elif lost is None:
                 try:
                     self._send_frames([h.encode()], timeout=self.config.timeout_s)
@@ -984,20 +1005,69 @@ class Client:
             )
             self._submitter.start()
 
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        """Collectives submitted by this thread inside the block are waited for by it at once: a
+        device one's SUBMIT, held back for its copy-in, is sent by that wait (_send_held), and no other
+        thread is woken for it (the blocking calls, and torch's calls without async_op)."""
+        tls = self._tls
+        outer = getattr(tls, "waited", False)
+        tls.waited = True
+        try:
+            yield
+        finally:
+            tls.waited = outer
+
     def _submit_loop(self) -> None:
-        """Send held-back SUBMITs in order, each once its copy-in is complete (the host waits here only)."""
+        self._send_held(None)
+
+    def _send_held(self, until: Handle | None, deadline: float = float("inf")) -> bool:
+        """Send held-back SUBMITs in order, each once its copy-in is complete; the host waits for a
+        copy-in only here, one thread at a time (`_sending`).
+
+        The submitter thread runs this for good (`until` None; it returns once the client closes).
+        A thread about to wait for `until` runs it until that one's SUBMIT has gone (True: it sends
+        those before it too), or `deadline` passes or the client fails (False: the submitter thread
+        goes on). A held SUBMIT that its caller waits for (waiting()) is the submitter thread's only
+        once WAITED_GRACE_S has passed with nobody sending it.
+        """
         while True:
             with self._lock:
-                while not self._deferred and not self._closed:
-                    self._deferred_cv.wait()
-                if not self._deferred:
-                    return
+                while True:
+                    if until is not None and not until._held:
+                        return True
+                    head = self._deferred[0] if self._deferred else None
+                    if until is None:
+                        if head is None and self._closed:
+                            return True
+                        if head is not None and not self._sending:
+                            left = head.since + WAITED_GRACE_S - time.monotonic() if head.waited else 0.0
+                            if left <= 0:
+                                break
+                            self._deferred_cv.wait(left)
+                        else:
+                            self._deferred_cv.wait()
+                        continue
+                    left = deadline - time.monotonic()
+                    if left <= 0 or self._failure is not None or self._closed:
+                        self._deferred_cv.notify_all()  # the submitter thread goes on from here
+                        return False
+                    if head is not None and not self._sending:
+                        break
+                    self._deferred_cv.wait(left)
+                self._sending = True
                 item = self._deferred[0]
             error: SmddpError | None = None
             if item.ready is not None:
                 try:
                     assert self._device is not None  # a device copy-in made it
-                    self._device.host_wait(item.ready)
+                    if until is None:
+                        self._device.host_wait(item.ready)
+                    elif not self._copied(item.ready, deadline):
+                        with self._lock:
+                            self._sending = False
+                            self._deferred_cv.notify_all()  # not in time: the submitter thread goes on
+                        return False
                 except SmddpError as e:
                     error = e
                 except Exception as e:
@@ -1005,6 +1075,9 @@ class Client:
             lost: ConnectionClosed | None = None
             with self._lock:
                 self._deferred.popleft()
+                item.handle._held = False
+                self._sending = False
+                self._deferred_cv.notify_all()
                 if error is None and self._failure is None and not self._closed:
                     try:
                         self._send_frames([item.header.encode()], timeout=self.config.timeout_s)
@@ -1014,6 +1087,23 @@ class Client:
                 self._device_failed(error)
             elif lost is not None:
                 self._fail(_daemon_lost(f"rank {self.rank}: lost the node daemon: {lost}"))
+
+    def _copied(self, event: Any, deadline: float) -> bool:
+        """Whether a copy-in's `event` is reached before `deadline`: polled (yielding the core, then in
+        short sleeps) rather than synchronized, so that the wait keeps its timeout."""
+        assert self._device is not None
+        done = self._device.rt.event_done
+        polls = 0
+        while not done(event):
+            now = time.monotonic()
+            if now >= deadline:
+                return False
+            if polls < COPY_POLLS:
+                polls += 1
+                time.sleep(0)
+            else:
+                time.sleep(min(COPY_POLL_SLEEP_S, deadline - now))
+        return True
 
     # ------------------------------------------------------------------ the reader thread
 
@@ -1070,6 +1160,8 @@ class Client:
         collectives it meets are completed here too. Returns at completion, failure or `timeout`."""
         channel = self._channel
         deadline = time.monotonic() + timeout
+        if handle._held and handle._sends and not self._send_held(handle, deadline):
+            return  # its SUBMIT could not go in time (or the client failed): the wait says so
         try:
             while not handle._event.is_set() and self._failure is None and not self._closed:
                 left = deadline - time.monotonic()

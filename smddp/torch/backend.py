@@ -476,6 +476,20 @@ def _queue_work(
         _get_completer().put(work, handles, finish, touched)
 
 
+def _complete_here(
+    work: SmddpWork,
+    handles: list[smddp.Handle],
+    finish: Callable[[], None] | None,
+    touched: list[torch.Tensor],
+) -> None:
+    """A device Work that is waited for at once, completed in the calling thread as the completer
+    would complete it (its route's `complete`): a failure, or a timeout, is the Work's error."""
+    try:
+        work._device.complete(work, handles, finish, touched)
+    except BaseException as e:
+        work._complete(e)
+
+
 # -- where a collective's tensors live ------------------------------------------------------------
 
 
@@ -927,6 +941,14 @@ class ProcessGroupSmddp(dist.ProcessGroup):
         `device`: where they live, if the caller has found that out already."""
         device = device if device is not None else _device_of(tensors, name)
         work = SmddpWork(name, result, self._timeout_of(opts), self._trace_start(name, nbytes), device)
+        if device is not _HOST and not getattr(opts, "asyncOp", True):
+            # Device tensors, and torch waits for the Work at once in this thread (no async_op): the
+            # completer's work runs here (the same completion, on the route's side stream), and the
+            # SUBMIT goes from this thread's wait too (Client.waiting): no other thread is woken.
+            with smddp.client().waiting():
+                handles = start(device)  # raises (nothing sent) on a bad argument
+            _complete_here(work, handles, finish, list(tensors))
+            return work
         handles = start(device)  # raises (nothing sent) on a bad argument, before the Work is queued
         _queue_work(work, handles, finish, list(tensors) if device is not _HOST else None)
         return work

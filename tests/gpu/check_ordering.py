@@ -2,13 +2,14 @@
 
 Each round, every rank fills `inflight` tensors with values of its own, written by a kernel queued
 behind a run of work on the current stream, starts `dist.all_reduce(x, async_op=True)` on each,
-and then reads each result on the current stream through one consumer path:
+(or the blocking call) and then reads each result on the current stream through one consumer path:
 
 - wait:     `work.wait()`, then read x
 - future:   `work.get_future().wait()`, then read x
 - value:    read the tensor the future's `wait()` returned
 - then:     read x inside a `get_future().then()` callback, whose value is then waited for
 - chained:  `get_future().then(...)` twice, read the last value
+- blocking: the call without async_op (torch waits for the Work itself), then read x
 
 A consumer that is not ordered after the result's copy to the device reads the rank's own input
 (or a mix): every element is compared with the exact result. The same script runs on a GPU (`--device
@@ -31,7 +32,7 @@ import torch.distributed as dist
 import smddp
 import smddp.torch
 
-PATHS = ("wait", "future", "value", "then", "chained")
+PATHS = ("wait", "future", "value", "then", "chained", "blocking")
 
 
 class Cuda:
@@ -75,18 +76,19 @@ class Standin:
 KINDS = ("allreduce", "broadcast", "allgather", "reduce_scatter")
 
 
-def start(kind: str, x: torch.Tensor, world: int) -> tuple[Any, torch.Tensor]:
-    """Start collective `kind` on input `x`; returns the Work and the tensor its result lands in."""
+def start(kind: str, x: torch.Tensor, world: int, async_op: bool) -> tuple[Any, torch.Tensor]:
+    """Start collective `kind` on input `x`; returns the Work (None for a blocking call) and the
+    tensor its result lands in."""
     if kind == "allreduce":
-        return dist.all_reduce(x, async_op=True), x
+        return dist.all_reduce(x, async_op=async_op), x
     if kind == "broadcast":
-        return dist.broadcast(x, src=0, async_op=True), x
+        return dist.broadcast(x, src=0, async_op=async_op), x
     if kind == "allgather":
         out = torch.empty(world * x.numel(), dtype=x.dtype, device=x.device)
-        return dist.all_gather_into_tensor(out, x, async_op=True), out
+        return dist.all_gather_into_tensor(out, x, async_op=async_op), out
     if kind == "reduce_scatter":
         out = torch.empty(x.numel() // world, dtype=x.dtype, device=x.device)
-        return dist.reduce_scatter_tensor(out, x, async_op=True), out
+        return dist.reduce_scatter_tensor(out, x, async_op=async_op), out
     raise ValueError(kind)
 
 
@@ -119,6 +121,8 @@ def consume(path: str, work: Any, out: torch.Tensor, want: torch.Tensor) -> bool
         v = f.value()
         return v[0] if isinstance(v, list) else v  # [tensors] for in-place collectives
 
+    if path == "blocking":
+        return right(out)  # torch waited for the Work in the call
     if path == "wait":
         work.wait()
         return right(out)
@@ -166,7 +170,7 @@ def main() -> int:
                         vals = [float(1 + i + rnd) for i in range(inflight)]
                         for x, v in zip(xs, vals, strict=True):
                             dev.produce(x, v * (rank + 1))
-                        started = [start(kind, x, world) for x in xs]
+                        started = [start(kind, x, world, path != "blocking") for x in xs]
                         for (w, out), v in zip(started, vals, strict=True):
                             wrong += not consume(path, w, out, expected(kind, v, n, rank, world, out))
                         dev.sync()

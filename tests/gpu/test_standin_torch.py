@@ -120,13 +120,14 @@ KINDS = "allreduce,broadcast,allgather,reduce_scatter"
 def test_every_consumer_of_a_work_sees_its_result(
     world: int, nodes: int, sizes: str, tmp_path: Path, clean_host: None
 ) -> None:
-    """`wait()`, `get_future().wait()`, the future's value, `then()` callbacks and chains: every
+    """`wait()`, `get_future().wait()`, the future's value, `then()` callbacks and chains, and the
+    blocking call (completed in the caller's thread, not by the completer): every
     element the consumer reads is the exact result, for every collective that writes a tensor, at
     every size, one and four in flight."""
     args = [WRAPPER, str(tmp_path), ORDERING, "--out", str(tmp_path), "--device", "standin"]
     launch(world, nodes, [*args, "--sizes", sizes, "--kinds", KINDS], SMDDP_STANDIN_DELAY_MS=LATE_MS)
     rows = ordering_rows(tmp_path, world)
-    assert len(rows) == world * 4 * len(sizes.split(",")) * 2 * 5
+    assert len(rows) == world * 4 * len(sizes.split(",")) * 2 * 6
     wrong = [row for row in rows if row["wrong"]]
     assert not wrong, wrong
 
