@@ -177,19 +177,19 @@ def allreduce(c: Client, buf: Any, op: Any, timeout: float | None, stream: Any =
     return h.wait(timeout)
 
 
+def whole(c: Client, nbytes: int) -> bool:
+    """Whether an all-reduce of `nbytes` goes in one piece in this job (pieces, _piece_bytes)."""
+    limit = _piece_bytes(c)
+    return limit <= 0 or nbytes <= limit
+
+
 def _usable_array(c: Client, buf: np.ndarray) -> DType | None:
     """`buf`'s dtype where it is a host array the engine's one-piece path takes as it is: the checks
     as_buffer makes, in their cheapest form (this runs on every call). None: anything else, which
     goes the general way, where it is refused with the full message or cut into pieces."""
     dt = dtype_from_numpy(buf.dtype)
     flags = buf.flags
-    if (
-        dt is not None
-        and flags.c_contiguous
-        and flags.writeable
-        and buf.size
-        and len(pieces(buf.size, dt.itemsize, _piece_bytes(c))) == 1
-    ):
+    if dt is not None and flags.c_contiguous and flags.writeable and buf.size and whole(c, buf.nbytes):
         return dt
     return None
 

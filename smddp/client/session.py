@@ -681,7 +681,13 @@ class Client:
         return handle
 
     def allreduce_now(
-        self, buf: np.ndarray, dtype: DType, count: int, op: ReduceOp, timeout: float | None
+        self,
+        buf: np.ndarray | int,
+        dtype: DType,
+        count: int,
+        op: ReduceOp,
+        timeout: float | None,
+        view: Callable[[], np.ndarray] | None = None,
     ) -> bool:
         """A blocking all-reduce of host memory in place, run by the engine from the copy into shared
         memory to the copy of the result back and its RELEASE (WorkerChannel start/finish, without
@@ -689,11 +695,13 @@ class Client:
         general way: a timeline to record, or device copies still queued ahead of it.
 
         `buf` is a C-contiguous, writable numpy array of `count` elements of `dtype`, not empty and
-        taken whole (the caller checked: collectives.allreduce). A collective that does not complete within `timeout` becomes a Handle like any
-        other (its result lands in `buf` when it comes) and CollectiveTimeoutError is raised, as
-        wait() does.
+        taken whole (the caller checked: collectives.allreduce), or the address of such memory (a
+        torch tensor's data_ptr(), whose numpy view costs more than the rest of the call) with
+        `view` making its numpy view, which also keeps the memory alive. A collective that does not
+        complete within `timeout` becomes a Handle like any other (its result lands in `buf` when it
+        comes, through `view()` for an address) and CollectiveTimeoutError is raised, as wait() does.
         """
-        return self._now(buf, dtype, count, op, timeout, Kind.ALLREDUCE)
+        return self._now(buf, dtype, count, op, timeout, Kind.ALLREDUCE, view)
 
     def barrier_now(self, timeout: float | None) -> bool:
         """A blocking barrier, run by the engine as allreduce_now is (SUBMIT, DONE, RELEASE, GIL
@@ -703,12 +711,13 @@ class Client:
 
     def _now(
         self,
-        buf: np.ndarray,
+        buf: np.ndarray | int,
         dtype: DType,
         count: int,
         op: ReduceOp | None,
         timeout: float | None,
         kind: Kind,
+        view: Callable[[], np.ndarray] | None = None,
     ) -> bool:
         t = self.config.timeout_s if timeout is None else timeout
 
@@ -721,7 +730,7 @@ class Client:
             return False
         seq, slot = started
         try:
-            return self._finish_now(buf, dtype, count, op, slot, seq, t, kind)
+            return self._finish_now(buf, dtype, count, op, slot, seq, t, kind, view)
         finally:
             self._fast.discard(seq)  # (a set's discard is atomic under the GIL)
 
@@ -771,7 +780,7 @@ class Client:
     def _start_engine(
         self,
         kind: Kind,
-        src: np.ndarray | tuple[np.ndarray, ...],
+        src: np.ndarray | tuple[np.ndarray, ...] | int,
         dtype: DType,
         count: int,
         op: ReduceOp | None,
@@ -786,7 +795,12 @@ class Client:
         copies still queued ahead of it. A lost or broken ring fails the client and raises that."""
         if self.config.timeline_dir:
             return None
-        nbytes = src.nbytes if isinstance(src, np.ndarray) else sum(p.nbytes for p in src)
+        if isinstance(src, np.ndarray):
+            nbytes = src.nbytes
+        elif isinstance(src, int):  # an address of `count` elements (allreduce_now)
+            nbytes = count * dtype.itemsize
+        else:
+            nbytes = sum(p.nbytes for p in src)
         arena = self._arena
         lost: ConnectionClosed | None = None
         broken: ProtocolError | None = None
@@ -810,6 +824,14 @@ class Client:
                     )
                 except ProtocolError as e:  # the daemon broke the ring
                     broken = e
+                except (ValueError, TypeError):
+                    # Arguments the engine refused before pushing anything: nothing happened, so the
+                    # slot and the sequence number are given back (the next SUBMIT takes this one).
+                    undo()
+                    if nbytes:
+                        arena.free(slot)
+                    self._next_seq = seq
+                    raise
             if lost is not None or broken is not None:
                 undo()
                 if nbytes:
@@ -866,7 +888,7 @@ class Client:
 
     def _finish_now(
         self,
-        buf: np.ndarray,
+        buf: np.ndarray | int,
         dtype: DType,
         count: int,
         op: ReduceOp | None,
@@ -874,13 +896,15 @@ class Client:
         seq: int,
         t: float,
         kind: Kind,
+        view: Callable[[], np.ndarray] | None = None,
     ) -> bool:
         """allreduce_now's (or barrier_now's) wait, copy-out and RELEASE; a timeout hands the
         collective to a Handle."""
         arena = self._arena
+        nbytes = buf.nbytes if isinstance(buf, np.ndarray) else count * dtype.itemsize
         try:
             done = self._channel.finish(
-                arena.native, kind, slot.segment, slot.offset, slot.nbytes, buf, 0, buf.nbytes, self.rank,
+                arena.native, kind, slot.segment, slot.offset, slot.nbytes, buf, 0, nbytes, self.rank,
                 seq, count, dtype, op or 0, RELEASE_BATCH_BYTES, t, RING_SPIN_US,
             )  # fmt: skip
         except TimeoutError:  # its RELEASE found the ring full for the whole timeout
@@ -899,6 +923,9 @@ class Client:
             raise fresh(self._failure)
         self._check_open()
         # Not in time: from now on it is collected the general way, into the caller's buffer.
+        if not isinstance(buf, np.ndarray):
+            assert view is not None  # (allreduce_now: an address comes with its view)
+            buf = view()
         out = buf.reshape(-1).view(dtype.storage)
 
         def deliver(r: np.ndarray) -> Any:
@@ -1337,6 +1364,8 @@ def _result_bytes(kind: Kind, nbytes: int, world: int) -> int:
 
 
 def check_op(op: Any) -> ReduceOp:
+    if type(op) is ReduceOp:  # smddp.SUM and the others: no Enum lookup on every call
+        return op
     try:
         return ReduceOp(op)
     except ValueError:

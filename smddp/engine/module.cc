@@ -1114,6 +1114,9 @@ struct FastArgs {
   smddp::Header submit;
   Py_buffer buf{};
   bool have_buf = false;
+  // The caller's memory: `buf`'s, or an address and its length (an int passed instead of a buffer).
+  std::uint8_t* data = nullptr;
+  std::uint64_t len = 0;
   ~FastArgs() {
     if (have_buf) PyBuffer_Release(&buf);
   }
@@ -1132,15 +1135,29 @@ bool fast_args(PyObject* self, PyObject* arena, long long kind, long long segmen
     PyErr_SetString(PyExc_ValueError, "a fast collective's fields are out of range");
     return false;
   }
-  if (buf != nullptr) {  // null: the caller takes its buffers itself (start's parts)
+  if (buf != nullptr && PyLong_Check(buf)) {
+    // An address: `count` elements of `dtype` that the caller keeps alive and in place for the call
+    // (a torch tensor's data_ptr(): its numpy view costs more than the rest of the call). The engine
+    // cannot check it; only smddp's own callers pass one.
+    const unsigned long long addr = PyLong_AsUnsignedLongLong(buf);
+    if (PyErr_Occurred()) return false;
+    const std::uint64_t item = smddp::dtype_size(static_cast<std::uint8_t>(dtype));
+    if (addr == 0 || item == 0 || count == 0 || static_cast<std::uint64_t>(count) > UINT64_MAX / item) {
+      PyErr_SetString(PyExc_ValueError, "a fast collective's address needs a non-zero address, count and dtype");
+      return false;
+    }
+    out->data = reinterpret_cast<std::uint8_t*>(static_cast<std::uintptr_t>(addr));
+    out->len = static_cast<std::uint64_t>(count) * item;
+  } else if (buf != nullptr) {  // null: the caller takes its buffers itself (start's parts)
     if (PyObject_GetBuffer(buf, &out->buf, writable ? (PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) : PyBUF_C_CONTIGUOUS) !=
         0)
       return false;
     out->have_buf = true;
+    out->data = static_cast<std::uint8_t*>(out->buf.buf);
+    out->len = static_cast<std::uint64_t>(out->buf.len);
   }
   out->arena = reinterpret_cast<ArenaObject*>(arena)->arena;
-  out->slot = smddp::Slot{static_cast<std::uint32_t>(segment), static_cast<std::uint64_t>(offset),
-                          out->have_buf ? static_cast<std::uint64_t>(out->buf.len) : 0};
+  out->slot = smddp::Slot{static_cast<std::uint32_t>(segment), static_cast<std::uint64_t>(offset), out->len};
   smddp::Header& h = out->submit;
   h.type = smddp::Msg::kSubmit;
   h.kind = static_cast<std::uint8_t>(kind);
@@ -1164,8 +1181,8 @@ PyObject* fast_error(PyObject* self, smddp::FastEnd end) {
 }
 
 // start(arena, kind, segment, offset, src, rank, seq, count, dtype, op, root, timeout_s, spin_us, async=False):
-// copies `src` (a buffer, or a tuple of buffers one after another) into the slot and pushes its
-// SUBMIT; TimeoutError when the ring stayed full
+// copies `src` (a buffer, a tuple of buffers one after another, or the address of `count` elements of
+// `dtype`: FastArgs) into the slot and pushes its SUBMIT; TimeoutError when the ring stayed full
 // A fused buffer's parts (a tuple of C-contiguous buffers), held for one start() call.
 struct Parts {
   std::vector<Py_buffer> views;
@@ -1203,7 +1220,7 @@ PyObject* channel_start(PyObject* self, PyObject* args) {
   if (!fast_args(self, arena, kind, segment, offset, fused ? nullptr : buf, false, rank, seq, count, dtype, op, root,
                  &a))
     return nullptr;
-  smddp::Source one{static_cast<const std::uint8_t*>(a.buf.buf), a.slot.nbytes};
+  smddp::Source one{a.data, a.slot.nbytes};
   if (fused) a.slot.nbytes = parts.total;
   const smddp::Source* src = fused ? parts.sources.data() : &one;
   const std::size_t n = fused ? parts.sources.size() : 1;
@@ -1217,7 +1234,8 @@ PyObject* channel_start(PyObject* self, PyObject* args) {
 }
 
 // finish(arena, kind, segment, offset, slot_bytes, dst, src_offset, result_bytes, rank, seq, count, dtype, op,
-// batch_bytes, timeout_s, spin_us) -> True once `dst` holds its bytes of the result from `src_offset`,
+// batch_bytes, timeout_s, spin_us) -> True once `dst` (a writable buffer, or an address as start's `src`)
+// holds its bytes of the result from `src_offset`,
 // False when it did not come in time (parked: adopt(seq)), None when its DONE went the general way
 // (an asynchronous one's, taken while nobody was in its finish)
 PyObject* channel_finish(PyObject* self, PyObject* args) {
@@ -1234,8 +1252,8 @@ PyObject* channel_finish(PyObject* self, PyObject* args) {
     PyErr_SetString(PyExc_ValueError, "finish: slot_bytes, src_offset, result_bytes and batch_bytes are non-negative");
     return nullptr;
   }
-  const smddp::Delivery out{static_cast<std::uint8_t*>(a.buf.buf), static_cast<std::uint64_t>(a.buf.len),
-                            static_cast<std::uint64_t>(src_offset), static_cast<std::uint64_t>(result_bytes)};
+  const smddp::Delivery out{a.data, a.len, static_cast<std::uint64_t>(src_offset),
+                            static_cast<std::uint64_t>(result_bytes)};
   a.slot.nbytes = static_cast<std::uint64_t>(slot_bytes);
   smddp::FastEnd end;
   Py_BEGIN_ALLOW_THREADS

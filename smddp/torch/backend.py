@@ -20,10 +20,12 @@ from torch.distributed.distributed_c10d import GroupName
 from torch.futures import Future
 
 import smddp
+from smddp.client.collectives import whole
 from smddp.client.device.runtime import BUILTIN as BUILTIN_RUNTIMES
 from smddp.client.session import Latch, when_all
 from smddp.errors import CollectiveError, CollectiveTimeoutError, ConfigError, SmddpError, fresh
 from smddp.launcher.elastic import check_launcher, join_through_store
+from smddp.proto.dtypes import dtype_from_numpy
 
 BACKEND_NAME = "smddp"
 #: The longest a group's creation under torchrun waits for the other nodes' daemons (less, when
@@ -297,6 +299,8 @@ class _DoneWork(dist.Work):
 # torch dtypes a host tensor's `numpy()` view keeps (numpy has no bfloat16): what the blocking
 # all-reduce hands smddp as an array, which takes the engine's one-pass path (smddp.allreduce).
 _NUMPY_DTYPES = frozenset(SUPPORTED_DTYPES) - {torch.bfloat16}
+# Their wire dtypes, for the blocking all-reduce's shortest path (_allreduce_one_now).
+_WIRE = {t: dtype_from_numpy(torch.empty(0, dtype=t).numpy().dtype) for t in _NUMPY_DTYPES}
 
 
 # -- the completion thread ------------------------------------------------------------------------
@@ -499,7 +503,11 @@ class _Device:
     def buf(self, t: torch.Tensor) -> Any:
         """What to hand smddp for tensor `t`: its numpy view where numpy holds its dtype (the same
         memory, read without the DLPack exchange), else the tensor."""
-        return t.detach().numpy() if t.dtype in _NUMPY_DTYPES else t
+        if t.dtype not in _NUMPY_DTYPES:
+            return t
+        # detach() only where autograd needs it: each torch call is a dispatch, and costs several
+        # times its own time in a step whose ranks come to the call from a barrier (cold caches).
+        return t.detach().numpy() if t.requires_grad else t.numpy()
 
     def kw(self) -> dict[str, Any]:
         """Extra arguments of the smddp call (evaluated in the caller's thread, at the call)."""
@@ -724,7 +732,7 @@ def _check_tensor(t: Any, what: str) -> torch.Tensor:
         raise UnsupportedCollectiveError(
             f"smddp {what}: dtype {str(t.dtype).removeprefix('torch.')} is not supported (supported: {names})"
         )
-    return t.detach()
+    return t.detach() if t.requires_grad else t  # (a detach is a dispatch: only where autograd needs it)
 
 
 def _contiguous(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -957,6 +965,15 @@ class ProcessGroupSmddp(dist.ProcessGroup):
 
     @_routable("all_reduce", "allreduce")
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        if (
+            opts is not None
+            and len(tensors) == 1
+            and not getattr(opts, "asyncOp", True)
+            and self.trace is None
+        ):
+            done = self._allreduce_one_now(tensors, opts)
+            if done is not None:
+                return done
         opts = opts if opts is not None else dist.AllreduceOptions()
         op = _op(opts, "all_reduce")
         ts = [_check_tensor(t, "all_reduce") for t in tensors]
@@ -979,6 +996,32 @@ class ProcessGroupSmddp(dist.ProcessGroup):
 
         nbytes = sum(t.numel() * t.element_size() for t in ts)
         return self._submit("all_reduce", start, tensors, opts, finish, nbytes, _all(pairs), device)
+
+    def _allreduce_one_now(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work | None:
+        """torch's commonest call, `dist.all_reduce(t)` of one contiguous CPU tensor, in the least
+        Python it takes: the checks below, then the engine's one pass on the tensor's numpy view
+        (Client.allreduce_now: copy-in, SUBMIT, DONE, copy-out, GIL released). None, with nothing
+        done, where anything is out of the ordinary (a dtype numpy lacks, a layout, a runtime that
+        claims CPU tensors, more than one piece, an empty tensor, a timeline): the general way takes
+        it, and refuses what it must with its full message. Each Python step here costs several
+        times its own time in a job whose ranks come to the call from a barrier (cold caches)."""
+        t = tensors[0]
+        wire = _WIRE.get(t.dtype) if type(t) is torch.Tensor else None
+        if wire is None or not t.is_cpu or t.layout != torch.strided or not t.is_contiguous():
+            return None
+        c = smddp.client()
+        n = t.numel()
+        if not n or c.config.device_runtime not in BUILTIN_RUNTIMES or not whole(c, n * wire.itemsize):
+            return None
+        timeout = self._timeout_of(opts).total_seconds()
+        # The tensor's address, not its numpy view (which costs more than the rest of this call);
+        # the view only should the call time out, when the result is delivered later (and the view
+        # keeps the tensor alive until then).
+        if not c.allreduce_now(
+            t.data_ptr(), wire, n, _op(opts, "all_reduce"), timeout, lambda: t.detach().numpy()
+        ):
+            return None
+        return _DoneWork(tensors)
 
     def _allreduce_now(self, ts: list[torch.Tensor], op: smddp.ReduceOp, opts: Any, result: Any) -> dist.Work:
         """A blocking all-reduce of contiguous host tensors: run here, whole, each through the engine in

@@ -506,3 +506,54 @@ def test_sources_that_are_not_the_submits_count_are_refused(pair):
             )  # fmt: skip
     finally:
         arena.free(slot)
+
+
+def test_an_address_takes_the_same_path_and_its_result_lands_there(pair):
+    """allreduce_now of an address (the torch backend passes a tensor's data_ptr(), whose numpy view
+    costs more than the call): the same SUBMIT, the result copied to that memory, the slot freed."""
+    client, daemon = pair
+    buf = np.zeros(256, np.float32)
+    call = Call(
+        lambda: client.allreduce_now(buf.ctypes.data, DType.FLOAT32, 256, ReduceOp.SUM, 5.0, lambda: buf)
+    )
+    s = until_submits(daemon, 1)[-1]
+    assert (s.kind, s.dtype, s.count) == (Kind.ALLREDUCE, DType.FLOAT32, 256)
+    daemon.done(s, 6.0)
+    assert call.join() is True
+    assert np.array_equal(buf, np.full(256, 6.0, np.float32)) and client._arena.in_use == 0
+
+
+def test_an_address_not_in_time_is_delivered_later_through_its_view(pair):
+    """A timed-out call on an address becomes a handle like any other; its result lands through the
+    view the caller gave (which also keeps the memory alive), not through the bare address."""
+    client, daemon = pair
+    buf = np.zeros(64, np.float32)
+    views: list[np.ndarray] = []
+
+    def view() -> np.ndarray:
+        views.append(buf)
+        return buf
+
+    call = Call(lambda: client.allreduce_now(buf.ctypes.data, DType.FLOAT32, 64, ReduceOp.SUM, 0.2, view))
+    s = until_submits(daemon, 1)[-1]
+    with pytest.raises(CollectiveTimeoutError, match="still in flight"):
+        call.join()
+    assert len(views) == 1
+    daemon.done(s, 2.0)
+    assert client._handles[s.seq].wait(5.0) is not None
+    assert np.array_equal(buf, np.full(64, 2.0, np.float32)) and client._arena.in_use == 0
+
+
+def test_an_address_the_engine_cannot_use_is_refused_before_anything_is_sent(pair):
+    client, daemon = pair
+    for addr, count in ((0, 4), (np.zeros(4, np.float32).ctypes.data, 0)):
+        with pytest.raises(ValueError, match="non-zero address, count and dtype"):
+            client.allreduce_now(addr, DType.FLOAT32, count, ReduceOp.SUM, 1.0, lambda: NO_DATA)
+    assert client._arena.in_use == 0
+    # Nothing was sent, not even a sequence number: the next all-reduce is #1.
+    buf = np.zeros(4, np.float32)
+    call = fast(client, buf)
+    s = until_submits(daemon, 1)[-1]
+    assert s.seq == 1
+    daemon.done(s, 1.0)
+    call.join()
