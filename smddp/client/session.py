@@ -150,6 +150,10 @@ class Handle:
     stream by an event that stream waits on (see docs/gpu.md).
     """
 
+    # Class defaults, set on a handle only when its SUBMIT is held back (Client.submit): most never are.
+    _held = False  # its SUBMIT is held back, waiting for its copy-in (Client._send_held)
+    _sends = False  # held, and sent by its wait rather than the submitter thread (Client.waiting)
+
     def __init__(
         self,
         seq: int,
@@ -179,8 +183,6 @@ class Handle:
         self._result: Any = None
         self._error: SmddpError | None = None
         self.times: list[float] = []  # submit started, SUBMIT sent (wall clock), for the timeline
-        self._held = False  # its SUBMIT is held back, waiting for its copy-in (Client._send_held)
-        self._sends = False  # held, and sent by its wait rather than the submitter thread (Client.waiting)
         # wait() takes DONEs off the done ring itself (Client._drive).
         self._drive: Callable[[Handle, float], None] | None = None
 
