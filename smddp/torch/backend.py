@@ -999,8 +999,8 @@ class ProcessGroupSmddp(dist.ProcessGroup):
 
     def _allreduce_one_now(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work | None:
         """torch's commonest call, `dist.all_reduce(t)` of one contiguous CPU tensor, in the least
-        Python it takes: the checks below, then the engine's one pass on the tensor's numpy view
-        (Client.allreduce_now: copy-in, SUBMIT, DONE, copy-out, GIL released). None, with nothing
+        Python it takes: the checks below, then the engine's one pass on the tensor's memory, by its
+        address (Client.allreduce_now: copy-in, SUBMIT, DONE, copy-out, GIL released). None, with nothing
         done, where anything is out of the ordinary (a dtype numpy lacks, a layout, a runtime that
         claims CPU tensors, more than one piece, an empty tensor, a timeline): the general way takes
         it, and refuses what it must with its full message. Each Python step here costs several
