@@ -150,9 +150,7 @@ def broadcast_async(buf: Any, root: int = 0, *, stream: Any = None) -> Handle:
 def broadcast(buf: Any, root: int = 0, timeout: float | None = None, *, stream: Any = None) -> Any:
     """Overwrite `buf` on every rank with root's `buf`; returns `buf`."""
     c = _default.get()
-    with c.waiting():
-        h = _c.broadcast_async(c, buf, root, stream)
-    return h.wait(timeout)
+    return _c.waited(c, lambda: _c.broadcast_async(c, buf, root, stream), timeout)
 
 
 def allgather_async(buf: Any, out: Any = None, *, stream: Any = None) -> Handle:
@@ -162,9 +160,7 @@ def allgather_async(buf: Any, out: Any = None, *, stream: Any = None) -> Handle:
 def allgather(buf: Any, out: Any = None, timeout: float | None = None, *, stream: Any = None) -> Any:
     """Every rank's `buf` stacked in rank order: a new array of shape (size, *buf.shape), or `out`."""
     c = _default.get()
-    with c.waiting():
-        h = _c.allgather_async(c, buf, out, stream)
-    return h.wait(timeout)
+    return _c.waited(c, lambda: _c.allgather_async(c, buf, out, stream), timeout)
 
 
 def reduce_scatter_async(buf: Any, op: ReduceOp = SUM, out: Any = None, *, stream: Any = None) -> Handle:
@@ -176,9 +172,7 @@ def reduce_scatter(
 ) -> Any:
     """Reduce `buf` across ranks and return this rank's 1/size part (rank r gets part r)."""
     c = _default.get()
-    with c.waiting():
-        h = _c.reduce_scatter_async(c, buf, op, out, stream)
-    return h.wait(timeout)
+    return _c.waited(c, lambda: _c.reduce_scatter_async(c, buf, op, out, stream), timeout)
 
 
 def barrier_async() -> Handle:

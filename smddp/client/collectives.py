@@ -71,7 +71,7 @@ def _no_stream(stream: Any) -> None:
 def pieces(count: int, itemsize: int, piece_bytes: int) -> list[tuple[int, int]]:
     """The element ranges a host all-reduce of `count` elements goes as: one, or near-equal pieces of
     at most `piece_bytes` each. A function of the count alone, so every rank cuts alike."""
-    if piece_bytes <= 0 or count * itemsize <= piece_bytes:
+    if _one_piece(count * itemsize, piece_bytes):
         return [(0, count)]
     # The same near-equal cut as the server shards: the first `count % k` pieces one element longer.
     # (Never more pieces than elements: a piece smaller than one element would be empty.)
@@ -172,15 +172,24 @@ def allreduce(c: Client, buf: Any, op: Any, timeout: float | None, stream: Any =
         dt = _usable_array(c, buf)
         if dt is not None and c.allreduce_now(buf, dt, buf.size, check_op(op), timeout):
             return buf
-    with c.waiting():  # a device buffer's SUBMIT goes from the wait below, on this thread
-        h = allreduce_async(c, buf, op, stream)
+    return waited(c, lambda: allreduce_async(c, buf, op, stream), timeout)
+
+
+def waited(c: Client, start: Callable[[], Handle], timeout: float | None) -> Any:
+    """A blocking call: `start()` the collective inside Client.waiting (a device buffer's SUBMIT
+    then goes from the wait, on this thread) and wait for it."""
+    with c.waiting():
+        h = start()
     return h.wait(timeout)
+
+
+def _one_piece(nbytes: int, piece_bytes: int) -> bool:
+    return piece_bytes <= 0 or nbytes <= piece_bytes
 
 
 def whole(c: Client, nbytes: int) -> bool:
     """Whether an all-reduce of `nbytes` goes in one piece in this job (pieces, _piece_bytes)."""
-    limit = _piece_bytes(c)
-    return limit <= 0 or nbytes <= limit
+    return _one_piece(nbytes, _piece_bytes(c))
 
 
 def _usable_array(c: Client, buf: np.ndarray) -> DType | None:

@@ -387,8 +387,7 @@ class _Deferred:
 
     header: Header
     ready: Any  # the copy-in's event; None for a host collective queued behind a device one
-    handle: Handle
-    waited: bool = False  # its caller waits for it at once and sends it (Client.waiting)
+    handle: Handle  # its _sends: its caller waits for it at once and sends it (Client.waiting)
     since: float = 0.0  # when it was held (time.monotonic), for WAITED_GRACE_S
 
 
@@ -660,7 +659,7 @@ class Client:
                 # One whose caller waits for it at once, with nothing held before it, is sent by that
                 # wait: the submitter thread is not woken for it (_send_held).
                 waited = not self._deferred and getattr(self._tls, "waited", False)
-                self._deferred.append(_Deferred(h, ready, handle, waited, time.monotonic()))
+                self._deferred.append(_Deferred(h, ready, handle, time.monotonic()))
                 handle._held = True
                 handle._sends = waited
                 self._start_submitter()
@@ -1070,7 +1069,9 @@ class Client:
                         if head is None and self._closed:
                             return True
                         if head is not None and not self._sending:
-                            left = head.since + WAITED_GRACE_S - time.monotonic() if head.waited else 0.0
+                            left = (
+                                head.since + WAITED_GRACE_S - time.monotonic() if head.handle._sends else 0.0
+                            )
                             if left <= 0:
                                 break
                             self._deferred_cv.wait(left)

@@ -1017,9 +1017,7 @@ class ProcessGroupSmddp(dist.ProcessGroup):
         # The tensor's address, not its numpy view (which costs more than the rest of this call);
         # the view only should the call time out, when the result is delivered later (and the view
         # keeps the tensor alive until then).
-        if not c.allreduce_now(
-            t.data_ptr(), wire, n, _op(opts, "all_reduce"), timeout, lambda: t.detach().numpy()
-        ):
+        if not c.allreduce_now(t.data_ptr(), wire, n, _op(opts, "all_reduce"), timeout, lambda: _HOST.buf(t)):
             return None
         return _DoneWork(tensors)
 
