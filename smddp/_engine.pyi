@@ -223,6 +223,7 @@ class WorkerChannel:
         rank: int,
         batch_bytes: int,
         timeout_s: float,
+        keep: Any = None,
         /,
     ) -> bool: ...
     def attach(self, segment: Segment, rank: int, timeout_s: float, spin_us: float, /) -> None: ...

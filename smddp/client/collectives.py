@@ -220,6 +220,37 @@ def _allreduce_array_async(c: Client, buf: np.ndarray, rop: ReduceOp) -> Handle 
     )
 
 
+def allreduce_async_at(
+    c: Client,
+    addr: int,
+    dtype: DType,
+    count: int,
+    rop: ReduceOp,
+    view: Callable[[], np.ndarray],
+    owner: Any,
+    result: Any,
+) -> Handle | None:
+    """allreduce_async of `count` elements of `dtype` at address `addr`, in place and in one piece:
+    host memory that `owner` owns (a torch tensor and its data_ptr(): its numpy view costs more than
+    the rest of the call, so none is made). The engine copies in from the address and, whoever
+    completes the collective, back to it; `view()` makes the memory's numpy view only should its
+    DONE go the general way. The caller checked `count` (non-zero) and `dtype`; None, with nothing
+    done, where it must go the general way (pieces, a timeline, device copies queued ahead of it),
+    which the caller then takes with a buffer."""
+    nbytes = count * dtype.itemsize
+    if not whole(c, nbytes):
+        return None
+
+    def put(r: np.ndarray) -> Any:
+        out = view().reshape(-1).view(dtype.storage)
+        out[:] = r.view(out.dtype)
+        return result
+
+    return c.start_async(
+        Kind.ALLREDUCE, addr, dtype, count, rop, 0, Delivery(addr, 0, nbytes, owner), put, result, owner
+    )
+
+
 def _parts_result(pv: PartsView) -> tuple[np.ndarray, np.ndarray]:
     """Where a fused collective's result goes: one new 1-D array (storage dtype), and the same memory
     as the parts' own dtype (ml_dtypes' bfloat16 stays itself) for wait() to return."""

@@ -257,11 +257,15 @@ class Handle:
 class Delivery:
     """Where a host collective's result goes on the engine's path (the engine's Delivery, channel.h):
     `dst` (1-D, C-contiguous; empty for none) takes its bytes of the result from `src_offset`;
-    `result_bytes` is the whole result's size (the range the DONE names, and what its RELEASE frees)."""
+    `result_bytes` is the whole result's size (the range the DONE names, and what its RELEASE frees).
+    `dst` may be the address of the collective's `count` elements instead (an all-reduce in place of a
+    torch tensor, whose numpy view costs more than the call), with `owner` the object that owns it:
+    what the engine keeps alive while it may still copy there."""
 
-    dst: np.ndarray
+    dst: np.ndarray | int
     src_offset: int
     result_bytes: int
+    owner: Any = None
 
 
 class EngineHandle(Handle):
@@ -738,7 +742,7 @@ class Client:
     def start_async(
         self,
         kind: Kind,
-        src: np.ndarray | tuple[np.ndarray, ...],
+        src: np.ndarray | tuple[np.ndarray, ...] | int,
         dtype: DType,
         count: int,
         op: ReduceOp | None,
@@ -753,7 +757,8 @@ class Client:
         rest there too, into `out`, and so does whichever thread takes its DONE once callbacks or a
         poll wait for it (_collect). `src` is what this rank sends (1-D, C-contiguous, or a tuple of
         such parts sent one after another; empty: nothing, as a broadcast's other ranks and a
-        barrier); `deliver` what Python runs instead should its DONE still come to Python (a Delivery
+        barrier; or the address of `count` elements of `dtype`, an all-reduce's in place, which `out`
+        names too, with their owner); `deliver` what Python runs instead should its DONE still come to Python (a Delivery
         the engine refused); `result` what the handle gives back. None, with nothing done, where it
         must go the general way: a timeline to record, or device copies still queued ahead of it."""
         made: list[EngineHandle] = []
@@ -798,7 +803,7 @@ class Client:
             return None
         if isinstance(src, np.ndarray):
             nbytes = src.nbytes
-        elif isinstance(src, int):  # an address of `count` elements (allreduce_now)
+        elif isinstance(src, int):  # an address of `count` elements (allreduce_now, allreduce_async_at)
             nbytes = count * dtype.itemsize
         else:
             nbytes = sum(p.nbytes for p in src)
@@ -884,7 +889,7 @@ class Client:
         out = handle._out
         self._channel.collect(
             handle.seq, out.dst, out.src_offset, out.result_bytes, handle.kind, handle.dtype, handle.count,
-            self.rank, RELEASE_BATCH_BYTES, self.config.timeout_s,
+            self.rank, RELEASE_BATCH_BYTES, self.config.timeout_s, out.owner,
         )  # fmt: skip
 
     def _finish_now(

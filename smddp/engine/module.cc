@@ -967,10 +967,10 @@ PyType_Spec kPlaneSpec = {
 
 // ---------------------------------------------------------------------------------- WorkerChannel
 
-// Owns its channel; `keep` (seq -> the destination object, or null before the first) holds each
-// collected collective's destination alive while the channel may still copy into it (collect): a
-// taker's copy may be running while the caller's own failure handling gives up its references. An
-// entry goes when the collective completes here (pop, finish) or with the channel.
+// Owns its channel; `keep` (seq -> the destination object or an address's owner, or null before the
+// first) holds each collected collective's destination alive while the channel may still copy into
+// it (collect): a taker's copy may be running while the caller's own failure handling gives up its
+// references. An entry goes when the collective completes here (pop, finish) or with the channel.
 struct ChannelObject {
   PyObject_HEAD
   smddp::WorkerChannel* ch;
@@ -1281,16 +1281,17 @@ bool seq_arg(PyObject* arg, const char* what, std::uint64_t* out) {
   return true;
 }
 
-// collect(seq, dst, src_offset, result_bytes, kind, dtype, count, rank, batch_bytes, timeout_s) -> bool: an
-// asynchronous fast collective has callbacks waiting: the taker that meets its DONE completes it into
-// `dst` (pop() then returns its seq). True when it was taken so (`dst` is kept alive here until the
-// collective completes).
+// collect(seq, dst, src_offset, result_bytes, kind, dtype, count, rank, batch_bytes, timeout_s, keep=None) -> bool:
+// an asynchronous fast collective has callbacks waiting: the taker that meets its DONE completes it into
+// `dst` (a writable buffer, or the address of `count` elements of `dtype` as start's `src`; pop() then
+// returns its seq). True when it was taken so; `keep` (else `dst`) is kept alive here until the
+// collective completes: an address's owner (a torch tensor) must be given as `keep`.
 PyObject* channel_collect(PyObject* self, PyObject* args) {
   long long seq = 0, src_offset = 0, result_bytes = 0, kind = 0, dtype = 0, count = 0, rank = 0, batch = 0;
-  PyObject* dst = nullptr;
+  PyObject *dst = nullptr, *keep = Py_None;
   double timeout = 0;
-  if (!PyArg_ParseTuple(args, "LOLLLLLLLd", &seq, &dst, &src_offset, &result_bytes, &kind, &dtype, &count, &rank,
-                        &batch, &timeout))
+  if (!PyArg_ParseTuple(args, "LOLLLLLLLd|O", &seq, &dst, &src_offset, &result_bytes, &kind, &dtype, &count, &rank,
+                        &batch, &timeout, &keep))
     return nullptr;
   smddp::WorkerChannel& ch = channel_of(self);
   constexpr long long kU32 = static_cast<long long>(UINT32_MAX);
@@ -1299,12 +1300,29 @@ PyObject* channel_collect(PyObject* self, PyObject* args) {
     PyErr_SetString(PyExc_ValueError, "collect: a collected collective's fields are out of range");
     return nullptr;
   }
-  Py_buffer view;
-  if (PyObject_GetBuffer(dst, &view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) != 0) return nullptr;
   smddp::WorkerChannel::Collected how;
-  how.out = smddp::Delivery{static_cast<std::uint8_t*>(view.buf), static_cast<std::uint64_t>(view.len),
-                            static_cast<std::uint64_t>(src_offset), static_cast<std::uint64_t>(result_bytes)};
-  PyBuffer_Release(&view);  // the object itself is kept below: its memory stays where it is
+  if (PyLong_Check(dst)) {
+    // An address (finish's rule): the caller's `keep` holds its memory, which the engine cannot check.
+    const unsigned long long addr = PyLong_AsUnsignedLongLong(dst);
+    if (PyErr_Occurred()) return nullptr;
+    const std::uint64_t item = smddp::dtype_size(static_cast<std::uint8_t>(dtype));
+    if (addr == 0 || item == 0 || count == 0 || static_cast<std::uint64_t>(count) > UINT64_MAX / item ||
+        keep == Py_None) {
+      PyErr_SetString(PyExc_ValueError,
+                      "collect: an address needs a non-zero address, count and dtype, and the object that owns it");
+      return nullptr;
+    }
+    how.out = smddp::Delivery{reinterpret_cast<std::uint8_t*>(static_cast<std::uintptr_t>(addr)),
+                              static_cast<std::uint64_t>(count) * item, static_cast<std::uint64_t>(src_offset),
+                              static_cast<std::uint64_t>(result_bytes)};
+  } else {
+    Py_buffer view;
+    if (PyObject_GetBuffer(dst, &view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) != 0) return nullptr;
+    how.out = smddp::Delivery{static_cast<std::uint8_t*>(view.buf), static_cast<std::uint64_t>(view.len),
+                              static_cast<std::uint64_t>(src_offset), static_cast<std::uint64_t>(result_bytes)};
+    PyBuffer_Release(&view);  // the object itself is kept below: its memory stays where it is
+  }
+  if (keep == Py_None) keep = dst;
   how.submit.type = smddp::Msg::kSubmit;
   how.submit.seq = static_cast<std::uint64_t>(seq);
   how.submit.kind = static_cast<std::uint8_t>(kind);
@@ -1318,7 +1336,7 @@ PyObject* channel_collect(PyObject* self, PyObject* args) {
   PyObject* key = PyLong_FromLongLong(seq);
   if (key == nullptr) return nullptr;
   // Kept before the channel may copy into it (a taker may meet its DONE as soon as collect returns).
-  if (PyDict_SetItem(obj->keep, key, dst) != 0) {
+  if (PyDict_SetItem(obj->keep, key, keep) != 0) {
     Py_DECREF(key);
     return nullptr;
   }
@@ -1392,7 +1410,7 @@ PyMethodDef kChannelMethods[] = {
      "went the general way)"},
     {"adopt", channel_adopt, METH_O, "adopt(seq) -> DONE or None: a parked fast collective goes the general way"},
     {"collect", channel_collect, METH_VARARGS,
-     "collect(seq, dst, src_offset, result_bytes, kind, dtype, count, rank, batch_bytes, timeout_s) -> bool: an "
+     "collect(seq, dst, src_offset, result_bytes, kind, dtype, count, rank, batch_bytes, timeout_s, keep=None) -> bool: an "
      "asynchronous fast collective's callbacks wait: whoever takes its DONE completes it into dst (pop returns "
      "its seq)"},
     {"attach", channel_attach, METH_VARARGS,

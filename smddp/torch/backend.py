@@ -20,12 +20,12 @@ from torch.distributed.distributed_c10d import GroupName
 from torch.futures import Future
 
 import smddp
-from smddp.client.collectives import whole
+from smddp.client.collectives import allreduce_async_at, whole
 from smddp.client.device.runtime import BUILTIN as BUILTIN_RUNTIMES
 from smddp.client.session import Latch, when_all
 from smddp.errors import CollectiveError, CollectiveTimeoutError, ConfigError, SmddpError, fresh
 from smddp.launcher.elastic import check_launcher, join_through_store
-from smddp.proto.dtypes import dtype_from_numpy
+from smddp.proto.dtypes import DType, dtype_from_numpy
 
 BACKEND_NAME = "smddp"
 #: The longest a group's creation under torchrun waits for the other nodes' daemons (less, when
@@ -965,15 +965,16 @@ class ProcessGroupSmddp(dist.ProcessGroup):
 
     @_routable("all_reduce", "allreduce")
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
-        if (
-            opts is not None
-            and len(tensors) == 1
-            and not getattr(opts, "asyncOp", True)
-            and self.trace is None
-        ):
-            done = self._allreduce_one_now(tensors, opts)
-            if done is not None:
-                return done
+        if opts is not None and len(tensors) == 1 and self.trace is None:
+            one = self._one_host_tensor(tensors[0])
+            if one is not None:
+                work = (
+                    self._allreduce_one_async(tensors, opts, *one)
+                    if getattr(opts, "asyncOp", True)
+                    else self._allreduce_one_now(tensors, opts, *one)
+                )
+                if work is not None:
+                    return work
         opts = opts if opts is not None else dist.AllreduceOptions()
         op = _op(opts, "all_reduce")
         ts = [_check_tensor(t, "all_reduce") for t in tensors]
@@ -997,15 +998,14 @@ class ProcessGroupSmddp(dist.ProcessGroup):
         nbytes = sum(t.numel() * t.element_size() for t in ts)
         return self._submit("all_reduce", start, tensors, opts, finish, nbytes, _all(pairs), device)
 
-    def _allreduce_one_now(self, tensors: list[torch.Tensor], opts: Any) -> dist.Work | None:
-        """torch's commonest call, `dist.all_reduce(t)` of one contiguous CPU tensor, in the least
-        Python it takes: the checks below, then the engine's one pass on the tensor's memory, by its
-        address (Client.allreduce_now: copy-in, SUBMIT, DONE, copy-out, GIL released). None, with nothing
-        done, where anything is out of the ordinary (a dtype numpy lacks, a layout, a runtime that
-        claims CPU tensors, more than one piece, an empty tensor, a timeline): the general way takes
-        it, and refuses what it must with its full message. Each Python step here costs several
-        times its own time in a job whose ranks come to the call from a barrier (cold caches)."""
-        t = tensors[0]
+    @staticmethod
+    def _one_host_tensor(t: Any) -> tuple[torch.Tensor, DType, int, smddp.Client] | None:
+        """`t` with its wire dtype, its element count and the client, where it is what torch's commonest
+        all-reduce passes and the engine takes by its address: one contiguous, non-empty CPU tensor
+        of a dtype numpy has, in one piece, with no runtime claiming CPU tensors. None where anything
+        is out of the ordinary (the general way takes it, and refuses what it must with its full
+        message). Each Python step here costs several times its own time in a job whose ranks come
+        to the call from a barrier (cold caches): what is not needed is not asked."""
         wire = _WIRE.get(t.dtype) if type(t) is torch.Tensor else None
         if wire is None or not t.is_cpu or t.layout != torch.strided or not t.is_contiguous():
             return None
@@ -1013,6 +1013,15 @@ class ProcessGroupSmddp(dist.ProcessGroup):
         n = t.numel()
         if not n or c.config.device_runtime not in BUILTIN_RUNTIMES or not whole(c, n * wire.itemsize):
             return None
+        return t, wire, n, c
+
+    def _allreduce_one_now(
+        self, tensors: list[torch.Tensor], opts: Any, t: torch.Tensor, wire: DType, n: int, c: smddp.Client
+    ) -> dist.Work | None:
+        """`dist.all_reduce(t)` of one tensor `_one_host_tensor` took, in the least Python it takes: the
+        engine's one pass on the tensor's memory, by its address (Client.allreduce_now: copy-in,
+        SUBMIT, DONE, copy-out, GIL released). None, with nothing done, where the client sends it the
+        general way (device copies queued ahead of it)."""
         timeout = self._timeout_of(opts).total_seconds()
         # The tensor's address, not its numpy view (which costs more than the rest of this call);
         # the view only should the call time out, when the result is delivered later (and the view
@@ -1020,6 +1029,22 @@ class ProcessGroupSmddp(dist.ProcessGroup):
         if not c.allreduce_now(t.data_ptr(), wire, n, _op(opts, "all_reduce"), timeout, lambda: _HOST.buf(t)):
             return None
         return _DoneWork(tensors)
+
+    def _allreduce_one_async(
+        self, tensors: list[torch.Tensor], opts: Any, t: torch.Tensor, wire: DType, n: int, c: smddp.Client
+    ) -> dist.Work | None:
+        """`dist.all_reduce(t, async_op=True)` (and DDP's buckets) of one tensor `_one_host_tensor`
+        took: started by the engine from the tensor's address (collectives.allreduce_async_at), its
+        Work a host Work like any other, completed where it is consumed. None, with nothing done,
+        where the client sends it the general way."""
+        h = allreduce_async_at(
+            c, t.data_ptr(), wire, n, _op(opts, "all_reduce"), lambda: _HOST.buf(t), t, tensors
+        )
+        if h is None:
+            return None
+        work = SmddpWork("all_reduce", tensors, self._timeout_of(opts))
+        _queue_work(work, [h], None, None)
+        return work
 
     def _allreduce_now(self, ts: list[torch.Tensor], op: smddp.ReduceOp, opts: Any, result: Any) -> dist.Work:
         """A blocking all-reduce of contiguous host tensors: run here, whole, each through the engine in

@@ -119,6 +119,28 @@ def main() -> int:
         wk.wait()
     checks["async_in_flight"] = all(bool((t == w * i + w * (w - 1) / 2).all()) for i, t in enumerate(ts))
     checks["async_completed"] = all(wk.is_completed() and wk.is_success() for wk in works)
+    # One contiguous host tensor, blocking or not (DDP's buckets are these): the engine takes it by its
+    # address, with no numpy view of it made (the backend's _HOST.buf, here counted).
+    host = smddp.torch.backend._HOST
+    views: list[Any] = []
+    host.buf = lambda t: views.append(t) or type(host).buf(host, t)  # type: ignore[method-assign]
+    try:
+        ta = torch.full((300,), float(r + 1))
+        tb = torch.full((5,), r + 1, dtype=torch.int64)
+        tc = torch.full((9,), float(r))
+        wa = dist.all_reduce(ta, async_op=True)
+        dist.all_reduce(tb)
+        fc = dist.all_reduce(tc, async_op=True).get_future()
+        sums = wa.wait() and fc.wait()[0] is tc
+    finally:
+        del host.buf
+    checks["one_tensor_by_address"] = (
+        sums
+        and ta.tolist() == [float(w * (w + 1) // 2)] * 300
+        and tb.tolist() == [w * (w + 1) // 2] * 5
+        and tc.tolist() == [float(w * (w - 1) // 2)] * 9
+        and (device_route or views == [])
+    )
     fut = dist.all_reduce(torch.ones(3), async_op=True).get_future()
     checks["future_value"] = fut.wait()[0].tolist() == [float(w)] * 3
     # A host Work is completed where it is consumed: by its waiter, else (once polled, asked for its

@@ -4,6 +4,7 @@ general collectives beside it, a timeout that becomes a handle, and a DONE that 
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -539,8 +540,9 @@ def test_an_address_not_in_time_is_delivered_later_through_its_view(pair):
     with pytest.raises(CollectiveTimeoutError, match="still in flight"):
         call.join()
     assert len(views) == 1
+    handle = client._handles[s.seq]  # (taken before its DONE: the DONE thread may complete it at once)
     daemon.done(s, 2.0)
-    assert client._handles[s.seq].wait(5.0) is not None
+    assert handle.wait(5.0) is not None
     assert np.array_equal(buf, np.full(64, 2.0, np.float32)) and client._arena.in_use == 0
 
 
@@ -557,3 +559,84 @@ def test_an_address_the_engine_cannot_use_is_refused_before_anything_is_sent(pai
     assert s.seq == 1
     daemon.done(s, 1.0)
     call.join()
+
+
+class Owner:
+    """What owns an address's memory (a torch tensor, for the backend): here a holder of an array."""
+
+    def __init__(self, n: int) -> None:
+        self.buf = np.zeros(n, np.float32)
+
+
+def at(client: Client, owner: Owner, views: list[np.ndarray]) -> EngineHandle:
+    """allreduce_async_at of `owner`'s memory by its address; `views` records every view made of it."""
+
+    def view() -> np.ndarray:
+        views.append(owner.buf)
+        return owner.buf
+
+    buf = owner.buf
+    h = collectives.allreduce_async_at(
+        client, buf.ctypes.data, DType.FLOAT32, buf.size, ReduceOp.SUM, view, owner, "the result"
+    )
+    assert isinstance(h, EngineHandle)
+    return h
+
+
+def test_an_async_all_reduce_of_an_address_is_waited_for_in_the_engine_with_no_view(pair):
+    """allreduce_async_at (the torch backend's dist.all_reduce(t, async_op=True) of one CPU tensor):
+    the same SUBMIT as a buffer's, the result copied to the address by the engine, no view made."""
+    client, daemon = pair
+    owner, views = Owner(512), []
+    h = at(client, owner, views)
+    s = until_submits(daemon, 1)[-1]
+    assert (s.kind, s.dtype, s.count, s.op) == (Kind.ALLREDUCE, DType.FLOAT32, 512, ReduceOp.SUM)
+    waited = Call(lambda: h.wait(timeout=5))
+    time.sleep(0.05)
+    daemon.done(s, 3.0)
+    assert waited.join() == "the result"
+    assert np.array_equal(owner.buf, np.full(512, 3.0, np.float32)) and views == []
+    assert client._handles == {} and client._arena.in_use == 0
+
+
+def test_an_async_all_reduce_of_an_address_nobody_waits_for_is_completed_by_the_engine(pair):
+    """Collected (a callback, nobody waits): the DONE thread's pop completes it into the address, and
+    the channel keeps the address's owner alive until then, whatever the caller drops."""
+    client, daemon = pair
+    python = general_way(client)
+    owner, views = Owner(256), []
+    h = at(client, owner, views)
+    seen = threading.Event()
+    before = sys.getrefcount(owner)
+    h.add_done_callback(lambda _h: seen.set())
+    assert sys.getrefcount(owner) == before + 1, "the channel does not keep the address's owner"
+    buf = owner.buf
+    del owner
+    daemon.done(until_submits(daemon, 1)[-1], 5.0)
+    assert seen.wait(5), "the callback of an unwaited engine collective never ran"
+    assert np.array_equal(buf, np.full(256, 5.0, np.float32)) and views == []
+    assert python == [], "the DONE was completed in Python, not by the engine"
+    assert client._handles == {} and client._arena.in_use == 0
+
+
+def test_an_address_whose_done_goes_the_general_way_lands_through_its_view(pair):
+    """Should its DONE reach Python (a Delivery the engine did not take), the result lands through the
+    view the caller gave, not the bare address."""
+    client, daemon = pair
+    owner, views = Owner(16), []
+    h = at(client, owner, views)
+    assert h._deliver(np.full(16, 7.0, np.float32)) == "the result"
+    assert views == [owner.buf] and np.array_equal(owner.buf, np.full(16, 7.0, np.float32))
+    daemon.done(until_submits(daemon, 1)[-1], 2.0)
+    assert h.wait(timeout=5) == "the result"
+
+
+def test_collect_refuses_an_address_without_its_owner(pair):
+    """The engine cannot check an address: collect() takes one only with the object that owns it."""
+    client, _daemon = pair
+    buf = np.zeros(8, np.float32)
+    for addr, count, owner in ((buf.ctypes.data, 8, None), (0, 8, buf), (buf.ctypes.data, 0, buf)):
+        with pytest.raises(ValueError, match="the object that owns it"):
+            client._channel.collect(
+                1, addr, 0, 32, int(Kind.ALLREDUCE), int(DType.FLOAT32), count, 0, 0, 1.0, owner
+            )
