@@ -22,10 +22,15 @@ from smddp.bench.runner import (
     place,
 )
 
-IMPLS = ("smddp", "gloo")
+#: compute: the same step with DDP's all-reduces replaced by a hook that keeps each bucket as it is
+#: (launched as gloo): the floor of either backend's step, so that what the averaging costs each of
+#: them, and the best smddp / gloo this machine allows, are read from the same run.
+IMPLS = ("smddp", "gloo", "compute")
 #: With --launcher torchrun: smddp and gloo under torchrun too (gloo's start-up under each launcher
 #: is what torchrun itself costs, the floor of smddp's under it).
 TORCHRUN_IMPLS = ("smddp", "smddp-torchrun", "gloo", "gloo-torchrun")
+#: What each implementation is launched as (the launcher and its settings): the rest, as themselves.
+LAUNCHED_AS = {"compute": "gloo"}
 
 
 @dataclass(frozen=True)
@@ -74,10 +79,15 @@ def run_once(cfg: DdpConfig, impl: str, p: Any, log: TextIO) -> dict[str, Any]:
     its start-up: from the command to the last rank's first all-reduce done."""
     started = time.time()
     cmd, settings, wall, per_rank = launch_ranks(
-        impl, p, (), log, opts=cfg.options, program=lambda outdir: cfg.program(impl, outdir)
+        LAUNCHED_AS.get(impl, impl),
+        p,
+        (),
+        log,
+        opts=cfg.options,
+        program=lambda outdir: cfg.program(impl, outdir),
     )
     digests = {r["params_sha256"] for r in per_rank}
-    if len(digests) != 1:
+    if len(digests) != 1 and impl != "compute":  # (compute averages nothing: its replicas differ)
         raise BenchError(f"{impl}: the ranks' parameters differ after training ({len(digests)} digests)")
     steps = [max(s) for s in zip(*(r["step_s"] for r in per_rank), strict=True)]
     return {
@@ -129,6 +139,15 @@ def run_ddp(cfg: DdpConfig, log: TextIO = sys.stderr) -> dict[str, Any]:
         ],
         "startup_s": {i: statistics.median(r["startup_s"] for r in runs[i]) for i in impls},
     }
+    if "compute" in runs:
+        # What the gradient averaging adds to each backend's step, and the best smddp / gloo that
+        # the step's own compute leaves (averaging for free).
+        floor = pooled["compute"]
+        result["floor"] = {
+            "smddp_s": pooled["smddp"] - floor,
+            "gloo_s": pooled["gloo"] - floor,
+            "best_ratio": floor / pooled["gloo"],
+        }
     if "smddp-torchrun" in runs:
         # One data plane: the same training gives the same bits under either launcher.
         same = {r["params_sha256"] for i in ("smddp", "smddp-torchrun") for r in runs[i]}
@@ -165,7 +184,8 @@ def ddp_markdown(res: dict[str, Any]) -> str:
         f"buckets, stock `torch.nn.parallel.DistributedDataParallel`, one torch thread per rank; "
         f"{c['steps']} timed steps after {c['warmup']} untimed, {c['rounds']} launches per "
         "implementation, interleaved. A step's time is the slowest rank's, from a barrier to the end "
-        "of its optimizer step; every rank's parameters were the same bits after training.",
+        "of its optimizer step; every rank's parameters were the same bits after training"
+        + (" (smddp's and gloo's)." if "compute" in res["runs"] else "."),
         "",
         "| implementation | median step ms | per launch (median ms) |",
         "| --- | ---: | --- |",
@@ -181,6 +201,15 @@ def ddp_markdown(res: dict[str, Any]) -> str:
         lines[lines.index("| --- | ---: | --- |")] += " ---: |"
     rounds = ", ".join(f"{x:.3f}" for x in res["ratio_per_round"])
     lines += ["", f"smddp / gloo: **{res['ratio']:.3f}** (per launch: {rounds}).", ""]
+    if "floor" in res:
+        f = res["floor"]
+        lines += [
+            "compute: the same step with DDP's all-reduces replaced by a hook that keeps each bucket as it "
+            "is (its replicas differ): the floor. What the gradient averaging adds to the step: smddp "
+            f"{f['smddp_s'] * 1e3:.1f} ms, gloo {f['gloo_s'] * 1e3:.1f} ms; with averaging for free, "
+            f"smddp / gloo would be {f['best_ratio']:.3f}.",
+            "",
+        ]
     if "torchrun" in res:
         t = res["torchrun"]
         per = ", ".join(f"{x:.3f}" for x in t["step_ratio_per_round"])

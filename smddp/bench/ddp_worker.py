@@ -1,10 +1,11 @@
 """The per-rank DDP training-step program of `smddp-bench ddp`: stock torch DDP on smddp or on gloo.
 
-    python -m smddp.bench.ddp_worker --impl smddp|gloo --out DIR [--width W --depth D ...]
+    python -m smddp.bench.ddp_worker --impl smddp|gloo|compute --out DIR [--width W --depth D ...]
 
 smddp runs it under smddp-launch (torch.distributed's "smddp" backend, the launcher's RANK,
 WORLD_SIZE, MASTER_ADDR and MASTER_PORT), gloo under a plain mpirun (ranks from Open MPI's
-variables). The model is an MLP (`--width`, `--depth`), every rank with the same weights and its
+variables); `compute` as gloo, with DDP's all-reduces replaced by a hook that keeps each bucket as
+it is (the step's floor: its replicas differ). The model is an MLP (`--width`, `--depth`), every rank with the same weights and its
 own batch; one torch thread per rank. `--device cuda` puts it on GPU `local rank % GPUs`
 (`device_ids=[that GPU]`, gloo on CUDA tensors too). A step (zero_grad, forward, backward with
 DDP's bucketed all-reduces overlapping it, SGD step) starts after a barrier; its time ends when
@@ -33,7 +34,9 @@ def _mlp(torch: Any, width: int, depth: int, inputs: int, classes: int) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m smddp.bench.ddp_worker")
-    ap.add_argument("--impl", required=True, choices=["smddp", "gloo"])
+    # compute: gloo's launch and group, but DDP's gradient averaging replaced by a hook that returns
+    # each bucket as it is: the step without its all-reduces, the floor either backend is measured against.
+    ap.add_argument("--impl", required=True, choices=["smddp", "gloo", "compute"])
     ap.add_argument("--out", required=True)
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--depth", type=int, default=11)
@@ -55,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         import smddp.torch  # registers the backend
 
         smddp.torch.init_process_group(backend="smddp")
-    elif "OMPI_COMM_WORLD_RANK" in os.environ:  # gloo under mpirun
+    elif "OMPI_COMM_WORLD_RANK" in os.environ:  # gloo (and compute) under mpirun
         rank, world = int(os.environ["OMPI_COMM_WORLD_RANK"]), int(os.environ["OMPI_COMM_WORLD_SIZE"])
         dist.init_process_group("gloo", rank=rank, world_size=world)
     else:  # gloo under torchrun: env://
@@ -77,6 +80,18 @@ def main(argv: list[str] | None = None) -> int:
     model = _mlp(torch, args.width, args.depth, args.inputs, 10).to(device)
     ids = [device.index] if device.type == "cuda" else None
     net = DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=args.bucket_mb)
+    if args.impl == "compute":
+
+        def as_it_is(_state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+            fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+            fut.set_result(bucket.buffer())
+            return fut
+
+        # DDP checks the annotation itself, which this module's postponed annotations leave a string.
+        as_it_is.__annotations__.update(
+            {"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
+        )
+        net.register_comm_hook(None, as_it_is)
     opt = torch.optim.SGD(net.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(1000 + rank)  # each rank its own batch
     x = torch.randn(args.batch, args.inputs, generator=gen).to(device)

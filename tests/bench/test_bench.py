@@ -147,6 +147,31 @@ def test_tiny_ddp_step_benchmark(tmp_path):
     assert res["device"] == "cpu" and ", on the CPU:" in md
 
 
+def test_ddp_step_benchmark_reads_the_compute_floor(tmp_path):
+    """`smddp-bench ddp`: smddp, gloo and the step without its all-reduces (compute, launched as gloo,
+    DDP's averaging replaced by a hook that keeps each bucket), interleaved; the floor read from them.
+    compute's replicas differ (nothing is averaged); smddp's and gloo's are the same bits."""
+    need_module("torch", "make setup installs it")
+    cmd = [
+        str(BIN / "smddp-bench"),
+        *("ddp", "--width", "64", "--depth", "1", "--steps", "3", "--warmup", "1", "--rounds", "1"),
+        *("--nodes", "1", "--per-node", "2", "--out", str(tmp_path), "--name", "floor", "--timeout", "120"),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    order = [line.split()[-1] for line in proc.stderr.splitlines() if "smddp-bench ddp: round" in line]
+    assert order == ["smddp", "gloo", "compute"], proc.stderr
+    res = json.loads((tmp_path / "floor.json").read_text())
+    assert res["runs"]["compute"][0]["command"].split()[0].endswith("mpirun")
+    assert "--impl compute" in res["runs"]["compute"][0]["command"]
+    m, f = res["median_s"], res["floor"]
+    assert f["smddp_s"] == pytest.approx(m["smddp"] - m["compute"])
+    assert f["gloo_s"] == pytest.approx(m["gloo"] - m["compute"])
+    assert f["best_ratio"] == pytest.approx(m["compute"] / m["gloo"])
+    md = (tmp_path / "floor.md").read_text()
+    assert "| compute |" in md and f"smddp / gloo would be {f['best_ratio']:.3f}" in md
+
+
 @pytest.mark.timeout(150)
 def test_ddp_benchmark_on_cuda(tmp_path):
     """`smddp-bench ddp --device cuda`: on a GPU, DDP on CUDA with both backends, the device named;
