@@ -6,6 +6,8 @@ import importlib.util
 import json
 import subprocess
 import sys
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -106,23 +108,31 @@ def test_isolated_sweep_times_each_call_after_a_barrier(tmp_path):
     assert "Mode: **isolated**" in (tmp_path / "iso.md").read_text()
 
 
+def tiny_ddp(tmp_path: Path, name: str, order: list[str], *extra: str) -> dict[str, Any]:
+    """`smddp-bench ddp` of a tiny MLP on 2 ranks, one launch each, `extra` flags added: its JSON,
+    once the launches ran in `order`."""
+    need_module("torch", "make setup installs it")
+    cmd = [
+        str(BIN / "smddp-bench"),
+        *("ddp", "--width", "64", "--depth", "1", "--steps", "3", "--warmup", "1", "--rounds", "1"),
+        *("--nodes", "1", "--per-node", "2", *extra),
+        *("--out", str(tmp_path), "--name", name, "--timeout", "120"),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ran = [line.split()[-1] for line in proc.stderr.splitlines() if "smddp-bench ddp: round" in line]
+    assert ran == order, proc.stderr
+    return json.loads((tmp_path / f"{name}.json").read_text())
+
+
 @pytest.mark.timeout(420)
 def test_tiny_ddp_step_benchmark(tmp_path):
     """`smddp-bench ddp --launcher torchrun`: stock DDP on smddp under smddp-launch, under torchrun, and
     on gloo under mpirun and under torchrun (torchrun's own start-up), launches interleaved; the same
     bits under both launchers."""
-    need_module("torch", "make setup installs it")
-    cmd = [
-        str(BIN / "smddp-bench"),
-        *("ddp", "--width", "64", "--depth", "1", "--steps", "3", "--warmup", "1", "--rounds", "1"),
-        *("--nodes", "1", "--per-node", "2", "--launcher", "torchrun"),
-        *("--out", str(tmp_path), "--name", "tinyddp", "--timeout", "120"),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    order = [line.split()[-1] for line in proc.stderr.splitlines() if "smddp-bench ddp: round" in line]
-    assert order == ["smddp", "smddp-torchrun", "gloo", "gloo-torchrun"], proc.stderr
-    res = json.loads((tmp_path / "tinyddp.json").read_text())
+    res = tiny_ddp(
+        tmp_path, "tinyddp", ["smddp", "smddp-torchrun", "gloo", "gloo-torchrun"], "--launcher", "torchrun"
+    )
     assert res["kind"] == "ddp" and res["ranks"] == 2
     assert res["params"] == 256 * 64 + 64 + 64 * 64 + 64 + 64 * 10 + 10
     for impl in ("smddp", "smddp-torchrun", "gloo", "gloo-torchrun"):
@@ -151,17 +161,7 @@ def test_ddp_step_benchmark_reads_the_compute_floor(tmp_path):
     """`smddp-bench ddp`: smddp, gloo and the step without its all-reduces (compute, launched as gloo,
     DDP's averaging replaced by a hook that keeps each bucket), interleaved; the floor read from them.
     compute's replicas differ (nothing is averaged); smddp's and gloo's are the same bits."""
-    need_module("torch", "make setup installs it")
-    cmd = [
-        str(BIN / "smddp-bench"),
-        *("ddp", "--width", "64", "--depth", "1", "--steps", "3", "--warmup", "1", "--rounds", "1"),
-        *("--nodes", "1", "--per-node", "2", "--out", str(tmp_path), "--name", "floor", "--timeout", "120"),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    order = [line.split()[-1] for line in proc.stderr.splitlines() if "smddp-bench ddp: round" in line]
-    assert order == ["smddp", "gloo", "compute"], proc.stderr
-    res = json.loads((tmp_path / "floor.json").read_text())
+    res = tiny_ddp(tmp_path, "floor", ["smddp", "gloo", "compute"])
     assert res["runs"]["compute"][0]["command"].split()[0].endswith("mpirun")
     assert "--impl compute" in res["runs"]["compute"][0]["command"]
     m, f = res["median_s"], res["floor"]
