@@ -4,13 +4,14 @@
 
 smddp runs it under smddp-launch (torch.distributed's "smddp" backend, the launcher's RANK,
 WORLD_SIZE, MASTER_ADDR and MASTER_PORT), gloo under a plain mpirun (ranks from Open MPI's
-variables); `compute` as gloo, with DDP's all-reduces replaced by a hook that keeps each bucket as
-it is (the step's floor: its replicas differ). The model is an MLP (`--width`, `--depth`), every rank with the same weights and its
-own batch; one torch thread per rank. `--device cuda` puts it on GPU `local rank % GPUs`
-(`device_ids=[that GPU]`, gloo on CUDA tensors too). A step (zero_grad, forward, backward with
-DDP's bucketed all-reduces overlapping it, SGD step) starts after a barrier; its time ends when
-this rank's optimizer step is done (on CUDA: when the device is through with it). Every rank writes `DIR/rank<r>.json`: its step times and a digest of its
-parameters after the last step, which must be the same bits on every rank (DDP keeps replicas equal
+variables); `compute` as gloo, with DDP's all-reduces replaced by torch's no-op comm hook, which
+keeps each bucket as it is (the step's floor: its replicas differ). The model is an MLP (`--width`,
+`--depth`), every rank with the same weights and its own batch; one torch thread per rank. `--device
+cuda` puts it on GPU `local rank % GPUs` (`device_ids=[that GPU]`, gloo on CUDA tensors too). A step
+(zero_grad, forward, backward with DDP's bucketed all-reduces overlapping it, SGD step) starts after
+a barrier; its time ends when this rank's optimizer step is done (on CUDA: when the device is
+through with it). Every rank writes `DIR/rank<r>.json`: its step times and a digest of its
+parameters after the last step, which must be the same bits on every rank (but compute's; DDP keeps replicas equal
 only if every rank gets the same reduced gradients).
 """
 
@@ -35,8 +36,7 @@ def _mlp(torch: Any, width: int, depth: int, inputs: int, classes: int) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m smddp.bench.ddp_worker")
-    # compute: gloo's launch and group, but DDP's gradient averaging replaced by a hook that returns
-    # each bucket as it is: the step without its all-reduces, the floor either backend is measured against.
+    # compute: gloo's launch and group, DDP's averaging replaced by torch's no-op hook: the step's floor.
     ap.add_argument("--impl", required=True, choices=["smddp", "gloo", "compute"])
     ap.add_argument("--out", required=True)
     ap.add_argument("--width", type=int, default=1024)
@@ -82,17 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     ids = [device.index] if device.type == "cuda" else None
     net = DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=args.bucket_mb)
     if args.impl == "compute":
+        # torch's own no-op hook (made for this headroom analysis): each bucket as it is, no averaging.
+        from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
 
-        def as_it_is(_state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-            fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-            fut.set_result(bucket.buffer())
-            return fut
-
-        # DDP checks the annotation itself, which this module's postponed annotations leave a string.
-        as_it_is.__annotations__.update(
-            {"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
-        )
-        net.register_comm_hook(None, as_it_is)
+        net.register_comm_hook(None, noop_hook)
     opt = torch.optim.SGD(net.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(1000 + rank)  # each rank its own batch
     x = torch.randn(args.batch, args.inputs, generator=gen).to(device)

@@ -234,12 +234,10 @@ def allreduce_async_at(
     host memory that `owner` owns (a torch tensor and its data_ptr(): its numpy view costs more than
     the rest of the call, so none is made). The engine copies in from the address and, whoever
     completes the collective, back to it; `view()` makes the memory's numpy view only should its
-    DONE go the general way. The caller checked `count` (non-zero) and `dtype`; None, with nothing
-    done, where it must go the general way (pieces, a timeline, device copies queued ahead of it),
-    which the caller then takes with a buffer."""
+    DONE go the general way. The caller checked `count` (non-zero), `dtype` and that it goes whole
+    (`whole`), as allreduce_now's callers do; None, with nothing done, where it must go the general
+    way (a timeline, device copies queued ahead of it), which the caller then takes with a buffer."""
     nbytes = count * dtype.itemsize
-    if not whole(c, nbytes):
-        return None
 
     def put(r: np.ndarray) -> Any:
         out = view().reshape(-1).view(dtype.storage)

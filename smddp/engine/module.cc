@@ -1122,6 +1122,24 @@ struct FastArgs {
   }
 };
 
+// An address argument (an int instead of a buffer): `count` elements of `dtype` that the caller keeps
+// alive and in place (a torch tensor's data_ptr(): its numpy view costs more than the rest of the
+// call). The engine cannot check it; only smddp's own callers pass one. False with ValueError (whose
+// message starts with `what`) for a zero address, count or dtype, or a length that overflows.
+bool address_arg(PyObject* arg, long long dtype, long long count, const char* what, std::uint8_t** data,
+                 std::uint64_t* len) {
+  const unsigned long long addr = PyLong_AsUnsignedLongLong(arg);
+  if (PyErr_Occurred()) return false;
+  const std::uint64_t item = smddp::dtype_size(static_cast<std::uint8_t>(dtype));
+  if (addr == 0 || item == 0 || count <= 0 || static_cast<std::uint64_t>(count) > UINT64_MAX / item) {
+    PyErr_Format(PyExc_ValueError, "%s needs a non-zero address, count and dtype", what);
+    return false;
+  }
+  *data = reinterpret_cast<std::uint8_t*>(static_cast<std::uintptr_t>(addr));
+  *len = static_cast<std::uint64_t>(count) * item;
+  return true;
+}
+
 bool fast_args(PyObject* self, PyObject* arena, long long kind, long long segment, long long offset, PyObject* buf,
                bool writable, long long rank, long long seq, long long count, long long dtype, long long op,
                long long root, FastArgs* out) {
@@ -1136,18 +1154,7 @@ bool fast_args(PyObject* self, PyObject* arena, long long kind, long long segmen
     return false;
   }
   if (buf != nullptr && PyLong_Check(buf)) {
-    // An address: `count` elements of `dtype` that the caller keeps alive and in place for the call
-    // (a torch tensor's data_ptr(): its numpy view costs more than the rest of the call). The engine
-    // cannot check it; only smddp's own callers pass one.
-    const unsigned long long addr = PyLong_AsUnsignedLongLong(buf);
-    if (PyErr_Occurred()) return false;
-    const std::uint64_t item = smddp::dtype_size(static_cast<std::uint8_t>(dtype));
-    if (addr == 0 || item == 0 || count == 0 || static_cast<std::uint64_t>(count) > UINT64_MAX / item) {
-      PyErr_SetString(PyExc_ValueError, "a fast collective's address needs a non-zero address, count and dtype");
-      return false;
-    }
-    out->data = reinterpret_cast<std::uint8_t*>(static_cast<std::uintptr_t>(addr));
-    out->len = static_cast<std::uint64_t>(count) * item;
+    if (!address_arg(buf, dtype, count, "a fast collective's address", &out->data, &out->len)) return false;
   } else if (buf != nullptr) {  // null: the caller takes its buffers itself (start's parts)
     if (PyObject_GetBuffer(buf, &out->buf, writable ? (PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) : PyBUF_C_CONTIGUOUS) !=
         0)
@@ -1302,18 +1309,15 @@ PyObject* channel_collect(PyObject* self, PyObject* args) {
   }
   smddp::WorkerChannel::Collected how;
   if (PyLong_Check(dst)) {
-    // An address (finish's rule): the caller's `keep` holds its memory, which the engine cannot check.
-    const unsigned long long addr = PyLong_AsUnsignedLongLong(dst);
-    if (PyErr_Occurred()) return nullptr;
-    const std::uint64_t item = smddp::dtype_size(static_cast<std::uint8_t>(dtype));
-    if (addr == 0 || item == 0 || count == 0 || static_cast<std::uint64_t>(count) > UINT64_MAX / item ||
-        keep == Py_None) {
-      PyErr_SetString(PyExc_ValueError,
-                      "collect: an address needs a non-zero address, count and dtype, and the object that owns it");
+    // An address (finish's rule), whose memory the caller's `keep` owns.
+    if (keep == Py_None) {
+      PyErr_SetString(PyExc_ValueError, "collect: an address needs the object that owns it");
       return nullptr;
     }
-    how.out = smddp::Delivery{reinterpret_cast<std::uint8_t*>(static_cast<std::uintptr_t>(addr)),
-                              static_cast<std::uint64_t>(count) * item, static_cast<std::uint64_t>(src_offset),
+    std::uint8_t* data = nullptr;
+    std::uint64_t len = 0;
+    if (!address_arg(dst, dtype, count, "collect: an address", &data, &len)) return nullptr;
+    how.out = smddp::Delivery{data, len, static_cast<std::uint64_t>(src_offset),
                               static_cast<std::uint64_t>(result_bytes)};
   } else {
     Py_buffer view;

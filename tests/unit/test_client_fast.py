@@ -632,11 +632,16 @@ def test_an_address_whose_done_goes_the_general_way_lands_through_its_view(pair)
 
 
 def test_collect_refuses_an_address_without_its_owner(pair):
-    """The engine cannot check an address: collect() takes one only with the object that owns it."""
+    """The engine cannot check an address: collect() takes one only with the object that owns it,
+    and (as start and finish) not a zero address or count."""
     client, _daemon = pair
     buf = np.zeros(8, np.float32)
-    for addr, count, owner in ((buf.ctypes.data, 8, None), (0, 8, buf), (buf.ctypes.data, 0, buf)):
-        with pytest.raises(ValueError, match="the object that owns it"):
+    for addr, count, owner, why in (
+        (buf.ctypes.data, 8, None, "the object that owns it"),
+        (0, 8, buf, "non-zero address, count and dtype"),
+        (buf.ctypes.data, 0, buf, "non-zero address, count and dtype"),
+    ):
+        with pytest.raises(ValueError, match=why):
             client._channel.collect(
                 1, addr, 0, 32, int(Kind.ALLREDUCE), int(DType.FLOAT32), count, 0, 0, 1.0, owner
             )
