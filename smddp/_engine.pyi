@@ -1,6 +1,6 @@
 """Types of smddp._engine, the compiled engine (smddp/engine/module.cc); every error is a ProtocolError."""
 
-from typing import Any
+from typing import Any, Literal
 
 from smddp.daemon.config import PlaneConfig
 
@@ -34,6 +34,7 @@ class Arena:
     def in_use(self) -> int: ...
     def alloc(self, nbytes: int, /) -> tuple[int, int, Segment | None]: ...
     def free(self, segment: int, offset: int, nbytes: int, /) -> None: ...
+    def segment(self, id: int, /) -> Segment | None: ...
     def close(self) -> None: ...
 
 CHANNEL_BYTES: int
@@ -176,11 +177,8 @@ class WorkerChannel:
         self,
         arena: Arena,
         kind: int,
-        segment: int,
-        offset: int,
         src: Any,
         rank: int,
-        seq: int,
         count: int,
         dtype: int,
         op: int,
@@ -189,7 +187,28 @@ class WorkerChannel:
         spin_us: float,
         async_: bool = False,
         /,
-    ) -> None: ...
+    ) -> tuple[int, int, int, int] | None: ...
+    def run(
+        self,
+        arena: Arena,
+        kind: int,
+        buf: Any,
+        rank: int,
+        count: int,
+        dtype: int,
+        op: int,
+        root: int,
+        batch_bytes: int,
+        timeout_s: float,
+        spin_us: float,
+        /,
+    ) -> Literal[True] | tuple[int, int, int, int] | None: ...
+    def reserve(self) -> int: ...
+    def close_starts(self) -> None: ...
+    def blocking(self) -> list[int]: ...
+    def alloc(
+        self, arena: Arena, nbytes: int, rank: int, timeout_s: float, spin_us: float, /
+    ) -> tuple[int, int, Segment | None]: ...
     def finish(
         self,
         arena: Arena,

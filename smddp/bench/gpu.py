@@ -81,7 +81,7 @@ def _copy_row(
         del host
         anon.close()
     slot, _new = arena.alloc(n)
-    seg = arena.segments[slot.segment]
+    seg = arena.segment(slot.segment)
     io.pin(("in", seg.id), seg.array, readonly=False)
     view = arena.view(slot)
     buf = DeviceBuffer(

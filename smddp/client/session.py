@@ -415,9 +415,9 @@ class Client:
         self.local_rank = self.rank - membership.node * self.local_size
         self.node = membership.node
         self._conn = conn
-        self._lock = threading.Lock()  # seq order == wire order; guards the handle table
-        self._next_seq = 1
-        self._fast: set[int] = set()  # collectives in allreduce_now (no Handle), for shutdown to wait for
+        # Sequence numbers are the channel's (it hands them out in ring order); this lock keeps the
+        # general way's SUBMITs in their order and guards the handle table.
+        self._lock = threading.Lock()
         self._handles: dict[int, Handle] = {}
         self._results: dict[int, Segment] = {}
         self._arena = Arena(config.arena_bytes, f"smddp-rank{self.rank}")
@@ -535,15 +535,16 @@ class Client:
                     pass  # failed or not in time: said below
             else:
                 h._event.wait(max(0.0, deadline - time.monotonic()))
-        while self._fast and time.monotonic() < deadline:  # another thread's blocking all-reduce
+        while self._channel.blocking() and time.monotonic() < deadline:  # another thread's blocking call
             time.sleep(0.001)
-        unfinished = [h.seq for h in pending if not h._event.is_set()] + sorted(self._fast)
+        unfinished = [h.seq for h in pending if not h._event.is_set()] + sorted(self._channel.blocking())
         device = self._device
         if device is not None:
             # RELEASE goes once a result's copy to the device is done: let those leave before BYE.
             device.drain(max(0.0, deadline - time.monotonic()))
         with self._lock:
             self._closed = True
+            self._channel.close_starts()  # (BYE must be the last descriptor)
             self._deferred_cv.notify_all()
         if self._submitter is not None:
             self._submitter.join(timeout=5.0)
@@ -582,20 +583,23 @@ class Client:
         if self._failure is not None:
             raise fresh(self._failure)
 
-    def _alloc_locked(self, nbytes: int) -> tuple[Slot, ConnectionClosed | None]:
+    def _alloc_locked(self, nbytes: int) -> tuple[Slot | None, ConnectionClosed | None]:
         """A slot of the arena, with _lock held; a new segment is ATTACHed on the ring first, ahead of
-        the SUBMIT that names it. The daemon's loss comes back for the caller to fail with."""
-        slot, seg = self._arena.alloc(nbytes)
-        if seg is not None:
-            try:
-                self._channel.attach(seg.native, self.rank, self.config.timeout_s, RING_SPIN_US)
-            except TimeoutError:
-                return slot, ConnectionClosed(
-                    f"the daemon did not read this worker's ring for {self.config.timeout_s:g}s (frozen or gone)"
-                )
-            except ProtocolError as e:  # its fd could not go (not for a closed daemon end: that is no error)
-                return slot, ConnectionClosed(str(e))
-        return slot, None
+        the SUBMIT that names it (the channel does both under its push lock, as the fast path's
+        start does). The daemon's loss comes back for the caller to fail with (and no slot)."""
+        try:
+            seg_id, offset, fresh = self._channel.alloc(
+                self._arena.native, nbytes, self.rank, self.config.timeout_s, RING_SPIN_US
+            )
+        except TimeoutError:
+            return None, ConnectionClosed(
+                f"the daemon did not read this worker's ring for {self.config.timeout_s:g}s (frozen or gone)"
+            )
+        except ProtocolError as e:  # its fd could not go (not for a closed daemon end: that is no error)
+            return None, ConnectionClosed(str(e))
+        if fresh is not None:
+            self._arena.adopt(fresh)
+        return Slot(seg_id, offset, nbytes), None
 
     def _result_segment(self, seg_id: int) -> Segment | None:
         """Result segment `seg_id`, as the channel took it in from its SEGMENT (None: never sent)."""
@@ -634,12 +638,13 @@ class Client:
             src = device.src if device is not None else None
             if send_data and (buf is not None or src is not None):
                 slot, lost = self._alloc_locked(nbytes)
-                if src is not None and device is not None:
+                if slot is None:
+                    pass  # lost: failed below
+                elif src is not None and device is not None:
                     ready = self._copy_in(device, src, slot)
                 elif buf is not None:
                     buf.copy_into(self._arena.view(slot).view(dtype.storage))
-            seq = self._next_seq
-            self._next_seq += 1
+            seq = self._channel.reserve()
             keep = device.keepalive if device is not None else (buf.keepalive if buf else None)
             handle = Handle(
                 seq, kind, dtype, count, deliver, slot, keep, self.config.timeout_s, device, self._device
@@ -724,20 +729,26 @@ class Client:
         kind: Kind,
         view: Callable[[], np.ndarray] | None = None,
     ) -> bool:
-        t = self.config.timeout_s if timeout is None else timeout
-
-        def track(seq: int, _slot: Slot) -> Callable[[], None]:
-            self._fast.add(seq)  # for shutdown to wait for
-            return lambda: self._fast.discard(seq)
-
-        started = self._start_engine(kind, buf, dtype, count, op, 0, False, track)
-        if started is None:
+        if self.config.timeline_dir:
             return False
-        seq, slot = started
+        self._check_open()
+        t = self.config.timeout_s if timeout is None else timeout
         try:
-            return self._finish_now(buf, dtype, count, op, slot, seq, t, kind, view)
-        finally:
-            self._fast.discard(seq)  # (a set's discard is atomic under the GIL)
+            # Slot, copy-in, SUBMIT under the channel's next seq, DONE, copy-out, RELEASE: one call.
+            ran = self._channel.run(
+                self._arena.native, kind, buf, self.rank, count, dtype, op or 0, 0, RELEASE_BATCH_BYTES, t,
+                RING_SPIN_US,
+            )  # fmt: skip
+        except (TimeoutError, ProtocolError) as e:
+            raise self._engine_failed(e) from None
+        if ran is True:
+            return True
+        if ran is None:
+            return False  # held behind the general way's SUBMITs (or shutting down): the general way
+        seq, segment, offset, nbytes = ran
+        raise self._parked(
+            seq, Slot(segment, offset, nbytes) if nbytes else None, buf, dtype, count, t, kind, view
+        )
 
     def start_async(
         self,
@@ -752,105 +763,60 @@ class Client:
         result: Any,
         keepalive: Any,
     ) -> EngineHandle | None:
-        """An asynchronous host collective of any kind, started by the engine (the copy of `src` into
-        shared memory and the SUBMIT, GIL released: WorkerChannel::start); its handle's wait() runs the
-        rest there too, into `out`, and so does whichever thread takes its DONE once callbacks or a
-        poll wait for it (_collect). `src` is what this rank sends (1-D, C-contiguous, or a tuple of
-        such parts sent one after another; empty: nothing, as a broadcast's other ranks and a
-        barrier; or the address of `count` elements of `dtype`, an all-reduce's in place, which `out`
-        names too, with their owner); `deliver` what Python runs instead should its DONE still come to Python (a Delivery
-        the engine refused); `result` what the handle gives back. None, with nothing done, where it
-        must go the general way: a timeline to record, or device copies still queued ahead of it."""
-        made: list[EngineHandle] = []
-
-        def register(seq: int, slot: Slot) -> Callable[[], None]:
-            handle = EngineHandle(
-                self, seq, kind, dtype, count, deliver, out, op, result,
-                slot if slot is not _NO_SLOT else None, keepalive,
-            )  # fmt: skip
-            handle._drive = self._drive
-            made.append(handle)
-            # Registered before its SUBMIT: a DONE that goes the general way finds it.
-            self._handles[seq] = handle
-
-            def undo() -> None:
-                self._handles.pop(seq, None)
-
-            return undo
-
-        if self._start_engine(kind, src, dtype, count, op, root, True, register) is None:
-            return None
-        (handle,) = made
-        return handle
-
-    def _start_engine(
-        self,
-        kind: Kind,
-        src: np.ndarray | tuple[np.ndarray, ...] | int,
-        dtype: DType,
-        count: int,
-        op: ReduceOp | None,
-        root: int,
-        async_: bool,
-        register: Callable[[int, Slot], Callable[[], None]],
-    ) -> tuple[int, Slot] | None:
-        """The fast path's first half (WorkerChannel::start): under the client's lock, a slot for `src`
-        (ATTACHed if new; none if `src` is empty), the next sequence number, `register(seq, slot)`
-        (which returns its undo), then the copy of `src` in and the SUBMIT, GIL released. None, with
-        nothing done, where the collective must go the general way: a timeline to record, or device
-        copies still queued ahead of it. A lost or broken ring fails the client and raises that."""
+        """An asynchronous host collective of any kind, started by the engine (a slot, the copy of `src`
+        into shared memory and the SUBMIT under the channel's next seq, GIL released:
+        WorkerChannel::start); its handle's wait() runs the rest there too, into `out`, and so does
+        whichever thread takes its DONE once callbacks or a poll wait for it (_collect). `src` is what
+        this rank sends (1-D, C-contiguous, or a tuple of such parts sent one after another; empty:
+        nothing, as a broadcast's other ranks and a barrier; or the address of `count` elements of
+        `dtype`, an all-reduce's in place, which `out` names too, with their owner); `deliver` what
+        Python runs instead should its DONE still come to Python (a Delivery the engine refused);
+        `result` what the handle gives back. None, with nothing done, where it must go the general
+        way: a timeline to record, or SUBMITs of the general way still to go ahead of it."""
         if self.config.timeline_dir:
             return None
-        if isinstance(src, np.ndarray):
-            nbytes = src.nbytes
-        elif isinstance(src, int):  # an address of `count` elements (allreduce_now, allreduce_async_at)
-            nbytes = count * dtype.itemsize
-        else:
-            nbytes = sum(p.nbytes for p in src)
-        arena = self._arena
-        lost: ConnectionClosed | None = None
-        broken: ProtocolError | None = None
+        self._check_open()
+        try:
+            started = self._channel.start(
+                self._arena.native, kind, src, self.rank, count, dtype, op or 0, root, self.config.timeout_s,
+                RING_SPIN_US, True,
+            )  # fmt: skip
+        except (TimeoutError, ProtocolError) as e:
+            raise self._engine_failed(e) from None
+        if started is None:
+            return None
+        seq, segment, offset, nbytes = started
+        handle = EngineHandle(
+            self, seq, kind, dtype, count, deliver, out, op, result,
+            Slot(segment, offset, nbytes) if nbytes else None, keepalive,
+        )  # fmt: skip
+        handle._drive = self._drive
         with self._lock:
-            self._check_open()
-            if self._deferred:
-                return None
-            slot, lost = self._alloc_locked(nbytes) if nbytes else (_NO_SLOT, None)
-            seq = self._next_seq
-            self._next_seq += 1
-            undo = register(seq, slot)
-            if lost is None:
-                try:
-                    self._channel.start(
-                        arena.native, kind, slot.segment, slot.offset, src, self.rank, seq,
-                        count, dtype, op or 0, root, self.config.timeout_s, RING_SPIN_US, async_,
-                    )  # fmt: skip
-                except TimeoutError:
-                    lost = ConnectionClosed(
-                        f"the daemon did not read this worker's ring for {self.config.timeout_s:g}s (frozen or gone)"
-                    )
-                except ProtocolError as e:  # the daemon broke the ring
-                    broken = e
-                except (ValueError, TypeError):
-                    # Arguments the engine refused before pushing anything: nothing happened, so the
-                    # slot and the sequence number are given back (the next SUBMIT takes this one).
-                    undo()
-                    if nbytes:
-                        arena.free(slot)
-                    self._next_seq = seq
-                    raise
-            if lost is not None or broken is not None:
-                undo()
-                if nbytes:
-                    arena.free(slot)
-        if broken is not None:
-            self._distrust(broken)
-            assert self._failure is not None
-            raise fresh(self._failure) from None
-        if lost is not None:
-            self._fail(_daemon_lost(f"rank {self.rank}: lost the node daemon: {lost}"))
-            assert self._failure is not None
-            raise fresh(self._failure) from None
-        return seq, slot
+            failed = self._failure
+            if failed is None:
+                # Its DONE stays in the engine until finish, collect or adopt, all of which come after this.
+                self._handles[seq] = handle
+        if failed is not None:
+            handle._finish(error=failed)  # _fail had already finished the handles it knew
+        return handle
+
+    def _engine_failed(self, e: TimeoutError | ProtocolError) -> SmddpError:
+        """What a fast call raises once the channel failed it: the daemon's loss (its ring left full
+        for the whole timeout), or a frame or ring it broke (distrusted). The client is failed first."""
+        if isinstance(e, TimeoutError):
+            self._fail(
+                _daemon_lost(
+                    f"rank {self.rank}: lost the node daemon: it did not read this worker's ring "
+                    f"for {self.config.timeout_s:g}s (frozen or gone)"
+                )
+            )
+        else:
+            if self._failure is None and not self._closed:
+                self._distrust(e)
+            if self._failure is None:
+                return e  # (closed meanwhile)
+        assert self._failure is not None
+        return fresh(self._failure)
 
     def _finish_engine(self, handle: EngineHandle, timeout: float) -> None:
         """An EngineHandle's wait in the engine: its DONE, the copy-out, the input slot freed and its
@@ -892,43 +858,24 @@ class Client:
             self.rank, RELEASE_BATCH_BYTES, self.config.timeout_s, out.owner,
         )  # fmt: skip
 
-    def _finish_now(
+    def _parked(
         self,
+        seq: int,
+        slot: Slot | None,
         buf: np.ndarray | int,
         dtype: DType,
         count: int,
-        op: ReduceOp | None,
-        slot: Slot,
-        seq: int,
         t: float,
         kind: Kind,
-        view: Callable[[], np.ndarray] | None = None,
-    ) -> bool:
-        """allreduce_now's (or barrier_now's) wait, copy-out and RELEASE; a timeout hands the
-        collective to a Handle."""
-        arena = self._arena
-        nbytes = buf.nbytes if isinstance(buf, np.ndarray) else count * dtype.itemsize
-        try:
-            done = self._channel.finish(
-                arena.native, kind, slot.segment, slot.offset, slot.nbytes, buf, 0, nbytes, self.rank,
-                seq, count, dtype, op or 0, RELEASE_BATCH_BYTES, t, RING_SPIN_US,
-            )  # fmt: skip
-        except TimeoutError:  # its RELEASE found the ring full for the whole timeout
-            self._fail(
-                _daemon_lost(f"rank {self.rank}: lost the node daemon: it did not read this worker's ring")
-            )
-            assert self._failure is not None
-            raise fresh(self._failure) from None
-        except ProtocolError as e:
-            if self._failure is None and not self._closed:
-                self._distrust(e)
-            raise fresh(self._failure) if self._failure is not None else e from None
-        if done:
-            return True
+        view: Callable[[], np.ndarray] | None,
+    ) -> SmddpError:
+        """What a blocking fast call raises when its collective did not complete within `t` (the channel
+        parked it): the client's failure if it failed meanwhile, else CollectiveTimeoutError, with the
+        collective handed to a Handle first, so that its result still lands in `buf` when it comes
+        (through `view()` for an address)."""
         if self._failure is not None:
-            raise fresh(self._failure)
+            return fresh(self._failure)
         self._check_open()
-        # Not in time: from now on it is collected the general way, into the caller's buffer.
         if not isinstance(buf, np.ndarray):
             assert view is not None  # (allreduce_now: an address comes with its view)
             buf = view()
@@ -939,8 +886,8 @@ class Client:
             return out
 
         handle = Handle(
-            seq, kind, dtype, count, deliver if kind is Kind.ALLREDUCE else lambda _r: None,
-            slot if slot is not _NO_SLOT else None, None, self.config.timeout_s,
+            seq, kind, dtype, count, deliver if kind is Kind.ALLREDUCE else lambda _r: None, slot, None,
+            self.config.timeout_s,
         )  # fmt: skip
         handle._drive = self._drive
         with self._lock:
@@ -948,7 +895,7 @@ class Client:
         raw = self._channel.adopt(seq)
         if raw is not None:
             self._on_done(decode_header(raw))
-        raise CollectiveTimeoutError(
+        return CollectiveTimeoutError(
             f"collective #{seq} ({kind.label}, {dtype.label}, count={count}) "
             f"did not complete within {t:g}s; it is still in flight"
         )
@@ -1015,7 +962,7 @@ class Client:
         """Enqueue the copy of `src` into `slot` (lock held); on failure free the slot and raise."""
         io = self._device
         assert io is not None
-        seg = self._arena.segments[slot.segment]
+        seg = self._arena.segment(slot.segment)
         try:
             io.pin(("in", seg.id), seg.array, readonly=False)
             return io.copy_in(src, self._arena.view(slot), plan.before)

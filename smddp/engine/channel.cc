@@ -58,6 +58,12 @@ void WorkerChannel::close_daemon_end() {
 
 RingWait WorkerChannel::attach(const Segment& seg, std::uint32_t rank, std::int64_t timeout_ns,
                                std::int64_t spin_ns) {
+  std::lock_guard<std::mutex> lock(push_mu_);
+  return attach_locked(seg, rank, timeout_ns, spin_ns);
+}
+
+RingWait WorkerChannel::attach_locked(const Segment& seg, std::uint32_t rank, std::int64_t timeout_ns,
+                                      std::int64_t spin_ns) {
   Header h;
   h.type = Msg::kAttach;
   h.sender = rank;
@@ -66,7 +72,6 @@ RingWait WorkerChannel::attach(const Segment& seg, std::uint32_t rank, std::int6
   std::array<std::uint8_t, kHeaderSize> frame{};
   std::string w = encode_header(h, frame.data());
   if (w.empty() && seg.fd() < 0) w = "segment " + num(seg.id()) + " has no fd left to pass";
-  std::lock_guard<std::mutex> lock(push_mu_);
   if (w.empty()) {
     // Under the push lock: the fds leave in the order of their descriptors on the ring.
     bool gone = false;
@@ -81,6 +86,53 @@ RingWait WorkerChannel::attach(const Segment& seg, std::uint32_t rank, std::int6
     return RingWait::kCorrupt;
   }
   return push_locked(frame.data(), timeout_ns, spin_ns);
+}
+
+RingWait WorkerChannel::alloc(Arena& arena, std::uint64_t nbytes, std::uint32_t rank, std::int64_t timeout_ns,
+                              std::int64_t spin_ns, Slot* slot, std::shared_ptr<Segment>* fresh,
+                              std::string* arena_why) {
+  std::lock_guard<std::mutex> lock(push_mu_);
+  return alloc_locked(arena, nbytes, rank, timeout_ns, spin_ns, slot, fresh, arena_why);
+}
+
+RingWait WorkerChannel::alloc_locked(Arena& arena, std::uint64_t nbytes, std::uint32_t rank, std::int64_t timeout_ns,
+                                     std::int64_t spin_ns, Slot* slot, std::shared_ptr<Segment>* fresh,
+                                     std::string* arena_why) {
+  fresh->reset();
+  *arena_why = arena.alloc(nbytes, slot, fresh);
+  if (!arena_why->empty()) return RingWait::kCorrupt;
+  if (!*fresh) return RingWait::kReady;
+  const RingWait r = attach_locked(**fresh, rank, timeout_ns, spin_ns);
+  if (r != RingWait::kReady) {
+    arena.free(*slot);  // (a slot it has just given out: freeing it cannot be refused)
+    fresh->reset();
+  }
+  return r;
+}
+
+std::uint64_t WorkerChannel::reserve() {
+  std::lock_guard<std::mutex> lock(push_mu_);
+  reserved_.insert(next_seq_);
+  return next_seq_++;
+}
+
+void WorkerChannel::close_starts() {
+  std::lock_guard<std::mutex> lock(push_mu_);
+  starts_closed_ = true;
+}
+
+std::vector<std::uint64_t> WorkerChannel::blocking() {
+  std::lock_guard<std::mutex> lock(pop_mu_);
+  std::vector<std::uint64_t> out;
+  for (const auto& [seq, f] : fast_)
+    if (!f.async) out.push_back(seq);
+  return out;
+}
+
+void WorkerChannel::pushed_locked(const std::uint8_t* header) {
+  if (reserved_.empty()) return;
+  Header h;
+  if (decode_header(header, kHeaderSize, &h).empty() && h.type == Msg::kSubmit) reserved_.erase(h.seq);
 }
 
 std::shared_ptr<Segment> WorkerChannel::result(std::uint32_t id) {
@@ -175,6 +227,7 @@ RingWait WorkerChannel::push(const std::uint8_t* header, std::int64_t timeout_ns
   {
     std::lock_guard<std::mutex> lock(push_mu_);
     r = push_locked(header, timeout_ns, spin_ns);
+    if (r == RingWait::kReady) pushed_locked(header);
   }
   if (submit && r != RingWait::kReady) {
     std::lock_guard<std::mutex> lock(pop_mu_);
@@ -193,7 +246,10 @@ RingWait WorkerChannel::try_push(const std::uint8_t* header) {
   RingWait r = RingWait::kTimeout;
   {
     std::unique_lock<std::mutex> lock(push_mu_, std::try_to_lock);
-    if (lock.owns_lock()) r = push_locked(header, 0, 0);
+    if (lock.owns_lock()) {
+      r = push_locked(header, 0, 0);
+      if (r == RingWait::kReady) pushed_locked(header);
+    }
   }
   if (submit && r != RingWait::kReady) {
     std::lock_guard<std::mutex> lock(pop_mu_);
@@ -351,54 +407,85 @@ void WorkerChannel::kick() {
 
 // ----------------------------------------------------------------------------------- the fast path
 
-FastEnd WorkerChannel::start(Arena& arena, const Slot& slot, const Source* src, std::size_t n, const Header& submit,
+FastEnd WorkerChannel::start(Arena& arena, const Source* src, std::size_t n, Header* submit, Slot* slot,
                              std::int64_t timeout_ns, std::int64_t spin_ns, bool async) {
   std::uint64_t total = 0;
   for (std::size_t i = 0; i < n; i++) {
-    if (src[i].nbytes > slot.nbytes - total) return refused("a fast SUBMIT's sources overrun its slot");
+    if (src[i].nbytes > UINT64_MAX - total) return refused("a fast SUBMIT's sources overflow");
     total += src[i].nbytes;
   }
-  if (total != slot.nbytes) return refused("a fast SUBMIT's sources do not fill its slot");
   // What it sends is its count of its dtype, or nothing (a barrier, a broadcast's other ranks).
-  const DTypeInfo* dt = dtype_info(submit.dtype);
+  const DTypeInfo* dt = dtype_info(submit->dtype);
   const std::uint64_t isz = dt != nullptr ? dt->itemsize : 0;
-  if (slot.nbytes != 0 && (isz == 0 || submit.count > slot.nbytes / isz || submit.count * isz != slot.nbytes))
-    return refused("a fast SUBMIT's data (" + num(slot.nbytes) + " bytes) is not its count of its dtype");
-  std::array<std::uint8_t, kHeaderSize> frame{};
-  std::string w = encode_header(submit, frame.data());
-  if (!w.empty()) return refused("cannot encode SUBMIT: " + w);
-  if (submit.type != Msg::kSubmit || submit.shard != slot.segment || submit.offset != slot.offset)
-    return refused("a fast SUBMIT must name its own slot");
-  if (slot.segment == kNoSegment) {
-    // A collective without data (a barrier): nothing to copy in, and nothing to free at the end.
-    if (slot.nbytes != 0) return refused("a fast SUBMIT without a segment carries no data");
-  } else {
-    std::shared_ptr<Segment> seg = arena.segment(slot.segment);
-    if (!seg) return refused("input segment " + num(slot.segment) + " is not in the arena");
+  if (total != 0 && (isz == 0 || submit->count > total / isz || submit->count * isz != total))
+    return refused("a fast SUBMIT's data (" + num(total) + " bytes) is not its count of its dtype");
+  if (submit->type != Msg::kSubmit) return refused("a fast collective is a SUBMIT");
+  *slot = Slot{kNoSegment, 0, 0};
+  std::shared_ptr<Segment> seg;
+  if (total != 0) {
+    std::string arena_why;
+    std::shared_ptr<Segment> fresh;
+    RingWait r;
+    {
+      std::lock_guard<std::mutex> lock(push_mu_);
+      if (starts_closed_ || !reserved_.empty()) return FastEnd::kHeld;
+      r = alloc_locked(arena, total, submit->sender, timeout_ns, spin_ns, slot, &fresh, &arena_why);
+    }
+    if (!arena_why.empty()) return refused_by_arena(arena_why);
+    if (r == RingWait::kTimeout) return FastEnd::kRingFull;
+    if (r != RingWait::kReady) return FastEnd::kRefused;  // (attach said why)
+    seg = arena.segment(slot->segment);
     std::uint8_t* p = nullptr;
-    w = seg->range(slot.offset, slot.nbytes, &p);
-    if (!w.empty()) return refused("input slot: " + w);
+    const std::string w = seg ? seg->range(slot->offset, slot->nbytes, &p) : "not in the arena";
+    if (!w.empty()) {
+      arena.free(*slot);
+      return refused("input slot: " + w);
+    }
+    // The copy goes outside the push lock: RELEASEs and other threads' descriptors need not wait for it.
     for (std::size_t i = 0; i < n; i++) {
       if (src[i].nbytes != 0) std::memcpy(p, src[i].data, src[i].nbytes);
       p += src[i].nbytes;
     }
   }
-  {
-    // Registered before it can complete: whoever takes its DONE keeps it for finish().
-    std::lock_guard<std::mutex> lock(pop_mu_);
-    Fast f;
-    f.async = async;
-    if (!fast_.emplace(submit.seq, f).second) return refused("collective #" + num(submit.seq) + " was started twice");
-  }
-  RingWait r;
+  submit->shard = slot->segment;
+  submit->offset = slot->offset;
+  FastEnd end = FastEnd::kDone;
   {
     std::lock_guard<std::mutex> lock(push_mu_);
-    r = push_locked(frame.data(), timeout_ns, spin_ns);
+    if (starts_closed_ || !reserved_.empty()) {
+      end = FastEnd::kHeld;  // a general SUBMIT came between the two locks: it goes first, this the general way
+    } else {
+      submit->seq = next_seq_;
+      std::array<std::uint8_t, kHeaderSize> frame{};
+      const std::string w = encode_header(*submit, frame.data());
+      if (!w.empty()) {
+        end = refused("cannot encode SUBMIT: " + w);
+      } else {
+        {
+          // Registered before it can complete: whoever takes its DONE keeps it for finish().
+          std::lock_guard<std::mutex> pop_lock(pop_mu_);
+          Fast f;
+          f.async = async;
+          fast_.emplace(submit->seq, f);
+        }
+        const RingWait r = push_locked(frame.data(), timeout_ns, spin_ns);
+        if (r == RingWait::kReady) {
+          next_seq_++;
+        } else {
+          std::lock_guard<std::mutex> pop_lock(pop_mu_);
+          fast_.erase(submit->seq);  // nobody could collect() it yet: it was never counted
+          end = r == RingWait::kTimeout ? FastEnd::kRingFull : FastEnd::kRefused;
+        }
+      }
+    }
   }
-  if (r == RingWait::kReady) return FastEnd::kDone;
-  std::lock_guard<std::mutex> lock(pop_mu_);
-  fast_.erase(submit.seq);  // nobody could collect() it yet: it was never counted
-  return r == RingWait::kTimeout ? FastEnd::kRingFull : FastEnd::kRefused;
+  if (end != FastEnd::kDone && total != 0) arena.free(*slot);
+  return end;
+}
+
+FastEnd WorkerChannel::refused_by_arena(const std::string& why) {
+  refused(why);
+  return FastEnd::kArena;
 }
 
 FastEnd WorkerChannel::finish(Arena& arena, const Slot& slot, const Header& submit, const Delivery& out,

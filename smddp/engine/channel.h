@@ -8,6 +8,10 @@
 // SEGMENT before the first DONE that names it, so neither side ever waits for a segment. The
 // daemon's side is the plane's WorkerPort (worker_port.h).
 //
+// Sequence numbers are the channel's, handed out in ring order (reserve for the general way; start
+// takes the next as it pushes), and so are input slots (alloc: a new segment's ATTACH under the same
+// push lock as the slot, ahead of any SUBMIT that names it): no caller's lock orders the ring.
+//
 // The worker's side serves three kinds of takers of the done ring, one popping at a time:
 // - a waiter: a thread in Handle.wait() for a collective submitted the general way (pop(waiter));
 // - the background taker: the client's DONE thread, for collectives nobody waits for (pop(!waiter));
@@ -45,6 +49,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -86,6 +91,9 @@ enum class FastEnd {
   kRingFull,  // start: the daemon left the submit ring full for the whole timeout (nothing was pushed)
   kRefused,   // why(): a broken ring, a DONE that does not match, or a range outside its segment
   kGone,      // finish: not (or no longer) the fast path's: an asynchronous one's DONE went the general way
+  kHeld,      // start: a SUBMIT the general way reserved is not on the ring yet, or starts are closed:
+              // nothing pushed, nothing kept (the caller goes the general way, behind it)
+  kArena,     // start: the arena could not give a slot (why() says why; not the daemon's fault)
 };
 
 class WorkerChannel {
@@ -103,6 +111,23 @@ class WorkerChannel {
   // kReady, with nothing pushed, when the daemon's end has closed (its plane is gone: the unix
   // socket says why).
   RingWait attach(const Segment& seg, std::uint32_t rank, std::int64_t timeout_ns, std::int64_t spin_ns);
+  // A slot of `nbytes` from `arena` for a SUBMIT of `rank`'s, its segment ATTACHed first when the
+  // arena made it for this slot (*fresh), all under the push lock: whichever thread allocates, no
+  // SUBMIT naming a segment goes ahead of its ATTACH. Not kReady: nothing is kept (the slot is given
+  // back); an arena that cannot grow is kCorrupt with *arena_why set (else why() says why).
+  RingWait alloc(Arena& arena, std::uint64_t nbytes, std::uint32_t rank, std::int64_t timeout_ns,
+                 std::int64_t spin_ns, Slot* slot, std::shared_ptr<Segment>* fresh, std::string* arena_why);
+
+  // Sequence numbers are the channel's: SUBMITs go on the ring in their order, from 1. reserve()
+  // hands the general way its next one; its SUBMIT follows through push() (in order: the caller
+  // keeps the general way's SUBMITs in sequence order). While one reserved is not on the ring, the
+  // fast path's start() answers kHeld.
+  std::uint64_t reserve();
+  // No fast collective starts from now on (start() answers kHeld): the client is shutting down,
+  // and its BYE must be the last descriptor.
+  void close_starts();
+  // The sequence numbers of the blocking fast collectives started and not finished (or adopted).
+  std::vector<std::uint64_t> blocking();
   // Result segment `id`, if the daemon has sent it (a DONE names only one it has).
   std::shared_ptr<Segment> result(std::uint32_t id);
 
@@ -126,21 +151,15 @@ class WorkerChannel {
   // Another thread completed something a waiter may be waiting for: waiters' pops return now (kTimeout).
   void kick();
 
-  // The fast path, first half (the caller holds its lock, so that SUBMITs leave in sequence order):
-  // copies `submit.count` elements (`nbytes`) from `src` into `slot` of `arena` (nothing for a
-  // collective without data, a barrier: its slot is {kNoSegment, 0, 0}, never freed), then pushes the
-  // held RELEASEs and `submit` (its shard and offset are the slot's). From here the collective's
-  // DONE is this channel's to keep for finish(); an `async` one's until collect() asks for it while no
-  // finish() waits for it.
-  FastEnd start(Arena& arena, const Slot& slot, const std::uint8_t* src, const Header& submit,
-                std::int64_t timeout_ns, std::int64_t spin_ns, bool async = false) {
-    const Source one{src, slot.nbytes};
-    return start(arena, slot, &one, 1, submit, timeout_ns, spin_ns, async);
-  }
-  // The same from `n` sources copied one after another (a fused buffer's parts, never packed
-  // first); their bytes add up to the slot's, or nothing is copied or pushed (kRefused).
-  FastEnd start(Arena& arena, const Slot& slot, const Source* src, std::size_t n, const Header& submit,
-                std::int64_t timeout_ns, std::int64_t spin_ns, bool async = false);
+  // The fast path, first half: a slot for the `n` sources' bytes (alloc(); none when there are
+  // none: a barrier, a broadcast's other ranks, whose slot is {kNoSegment, 0, 0}, never freed), the
+  // sources copied into it one after another (a fused buffer's parts, never packed first), then,
+  // under the push lock, the next sequence number and the held RELEASEs and the SUBMIT pushed.
+  // `submit` gives its kind, dtype, op, count, aux and sender and comes back with its seq, shard
+  // and offset, `slot` with its slot. From here the collective's DONE is this channel's to keep for
+  // finish(); an `async` one's until collect() asks for it while no finish() waits for it.
+  FastEnd start(Arena& arena, const Source* src, std::size_t n, Header* submit, Slot* slot, std::int64_t timeout_ns,
+                std::int64_t spin_ns, bool async = false);
   // Second half: waits for `seq`'s DONE, checks it against `submit`, copies what `out` names of the
   // result to its destination, frees the slot and RELEASEs the result (held within `batch_bytes`).
   // kTimeout leaves the collective parked until adopt(seq) (or, async, until a later finish or the
@@ -186,11 +205,21 @@ class WorkerChannel {
   void wake_background();
   void wake_takers();
   FastEnd refused(const std::string& why);  // records why; kRefused
+  FastEnd refused_by_arena(const std::string& why);  // records why; kArena
   // A SEGMENT some taker popped, taken in (its fd off the side socket); false: refused (why()).
   bool take_segment(const Header& h);
 
   std::shared_ptr<Segment> seg_;
-  std::mutex push_mu_;  // guards the submit ring's producer side and held_
+  std::mutex push_mu_;  // guards the submit ring's producer side, held_ and the sequence numbers
+  std::uint64_t next_seq_ = 1;
+  std::set<std::uint64_t> reserved_;  // reserved by the general way, not pushed yet
+  bool starts_closed_ = false;
+  // attach() with push_mu_ held.
+  RingWait attach_locked(const Segment& seg, std::uint32_t rank, std::int64_t timeout_ns, std::int64_t spin_ns);
+  RingWait alloc_locked(Arena& arena, std::uint64_t nbytes, std::uint32_t rank, std::int64_t timeout_ns,
+                        std::int64_t spin_ns, Slot* slot, std::shared_ptr<Segment>* fresh, std::string* arena_why);
+  // After push_locked() put a descriptor on the ring: a reserved SUBMIT is reserved no more.
+  void pushed_locked(const std::uint8_t* header);
   RingView submit_;
   std::deque<std::array<std::uint8_t, kHeaderSize>> held_;  // RELEASEs waiting for the next push
   std::uint64_t held_bytes_ = 0;

@@ -307,6 +307,16 @@ PyObject* arena_alloc(PyObject* self, PyObject* arg) {
   return Py_BuildValue("(kKN)", static_cast<unsigned long>(slot.segment), static_cast<unsigned long long>(slot.offset), seg);
 }
 
+// segment(id) -> the arena's segment `id`, or None
+PyObject* arena_segment(PyObject* self, PyObject* arg) {
+  const long long id = PyLong_AsLongLong(arg);
+  if (id == -1 && PyErr_Occurred()) return nullptr;
+  if (id < 0 || id > static_cast<long long>(UINT32_MAX)) Py_RETURN_NONE;
+  std::shared_ptr<smddp::Segment> seg = arena_of(self).segment(static_cast<std::uint32_t>(id));
+  if (!seg) Py_RETURN_NONE;
+  return wrap_segment(module_of(self), seg);
+}
+
 // free(segment, offset, nbytes): ValueError unless it is exactly a live slot
 PyObject* arena_free(PyObject* self, PyObject* args) {
   long long segment = 0, offset = 0, nbytes = 0;
@@ -334,6 +344,7 @@ PyObject* get_in_use(PyObject* self, void*) { return PyLong_FromUnsignedLongLong
 PyMethodDef kArenaMethods[] = {
     {"alloc", arena_alloc, METH_O, "alloc(nbytes) -> (segment, offset, new Segment or None)"},
     {"free", arena_free, METH_VARARGS, "free(segment, offset, nbytes): ValueError unless a live slot"},
+    {"segment", arena_segment, METH_O, "segment(id) -> the arena's segment id, or None"},
     {"close", arena_close, METH_NOARGS, "close(): drop every segment and slot"},
     {nullptr, nullptr, 0, nullptr},
 };
@@ -1187,57 +1198,220 @@ PyObject* fast_error(PyObject* self, smddp::FastEnd end) {
   return raise_from(self, channel_of(self).why());
 }
 
-// start(arena, kind, segment, offset, src, rank, seq, count, dtype, op, root, timeout_s, spin_us, async=False):
-// copies `src` (a buffer, a tuple of buffers one after another, or the address of `count` elements of
-// `dtype`: FastArgs) into the slot and pushes its SUBMIT; TimeoutError when the ring stayed full
-// A fused buffer's parts (a tuple of C-contiguous buffers), held for one start() call.
-struct Parts {
+// What a fast collective sends, held for one start() or run() call: a buffer, a tuple of buffers sent
+// one after another (a fused buffer's parts, never packed first), or the address of `count` elements
+// of `dtype` (address_arg). run()'s is also where its result goes (in place): writable.
+struct Sources {
   std::vector<Py_buffer> views;
   std::vector<smddp::Source> sources;
-  std::uint64_t total = 0;
-  ~Parts() {
+  ~Sources() {
     for (Py_buffer& v : views) PyBuffer_Release(&v);
   }
-  bool take(PyObject* tuple) {
-    const Py_ssize_t n = PyTuple_Size(tuple);
-    views.reserve(static_cast<std::size_t>(n));
-    for (Py_ssize_t i = 0; i < n; i++) {
-      Py_buffer v;
-      if (PyObject_GetBuffer(PyTuple_GetItem(tuple, i), &v, PyBUF_C_CONTIGUOUS) != 0) return false;
-      views.push_back(v);
-      sources.push_back(smddp::Source{static_cast<const std::uint8_t*>(v.buf), static_cast<std::uint64_t>(v.len)});
-      total += static_cast<std::uint64_t>(v.len);
-    }
+  bool one(PyObject* obj, bool writable) {
+    Py_buffer v;
+    if (PyObject_GetBuffer(obj, &v, writable ? (PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) : PyBUF_C_CONTIGUOUS) != 0)
+      return false;
+    views.push_back(v);
+    sources.push_back(smddp::Source{static_cast<const std::uint8_t*>(v.buf), static_cast<std::uint64_t>(v.len)});
     return true;
+  }
+  bool take(PyObject* src, long long dtype, long long count, bool writable) {
+    if (PyLong_Check(src)) {
+      std::uint8_t* data = nullptr;
+      std::uint64_t len = 0;
+      if (!address_arg(src, dtype, count, "a fast collective's address", &data, &len)) return false;
+      sources.push_back(smddp::Source{data, len});
+      return true;
+    }
+    if (!PyTuple_Check(src)) return one(src, writable);
+    const Py_ssize_t n = PyTuple_Size(src);
+    views.reserve(static_cast<std::size_t>(n));
+    for (Py_ssize_t i = 0; i < n; i++)
+      if (!one(PyTuple_GetItem(src, i), writable)) return false;
+    return true;
+  }
+  std::uint64_t bytes() const {
+    std::uint64_t total = 0;
+    for (const smddp::Source& x : sources) total += x.nbytes;
+    return total;
   }
 };
 
+// The SUBMIT start() and run() push, from their arguments (the channel fills in seq, shard and offset).
+bool submit_fields(PyObject* self, PyObject* arena, long long kind, long long rank, long long count, long long dtype,
+                   long long op, long long root, smddp::Header* h) {
+  if (!PyObject_TypeCheck(arena, reinterpret_cast<PyTypeObject*>(state(module_of(self))->arena_type))) {
+    PyErr_SetString(PyExc_TypeError, "expected an smddp._engine.Arena");
+    return false;
+  }
+  constexpr long long kU32 = static_cast<long long>(UINT32_MAX);
+  if (kind < 0 || kind > 255 || dtype < 0 || dtype > 255 || op < 0 || op > 255 || rank < 0 || rank > kU32 ||
+      count < 0 || root < 0 || root > kU32) {
+    PyErr_SetString(PyExc_ValueError, "a fast collective's fields are out of range");
+    return false;
+  }
+  h->type = smddp::Msg::kSubmit;
+  h->kind = static_cast<std::uint8_t>(kind);
+  h->dtype = static_cast<std::uint8_t>(dtype);
+  h->op = static_cast<std::uint8_t>(op);
+  h->sender = static_cast<std::uint32_t>(rank);
+  h->aux = static_cast<std::uint32_t>(root);
+  h->count = static_cast<std::uint64_t>(count);
+  return true;
+}
+
+// A start() that did not start: None where the caller goes the general way (kHeld), else the error.
+PyObject* not_started(PyObject* self, smddp::FastEnd end) {
+  if (end == smddp::FastEnd::kHeld) Py_RETURN_NONE;
+  if (end == smddp::FastEnd::kArena) {
+    PyErr_SetString(PyExc_OSError, channel_of(self).why().c_str());
+    return nullptr;
+  }
+  return fast_error(self, end);
+}
+
+// start(arena, kind, src, rank, count, dtype, op, root, timeout_s, spin_us, async=False) -> (seq, segment,
+// offset, nbytes): its slot, or None (held: the caller goes the general way): a slot for `src` (Sources; none when it is
+// empty), ATTACHed if new, `src` copied in and the SUBMIT pushed under the channel's next sequence
+// number. TimeoutError when the ring stayed full, OSError when the arena cannot grow.
 PyObject* channel_start(PyObject* self, PyObject* args) {
-  PyObject *arena = nullptr, *buf = nullptr;
-  long long kind = 0, segment = 0, offset = 0, rank = 0, seq = 0, count = 0, dtype = 0, op = 0, root = 0;
+  PyObject *arena = nullptr, *src = nullptr;
+  long long kind = 0, rank = 0, count = 0, dtype = 0, op = 0, root = 0;
   double timeout = 0, spin_us = 0;
   int async = 0;
-  if (!PyArg_ParseTuple(args, "OLLLOLLLLLLdd|p", &arena, &kind, &segment, &offset, &buf, &rank, &seq, &count, &dtype,
-                        &op, &root, &timeout, &spin_us, &async))
+  if (!PyArg_ParseTuple(args, "OLOLLLLLdd|p", &arena, &kind, &src, &rank, &count, &dtype, &op, &root, &timeout,
+                        &spin_us, &async))
     return nullptr;
-  const bool fused = PyTuple_Check(buf);
-  Parts parts;
-  if (fused && !parts.take(buf)) return nullptr;
-  FastArgs a;
-  if (!fast_args(self, arena, kind, segment, offset, fused ? nullptr : buf, false, rank, seq, count, dtype, op, root,
-                 &a))
-    return nullptr;
-  smddp::Source one{a.data, a.slot.nbytes};
-  if (fused) a.slot.nbytes = parts.total;
-  const smddp::Source* src = fused ? parts.sources.data() : &one;
-  const std::size_t n = fused ? parts.sources.size() : 1;
+  smddp::Header h;
+  if (!submit_fields(self, arena, kind, rank, count, dtype, op, root, &h)) return nullptr;
+  Sources sources;
+  if (!sources.take(src, dtype, count, false)) return nullptr;
+  smddp::Arena& a = *reinterpret_cast<ArenaObject*>(arena)->arena;
+  smddp::Slot slot;
   smddp::FastEnd end;
   Py_BEGIN_ALLOW_THREADS
-  end = channel_of(self).start(*a.arena, a.slot, src, n, a.submit, static_cast<std::int64_t>(timeout * 1e9),
-                               static_cast<std::int64_t>(spin_us * 1e3), async != 0);
+  end = channel_of(self).start(a, sources.sources.data(), sources.sources.size(), &h, &slot,
+                               static_cast<std::int64_t>(timeout * 1e9), static_cast<std::int64_t>(spin_us * 1e3),
+                               async != 0);
   Py_END_ALLOW_THREADS
-  if (end != smddp::FastEnd::kDone) return fast_error(self, end);
+  if (end != smddp::FastEnd::kDone) return not_started(self, end);
+  return Py_BuildValue("(KkKK)", static_cast<unsigned long long>(h.seq), static_cast<unsigned long>(slot.segment),
+                       static_cast<unsigned long long>(slot.offset), static_cast<unsigned long long>(slot.nbytes));
+}
+
+// run(arena, kind, buf, rank, count, dtype, op, root, batch_bytes, timeout_s, spin_us) -> True once the
+// collective is complete and its result back in `buf` (in place: an all-reduce; a barrier's is empty),
+// its slot freed and its RELEASE held; None, with nothing done, where it goes the general way (held);
+// (seq, segment, offset, nbytes) when it did not complete in time (parked: adopt(seq)). start() and finish()
+// on one thread, the GIL released once.
+PyObject* channel_run(PyObject* self, PyObject* args) {
+  PyObject *arena = nullptr, *buf = nullptr;
+  long long kind = 0, rank = 0, count = 0, dtype = 0, op = 0, root = 0, batch = 0;
+  double timeout = 0, spin_us = 0;
+  if (!PyArg_ParseTuple(args, "OLOLLLLLLdd", &arena, &kind, &buf, &rank, &count, &dtype, &op, &root, &batch,
+                        &timeout, &spin_us))
+    return nullptr;
+  smddp::Header h;
+  if (!submit_fields(self, arena, kind, rank, count, dtype, op, root, &h)) return nullptr;
+  if (batch < 0) {
+    PyErr_SetString(PyExc_ValueError, "run: batch_bytes is non-negative");
+    return nullptr;
+  }
+  Sources sources;
+  if (PyTuple_Check(buf)) {
+    PyErr_SetString(PyExc_TypeError, "run: one buffer, its result in place");
+    return nullptr;
+  }
+  if (!sources.take(buf, dtype, count, true)) return nullptr;
+  smddp::Arena& a = *reinterpret_cast<ArenaObject*>(arena)->arena;
+  const smddp::Source& in = sources.sources.front();
+  const smddp::Delivery out{const_cast<std::uint8_t*>(in.data), in.nbytes, 0, in.nbytes};
+  const std::int64_t timeout_ns = static_cast<std::int64_t>(timeout * 1e9);
+  const std::int64_t spin_ns = static_cast<std::int64_t>(spin_us * 1e3);
+  smddp::WorkerChannel& ch = channel_of(self);
+  smddp::Slot slot;
+  smddp::FastEnd end;
+  Py_BEGIN_ALLOW_THREADS
+  end = ch.start(a, &in, 1, &h, &slot, timeout_ns, spin_ns);
+  if (end == smddp::FastEnd::kDone)
+    end = ch.finish(a, slot, h, out, static_cast<std::uint64_t>(batch), timeout_ns, spin_ns);
+  else
+    h.seq = 0;  // not started
+  Py_END_ALLOW_THREADS
+  if (end == smddp::FastEnd::kDone) Py_RETURN_TRUE;
+  if (h.seq == 0) return not_started(self, end);
+  if (end == smddp::FastEnd::kTimeout)
+    return Py_BuildValue("(KkKK)", static_cast<unsigned long long>(h.seq), static_cast<unsigned long>(slot.segment),
+                         static_cast<unsigned long long>(slot.offset), static_cast<unsigned long long>(slot.nbytes));
+  return fast_error(self, end);
+}
+
+// reserve() -> the general way's next sequence number (its SUBMIT follows through push, in order)
+PyObject* channel_reserve(PyObject* self, PyObject*) {
+  return PyLong_FromUnsignedLongLong(channel_of(self).reserve());
+}
+
+// close_starts(): no fast collective starts from now on (start and run answer None)
+PyObject* channel_close_starts(PyObject* self, PyObject*) {
+  channel_of(self).close_starts();
   Py_RETURN_NONE;
+}
+
+// blocking() -> [seq]: the blocking fast collectives (run, or start without async) not finished
+PyObject* channel_blocking(PyObject* self, PyObject*) {
+  const std::vector<std::uint64_t> seqs = channel_of(self).blocking();
+  PyObject* out = PyList_New(static_cast<Py_ssize_t>(seqs.size()));
+  if (out == nullptr) return nullptr;
+  for (std::size_t i = 0; i < seqs.size(); i++) {
+    PyObject* v = PyLong_FromUnsignedLongLong(seqs[i]);
+    if (v == nullptr || PyList_SetItem(out, static_cast<Py_ssize_t>(i), v) != 0) {  // (steals v)
+      Py_DECREF(out);
+      return nullptr;
+    }
+  }
+  return out;
+}
+
+// alloc(arena, nbytes, rank, timeout_s, spin_us) -> (segment, offset, new Segment or None): a slot for
+// the general way's next SUBMIT, its segment ATTACHed first when new (WorkerChannel::alloc)
+PyObject* channel_alloc(PyObject* self, PyObject* args) {
+  PyObject* arena = nullptr;
+  long long nbytes = 0, rank = 0;
+  double timeout = 0, spin_us = 0;
+  if (!PyArg_ParseTuple(args, "OLLdd", &arena, &nbytes, &rank, &timeout, &spin_us)) return nullptr;
+  if (!PyObject_TypeCheck(arena, reinterpret_cast<PyTypeObject*>(state(module_of(self))->arena_type))) {
+    PyErr_SetString(PyExc_TypeError, "expected an smddp._engine.Arena");
+    return nullptr;
+  }
+  if (nbytes < 0 || rank < 0 || rank > static_cast<long long>(UINT32_MAX)) {
+    PyErr_SetString(PyExc_ValueError, "alloc: nbytes and rank are non-negative");
+    return nullptr;
+  }
+  smddp::Arena& a = *reinterpret_cast<ArenaObject*>(arena)->arena;
+  smddp::Slot slot;
+  std::shared_ptr<smddp::Segment> fresh;
+  std::string arena_why;
+  smddp::RingWait r = smddp::RingWait::kReady;
+  bool oom = false;
+  Py_BEGIN_ALLOW_THREADS
+  try {
+    r = channel_of(self).alloc(a, static_cast<std::uint64_t>(nbytes), static_cast<std::uint32_t>(rank),
+                               static_cast<std::int64_t>(timeout * 1e9), static_cast<std::int64_t>(spin_us * 1e3),
+                               &slot, &fresh, &arena_why);
+  } catch (const std::bad_alloc&) {
+    oom = true;
+  }
+  Py_END_ALLOW_THREADS
+  if (oom) return PyErr_NoMemory();
+  if (!arena_why.empty()) {
+    PyErr_SetString(PyExc_OSError, arena_why.c_str());
+    return nullptr;
+  }
+  if (r != smddp::RingWait::kReady) return channel_ring_error(self, r, "the daemon left this worker's submit ring full");
+  PyObject* seg = fresh ? wrap_segment(module_of(self), fresh) : Py_NewRef(Py_None);
+  if (seg == nullptr) return nullptr;
+  return Py_BuildValue("(kKN)", static_cast<unsigned long>(slot.segment), static_cast<unsigned long long>(slot.offset),
+                       seg);
 }
 
 // finish(arena, kind, segment, offset, slot_bytes, dst, src_offset, result_bytes, rank, seq, count, dtype, op,
@@ -1406,8 +1580,18 @@ PyMethodDef kChannelMethods[] = {
     {"release", channel_release, METH_VARARGS,
      "release(rank, seq, nbytes, batch_bytes, timeout_s, spin_us): RELEASE a result slot (small ones held)"},
     {"start", channel_start, METH_VARARGS,
-     "start(arena, kind, segment, offset, src, rank, seq, count, dtype, op, root, timeout_s, spin_us, async=False): "
-     "the fast path's copy-in and SUBMIT"},
+     "start(arena, kind, src, rank, count, dtype, op, root, timeout_s, spin_us, async=False) -> (seq, segment, "
+     "offset, nbytes) or None: the fast path's slot, copy-in and SUBMIT under the next seq (None: go the general way)"},
+    {"run", channel_run, METH_VARARGS,
+     "run(arena, kind, buf, rank, count, dtype, op, root, batch_bytes, timeout_s, spin_us) -> True, None or (seq, "
+     "segment, offset, nbytes): a blocking fast collective whole, its result in place (None: go the general way; a "
+     "tuple: not in time, parked)"},
+    {"reserve", channel_reserve, METH_NOARGS, "reserve() -> the general way's next seq"},
+    {"close_starts", channel_close_starts, METH_NOARGS, "close_starts(): no fast collective starts from now on"},
+    {"blocking", channel_blocking, METH_NOARGS, "blocking() -> [seq]: blocking fast collectives not finished"},
+    {"alloc", channel_alloc, METH_VARARGS,
+     "alloc(arena, nbytes, rank, timeout_s, spin_us) -> (segment, offset, new Segment or None): a slot, its segment "
+     "ATTACHed first when new"},
     {"finish", channel_finish, METH_VARARGS,
      "finish(arena, kind, segment, offset, slot_bytes, dst, src_offset, result_bytes, rank, seq, count, dtype, op, "
      "batch_bytes, timeout_s, spin_us) -> bool or None: the fast path's wait, copy-out and RELEASE (None: its DONE "

@@ -101,12 +101,23 @@ class Arena:
                 seg = self.segments[native.id] = Segment(native)
             return seg
 
+    def segment(self, seg_id: int) -> Segment:
+        """Segment `seg_id`, entered here on first use when the engine made it (the worker channel's
+        alloc and start take slots from the engine's arena directly); KeyError if it has none."""
+        seg = self.segments.get(seg_id)
+        if seg is None:
+            native = self._native.segment(seg_id)
+            if native is None:
+                raise KeyError(seg_id)
+            seg = self.adopt(native)
+        return seg
+
     def free(self, slot: Slot) -> None:
         """Give a slot back; ValueError unless it is exactly a live slot (a double free)."""
         self._native.free(slot.segment, slot.offset, slot.nbytes)
 
     def view(self, slot: Slot) -> np.ndarray:
-        return self.segments[slot.segment].view(slot.offset, slot.nbytes)
+        return self.segment(slot.segment).view(slot.offset, slot.nbytes)
 
     def close(self) -> None:
         with self._lock:

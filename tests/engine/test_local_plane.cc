@@ -100,13 +100,16 @@ struct Rig {
   std::vector<std::unique_ptr<smddp::WorkerChannel>> channels;
   std::vector<std::shared_ptr<smddp::Segment>> inputs;
 
-  explicit Rig(std::uint32_t n) : plane(config(n), &results) {
+  // `with_inputs`: each worker's own input segment (id 3), ATTACHed; without, the test's arenas make theirs.
+  explicit Rig(std::uint32_t n, bool with_inputs = true) : plane(config(n), &results) {
     for (std::uint32_t i = 0; i < n; i++) {
       std::string why;
       channels.push_back(smddp::WorkerChannel::create("test-ch", &why));
       check(channels.back() != nullptr, "channel: " + why);
-      inputs.push_back(smddp::Segment::create(3, 1 << 20, "test-in", &why));
-      check(inputs.back() != nullptr, "input: " + why);
+      if (with_inputs) {
+        inputs.push_back(smddp::Segment::create(3, 1 << 20, "test-in", &why));
+        check(inputs.back() != nullptr, "input: " + why);
+      }
       // The plane uses the worker's own mapping of the channel: ThreadSanitizer tells synchronisation
       // by address, and a second mapping (as the daemon has, in its own process) would hide the
       // rings' release/acquire pairs from it. tests/unit and the job tests cover the real attach.
@@ -116,7 +119,8 @@ struct Rig {
                 .empty(),
             "add_worker");
       channels.back()->close_daemon_end();
-      check(channels.back()->attach(*inputs.back(), i, kSecond, 0) == smddp::RingWait::kReady, "ATTACH");
+      if (with_inputs)
+        check(channels.back()->attach(*inputs.back(), i, kSecond, 0) == smddp::RingWait::kReady, "ATTACH");
     }
   }
 
@@ -225,21 +229,25 @@ void fast_collectives() {
       const std::uint64_t nbytes = count * 4;
       src.assign(count, 0);
       for (std::uint64_t i = 0; i < count; i++) src[i] = static_cast<std::int32_t>((rank + 1) * (i + it));
-      smddp::Slot slot;
-      std::shared_ptr<smddp::Segment> fresh;
-      check(arena.alloc(nbytes, &slot, &fresh).empty(), "alloc");
-      if (fresh) check(ch->attach(*fresh, rank, 10 * kSecond, 0) == smddp::RingWait::kReady, "ATTACH");
+      // Sequence numbers are the channel's: one per iteration, whichever way it goes.
       smddp::Header h;
       h.type = smddp::Msg::kSubmit;
       h.sender = rank;
-      h.seq = static_cast<std::uint64_t>(it);
-      h.shard = slot.segment;
-      h.offset = slot.offset;
       h.count = count;
       h.dtype = 2;  // int32
       h.op = 1;     // sum
       h.kind = 1;   // all-reduce
+      const smddp::Source one{reinterpret_cast<const std::uint8_t*>(src.data()), nbytes};
+      smddp::Slot slot;
       if (rank == 0 && it % 2 == 0) {  // the general way: the background taker collects it
+        std::shared_ptr<smddp::Segment> fresh;
+        std::string arena_why;
+        check(ch->alloc(arena, nbytes, rank, 10 * kSecond, 0, &slot, &fresh, &arena_why) == smddp::RingWait::kReady,
+              "alloc: " + arena_why + ch->why());
+        h.seq = ch->reserve();
+        check(h.seq == static_cast<std::uint64_t>(it), "reserve: seq " + std::to_string(h.seq));
+        h.shard = slot.segment;
+        h.offset = slot.offset;
         std::uint8_t frame[smddp::kHeaderSize];
         std::memcpy(arena.segment(slot.segment)->base() + slot.offset, src.data(), nbytes);
         check(smddp::encode_header(h, frame).empty(), "encode");
@@ -247,6 +255,9 @@ void fast_collectives() {
         continue;  // its input slot stays taken: the arena is large enough for all of them
       }
       if (rank == 1 && it % 3 == 0) {  // asynchronous, collected, never finished
+        check(ch->start(arena, &one, 1, &h, &slot, 10 * kSecond, 20'000, true) == smddp::FastEnd::kDone,
+              "start async: " + ch->why());
+        check(h.seq == static_cast<std::uint64_t>(it), "start async: seq " + std::to_string(h.seq));
         std::vector<std::int32_t>* out = nullptr;
         {
           std::lock_guard<std::mutex> g(collected_mu);
@@ -255,9 +266,6 @@ void fast_collectives() {
           entry.second.assign(count, -1);
           out = &entry.second;
         }
-        check(ch->start(arena, slot, reinterpret_cast<const std::uint8_t*>(src.data()), h, 10 * kSecond, 20'000,
-                        true) == smddp::FastEnd::kDone,
-              "start async: " + ch->why());
         smddp::WorkerChannel::Collected how;
         how.out = smddp::Delivery{reinterpret_cast<std::uint8_t*>(out->data()), nbytes, 0, nbytes};
         how.submit = h;
@@ -266,9 +274,9 @@ void fast_collectives() {
         check(ch->collect(h.seq, how), "collect #" + std::to_string(it));
         continue;
       }
-      check(ch->start(arena, slot, reinterpret_cast<const std::uint8_t*>(src.data()), h, 10 * kSecond, 20'000) ==
-                smddp::FastEnd::kDone,
+      check(ch->start(arena, &one, 1, &h, &slot, 10 * kSecond, 20'000) == smddp::FastEnd::kDone,
             "start: " + ch->why());
+      check(h.seq == static_cast<std::uint64_t>(it), "start: seq " + std::to_string(h.seq));
       dst.assign(count, -1);
       const smddp::FastEnd end =
           ch->finish(arena, slot, h, smddp::Delivery{reinterpret_cast<std::uint8_t*>(dst.data()), nbytes, 0, nbytes},
@@ -312,9 +320,119 @@ void fast_collectives() {
   rig.plane.close();
 }
 
+// Two threads share each worker's channel and arena, one going the general way (alloc, reserve,
+// push; its DONE popped as a waiter), one the fast way (start, finish), while the arena grows a small
+// segment at a time (the general thread keeps its input slots): the channel hands out sequence
+// numbers in ring order whichever thread asks, a fresh segment's ATTACH goes ahead of every SUBMIT
+// that names it (the plane fails a SUBMIT naming a segment it was not given), and a fast start
+// while a reserved SUBMIT is not on the ring yet is held back (kHeld) and goes after it. Every
+// collective has one shape and every rank's data depends only on the rank, so that any seq may be
+// either thread's; every result is checked.
+void shared_channel() {
+  constexpr int kEach = 150;
+  constexpr std::uint64_t kCount = 300;
+  constexpr std::uint64_t kBytes = kCount * 4;
+  Rig rig(kWorkers, false);
+  std::vector<std::unique_ptr<smddp::Arena>> arenas;
+  for (std::uint32_t i = 0; i < kWorkers; i++) arenas.push_back(std::make_unique<smddp::Arena>("test-shared", 4096));
+  std::atomic<int> held{0};
+  std::vector<std::vector<smddp::Slot>> kept(kWorkers);
+  auto shape = [](std::uint32_t rank) {
+    smddp::Header h;
+    h.type = smddp::Msg::kSubmit;
+    h.sender = rank;
+    h.count = kCount;
+    h.dtype = 2;  // int32
+    h.op = 1;     // sum
+    h.kind = 1;   // all-reduce
+    return h;
+  };
+  auto right = [](const std::int32_t* x) {
+    for (std::uint64_t i = 0; i < kCount; i++)
+      if (x[i] != static_cast<std::int32_t>((kWorkers * (kWorkers + 1) / 2) * (i + 1))) return false;
+    return true;
+  };
+  auto general = [&](std::uint32_t rank) {
+    smddp::WorkerChannel* ch = rig.channels[rank].get();
+    smddp::Arena& arena = *arenas[rank];
+    for (int it = 0; it < kEach; it++) {
+      smddp::Header h = shape(rank);
+      smddp::Slot slot;
+      std::shared_ptr<smddp::Segment> fresh;
+      std::string arena_why;
+      if (ch->alloc(arena, kBytes, rank, 10 * kSecond, 0, &slot, &fresh, &arena_why) != smddp::RingWait::kReady) {
+        check(false, "alloc: " + arena_why + ch->why());
+        return;
+      }
+      auto* x = reinterpret_cast<std::int32_t*>(arena.segment(slot.segment)->base() + slot.offset);
+      for (std::uint64_t i = 0; i < kCount; i++) x[i] = static_cast<std::int32_t>((rank + 1) * (i + 1));
+      kept[rank].push_back(slot);
+      h.seq = ch->reserve();
+      h.shard = slot.segment;
+      h.offset = slot.offset;
+      std::uint8_t frame[smddp::kHeaderSize];
+      check(smddp::encode_header(h, frame).empty(), "encode");
+      check(ch->push(frame, 10 * kSecond, 0) == smddp::RingWait::kReady, "push general SUBMIT");
+      std::uint8_t d[smddp::kSlotBytes];
+      check(ch->pop(d, 10 * kSecond, 20'000, true) == smddp::RingWait::kReady, "pop: " + ch->why());
+      smddp::Header done;
+      check(smddp::decode_header(d, smddp::kHeaderSize, &done).empty() && done.seq == h.seq,
+            "the general thread's DONE is its own");
+      std::shared_ptr<smddp::Segment> seg = ch->result(done.shard);
+      std::uint8_t* p = nullptr;
+      check(seg && seg->range(done.offset, kBytes, &p).empty() && right(reinterpret_cast<std::int32_t*>(p)),
+            "general result of #" + std::to_string(h.seq) + " on rank " + std::to_string(rank));
+      check(ch->release(rank, done.seq, static_cast<std::int64_t>(kBytes), 64 << 10, 10 * kSecond, 0) ==
+                smddp::RingWait::kReady,
+            "release");
+    }
+  };
+  auto fast = [&](std::uint32_t rank) {
+    smddp::WorkerChannel* ch = rig.channels[rank].get();
+    smddp::Arena& arena = *arenas[rank];
+    std::vector<std::int32_t> src(kCount), dst(kCount);
+    for (std::uint64_t i = 0; i < kCount; i++) src[i] = static_cast<std::int32_t>((rank + 1) * (i + 1));
+    const smddp::Source one{reinterpret_cast<const std::uint8_t*>(src.data()), kBytes};
+    for (int it = 0; it < kEach; it++) {
+      smddp::Header h = shape(rank);
+      smddp::Slot slot;
+      smddp::FastEnd end;
+      while ((end = ch->start(arena, &one, 1, &h, &slot, 10 * kSecond, 20'000)) == smddp::FastEnd::kHeld) {
+        held++;
+        std::this_thread::yield();
+        h = shape(rank);
+      }
+      check(end == smddp::FastEnd::kDone, "start: " + ch->why());
+      dst.assign(kCount, -1);
+      check(ch->finish(arena, slot, h, smddp::Delivery{reinterpret_cast<std::uint8_t*>(dst.data()), kBytes, 0, kBytes},
+                       64 << 10, 10 * kSecond, 20'000) == smddp::FastEnd::kDone,
+            "finish: " + ch->why());
+      check(right(dst.data()), "fast result of #" + std::to_string(h.seq) + " on rank " + std::to_string(rank));
+    }
+  };
+  std::vector<std::thread> threads;
+  for (std::uint32_t i = 0; i < kWorkers; i++) {
+    threads.emplace_back(general, i);
+    threads.emplace_back(fast, i);
+  }
+  for (auto& t : threads) t.join();
+  for (std::uint32_t i = 0; i < kWorkers; i++) {
+    check(arenas[i]->segments().size() > 10, "the arena grew a segment at a time while both threads used it");
+    const auto bye = header(smddp::Msg::kBye, i, 0, 0, 0, 0, 0, 0, 0);
+    check(rig.channels[i]->push(bye.data(), 10 * kSecond, 0) == smddp::RingWait::kReady, "push BYE");
+  }
+  for (std::uint32_t i = 0; i < kWorkers; i++) check(rig.plane.remove_worker(i), "rank said BYE");
+  check(rig.failure(0).empty(), "no failure");
+  check(rig.plane.in_flight() == 0 && rig.results.in_use() == 0, "every result slot given back");
+  for (std::uint32_t i = 0; i < kWorkers; i++) check(arenas[i]->in_use() == kept[i].size() * 1216, "fast slots freed");
+  std::printf("shared_channel: %d fast starts held back behind a reserved SUBMIT\n", held.load());
+  rig.plane.close();
+}
+
 int main() {
   many_collectives();
   fast_collectives();
+  shared_channel();
   broken_rings();
   if (plane_test::failures.load() != 0) return 1;
   std::printf("test_local_plane: every check held\n");

@@ -19,6 +19,7 @@ from smddp.client.session import NO_DATA, Client, Delivery, EngineHandle
 from smddp.errors import CollectiveError, CollectiveTimeoutError, ProtocolError, SmddpError
 from smddp.proto.dtypes import DType, Kind, ReduceOp
 from smddp.proto.frames import Header, MsgType
+from smddp.proto.messages import Submit
 from tests.unit.lonely import lonely_client
 from tests.unit.test_client_release import RESULTS, ScriptedDaemon, sent, until_submits
 
@@ -495,18 +496,21 @@ def test_a_fused_buffers_parts_go_through_the_engine_unpacked(pair, kind):
 
 def test_sources_that_are_not_the_submits_count_are_refused(pair):
     """The engine copies what a rank sends (one buffer, or a fused buffer's parts) only when it is
-    the SUBMIT's count of its dtype: nothing is copied or pushed otherwise."""
-    client, _daemon = pair
-    arena = client._arena
-    slot, _lost = client._alloc_locked(16)
-    try:
-        with pytest.raises(ProtocolError, match=r"data \(8 bytes\) is not its count of its dtype"):
-            client._channel.start(
-                arena.native, Kind.ALLREDUCE, slot.segment, slot.offset, (np.zeros(2, np.float32),), 0, 99, 4,
-                DType.FLOAT32, ReduceOp.SUM, 0, 1.0, 0.0,
-            )  # fmt: skip
-    finally:
-        arena.free(slot)
+    the SUBMIT's count of its dtype: nothing is taken from the arena, copied or pushed otherwise,
+    and no sequence number is used up."""
+    client, daemon = pair
+    with pytest.raises(ProtocolError, match=r"data \(8 bytes\) is not its count of its dtype"):
+        client._channel.start(
+            client._arena.native, Kind.ALLREDUCE, (np.zeros(2, np.float32),), 0, 4, DType.FLOAT32,
+            ReduceOp.SUM, 0, 1.0, 0.0,
+        )  # fmt: skip
+    assert client._arena.in_use == 0
+    # The next collective is #1: none was used up.
+    call = Call(lambda: client.allreduce_now(np.ones(4, np.float32), DType.FLOAT32, 4, ReduceOp.SUM, 5.0))
+    s = until_submits(daemon, 1)[-1]
+    assert s.seq == 1
+    daemon.done(s, 2.0)
+    assert call.join() is True
 
 
 def test_an_address_takes_the_same_path_and_its_result_lands_there(pair):
@@ -645,3 +649,41 @@ def test_collect_refuses_an_address_without_its_owner(pair):
             client._channel.collect(
                 1, addr, 0, 32, int(Kind.ALLREDUCE), int(DType.FLOAT32), count, 0, 0, 1.0, owner
             )
+
+
+def test_a_fast_call_behind_a_reserved_general_submit_goes_the_general_way(pair):
+    """Sequence numbers are the channel's, handed out in ring order: while a SUBMIT the general way
+    reserved is not on the ring yet (a device copy-in still running), the fast path starts nothing,
+    takes no slot and no number, and the call goes the general way, behind it. Once it is on the
+    ring, the fast path takes the next number."""
+    client, daemon = pair
+    arena = client._arena.native
+    buf = np.ones(4, np.float32)
+    assert client._channel.reserve() == 1
+    args = (Kind.ALLREDUCE, buf, 0, 4, DType.FLOAT32, ReduceOp.SUM, 0)
+    assert client._channel.start(arena, *args, 1.0, 0.0, True) is None
+    assert client._channel.run(arena, *args, 0, 1.0, 0.0) is None
+    assert client.allreduce_now(buf, DType.FLOAT32, 4, ReduceOp.SUM, 1.0) is False
+    assert client._arena.in_use == 0 and not daemon.pending(), "a held fast call took a slot or pushed"
+    barrier = Submit(
+        0, 1, segment=2**32 - 1, offset=0, root=0, count=0, dtype=DType.UINT8, op=None, kind=Kind.BARRIER
+    )
+    client._channel.push(barrier.header().encode(), 1.0, 0.0)
+    call = fast(client, buf)
+    s1, s2 = [f for f in until_submits(daemon, 2) if f.type is MsgType.SUBMIT]
+    assert (s1.seq, s1.kind, s2.seq, s2.kind) == (1, Kind.BARRIER, 2, Kind.ALLREDUCE)
+    daemon.done(s2, 3.0)
+    call.join()
+    assert np.array_equal(buf, np.full(4, 3.0, np.float32)) and client._arena.in_use == 0
+
+
+def test_no_fast_call_starts_once_starts_are_closed(pair):
+    """Shutdown closes the fast path's starts before its BYE, so that no SUBMIT can follow the BYE:
+    after that, start and run start nothing (the general way's open check then refuses the call)."""
+    client, daemon = pair
+    client._channel.close_starts()
+    buf = np.ones(4, np.float32)
+    args = (Kind.ALLREDUCE, buf, 0, 4, DType.FLOAT32, ReduceOp.SUM, 0)
+    assert client._channel.start(client._arena.native, *args, 1.0, 0.0) is None
+    assert client._channel.run(client._arena.native, *args, 0, 1.0, 0.0) is None
+    assert client._arena.in_use == 0 and not daemon.pending()
