@@ -964,17 +964,19 @@ class ProcessGroupSmddp(dist.ProcessGroup):
     # -- collectives
 
     @_routable("all_reduce", "allreduce")
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work | None:
         if opts is not None and len(tensors) == 1 and self.trace is None:
             one = self._one_host_tensor(tensors[0])
             if one is not None:
-                work = (
-                    self._allreduce_one_async(tensors, opts, *one)
-                    if getattr(opts, "asyncOp", True)
-                    else self._allreduce_one_now(tensors, opts, *one)
-                )
-                if work is not None:
-                    return work
+                if getattr(opts, "asyncOp", True):
+                    work = self._allreduce_one_async(tensors, opts, *one)
+                    if work is not None:
+                        return work
+                elif self._allreduce_one_now(opts, *one):
+                    # Complete already, and torch's blocking all_reduce (the only caller that asks
+                    # for asyncOp=False) waits for no Work where a backend returns none: making one
+                    # (pybind's Work.__init__) cost as much as a fifth of the call.
+                    return None
         opts = opts if opts is not None else dist.AllreduceOptions()
         op = _op(opts, "all_reduce")
         ts = [_check_tensor(t, "all_reduce") for t in tensors]
@@ -1015,20 +1017,16 @@ class ProcessGroupSmddp(dist.ProcessGroup):
             return None
         return t, wire, n, c
 
-    def _allreduce_one_now(
-        self, tensors: list[torch.Tensor], opts: Any, t: torch.Tensor, wire: DType, n: int, c: smddp.Client
-    ) -> dist.Work | None:
+    def _allreduce_one_now(self, opts: Any, t: torch.Tensor, wire: DType, n: int, c: smddp.Client) -> bool:
         """`dist.all_reduce(t)` of one tensor `_one_host_tensor` took, in the least Python it takes: the
         engine's one pass on the tensor's memory, by its address (Client.allreduce_now: copy-in,
-        SUBMIT, DONE, copy-out, GIL released). None, with nothing done, where the client sends it the
-        general way (device copies queued ahead of it)."""
+        SUBMIT, DONE, copy-out, GIL released). False, with nothing done, where the client sends it the
+        general way (SUBMITs of the general way still to go ahead of it)."""
         timeout = self._timeout_of(opts).total_seconds()
         # The tensor's address, not its numpy view (which costs more than the rest of this call);
         # the view only should the call time out, when the result is delivered later (and the view
         # keeps the tensor alive until then).
-        if not c.allreduce_now(t.data_ptr(), wire, n, _op(opts, "all_reduce"), timeout, lambda: _HOST.buf(t)):
-            return None
-        return _DoneWork(tensors)
+        return c.allreduce_now(t.data_ptr(), wire, n, _op(opts, "all_reduce"), timeout, lambda: _HOST.buf(t))
 
     def _allreduce_one_async(
         self, tensors: list[torch.Tensor], opts: Any, t: torch.Tensor, wire: DType, n: int, c: smddp.Client
