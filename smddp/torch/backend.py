@@ -51,6 +51,7 @@ _OPS = {
     dist.ReduceOp.MIN: smddp.MIN,
     dist.ReduceOp.MAX: smddp.MAX,
 }
+_NO_TIME = timedelta(0)  # an options' timeout at or below this is unset
 _OP_NAMES = ("SUM", "AVG", "MIN", "MAX", "PRODUCT", "BAND", "BOR", "BXOR", "PREMUL_SUM")
 
 
@@ -883,6 +884,7 @@ class ProcessGroupSmddp(dist.ProcessGroup):
         self._rank = rank
         self._size = size
         self._timeout = timeout
+        self._timeout_s = timeout.total_seconds()
         self._side = side  # None: refuse what smddp does not run (groups made directly, in tests)
         self._subgroup = subgroup  # a group of some ranks: everything goes to the side group
         self.trace: list[TraceEvent] | None = None
@@ -924,7 +926,13 @@ class ProcessGroupSmddp(dist.ProcessGroup):
 
     def _timeout_of(self, opts: Any) -> timedelta:
         t = getattr(opts, "timeout", None)
-        return t if isinstance(t, timedelta) and t > timedelta(0) else self._timeout
+        return t if isinstance(t, timedelta) and t > _NO_TIME else self._timeout
+
+    def _seconds_of(self, opts: Any) -> float:
+        """_timeout_of in seconds, as cheaply as it goes (the blocking all-reduce's hot path): torch's
+        options carry a timedelta, unset (negative) unless the caller gave one."""
+        t = getattr(opts, "timeout", _NO_TIME)
+        return t.total_seconds() if t > _NO_TIME else self._timeout_s
 
     def _trace_start(self, name: str, nbytes: int) -> TraceEvent | None:
         """A new TraceEvent of this call in `trace` (None when nobody traces); its Work sets `done`."""
@@ -1022,7 +1030,7 @@ class ProcessGroupSmddp(dist.ProcessGroup):
         engine's one pass on the tensor's memory, by its address (Client.allreduce_now: copy-in,
         SUBMIT, DONE, copy-out, GIL released). False, with nothing done, where the client sends it the
         general way (SUBMITs of the general way still to go ahead of it)."""
-        timeout = self._timeout_of(opts).total_seconds()
+        timeout = self._seconds_of(opts)
         # The tensor's address, not its numpy view (which costs more than the rest of this call);
         # the view only should the call time out, when the result is delivered later (and the view
         # keeps the tensor alive until then).
@@ -1048,7 +1056,7 @@ class ProcessGroupSmddp(dist.ProcessGroup):
         """A blocking all-reduce of contiguous host tensors: run here, whole, each through the engine in
         one pass (smddp.allreduce: copy-in, SUBMIT, DONE, copy-out, GIL released), as torch waits for it
         at once in this thread anyway. A failure raises here, as the Work's wait() would."""
-        timeout = self._timeout_of(opts).total_seconds()
+        timeout = self._seconds_of(opts)
 
         def run() -> None:
             for t in ts:
@@ -1243,7 +1251,7 @@ class ProcessGroupSmddp(dist.ProcessGroup):
     def barrier(self, opts: Any = None) -> dist.Work:
         if opts is not None and not getattr(opts, "asyncOp", True):
             # Run whole here, through the engine (smddp.barrier), as the blocking all-reduce is.
-            timeout = self._timeout_of(opts).total_seconds()
+            timeout = self._seconds_of(opts)
             return self._run_now("barrier", lambda: 0, lambda: smddp.barrier(timeout), None)
         return self._submit("barrier", lambda d: [smddp.barrier_async()], None, opts)
 
