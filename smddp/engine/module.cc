@@ -145,6 +145,29 @@ PyObject* wrap_segment(PyObject* module, const std::shared_ptr<smddp::Segment>& 
   return self;
 }
 
+// A segment's Python face, or None for none.
+PyObject* segment_or_none(PyObject* module, const std::shared_ptr<smddp::Segment>& seg) {
+  if (!seg) Py_RETURN_NONE;
+  return wrap_segment(module, seg);
+}
+
+// A segment id argument. False with an error set when `arg` is not an int; false without one for an
+// int outside u32, which names no segment.
+bool segment_id(PyObject* arg, std::uint32_t* out) {
+  const long long id = PyLong_AsLongLong(arg);
+  if ((id == -1 && PyErr_Occurred()) || id < 0 || id > static_cast<long long>(UINT32_MAX)) return false;
+  *out = static_cast<std::uint32_t>(id);
+  return true;
+}
+
+// A slot as alloc() returns it: (segment, offset, the segment made for it or None).
+PyObject* slot_tuple(PyObject* module, const smddp::Slot& slot, const std::shared_ptr<smddp::Segment>& fresh) {
+  PyObject* seg = segment_or_none(module, fresh);
+  if (seg == nullptr) return nullptr;
+  return Py_BuildValue("(kKN)", static_cast<unsigned long>(slot.segment), static_cast<unsigned long long>(slot.offset),
+                       seg);
+}
+
 constexpr void (*segment_dealloc)(PyObject*) = &dealloc_owner<SegmentObject, &SegmentObject::seg>;
 
 int segment_getbuffer(PyObject* self, Py_buffer* view, int flags) {
@@ -302,19 +325,14 @@ PyObject* arena_alloc(PyObject* self, PyObject* arg) {
     PyErr_SetString(PyExc_OSError, why.c_str());
     return nullptr;
   }
-  PyObject* seg = fresh ? wrap_segment(module_of(self), fresh) : Py_NewRef(Py_None);
-  if (seg == nullptr) return nullptr;
-  return Py_BuildValue("(kKN)", static_cast<unsigned long>(slot.segment), static_cast<unsigned long long>(slot.offset), seg);
+  return slot_tuple(module_of(self), slot, fresh);
 }
 
 // segment(id) -> the arena's segment `id`, or None
 PyObject* arena_segment(PyObject* self, PyObject* arg) {
-  const long long id = PyLong_AsLongLong(arg);
-  if (id == -1 && PyErr_Occurred()) return nullptr;
-  if (id < 0 || id > static_cast<long long>(UINT32_MAX)) Py_RETURN_NONE;
-  std::shared_ptr<smddp::Segment> seg = arena_of(self).segment(static_cast<std::uint32_t>(id));
-  if (!seg) Py_RETURN_NONE;
-  return wrap_segment(module_of(self), seg);
+  std::uint32_t id = 0;
+  if (!segment_id(arg, &id)) return PyErr_Occurred() ? nullptr : Py_NewRef(Py_None);
+  return segment_or_none(module_of(self), arena_of(self).segment(id));
 }
 
 // free(segment, offset, nbytes): ValueError unless it is exactly a live slot
@@ -1408,10 +1426,7 @@ PyObject* channel_alloc(PyObject* self, PyObject* args) {
     return nullptr;
   }
   if (r != smddp::RingWait::kReady) return channel_ring_error(self, r, "the daemon left this worker's submit ring full");
-  PyObject* seg = fresh ? wrap_segment(module_of(self), fresh) : Py_NewRef(Py_None);
-  if (seg == nullptr) return nullptr;
-  return Py_BuildValue("(kKN)", static_cast<unsigned long>(slot.segment), static_cast<unsigned long long>(slot.offset),
-                       seg);
+  return slot_tuple(module_of(self), slot, fresh);
 }
 
 // finish(arena, kind, segment, offset, slot_bytes, dst, src_offset, result_bytes, rank, seq, count, dtype, op,
@@ -1554,12 +1569,9 @@ PyObject* channel_attach(PyObject* self, PyObject* args) {
 
 // result(id) -> the result segment the daemon sent as `id`, or None
 PyObject* channel_result(PyObject* self, PyObject* arg) {
-  const long long id = PyLong_AsLongLong(arg);
-  if (id == -1 && PyErr_Occurred()) return nullptr;
-  if (id < 0 || id > static_cast<long long>(UINT32_MAX)) Py_RETURN_NONE;
-  std::shared_ptr<smddp::Segment> seg = channel_of(self).result(static_cast<std::uint32_t>(id));
-  if (!seg) Py_RETURN_NONE;
-  return wrap_segment(module_of(self), seg);
+  std::uint32_t id = 0;
+  if (!segment_id(arg, &id)) return PyErr_Occurred() ? nullptr : Py_NewRef(Py_None);
+  return segment_or_none(module_of(self), channel_of(self).result(id));
 }
 
 PyObject* channel_close_daemon_end(PyObject* self, PyObject*) {

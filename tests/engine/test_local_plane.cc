@@ -168,6 +168,18 @@ void broken_rings() {
 
 }  // namespace
 
+// The SUBMIT of `rank`'s all-reduce (sum) of `count` int32, before the channel gives it its seq and slot.
+smddp::Header int32_sum(std::uint32_t rank, std::uint64_t count) {
+  smddp::Header h;
+  h.type = smddp::Msg::kSubmit;
+  h.sender = rank;
+  h.count = count;
+  h.dtype = 2;  // int32
+  h.op = 1;     // sum
+  h.kind = 1;   // all-reduce
+  return h;
+}
+
 // The worker's fast path (WorkerChannel::start/finish) against the same plane: each worker thread
 // copies its input in from its own memory and its result out into its own memory, with its RELEASEs
 // held; every other collective of rank 0 goes the general way (pushed, and left to a background
@@ -230,13 +242,7 @@ void fast_collectives() {
       src.assign(count, 0);
       for (std::uint64_t i = 0; i < count; i++) src[i] = static_cast<std::int32_t>((rank + 1) * (i + it));
       // Sequence numbers are the channel's: one per iteration, whichever way it goes.
-      smddp::Header h;
-      h.type = smddp::Msg::kSubmit;
-      h.sender = rank;
-      h.count = count;
-      h.dtype = 2;  // int32
-      h.op = 1;     // sum
-      h.kind = 1;   // all-reduce
+      smddp::Header h = int32_sum(rank, count);
       const smddp::Source one{reinterpret_cast<const std::uint8_t*>(src.data()), nbytes};
       smddp::Slot slot;
       if (rank == 0 && it % 2 == 0) {  // the general way: the background taker collects it
@@ -337,16 +343,7 @@ void shared_channel() {
   for (std::uint32_t i = 0; i < kWorkers; i++) arenas.push_back(std::make_unique<smddp::Arena>("test-shared", 4096));
   std::atomic<int> held{0};
   std::vector<std::vector<smddp::Slot>> kept(kWorkers);
-  auto shape = [](std::uint32_t rank) {
-    smddp::Header h;
-    h.type = smddp::Msg::kSubmit;
-    h.sender = rank;
-    h.count = kCount;
-    h.dtype = 2;  // int32
-    h.op = 1;     // sum
-    h.kind = 1;   // all-reduce
-    return h;
-  };
+  auto shape = [](std::uint32_t rank) { return int32_sum(rank, kCount); };
   auto right = [](const std::int32_t* x) {
     for (std::uint64_t i = 0; i < kCount; i++)
       if (x[i] != static_cast<std::int32_t>((kWorkers * (kWorkers + 1) / 2) * (i + 1))) return false;
