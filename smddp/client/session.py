@@ -873,9 +873,15 @@ class Client:
         parked it): the client's failure if it failed meanwhile, else CollectiveTimeoutError, with the
         collective handed to a Handle first, so that its result still lands in `buf` when it comes
         (through `view()` for an address)."""
-        if self._failure is not None:
-            return fresh(self._failure)
-        self._check_open()
+        if self._failure is not None or self._closed:
+            # Nothing will complete it now: out of the engine's table of fast collectives, which
+            # shutdown waits on and names as unfinished (the failure finished the general way's).
+            self._channel.adopt(seq)
+            return (
+                fresh(self._failure)
+                if self._failure is not None
+                else NotInitializedError("smddp has been shut down")
+            )
         if not isinstance(buf, np.ndarray):
             assert view is not None  # (allreduce_now: an address comes with its view)
             buf = view()

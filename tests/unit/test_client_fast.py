@@ -687,3 +687,17 @@ def test_no_fast_call_starts_once_starts_are_closed(pair):
     assert client._channel.start(client._arena.native, *args, 1.0, 0.0) is None
     assert client._channel.run(client._arena.native, *args, 0, 1.0, 0.0) is None
     assert client._arena.in_use == 0 and not daemon.pending()
+
+
+def test_a_blocking_call_the_job_failure_ends_leaves_nothing_for_shutdown(pair):
+    """A blocking fast call waiting when the job fails (here the client's failure, as the reader thread
+    records a daemon's ERROR) raises that failure and leaves the engine's table of blocking calls
+    empty: shutdown then names nothing unfinished (it raised "unfinished" for it once)."""
+    client, daemon = pair
+    call = fast(client, np.zeros(16, np.float32), timeout=5.0)
+    until_submits(daemon, 1)
+    client._fail(CollectiveError("rank 1 failed the job"))
+    with pytest.raises(CollectiveError, match="rank 1 failed the job"):
+        call.join()
+    assert client._channel.blocking() == []
+    client.shutdown(timeout=1.0)
