@@ -1209,6 +1209,10 @@ class OfiFabric final : public Fabric {
       }
       const ssize_t got = ::recv(l.fd, into, want, 0);
       if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return;
+      // A reset after this side ended its stream (its FIN left, then its closing byte) is the peer
+      // closing its socket on that FIN before the byte reached it (the FIN frame and the byte take
+      // two connections): an orderly end, named as one.
+      if (got < 0 && errno == ECONNRESET && l.wr_closed) return down_locked(l, "closed the connection", LinkEnd::kClosed);
       if (got < 0)
         return down_locked(l, os_error("its stream failed", errno), errno == ECONNRESET ? LinkEnd::kClosed : LinkEnd::kError);
       if (got == 0) {
