@@ -832,14 +832,11 @@ class Client:
                 out.src_offset, out.result_bytes, self.rank, handle.seq, handle.count, handle.dtype,
                 handle._op or 0, RELEASE_BATCH_BYTES, timeout, RING_SPIN_US,
             )  # fmt: skip
-        except TimeoutError:  # its RELEASE found the ring full for the whole timeout
-            self._fail(
-                _daemon_lost(f"rank {self.rank}: lost the node daemon: it did not read this worker's ring")
-            )
-            return
-        except ProtocolError as e:
-            if self._failure is None and not self._closed:
-                self._distrust(e)
+        except (
+            TimeoutError,
+            ProtocolError,
+        ) as e:  # (TimeoutError: its RELEASE found the ring full throughout)
+            self._engine_failed(e)  # the client fails; the handle's own wait says so
             return
         if done:
             with self._lock:
