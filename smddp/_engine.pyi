@@ -173,7 +173,7 @@ class WorkerChannel:
     def release(
         self, rank: int, seq: int, nbytes: int, batch_bytes: int, timeout_s: float, spin_us: float, /
     ) -> None: ...
-    def start(
+    def begin(
         self,
         arena: Arena,
         kind: int,
@@ -183,11 +183,15 @@ class WorkerChannel:
         dtype: int,
         op: int,
         root: int,
+        dst: Any,
+        src_offset: int,
+        result_bytes: int,
+        owner: Any,
+        batch_bytes: int,
         timeout_s: float,
         spin_us: float,
-        async_: bool = False,
         /,
-    ) -> tuple[int, int, int, int] | None: ...
+    ) -> Started | None: ...
     def run(
         self,
         arena: Arena,
@@ -209,46 +213,21 @@ class WorkerChannel:
     def alloc(
         self, arena: Arena, nbytes: int, rank: int, timeout_s: float, spin_us: float, /
     ) -> tuple[int, int, Segment | None]: ...
-    def finish(
-        self,
-        arena: Arena,
-        kind: int,
-        segment: int,
-        offset: int,
-        slot_bytes: int,
-        dst: Any,
-        src_offset: int,
-        result_bytes: int,
-        rank: int,
-        seq: int,
-        count: int,
-        dtype: int,
-        op: int,
-        batch_bytes: int,
-        timeout_s: float,
-        spin_us: float,
-        /,
-    ) -> bool | None: ...
     def adopt(self, seq: int, /) -> bytes | None: ...
-    def collect(
-        self,
-        seq: int,
-        dst: Any,
-        src_offset: int,
-        result_bytes: int,
-        kind: int,
-        dtype: int,
-        count: int,
-        rank: int,
-        batch_bytes: int,
-        timeout_s: float,
-        keep: Any = None,
-        /,
-    ) -> bool: ...
     def attach(self, segment: Segment, rank: int, timeout_s: float, spin_us: float, /) -> None: ...
     def result(self, id: int, /) -> Segment | None: ...
     def close_daemon_end(self) -> None: ...
     @property
     def daemon_end(self) -> int: ...
+
+class Started:
+    """A fast collective started asynchronously (WorkerChannel.begin)."""
+
+    def wait(self, timeout_s: float, /) -> bool | None: ...
+    def collect(self) -> bool: ...
+    @property
+    def seq(self) -> int: ...
+    @property
+    def slot(self) -> tuple[int, int, int] | None: ...
 
 def ofi_providers(library: str, /) -> list[str]: ...

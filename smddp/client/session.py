@@ -49,10 +49,8 @@ from smddp.transport.conn import Connection, ConnectionClosed
 from smddp.transport.shm import Arena, Segment, Slot
 
 NO_SEGMENT = 2**32 - 1
-# The "slot" of a rank that sends no data on the engine's path (a barrier, a broadcast's other ranks):
-# nothing is copied in or freed. NO_DATA is what such a rank sends, and what one that takes nothing
-# back (a barrier, a broadcast's root) takes.
-_NO_SLOT = Slot(NO_SEGMENT, 0, 0)
+# What a rank sends on the engine's path that sends no data (a barrier, a broadcast's other ranks), and
+# what one that takes nothing back (a barrier, a broadcast's root) takes: no slot, nothing copied.
 NO_DATA = np.empty(0, np.uint8)
 # Results up to this many bytes in all may wait for the next descriptor to be RELEASEd (Client._release).
 RELEASE_BATCH_BYTES = 256 << 10
@@ -153,6 +151,14 @@ class Handle:
     # Class defaults, set on a handle only when its SUBMIT is held back (Client.submit): most never are.
     _held = False  # its SUBMIT is held back, waiting for its copy-in (Client._send_held)
     _sends = False  # held, and sent by its wait rather than the submitter thread (Client.waiting)
+    # Until set: no callbacks yet, no result or error yet, host memory (no device plan).
+    _callbacks: list[Callable[[Handle], None]] | None = None
+    _result: Any = None
+    _error: SmddpError | None = None
+    _device: DevicePlan | None = None
+    _io: DeviceIO | None = None
+    _drive: Callable[[Handle, float], None] | None = None  # wait() takes DONEs off the done ring itself
+    times: tuple[float, ...] | list[float] = ()  # submit started, SUBMIT sent (wall clock), for the timeline
 
     def __init__(
         self,
@@ -179,12 +185,6 @@ class Handle:
         self._io = io  # the client's device machinery, for a device plan's events (None for host buffers)
         self._event = Latch()
         self._lock = threading.Lock()  # orders add_done_callback against _finish
-        self._callbacks: list[Callable[[Handle], None]] = []
-        self._result: Any = None
-        self._error: SmddpError | None = None
-        self.times: list[float] = []  # submit started, SUBMIT sent (wall clock), for the timeline
-        # wait() takes DONEs off the done ring itself (Client._drive).
-        self._drive: Callable[[Handle, float], None] | None = None
 
     def done(self) -> bool:
         """True once the result is in place (or the collective failed); never blocks."""
@@ -204,6 +204,8 @@ class Handle:
         """
         with self._lock:
             if not self._event.is_set():
+                if self._callbacks is None:
+                    self._callbacks = []
                 self._callbacks.append(fn)
                 return
         _call_back(fn, self)
@@ -248,19 +250,20 @@ class Handle:
         self._keepalive = None
         with self._lock:
             self._event.set()
-            callbacks, self._callbacks = self._callbacks, []
-        for fn in callbacks:
+            callbacks, self._callbacks = self._callbacks, None
+        for fn in callbacks or ():
             _call_back(fn, self)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Delivery:
     """Where a host collective's result goes on the engine's path (the engine's Delivery, channel.h):
     `dst` (1-D, C-contiguous; empty for none) takes its bytes of the result from `src_offset`;
     `result_bytes` is the whole result's size (the range the DONE names, and what its RELEASE frees).
     `dst` may be the address of the collective's `count` elements instead (an all-reduce in place of a
     torch tensor, whose numpy view costs more than the call), with `owner` the object that owns it:
-    what the engine keeps alive while it may still copy there."""
+    what the engine keeps alive while it may still copy there. (Not frozen: a frozen dataclass costs
+    three times as much to make, on every asynchronous call.)"""
 
     dst: np.ndarray | int
     src_offset: int
@@ -269,43 +272,54 @@ class Delivery:
 
 
 class EngineHandle(Handle):
-    """A host collective run by the engine's fast path asynchronously (Client.start_async): its copy-in
-    and SUBMIT were the engine's, and wait() runs its wait, copy-out (its Delivery) and RELEASE in the
-    engine too, GIL released (WorkerChannel::finish). Nothing else is woken for it until a callback is
-    added or it is polled: from then on it is collected (Client._collect), and a DONE taken while
-    nobody waits is completed in the engine by the thread that took it (the client's DONE thread, or a
-    waiter), which then runs the callbacks (Client._on_engine_done)."""
+    """A host collective the engine started asynchronously (Client.start_async), wrapping the engine's
+    own record of it (`_engine.Started`): its copy-in and SUBMIT were the engine's, and wait() runs its
+    wait, copy-out (its Delivery) and RELEASE in the engine too, GIL released (Started.wait). Nothing
+    else is woken for it until a callback is added or it is polled: from then on it is collected
+    (Started.collect), and a DONE taken while nobody waits is completed in the engine by the thread that
+    took it (the client's DONE thread, or a waiter), which then runs the callbacks
+    (Client._on_engine_done). Handle's other fields keep their class defaults: none of them applies."""
 
     def __init__(
         self,
         client: Client,
-        seq: int,
+        started: _engine.Started,
         kind: Kind,
         dtype: DType,
         count: int,
         deliver: Callable[[np.ndarray], Any],
-        out: Delivery,
-        op: ReduceOp | None,
         result: Any,
-        slot: Slot | None,
         keepalive: Any,
     ) -> None:
-        super().__init__(seq, kind, dtype, count, deliver, slot, keepalive, client.config.timeout_s)
+        self.seq = started.seq
+        self.kind = kind
+        self.dtype = dtype
+        self.count = count
+        self._deliver = deliver  # should its DONE still come to Python (a general taker's)
+        self._keepalive = keepalive
+        self._default_timeout_s = client.config.timeout_s
+        self._event = Latch()
+        self._lock = threading.Lock()
         self._client = client
-        self._out = out
-        self._op = op
+        self._started = started
         self._value = result
+        self._drive = client._drive
+
+    @property
+    def _slot(self) -> Slot | None:  # type: ignore[override]
+        slot = self._started.slot
+        return None if slot is None else Slot(*slot)
 
     def add_done_callback(self, fn: Callable[[Handle], None]) -> None:
         super().add_done_callback(fn)
         if not self._event.is_set():
-            self._client._collect(self)  # someone must take its DONE if nobody waits
+            self._started.collect()  # someone must take its DONE if nobody waits
 
     def done(self) -> bool:
         if self._event.is_set():
             return True
         # Polled rather than waited for: from now on the DONE thread completes it.
-        self._client._collect(self)
+        self._started.collect()
         return self._event.is_set()
 
     def wait(self, timeout: float | None = None, stream: Any = None) -> Any:
@@ -766,7 +780,7 @@ class Client:
         """An asynchronous host collective of any kind, started by the engine (a slot, the copy of `src`
         into shared memory and the SUBMIT under the channel's next seq, GIL released:
         WorkerChannel::start); its handle's wait() runs the rest there too, into `out`, and so does
-        whichever thread takes its DONE once callbacks or a poll wait for it (_collect). `src` is what
+        whichever thread takes its DONE once callbacks or a poll wait for it (Started.collect). `src` is what
         this rank sends (1-D, C-contiguous, or a tuple of such parts sent one after another; empty:
         nothing, as a broadcast's other ranks and a barrier; or the address of `count` elements of
         `dtype`, an all-reduce's in place, which `out` names too, with their owner); `deliver` what
@@ -777,25 +791,20 @@ class Client:
             return None
         self._check_open()
         try:
-            started = self._channel.start(
-                self._arena.native, kind, src, self.rank, count, dtype, op or 0, root, self.config.timeout_s,
-                RING_SPIN_US, True,
+            started = self._channel.begin(
+                self._arena.native, kind, src, self.rank, count, dtype, op or 0, root, out.dst, out.src_offset,
+                out.result_bytes, out.owner, RELEASE_BATCH_BYTES, self.config.timeout_s, RING_SPIN_US,
             )  # fmt: skip
         except (TimeoutError, ProtocolError) as e:
             raise self._engine_failed(e) from None
         if started is None:
             return None
-        seq, segment, offset, nbytes = started
-        handle = EngineHandle(
-            self, seq, kind, dtype, count, deliver, out, op, result,
-            Slot(segment, offset, nbytes) if nbytes else None, keepalive,
-        )  # fmt: skip
-        handle._drive = self._drive
+        handle = EngineHandle(self, started, kind, dtype, count, deliver, result, keepalive)
         with self._lock:
             failed = self._failure
             if failed is None:
-                # Its DONE stays in the engine until finish, collect or adopt, all of which come after this.
-                self._handles[seq] = handle
+                # Its DONE stays in the engine until its wait, collect or adopt, all of which come after this.
+                self._handles[handle.seq] = handle
         if failed is not None:
             handle._finish(error=failed)  # _fail had already finished the handles it knew
         return handle
@@ -824,14 +833,8 @@ class Client:
         gone the general way, or failed: the handle's own wait says so."""
         if self._failure is not None or self._closed:
             return
-        slot = handle._slot if handle._slot is not None else _NO_SLOT
-        out = handle._out
         try:
-            done = self._channel.finish(
-                self._arena.native, handle.kind, slot.segment, slot.offset, slot.nbytes, out.dst,
-                out.src_offset, out.result_bytes, self.rank, handle.seq, handle.count, handle.dtype,
-                handle._op or 0, RELEASE_BATCH_BYTES, timeout, RING_SPIN_US,
-            )  # fmt: skip
+            done = handle._started.wait(timeout)
         except (
             TimeoutError,
             ProtocolError,
@@ -843,17 +846,6 @@ class Client:
                 mine = self._handles.pop(handle.seq, None) is not None  # else a failure finished it
             if mine:
                 handle._finish(handle._value)
-
-    def _collect(self, handle: EngineHandle) -> None:
-        """Nobody may wait for `handle`: whichever thread takes its DONE off the ring (the DONE thread,
-        a waiter) completes it in the engine, its Delivery copied and its RELEASE held there
-        (WorkerChannel::collect); that thread's pop then hands back only its sequence number
-        (_on_engine_done). Asked again, nothing changes."""
-        out = handle._out
-        self._channel.collect(
-            handle.seq, out.dst, out.src_offset, out.result_bytes, handle.kind, handle.dtype, handle.count,
-            self.rank, RELEASE_BATCH_BYTES, self.config.timeout_s, out.owner,
-        )  # fmt: skip
 
     def _parked(
         self,

@@ -98,6 +98,7 @@ struct ModuleState {
   PyObject* arena_type;       // the Arena class
   PyObject* plane_type;       // the LocalPlane class
   PyObject* channel_type;     // the WorkerChannel class
+  PyObject* started_type;     // the Started class
   PyObject* records[kRecords];  // the record classes (struct sequences)
 };
 
@@ -1134,23 +1135,6 @@ PyObject* channel_release(PyObject* self, PyObject* args) {
   Py_RETURN_NONE;
 }
 
-// The arguments start() and finish() share: the arena, the collective's SUBMIT and its slot (the
-// slot's bytes: start's source buffer, or finish's `slot_bytes`), and the caller's buffer (start's
-// source; finish's destination, `writable`).
-struct FastArgs {
-  smddp::Arena* arena = nullptr;
-  smddp::Slot slot;
-  smddp::Header submit;
-  Py_buffer buf{};
-  bool have_buf = false;
-  // The caller's memory: `buf`'s, or an address and its length (an int passed instead of a buffer).
-  std::uint8_t* data = nullptr;
-  std::uint64_t len = 0;
-  ~FastArgs() {
-    if (have_buf) PyBuffer_Release(&buf);
-  }
-};
-
 // An address argument (an int instead of a buffer): `count` elements of `dtype` that the caller keeps
 // alive and in place (a torch tensor's data_ptr(): its numpy view costs more than the rest of the
 // call). The engine cannot check it; only smddp's own callers pass one. False with ValueError (whose
@@ -1166,45 +1150,6 @@ bool address_arg(PyObject* arg, long long dtype, long long count, const char* wh
   }
   *data = reinterpret_cast<std::uint8_t*>(static_cast<std::uintptr_t>(addr));
   *len = static_cast<std::uint64_t>(count) * item;
-  return true;
-}
-
-bool fast_args(PyObject* self, PyObject* arena, long long kind, long long segment, long long offset, PyObject* buf,
-               bool writable, long long rank, long long seq, long long count, long long dtype, long long op,
-               long long root, FastArgs* out) {
-  if (!PyObject_TypeCheck(arena, reinterpret_cast<PyTypeObject*>(state(module_of(self))->arena_type))) {
-    PyErr_SetString(PyExc_TypeError, "expected an smddp._engine.Arena");
-    return false;
-  }
-  constexpr long long kU32 = static_cast<long long>(UINT32_MAX);
-  if (kind < 0 || kind > 255 || dtype < 0 || dtype > 255 || op < 0 || op > 255 || segment < 0 || segment > kU32 ||
-      offset < 0 || rank < 0 || rank > kU32 || seq < 0 || count < 0 || root < 0 || root > kU32) {
-    PyErr_SetString(PyExc_ValueError, "a fast collective's fields are out of range");
-    return false;
-  }
-  if (buf != nullptr && PyLong_Check(buf)) {
-    if (!address_arg(buf, dtype, count, "a fast collective's address", &out->data, &out->len)) return false;
-  } else if (buf != nullptr) {  // null: the caller takes its buffers itself (start's parts)
-    if (PyObject_GetBuffer(buf, &out->buf, writable ? (PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) : PyBUF_C_CONTIGUOUS) !=
-        0)
-      return false;
-    out->have_buf = true;
-    out->data = static_cast<std::uint8_t*>(out->buf.buf);
-    out->len = static_cast<std::uint64_t>(out->buf.len);
-  }
-  out->arena = reinterpret_cast<ArenaObject*>(arena)->arena;
-  out->slot = smddp::Slot{static_cast<std::uint32_t>(segment), static_cast<std::uint64_t>(offset), out->len};
-  smddp::Header& h = out->submit;
-  h.type = smddp::Msg::kSubmit;
-  h.kind = static_cast<std::uint8_t>(kind);
-  h.dtype = static_cast<std::uint8_t>(dtype);
-  h.op = static_cast<std::uint8_t>(op);
-  h.sender = static_cast<std::uint32_t>(rank);
-  h.seq = static_cast<std::uint64_t>(seq);
-  h.shard = static_cast<std::uint32_t>(segment);
-  h.offset = static_cast<std::uint64_t>(offset);
-  h.aux = static_cast<std::uint32_t>(root);
-  h.count = static_cast<std::uint64_t>(count);
   return true;
 }
 
@@ -1288,33 +1233,227 @@ PyObject* not_started(PyObject* self, smddp::FastEnd end) {
   return fast_error(self, end);
 }
 
-// start(arena, kind, src, rank, count, dtype, op, root, timeout_s, spin_us, async=False) -> (seq, segment,
-// offset, nbytes): its slot, or None (held: the caller goes the general way): a slot for `src` (Sources; none when it is
-// empty), ATTACHed if new, `src` copied in and the SUBMIT pushed under the channel's next sequence
-// number. TimeoutError when the ring stayed full, OSError when the arena cannot grow.
-PyObject* channel_start(PyObject* self, PyObject* args) {
-  PyObject *arena = nullptr, *src = nullptr;
-  long long kind = 0, rank = 0, count = 0, dtype = 0, op = 0, root = 0;
+// ----------------------------------------------------------------------------------- Started
+
+// A fast collective started asynchronously (begin): everything its wait (finish) and collect take,
+// kept here, so that none of them crosses the binding again. It holds its channel and arena (so
+// they outlive it), and `keep`, which keeps its destination in place: the destination buffer, or an
+// address's owner. The channel's own `keep` holds that too once it is collected (a taker may copy
+// into it after this object is gone).
+struct StartedObject {
+  PyObject_HEAD
+  PyObject* channel;
+  PyObject* arena;
+  PyObject* keep;
+  smddp::Header submit;  // as pushed: seq, kind, dtype, count, sender (finish checks its DONE against it)
+  smddp::Slot slot;      // its input slot ({kNoSegment, 0, 0}: none)
+  smddp::Delivery out;
+  std::uint64_t batch;
+  std::int64_t timeout_ns;  // the job's: a collected one's RELEASE
+  std::int64_t spin_ns;
+  bool finished;  // wait() completed it here
+};
+
+StartedObject* started_of(PyObject* self) { return reinterpret_cast<StartedObject*>(self); }
+
+void started_dealloc(PyObject* self) {
+  PyTypeObject* type = Py_TYPE(self);
+  StartedObject* obj = started_of(self);
+  Py_XDECREF(obj->channel);
+  Py_XDECREF(obj->arena);
+  Py_XDECREF(obj->keep);
+  free_instance(type, self);
+  Py_DECREF(type);
+}
+
+// wait(timeout_s) -> True once its result is in place (the DONE checked, the Delivery copied, the
+// input slot freed, its RELEASE held or sent), False when it did not come in time or the channel
+// aborted (still in flight: wait again), None when its DONE went the general way (taken
+// while nobody waited: the caller completes it from that DONE). TimeoutError: its RELEASE found the
+// ring full throughout; ProtocolError: a DONE or ring the daemon broke.
+PyObject* started_wait(PyObject* self, PyObject* arg) {
+  StartedObject* obj = started_of(self);
+  if (obj->finished) Py_RETURN_TRUE;
+  const double timeout = PyFloat_AsDouble(arg);
+  if (timeout == -1.0 && PyErr_Occurred()) return nullptr;
+  smddp::WorkerChannel& ch = channel_of(obj->channel);
+  smddp::Arena& arena = *reinterpret_cast<ArenaObject*>(obj->arena)->arena;
+  smddp::FastEnd end;
+  Py_BEGIN_ALLOW_THREADS
+  end = ch.finish(arena, obj->slot, obj->submit, obj->out, obj->batch, static_cast<std::int64_t>(timeout * 1e9),
+                  obj->spin_ns);
+  Py_END_ALLOW_THREADS
+  if (end == smddp::FastEnd::kDone) {
+    obj->finished = true;
+    unkeep(obj->channel, obj->submit.seq);
+    Py_RETURN_TRUE;
+  }
+  if (end == smddp::FastEnd::kTimeout) Py_RETURN_FALSE;
+  if (end == smddp::FastEnd::kGone) Py_RETURN_NONE;
+  return fast_error(obj->channel, end);
+}
+
+// collect() -> bool: callbacks wait for it, maybe nobody ever waits: the taker that meets its DONE
+// completes it (WorkerChannel::collect; pop() then returns its seq), its destination kept alive by
+// the channel until then. False: it is no longer the fast path's (completed, or adopted).
+PyObject* started_collect(PyObject* self, PyObject*) {
+  StartedObject* obj = started_of(self);
+  if (obj->finished) Py_RETURN_FALSE;
+  smddp::WorkerChannel::Collected how;
+  how.submit = obj->submit;
+  how.out = obj->out;
+  how.batch_bytes = obj->batch;
+  how.timeout_ns = obj->timeout_ns;
+  auto* ch = reinterpret_cast<ChannelObject*>(obj->channel);
+  if (ch->keep == nullptr && (ch->keep = PyDict_New()) == nullptr) return nullptr;
+  PyObject* key = PyLong_FromUnsignedLongLong(obj->submit.seq);
+  if (key == nullptr) return nullptr;
+  // Kept before the channel may copy into it (a taker may meet its DONE as soon as collect returns).
+  if (PyDict_SetItem(ch->keep, key, obj->keep) != 0) {
+    Py_DECREF(key);
+    return nullptr;
+  }
+  const bool taken = ch->ch->collect(obj->submit.seq, how);
+  if (!taken && PyDict_DelItem(ch->keep, key) != 0) PyErr_Clear();
+  Py_DECREF(key);
+  return PyBool_FromLong(taken);
+}
+
+PyObject* get_started_seq(PyObject* self, void*) { return PyLong_FromUnsignedLongLong(started_of(self)->submit.seq); }
+
+PyObject* get_started_slot(PyObject* self, void*) {
+  const smddp::Slot& s = started_of(self)->slot;
+  if (s.segment == smddp::kNoSegment) Py_RETURN_NONE;
+  return Py_BuildValue("(kKK)", static_cast<unsigned long>(s.segment), static_cast<unsigned long long>(s.offset),
+                       static_cast<unsigned long long>(s.nbytes));
+}
+
+PyMethodDef kStartedMethods[] = {
+    {"wait", started_wait, METH_O,
+     "wait(timeout_s) -> True (done here), False (not in time: still in flight) or None (its DONE went the general "
+     "way)"},
+    {"collect", started_collect, METH_NOARGS,
+     "collect() -> bool: whoever takes its DONE completes it (pop returns its seq)"},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyGetSetDef kStartedGetters[] = {
+    {"seq", get_started_seq, nullptr, "its sequence number", nullptr},
+    {"slot", get_started_slot, nullptr, "its input slot (segment, offset, nbytes), or None", nullptr},
+    {nullptr, nullptr, nullptr, nullptr, nullptr},
+};
+
+PyType_Slot kStartedSlots[] = {
+    {Py_tp_dealloc, reinterpret_cast<void*>(started_dealloc)},
+    {Py_tp_methods, kStartedMethods},
+    {Py_tp_getset, kStartedGetters},
+    {Py_tp_doc, const_cast<char*>("A fast collective started asynchronously (WorkerChannel.begin).")},
+    {0, nullptr},
+};
+
+PyType_Spec kStartedSpec = {
+    "smddp._engine.Started",
+    sizeof(StartedObject),
+    0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    kStartedSlots,
+};
+
+// Where a started collective's result goes: `dst` (a writable buffer, or the address of `count`
+// elements of `dtype`, whose owner `owner` must then be) takes its bytes from `src_offset` of a
+// result of `result_bytes`. Refused (ProtocolError) when that lies outside the result; *keep is what
+// keeps the destination alive (a new reference).
+bool delivery_arg(PyObject* self, PyObject* dst, long long src_offset, long long result_bytes, long long dtype,
+                  long long count, PyObject* owner, smddp::Delivery* out, PyObject** keep) {
+  if (src_offset < 0 || result_bytes < 0) {
+    PyErr_SetString(PyExc_ValueError, "a delivery's src_offset and result_bytes are non-negative");
+    return false;
+  }
+  if (PyLong_Check(dst)) {
+    if (owner == Py_None) {
+      PyErr_SetString(PyExc_ValueError, "a destination address needs the object that owns it");
+      return false;
+    }
+    std::uint8_t* data = nullptr;
+    std::uint64_t len = 0;
+    if (!address_arg(dst, dtype, count, "a destination address", &data, &len)) return false;
+    *out = smddp::Delivery{data, len, static_cast<std::uint64_t>(src_offset), static_cast<std::uint64_t>(result_bytes)};
+  } else {
+    Py_buffer view;
+    if (PyObject_GetBuffer(dst, &view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) != 0) return false;
+    *out = smddp::Delivery{static_cast<std::uint8_t*>(view.buf), static_cast<std::uint64_t>(view.len),
+                           static_cast<std::uint64_t>(src_offset), static_cast<std::uint64_t>(result_bytes)};
+    PyBuffer_Release(&view);  // the object itself is kept: its memory stays where it is
+  }
+  if (out->src_offset > out->result_bytes || out->nbytes > out->result_bytes - out->src_offset) {
+    raise_from(self, "a fast collective's destination lies outside its result");
+    return false;
+  }
+  *keep = Py_NewRef(owner != Py_None ? owner : dst);
+  return true;
+}
+
+// begin(arena, kind, src, rank, count, dtype, op, root, dst, src_offset, result_bytes, owner, batch_bytes,
+// timeout_s, spin_us) -> Started, or None (held: the caller goes the general way): a slot for `src`
+// (Sources; none when it is empty), ATTACHed if new, `src` copied in and the SUBMIT pushed under the
+// channel's next sequence number (WorkerChannel::start, asynchronous); its result goes to `dst`
+// (delivery_arg) once something waits for it or collects it. Nothing starts when the destination lies
+// outside the result (ProtocolError). TimeoutError when the ring stayed full, OSError when the arena
+// cannot grow.
+PyObject* channel_begin(PyObject* self, PyObject* args) {
+  PyObject *arena = nullptr, *src = nullptr, *dst = nullptr, *owner = nullptr;
+  long long kind = 0, rank = 0, count = 0, dtype = 0, op = 0, root = 0, src_offset = 0, result_bytes = 0, batch = 0;
   double timeout = 0, spin_us = 0;
-  int async = 0;
-  if (!PyArg_ParseTuple(args, "OLOLLLLLdd|p", &arena, &kind, &src, &rank, &count, &dtype, &op, &root, &timeout,
-                        &spin_us, &async))
+  if (!PyArg_ParseTuple(args, "OLOLLLLLOLLOLdd", &arena, &kind, &src, &rank, &count, &dtype, &op, &root, &dst,
+                        &src_offset, &result_bytes, &owner, &batch, &timeout, &spin_us))
     return nullptr;
   smddp::Header h;
   if (!submit_fields(self, arena, kind, rank, count, dtype, op, root, &h)) return nullptr;
+  if (batch < 0 || !(timeout > 0)) {
+    PyErr_SetString(PyExc_ValueError, "begin: batch_bytes is non-negative and timeout_s positive");
+    return nullptr;
+  }
+  smddp::Delivery out;
+  PyObject* keep = nullptr;
+  if (!delivery_arg(self, dst, src_offset, result_bytes, dtype, count, owner, &out, &keep)) return nullptr;
   Sources sources;
-  if (!sources.take(src, dtype, count, false)) return nullptr;
+  if (!sources.take(src, dtype, count, false)) {
+    Py_DECREF(keep);
+    return nullptr;
+  }
+  auto* type = reinterpret_cast<PyTypeObject*>(state(module_of(self))->started_type);
+  PyObject* started = alloc_instance(type);  // made first: once pushed, nothing may fail
+  if (started == nullptr) {
+    Py_DECREF(keep);
+    return nullptr;
+  }
+  StartedObject* obj = started_of(started);
+  obj->keep = keep;
+  obj->channel = nullptr;
+  obj->arena = nullptr;
+  obj->finished = false;
   smddp::Arena& a = *reinterpret_cast<ArenaObject*>(arena)->arena;
   smddp::Slot slot;
+  const std::int64_t timeout_ns = static_cast<std::int64_t>(timeout * 1e9);
+  const std::int64_t spin_ns = static_cast<std::int64_t>(spin_us * 1e3);
   smddp::FastEnd end;
   Py_BEGIN_ALLOW_THREADS
-  end = channel_of(self).start(a, sources.sources.data(), sources.sources.size(), &h, &slot,
-                               static_cast<std::int64_t>(timeout * 1e9), static_cast<std::int64_t>(spin_us * 1e3),
-                               async != 0);
+  end = channel_of(self).start(a, sources.sources.data(), sources.sources.size(), &h, &slot, timeout_ns, spin_ns,
+                               true);
   Py_END_ALLOW_THREADS
-  if (end != smddp::FastEnd::kDone) return not_started(self, end);
-  return Py_BuildValue("(KkKK)", static_cast<unsigned long long>(h.seq), static_cast<unsigned long>(slot.segment),
-                       static_cast<unsigned long long>(slot.offset), static_cast<unsigned long long>(slot.nbytes));
+  if (end != smddp::FastEnd::kDone) {
+    Py_DECREF(started);
+    return not_started(self, end);
+  }
+  obj->channel = Py_NewRef(self);
+  obj->arena = Py_NewRef(arena);
+  obj->submit = h;
+  obj->slot = slot;
+  obj->out = out;
+  obj->batch = static_cast<std::uint64_t>(batch);
+  obj->timeout_ns = timeout_ns;
+  obj->spin_ns = spin_ns;
+  return started;
 }
 
 // run(arena, kind, buf, rank, count, dtype, op, root, batch_bytes, timeout_s, spin_us) -> True once the
@@ -1429,42 +1568,6 @@ PyObject* channel_alloc(PyObject* self, PyObject* args) {
   return slot_tuple(module_of(self), slot, fresh);
 }
 
-// finish(arena, kind, segment, offset, slot_bytes, dst, src_offset, result_bytes, rank, seq, count, dtype, op,
-// batch_bytes, timeout_s, spin_us) -> True once `dst` (a writable buffer, or an address as start's `src`)
-// holds its bytes of the result from `src_offset`,
-// False when it did not come in time (parked: adopt(seq)), None when its DONE went the general way
-// (an asynchronous one's, taken while nobody was in its finish)
-PyObject* channel_finish(PyObject* self, PyObject* args) {
-  PyObject *arena = nullptr, *buf = nullptr;
-  long long kind = 0, segment = 0, offset = 0, slot_bytes = 0, src_offset = 0, result_bytes = 0, rank = 0, seq = 0,
-            count = 0, dtype = 0, op = 0, batch = 0;
-  double timeout = 0, spin_us = 0;
-  if (!PyArg_ParseTuple(args, "OLLLLOLLLLLLLLdd", &arena, &kind, &segment, &offset, &slot_bytes, &buf, &src_offset,
-                        &result_bytes, &rank, &seq, &count, &dtype, &op, &batch, &timeout, &spin_us))
-    return nullptr;
-  FastArgs a;
-  if (!fast_args(self, arena, kind, segment, offset, buf, true, rank, seq, count, dtype, op, 0, &a)) return nullptr;
-  if (batch < 0 || slot_bytes < 0 || src_offset < 0 || result_bytes < 0) {
-    PyErr_SetString(PyExc_ValueError, "finish: slot_bytes, src_offset, result_bytes and batch_bytes are non-negative");
-    return nullptr;
-  }
-  const smddp::Delivery out{a.data, a.len, static_cast<std::uint64_t>(src_offset),
-                            static_cast<std::uint64_t>(result_bytes)};
-  a.slot.nbytes = static_cast<std::uint64_t>(slot_bytes);
-  smddp::FastEnd end;
-  Py_BEGIN_ALLOW_THREADS
-  end = channel_of(self).finish(*a.arena, a.slot, a.submit, out, static_cast<std::uint64_t>(batch),
-                                static_cast<std::int64_t>(timeout * 1e9), static_cast<std::int64_t>(spin_us * 1e3));
-  Py_END_ALLOW_THREADS
-  if (end == smddp::FastEnd::kDone) {
-    unkeep(self, a.submit.seq);
-    Py_RETURN_TRUE;
-  }
-  if (end == smddp::FastEnd::kTimeout) Py_RETURN_FALSE;
-  if (end == smddp::FastEnd::kGone) Py_RETURN_NONE;
-  return fast_error(self, end);
-}
-
 // A sequence number argument (`what` names the call in the error).
 bool seq_arg(PyObject* arg, const char* what, std::uint64_t* out) {
   const long long seq = PyLong_AsLongLong(arg);
@@ -1475,68 +1578,6 @@ bool seq_arg(PyObject* arg, const char* what, std::uint64_t* out) {
   }
   *out = static_cast<std::uint64_t>(seq);
   return true;
-}
-
-// collect(seq, dst, src_offset, result_bytes, kind, dtype, count, rank, batch_bytes, timeout_s, keep=None) -> bool:
-// an asynchronous fast collective has callbacks waiting: the taker that meets its DONE completes it into
-// `dst` (a writable buffer, or the address of `count` elements of `dtype` as start's `src`; pop() then
-// returns its seq). True when it was taken so; `keep` (else `dst`) is kept alive here until the
-// collective completes: an address's owner (a torch tensor) must be given as `keep`.
-PyObject* channel_collect(PyObject* self, PyObject* args) {
-  long long seq = 0, src_offset = 0, result_bytes = 0, kind = 0, dtype = 0, count = 0, rank = 0, batch = 0;
-  PyObject *dst = nullptr, *keep = Py_None;
-  double timeout = 0;
-  if (!PyArg_ParseTuple(args, "LOLLLLLLLd|O", &seq, &dst, &src_offset, &result_bytes, &kind, &dtype, &count, &rank,
-                        &batch, &timeout, &keep))
-    return nullptr;
-  smddp::WorkerChannel& ch = channel_of(self);
-  constexpr long long kU32 = static_cast<long long>(UINT32_MAX);
-  if (seq < 0 || src_offset < 0 || result_bytes < 0 || kind < 0 || kind > 255 || dtype < 0 || dtype > 255 || count < 0 ||
-      rank < 0 || rank > kU32 || batch < 0 || !(timeout > 0)) {
-    PyErr_SetString(PyExc_ValueError, "collect: a collected collective's fields are out of range");
-    return nullptr;
-  }
-  smddp::WorkerChannel::Collected how;
-  if (PyLong_Check(dst)) {
-    // An address (finish's rule), whose memory the caller's `keep` owns.
-    if (keep == Py_None) {
-      PyErr_SetString(PyExc_ValueError, "collect: an address needs the object that owns it");
-      return nullptr;
-    }
-    std::uint8_t* data = nullptr;
-    std::uint64_t len = 0;
-    if (!address_arg(dst, dtype, count, "collect: an address", &data, &len)) return nullptr;
-    how.out = smddp::Delivery{data, len, static_cast<std::uint64_t>(src_offset),
-                              static_cast<std::uint64_t>(result_bytes)};
-  } else {
-    Py_buffer view;
-    if (PyObject_GetBuffer(dst, &view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) != 0) return nullptr;
-    how.out = smddp::Delivery{static_cast<std::uint8_t*>(view.buf), static_cast<std::uint64_t>(view.len),
-                              static_cast<std::uint64_t>(src_offset), static_cast<std::uint64_t>(result_bytes)};
-    PyBuffer_Release(&view);  // the object itself is kept below: its memory stays where it is
-  }
-  if (keep == Py_None) keep = dst;
-  how.submit.type = smddp::Msg::kSubmit;
-  how.submit.seq = static_cast<std::uint64_t>(seq);
-  how.submit.kind = static_cast<std::uint8_t>(kind);
-  how.submit.dtype = static_cast<std::uint8_t>(dtype);
-  how.submit.count = static_cast<std::uint64_t>(count);
-  how.submit.sender = static_cast<std::uint32_t>(rank);
-  how.batch_bytes = static_cast<std::uint64_t>(batch);
-  how.timeout_ns = static_cast<std::int64_t>(timeout * 1e9);
-  auto* obj = reinterpret_cast<ChannelObject*>(self);
-  if (obj->keep == nullptr && (obj->keep = PyDict_New()) == nullptr) return nullptr;
-  PyObject* key = PyLong_FromLongLong(seq);
-  if (key == nullptr) return nullptr;
-  // Kept before the channel may copy into it (a taker may meet its DONE as soon as collect returns).
-  if (PyDict_SetItem(obj->keep, key, keep) != 0) {
-    Py_DECREF(key);
-    return nullptr;
-  }
-  const bool taken = ch.collect(static_cast<std::uint64_t>(seq), how);
-  if (!taken && PyDict_DelItem(obj->keep, key) != 0) PyErr_Clear();
-  Py_DECREF(key);
-  return PyBool_FromLong(taken);
 }
 
 // adopt(seq) -> the DONE that already came (56 bytes), or None: the collective goes the general way
@@ -1591,9 +1632,10 @@ PyMethodDef kChannelMethods[] = {
     {"abort", channel_abort, METH_NOARGS, "abort(): pops return None from now on"},
     {"release", channel_release, METH_VARARGS,
      "release(rank, seq, nbytes, batch_bytes, timeout_s, spin_us): RELEASE a result slot (small ones held)"},
-    {"start", channel_start, METH_VARARGS,
-     "start(arena, kind, src, rank, count, dtype, op, root, timeout_s, spin_us, async=False) -> (seq, segment, "
-     "offset, nbytes) or None: the fast path's slot, copy-in and SUBMIT under the next seq (None: go the general way)"},
+    {"begin", channel_begin, METH_VARARGS,
+     "begin(arena, kind, src, rank, count, dtype, op, root, dst, src_offset, result_bytes, owner, batch_bytes, "
+     "timeout_s, spin_us) -> Started or None: an asynchronous fast collective's slot, copy-in and SUBMIT under the "
+     "next seq (None: go the general way)"},
     {"run", channel_run, METH_VARARGS,
      "run(arena, kind, buf, rank, count, dtype, op, root, batch_bytes, timeout_s, spin_us) -> True, None or (seq, "
      "segment, offset, nbytes): a blocking fast collective whole, its result in place (None: go the general way; a "
@@ -1604,15 +1646,7 @@ PyMethodDef kChannelMethods[] = {
     {"alloc", channel_alloc, METH_VARARGS,
      "alloc(arena, nbytes, rank, timeout_s, spin_us) -> (segment, offset, new Segment or None): a slot, its segment "
      "ATTACHed first when new"},
-    {"finish", channel_finish, METH_VARARGS,
-     "finish(arena, kind, segment, offset, slot_bytes, dst, src_offset, result_bytes, rank, seq, count, dtype, op, "
-     "batch_bytes, timeout_s, spin_us) -> bool or None: the fast path's wait, copy-out and RELEASE (None: its DONE "
-     "went the general way)"},
     {"adopt", channel_adopt, METH_O, "adopt(seq) -> DONE or None: a parked fast collective goes the general way"},
-    {"collect", channel_collect, METH_VARARGS,
-     "collect(seq, dst, src_offset, result_bytes, kind, dtype, count, rank, batch_bytes, timeout_s, keep=None) -> bool: an "
-     "asynchronous fast collective's callbacks wait: whoever takes its DONE completes it into dst (pop returns "
-     "its seq)"},
     {"attach", channel_attach, METH_VARARGS,
      "attach(segment, rank, timeout_s, spin_us): ATTACH an input segment (its fd on the side socket)"},
     {"result", channel_result, METH_O, "result(id) -> the result segment the daemon sent as id, or None"},
@@ -1688,7 +1722,8 @@ int exec_module(PyObject* module) {
   if (add_type(module, &kSegmentSpec, "Segment", &st->segment_type) != 0 ||
       add_type(module, &kArenaSpec, "Arena", &st->arena_type) != 0 ||
       add_type(module, &kPlaneSpec, "LocalPlane", &st->plane_type) != 0 ||
-      add_type(module, &kChannelSpec, "WorkerChannel", &st->channel_type) != 0)
+      add_type(module, &kChannelSpec, "WorkerChannel", &st->channel_type) != 0 ||
+      add_type(module, &kStartedSpec, "Started", &st->started_type) != 0)
     return -1;
   for (int i = 0; i < kRecords; i++) {
     st->records[i] = reinterpret_cast<PyObject*>(PyStructSequence_NewType(&kRecordDescs[i]));
@@ -1705,6 +1740,7 @@ int traverse(PyObject* module, visitproc visit, void* arg) {
   Py_VISIT(state(module)->arena_type);
   Py_VISIT(state(module)->plane_type);
   Py_VISIT(state(module)->channel_type);
+  Py_VISIT(state(module)->started_type);
   for (PyObject* r : state(module)->records) Py_VISIT(r);
   return 0;
 }
@@ -1715,6 +1751,7 @@ int clear(PyObject* module) {
   Py_CLEAR(state(module)->arena_type);
   Py_CLEAR(state(module)->plane_type);
   Py_CLEAR(state(module)->channel_type);
+  Py_CLEAR(state(module)->started_type);
   for (PyObject*& r : state(module)->records) Py_CLEAR(r);
   return 0;
 }

@@ -97,6 +97,23 @@ class SmddpWork(dist.Work):
     (and the watchdog fails it at its timeout).
     """
 
+    # Class defaults, each set on a Work only when it applies (a host Work is made on every
+    # asynchronous call, and each attribute set costs there).
+    _trace: TraceEvent | None = None
+    _event: Any = None  # device Works: reached once the result is in the tensors
+    _error: BaseException | None = None
+    _completing = False
+    _unwatch: Callable[[], None] = staticmethod(_nothing)  # the watchdog's, once it watches this Work
+    _handles: list[smddp.Handle] = []  # (never appended to) host Works: what wait() drives (_drive)
+    # Host Works: the copy back into non-contiguous tensors, run by whoever completes the Work.
+    _finish: Callable[[], None] | None = None
+    _armed = False  # host Works: the handles' callbacks complete it (_arm)
+    _value: Any = None  # what the base future holds once complete
+    # Made at once for device Works (completed with their tensors on the route's side stream,
+    # where the future records its event); for host Works only when asked for.
+    _base: Future[Any] | None = None
+    _future: Future[Any] | None = None
+
     def __init__(
         self,
         name: str,
@@ -109,24 +126,14 @@ class SmddpWork(dist.Work):
         self.name = name
         self._result = result
         self._timeout = timeout
-        self._trace = trace
-        self._device: _Device = device if device is not None else _HOST
-        self._event: Any = None  # device Works: reached once the result is in the tensors
-        self._error: BaseException | None = None
         self._done = Latch()
         self._lock = threading.Lock()
-        self._completing = False
-        self._unwatch: Callable[[], None] = _nothing  # the watchdog's, once it watches this Work
-        self._handles: list[smddp.Handle] = []  # host Works: what wait() drives (_drive)
-        # Host Works: the copy back into non-contiguous tensors, run by whoever completes the Work.
-        self._finish: Callable[[], None] | None = None
-        self._armed = False  # host Works: the handles' callbacks complete it (_arm)
-        self._value: Any = None  # what the base future holds once complete
-        # Made at once for device Works (completed with their tensors on the route's side stream,
-        # where the future records its event); for host Works only when asked for.
-        self._base: Future[Any] | None = None
-        self._future: Future[Any] | None = None
-        if self._device is not _HOST:
+        if trace is not None:
+            self._trace = trace
+        if device is None or device is _HOST:
+            self._device: _Device = _HOST
+        else:
+            self._device = device
             self._base = self._device.future()
             self._future = self._base.then(self._unwrap)
 
@@ -171,7 +178,7 @@ class SmddpWork(dist.Work):
         CUDA tensors: the host blocks until the result has arrived and its copy to the device is
         enqueued; the caller's current stream then waits for that copy (as with NCCL's Work).
         """
-        t = self._timeout if timeout is None or timeout <= timedelta(0) else timeout
+        t = self._timeout if timeout is None or timeout <= _NO_TIME else timeout
         deadline = time.monotonic() + t.total_seconds()
         if self._handles and not self._done.is_set():
             self._drive(deadline)

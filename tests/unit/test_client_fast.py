@@ -447,30 +447,18 @@ def test_an_unwaited_engine_all_gather_is_completed_into_its_output_by_the_engin
     assert client._handles == {} and client._arena.in_use == 0 and python == []
 
 
-def test_a_delivery_outside_its_result_is_refused_before_anything_is_touched(pair):
-    """The engine checks where a result goes against the result's size before it waits or copies."""
-    client, _daemon = pair
+def test_a_delivery_outside_its_result_is_refused_before_anything_is_started(pair):
+    """The engine checks where a result goes against the result's size before it takes a slot,
+    copies or pushes anything."""
+    client, daemon = pair
     dst = np.zeros(8, np.uint8)
     with pytest.raises(ProtocolError, match="outside its result"):
-        client._channel.finish(
-            client._arena.native,
-            Kind.ALLREDUCE,
-            2**32 - 1,
-            0,
-            0,
-            dst,
-            4,
-            8,
-            0,
-            7,
-            8,
-            DType.UINT8,
-            0,
-            0,
-            1.0,
-            0.0,
-        )
+        client._channel.begin(
+            client._arena.native, Kind.ALLREDUCE, np.ones(8, np.uint8), 0, 8, DType.UINT8, ReduceOp.SUM, 0,
+            dst, 4, 8, None, 0, 1.0, 0.0,
+        )  # fmt: skip
     assert np.array_equal(dst, np.zeros(8, np.uint8))
+    assert client._arena.in_use == 0 and not daemon.pending()
 
 
 @pytest.mark.parametrize("kind", ["allreduce", "broadcast"])
@@ -500,9 +488,9 @@ def test_sources_that_are_not_the_submits_count_are_refused(pair):
     and no sequence number is used up."""
     client, daemon = pair
     with pytest.raises(ProtocolError, match=r"data \(8 bytes\) is not its count of its dtype"):
-        client._channel.start(
+        client._channel.begin(
             client._arena.native, Kind.ALLREDUCE, (np.zeros(2, np.float32),), 0, 4, DType.FLOAT32,
-            ReduceOp.SUM, 0, 1.0, 0.0,
+            ReduceOp.SUM, 0, np.zeros(4, np.float32), 0, 16, None, 0, 1.0, 0.0,
         )  # fmt: skip
     assert client._arena.in_use == 0
     # The next collective is #1: none was used up.
@@ -635,10 +623,10 @@ def test_an_address_whose_done_goes_the_general_way_lands_through_its_view(pair)
     assert h.wait(timeout=5) == "the result"
 
 
-def test_collect_refuses_an_address_without_its_owner(pair):
-    """The engine cannot check an address: collect() takes one only with the object that owns it,
-    and (as start and finish) not a zero address or count."""
-    client, _daemon = pair
+def test_an_address_destination_is_refused_without_its_owner(pair):
+    """The engine cannot check an address: begin() takes one as a destination only with the object
+    that owns it, and not a zero address or count; nothing starts."""
+    client, daemon = pair
     buf = np.zeros(8, np.float32)
     for addr, count, owner, why in (
         (buf.ctypes.data, 8, None, "the object that owns it"),
@@ -646,9 +634,11 @@ def test_collect_refuses_an_address_without_its_owner(pair):
         (buf.ctypes.data, 0, buf, "non-zero address, count and dtype"),
     ):
         with pytest.raises(ValueError, match=why):
-            client._channel.collect(
-                1, addr, 0, 32, int(Kind.ALLREDUCE), int(DType.FLOAT32), count, 0, 0, 1.0, owner
-            )
+            client._channel.begin(
+                client._arena.native, int(Kind.ALLREDUCE), NO_DATA, 0, count, int(DType.FLOAT32), 0, 0, addr, 0,
+                32, owner, 0, 1.0, 0.0,
+            )  # fmt: skip
+    assert client._arena.in_use == 0 and not daemon.pending()
 
 
 def test_a_fast_call_behind_a_reserved_general_submit_goes_the_general_way(pair):
@@ -661,7 +651,7 @@ def test_a_fast_call_behind_a_reserved_general_submit_goes_the_general_way(pair)
     buf = np.ones(4, np.float32)
     assert client._channel.reserve() == 1
     args = (Kind.ALLREDUCE, buf, 0, 4, DType.FLOAT32, ReduceOp.SUM, 0)
-    assert client._channel.start(arena, *args, 1.0, 0.0, True) is None
+    assert client._channel.begin(arena, *args, buf, 0, buf.nbytes, None, 0, 1.0, 0.0) is None
     assert client._channel.run(arena, *args, 0, 1.0, 0.0) is None
     assert client.allreduce_now(buf, DType.FLOAT32, 4, ReduceOp.SUM, 1.0) is False
     assert client._arena.in_use == 0 and not daemon.pending(), "a held fast call took a slot or pushed"
@@ -684,7 +674,7 @@ def test_no_fast_call_starts_once_starts_are_closed(pair):
     client._channel.close_starts()
     buf = np.ones(4, np.float32)
     args = (Kind.ALLREDUCE, buf, 0, 4, DType.FLOAT32, ReduceOp.SUM, 0)
-    assert client._channel.start(client._arena.native, *args, 1.0, 0.0) is None
+    assert client._channel.begin(client._arena.native, *args, buf, 0, buf.nbytes, None, 0, 1.0, 0.0) is None
     assert client._channel.run(client._arena.native, *args, 0, 1.0, 0.0) is None
     assert client._arena.in_use == 0 and not daemon.pending()
 
