@@ -109,34 +109,38 @@ class ClientConfig:
 class Latch:
     """A flag set once and waited for, as threading.Event's set/is_set/wait, whose Event is made only
     when a thread has to block on it: most collectives are waited for by the thread that completes
-    them, and an Event costs more to make (a Condition and its lock: 3-6 us here) than that wait."""
+    them, and an Event costs more to make (a Condition and its lock: 3-6 us here) than that wait.
 
-    __slots__ = ("_event", "_flag", "_lock")
+    set() takes no lock. It writes the flag, then reads the event; a blocking waiter writes the event,
+    then reads the flag: whichever comes second sees what the other wrote (the GIL orders them), so
+    the event is set or the waiter returns. One class-wide lock makes the events, so that two waiters
+    of one latch share one (a thread blocks on a latch rarely: that lock is seldom taken)."""
+
+    __slots__ = ("_event", "_flag")
+    _making = threading.Lock()
 
     def __init__(self) -> None:
         self._flag = False
         self._event: threading.Event | None = None
-        self._lock = threading.Lock()
 
     def is_set(self) -> bool:
         return self._flag
 
     def set(self) -> None:
-        with self._lock:
-            self._flag = True
-            event = self._event
+        self._flag = True
+        event = self._event
         if event is not None:
             event.set()
 
     def wait(self, timeout: float | None = None) -> bool:
         if self._flag:
             return True
-        with self._lock:
-            if self._flag:
-                return True
-            if self._event is None:
-                self._event = threading.Event()
+        with Latch._making:
             event = self._event
+            if event is None:
+                event = self._event = threading.Event()
+        if self._flag:
+            return True
         return event.wait(timeout)
 
 
@@ -327,8 +331,10 @@ class EngineHandle(Handle):
         if not self._event.is_set():
             t0 = time.monotonic()
             self._client._finish_engine(self, t)
+            if self._event.is_set() and self._error is None:
+                return self._result  # (host memory: no device event to order)
             t = max(0.0, t - (time.monotonic() - t0))
-        return super().wait(t, stream)  # done; else not in time, or gone the general way (its _drive)
+        return super().wait(t, stream)  # failed; else not in time, or gone the general way (its _drive)
 
 
 def when_all(handles: Sequence[Handle], fn: Callable[[], None]) -> None:
