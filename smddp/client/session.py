@@ -809,7 +809,7 @@ class Client:
         with self._lock:
             failed = self._failure
             if failed is None:
-                # Its DONE stays in the engine until its wait, collect or adopt, all of which come after this.
+                # Its DONE stays in the engine until its wait or collect, both of which come after this.
                 self._handles[handle.seq] = handle
         if failed is not None:
             handle._finish(error=failed)  # _fail had already finished the handles it knew

@@ -1256,9 +1256,27 @@ struct StartedObject {
 
 StartedObject* started_of(PyObject* self) { return reinterpret_cast<StartedObject*>(self); }
 
+// Tracked by the garbage collector: `keep` is the caller's object, which may lead back to the handle
+// that holds this record.
+int started_traverse(PyObject* self, visitproc visit, void* arg) {
+  StartedObject* obj = started_of(self);
+  Py_VISIT(Py_TYPE(self));
+  Py_VISIT(obj->channel);
+  Py_VISIT(obj->arena);
+  Py_VISIT(obj->keep);
+  return 0;
+}
+
+// Breaks a cycle through `keep` only: a record without its channel or arena cannot be waited for.
+int started_clear(PyObject* self) {
+  Py_CLEAR(started_of(self)->keep);
+  return 0;
+}
+
 void started_dealloc(PyObject* self) {
   PyTypeObject* type = Py_TYPE(self);
   StartedObject* obj = started_of(self);
+  PyObject_GC_UnTrack(self);
   Py_XDECREF(obj->channel);
   Py_XDECREF(obj->arena);
   Py_XDECREF(obj->keep);
@@ -1345,6 +1363,8 @@ PyGetSetDef kStartedGetters[] = {
 
 PyType_Slot kStartedSlots[] = {
     {Py_tp_dealloc, reinterpret_cast<void*>(started_dealloc)},
+    {Py_tp_traverse, reinterpret_cast<void*>(started_traverse)},
+    {Py_tp_clear, reinterpret_cast<void*>(started_clear)},
     {Py_tp_methods, kStartedMethods},
     {Py_tp_getset, kStartedGetters},
     {Py_tp_doc, const_cast<char*>("A fast collective started asynchronously (WorkerChannel.begin).")},
@@ -1355,7 +1375,7 @@ PyType_Spec kStartedSpec = {
     "smddp._engine.Started",
     sizeof(StartedObject),
     0,
-    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_DISALLOW_INSTANTIATION | Py_TPFLAGS_HAVE_GC,
     kStartedSlots,
 };
 
@@ -1409,8 +1429,8 @@ PyObject* channel_begin(PyObject* self, PyObject* args) {
     return nullptr;
   smddp::Header h;
   if (!submit_fields(self, arena, kind, rank, count, dtype, op, root, &h)) return nullptr;
-  if (batch < 0 || !(timeout > 0)) {
-    PyErr_SetString(PyExc_ValueError, "begin: batch_bytes is non-negative and timeout_s positive");
+  if (batch < 0 || !(timeout >= 0)) {
+    PyErr_SetString(PyExc_ValueError, "begin: batch_bytes and timeout_s are non-negative");
     return nullptr;
   }
   smddp::Delivery out;

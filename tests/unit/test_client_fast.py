@@ -4,9 +4,11 @@ general collectives beside it, a timeout that becomes a handle, and a DONE that 
 
 from __future__ import annotations
 
+import gc
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -691,3 +693,19 @@ def test_a_blocking_call_the_job_failure_ends_leaves_nothing_for_shutdown(pair):
         call.join()
     assert client._channel.blocking() == []
     client.shutdown(timeout=1.0)
+
+
+def test_an_asynchronous_collectives_record_in_a_cycle_is_collected(pair):
+    """The engine's record of an asynchronous collective (`_engine.Started`) holds its destination's
+    owner; once done, a cycle through it (the owner holding the handle) is the garbage collector's
+    to break: nothing leaks."""
+    client, daemon = pair
+    owner, views = Owner(64), []
+    h = at(client, owner, views)
+    daemon.done(until_submits(daemon, 1)[-1], 2.0)
+    assert h.wait(timeout=5) == "the result"
+    owner.handle = h  # type: ignore[attr-defined]  # owner -> handle -> its record -> owner
+    gone = weakref.ref(owner)
+    del owner, h
+    gc.collect()
+    assert gone() is None, "a finished collective's record kept its destination's owner alive"
