@@ -104,7 +104,7 @@ class SmddpWork(dist.Work):
     _error: BaseException | None = None
     _completing = False
     _unwatch: Callable[[], None] = staticmethod(_nothing)  # the watchdog's, once it watches this Work
-    _handles: list[smddp.Handle] = []  # (never appended to) host Works: what wait() drives (_drive)
+    _handles: Sequence[smddp.Handle] = ()  # host Works: what wait() drives (_drive)
     # Host Works: the copy back into non-contiguous tensors, run by whoever completes the Work.
     _finish: Callable[[], None] | None = None
     _armed = False  # host Works: the handles' callbacks complete it (_arm)
@@ -318,7 +318,7 @@ _Job = tuple[SmddpWork, list[smddp.Handle], Callable[[], None] | None, list[torc
 
 
 def _complete_on_done(
-    work: SmddpWork | None, handles: list[smddp.Handle], finish: Callable[[], None] | None
+    work: SmddpWork | None, handles: Sequence[smddp.Handle], finish: Callable[[], None] | None
 ) -> None:
     """Host tensors: complete `work` from the handles' done-callbacks, in the thread that finished the last.
 
