@@ -173,12 +173,21 @@ class WorkerChannel:
     def release(
         self, rank: int, seq: int, nbytes: int, batch_bytes: int, timeout_s: float, spin_us: float, /
     ) -> None: ...
-    def begin(
+    def bind(
         self,
         arena: Arena,
+        rank: int,
+        batch_bytes: int,
+        timeout_s: float,
+        spin_us: float,
+        handle_type: type[Started],
+        ctx: Any,
+        /,
+    ) -> None: ...
+    def begin(
+        self,
         kind: int,
         src: Any,
-        rank: int,
         count: int,
         dtype: int,
         op: int,
@@ -187,11 +196,12 @@ class WorkerChannel:
         src_offset: int,
         result_bytes: int,
         owner: Any,
-        batch_bytes: int,
-        timeout_s: float,
-        spin_us: float,
+        result: Any,
+        keepalive: Any,
         /,
-    ) -> Started | None: ...
+    ) -> Any:
+        """A record of bind()'s handle_type (a Started), or None: go the general way."""
+    def live(self) -> list[Any]: ...
     def run(
         self,
         arena: Arena,
@@ -221,13 +231,23 @@ class WorkerChannel:
     def daemon_end(self) -> int: ...
 
 class Started:
-    """A fast collective started asynchronously (WorkerChannel.begin)."""
+    """A fast collective started asynchronously (WorkerChannel.begin), and its handle."""
 
-    def wait(self, timeout_s: float, /) -> bool | None: ...
-    def collect(self) -> bool: ...
-    @property
-    def seq(self) -> int: ...
+    def wait(self, timeout: float | None = None, stream: Any = None) -> Any: ...
+    def collect(self) -> bool | None: ...
+    def _complete(self, failed: bool, /) -> None: ...
+    # (Read-only at run time; declared as attributes so that a Handle subclass may share them.)
+    seq: int
+    kind: Any
+    dtype: Any
+    count: int
     @property
     def slot(self) -> tuple[int, int, int] | None: ...
+    @property
+    def finished(self) -> bool: ...
+    @property
+    def _client(self) -> Any: ...
+    @property
+    def _value(self) -> Any: ...
 
 def ofi_providers(library: str, /) -> list[str]: ...

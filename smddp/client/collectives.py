@@ -10,7 +10,7 @@ import numpy as np
 
 from smddp.client.buffers import BufferView, PartsView, as_buffer, as_parts
 from smddp.client.device.buffers import DeviceBuffer
-from smddp.client.session import NO_DATA, Client, Delivery, Handle, PipelinedHandle, check_op
+from smddp.client.session import NO_DATA, Client, Handle, PipelinedHandle, check_op
 from smddp.errors import InvalidArgumentError, UnsupportedBufferError
 from smddp.proto.dtypes import DType, Kind, ReduceOp, dtype_from_numpy
 from smddp.proto.layout import shard_bounds
@@ -107,8 +107,8 @@ def _allreduce_pieces(
             # first) to its copy-out.
             dst = out[a:b]
             h = c.start_async(
-                Kind.ALLREDUCE, _sources(part), view.dtype, b - a, rop, aux, Delivery(dst, 0, dst.nbytes), put,
-                result, part.keepalive,
+                Kind.ALLREDUCE, _sources(part), view.dtype, b - a, rop, aux, dst, 0, dst.nbytes, None, result,
+                part.keepalive,
             )  # fmt: skip
             if h is not None:
                 return h
@@ -210,42 +210,21 @@ def _allreduce_array_async(c: Client, buf: np.ndarray, rop: ReduceOp) -> Handle 
     if dt is None:
         return None
     flat = buf if buf.ndim == 1 else buf.reshape(-1)
-
-    def put(r: np.ndarray) -> np.ndarray:
-        flat[:] = r.view(flat.dtype)
-        return buf
-
-    return c.start_async(
-        Kind.ALLREDUCE, flat, dt, buf.size, rop, 0, Delivery(flat, 0, flat.nbytes), put, buf, None
-    )
+    return c.start_async(Kind.ALLREDUCE, flat, dt, buf.size, rop, 0, flat, 0, flat.nbytes, None, buf, None)
 
 
 def allreduce_async_at(
-    c: Client,
-    addr: int,
-    dtype: DType,
-    count: int,
-    rop: ReduceOp,
-    view: Callable[[], np.ndarray],
-    owner: Any,
-    result: Any,
+    c: Client, addr: int, dtype: DType, count: int, rop: ReduceOp, owner: Any, result: Any
 ) -> Handle | None:
     """allreduce_async of `count` elements of `dtype` at address `addr`, in place and in one piece:
     host memory that `owner` owns (a torch tensor and its data_ptr(): its numpy view costs more than
     the rest of the call, so none is made). The engine copies in from the address and, whoever
-    completes the collective, back to it; `view()` makes the memory's numpy view only should its
-    DONE go the general way. The caller checked `count` (non-zero), `dtype` and that it goes whole
-    (`whole`), as allreduce_now's callers do; None, with nothing done, where it must go the general
-    way (a timeline, device copies queued ahead of it), which the caller then takes with a buffer."""
-    nbytes = count * dtype.itemsize
-
-    def put(r: np.ndarray) -> Any:
-        out = view().reshape(-1).view(dtype.storage)
-        out[:] = r.view(out.dtype)
-        return result
-
+    completes the collective, back to it (the engine keeps `owner` alive until then). The caller
+    checked `count` (non-zero), `dtype` and that it goes whole (`whole`), as allreduce_now's callers
+    do; None, with nothing done, where it must go the general way (a timeline, device copies queued
+    ahead of it), which the caller then takes with a buffer."""
     return c.start_async(
-        Kind.ALLREDUCE, addr, dtype, count, rop, 0, Delivery(addr, 0, nbytes, owner), put, result, owner
+        Kind.ALLREDUCE, addr, dtype, count, rop, 0, addr, 0, count * dtype.itemsize, owner, result, owner
     )
 
 
@@ -280,8 +259,8 @@ def broadcast_parts_async(c: Client, parts: Sequence[Any], root: int = 0) -> Han
     mine = c.rank == root
     if pv.count:
         h = c.start_async(
-            Kind.BROADCAST, _sources(pv) if mine else NO_DATA, pv.dtype, pv.count, None, root,
-            Delivery(out, 0, out.nbytes), deliver, result, pv.keepalive,
+            Kind.BROADCAST, _sources(pv) if mine else NO_DATA, pv.dtype, pv.count, None, root, out, 0,
+            out.nbytes, None, result, pv.keepalive,
         )  # fmt: skip
         if h is not None:
             return h
@@ -320,8 +299,8 @@ def broadcast_async(c: Client, buf: Any, root: int = 0, stream: Any = None) -> H
         arr = view.array
         sent, back = (arr, NO_DATA) if mine else (NO_DATA, arr)
         h = c.start_async(
-            Kind.BROADCAST, sent, view.dtype, view.count, None, root, Delivery(back, 0, arr.nbytes), deliver,
-            buf, view.keepalive,
+            Kind.BROADCAST, sent, view.dtype, view.count, None, root, back, 0, arr.nbytes, None, buf,
+            view.keepalive,
         )  # fmt: skip
         if h is not None:
             return h
@@ -350,8 +329,8 @@ def allgather_async(c: Client, buf: Any, out: Any = None, stream: Any = None) ->
     if view.count:
         dst = out_view.array
         h = c.start_async(
-            Kind.ALLGATHER, view.array, view.dtype, view.count, None, 0, Delivery(dst, 0, dst.nbytes), deliver,
-            out, (view.keepalive, out_view.keepalive),
+            Kind.ALLGATHER, view.array, view.dtype, view.count, None, 0, dst, 0, dst.nbytes, None, out,
+            (view.keepalive, out_view.keepalive),
         )  # fmt: skip
         if h is not None:
             return h
@@ -404,8 +383,8 @@ def reduce_scatter_async(
     if part:
         isz = view.dtype.itemsize
         h = c.start_async(
-            Kind.REDUCE_SCATTER, view.array, view.dtype, view.count, rop, 0,
-            Delivery(out_view.array, lo * isz, view.nbytes), deliver, out, (view.keepalive, out_view.keepalive),
+            Kind.REDUCE_SCATTER, view.array, view.dtype, view.count, rop, 0, out_view.array, lo * isz,
+            view.nbytes, None, out, (view.keepalive, out_view.keepalive),
         )  # fmt: skip
         if h is not None:
             return h
@@ -417,9 +396,7 @@ def _nothing(_r: np.ndarray) -> None:
 
 
 def barrier_async(c: Client) -> Handle:
-    h = c.start_async(
-        Kind.BARRIER, NO_DATA, DType.UINT8, 0, None, 0, Delivery(NO_DATA, 0, 0), _nothing, None, None
-    )
+    h = c.start_async(Kind.BARRIER, NO_DATA, DType.UINT8, 0, None, 0, NO_DATA, 0, 0, None, None, None)
     return h if h is not None else c.submit(Kind.BARRIER, None, DType.UINT8, 0, None, 0, _nothing)
 
 

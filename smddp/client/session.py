@@ -259,82 +259,121 @@ class Handle:
             _call_back(fn, self)
 
 
-@dataclass(slots=True)
-class Delivery:
-    """Where a host collective's result goes on the engine's path (the engine's Delivery, channel.h):
-    `dst` (1-D, C-contiguous; empty for none) takes its bytes of the result from `src_offset`;
-    `result_bytes` is the whole result's size (the range the DONE names, and what its RELEASE frees).
-    `dst` may be the address of the collective's `count` elements instead (an all-reduce in place of a
-    torch tensor, whose numpy view costs more than the call), with `owner` the object that owns it:
-    what the engine keeps alive while it may still copy there. (Not frozen: a frozen dataclass costs
-    three times as much to make, on every asynchronous call.)"""
+class EngineHandle(_engine.Started, Handle):
+    """A host collective the engine started asynchronously (Client.start_async): the engine's own
+    record of it (`_engine.Started`, which WorkerChannel.begin makes as this class) is the handle. Its
+    copy-in and SUBMIT were the engine's, and wait() is the engine's too: the DONE taken, the result
+    copied out and the RELEASE held, GIL released, and its result returned with no Python run
+    (Started.wait). Only what that does not end in comes here (_settle): not in time, the job's
+    failure, a refusal, or a DONE another thread completes.
 
-    dst: np.ndarray | int
-    src_offset: int
-    result_bytes: int
-    owner: Any = None
+    Nothing else is woken for it, and it is on no table of the client's (the channel's live() lists
+    it for shutdown), until a callback is added or it is polled: from then on it is collected
+    (_collect: on the client's table, Started.collect), and a DONE taken while nobody waits is
+    completed in the engine by the thread that took it (the client's DONE thread, or a waiter), which
+    then runs the callbacks (Client._on_engine_done); a wait that completes it runs them (_completed).
+    Handle's other fields keep their class defaults: none of them applies."""
 
+    _event: Latch | None = None  # type: ignore[assignment]  # made once collected: what a waiter of another thread's completion waits on
+    _callbacks_lock = threading.Lock()  # orders add_done_callback against _finish (only for callbacks)
 
-class EngineHandle(Handle):
-    """A host collective the engine started asynchronously (Client.start_async), wrapping the engine's
-    own record of it (`_engine.Started`): its copy-in and SUBMIT were the engine's, and wait() runs its
-    wait, copy-out (its Delivery) and RELEASE in the engine too, GIL released (Started.wait). Nothing
-    else is woken for it until a callback is added or it is polled: from then on it is collected
-    (Started.collect), and a DONE taken while nobody waits is completed in the engine by the thread that
-    took it (the client's DONE thread, or a waiter), which then runs the callbacks
-    (Client._on_engine_done). Handle's other fields keep their class defaults: none of them applies."""
-
-    def __init__(
-        self,
-        client: Client,
-        started: _engine.Started,
-        kind: Kind,
-        dtype: DType,
-        count: int,
-        deliver: Callable[[np.ndarray], Any],
-        result: Any,
-        keepalive: Any,
-    ) -> None:
-        self.seq = started.seq
-        self.kind = kind
-        self.dtype = dtype
-        self.count = count
-        self._deliver = deliver  # should its DONE still come to Python (a general taker's)
-        self._keepalive = keepalive
-        self._default_timeout_s = client.config.timeout_s
-        self._event = Latch()
-        self._lock = threading.Lock()
-        self._client = client
-        self._started = started
-        self._value = result
-        self._drive = client._drive
+    @property
+    def _default_timeout_s(self) -> float:  # type: ignore[override]
+        return float(self._client.config.timeout_s)
 
     @property
     def _slot(self) -> Slot | None:  # type: ignore[override]
-        slot = self._started.slot
+        slot = self.slot
         return None if slot is None else Slot(*slot)
 
-    def add_done_callback(self, fn: Callable[[Handle], None]) -> None:
-        super().add_done_callback(fn)
-        if not self._event.is_set():
-            self._started.collect()  # someone must take its DONE if nobody waits
-
     def done(self) -> bool:
-        if self._event.is_set():
+        if self.finished:
             return True
-        # Polled rather than waited for: from now on the DONE thread completes it.
-        self._started.collect()
-        return self._event.is_set()
+        if self._client._failure is not None:
+            return True  # (its wait raises the failure)
+        self._collect()  # polled rather than waited for: from now on the DONE thread completes it
+        return bool(self.finished)
 
-    def wait(self, timeout: float | None = None, stream: Any = None) -> Any:
-        t = self._default_timeout_s if timeout is None else timeout
-        if not self._event.is_set():
-            t0 = time.monotonic()
-            self._client._finish_engine(self, t)
-            if self._event.is_set() and self._error is None:
-                return self._result  # (host memory: no device event to order)
-            t = max(0.0, t - (time.monotonic() - t0))
-        return super().wait(t, stream)  # failed; else not in time, or gone the general way (its _drive)
+    def add_done_callback(self, fn: Callable[[Handle], None]) -> None:
+        self._collect()  # someone must take its DONE if nobody waits
+        with EngineHandle._callbacks_lock:
+            if not self.finished:
+                if self._callbacks is None:
+                    self._callbacks = []
+                self._callbacks.append(fn)
+                return
+        _call_back(fn, self)
+
+    def synchronize(self, timeout: float | None = None) -> Any:
+        return self.wait(timeout)  # (host memory: nothing on a device to wait for)
+
+    def _collect(self) -> None:
+        """Callbacks or polls wait for it: on the client's table (its failure finishes it), and the
+        engine's taker of its DONE completes it (Started.collect)."""
+        if self._event is not None:
+            return
+        c = self._client
+        with c._lock:
+            if self._event is not None or self.finished:
+                return
+            self._event = Latch()
+            failed = c._failure
+            if failed is None:
+                c._handles[self.seq] = self
+        if failed is not None:
+            self._finish(error=failed)
+        elif self.collect() is None:
+            self._completed()  # a wait completed it before it saw it collected: its callbacks run here
+
+    def _completed(self) -> None:
+        """Completed by a wait once collected (Started.wait calls this): off the client's table and
+        finished here, callbacks included, unless the job's failure finished it first."""
+        c = self._client
+        with c._lock:
+            mine = c._handles.pop(self.seq, None) is not None
+        if mine:
+            self._finish(self._value)
+
+    def _finish(self, result: Any = None, error: SmddpError | None = None) -> None:
+        if error is not None:
+            self._error = error
+        with EngineHandle._callbacks_lock:
+            self._complete(error is not None)
+            callbacks, self._callbacks = self._callbacks, None
+        if self._event is not None:
+            self._event.set()
+        for fn in callbacks or ():
+            _call_back(fn, self)
+
+    def _settle(self, end: bool | BaseException | None, t: float, stream: Any) -> Any:
+        """What a wait that did not end in its result raises or returns (Started.wait): `end` is True
+        (finished: failed), False (not in time, or the channel aborted), None (another thread is
+        completing it: a second waiter, or the DONE thread once collected) or the exception of the
+        channel's refusal (a DONE or ring the daemon broke, or its ring full: the client fails)."""
+        c = self._client
+        if isinstance(end, BaseException):
+            c._engine_failed(end)
+        deadline = time.monotonic() + t
+        while True:
+            if self.finished:
+                if self._error is not None:
+                    raise fresh(self._error)
+                return self._value
+            if c._failure is not None:
+                raise fresh(c._failure)
+            if c._closed:
+                raise NotInitializedError("smddp has been shut down")
+            left = deadline - time.monotonic()
+            if end is False or left <= 0:
+                raise CollectiveTimeoutError(
+                    f"collective #{self.seq} ({self.kind.label}, {self.dtype.label}, count={self.count}) "
+                    f"did not complete within {t:g}s; it is still in flight"
+                )
+            event = self._event
+            if event is not None:
+                event.wait(min(left, 0.05))
+            else:
+                time.sleep(min(left, 1e-4))  # the other waiter finishes it as soon as it has the GIL
 
 
 def when_all(handles: Sequence[Handle], fn: Callable[[], None]) -> None:
@@ -457,6 +496,12 @@ class Client:
         # its done ring, the fds of ATTACH and SEGMENT on its side socket (docs/protocol.md, CHANNEL);
         # the unix socket carries the rest.
         self._channel = _engine.WorkerChannel(f"smddp-channel-rank{self.rank}")
+        # What every asynchronous collective the engine starts shares; it makes their records as
+        # EngineHandles, each naming this client.
+        self._channel.bind(
+            self._arena.native, self.rank, RELEASE_BATCH_BYTES, config.timeout_s, RING_SPIN_US, EngineHandle,
+            self,
+        )  # fmt: skip
         seg = self._channel.segment
         conn.send_frame(
             Channel(self.rank, 0, seg.size).header(),
@@ -547,6 +592,9 @@ class Client:
         deadline = time.monotonic() + t
         with self._lock:
             pending = list(self._handles.values())
+        known = {h.seq for h in pending}
+        # The engine's asynchronous collectives nobody waited for are on no table but the channel's.
+        pending += [h for h in self._channel.live() if h.seq not in known]
         for h in pending:
             if isinstance(h, EngineHandle):
                 try:  # nothing takes an unwaited one's DONE: its wait does
@@ -557,7 +605,7 @@ class Client:
                 h._event.wait(max(0.0, deadline - time.monotonic()))
         while self._channel.blocking() and time.monotonic() < deadline:  # another thread's blocking call
             time.sleep(0.001)
-        unfinished = [h.seq for h in pending if not h._event.is_set()] + sorted(self._channel.blocking())
+        unfinished = [h.seq for h in pending if not _finished(h)] + sorted(self._channel.blocking())
         device = self._device
         if device is not None:
             # RELEASE goes once a result's copy to the device is done: let those leave before BYE.
@@ -778,41 +826,39 @@ class Client:
         count: int,
         op: ReduceOp | None,
         root: int,
-        out: Delivery,
-        deliver: Callable[[np.ndarray], Any],
+        dst: np.ndarray | int,
+        src_offset: int,
+        result_bytes: int,
+        owner: Any,
         result: Any,
         keepalive: Any,
     ) -> EngineHandle | None:
         """An asynchronous host collective of any kind, started by the engine (a slot, the copy of `src`
         into shared memory and the SUBMIT under the channel's next seq, GIL released:
-        WorkerChannel::start); its handle's wait() runs the rest there too, into `out`, and so does
-        whichever thread takes its DONE once callbacks or a poll wait for it (Started.collect). `src` is what
-        this rank sends (1-D, C-contiguous, or a tuple of such parts sent one after another; empty:
-        nothing, as a broadcast's other ranks and a barrier; or the address of `count` elements of
-        `dtype`, an all-reduce's in place, which `out` names too, with their owner); `deliver` what
-        Python runs instead should its DONE still come to Python (a Delivery the engine refused);
-        `result` what the handle gives back. None, with nothing done, where it must go the general
-        way: a timeline to record, or SUBMITs of the general way still to go ahead of it."""
+        WorkerChannel::start); its handle's wait() runs the rest there too, and so does whichever
+        thread takes its DONE once callbacks or a poll wait for it (Started.collect).
+
+        `src` is what this rank sends (1-D, C-contiguous, or a tuple of such parts sent one after
+        another; empty: nothing, as a broadcast's other ranks and a barrier; or the address of `count`
+        elements of `dtype`, an all-reduce's in place). Where the result goes: `dst` (1-D,
+        C-contiguous; empty for none) takes its bytes of the result from `src_offset`; `result_bytes`
+        is the whole result's size (the range the DONE names, and what its RELEASE frees). `dst` may
+        be the address of the collective's `count` elements instead, with `owner` the object that owns
+        it, which the engine keeps alive while it may still copy there. `result` is what the handle's
+        wait returns; `keepalive`, what it holds until then. None, with nothing done, where it must go
+        the general way: a timeline to record, or SUBMITs of the general way still to go ahead of it."""
         if self.config.timeline_dir:
             return None
-        self._check_open()
+        if self._closed or self._failure is not None:
+            self._check_open()
         try:
-            started = self._channel.begin(
-                self._arena.native, kind, src, self.rank, count, dtype, op or 0, root, out.dst, out.src_offset,
-                out.result_bytes, out.owner, RELEASE_BATCH_BYTES, self.config.timeout_s, RING_SPIN_US,
+            handle: EngineHandle | None = self._channel.begin(
+                kind, src, count, dtype, op or 0, root, dst, src_offset, result_bytes, owner, result,
+                keepalive,
             )  # fmt: skip
         except (TimeoutError, ProtocolError) as e:
             raise self._engine_failed(e) from None
-        if started is None:
-            return None
-        handle = EngineHandle(self, started, kind, dtype, count, deliver, result, keepalive)
-        with self._lock:
-            failed = self._failure
-            if failed is None:
-                # Its DONE stays in the engine until its wait or collect, both of which come after this.
-                self._handles[handle.seq] = handle
-        if failed is not None:
-            handle._finish(error=failed)  # _fail had already finished the handles it knew
+        # (Should the job fail from here on, the channel's abort ends its wait, which raises the failure.)
         return handle
 
     def _engine_failed(self, e: TimeoutError | ProtocolError) -> SmddpError:
@@ -832,26 +878,6 @@ class Client:
                 return e  # (closed meanwhile)
         assert self._failure is not None
         return fresh(self._failure)
-
-    def _finish_engine(self, handle: EngineHandle, timeout: float) -> None:
-        """An EngineHandle's wait in the engine: its DONE, the copy-out, the input slot freed and its
-        RELEASE held (WorkerChannel::finish), then the handle finished on this thread. Not in time,
-        gone the general way, or failed: the handle's own wait says so."""
-        if self._failure is not None or self._closed:
-            return
-        try:
-            done = handle._started.wait(timeout)
-        except (
-            TimeoutError,
-            ProtocolError,
-        ) as e:  # (TimeoutError: its RELEASE found the ring full throughout)
-            self._engine_failed(e)  # the client fails; the handle's own wait says so
-            return
-        if done:
-            with self._lock:
-                mine = self._handles.pop(handle.seq, None) is not None  # else a failure finished it
-            if mine:
-                handle._finish(handle._value)
 
     def _parked(
         self,
@@ -1189,6 +1215,8 @@ class Client:
             handle = self._handles.pop(h.seq, None)
         if handle is None or (h.kind, h.dtype, h.count) != (handle.kind, handle.dtype, handle.count):
             raise ProtocolError(f"DONE for collective #{h.seq} does not match anything this rank submitted")
+        if isinstance(handle, EngineHandle):  # the engine completes its own (collect): never here
+            raise ProtocolError(f"DONE for collective #{h.seq} reached Python; the engine started it")
         seg = self._result_segment(h.segment)  # its SEGMENT came before it on the ring
         if seg is None:
             raise ProtocolError(f"DONE for #{h.seq} names result segment {h.segment}, which was never sent")
@@ -1287,6 +1315,11 @@ class Client:
             self._wrapper.cause(status)
         if first and getattr(err, "infra", False) and self._wrapper is not None:
             self._wrapper.infra(str(err))
+
+
+def _finished(h: Handle) -> bool:
+    """Whether `h` is complete (or failed), without collecting an engine collective as done() would."""
+    return bool(h.finished) if isinstance(h, EngineHandle) else h._event.is_set()
 
 
 def _daemon_lost(why: str) -> PeerLostError:

@@ -7,6 +7,7 @@
 #include <Python.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdint>
 #include <initializer_list>
 #include <map>
@@ -1001,11 +1002,25 @@ PyType_Spec kPlaneSpec = {
 // first) holds each collected collective's destination alive while the channel may still copy into
 // it (collect): a taker's copy may be running while the caller's own failure handling gives up its
 // references. An entry goes when the collective completes here (pop, finish) or with the channel.
+// Memory: the channel object owns its WorkerChannel (deleted with it) and a reference to each of
+// the PyObject fields. `live` holds every record begin() made until it finishes, so that shutdown
+// finds the collectives nobody waited for; records hold the channel too, so the type is tracked by
+// the garbage collector (a client that never shut down leaves such cycles).
 struct ChannelObject {
   PyObject_HEAD
   smddp::WorkerChannel* ch;
-  PyObject* keep;
+  PyObject* keep;         // seq -> what keeps a collected collective's destination in place
+  PyObject* live;         // seq -> its record: begun and not finished
+  PyObject* arena;        // bind(): the worker's arena, begin()'s slots
+  PyObject* handle_type;  // bind(): the class begin() makes (Started, or a subclass)
+  PyObject* ctx;          // bind(): what each record names as its `_client`
+  std::uint32_t rank;     // bind(): the sender of begin()'s SUBMITs
+  std::uint64_t batch;    // bind(): RELEASE batch bytes
+  std::int64_t timeout_ns;  // bind(): the job's timeout (a wait without one; a RELEASE's ring wait)
+  std::int64_t spin_ns;     // bind(): how long a wait spins before it sleeps
 };
+
+ChannelObject* chan(PyObject* self) { return reinterpret_cast<ChannelObject*>(self); }
 
 smddp::WorkerChannel& channel_of(PyObject* self) { return *reinterpret_cast<ChannelObject*>(self)->ch; }
 
@@ -1027,11 +1042,36 @@ PyObject* channel_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   return self;
 }
 
+int channel_traverse(PyObject* self, visitproc visit, void* arg) {
+  ChannelObject* obj = chan(self);
+  Py_VISIT(Py_TYPE(self));
+  Py_VISIT(obj->keep);
+  Py_VISIT(obj->live);
+  Py_VISIT(obj->arena);
+  Py_VISIT(obj->handle_type);
+  Py_VISIT(obj->ctx);
+  return 0;
+}
+
+// Breaks cycles; the WorkerChannel itself goes only with the object (records still hold it).
+int channel_clear(PyObject* self) {
+  ChannelObject* obj = chan(self);
+  Py_CLEAR(obj->live);
+  Py_CLEAR(obj->ctx);
+  Py_CLEAR(obj->handle_type);
+  return 0;
+}
+
 void channel_dealloc(PyObject* self) {
   PyTypeObject* type = Py_TYPE(self);
-  auto* obj = reinterpret_cast<ChannelObject*>(self);
+  ChannelObject* obj = chan(self);
+  PyObject_GC_UnTrack(self);
   delete obj->ch;  // no taker is left to copy into what `keep` holds
   Py_XDECREF(obj->keep);
+  Py_XDECREF(obj->live);
+  Py_XDECREF(obj->arena);
+  Py_XDECREF(obj->handle_type);
+  Py_XDECREF(obj->ctx);
   free_instance(type, self);
   Py_DECREF(type);
 }
@@ -1235,41 +1275,64 @@ PyObject* not_started(PyObject* self, smddp::FastEnd end) {
 
 // ----------------------------------------------------------------------------------- Started
 
-// A fast collective started asynchronously (begin): everything its wait (finish) and collect take,
-// kept here, so that none of them crosses the binding again. It holds its channel and arena (so
-// they outlive it), and `keep`, which keeps its destination in place: the destination buffer, or an
-// address's owner. The channel's own `keep` holds that too once it is collected (a taker may copy
-// into it after this object is gone).
+// A fast collective started asynchronously (begin), and the handle callers wait on: everything its
+// wait (finish) and collect take is kept here, so that none of it crosses the binding again, and a
+// wait that completes it returns its result without running any Python. begin() makes it as the
+// class bind() named (smddp.client.session.EngineHandle subclasses it with the rest of a Handle:
+// callbacks, polls, and _settle for every wait that does not end in its result).
+//
+// Memory: a reference to each PyObject field. It holds its channel and arena (so they outlive it);
+// `keep`, which keeps its destination in place (the destination buffer, or an address's owner; the
+// channel's own `keep` holds that too once it is collected, as a taker may copy into it after this
+// object is gone); `keepalive` (what else the caller keeps until it finishes), dropped then. The
+// channel's `live` table holds the record until it finishes.
 struct StartedObject {
   PyObject_HEAD
   PyObject* channel;
   PyObject* arena;
   PyObject* keep;
+  PyObject* ctx;        // the channel's bind() ctx: the handle's client
+  PyObject* result;     // what wait() returns
+  PyObject* keepalive;  // dropped once finished
+  PyObject* kind;       // as the caller gave them (smddp's enums)
+  PyObject* dtype;
   smddp::Header submit;  // as pushed: seq, kind, dtype, count, sender (finish checks its DONE against it)
   smddp::Slot slot;      // its input slot ({kNoSegment, 0, 0}: none)
   smddp::Delivery out;
   std::uint64_t batch;
-  std::int64_t timeout_ns;  // the job's: a collected one's RELEASE
+  std::int64_t timeout_ns;  // the job's: a wait without a timeout; a collected one's RELEASE
   std::int64_t spin_ns;
-  bool finished;  // wait() completed it here
+  bool finished;   // complete: its result is in place, or it failed (`failed`)
+  bool failed;     // finished by the job's failure (_complete(True)): its wait raises (_settle)
+  bool collected;  // collect() was asked: a wait that completes it runs _completed() (callbacks)
 };
 
 StartedObject* started_of(PyObject* self) { return reinterpret_cast<StartedObject*>(self); }
 
-// Tracked by the garbage collector: `keep` is the caller's object, which may lead back to the handle
-// that holds this record.
+// Tracked by the garbage collector: `keep`, `result` and `ctx` are the caller's objects, which may
+// lead back to the handle that is this record.
 int started_traverse(PyObject* self, visitproc visit, void* arg) {
   StartedObject* obj = started_of(self);
   Py_VISIT(Py_TYPE(self));
   Py_VISIT(obj->channel);
   Py_VISIT(obj->arena);
   Py_VISIT(obj->keep);
+  Py_VISIT(obj->ctx);
+  Py_VISIT(obj->result);
+  Py_VISIT(obj->keepalive);
+  Py_VISIT(obj->kind);
+  Py_VISIT(obj->dtype);
   return 0;
 }
 
-// Breaks a cycle through `keep` only: a record without its channel or arena cannot be waited for.
+// Breaks a cycle through the caller's objects only: a record without its channel or arena cannot be
+// waited for.
 int started_clear(PyObject* self) {
-  Py_CLEAR(started_of(self)->keep);
+  StartedObject* obj = started_of(self);
+  Py_CLEAR(obj->keep);
+  Py_CLEAR(obj->ctx);
+  Py_CLEAR(obj->result);
+  Py_CLEAR(obj->keepalive);
   return 0;
 }
 
@@ -1280,54 +1343,131 @@ void started_dealloc(PyObject* self) {
   Py_XDECREF(obj->channel);
   Py_XDECREF(obj->arena);
   Py_XDECREF(obj->keep);
+  Py_XDECREF(obj->ctx);
+  Py_XDECREF(obj->result);
+  Py_XDECREF(obj->keepalive);
+  Py_XDECREF(obj->kind);
+  Py_XDECREF(obj->dtype);
   free_instance(type, self);
-  Py_DECREF(type);
+  Py_DECREF(type);  // (a subclass's instance: its heap type, which Python's own dealloc leaves to us)
 }
 
-// wait(timeout_s) -> True once its result is in place (the DONE checked, the Delivery copied, the
-// input slot freed, its RELEASE held or sent), False when it did not come in time or the channel
-// aborted (still in flight: wait again), None when its DONE went the general way (taken
-// while nobody waited: the caller completes it from that DONE). TimeoutError: its RELEASE found the
-// ring full throughout; ProtocolError: a DONE or ring the daemon broke.
-PyObject* started_wait(PyObject* self, PyObject* arg) {
+// Its seq as the key of the channel's tables (a new reference, or null with an error set).
+PyObject* seq_key(const StartedObject* obj) { return PyLong_FromUnsignedLongLong(obj->submit.seq); }
+
+// Finished: out of the channel's live table, and what the caller kept until then let go.
+void retire(StartedObject* obj) {
+  obj->finished = true;
+  Py_CLEAR(obj->keepalive);
+  PyObject* live = chan(obj->channel)->live;
+  if (live == nullptr) return;
+  PyObject* key = seq_key(obj);
+  if (key == nullptr || PyDict_DelItem(live, key) != 0) PyErr_Clear();  // (not there: retired before)
+  Py_XDECREF(key);
+}
+
+// What a wait that did not simply end in the result says, handed to the handle's Python:
+// self._settle(end, left_s, stream), where `end` is True (finished: it failed), False (not in time,
+// or the channel aborted), None (its DONE is another thread's to complete) or the exception the
+// channel's refusal makes (not raised: _settle fails the client with it).
+PyObject* settle(PyObject* self, PyObject* end, double left_s, PyObject* stream) {
+  if (end == nullptr) return nullptr;
+  PyObject* r = PyObject_CallMethod(self, "_settle", "OdO", end, left_s, stream);
+  Py_DECREF(end);
+  return r;
+}
+
+// The exception a refused finish() stands for (a new reference; null with an error set).
+PyObject* refusal(StartedObject* obj, smddp::FastEnd end) {
+  if (end == smddp::FastEnd::kRingFull)
+    return PyObject_CallFunction(PyExc_TimeoutError, "s", "the daemon left this worker's submit ring full");
+  const std::string why = channel_of(obj->channel).why();
+  return PyObject_CallFunction(errors(module_of(obj->channel))->protocol, "s", why.c_str());
+}
+
+PyObject* finished_result(PyObject* self, PyObject* stream) {
   StartedObject* obj = started_of(self);
-  if (obj->finished) Py_RETURN_TRUE;
-  const double timeout = PyFloat_AsDouble(arg);
-  if (timeout == -1.0 && PyErr_Occurred()) return nullptr;
+  if (obj->failed) return settle(self, Py_NewRef(Py_True), 0.0, stream);
+  return Py_NewRef(obj->result != nullptr ? obj->result : Py_None);
+}
+
+// wait(timeout=None, stream=None) -> its result, once in place (the DONE checked, the Delivery
+// copied, the input slot freed, its RELEASE held or sent: WorkerChannel::finish, GIL released).
+// timeout None: the job's. Anything else is the handle's _settle (settle above). `stream` is for
+// device buffers' handles; a host collective has nothing to order on one.
+PyObject* started_wait(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+  PyObject* timeout_arg = Py_None;
+  PyObject* stream = Py_None;
+  if (nargs > 2) {
+    PyErr_SetString(PyExc_TypeError, "wait() takes at most 2 arguments (timeout, stream)");
+    return nullptr;
+  }
+  if (nargs > 0) timeout_arg = args[0];
+  if (nargs > 1) stream = args[1];
+  const Py_ssize_t nkw = kwnames == nullptr ? 0 : PyTuple_Size(kwnames);
+  for (Py_ssize_t i = 0; i < nkw; i++) {
+    PyObject* name = PyTuple_GetItem(kwnames, i);
+    PyObject** slot = PyUnicode_CompareWithASCIIString(name, "timeout") == 0  ? &timeout_arg
+                      : PyUnicode_CompareWithASCIIString(name, "stream") == 0 ? &stream
+                                                                             : nullptr;
+    if (slot == nullptr || (slot == &timeout_arg && nargs > 0) || (slot == &stream && nargs > 1)) {
+      PyErr_Format(PyExc_TypeError, "wait() got an unexpected or repeated keyword argument %R", name);
+      return nullptr;
+    }
+    *slot = args[nargs + i];
+  }
+  StartedObject* obj = started_of(self);
+  std::int64_t timeout_ns = obj->timeout_ns;
+  if (timeout_arg != Py_None) {
+    const double t = PyFloat_AsDouble(timeout_arg);
+    if (t == -1.0 && PyErr_Occurred()) return nullptr;
+    timeout_ns = !(t > 0) ? 0 : t >= 1e9 ? static_cast<std::int64_t>(1e18) : static_cast<std::int64_t>(t * 1e9);
+  }
+  if (obj->finished) return finished_result(self, stream);
   smddp::WorkerChannel& ch = channel_of(obj->channel);
   smddp::Arena& arena = *reinterpret_cast<ArenaObject*>(obj->arena)->arena;
   smddp::FastEnd end;
+  std::int64_t took_ns = 0;
   Py_BEGIN_ALLOW_THREADS
-  end = ch.finish(arena, obj->slot, obj->submit, obj->out, obj->batch, static_cast<std::int64_t>(timeout * 1e9),
-                  obj->spin_ns);
+  const auto t0 = std::chrono::steady_clock::now();
+  end = ch.finish(arena, obj->slot, obj->submit, obj->out, obj->batch, timeout_ns, obj->spin_ns);
+  took_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
   Py_END_ALLOW_THREADS
   if (end == smddp::FastEnd::kDone) {
-    obj->finished = true;
+    retire(obj);
     unkeep(obj->channel, obj->submit.seq);
-    Py_RETURN_TRUE;
+    if (obj->collected) {  // callbacks wait for it: the handle runs them (and takes it off its table)
+      PyObject* r = PyObject_CallMethod(self, "_completed", nullptr);
+      if (r == nullptr) return nullptr;
+      Py_DECREF(r);
+    }
+    return finished_result(self, stream);
   }
-  if (end == smddp::FastEnd::kTimeout) Py_RETURN_FALSE;
-  if (end == smddp::FastEnd::kGone) Py_RETURN_NONE;
-  return fast_error(obj->channel, end);
+  const double left_s = timeout_ns > took_ns ? static_cast<double>(timeout_ns - took_ns) * 1e-9 : 0.0;
+  if (end == smddp::FastEnd::kTimeout) return settle(self, Py_NewRef(Py_False), left_s, stream);
+  if (end == smddp::FastEnd::kGone) return settle(self, Py_NewRef(Py_None), left_s, stream);
+  return settle(self, refusal(obj, end), left_s, stream);
 }
 
-// collect() -> bool: callbacks wait for it, maybe nobody ever waits: the taker that meets its DONE
-// completes it (WorkerChannel::collect; pop() then returns its seq), its destination kept alive by
-// the channel until then. False: it is no longer the fast path's (completed, or adopted).
+// collect() -> None when it has finished already (the caller completes the handle), else whether
+// the channel took it: callbacks wait for it, maybe nobody ever waits, so the taker that meets its
+// DONE completes it (WorkerChannel::collect; pop() then returns its seq), its destination kept alive
+// by the channel until then. Either way, from now on a wait that completes it runs _completed().
 PyObject* started_collect(PyObject* self, PyObject*) {
   StartedObject* obj = started_of(self);
-  if (obj->finished) Py_RETURN_FALSE;
+  if (obj->finished) Py_RETURN_NONE;
+  obj->collected = true;  // (under the GIL, as a wait's check of it once finish() returned)
   smddp::WorkerChannel::Collected how;
   how.submit = obj->submit;
   how.out = obj->out;
   how.batch_bytes = obj->batch;
   how.timeout_ns = obj->timeout_ns;
-  auto* ch = reinterpret_cast<ChannelObject*>(obj->channel);
+  ChannelObject* ch = chan(obj->channel);
   if (ch->keep == nullptr && (ch->keep = PyDict_New()) == nullptr) return nullptr;
-  PyObject* key = PyLong_FromUnsignedLongLong(obj->submit.seq);
+  PyObject* key = seq_key(obj);
   if (key == nullptr) return nullptr;
   // Kept before the channel may copy into it (a taker may meet its DONE as soon as collect returns).
-  if (PyDict_SetItem(ch->keep, key, obj->keep) != 0) {
+  if (PyDict_SetItem(ch->keep, key, obj->keep != nullptr ? obj->keep : Py_None) != 0) {
     Py_DECREF(key);
     return nullptr;
   }
@@ -1337,7 +1477,27 @@ PyObject* started_collect(PyObject* self, PyObject*) {
   return PyBool_FromLong(taken);
 }
 
+// _complete(failed): finished other than by its own wait (the DONE thread completed it, collected;
+// or the job failed): its wait returns at once, or (failed) raises through _settle.
+PyObject* started_complete(PyObject* self, PyObject* failed) {
+  StartedObject* obj = started_of(self);
+  const int f = PyObject_IsTrue(failed);
+  if (f < 0) return nullptr;
+  if (f) obj->failed = true;
+  retire(obj);
+  Py_RETURN_NONE;
+}
+
 PyObject* get_started_seq(PyObject* self, void*) { return PyLong_FromUnsignedLongLong(started_of(self)->submit.seq); }
+PyObject* get_started_count(PyObject* self, void*) {
+  return PyLong_FromUnsignedLongLong(started_of(self)->submit.count);
+}
+PyObject* or_none(PyObject* o) { return Py_NewRef(o != nullptr ? o : Py_None); }
+PyObject* get_started_kind(PyObject* self, void*) { return or_none(started_of(self)->kind); }
+PyObject* get_started_dtype(PyObject* self, void*) { return or_none(started_of(self)->dtype); }
+PyObject* get_started_ctx(PyObject* self, void*) { return or_none(started_of(self)->ctx); }
+PyObject* get_started_result(PyObject* self, void*) { return or_none(started_of(self)->result); }
+PyObject* get_started_finished(PyObject* self, void*) { return PyBool_FromLong(started_of(self)->finished); }
 
 PyObject* get_started_slot(PyObject* self, void*) {
   const smddp::Slot& s = started_of(self)->slot;
@@ -1347,17 +1507,23 @@ PyObject* get_started_slot(PyObject* self, void*) {
 }
 
 PyMethodDef kStartedMethods[] = {
-    {"wait", started_wait, METH_O,
-     "wait(timeout_s) -> True (done here), False (not in time: still in flight) or None (its DONE went the general "
-     "way)"},
+    {"wait", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(started_wait)), METH_FASTCALL | METH_KEYWORDS,
+     "wait(timeout=None, stream=None) -> its result once in place (else the handle's _settle says what)"},
     {"collect", started_collect, METH_NOARGS,
-     "collect() -> bool: whoever takes its DONE completes it (pop returns its seq)"},
+     "collect() -> None (finished already) or bool: whoever takes its DONE completes it (pop returns its seq)"},
+    {"_complete", started_complete, METH_O, "_complete(failed): finished other than by its own wait"},
     {nullptr, nullptr, 0, nullptr},
 };
 
 PyGetSetDef kStartedGetters[] = {
     {"seq", get_started_seq, nullptr, "its sequence number", nullptr},
+    {"kind", get_started_kind, nullptr, "its kind, as begin() was given it", nullptr},
+    {"dtype", get_started_dtype, nullptr, "its dtype, as begin() was given it", nullptr},
+    {"count", get_started_count, nullptr, "its SUBMIT's count", nullptr},
     {"slot", get_started_slot, nullptr, "its input slot (segment, offset, nbytes), or None", nullptr},
+    {"finished", get_started_finished, nullptr, "complete: its result in place, or failed", nullptr},
+    {"_client", get_started_ctx, nullptr, "the ctx its channel was bound with", nullptr},
+    {"_value", get_started_result, nullptr, "what its wait returns", nullptr},
     {nullptr, nullptr, nullptr, nullptr, nullptr},
 };
 
@@ -1367,7 +1533,7 @@ PyType_Slot kStartedSlots[] = {
     {Py_tp_clear, reinterpret_cast<void*>(started_clear)},
     {Py_tp_methods, kStartedMethods},
     {Py_tp_getset, kStartedGetters},
-    {Py_tp_doc, const_cast<char*>("A fast collective started asynchronously (WorkerChannel.begin).")},
+    {Py_tp_doc, const_cast<char*>("A fast collective started asynchronously (WorkerChannel.begin), and its handle.")},
     {0, nullptr},
 };
 
@@ -1375,7 +1541,8 @@ PyType_Spec kStartedSpec = {
     "smddp._engine.Started",
     sizeof(StartedObject),
     0,
-    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_DISALLOW_INSTANTIATION | Py_TPFLAGS_HAVE_GC,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_DISALLOW_INSTANTIATION |
+        Py_TPFLAGS_HAVE_GC,
     kStartedSlots,
 };
 
@@ -1413,26 +1580,85 @@ bool delivery_arg(PyObject* self, PyObject* dst, long long src_offset, long long
   return true;
 }
 
-// begin(arena, kind, src, rank, count, dtype, op, root, dst, src_offset, result_bytes, owner, batch_bytes,
-// timeout_s, spin_us) -> Started, or None (held: the caller goes the general way): a slot for `src`
-// (Sources; none when it is empty), ATTACHed if new, `src` copied in and the SUBMIT pushed under the
-// channel's next sequence number (WorkerChannel::start, asynchronous); its result goes to `dst`
-// (delivery_arg) once something waits for it or collects it. Nothing starts when the destination lies
-// outside the result (ProtocolError). TimeoutError when the ring stayed full, OSError when the arena
-// cannot grow.
-PyObject* channel_begin(PyObject* self, PyObject* args) {
-  PyObject *arena = nullptr, *src = nullptr, *dst = nullptr, *owner = nullptr;
-  long long kind = 0, rank = 0, count = 0, dtype = 0, op = 0, root = 0, src_offset = 0, result_bytes = 0, batch = 0;
+// bind(arena, rank, batch_bytes, timeout_s, spin_us, handle_type, ctx): what every begin() of this
+// worker shares, given once: its arena, its rank, the RELEASE batch, the job's timeout and spin, the
+// class of the records begin() makes (Started or a subclass) and the ctx each names as its client.
+PyObject* channel_bind(PyObject* self, PyObject* args) {
+  PyObject *arena = nullptr, *handle_type = nullptr, *ctx = nullptr;
+  long long rank = 0, batch = 0;
   double timeout = 0, spin_us = 0;
-  if (!PyArg_ParseTuple(args, "OLOLLLLLOLLOLdd", &arena, &kind, &src, &rank, &count, &dtype, &op, &root, &dst,
-                        &src_offset, &result_bytes, &owner, &batch, &timeout, &spin_us))
+  if (!PyArg_ParseTuple(args, "OLLddOO", &arena, &rank, &batch, &timeout, &spin_us, &handle_type, &ctx))
     return nullptr;
-  smddp::Header h;
-  if (!submit_fields(self, arena, kind, rank, count, dtype, op, root, &h)) return nullptr;
-  if (batch < 0 || !(timeout >= 0)) {
-    PyErr_SetString(PyExc_ValueError, "begin: batch_bytes and timeout_s are non-negative");
+  ModuleState* st = state(module_of(self));
+  if (!PyObject_TypeCheck(arena, reinterpret_cast<PyTypeObject*>(st->arena_type))) {
+    PyErr_SetString(PyExc_TypeError, "bind: expected an smddp._engine.Arena");
     return nullptr;
   }
+  if (!PyType_Check(handle_type) || !PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(handle_type),
+                                                      reinterpret_cast<PyTypeObject*>(st->started_type))) {
+    PyErr_SetString(PyExc_TypeError, "bind: handle_type is smddp._engine.Started or a subclass of it");
+    return nullptr;
+  }
+  if (rank < 0 || rank > static_cast<long long>(UINT32_MAX) || batch < 0 || !(timeout >= 0) || !(spin_us >= 0)) {
+    PyErr_SetString(PyExc_ValueError, "bind: rank, batch_bytes, timeout_s and spin_us are non-negative");
+    return nullptr;
+  }
+  PyObject* live = PyDict_New();
+  if (live == nullptr) return nullptr;
+  ChannelObject* obj = chan(self);
+  // (A second bind() replaces the first: records already made keep what they hold.)
+  PyObject* old[] = {obj->live, obj->arena, obj->handle_type, obj->ctx};
+  obj->live = live;
+  obj->arena = Py_NewRef(arena);
+  obj->handle_type = Py_NewRef(handle_type);
+  obj->ctx = Py_NewRef(ctx);
+  for (PyObject* o : old) Py_XDECREF(o);
+  obj->rank = static_cast<std::uint32_t>(rank);
+  obj->batch = static_cast<std::uint64_t>(batch);
+  obj->timeout_ns = static_cast<std::int64_t>(timeout * 1e9);
+  obj->spin_ns = static_cast<std::int64_t>(spin_us * 1e3);
+  Py_RETURN_NONE;
+}
+
+// live() -> [record]: what begin() made and nothing has finished yet.
+PyObject* channel_live(PyObject* self, PyObject*) {
+  PyObject* live = chan(self)->live;
+  return live == nullptr ? PyList_New(0) : PyDict_Values(live);
+}
+
+// An integer argument of begin() (IntEnums included).
+bool int_arg(PyObject* arg, long long* out) {
+  *out = PyLong_AsLongLong(arg);
+  return !(*out == -1 && PyErr_Occurred());
+}
+
+// begin(kind, src, count, dtype, op, root, dst, src_offset, result_bytes, owner, result, keepalive) ->
+// a record of bind()'s class, or None (held: the caller goes the general way): a slot of the bound
+// arena for `src` (Sources; none when it is empty), ATTACHed if new, `src` copied in and the SUBMIT
+// pushed under the channel's next sequence number (WorkerChannel::start, asynchronous); its result
+// goes to `dst` (delivery_arg) once something waits for it or collects it, and its wait returns
+// `result`. Nothing starts when the destination lies outside the result (ProtocolError).
+// TimeoutError when the ring stayed full, OSError when the arena cannot grow.
+PyObject* channel_begin(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 12) {
+    PyErr_SetString(PyExc_TypeError,
+                    "begin(kind, src, count, dtype, op, root, dst, src_offset, result_bytes, owner, result, keepalive)");
+    return nullptr;
+  }
+  ChannelObject* co = chan(self);
+  if (co->handle_type == nullptr) {
+    PyErr_SetString(PyExc_RuntimeError, "begin: the channel is not bound (bind)");
+    return nullptr;
+  }
+  long long kind = 0, count = 0, dtype = 0, op = 0, root = 0, src_offset = 0, result_bytes = 0;
+  if (!int_arg(args[0], &kind) || !int_arg(args[2], &count) || !int_arg(args[3], &dtype) || !int_arg(args[4], &op) ||
+      !int_arg(args[5], &root) || !int_arg(args[7], &src_offset) || !int_arg(args[8], &result_bytes))
+    return nullptr;
+  PyObject* src = args[1];
+  PyObject* dst = args[6];
+  PyObject* owner = args[9];
+  smddp::Header h;
+  if (!submit_fields(self, co->arena, kind, co->rank, count, dtype, op, root, &h)) return nullptr;
   smddp::Delivery out;
   PyObject* keep = nullptr;
   if (!delivery_arg(self, dst, src_offset, result_bytes, dtype, count, owner, &out, &keep)) return nullptr;
@@ -1441,38 +1667,43 @@ PyObject* channel_begin(PyObject* self, PyObject* args) {
     Py_DECREF(keep);
     return nullptr;
   }
-  auto* type = reinterpret_cast<PyTypeObject*>(state(module_of(self))->started_type);
+  auto* type = reinterpret_cast<PyTypeObject*>(co->handle_type);
   PyObject* started = alloc_instance(type);  // made first: once pushed, nothing may fail
   if (started == nullptr) {
     Py_DECREF(keep);
     return nullptr;
   }
+  PyObject* key = nullptr;
   StartedObject* obj = started_of(started);
-  obj->keep = keep;
-  obj->channel = nullptr;
-  obj->arena = nullptr;
-  obj->finished = false;
-  smddp::Arena& a = *reinterpret_cast<ArenaObject*>(arena)->arena;
+  obj->keep = keep;  // (the rest zeroed by the allocation: a failed start leaves nothing else)
+  smddp::Arena& a = *reinterpret_cast<ArenaObject*>(co->arena)->arena;
   smddp::Slot slot;
-  const std::int64_t timeout_ns = static_cast<std::int64_t>(timeout * 1e9);
-  const std::int64_t spin_ns = static_cast<std::int64_t>(spin_us * 1e3);
   smddp::FastEnd end;
   Py_BEGIN_ALLOW_THREADS
-  end = channel_of(self).start(a, sources.sources.data(), sources.sources.size(), &h, &slot, timeout_ns, spin_ns,
-                               true);
+  end = co->ch->start(a, sources.sources.data(), sources.sources.size(), &h, &slot, co->timeout_ns, co->spin_ns, true);
   Py_END_ALLOW_THREADS
   if (end != smddp::FastEnd::kDone) {
     Py_DECREF(started);
     return not_started(self, end);
   }
   obj->channel = Py_NewRef(self);
-  obj->arena = Py_NewRef(arena);
+  obj->arena = Py_NewRef(co->arena);
+  obj->ctx = Py_NewRef(co->ctx);
+  obj->result = Py_NewRef(args[10]);
+  obj->keepalive = Py_NewRef(args[11]);
+  obj->kind = Py_NewRef(args[0]);
+  obj->dtype = Py_NewRef(args[3]);
   obj->submit = h;
   obj->slot = slot;
   obj->out = out;
-  obj->batch = static_cast<std::uint64_t>(batch);
-  obj->timeout_ns = timeout_ns;
-  obj->spin_ns = spin_ns;
+  obj->batch = co->batch;
+  obj->timeout_ns = co->timeout_ns;
+  obj->spin_ns = co->spin_ns;
+  // In the live table until it finishes (shutdown waits for it). Should that fail (no memory), the
+  // collective still runs; only shutdown would not know it.
+  key = seq_key(obj);
+  if (key == nullptr || PyDict_SetItem(co->live, key, started) != 0) PyErr_Clear();
+  Py_XDECREF(key);
   return started;
 }
 
@@ -1652,10 +1883,13 @@ PyMethodDef kChannelMethods[] = {
     {"abort", channel_abort, METH_NOARGS, "abort(): pops return None from now on"},
     {"release", channel_release, METH_VARARGS,
      "release(rank, seq, nbytes, batch_bytes, timeout_s, spin_us): RELEASE a result slot (small ones held)"},
-    {"begin", channel_begin, METH_VARARGS,
-     "begin(arena, kind, src, rank, count, dtype, op, root, dst, src_offset, result_bytes, owner, batch_bytes, "
-     "timeout_s, spin_us) -> Started or None: an asynchronous fast collective's slot, copy-in and SUBMIT under the "
-     "next seq (None: go the general way)"},
+    {"bind", channel_bind, METH_VARARGS,
+     "bind(arena, rank, batch_bytes, timeout_s, spin_us, handle_type, ctx): what every begin() shares"},
+    {"begin", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(channel_begin)), METH_FASTCALL,
+     "begin(kind, src, count, dtype, op, root, dst, src_offset, result_bytes, owner, result, keepalive) -> a record "
+     "of bind()'s class, or None: an asynchronous fast collective's slot, copy-in and SUBMIT under the next seq "
+     "(None: go the general way)"},
+    {"live", channel_live, METH_NOARGS, "live() -> [record]: begun and not finished"},
     {"run", channel_run, METH_VARARGS,
      "run(arena, kind, buf, rank, count, dtype, op, root, batch_bytes, timeout_s, spin_us) -> True, None or (seq, "
      "segment, offset, nbytes): a blocking fast collective whole, its result in place (None: go the general way; a "
@@ -1685,6 +1919,8 @@ PyGetSetDef kChannelGetters[] = {
 PyType_Slot kChannelSlots[] = {
     {Py_tp_new, reinterpret_cast<void*>(channel_new)},
     {Py_tp_dealloc, reinterpret_cast<void*>(channel_dealloc)},
+    {Py_tp_traverse, reinterpret_cast<void*>(channel_traverse)},
+    {Py_tp_clear, reinterpret_cast<void*>(channel_clear)},
     {Py_tp_methods, kChannelMethods},
     {Py_tp_getset, kChannelGetters},
     {Py_tp_doc, const_cast<char*>("A worker's rings to its daemon (smddp/engine/local_plane.h).")},
@@ -1695,7 +1931,7 @@ PyType_Spec kChannelSpec = {
     "smddp._engine.WorkerChannel",
     sizeof(ChannelObject),
     0,
-    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_HAVE_GC,
     kChannelSlots,
 };
 

@@ -1050,9 +1050,7 @@ class ProcessGroupSmddp(dist.ProcessGroup):
         took: started by the engine from the tensor's address (collectives.allreduce_async_at), its
         Work a host Work like any other, completed where it is consumed. None, with nothing done,
         where the client sends it the general way."""
-        h = allreduce_async_at(
-            c, t.data_ptr(), wire, n, _op(opts, "all_reduce"), lambda: _HOST.buf(t), t, tensors
-        )
+        h = allreduce_async_at(c, t.data_ptr(), wire, n, _op(opts, "all_reduce"), t, tensors)
         if h is None:
             return None
         work = SmddpWork("all_reduce", tensors, self._timeout_of(opts))

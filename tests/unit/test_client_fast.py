@@ -17,7 +17,7 @@ import pytest
 
 from smddp.client import collectives
 from smddp.client.collectives import allreduce_async
-from smddp.client.session import NO_DATA, Client, Delivery, EngineHandle
+from smddp.client.session import NO_DATA, Client, EngineHandle
 from smddp.errors import CollectiveError, CollectiveTimeoutError, ProtocolError, SmddpError
 from smddp.proto.dtypes import DType, Kind, ReduceOp
 from smddp.proto.frames import Header, MsgType
@@ -298,7 +298,7 @@ def test_a_parked_async_done_goes_to_a_callback_added_later(pair):
     daemon.done(s2, 6.0)
     call.join()
     # (Looked at without done(): a poll collects it, as the callback below does.)
-    assert not h._event.is_set() and np.array_equal(parked, np.zeros(128, np.float32))
+    assert not h.finished and np.array_equal(parked, np.zeros(128, np.float32))
     python = general_way(client)
     seen = threading.Event()
     h.add_done_callback(lambda _h: seen.set())
@@ -394,7 +394,7 @@ def test_every_host_collective_is_the_engines_and_its_wait_completes_it_there(pa
     want_kind = want_kind or (Kind.BROADCAST if kind == "broadcast" else Kind.BARRIER)
     assert (s.seq, s.kind, s.count) == (1, want_kind, 0 if kind == "barrier" else 64)
     assert (s.shard == 2**32 - 1) == (kind == "barrier"), "data where none goes, or none where it does"
-    assert client._handles == {1: h}
+    assert client._handles == {} and client._channel.live() == [h]  # on the channel's table only
     waited = Call(lambda: h.wait(timeout=5))
     time.sleep(0.05)  # the waiter is in the engine's finish when the DONE comes
     daemon.done(s, 9.0)
@@ -420,8 +420,10 @@ def test_a_broadcast_to_another_rank_sends_nothing_and_takes_the_result(pair):
         32,
         None,
         0,
-        Delivery(buf, 0, buf.nbytes),
-        lambda _r: buf,
+        buf,
+        0,
+        buf.nbytes,
+        None,
         buf,
         None,
     )
@@ -456,9 +458,8 @@ def test_a_delivery_outside_its_result_is_refused_before_anything_is_started(pai
     dst = np.zeros(8, np.uint8)
     with pytest.raises(ProtocolError, match="outside its result"):
         client._channel.begin(
-            client._arena.native, Kind.ALLREDUCE, np.ones(8, np.uint8), 0, 8, DType.UINT8, ReduceOp.SUM, 0,
-            dst, 4, 8, None, 0, 1.0, 0.0,
-        )  # fmt: skip
+            Kind.ALLREDUCE, np.ones(8, np.uint8), 8, DType.UINT8, ReduceOp.SUM, 0, dst, 4, 8, None, dst, None
+        )
     assert np.array_equal(dst, np.zeros(8, np.uint8))
     assert client._arena.in_use == 0 and not daemon.pending()
 
@@ -491,8 +492,8 @@ def test_sources_that_are_not_the_submits_count_are_refused(pair):
     client, daemon = pair
     with pytest.raises(ProtocolError, match=r"data \(8 bytes\) is not its count of its dtype"):
         client._channel.begin(
-            client._arena.native, Kind.ALLREDUCE, (np.zeros(2, np.float32),), 0, 4, DType.FLOAT32,
-            ReduceOp.SUM, 0, np.zeros(4, np.float32), 0, 16, None, 0, 1.0, 0.0,
+            Kind.ALLREDUCE, (np.zeros(2, np.float32),), 4, DType.FLOAT32, ReduceOp.SUM, 0,
+            np.zeros(4, np.float32), 0, 16, None, None, None,
         )  # fmt: skip
     assert client._arena.in_use == 0
     # The next collective is #1: none was used up.
@@ -562,16 +563,11 @@ class Owner:
         self.buf = np.zeros(n, np.float32)
 
 
-def at(client: Client, owner: Owner, views: list[np.ndarray]) -> EngineHandle:
-    """allreduce_async_at of `owner`'s memory by its address; `views` records every view made of it."""
-
-    def view() -> np.ndarray:
-        views.append(owner.buf)
-        return owner.buf
-
+def at(client: Client, owner: Owner) -> EngineHandle:
+    """allreduce_async_at of `owner`'s memory by its address (no numpy view of it is made)."""
     buf = owner.buf
     h = collectives.allreduce_async_at(
-        client, buf.ctypes.data, DType.FLOAT32, buf.size, ReduceOp.SUM, view, owner, "the result"
+        client, buf.ctypes.data, DType.FLOAT32, buf.size, ReduceOp.SUM, owner, "the result"
     )
     assert isinstance(h, EngineHandle)
     return h
@@ -581,15 +577,15 @@ def test_an_async_all_reduce_of_an_address_is_waited_for_in_the_engine_with_no_v
     """allreduce_async_at (the torch backend's dist.all_reduce(t, async_op=True) of one CPU tensor):
     the same SUBMIT as a buffer's, the result copied to the address by the engine, no view made."""
     client, daemon = pair
-    owner, views = Owner(512), []
-    h = at(client, owner, views)
+    owner = Owner(512)
+    h = at(client, owner)
     s = until_submits(daemon, 1)[-1]
     assert (s.kind, s.dtype, s.count, s.op) == (Kind.ALLREDUCE, DType.FLOAT32, 512, ReduceOp.SUM)
     waited = Call(lambda: h.wait(timeout=5))
     time.sleep(0.05)
     daemon.done(s, 3.0)
     assert waited.join() == "the result"
-    assert np.array_equal(owner.buf, np.full(512, 3.0, np.float32)) and views == []
+    assert np.array_equal(owner.buf, np.full(512, 3.0, np.float32))
     assert client._handles == {} and client._arena.in_use == 0
 
 
@@ -598,8 +594,8 @@ def test_an_async_all_reduce_of_an_address_nobody_waits_for_is_completed_by_the_
     the channel keeps the address's owner alive until then, whatever the caller drops."""
     client, daemon = pair
     python = general_way(client)
-    owner, views = Owner(256), []
-    h = at(client, owner, views)
+    owner = Owner(256)
+    h = at(client, owner)
     seen = threading.Event()
     before = sys.getrefcount(owner)
     h.add_done_callback(lambda _h: seen.set())
@@ -608,21 +604,9 @@ def test_an_async_all_reduce_of_an_address_nobody_waits_for_is_completed_by_the_
     del owner
     daemon.done(until_submits(daemon, 1)[-1], 5.0)
     assert seen.wait(5), "the callback of an unwaited engine collective never ran"
-    assert np.array_equal(buf, np.full(256, 5.0, np.float32)) and views == []
+    assert np.array_equal(buf, np.full(256, 5.0, np.float32))
     assert python == [], "the DONE was completed in Python, not by the engine"
     assert client._handles == {} and client._arena.in_use == 0
-
-
-def test_an_address_whose_done_goes_the_general_way_lands_through_its_view(pair):
-    """Should its DONE reach Python (a Delivery the engine did not take), the result lands through the
-    view the caller gave, not the bare address."""
-    client, daemon = pair
-    owner, views = Owner(16), []
-    h = at(client, owner, views)
-    assert h._deliver(np.full(16, 7.0, np.float32)) == "the result"
-    assert views == [owner.buf] and np.array_equal(owner.buf, np.full(16, 7.0, np.float32))
-    daemon.done(until_submits(daemon, 1)[-1], 2.0)
-    assert h.wait(timeout=5) == "the result"
 
 
 def test_an_address_destination_is_refused_without_its_owner(pair):
@@ -637,9 +621,8 @@ def test_an_address_destination_is_refused_without_its_owner(pair):
     ):
         with pytest.raises(ValueError, match=why):
             client._channel.begin(
-                client._arena.native, int(Kind.ALLREDUCE), NO_DATA, 0, count, int(DType.FLOAT32), 0, 0, addr, 0,
-                32, owner, 0, 1.0, 0.0,
-            )  # fmt: skip
+                int(Kind.ALLREDUCE), NO_DATA, count, int(DType.FLOAT32), 0, 0, addr, 0, 32, owner, None, None
+            )
     assert client._arena.in_use == 0 and not daemon.pending()
 
 
@@ -653,7 +636,8 @@ def test_a_fast_call_behind_a_reserved_general_submit_goes_the_general_way(pair)
     buf = np.ones(4, np.float32)
     assert client._channel.reserve() == 1
     args = (Kind.ALLREDUCE, buf, 0, 4, DType.FLOAT32, ReduceOp.SUM, 0)
-    assert client._channel.begin(arena, *args, buf, 0, buf.nbytes, None, 0, 1.0, 0.0) is None
+    begin = (Kind.ALLREDUCE, buf, 4, DType.FLOAT32, ReduceOp.SUM, 0, buf, 0, buf.nbytes, None, buf, None)
+    assert client._channel.begin(*begin) is None
     assert client._channel.run(arena, *args, 0, 1.0, 0.0) is None
     assert client.allreduce_now(buf, DType.FLOAT32, 4, ReduceOp.SUM, 1.0) is False
     assert client._arena.in_use == 0 and not daemon.pending(), "a held fast call took a slot or pushed"
@@ -676,7 +660,8 @@ def test_no_fast_call_starts_once_starts_are_closed(pair):
     client._channel.close_starts()
     buf = np.ones(4, np.float32)
     args = (Kind.ALLREDUCE, buf, 0, 4, DType.FLOAT32, ReduceOp.SUM, 0)
-    assert client._channel.begin(client._arena.native, *args, buf, 0, buf.nbytes, None, 0, 1.0, 0.0) is None
+    begin = (Kind.ALLREDUCE, buf, 4, DType.FLOAT32, ReduceOp.SUM, 0, buf, 0, buf.nbytes, None, buf, None)
+    assert client._channel.begin(*begin) is None
     assert client._channel.run(client._arena.native, *args, 0, 1.0, 0.0) is None
     assert client._arena.in_use == 0 and not daemon.pending()
 
@@ -700,8 +685,8 @@ def test_an_asynchronous_collectives_record_in_a_cycle_is_collected(pair):
     owner; once done, a cycle through it (the owner holding the handle) is the garbage collector's
     to break: nothing leaks."""
     client, daemon = pair
-    owner, views = Owner(64), []
-    h = at(client, owner, views)
+    owner = Owner(64)
+    h = at(client, owner)
     daemon.done(until_submits(daemon, 1)[-1], 2.0)
     assert h.wait(timeout=5) == "the result"
     owner.handle = h  # type: ignore[attr-defined]  # owner -> handle -> its record -> owner
@@ -709,3 +694,101 @@ def test_an_asynchronous_collectives_record_in_a_cycle_is_collected(pair):
     del owner, h
     gc.collect()
     assert gone() is None, "a finished collective's record kept its destination's owner alive"
+
+
+def test_an_async_wait_that_gets_its_result_runs_no_python(pair, monkeypatch):
+    """The handle is the engine's record (EngineHandle subclasses _engine.Started): a wait that
+    completes it returns its result from the engine, without the handle's Python (_settle, which only
+    what does not end in the result reaches), and leaves it on no table."""
+    client, daemon = pair
+    settled: list[Any] = []
+    settle = EngineHandle._settle
+
+    def spy(self: EngineHandle, end: Any, t: float, stream: Any) -> Any:
+        settled.append(end)
+        return settle(self, end, t, stream)
+
+    monkeypatch.setattr(EngineHandle, "_settle", spy)
+    buf = np.zeros(64, np.float32)
+    h = allreduce_async(client, buf)
+    assert client._channel.live() == [h] and not h.finished
+    daemon.done(until_submits(daemon, 1)[-1], 2.0)
+    assert h.wait(5.0) is buf and np.array_equal(buf, np.full(64, 2.0, np.float32))
+    assert h.finished and h.done() and h.wait(0.0) is buf
+    assert settled == [], "a wait that got its result went through Python"
+    assert client._channel.live() == [] and client._handles == {} and client._arena.in_use == 0
+    # Not in time: the handle's Python says so, and the collective stays in flight for a later wait.
+    h2 = allreduce_async(client, buf)
+    with pytest.raises(
+        CollectiveTimeoutError, match=r"collective #2 \(allreduce, float32, count=64\).*still in flight"
+    ):
+        h2.wait(timeout=0.05)
+    assert settled == [False] and not h2.finished and client._channel.live() == [h2]
+    daemon.done(until_submits(daemon, 1)[-1], 3.0)
+    assert h2.wait(timeout=5) is buf and np.array_equal(buf, np.full(64, 3.0, np.float32))
+
+
+def test_the_jobs_failure_ends_an_unwaited_async_collectives_wait_at_once(pair):
+    """An asynchronous collective nobody waited for or collected is on no table of the client's:
+    the failure reaches it through the channel's abort. done() says True and wait() raises the
+    failure at once, not after its timeout."""
+    client, daemon = pair
+    buf = np.zeros(16, np.float32)
+    h = allreduce_async(client, buf)
+    until_submits(daemon, 1)
+    client._fail(CollectiveError("rank 1 failed the job"))
+    assert h.done()
+    t0 = time.monotonic()
+    with pytest.raises(CollectiveError, match="rank 1 failed the job"):
+        h.wait(timeout=30)
+    assert time.monotonic() - t0 < 2.0, "the failure did not end the wait"
+    # A callback added now runs at once, and sees the failure.
+    errors: list[BaseException] = []
+
+    def cb(handle: Any) -> None:
+        try:
+            handle.wait(0)
+        except SmddpError as e:
+            errors.append(e)
+
+    h.add_done_callback(cb)
+    assert len(errors) == 1 and "rank 1 failed the job" in str(errors[0])
+
+
+def test_shutdown_waits_for_an_async_collective_nobody_waited_for(pair):
+    """Shutdown finds the engine's unwaited collectives on the channel's live table: one whose DONE
+    comes is completed (its result in place), one whose DONE never comes is named unfinished."""
+    client, daemon = pair
+    buf = np.zeros(32, np.float32)
+    allreduce_async(client, buf)  # (the handle dropped at once)
+    s = until_submits(daemon, 1)[-1]
+    daemon.done(s, 4.0)
+    assert len(client._channel.live()) == 1
+    allreduce_async(client, np.zeros(8, np.float32))
+    until_submits(daemon, 1)
+    with pytest.raises(CollectiveTimeoutError, match=r"collectives \[2\] unfinished"):
+        client.shutdown(timeout=0.5)
+    assert np.array_equal(buf, np.full(32, 4.0, np.float32)), "shutdown did not complete the first"
+
+
+def test_two_waiters_and_a_callback_of_one_async_collective_all_see_it_complete(pair):
+    """Two threads wait for one collective while a third adds a callback (collecting it): whichever
+    completes it, both waits return its result and the callback runs exactly once."""
+    client, daemon = pair
+    for i in range(20):
+        buf = np.zeros(16, np.float32)
+        h = allreduce_async(client, buf)
+        s = until_submits(daemon, 1)[-1]
+        w1, w2 = Call(lambda h=h: h.wait(5.0)), Call(lambda h=h: h.wait(5.0))
+        ran: list[int] = []
+        adder = Call(lambda h=h, ran=ran: h.add_done_callback(lambda _h: ran.append(1)))
+        if i % 2:
+            time.sleep(0.01)  # (half the rounds: the waiters are asleep in the engine when the DONE comes)
+        daemon.done(s, float(i))
+        assert w1.join() is buf and w2.join() is buf and adder.join() is None
+        deadline = time.monotonic() + 5
+        while not ran and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert ran == [1], f"round {i}: the callback ran {len(ran)} times"
+        assert np.array_equal(buf, np.full(16, float(i), np.float32))
+    assert client._handles == {} and client._channel.live() == [] and client._arena.in_use == 0

@@ -23,11 +23,14 @@ def _stub(path: Path) -> dict[str, set[str] | None]:
     out: dict[str, set[str] | None] = {}
     for node in ast.parse(path.read_text()).body:
         if isinstance(node, ast.ClassDef):
-            members = {
-                n.name
+            # Public members, as _public lists them: methods and properties, and attributes declared
+            # as such (a class other Python classes subclass declares what they share that way).
+            names = {n.name for n in node.body if isinstance(n, ast.FunctionDef)} | {
+                n.target.id
                 for n in node.body
-                if isinstance(n, ast.FunctionDef) and not (n.name.startswith("__") and n.name.endswith("__"))
+                if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
             }
+            members = {n for n in names if not n.startswith("_")}
             out[node.name] = members
         elif isinstance(node, ast.FunctionDef):
             out[node.name] = None
