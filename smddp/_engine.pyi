@@ -203,19 +203,7 @@ class WorkerChannel:
         """A record of bind()'s handle_type (a Started), or None: go the general way."""
     def live(self) -> list[Any]: ...
     def run(
-        self,
-        arena: Arena,
-        kind: int,
-        buf: Any,
-        rank: int,
-        count: int,
-        dtype: int,
-        op: int,
-        root: int,
-        batch_bytes: int,
-        timeout_s: float,
-        spin_us: float,
-        /,
+        self, kind: int, buf: Any, count: int, dtype: int, op: int, timeout_s: float | None, /
     ) -> Literal[True] | tuple[int, int, int, int] | None: ...
     def reserve(self) -> int: ...
     def close_starts(self) -> None: ...

@@ -799,20 +799,19 @@ class Client:
     ) -> bool:
         if self.config.timeline_dir:
             return False
-        self._check_open()
-        t = self.config.timeout_s if timeout is None else timeout
+        if self._closed or self._failure is not None:
+            self._check_open()
         try:
-            # Slot, copy-in, SUBMIT under the channel's next seq, DONE, copy-out, RELEASE: one call.
-            ran = self._channel.run(
-                self._arena.native, kind, buf, self.rank, count, dtype, op or 0, 0, RELEASE_BATCH_BYTES, t,
-                RING_SPIN_US,
-            )  # fmt: skip
+            # Slot, copy-in, SUBMIT under the channel's next seq, DONE, copy-out, RELEASE: one call
+            # (the arena, rank, RELEASE batch, spin and the job's timeout as bind() gave them).
+            ran = self._channel.run(kind, buf, count, dtype, op or 0, timeout)
         except (TimeoutError, ProtocolError) as e:
             raise self._engine_failed(e) from None
         if ran is True:
             return True
         if ran is None:
             return False  # held behind the general way's SUBMITs (or shutting down): the general way
+        t = self.config.timeout_s if timeout is None else timeout
         seq, segment, offset, nbytes = ran
         raise self._parked(
             seq, Slot(segment, offset, nbytes) if nbytes else None, buf, dtype, count, t, kind, view

@@ -1707,42 +1707,51 @@ PyObject* channel_begin(PyObject* self, PyObject* const* args, Py_ssize_t nargs)
   return started;
 }
 
-// run(arena, kind, buf, rank, count, dtype, op, root, batch_bytes, timeout_s, spin_us) -> True once the
-// collective is complete and its result back in `buf` (in place: an all-reduce; a barrier's is empty),
-// its slot freed and its RELEASE held; None, with nothing done, where it goes the general way (held);
-// (seq, segment, offset, nbytes) when it did not complete in time (parked: adopt(seq)). start() and finish()
-// on one thread, the GIL released once.
-PyObject* channel_run(PyObject* self, PyObject* args) {
-  PyObject *arena = nullptr, *buf = nullptr;
-  long long kind = 0, rank = 0, count = 0, dtype = 0, op = 0, root = 0, batch = 0;
-  double timeout = 0, spin_us = 0;
-  if (!PyArg_ParseTuple(args, "OLOLLLLLLdd", &arena, &kind, &buf, &rank, &count, &dtype, &op, &root, &batch,
-                        &timeout, &spin_us))
-    return nullptr;
-  smddp::Header h;
-  if (!submit_fields(self, arena, kind, rank, count, dtype, op, root, &h)) return nullptr;
-  if (batch < 0) {
-    PyErr_SetString(PyExc_ValueError, "run: batch_bytes is non-negative");
+// run(kind, buf, count, dtype, op, timeout_s) -> True once the collective is complete and its result
+// back in `buf` (in place: an all-reduce; a barrier's is empty), its slot (from the bound arena) freed
+// and its RELEASE held; None, with nothing done, where it goes the general way (held); (seq, segment,
+// offset, nbytes) when it did not complete in time (parked: adopt(seq)). start() and finish() on one
+// thread, the GIL released once. timeout_s None: the job's (bind()); the rest as bind() gave it.
+PyObject* channel_run(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 6) {
+    PyErr_SetString(PyExc_TypeError, "run(kind, buf, count, dtype, op, timeout_s)");
     return nullptr;
   }
+  ChannelObject* co = chan(self);
+  if (co->arena == nullptr) {
+    PyErr_SetString(PyExc_RuntimeError, "run: the channel is not bound (bind)");
+    return nullptr;
+  }
+  long long kind = 0, count = 0, dtype = 0, op = 0;
+  if (!int_arg(args[0], &kind) || !int_arg(args[2], &count) || !int_arg(args[3], &dtype) || !int_arg(args[4], &op))
+    return nullptr;
+  std::int64_t timeout_ns = co->timeout_ns;
+  if (args[5] != Py_None) {
+    const double t = PyFloat_AsDouble(args[5]);
+    if (t == -1.0 && PyErr_Occurred()) return nullptr;
+    timeout_ns = !(t > 0) ? 0 : t >= 1e9 ? static_cast<std::int64_t>(1e18) : static_cast<std::int64_t>(t * 1e9);
+  }
+  smddp::Header h;
+  if (!submit_fields(self, co->arena, kind, co->rank, count, dtype, op, 0, &h)) return nullptr;
+  PyObject* buf = args[1];
   Sources sources;
   if (PyTuple_Check(buf)) {
     PyErr_SetString(PyExc_TypeError, "run: one buffer, its result in place");
     return nullptr;
   }
   if (!sources.take(buf, dtype, count, true)) return nullptr;
-  smddp::Arena& a = *reinterpret_cast<ArenaObject*>(arena)->arena;
+  smddp::Arena& a = *reinterpret_cast<ArenaObject*>(co->arena)->arena;
   const smddp::Source& in = sources.sources.front();
   const smddp::Delivery out{const_cast<std::uint8_t*>(in.data), in.nbytes, 0, in.nbytes};
-  const std::int64_t timeout_ns = static_cast<std::int64_t>(timeout * 1e9);
-  const std::int64_t spin_ns = static_cast<std::int64_t>(spin_us * 1e3);
-  smddp::WorkerChannel& ch = channel_of(self);
+  const std::int64_t spin_ns = co->spin_ns;
+  const std::uint64_t batch = co->batch;
+  smddp::WorkerChannel& ch = *co->ch;
   smddp::Slot slot;
   smddp::FastEnd end;
   Py_BEGIN_ALLOW_THREADS
   end = ch.start(a, &in, 1, &h, &slot, timeout_ns, spin_ns);
   if (end == smddp::FastEnd::kDone)
-    end = ch.finish(a, slot, h, out, static_cast<std::uint64_t>(batch), timeout_ns, spin_ns);
+    end = ch.finish(a, slot, h, out, batch, timeout_ns, spin_ns);
   else
     h.seq = 0;  // not started
   Py_END_ALLOW_THREADS
@@ -1890,10 +1899,9 @@ PyMethodDef kChannelMethods[] = {
      "of bind()'s class, or None: an asynchronous fast collective's slot, copy-in and SUBMIT under the next seq "
      "(None: go the general way)"},
     {"live", channel_live, METH_NOARGS, "live() -> [record]: begun and not finished"},
-    {"run", channel_run, METH_VARARGS,
-     "run(arena, kind, buf, rank, count, dtype, op, root, batch_bytes, timeout_s, spin_us) -> True, None or (seq, "
-     "segment, offset, nbytes): a blocking fast collective whole, its result in place (None: go the general way; a "
-     "tuple: not in time, parked)"},
+    {"run", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(channel_run)), METH_FASTCALL,
+     "run(kind, buf, count, dtype, op, timeout_s) -> True, None or (seq, segment, offset, nbytes): a blocking fast "
+     "collective whole, its result in place (None: go the general way; a tuple: not in time, parked)"},
     {"reserve", channel_reserve, METH_NOARGS, "reserve() -> the general way's next seq"},
     {"close_starts", channel_close_starts, METH_NOARGS, "close_starts(): no fast collective starts from now on"},
     {"blocking", channel_blocking, METH_NOARGS, "blocking() -> [seq]: blocking fast collectives not finished"},

@@ -632,13 +632,11 @@ def test_a_fast_call_behind_a_reserved_general_submit_goes_the_general_way(pair)
     takes no slot and no number, and the call goes the general way, behind it. Once it is on the
     ring, the fast path takes the next number."""
     client, daemon = pair
-    arena = client._arena.native
     buf = np.ones(4, np.float32)
     assert client._channel.reserve() == 1
-    args = (Kind.ALLREDUCE, buf, 0, 4, DType.FLOAT32, ReduceOp.SUM, 0)
     begin = (Kind.ALLREDUCE, buf, 4, DType.FLOAT32, ReduceOp.SUM, 0, buf, 0, buf.nbytes, None, buf, None)
     assert client._channel.begin(*begin) is None
-    assert client._channel.run(arena, *args, 0, 1.0, 0.0) is None
+    assert client._channel.run(Kind.ALLREDUCE, buf, 4, DType.FLOAT32, ReduceOp.SUM, 1.0) is None
     assert client.allreduce_now(buf, DType.FLOAT32, 4, ReduceOp.SUM, 1.0) is False
     assert client._arena.in_use == 0 and not daemon.pending(), "a held fast call took a slot or pushed"
     barrier = Submit(
@@ -659,10 +657,9 @@ def test_no_fast_call_starts_once_starts_are_closed(pair):
     client, daemon = pair
     client._channel.close_starts()
     buf = np.ones(4, np.float32)
-    args = (Kind.ALLREDUCE, buf, 0, 4, DType.FLOAT32, ReduceOp.SUM, 0)
     begin = (Kind.ALLREDUCE, buf, 4, DType.FLOAT32, ReduceOp.SUM, 0, buf, 0, buf.nbytes, None, buf, None)
     assert client._channel.begin(*begin) is None
-    assert client._channel.run(client._arena.native, *args, 0, 1.0, 0.0) is None
+    assert client._channel.run(Kind.ALLREDUCE, buf, 4, DType.FLOAT32, ReduceOp.SUM, 1.0) is None
     assert client._arena.in_use == 0 and not daemon.pending()
 
 
