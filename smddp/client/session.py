@@ -857,7 +857,9 @@ class Client:
             )  # fmt: skip
         except (TimeoutError, ProtocolError) as e:
             raise self._engine_failed(e) from None
-        # (Should the job fail from here on, the channel's abort ends its wait, which raises the failure.)
+        failed = self._failure
+        if failed is not None and handle is not None:
+            handle._finish(error=failed)  # the failure came as it started: _fail may not have seen it
         return handle
 
     def _engine_failed(self, e: TimeoutError | ProtocolError) -> SmddpError:
@@ -1308,6 +1310,8 @@ class Client:
             self._deferred_cv.notify_all()
         self._channel.abort()
         for h in handles:
+            h._finish(error=self._failure)
+        for h in self._channel.live():  # the engine's asynchronous ones nobody collected
             h._finish(error=self._failure)
         status = getattr(err, "exit_status", None)
         if first and status is not None and self._wrapper is not None:

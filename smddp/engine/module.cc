@@ -1702,7 +1702,7 @@ PyObject* channel_begin(PyObject* self, PyObject* const* args, Py_ssize_t nargs)
   // In the live table until it finishes (shutdown waits for it). Should that fail (no memory), the
   // collective still runs; only shutdown would not know it.
   key = seq_key(obj);
-  if (key == nullptr || PyDict_SetItem(co->live, key, started) != 0) PyErr_Clear();
+  if (key == nullptr || co->live == nullptr || PyDict_SetItem(co->live, key, started) != 0) PyErr_Clear();
   Py_XDECREF(key);
   return started;
 }

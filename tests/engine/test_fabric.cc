@@ -108,6 +108,55 @@ void test_frames_arrive_whole_in_order(bool tcp) {
   check(b.sink.downs.empty(), "no link went down at b");
 }
 
+// Frames written raw: more small ones in one write than a progress turn's share (then nothing more
+// until they have all come, so the reader must not leave any of them behind), then the rest, with a
+// 100 KiB payload; and the same stream again in odd-sized pieces (headers and payloads split
+// anywhere). Every frame arrives whole and in order either way.
+void test_a_stream_of_frames_however_it_is_cut(bool tcp) {
+  std::vector<std::vector<std::uint8_t>> bufs;
+  std::vector<std::uint8_t> stream;
+  for (std::uint64_t s = 0; s < 400; s++) {
+    const std::uint64_t len = s == 399 ? (100 << 10) : s < 300 ? 0 : (s * 2654435761u) % 5000;
+    bufs.emplace_back(len);
+    for (std::uint64_t i = 0; i < len; i++) bufs[s][i] = pattern(s, i);
+    std::uint8_t h[smddp::kHeaderSize];
+    data_header(s, len, h);
+    stream.insert(stream.end(), h, h + smddp::kHeaderSize);
+    stream.insert(stream.end(), bufs[s].begin(), bufs[s].end());
+  }
+  for (int cut = 0; cut < 2; cut++) {
+    Engine b(0);
+    int fds[2];
+    pair_of(fds, tcp);
+    check(b.fabric->add_peer(1, fds[1]).empty(), "add_peer");
+    std::size_t at = 0;
+    if (cut == 0) {
+      // 200 empty frames in one write, and then nothing until they have all come.
+      const std::size_t first = 200 * smddp::kHeaderSize;
+      check(write(fds[0], stream.data(), first) == static_cast<ssize_t>(first), "write 200 frames");
+      check(b.sink.wait([&] { return b.sink.frames.size() == 200; }, 10), "200 frames of one write arrived");
+      at = first;
+    }
+    std::thread writer([&] {
+      for (std::size_t piece = 1; at < stream.size(); piece = piece % 9973 + 37) {
+        const std::size_t n = cut == 0 ? stream.size() - at : std::min(piece, stream.size() - at);
+        const ssize_t put = write(fds[0], stream.data() + at, n);
+        if (put <= 0) break;
+        at += static_cast<std::size_t>(put);
+      }
+    });
+    writer.join();
+    check(b.sink.wait([&] { return b.sink.frames.size() == bufs.size(); }, 10),
+          cut == 0 ? "every frame of one write arrived" : "every frame of a stream cut anywhere arrived");
+    check_arrived(b.sink, bufs);
+    {
+      std::lock_guard<std::mutex> lock(b.sink.mu);
+      check(b.sink.downs.empty(), "no link went down");
+    }
+    close(fds[0]);
+  }
+}
+
 void test_garbage_and_hangups() {
   {  // bytes that are not a header
     Engine b(0);
@@ -181,6 +230,8 @@ int main() {
   test_name = "test_fabric";
   test_frames_arrive_whole_in_order(false);
   test_frames_arrive_whole_in_order(true);
+  test_a_stream_of_frames_however_it_is_cut(false);
+  test_a_stream_of_frames_however_it_is_cut(true);
   test_garbage_and_hangups();
   test_silence();
   std::printf("test_fabric: %s\n", failures ? "FAILED" : "every check held");

@@ -734,7 +734,7 @@ def test_the_jobs_failure_ends_an_unwaited_async_collectives_wait_at_once(pair):
     h = allreduce_async(client, buf)
     until_submits(daemon, 1)
     client._fail(CollectiveError("rank 1 failed the job"))
-    assert h.done()
+    assert h.done() and h.finished and client._channel.live() == []  # (shutdown names nothing unfinished)
     t0 = time.monotonic()
     with pytest.raises(CollectiveError, match="rank 1 failed the job"):
         h.wait(timeout=30)
@@ -750,6 +750,7 @@ def test_the_jobs_failure_ends_an_unwaited_async_collectives_wait_at_once(pair):
 
     h.add_done_callback(cb)
     assert len(errors) == 1 and "rank 1 failed the job" in str(errors[0])
+    client.shutdown(timeout=1.0)  # a failed job's collectives are not "unfinished"
 
 
 def test_shutdown_waits_for_an_async_collective_nobody_waited_for(pair):
