@@ -623,6 +623,7 @@ class Client:
             except SmddpError:
                 pass
         self._channel.abort()
+        self._channel.unbind()  # (it held this client: no cycle is left for the garbage collector)
         self._conn.close()
         self._reader.join(timeout=5.0)
         self._done_thread.join(timeout=5.0)

@@ -1053,12 +1053,17 @@ int channel_traverse(PyObject* self, visitproc visit, void* arg) {
   return 0;
 }
 
-// Breaks cycles; the WorkerChannel itself goes only with the object (records still hold it).
-int channel_clear(PyObject* self) {
-  ChannelObject* obj = chan(self);
+// What bind() gave that leads back to the client (its ctx, the records of its live table) let go;
+// begin() then refuses until bound again.
+void let_go(ChannelObject* obj) {
   Py_CLEAR(obj->live);
   Py_CLEAR(obj->ctx);
   Py_CLEAR(obj->handle_type);
+}
+
+// Breaks cycles; the WorkerChannel itself goes only with the object (records still hold it).
+int channel_clear(PyObject* self) {
+  let_go(chan(self));
   return 0;
 }
 
@@ -1620,6 +1625,13 @@ PyObject* channel_bind(PyObject* self, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+// unbind(): what bind() gave, and the live table, let go (shutdown, once it has waited): the channel
+// holds its client through them, and the client holds the channel.
+PyObject* channel_unbind(PyObject* self, PyObject*) {
+  let_go(chan(self));
+  Py_RETURN_NONE;
+}
+
 // live() -> [record]: what begin() made and nothing has finished yet.
 PyObject* channel_live(PyObject* self, PyObject*) {
   PyObject* live = chan(self)->live;
@@ -1899,6 +1911,7 @@ PyMethodDef kChannelMethods[] = {
      "of bind()'s class, or None: an asynchronous fast collective's slot, copy-in and SUBMIT under the next seq "
      "(None: go the general way)"},
     {"live", channel_live, METH_NOARGS, "live() -> [record]: begun and not finished"},
+    {"unbind", channel_unbind, METH_NOARGS, "unbind(): let go of what bind() gave, and the live table"},
     {"run", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(channel_run)), METH_FASTCALL,
      "run(kind, buf, count, dtype, op, timeout_s) -> True, None or (seq, segment, offset, nbytes): a blocking fast "
      "collective whole, its result in place (None: go the general way; a tuple: not in time, parked)"},

@@ -790,3 +790,33 @@ def test_two_waiters_and_a_callback_of_one_async_collective_all_see_it_complete(
         assert ran == [1], f"round {i}: the callback ran {len(ran)} times"
         assert np.array_equal(buf, np.full(16, float(i), np.float32))
     assert client._handles == {} and client._channel.live() == [] and client._arena.in_use == 0
+
+
+def test_a_client_shut_down_is_freed_without_the_garbage_collector():
+    """The channel holds its client (what bind() gave, and the records of its live table) while the
+    client holds the channel; shutdown lets go of that, so a client that is done with is freed at once
+    with its segments and sockets, not whenever the garbage collector next runs (an fd count taken in
+    between would see them go)."""
+    client, theirs = lonely_client()
+    daemon = ScriptedDaemon(theirs)
+    buf = np.zeros(16, np.float32)
+    waited = allreduce_async(client, buf)
+    daemon.done(until_submits(daemon, 1)[-1], 1.0)
+    waited.wait(5.0)
+    collected = allreduce_async(client, buf)
+    collected.add_done_callback(lambda _h: None)
+    daemon.done(until_submits(daemon, 1)[-1], 2.0)
+    collected.wait(5.0)
+    allreduce_async(client, buf)  # never done: still on the live table at shutdown
+    until_submits(daemon, 1)
+    with pytest.raises(CollectiveTimeoutError, match="unfinished"):
+        client.shutdown(timeout=0.2)
+    daemon.close()
+    del waited, collected
+    gone = weakref.ref(client)
+    gc.disable()
+    try:
+        del client
+        assert gone() is None, "a client that was shut down is left for the garbage collector"
+    finally:
+        gc.enable()
