@@ -304,9 +304,6 @@ class EngineHandle(_engine.Started, Handle):
                 return
         _call_back(fn, self)
 
-    def synchronize(self, timeout: float | None = None) -> Any:
-        return self.wait(timeout)  # (host memory: nothing on a device to wait for)
-
     def _collect(self) -> None:
         """Callbacks or polls wait for it: on the client's table (its failure finishes it), and the
         engine's taker of its DONE completes it (Started.collect)."""

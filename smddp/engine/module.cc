@@ -1081,17 +1081,29 @@ void channel_dealloc(PyObject* self) {
   Py_DECREF(type);
 }
 
-// The collective `seq` completed here: its destination need not be kept any longer.
-void unkeep(PyObject* self, std::uint64_t seq) {
-  PyObject* keep = reinterpret_cast<ChannelObject*>(self)->keep;
-  if (keep == nullptr) return;
+// `seq`'s entry of one of the channel's tables (`keep`, `live`) gone, if there is one (no KeyError
+// made and dropped for one that is not). A failure leaves it there until the channel goes: memory,
+// not correctness.
+void discard(PyObject* table, std::uint64_t seq) {
+  if (table == nullptr) return;
   PyObject* key = PyLong_FromUnsignedLongLong(seq);
-  if (key == nullptr) {
-    PyErr_Clear();  // kept until the channel goes: memory, not correctness
-    return;
-  }
-  if (PyDict_DelItem(keep, key) != 0) PyErr_Clear();  // not collected: nothing kept
-  Py_DECREF(key);
+  const int there = key == nullptr ? -1 : PyDict_Contains(table, key);
+  if (there < 0 || (there == 1 && PyDict_DelItem(table, key) != 0)) PyErr_Clear();
+  Py_XDECREF(key);
+}
+
+// The collective `seq` completed here: its destination need not be kept any longer.
+void unkeep(PyObject* self, std::uint64_t seq) { discard(reinterpret_cast<ChannelObject*>(self)->keep, seq); }
+
+// A wait's timeout argument in nanoseconds: None is `dflt` (the job's), a negative one 0, and a
+// huge one about 30 years (no overflow).
+bool timeout_arg(PyObject* arg, std::int64_t dflt, std::int64_t* out) {
+  *out = dflt;
+  if (arg == Py_None) return true;
+  const double t = PyFloat_AsDouble(arg);
+  if (t == -1.0 && PyErr_Occurred()) return false;
+  *out = !(t > 0) ? 0 : t >= 1e9 ? static_cast<std::int64_t>(1e18) : static_cast<std::int64_t>(t * 1e9);
+  return true;
 }
 
 PyObject* channel_ring_error(PyObject* self, smddp::RingWait r, const char* what) {
@@ -1357,18 +1369,13 @@ void started_dealloc(PyObject* self) {
   Py_DECREF(type);  // (a subclass's instance: its heap type, which Python's own dealloc leaves to us)
 }
 
-// Its seq as the key of the channel's tables (a new reference, or null with an error set).
-PyObject* seq_key(const StartedObject* obj) { return PyLong_FromUnsignedLongLong(obj->submit.seq); }
-
-// Finished: out of the channel's live table, and what the caller kept until then let go.
+// Finished: out of the channel's live table (and its `keep`, where it was collected), and what the
+// caller kept until then let go.
 void retire(StartedObject* obj) {
   obj->finished = true;
   Py_CLEAR(obj->keepalive);
-  PyObject* live = chan(obj->channel)->live;
-  if (live == nullptr) return;
-  PyObject* key = seq_key(obj);
-  if (key == nullptr || PyDict_DelItem(live, key) != 0) PyErr_Clear();  // (not there: retired before)
-  Py_XDECREF(key);
+  discard(chan(obj->channel)->live, obj->submit.seq);
+  if (obj->collected) unkeep(obj->channel, obj->submit.seq);
 }
 
 // What a wait that did not simply end in the result says, handed to the handle's Python:
@@ -1401,33 +1408,29 @@ PyObject* finished_result(PyObject* self, PyObject* stream) {
 // timeout None: the job's. Anything else is the handle's _settle (settle above). `stream` is for
 // device buffers' handles; a host collective has nothing to order on one.
 PyObject* started_wait(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
-  PyObject* timeout_arg = Py_None;
+  PyObject* timeout = Py_None;
   PyObject* stream = Py_None;
   if (nargs > 2) {
     PyErr_SetString(PyExc_TypeError, "wait() takes at most 2 arguments (timeout, stream)");
     return nullptr;
   }
-  if (nargs > 0) timeout_arg = args[0];
+  if (nargs > 0) timeout = args[0];
   if (nargs > 1) stream = args[1];
   const Py_ssize_t nkw = kwnames == nullptr ? 0 : PyTuple_Size(kwnames);
   for (Py_ssize_t i = 0; i < nkw; i++) {
     PyObject* name = PyTuple_GetItem(kwnames, i);
-    PyObject** slot = PyUnicode_CompareWithASCIIString(name, "timeout") == 0  ? &timeout_arg
+    PyObject** slot = PyUnicode_CompareWithASCIIString(name, "timeout") == 0  ? &timeout
                       : PyUnicode_CompareWithASCIIString(name, "stream") == 0 ? &stream
                                                                              : nullptr;
-    if (slot == nullptr || (slot == &timeout_arg && nargs > 0) || (slot == &stream && nargs > 1)) {
+    if (slot == nullptr || (slot == &timeout && nargs > 0) || (slot == &stream && nargs > 1)) {
       PyErr_Format(PyExc_TypeError, "wait() got an unexpected or repeated keyword argument %R", name);
       return nullptr;
     }
     *slot = args[nargs + i];
   }
   StartedObject* obj = started_of(self);
-  std::int64_t timeout_ns = obj->timeout_ns;
-  if (timeout_arg != Py_None) {
-    const double t = PyFloat_AsDouble(timeout_arg);
-    if (t == -1.0 && PyErr_Occurred()) return nullptr;
-    timeout_ns = !(t > 0) ? 0 : t >= 1e9 ? static_cast<std::int64_t>(1e18) : static_cast<std::int64_t>(t * 1e9);
-  }
+  std::int64_t timeout_ns = 0;
+  if (!timeout_arg(timeout, obj->timeout_ns, &timeout_ns)) return nullptr;
   if (obj->finished) return finished_result(self, stream);
   smddp::WorkerChannel& ch = channel_of(obj->channel);
   smddp::Arena& arena = *reinterpret_cast<ArenaObject*>(obj->arena)->arena;
@@ -1440,7 +1443,6 @@ PyObject* started_wait(PyObject* self, PyObject* const* args, Py_ssize_t nargs, 
   Py_END_ALLOW_THREADS
   if (end == smddp::FastEnd::kDone) {
     retire(obj);
-    unkeep(obj->channel, obj->submit.seq);
     if (obj->collected) {  // callbacks wait for it: the handle runs them (and takes it off its table)
       PyObject* r = PyObject_CallMethod(self, "_completed", nullptr);
       if (r == nullptr) return nullptr;
@@ -1469,7 +1471,7 @@ PyObject* started_collect(PyObject* self, PyObject*) {
   how.timeout_ns = obj->timeout_ns;
   ChannelObject* ch = chan(obj->channel);
   if (ch->keep == nullptr && (ch->keep = PyDict_New()) == nullptr) return nullptr;
-  PyObject* key = seq_key(obj);
+  PyObject* key = PyLong_FromUnsignedLongLong(obj->submit.seq);
   if (key == nullptr) return nullptr;
   // Kept before the channel may copy into it (a taker may meet its DONE as soon as collect returns).
   if (PyDict_SetItem(ch->keep, key, obj->keep != nullptr ? obj->keep : Py_None) != 0) {
@@ -1713,7 +1715,7 @@ PyObject* channel_begin(PyObject* self, PyObject* const* args, Py_ssize_t nargs)
   obj->spin_ns = co->spin_ns;
   // In the live table until it finishes (shutdown waits for it). Should that fail (no memory), the
   // collective still runs; only shutdown would not know it.
-  key = seq_key(obj);
+  key = PyLong_FromUnsignedLongLong(h.seq);
   if (key == nullptr || co->live == nullptr || PyDict_SetItem(co->live, key, started) != 0) PyErr_Clear();
   Py_XDECREF(key);
   return started;
@@ -1737,12 +1739,8 @@ PyObject* channel_run(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   long long kind = 0, count = 0, dtype = 0, op = 0;
   if (!int_arg(args[0], &kind) || !int_arg(args[2], &count) || !int_arg(args[3], &dtype) || !int_arg(args[4], &op))
     return nullptr;
-  std::int64_t timeout_ns = co->timeout_ns;
-  if (args[5] != Py_None) {
-    const double t = PyFloat_AsDouble(args[5]);
-    if (t == -1.0 && PyErr_Occurred()) return nullptr;
-    timeout_ns = !(t > 0) ? 0 : t >= 1e9 ? static_cast<std::int64_t>(1e18) : static_cast<std::int64_t>(t * 1e9);
-  }
+  std::int64_t timeout_ns = 0;
+  if (!timeout_arg(args[5], co->timeout_ns, &timeout_ns)) return nullptr;
   smddp::Header h;
   if (!submit_fields(self, co->arena, kind, co->rank, count, dtype, op, 0, &h)) return nullptr;
   PyObject* buf = args[1];

@@ -711,7 +711,7 @@ def test_an_async_wait_that_gets_its_result_runs_no_python(pair, monkeypatch):
     assert client._channel.live() == [h] and not h.finished
     daemon.done(until_submits(daemon, 1)[-1], 2.0)
     assert h.wait(5.0) is buf and np.array_equal(buf, np.full(64, 2.0, np.float32))
-    assert h.finished and h.done() and h.wait(0.0) is buf
+    assert h.finished and h.done() and h.wait(0.0) is buf and h.synchronize(0.0) is buf
     assert settled == [], "a wait that got its result went through Python"
     assert client._channel.live() == [] and client._handles == {} and client._arena.in_use == 0
     # Not in time: the handle's Python says so, and the collective stays in flight for a later wait.
