@@ -499,6 +499,8 @@ class Client:
             self._arena.native, self.rank, RELEASE_BATCH_BYTES, config.timeout_s, RING_SPIN_US, EngineHandle,
             self,
         )  # fmt: skip
+        if config.timeline_dir:
+            self._channel.set_trace(True)  # the engine's collectives keep their phases (_write_timeline)
         seg = self._channel.segment
         conn.send_frame(
             Channel(self.rank, 0, seg.size).header(),
@@ -768,7 +770,7 @@ class Client:
         """A blocking all-reduce of host memory in place, run by the engine from the copy into shared
         memory to the copy of the result back and its RELEASE (WorkerChannel start/finish, without
         the GIL): no Handle, no Python per DONE. False, with nothing done, where it must go the
-        general way: a timeline to record, or device copies still queued ahead of it.
+        general way: device copies still queued ahead of it.
 
         `buf` is a C-contiguous, writable numpy array of `count` elements of `dtype`, not empty and
         taken whole (the caller checked: collectives.allreduce), or the address of such memory (a
@@ -782,7 +784,7 @@ class Client:
     def barrier_now(self, timeout: float | None) -> bool:
         """A blocking barrier, run by the engine as allreduce_now is (SUBMIT, DONE, RELEASE, GIL
         released; no data): no Handle, no DONE thread. False, with nothing done, where it must go the
-        general way (a timeline to record, device copies queued ahead of it)."""
+        general way (device copies queued ahead of it)."""
         return self._now(NO_DATA, DType.UINT8, 0, None, timeout, Kind.BARRIER)
 
     def _now(
@@ -795,8 +797,6 @@ class Client:
         kind: Kind,
         view: Callable[[], np.ndarray] | None = None,
     ) -> bool:
-        if self.config.timeline_dir:
-            return False
         if self._closed or self._failure is not None:
             self._check_open()
         try:
@@ -843,9 +843,7 @@ class Client:
         be the address of the collective's `count` elements instead, with `owner` the object that owns
         it, which the engine keeps alive while it may still copy there. `result` is what the handle's
         wait returns; `keepalive`, what it holds until then. None, with nothing done, where it must go
-        the general way: a timeline to record, or SUBMITs of the general way still to go ahead of it."""
-        if self.config.timeline_dir:
-            return None
+        the general way: SUBMITs of the general way still to go ahead of it."""
         if self._closed or self._failure is not None:
             self._check_open()
         try:
@@ -916,6 +914,8 @@ class Client:
             self.config.timeout_s,
         )  # fmt: skip
         handle._drive = self._drive
+        if self.config.timeline_dir:
+            handle.times = self._channel.started(seq) or ()
         with self._lock:
             self._handles[seq] = handle
         raw = self._channel.adopt(seq)
@@ -1283,15 +1283,32 @@ class Client:
         io.after(plan.done, release, (keepalive, plan.outputs))
 
     def _trace(self, handle: Handle, t_done: float, t_copied: float) -> None:
-        """Chrome trace events of one collective on this rank: copy in, in flight, copy out."""
-        t0, t1 = handle.times
-        what = {"seq": handle.seq, "what": f"{handle.kind.label}({handle.dtype.label}, count={handle.count})"}
+        """Chrome trace events of one collective the general way completed here."""
+        t0, t1 = handle.times if handle.times else (t_done, t_done)  # (started before the timeline was on)
+        self._spans(handle.seq, handle.kind, handle.dtype, handle.count, (t0, t1, t_done, t_copied))
+
+    def _spans(self, seq: int, kind: Kind, dtype: DType, count: int, times: tuple[float, ...]) -> None:
+        """One collective's phases on this rank as Chrome trace events: copy in, in flight, copy out."""
+        t0, t1, t_done, t_copied = times
+        what = {"seq": seq, "what": f"{kind.label}({dtype.label}, count={count})"}
         for name, a, b in (("copy in", t0, t1), ("in flight", t1, t_done), ("copy out", t_done, t_copied)):
-            self._timeline.append(span(f"#{handle.seq} {name}", a, b, f"rank {self.rank}", name, what))
+            self._timeline.append(span(f"#{seq} {name}", a, b, f"rank {self.rank}", name, what))
 
     def _write_timeline(self) -> None:
         if not self.config.timeline_dir:
             return
+        # The engine's collectives left their phases in the channel; the general way's are here already.
+        traces, dropped = self._channel.take_traces()
+        for t in traces:
+            self._spans(
+                t.seq, Kind(t.kind), DType(t.dtype), t.elements, (t.start, t.submitted, t.done, t.copied)
+            )
+        if dropped:
+            log.warning(
+                "rank %d: the timeline kept the first %d collectives of the engine's and not the %d after them",
+                self.rank, len(traces), dropped,
+            )  # fmt: skip
+        self._timeline.sort(key=lambda e: e["ts"])
         try:
             with open(os.path.join(self.config.timeline_dir, f"rank{self.rank}.json"), "w") as f:
                 json.dump(self._timeline, f)

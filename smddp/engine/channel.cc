@@ -26,6 +26,11 @@ std::int64_t slice_of(std::int64_t left) { return left < kTakeSliceNs ? (left > 
 
 std::string num(std::uint64_t v) { return std::to_string(v); }
 
+// The timeline's clock: wall-clock seconds, as the daemon's traces and Python's time.time().
+double wall() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
 }  // namespace
 
 std::size_t channel_bytes() { return 2 * ring_bytes(kChannelSlots); }
@@ -409,6 +414,7 @@ void WorkerChannel::kick() {
 
 FastEnd WorkerChannel::start(Arena& arena, const Source* src, std::size_t n, Header* submit, Slot* slot,
                              std::int64_t timeout_ns, std::int64_t spin_ns, bool async) {
+  const double t_start = trace_.load(std::memory_order_relaxed) ? wall() : 0;
   std::uint64_t total = 0;
   for (std::size_t i = 0; i < n; i++) {
     if (src[i].nbytes > UINT64_MAX - total) return refused("a fast SUBMIT's sources overflow");
@@ -471,6 +477,11 @@ FastEnd WorkerChannel::start(Arena& arena, const Source* src, std::size_t n, Hea
         const RingWait r = push_locked(frame.data(), timeout_ns, spin_ns);
         if (r == RingWait::kReady) {
           next_seq_++;
+          if (t_start != 0) {
+            // Noted before start() returns, and so before anything can finish or collect it.
+            std::lock_guard<std::mutex> trace_lock(trace_mu_);
+            begun_[submit->seq] = {t_start, wall()};
+          }
         } else {
           std::lock_guard<std::mutex> pop_lock(pop_mu_);
           fast_.erase(submit->seq);  // nobody could collect() it yet: it was never counted
@@ -586,6 +597,7 @@ FastEnd WorkerChannel::finish(Arena& arena, const Slot& slot, const Header& subm
 
 RingWait WorkerChannel::deliver(const Header& h, const Header& submit, const Delivery& out, std::uint64_t batch_bytes,
                                 std::int64_t timeout_ns, std::int64_t spin_ns) {
+  const double t_done = trace_.load(std::memory_order_relaxed) ? wall() : 0;
   if (h.kind != submit.kind || h.dtype != submit.dtype || h.count != submit.count) {
     refused("DONE for collective #" + num(h.seq) + " does not match what this rank submitted");
     return RingWait::kCorrupt;
@@ -603,6 +615,7 @@ RingWait WorkerChannel::deliver(const Header& h, const Header& submit, const Del
     return RingWait::kCorrupt;
   }
   if (out.nbytes != 0) std::memcpy(out.dst, p + out.src_offset, out.nbytes);
+  if (t_done != 0) traced(submit, h.seq, t_done, wall());
   // The collective is complete: its RELEASE may wait for ring space the whole timeout, not what is
   // left of it (a full ring for that long means the daemon is gone).
   return release(submit.sender, h.seq, static_cast<std::int64_t>(out.result_bytes), batch_bytes, timeout_ns, spin_ns);
@@ -628,6 +641,40 @@ bool WorkerChannel::collect(std::uint64_t seq, const Collected& how) {
   }
   wake_background();
   return stored;
+}
+
+// ----------------------------------------------------------------------------------- the timeline
+
+void WorkerChannel::traced(const Header& submit, std::uint64_t seq, double done, double copied) {
+  std::lock_guard<std::mutex> lock(trace_mu_);
+  auto it = begun_.find(seq);
+  if (it == begun_.end()) return;  // started before the timeline was turned on
+  if (traces_.size() < kMaxChannelTraces) {
+    traces_.push_back(ChannelTrace{seq, submit.kind, submit.dtype, submit.count, it->second.first, it->second.second,
+                                   done, copied});
+  } else {
+    traces_dropped_++;
+  }
+  begun_.erase(it);
+}
+
+std::vector<ChannelTrace> WorkerChannel::take_traces(std::uint64_t* dropped) {
+  std::lock_guard<std::mutex> lock(trace_mu_);
+  std::vector<ChannelTrace> out;
+  out.swap(traces_);
+  *dropped = traces_dropped_;
+  traces_dropped_ = 0;
+  return out;
+}
+
+bool WorkerChannel::started(std::uint64_t seq, double* start, double* submitted) {
+  std::lock_guard<std::mutex> lock(trace_mu_);
+  auto it = begun_.find(seq);
+  if (it == begun_.end()) return false;
+  *start = it->second.first;
+  *submitted = it->second.second;
+  begun_.erase(it);
+  return true;
 }
 
 bool WorkerChannel::adopt(std::uint64_t seq, std::uint8_t* out) {

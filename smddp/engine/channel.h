@@ -35,7 +35,8 @@
 // into the result table); it never reaches the caller.
 //
 // Memory: the channel owns its segment, its end of the side socket (and the daemon's end until
-// close_daemon_end) and the result segments it was sent (shared with the callers of result()). The
+// close_daemon_end), the result segments it was sent (shared with the callers of result()) and the
+// timeline's phases (set_trace: until take_traces, or started() for one handed over). The
 // caller's buffers (start's source, finish's destination) and the arena must stay alive for the call;
 // a collected collective's destination (collect) until it completes or the channel is gone (the
 // Python binding holds it: module.cc's ChannelObject::keep).
@@ -51,6 +52,7 @@
 #include <mutex>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "arena.h"
@@ -83,6 +85,21 @@ struct Source {
   const std::uint8_t* data = nullptr;
   std::uint64_t nbytes = 0;
 };
+
+// One fast collective's phases on this worker, for the timeline (WorkerChannel::set_trace), in
+// wall-clock seconds: start() entered, its SUBMIT pushed, its DONE met by deliver(), its result copied.
+struct ChannelTrace {
+  std::uint64_t seq = 0;
+  std::uint8_t kind = 0;
+  std::uint8_t dtype = 0;
+  std::uint64_t count = 0;
+  double start = 0;
+  double submitted = 0;
+  double done = 0;
+  double copied = 0;
+};
+// Traces kept between two takes; past this the newest are counted (take_traces' *dropped), not kept.
+constexpr std::size_t kMaxChannelTraces = std::size_t{1} << 20;
 
 // How a fast-path call ended.
 enum class FastEnd {
@@ -185,6 +202,13 @@ class WorkerChannel {
   // its DONE in `out` if that had already come, else it is collected by pop() when it comes.
   bool adopt(std::uint64_t seq, std::uint8_t* out);
 
+  // The timeline: while on, every fast collective that completes here leaves its phases
+  // (ChannelTrace) until take_traces(); started() gives a parked one's first two to the general way.
+  void set_trace(bool on) { trace_.store(on, std::memory_order_relaxed); }
+  std::vector<ChannelTrace> take_traces(std::uint64_t* dropped);
+  // `seq`'s start and SUBMIT times, forgotten here (adopt: the general way traces it); false if none kept.
+  bool started(std::uint64_t seq, double* start, double* submitted);
+
   // Stops pops and fast waits (the job failed or the client closes): they return within one sleep slice.
   void abort();
   bool aborted() const { return aborted_.load(); }
@@ -261,6 +285,14 @@ class WorkerChannel {
   // when the RELEASE found the ring full for the whole timeout.
   RingWait deliver(const Header& h, const Header& submit, const Delivery& out, std::uint64_t batch_bytes,
                    std::int64_t timeout_ns, std::int64_t spin_ns);
+  // The timeline (set_trace): start() notes when each collective started and was pushed, deliver()
+  // turns that into its trace. trace_mu_ is taken alone, or inside push_mu_ (never the other way).
+  std::atomic<bool> trace_{false};
+  std::mutex trace_mu_;  // guards the three below
+  std::map<std::uint64_t, std::pair<double, double>> begun_;  // seq -> (start, SUBMIT pushed)
+  std::vector<ChannelTrace> traces_;
+  std::uint64_t traces_dropped_ = 0;
+  void traced(const Header& submit, std::uint64_t seq, double done, double copied);
   int side_ = -1;        // this worker's end of the side socket
   int daemon_end_ = -1;  // the daemon's, until passed
   std::mutex results_mu_;

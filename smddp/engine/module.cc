@@ -34,7 +34,17 @@ using namespace smddp::py;
 
 // The plane's results, as records whose fields have names (struct sequences, as os.stat_result):
 // still tuples, so they unpack as before, and `match` takes them by class.
-enum Record { kPeerFrame, kPlaneFailure, kPeerCounters, kWaiting, kCompletion, kTrace, kPlaneCounters, kRecords };
+enum Record {
+  kPeerFrame,
+  kPlaneFailure,
+  kPeerCounters,
+  kWaiting,
+  kCompletion,
+  kTrace,
+  kPlaneCounters,
+  kWorkerTrace,
+  kRecords
+};
 
 PyStructSequence_Field kPeerFrameFields[] = {
     {"node", "the peer node that sent it"},
@@ -74,6 +84,16 @@ PyStructSequence_Field kTraceFields[] = {
     {"what", "its fingerprint as messages spell it"},
     {"phases", "[(phase name, start, end)] in wall-clock seconds"},
     {nullptr, nullptr}};
+PyStructSequence_Field kWorkerTraceFields[] = {
+    {"seq", "the collective's sequence number"},
+    {"kind", "its kind (wire code)"},
+    {"dtype", "its dtype (wire code)"},
+    {"elements", "its SUBMIT's count (`count` would hide tuple.count)"},
+    {"start", "when its start began (wall-clock seconds): the copy in"},
+    {"submitted", "when its SUBMIT was on the ring"},
+    {"done", "when its DONE was taken up"},
+    {"copied", "when its result was copied out"},
+    {nullptr, nullptr}};
 PyStructSequence_Field kPlaneCountersFields[] = {
     {"collectives", "collectives completed"},
     {"reduced_bytes", "input bytes the reductions read"},
@@ -89,9 +109,11 @@ PyStructSequence_Desc kRecordDescs[kRecords] = {
     {"smddp._engine.Completion", "Collectives completed here, summed by kind, dtype, size class and latency bucket (take_completions).", kCompletionFields, 6},
     {"smddp._engine.Trace", "A retired collective's phases (take_traces).", kTraceFields, 3},
     {"smddp._engine.PlaneCounters", "The plane's running totals (counters).", kPlaneCountersFields, 3},
+    {"smddp._engine.WorkerTrace", "A fast collective's phases on its worker (WorkerChannel.take_traces).",
+     kWorkerTraceFields, 8},
 };
 const char* const kRecordNames[kRecords] = {"PeerFrame", "PlaneFailure", "PeerCounters", "Waiting",
-                                            "Completion", "Trace", "PlaneCounters"};
+                                            "Completion", "Trace", "PlaneCounters", "WorkerTrace"};
 
 struct ModuleState {
   Errors errors;              // first (binding.h): smddp.errors' classes, owned by the module
@@ -1859,6 +1881,44 @@ PyObject* channel_adopt(PyObject* self, PyObject* arg) {
   return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(slot), static_cast<Py_ssize_t>(smddp::kHeaderSize));
 }
 
+// set_trace(on): keep every fast collective's phases for the timeline (take_traces), or stop
+PyObject* channel_set_trace(PyObject* self, PyObject* arg) {
+  const int on = PyObject_IsTrue(arg);
+  if (on < 0) return nullptr;
+  channel_of(self).set_trace(on != 0);
+  Py_RETURN_NONE;
+}
+
+// take_traces() -> ([WorkerTrace], dropped): the phases kept since the last take, and how many were not
+PyObject* channel_take_traces(PyObject* self, PyObject*) {
+  std::uint64_t dropped = 0;
+  const std::vector<smddp::ChannelTrace> traces = channel_of(self).take_traces(&dropped);
+  PyObject* out = PyList_New(static_cast<Py_ssize_t>(traces.size()));
+  if (out == nullptr) return nullptr;
+  for (std::size_t i = 0; i < traces.size(); i++) {
+    const smddp::ChannelTrace& t = traces[i];
+    PyObject* row = record(self, kWorkerTrace,
+                           Py_BuildValue("(KiiKdddd)", static_cast<unsigned long long>(t.seq), int{t.kind},
+                                         int{t.dtype}, static_cast<unsigned long long>(t.count), t.start,
+                                         t.submitted, t.done, t.copied));
+    if (row == nullptr) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+    PyList_SetItem(out, static_cast<Py_ssize_t>(i), row);
+  }
+  return Py_BuildValue("(NK)", out, static_cast<unsigned long long>(dropped));
+}
+
+// started(seq) -> (start, submitted) or None: a parked collective's first phases, for the general way to trace
+PyObject* channel_started(PyObject* self, PyObject* arg) {
+  std::uint64_t seq = 0;
+  if (!seq_arg(arg, "started", &seq)) return nullptr;
+  double start = 0, submitted = 0;
+  if (!channel_of(self).started(seq, &start, &submitted)) Py_RETURN_NONE;
+  return Py_BuildValue("(dd)", start, submitted);
+}
+
 // attach(segment, rank, timeout_s, spin_us): ATTACH of an input segment (its fd beside it)
 PyObject* channel_attach(PyObject* self, PyObject* args) {
   PyObject* seg_obj = nullptr;
@@ -1920,6 +1980,11 @@ PyMethodDef kChannelMethods[] = {
      "alloc(arena, nbytes, rank, timeout_s, spin_us) -> (segment, offset, new Segment or None): a slot, its segment "
      "ATTACHed first when new"},
     {"adopt", channel_adopt, METH_O, "adopt(seq) -> DONE or None: a parked fast collective goes the general way"},
+    {"set_trace", channel_set_trace, METH_O, "set_trace(on): keep each fast collective's phases (take_traces)"},
+    {"take_traces", channel_take_traces, METH_NOARGS,
+     "take_traces() -> ([WorkerTrace], dropped): the fast collectives' phases since the last take"},
+    {"started", channel_started, METH_O,
+     "started(seq) -> (start, submitted) or None: a parked collective's first phases (adopt), forgotten here"},
     {"attach", channel_attach, METH_VARARGS,
      "attach(segment, rank, timeout_s, spin_us): ATTACH an input segment (its fd on the side socket)"},
     {"result", channel_result, METH_O, "result(id) -> the result segment the daemon sent as id, or None"},

@@ -8,12 +8,14 @@
 // every check held.
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -192,6 +194,9 @@ void fast_collectives() {
   Rig rig(kWorkers);
   std::vector<std::unique_ptr<smddp::Arena>> arenas;
   for (std::uint32_t i = 0; i < kWorkers; i++) arenas.push_back(std::make_unique<smddp::Arena>("test-fast", 1 << 20));
+  // Ranks 0 and 1 keep the timeline's phases: rank 1's collected ones are traced by its taker's thread.
+  rig.channels[0]->set_trace(true);
+  rig.channels[1]->set_trace(true);
   std::atomic<bool> stop{false};
   std::atomic<int> general_done{0};
   std::thread watch([&] {
@@ -323,6 +328,24 @@ void fast_collectives() {
   check(rig.failure(0).empty(), "no failure");
   check(rig.plane.in_flight() == 0 && rig.results.in_use() == 0, "every result slot given back");
   for (std::uint32_t i = 1; i < kWorkers; i++) check(arenas[i]->in_use() == 0, "every fast input slot given back");
+  // Every fast collective of a traced channel left its phases once, in order; the general way's none.
+  for (std::uint32_t rank : {0u, 1u}) {
+    std::uint64_t dropped = 1;
+    const std::vector<smddp::ChannelTrace> traces = rig.channels[rank]->take_traces(&dropped);
+    std::set<std::uint64_t> seqs;
+    bool ordered = true;
+    for (const smddp::ChannelTrace& t : traces) {
+      seqs.insert(t.seq);
+      ordered = ordered && t.start > 0 && t.start <= t.submitted && t.submitted <= t.done && t.done <= t.copied &&
+                t.count == 1 + (t.seq * 53) % 2000;
+    }
+    const std::size_t want = rank == 0 ? kIters / 2 : kIters;
+    check(dropped == 0 && traces.size() == want && seqs.size() == want &&
+              (rank == 1 || std::all_of(seqs.begin(), seqs.end(), [](std::uint64_t q) { return q % 2 == 1; })),
+          "rank " + std::to_string(rank) + " traced " + std::to_string(traces.size()) + " collectives");
+    check(ordered, "rank " + std::to_string(rank) + ": every trace's phases in order, with its count");
+    check(rig.channels[rank]->take_traces(&dropped).empty(), "a take empties the traces");
+  }
   rig.plane.close();
 }
 

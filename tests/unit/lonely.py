@@ -10,8 +10,8 @@ from smddp.transport.bootstrap import Endpoint, Job, Membership, WorkerInfo
 from smddp.transport.conn import Connection
 
 
-def lonely_client() -> tuple[Client, socket.socket]:
-    """Rank 0 of a one-rank job, and the daemon's end of its connection, on which the client has
+def lonely_client(**config: object) -> tuple[Client, socket.socket]:
+    """Rank 0 of a one-rank job (`config` overriding the client's settings), and the daemon's end of its connection, on which the client has
     already sent its CHANNEL (the rings: smddp_rigs._engine_testing.DaemonChannel reads and answers them)."""
     job = Job(
         job_id=b"j" * 16,
@@ -22,5 +22,5 @@ def lonely_client() -> tuple[Client, socket.socket]:
         workers=(WorkerInfo(0, 0, 0, "host"),),
     )
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    cfg = ClientConfig(timeout_s=5.0, arena_bytes=1 << 20, heartbeat_timeout_s=60.0)
+    cfg = ClientConfig(timeout_s=5.0, arena_bytes=1 << 20, heartbeat_timeout_s=60.0, **config)  # type: ignore[arg-type]
     return Client(cfg, Membership(job, Role.WORKER, 0, 0), Connection(ours, "the daemon")), theirs

@@ -5,6 +5,7 @@ general collectives beside it, a timeout that becomes a handle, and a DONE that 
 from __future__ import annotations
 
 import gc
+import json
 import sys
 import threading
 import time
@@ -820,3 +821,56 @@ def test_a_client_shut_down_is_freed_without_the_garbage_collector():
         assert gone() is None, "a client that was shut down is left for the garbage collector"
     finally:
         gc.enable()
+
+
+def test_a_timeline_keeps_the_engines_path_and_notes_every_phase(tmp_path):
+    """With a timeline on, every host collective still runs in the engine (no DONE reaches Python),
+    and each leaves its three phases in the rank's part of the timeline, in order: a blocking call,
+    an asynchronous one waited for, one completed by the DONE thread (callbacks), and a blocking one
+    parked by its timeout and completed the general way later."""
+    client, theirs = lonely_client(timeline_dir=str(tmp_path))
+    daemon = ScriptedDaemon(theirs)
+    python = general_way(client)
+    try:
+        blocking = np.zeros(256, np.float32)
+        call = fast(client, blocking)
+        daemon.done(until_submits(daemon, 1)[-1], 1.0)
+        call.join()
+        waited = allreduce_async(client, np.zeros(64, np.float32))
+        assert isinstance(waited, EngineHandle), "a timeline sent the asynchronous call the general way"
+        daemon.done(until_submits(daemon, 1)[-1], 2.0)
+        waited.wait(5.0)
+        collected = allreduce_async(client, np.zeros(32, np.float32))
+        seen = threading.Event()
+        collected.add_done_callback(lambda _h: seen.set())
+        daemon.done(until_submits(daemon, 1)[-1], 3.0)
+        assert seen.wait(5.0)
+        assert python == [], "a timeline sent a DONE to Python"
+        parked = np.zeros(16, np.float32)
+        with pytest.raises(CollectiveTimeoutError):
+            collectives.allreduce(client, parked, ReduceOp.SUM, 0.2)
+        daemon.done(until_submits(daemon, 1)[-1], 4.0)
+        deadline = time.monotonic() + 5
+        while client._handles:
+            assert time.monotonic() < deadline, "the parked collective never completed"
+            time.sleep(0.01)
+        assert python == [4]
+        assert np.array_equal(parked, np.full(16, 4.0, np.float32))
+        client.shutdown(timeout=2)
+    finally:
+        daemon.close()
+    events = json.loads((tmp_path / "rank0.json").read_text())
+    phases: dict[int, dict[str, dict]] = {}
+    for e in events:
+        assert e["pid"] == "rank 0" and e["ph"] == "X" and e["dur"] >= 0
+        phases.setdefault(e["args"]["seq"], {})[e["cat"]] = e
+    assert sorted(phases) == [1, 2, 3, 4]
+    for seq, count in ((1, 256), (2, 64), (3, 32), (4, 16)):
+        got = phases[seq]
+        assert sorted(got) == ["copy in", "copy out", "in flight"], (seq, sorted(got))
+        assert got["copy in"]["args"]["what"] == f"allreduce(float32, count={count})"
+        a, b, c = got["copy in"], got["in flight"], got["copy out"]
+        # One after another (the spans are rounded to microseconds apart from each other).
+        assert abs(a["ts"] + a["dur"] - b["ts"]) < 1 and abs(b["ts"] + b["dur"] - c["ts"]) < 1, (seq, a, b, c)
+    assert phases[4]["in flight"]["dur"] >= 0.15e6, "the parked collective's flight did not span its timeout"
+    assert [e["ts"] for e in events] == sorted(e["ts"] for e in events)
