@@ -221,8 +221,8 @@ def allreduce_async_at(
     the rest of the call, so none is made). The engine copies in from the address and, whoever
     completes the collective, back to it (the engine keeps `owner` alive until then). The caller
     checked `count` (non-zero), `dtype` and that it goes whole (`whole`), as allreduce_now's callers
-    do; None, with nothing done, where it must go the general way (device copies queued ahead of it),
-    which the caller then takes with a buffer."""
+    do; None, with nothing done, once the client is shutting down (the caller then takes the general
+    way, which refuses it)."""
     return c.start_async(
         Kind.ALLREDUCE, addr, dtype, count, rop, 0, addr, 0, count * dtype.itemsize, owner, result, owner
     )

@@ -769,8 +769,9 @@ class Client:
     ) -> bool:
         """A blocking all-reduce of host memory in place, run by the engine from the copy into shared
         memory to the copy of the result back and its RELEASE (WorkerChannel start/finish, without
-        the GIL): no Handle, no Python per DONE. False, with nothing done, where it must go the
-        general way: device copies still queued ahead of it.
+        the GIL): no Handle, no Python per DONE (behind device SUBMITs still waiting for their
+        copy-in, it waits in the channel and goes right after them). False, with nothing done, once
+        the client is shutting down (the general way's open check then refuses the call).
 
         `buf` is a C-contiguous, writable numpy array of `count` elements of `dtype`, not empty and
         taken whole (the caller checked: collectives.allreduce), or the address of such memory (a
@@ -783,8 +784,8 @@ class Client:
 
     def barrier_now(self, timeout: float | None) -> bool:
         """A blocking barrier, run by the engine as allreduce_now is (SUBMIT, DONE, RELEASE, GIL
-        released; no data): no Handle, no DONE thread. False, with nothing done, where it must go the
-        general way (device copies queued ahead of it)."""
+        released; no data): no Handle, no DONE thread. False, with nothing done, once the client is
+        shutting down."""
         return self._now(NO_DATA, DType.UINT8, 0, None, timeout, Kind.BARRIER)
 
     def _now(
@@ -808,7 +809,7 @@ class Client:
         if ran is True:
             return True
         if ran is None:
-            return False  # held behind the general way's SUBMITs (or shutting down): the general way
+            return False  # shutting down: the general way refuses it
         t = self.config.timeout_s if timeout is None else timeout
         seq, segment, offset, nbytes = ran
         raise self._parked(
@@ -842,8 +843,9 @@ class Client:
         is the whole result's size (the range the DONE names, and what its RELEASE frees). `dst` may
         be the address of the collective's `count` elements instead, with `owner` the object that owns
         it, which the engine keeps alive while it may still copy there. `result` is what the handle's
-        wait returns; `keepalive`, what it holds until then. None, with nothing done, where it must go
-        the general way: SUBMITs of the general way still to go ahead of it."""
+        wait returns; `keepalive`, what it holds until then. Behind device SUBMITs still waiting for
+        their copy-in it waits in the channel and goes right after them. None, with nothing done, once
+        the client is shutting down (the general way's open check then refuses the call)."""
         if self._closed or self._failure is not None:
             self._check_open()
         try:

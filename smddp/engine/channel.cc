@@ -134,10 +134,27 @@ std::vector<std::uint64_t> WorkerChannel::blocking() {
   return out;
 }
 
-void WorkerChannel::pushed_locked(const std::uint8_t* header) {
-  if (reserved_.empty()) return;
+std::uint64_t WorkerChannel::queued_starts() {
+  std::lock_guard<std::mutex> lock(push_mu_);
+  return queued_starts_;
+}
+
+RingWait WorkerChannel::pushed_locked(const std::uint8_t* header, std::int64_t timeout_ns, std::int64_t spin_ns) {
+  if (reserved_.empty()) return RingWait::kReady;
   Header h;
   if (decode_header(header, kHeaderSize, &h).empty() && h.type == Msg::kSubmit) reserved_.erase(h.seq);
+  // The fast SUBMITs that waited for it go now, in their order, up to the next one still reserved.
+  while (!queued_.empty() && (reserved_.empty() || queued_.front().first < *reserved_.begin())) {
+    const RingWait r = push_locked(queued_.front().second.data(), timeout_ns, spin_ns);
+    if (r != RingWait::kReady) return r;
+    if (trace_.load(std::memory_order_relaxed)) {
+      std::lock_guard<std::mutex> trace_lock(trace_mu_);
+      auto it = begun_.find(queued_.front().first);
+      if (it != begun_.end()) it->second.second = wall();
+    }
+    queued_.pop_front();
+  }
+  return RingWait::kReady;
 }
 
 std::shared_ptr<Segment> WorkerChannel::result(std::uint32_t id) {
@@ -229,16 +246,17 @@ RingWait WorkerChannel::push(const std::uint8_t* header, std::int64_t timeout_ns
     wake_background();  // it has a collective to collect now
   }
   RingWait r;
+  RingWait after = RingWait::kReady;  // the fast SUBMITs queued behind it
   {
     std::lock_guard<std::mutex> lock(push_mu_);
     r = push_locked(header, timeout_ns, spin_ns);
-    if (r == RingWait::kReady) pushed_locked(header);
+    if (r == RingWait::kReady) after = pushed_locked(header, timeout_ns, spin_ns);
   }
   if (submit && r != RingWait::kReady) {
     std::lock_guard<std::mutex> lock(pop_mu_);
     general_out_--;
   }
-  return r;
+  return r == RingWait::kReady ? after : r;
 }
 
 RingWait WorkerChannel::try_push(const std::uint8_t* header) {
@@ -251,9 +269,10 @@ RingWait WorkerChannel::try_push(const std::uint8_t* header) {
   RingWait r = RingWait::kTimeout;
   {
     std::unique_lock<std::mutex> lock(push_mu_, std::try_to_lock);
-    if (lock.owns_lock()) {
+    // Fast SUBMITs queued behind a reserved one may have to follow this one: push() waits for their room.
+    if (lock.owns_lock() && queued_.empty()) {
       r = push_locked(header, 0, 0);
-      if (r == RingWait::kReady) pushed_locked(header);
+      if (r == RingWait::kReady) pushed_locked(header, 0, 0);  // (nothing queued: nothing to fail)
     }
   }
   if (submit && r != RingWait::kReady) {
@@ -434,7 +453,7 @@ FastEnd WorkerChannel::start(Arena& arena, const Source* src, std::size_t n, Hea
     RingWait r;
     {
       std::lock_guard<std::mutex> lock(push_mu_);
-      if (starts_closed_ || !reserved_.empty()) return FastEnd::kHeld;
+      if (starts_closed_) return FastEnd::kHeld;
       r = alloc_locked(arena, total, submit->sender, timeout_ns, spin_ns, slot, &fresh, &arena_why);
     }
     if (!arena_why.empty()) return refused_by_arena(arena_why);
@@ -458,8 +477,8 @@ FastEnd WorkerChannel::start(Arena& arena, const Source* src, std::size_t n, Hea
   FastEnd end = FastEnd::kDone;
   {
     std::lock_guard<std::mutex> lock(push_mu_);
-    if (starts_closed_ || !reserved_.empty()) {
-      end = FastEnd::kHeld;  // a general SUBMIT came between the two locks: it goes first, this the general way
+    if (starts_closed_) {
+      end = FastEnd::kHeld;  // shutdown closed starts between the two locks: its BYE is the last descriptor
     } else {
       submit->seq = next_seq_;
       std::array<std::uint8_t, kHeaderSize> frame{};
@@ -474,11 +493,19 @@ FastEnd WorkerChannel::start(Arena& arena, const Source* src, std::size_t n, Hea
           f.async = async;
           fast_.emplace(submit->seq, f);
         }
-        const RingWait r = push_locked(frame.data(), timeout_ns, spin_ns);
+        // Behind a reserved SUBMIT not on the ring yet (a device copy-in still running) it waits
+        // here, and goes the moment the last reserved one before it does (pushed_locked).
+        const bool queue = !reserved_.empty();
+        const RingWait r = queue ? RingWait::kReady : push_locked(frame.data(), timeout_ns, spin_ns);
         if (r == RingWait::kReady) {
+          if (queue) {
+            queued_.emplace_back(submit->seq, frame);
+            queued_starts_++;
+          }
           next_seq_++;
           if (t_start != 0) {
-            // Noted before start() returns, and so before anything can finish or collect it.
+            // Noted before start() returns, and so before anything can finish or collect it (a
+            // queued one's SUBMIT time is noted again when it goes).
             std::lock_guard<std::mutex> trace_lock(trace_mu_);
             begun_[submit->seq] = {t_start, wall()};
           }

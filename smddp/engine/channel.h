@@ -9,8 +9,9 @@
 // daemon's side is the plane's WorkerPort (worker_port.h).
 //
 // Sequence numbers are the channel's, handed out in ring order (reserve for the general way; start
-// takes the next as it pushes), and so are input slots (alloc: a new segment's ATTACH under the same
-// push lock as the slot, ahead of any SUBMIT that names it): no caller's lock orders the ring.
+// takes the next as it pushes, or as it queues behind reserved ones not on the ring yet), and so are
+// input slots (alloc: a new segment's ATTACH under the same push lock as the slot, ahead of any
+// SUBMIT that names it): no caller's lock orders the ring.
 //
 // The worker's side serves three kinds of takers of the done ring, one popping at a time:
 // - a waiter: a thread in Handle.wait() for a collective submitted the general way (pop(waiter));
@@ -108,8 +109,7 @@ enum class FastEnd {
   kRingFull,  // start: the daemon left the submit ring full for the whole timeout (nothing was pushed)
   kRefused,   // why(): a broken ring, a DONE that does not match, or a range outside its segment
   kGone,      // finish: not (or no longer) the fast path's: an asynchronous one's DONE went the general way
-  kHeld,      // start: a SUBMIT the general way reserved is not on the ring yet, or starts are closed:
-              // nothing pushed, nothing kept (the caller goes the general way, behind it)
+  kHeld,      // start: starts are closed (the client is shutting down): nothing pushed, nothing kept
   kArena,     // start: the arena could not give a slot (why() says why; not the daemon's fault)
 };
 
@@ -137,9 +137,12 @@ class WorkerChannel {
 
   // Sequence numbers are the channel's: SUBMITs go on the ring in their order, from 1. reserve()
   // hands the general way its next one; its SUBMIT follows through push() (in order: the caller
-  // keeps the general way's SUBMITs in sequence order). While one reserved is not on the ring, the
-  // fast path's start() answers kHeld.
+  // keeps the general way's SUBMITs in sequence order). A fast start() while one reserved is not on
+  // the ring (a device copy-in still running) takes the next number all the same and waits in the
+  // channel (queued_): the push of the last reserved SUBMIT before it pushes it.
   std::uint64_t reserve();
+  // How many fast starts waited behind a reserved SUBMIT so far.
+  std::uint64_t queued_starts();
   // No fast collective starts from now on (start() answers kHeld): the client is shutting down,
   // and its BYE must be the last descriptor.
   void close_starts();
@@ -242,8 +245,12 @@ class WorkerChannel {
   RingWait attach_locked(const Segment& seg, std::uint32_t rank, std::int64_t timeout_ns, std::int64_t spin_ns);
   RingWait alloc_locked(Arena& arena, std::uint64_t nbytes, std::uint32_t rank, std::int64_t timeout_ns,
                         std::int64_t spin_ns, Slot* slot, std::shared_ptr<Segment>* fresh, std::string* arena_why);
-  // After push_locked() put a descriptor on the ring: a reserved SUBMIT is reserved no more.
-  void pushed_locked(const std::uint8_t* header);
+  // After push_locked() put a descriptor on the ring: a reserved SUBMIT is reserved no more, and the
+  // fast SUBMITs queued behind it go, up to the next one still reserved (kReady, or why they could not).
+  RingWait pushed_locked(const std::uint8_t* header, std::int64_t timeout_ns, std::int64_t spin_ns);
+  // Fast SUBMITs started while a reserved one before them was not on the ring: (seq, frame), in order.
+  std::deque<std::pair<std::uint64_t, std::array<std::uint8_t, kHeaderSize>>> queued_;
+  std::uint64_t queued_starts_ = 0;  // how many ever waited there (queued_starts())
   RingView submit_;
   std::deque<std::array<std::uint8_t, kHeaderSize>> held_;  // RELEASEs waiting for the next push
   std::uint64_t held_bytes_ = 0;

@@ -1035,8 +1035,8 @@ class ProcessGroupSmddp(dist.ProcessGroup):
     def _allreduce_one_now(self, opts: Any, t: torch.Tensor, wire: DType, n: int, c: smddp.Client) -> bool:
         """`dist.all_reduce(t)` of one tensor `_one_host_tensor` took, in the least Python it takes: the
         engine's one pass on the tensor's memory, by its address (Client.allreduce_now: copy-in,
-        SUBMIT, DONE, copy-out, GIL released). False, with nothing done, where the client sends it the
-        general way (SUBMITs of the general way still to go ahead of it)."""
+        SUBMIT, DONE, copy-out, GIL released). False, with nothing done, once the client is shutting
+        down (the general way then refuses it)."""
         timeout = self._seconds_of(opts)
         # The tensor's address, not its numpy view (which costs more than the rest of this call);
         # the view only should the call time out, when the result is delivered later (and the view

@@ -627,29 +627,41 @@ def test_an_address_destination_is_refused_without_its_owner(pair):
     assert client._arena.in_use == 0 and not daemon.pending()
 
 
-def test_a_fast_call_behind_a_reserved_general_submit_goes_the_general_way(pair):
+def test_fast_calls_behind_a_reserved_general_submit_wait_in_the_engine_and_follow_it(pair):
     """Sequence numbers are the channel's, handed out in ring order: while a SUBMIT the general way
-    reserved is not on the ring yet (a device copy-in still running), the fast path starts nothing,
-    takes no slot and no number, and the call goes the general way, behind it. Once it is on the
-    ring, the fast path takes the next number."""
+    reserved is not on the ring yet (a device copy-in still running), fast calls still start in the
+    engine (a slot, the copy-in, the next numbers) but push nothing; the push of the reserved SUBMIT
+    pushes them right after it, in their order, and each completes in the engine."""
     client, daemon = pair
-    buf = np.ones(4, np.float32)
+    python = general_way(client)
     assert client._channel.reserve() == 1
-    begin = (Kind.ALLREDUCE, buf, 4, DType.FLOAT32, ReduceOp.SUM, 0, buf, 0, buf.nbytes, None, buf, None)
-    assert client._channel.begin(*begin) is None
-    assert client._channel.run(Kind.ALLREDUCE, buf, 4, DType.FLOAT32, ReduceOp.SUM, 1.0) is None
-    assert client.allreduce_now(buf, DType.FLOAT32, 4, ReduceOp.SUM, 1.0) is False
-    assert client._arena.in_use == 0 and not daemon.pending(), "a held fast call took a slot or pushed"
+    a = np.ones(4, np.float32)
+    waited = allreduce_async(client, a)
+    assert isinstance(waited, EngineHandle) and waited.seq == 2
+    b = np.ones(8, np.float32)
+    call = fast(client, b)
+    deadline = time.monotonic() + 5
+    while client._channel.blocking() != [3]:
+        assert time.monotonic() < deadline, "the blocking call did not start"
+        time.sleep(0.005)
+    assert not daemon.pending(), "a fast SUBMIT went ahead of the reserved one"
+    assert client._arena.in_use > 0, "the waiting calls' input is not in their slots"
     barrier = Submit(
         0, 1, segment=2**32 - 1, offset=0, root=0, count=0, dtype=DType.UINT8, op=None, kind=Kind.BARRIER
     )
     client._channel.push(barrier.header().encode(), 1.0, 0.0)
-    call = fast(client, buf)
-    s1, s2 = [f for f in until_submits(daemon, 2) if f.type is MsgType.SUBMIT]
-    assert (s1.seq, s1.kind, s2.seq, s2.kind) == (1, Kind.BARRIER, 2, Kind.ALLREDUCE)
-    daemon.done(s2, 3.0)
+    s1, s2, s3 = [f for f in until_submits(daemon, 3) if f.type is MsgType.SUBMIT]
+    assert [(s.seq, s.kind, s.count) for s in (s1, s2, s3)] == [
+        (1, Kind.BARRIER, 0),
+        (2, Kind.ALLREDUCE, 4),
+        (3, Kind.ALLREDUCE, 8),
+    ]
+    daemon.done(s3, 3.0)
+    daemon.done(s2, 2.0)
     call.join()
-    assert np.array_equal(buf, np.full(4, 3.0, np.float32)) and client._arena.in_use == 0
+    assert waited.wait(5.0) is a
+    assert np.array_equal(a, np.full(4, 2.0, np.float32)) and np.array_equal(b, np.full(8, 3.0, np.float32))
+    assert python == [] and client._arena.in_use == 0
 
 
 def test_no_fast_call_starts_once_starts_are_closed(pair):
