@@ -26,11 +26,6 @@ std::int64_t slice_of(std::int64_t left) { return left < kTakeSliceNs ? (left > 
 
 std::string num(std::uint64_t v) { return std::to_string(v); }
 
-// The timeline's clock: wall-clock seconds, as the daemon's traces and Python's time.time().
-double wall() {
-  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-}
-
 }  // namespace
 
 std::size_t channel_bytes() { return 2 * ring_bytes(kChannelSlots); }

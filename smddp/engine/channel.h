@@ -45,6 +45,7 @@
 
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -86,6 +87,11 @@ struct Source {
   const std::uint8_t* data = nullptr;
   std::uint64_t nbytes = 0;
 };
+
+// The timelines' clock (the plane's traces and the channel's): wall-clock seconds, as Python's time.time().
+inline double wall() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
 
 // One fast collective's phases on this worker, for the timeline (WorkerChannel::set_trace), in
 // wall-clock seconds: start() entered, its SUBMIT pushed, its DONE met by deliver(), its result copied.

@@ -33,10 +33,6 @@ std::uint64_t s_bytes(const Spec& s) { return s.count * s.itemsize; }
 
 std::string num(std::uint64_t v) { return std::to_string(v); }
 
-double wall() {
-  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-}
-
 bool is_kind(const Spec& s, Kind k) { return s.kind == static_cast<std::uint8_t>(k); }
 
 // The fingerprint a SUBMIT or a peer's data frame carries; false when its dtype and count are impossible.

@@ -11,8 +11,9 @@ from smddp.transport.conn import Connection
 
 
 def lonely_client(**config: object) -> tuple[Client, socket.socket]:
-    """Rank 0 of a one-rank job (`config` overriding the client's settings), and the daemon's end of its connection, on which the client has
-    already sent its CHANNEL (the rings: smddp_rigs._engine_testing.DaemonChannel reads and answers them)."""
+    """Rank 0 of a one-rank job (`config` overriding the client's settings), and the daemon's end of
+    its connection, on which the client has already sent its CHANNEL (the rings:
+    smddp_rigs._engine_testing.DaemonChannel reads and answers them)."""
     job = Job(
         job_id=b"j" * 16,
         secret=b"s" * 32,
