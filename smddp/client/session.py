@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import json
@@ -442,13 +441,16 @@ class PipelinedHandle(Handle):
 
 
 @dataclass
-class _Deferred:
-    """A SUBMIT held back until its device copy-in is complete (and every earlier SUBMIT has gone)."""
+class _Held:
+    """A device collective's SUBMIT, held back until its copy-in is complete. Its sequence number is
+    reserved: the channel puts it on the ring in its place, whenever it is given (and keeps every
+    SUBMIT after it waiting in the channel until then)."""
 
     header: Header
-    ready: Any  # the copy-in's event; None for a host collective queued behind a device one
+    ready: Any  # the copy-in's event
     handle: Handle  # its _sends: its caller waits for it at once and sends it (Client.waiting)
     since: float = 0.0  # when it was held (time.monotonic), for WAITED_GRACE_S
+    claimed: bool = False  # a thread waits for its copy-in, to send it (Client._send_held)
 
 
 class Client:
@@ -471,8 +473,8 @@ class Client:
         self.local_rank = self.rank - membership.node * self.local_size
         self.node = membership.node
         self._conn = conn
-        # Sequence numbers are the channel's (it hands them out in ring order); this lock keeps the
-        # general way's SUBMITs in their order and guards the handle table.
+        # Sequence numbers are the channel's, and so is their order on the ring (a SUBMIT given before
+        # one reserved ahead of it waits there); this lock guards the handle table and the held SUBMITs.
         self._lock = threading.Lock()
         self._handles: dict[int, Handle] = {}
         self._results: dict[int, Segment] = {}
@@ -484,9 +486,8 @@ class Client:
         # The device path, built when the first device buffer arrives (a CPU-only job never builds it).
         self._device_lock = threading.Lock()
         self._device: DeviceIO | None = None
-        self._deferred: collections.deque[_Deferred] = collections.deque()
-        self._deferred_cv = threading.Condition(self._lock)
-        self._sending = False  # a thread is waiting for the first held SUBMIT's copy-in (_send_held)
+        self._holding: dict[int, _Held] = {}  # seq -> a device SUBMIT waiting for its copy-in, in seq order
+        self._held_cv = threading.Condition(self._lock)
         self._submitter: threading.Thread | None = None
         self._tls = threading.local()  # .waited: inside waiting()
         # ATTACH, SUBMIT, RELEASE and BYE go on this channel's submit ring, SEGMENT and DONE come on
@@ -612,7 +613,7 @@ class Client:
         with self._lock:
             self._closed = True
             self._channel.close_starts()  # (BYE must be the last descriptor)
-            self._deferred_cv.notify_all()
+            self._held_cv.notify_all()
         if self._submitter is not None:
             self._submitter.join(timeout=5.0)
         self._write_routed()  # the final counts, before BYE lets the daemon finish
@@ -693,8 +694,9 @@ class Client:
     ) -> Handle:
         """Copy `buf` into a shared slot and SUBMIT it; `deliver(result_bytes)` runs on DONE.
 
-        With a device plan the copy-in is an asynchronous device-to-host copy, and the SUBMIT waits
-        (in the submitter thread, with every later SUBMIT behind it) until that copy is complete.
+        With a device plan the copy-in is an asynchronous device-to-host copy, and the SUBMIT is held
+        until that copy is complete (sent by the submitter thread, or by the wait of a caller that waits
+        at once); the channel keeps every later SUBMIT behind it.
         """
         nbytes = count * dtype.itemsize
         lost: ConnectionClosed | None = None
@@ -731,17 +733,17 @@ class Client:
                 op=op,
                 kind=kind,
             ).header()
-            if lost is None and (ready is not None or self._deferred):
-                # SUBMITs leave in sequence order: this one waits for its copy-in, later ones for it.
-                # One whose caller waits for it at once, with nothing held before it, is sent by that
-                # wait: the submitter thread is not woken for it (_send_held).
-                waited = not self._deferred and getattr(self._tls, "waited", False)
-                self._deferred.append(_Deferred(h, ready, handle, time.monotonic()))
+            if lost is None and ready is not None:
+                # This one waits for its copy-in (the channel keeps later SUBMITs behind it). One whose
+                # caller waits for it at once is sent by that wait: the submitter thread is not woken
+                # for it (_send_held).
+                waited = getattr(self._tls, "waited", False)
+                self._holding[seq] = _Held(h, ready, handle, time.monotonic())
                 handle._held = True
                 handle._sends = waited
                 self._start_submitter()
                 if not waited:
-                    self._deferred_cv.notify_all()
+                    self._held_cv.notify_all()
             elif lost is None:
                 try:
                     self._send_frames([h.encode()], timeout=self.config.timeout_s)
@@ -1030,64 +1032,57 @@ class Client:
         self._send_held(None)
 
     def _send_held(self, until: Handle | None, deadline: float = float("inf")) -> bool:
-        """Send held-back SUBMITs in order, each once its copy-in is complete; the host waits for a
-        copy-in only here, one thread at a time (`_sending`).
+        """Send held SUBMITs, each once its copy-in is complete, in whatever order those complete (the
+        channel puts them on the ring in sequence order); one thread waits for each (`claimed`).
 
-        The submitter thread runs this for good (`until` None; it returns once the client closes).
-        A thread about to wait for `until` runs it until that one's SUBMIT has gone (True: it sends
-        those before it too), or `deadline` passes or the client fails (False: the submitter thread
-        goes on). A held SUBMIT that its caller waits for (waiting()) is the submitter thread's only
-        once WAITED_GRACE_S has passed with nobody sending it.
+        The submitter thread runs this for good (`until` None; it returns once the client closes with
+        nothing held), taking the held SUBMITs from the first. A thread about to wait for `until`
+        runs it until that one's SUBMIT has gone (True), or `deadline` passes or the client fails
+        (False: the submitter thread takes it then). A held SUBMIT that its caller waits for
+        (waiting()) is the submitter thread's only once WAITED_GRACE_S has passed with nobody
+        sending it.
         """
         while True:
             with self._lock:
                 while True:
-                    if until is not None and not until._held:
-                        return True
-                    head = self._deferred[0] if self._deferred else None
-                    if until is None:
-                        if head is None and self._closed:
+                    if until is not None:
+                        if not until._held:
                             return True
-                        if head is not None and not self._sending:
-                            left = (
-                                head.since + WAITED_GRACE_S - time.monotonic() if head.handle._sends else 0.0
-                            )
-                            if left <= 0:
-                                break
-                            self._deferred_cv.wait(left)
-                        else:
-                            self._deferred_cv.wait()
+                        left = deadline - time.monotonic()
+                        if left <= 0 or self._failure is not None or self._closed:
+                            self._held_cv.notify_all()  # the submitter thread takes it from here
+                            return False
+                        item = self._holding.get(until.seq)
+                        if item is not None and not item.claimed:
+                            break
+                        self._held_cv.wait(left)  # the submitter thread is sending it
                         continue
-                    left = deadline - time.monotonic()
-                    if left <= 0 or self._failure is not None or self._closed:
-                        self._deferred_cv.notify_all()  # the submitter thread goes on from here
-                        return False
-                    if head is not None and not self._sending:
+                    item, grace = self._next_held()
+                    if item is not None:
                         break
-                    self._deferred_cv.wait(left)
-                self._sending = True
-                item = self._deferred[0]
+                    if not self._holding and self._closed:
+                        return True
+                    self._held_cv.wait(grace)
+                item.claimed = True
             error: SmddpError | None = None
-            if item.ready is not None:
-                try:
-                    assert self._device is not None  # a device copy-in made it
-                    if until is None:
-                        self._device.host_wait(item.ready)
-                    elif not self._copied(item.ready, deadline):
-                        with self._lock:
-                            self._sending = False
-                            self._deferred_cv.notify_all()  # not in time: the submitter thread goes on
-                        return False
-                except SmddpError as e:
-                    error = e
-                except Exception as e:
-                    error = DeviceError(f"the copy-in of collective #{item.header.seq} failed: {e!r}")
+            try:
+                assert self._device is not None  # a device copy-in made it
+                if until is None:
+                    self._device.host_wait(item.ready)
+                elif not self._copied(item.ready, deadline):
+                    with self._lock:
+                        item.claimed = False
+                        self._held_cv.notify_all()  # not in time: the submitter thread takes it
+                    return False
+            except SmddpError as e:
+                error = e
+            except Exception as e:
+                error = DeviceError(f"the copy-in of collective #{item.header.seq} failed: {e!r}")
             lost: ConnectionClosed | None = None
             with self._lock:
-                self._deferred.popleft()
+                del self._holding[item.header.seq]
                 item.handle._held = False
-                self._sending = False
-                self._deferred_cv.notify_all()
+                self._held_cv.notify_all()
                 if error is None and self._failure is None and not self._closed:
                     try:
                         self._send_frames([item.header.encode()], timeout=self.config.timeout_s)
@@ -1097,6 +1092,22 @@ class Client:
                 self._device_failed(error)
             elif lost is not None:
                 self._fail(_daemon_lost(f"rank {self.rank}: lost the node daemon: {lost}"))
+
+    def _next_held(self) -> tuple[_Held | None, float | None]:
+        """(lock held) The first held SUBMIT the submitter thread may take now; else how long until one
+        waited for by its caller is the submitter's (None: nothing to take until something changes)."""
+        now = time.monotonic()
+        grace: float | None = None
+        for item in self._holding.values():
+            if item.claimed:
+                continue
+            if not item.handle._sends:
+                return item, None
+            left = item.since + WAITED_GRACE_S - now
+            if left <= 0:
+                return item, None
+            grace = left if grace is None else min(grace, left)
+        return None, grace
 
     def _copied(self, event: Any, deadline: float) -> bool:
         """Whether a copy-in's `event` is reached before `deadline`: polled (yielding the core, then in
@@ -1324,7 +1335,7 @@ class Client:
                 self._failure = err
             handles = list(self._handles.values())
             self._handles.clear()
-            self._deferred_cv.notify_all()
+            self._held_cv.notify_all()
         self._channel.abort()
         for h in handles:
             h._finish(error=self._failure)

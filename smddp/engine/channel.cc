@@ -134,20 +134,39 @@ std::uint64_t WorkerChannel::queued_starts() {
   return queued_starts_;
 }
 
-RingWait WorkerChannel::pushed_locked(const std::uint8_t* header, std::int64_t timeout_ns, std::int64_t spin_ns) {
-  if (reserved_.empty()) return RingWait::kReady;
-  Header h;
-  if (decode_header(header, kHeaderSize, &h).empty() && h.type == Msg::kSubmit) reserved_.erase(h.seq);
-  // The fast SUBMITs that waited for it go now, in their order, up to the next one still reserved.
-  while (!queued_.empty() && (reserved_.empty() || queued_.front().first < *reserved_.begin())) {
-    const RingWait r = push_locked(queued_.front().second.data(), timeout_ns, spin_ns);
+RingWait WorkerChannel::submit_locked(std::uint64_t seq, const std::uint8_t* frame, std::int64_t timeout_ns,
+                                      std::int64_t spin_ns, bool* queued) {
+  *queued = false;
+  reserved_.erase(seq);  // (a fast one was never reserved)
+  if (!reserved_.empty() && *reserved_.begin() < seq) {
+    // A SUBMIT before it is reserved and not given yet (a device copy-in still running): it waits here.
+    std::array<std::uint8_t, kHeaderSize> f{};
+    std::memcpy(f.data(), frame, kHeaderSize);
+    queued_.emplace(seq, f);
+    *queued = true;
+    return RingWait::kReady;
+  }
+  if (queued_.empty()) return push_locked(frame, timeout_ns, spin_ns);
+  // Queued ones before it go first, and those after it up to the next one still reserved follow it.
+  std::array<std::uint8_t, kHeaderSize> f{};
+  std::memcpy(f.data(), frame, kHeaderSize);
+  queued_.emplace(seq, f);
+  const RingWait r = drain_locked(timeout_ns, spin_ns);
+  if (r != RingWait::kReady) queued_.erase(seq);  // (if still there: the caller is told it did not go)
+  return r;
+}
+
+RingWait WorkerChannel::drain_locked(std::int64_t timeout_ns, std::int64_t spin_ns) {
+  while (!queued_.empty() && (reserved_.empty() || queued_.begin()->first < *reserved_.begin())) {
+    const auto it = queued_.begin();
+    const RingWait r = push_locked(it->second.data(), timeout_ns, spin_ns);
     if (r != RingWait::kReady) return r;
     if (trace_.load(std::memory_order_relaxed)) {
       std::lock_guard<std::mutex> trace_lock(trace_mu_);
-      auto it = begun_.find(queued_.front().first);
-      if (it != begun_.end()) it->second.second = wall();
+      auto b = begun_.find(it->first);
+      if (b != begun_.end()) b->second.second = wall();
     }
-    queued_.pop_front();
+    queued_.erase(it);
   }
   return RingWait::kReady;
 }
@@ -225,15 +244,9 @@ RingWait WorkerChannel::push_locked(const std::uint8_t* header, std::int64_t tim
   return submit_.push(header, kHeaderSize, timeout_ns, spin_ns);
 }
 
-namespace {
-bool is_submit(const std::uint8_t* header) {
-  Header h;
-  return decode_header(header, kHeaderSize, &h).empty() && h.type == Msg::kSubmit;
-}
-}  // namespace
-
 RingWait WorkerChannel::push(const std::uint8_t* header, std::int64_t timeout_ns, std::int64_t spin_ns) {
-  const bool submit = is_submit(header);
+  Header h;
+  const bool submit = decode_header(header, kHeaderSize, &h).empty() && h.type == Msg::kSubmit;
   if (submit) {
     // Counted before it can complete, so that no DONE of it is ever taken before it is counted.
     std::lock_guard<std::mutex> lock(pop_mu_);
@@ -241,21 +254,21 @@ RingWait WorkerChannel::push(const std::uint8_t* header, std::int64_t timeout_ns
     wake_background();  // it has a collective to collect now
   }
   RingWait r;
-  RingWait after = RingWait::kReady;  // the fast SUBMITs queued behind it
   {
     std::lock_guard<std::mutex> lock(push_mu_);
-    r = push_locked(header, timeout_ns, spin_ns);
-    if (r == RingWait::kReady) after = pushed_locked(header, timeout_ns, spin_ns);
+    bool queued = false;
+    r = submit ? submit_locked(h.seq, header, timeout_ns, spin_ns, &queued) : push_locked(header, timeout_ns, spin_ns);
   }
   if (submit && r != RingWait::kReady) {
     std::lock_guard<std::mutex> lock(pop_mu_);
     general_out_--;
   }
-  return r == RingWait::kReady ? after : r;
+  return r;
 }
 
 RingWait WorkerChannel::try_push(const std::uint8_t* header) {
-  const bool submit = is_submit(header);
+  Header h;
+  const bool submit = decode_header(header, kHeaderSize, &h).empty() && h.type == Msg::kSubmit;
   if (submit) {
     std::lock_guard<std::mutex> lock(pop_mu_);
     general_out_++;
@@ -264,10 +277,11 @@ RingWait WorkerChannel::try_push(const std::uint8_t* header) {
   RingWait r = RingWait::kTimeout;
   {
     std::unique_lock<std::mutex> lock(push_mu_, std::try_to_lock);
-    // Fast SUBMITs queued behind a reserved one may have to follow this one: push() waits for their room.
-    if (lock.owns_lock() && queued_.empty()) {
+    // Only a push that goes on the ring alone: one that waits for, or carries, queued SUBMITs is
+    // push()'s, which has a timeout for their room.
+    if (lock.owns_lock() && queued_.empty() && (!submit || reserved_.empty() || *reserved_.begin() >= h.seq)) {
       r = push_locked(header, 0, 0);
-      if (r == RingWait::kReady) pushed_locked(header, 0, 0);  // (nothing queued: nothing to fail)
+      if (submit && r == RingWait::kReady) reserved_.erase(h.seq);
     }
   }
   if (submit && r != RingWait::kReady) {
@@ -489,14 +503,11 @@ FastEnd WorkerChannel::start(Arena& arena, const Source* src, std::size_t n, Hea
           fast_.emplace(submit->seq, f);
         }
         // Behind a reserved SUBMIT not on the ring yet (a device copy-in still running) it waits
-        // here, and goes the moment the last reserved one before it does (pushed_locked).
-        const bool queue = !reserved_.empty();
-        const RingWait r = queue ? RingWait::kReady : push_locked(frame.data(), timeout_ns, spin_ns);
+        // here, and goes the moment the last reserved one before it does (submit_locked).
+        bool queued = false;
+        const RingWait r = submit_locked(submit->seq, frame.data(), timeout_ns, spin_ns, &queued);
         if (r == RingWait::kReady) {
-          if (queue) {
-            queued_.emplace_back(submit->seq, frame);
-            queued_starts_++;
-          }
+          if (queued) queued_starts_++;
           next_seq_++;
           if (t_start != 0) {
             // Noted before start() returns, and so before anything can finish or collect it (a

@@ -141,11 +141,12 @@ class WorkerChannel {
   RingWait alloc(Arena& arena, std::uint64_t nbytes, std::uint32_t rank, std::int64_t timeout_ns,
                  std::int64_t spin_ns, Slot* slot, std::shared_ptr<Segment>* fresh, std::string* arena_why);
 
-  // Sequence numbers are the channel's: SUBMITs go on the ring in their order, from 1. reserve()
-  // hands the general way its next one; its SUBMIT follows through push() (in order: the caller
-  // keeps the general way's SUBMITs in sequence order). A fast start() while one reserved is not on
-  // the ring (a device copy-in still running) takes the next number all the same and waits in the
-  // channel (queued_): the push of the last reserved SUBMIT before it pushes it.
+  // Sequence numbers are the channel's: SUBMITs go on the ring in their order, from 1, whatever
+  // order they are given in. reserve() hands the general way its next one; its SUBMIT follows
+  // through push() when the caller has it ready (a device one once its copy-in is complete), in any
+  // order: one given while a SUBMIT before it is still reserved waits in the channel (queued_), and
+  // so does a fast start() then (it takes the next number all the same). The push that gives the
+  // last reserved SUBMIT before them pushes them.
   std::uint64_t reserve();
   // How many fast starts waited behind a reserved SUBMIT so far.
   std::uint64_t queued_starts();
@@ -158,9 +159,11 @@ class WorkerChannel {
   std::shared_ptr<Segment> result(std::uint32_t id);
 
   // Pushes the held RELEASEs, then one 56-byte header; kTimeout when the daemon left the ring full,
-  // kCorrupt (why()) when the ring is broken. A SUBMIT pushed here is collected the general way.
+  // kCorrupt (why()) when the ring is broken. A SUBMIT pushed here is collected the general way; it
+  // waits in the channel while a SUBMIT before it is still reserved (kReady all the same).
   RingWait push(const std::uint8_t* header, std::int64_t timeout_ns, std::int64_t spin_ns);
-  // The same without waiting at all: kTimeout when the ring is full or another thread is pushing.
+  // The same without waiting at all: kTimeout when the ring is full, another thread is pushing, or
+  // SUBMITs wait in the channel (push() then, which has a timeout for their room).
   RingWait try_push(const std::uint8_t* header);
   // RELEASE of `seq`'s result slot of `nbytes` from `rank`: held to go ahead of the next push while
   // the held results stay within `batch_bytes` (nbytes < 0: never held), else pushed now with the
@@ -243,7 +246,7 @@ class WorkerChannel {
   bool take_segment(const Header& h);
 
   std::shared_ptr<Segment> seg_;
-  std::mutex push_mu_;  // guards the submit ring's producer side, held_ and the sequence numbers
+  std::mutex push_mu_;  // guards the submit ring's producer side, held_, queued_ and the sequence numbers
   std::uint64_t next_seq_ = 1;
   std::set<std::uint64_t> reserved_;  // reserved by the general way, not pushed yet
   bool starts_closed_ = false;
@@ -251,11 +254,15 @@ class WorkerChannel {
   RingWait attach_locked(const Segment& seg, std::uint32_t rank, std::int64_t timeout_ns, std::int64_t spin_ns);
   RingWait alloc_locked(Arena& arena, std::uint64_t nbytes, std::uint32_t rank, std::int64_t timeout_ns,
                         std::int64_t spin_ns, Slot* slot, std::shared_ptr<Segment>* fresh, std::string* arena_why);
-  // After push_locked() put a descriptor on the ring: a reserved SUBMIT is reserved no more, and the
-  // fast SUBMITs queued behind it go, up to the next one still reserved (kReady, or why they could not).
-  RingWait pushed_locked(const std::uint8_t* header, std::int64_t timeout_ns, std::int64_t spin_ns);
-  // Fast SUBMITs started while a reserved one before them was not on the ring: (seq, frame), in order.
-  std::deque<std::pair<std::uint64_t, std::array<std::uint8_t, kHeaderSize>>> queued_;
+  // With push_mu_ held: SUBMIT `seq` (`frame`) given, reserved no more. It goes on the ring now if no
+  // SUBMIT before it is still reserved (after the queued ones before it, and with those after it up
+  // to the next one reserved), else it waits in queued_ (*queued). Not kReady: it is not kept.
+  RingWait submit_locked(std::uint64_t seq, const std::uint8_t* frame, std::int64_t timeout_ns, std::int64_t spin_ns,
+                         bool* queued);
+  // With push_mu_ held: the queued SUBMITs before the first one still reserved go, in order.
+  RingWait drain_locked(std::int64_t timeout_ns, std::int64_t spin_ns);
+  // SUBMITs given while a reserved one before them was not: seq -> frame, pushed in seq order.
+  std::map<std::uint64_t, std::array<std::uint8_t, kHeaderSize>> queued_;
   std::uint64_t queued_starts_ = 0;  // how many ever waited there (queued_starts())
   RingView submit_;
   std::deque<std::array<std::uint8_t, kHeaderSize>> held_;  // RELEASEs waiting for the next push

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -350,15 +351,17 @@ void fast_collectives() {
 }
 
 // Two threads share each worker's channel and arena, one going the general way (alloc, reserve,
-// push; its DONE popped as a waiter), one the fast way (start, finish), while the arena grows a small
+// push, three at a time given last first; their DONEs popped as a waiter), one the fast way (start, finish), while the arena grows a small
 // segment at a time (the general thread keeps its input slots): the channel hands out sequence
 // numbers in ring order whichever thread asks, a fresh segment's ATTACH goes ahead of every SUBMIT
-// that names it (the plane fails a SUBMIT naming a segment it was not given), and a fast start
-// while a reserved SUBMIT is not on the ring yet waits in the channel and goes right after it. Every
+// that names it (the plane fails a SUBMIT naming a segment it was not given), and a SUBMIT given
+// (or a fast start) while a reserved SUBMIT before it is not on the ring yet waits in the channel
+// and goes right after it. Every
 // collective has one shape and every rank's data depends only on the rank, so that any seq may be
 // either thread's; every result is checked.
 void shared_channel() {
   constexpr int kEach = 150;
+  constexpr int kBatch = 3;  // the general thread reserves this many, then gives them last first
   constexpr std::uint64_t kCount = 300;
   constexpr std::uint64_t kBytes = kCount * 4;
   Rig rig(kWorkers, false);
@@ -374,36 +377,47 @@ void shared_channel() {
   auto general = [&](std::uint32_t rank) {
     smddp::WorkerChannel* ch = rig.channels[rank].get();
     smddp::Arena& arena = *arenas[rank];
-    for (int it = 0; it < kEach; it++) {
-      smddp::Header h = shape(rank);
-      smddp::Slot slot;
-      std::shared_ptr<smddp::Segment> fresh;
-      std::string arena_why;
-      if (ch->alloc(arena, kBytes, rank, 10 * kSecond, 0, &slot, &fresh, &arena_why) != smddp::RingWait::kReady) {
-        check(false, "alloc: " + arena_why + ch->why());
-        return;
+    for (int it = 0; it < kEach; it += kBatch) {
+      std::vector<std::array<std::uint8_t, smddp::kHeaderSize>> frames(kBatch);
+      std::set<std::uint64_t> mine;
+      for (int b = 0; b < kBatch; b++) {
+        smddp::Header h = shape(rank);
+        smddp::Slot slot;
+        std::shared_ptr<smddp::Segment> fresh;
+        std::string arena_why;
+        if (ch->alloc(arena, kBytes, rank, 10 * kSecond, 0, &slot, &fresh, &arena_why) != smddp::RingWait::kReady) {
+          check(false, "alloc: " + arena_why + ch->why());
+          return;
+        }
+        auto* x = reinterpret_cast<std::int32_t*>(arena.segment(slot.segment)->base() + slot.offset);
+        for (std::uint64_t i = 0; i < kCount; i++) x[i] = static_cast<std::int32_t>((rank + 1) * (i + 1));
+        kept[rank].push_back(slot);
+        h.seq = ch->reserve();
+        h.shard = slot.segment;
+        h.offset = slot.offset;
+        mine.insert(h.seq);
+        check(smddp::encode_header(h, frames[b].data()).empty(), "encode");
       }
-      auto* x = reinterpret_cast<std::int32_t*>(arena.segment(slot.segment)->base() + slot.offset);
-      for (std::uint64_t i = 0; i < kCount; i++) x[i] = static_cast<std::int32_t>((rank + 1) * (i + 1));
-      kept[rank].push_back(slot);
-      h.seq = ch->reserve();
-      h.shard = slot.segment;
-      h.offset = slot.offset;
-      std::uint8_t frame[smddp::kHeaderSize];
-      check(smddp::encode_header(h, frame).empty(), "encode");
-      check(ch->push(frame, 10 * kSecond, 0) == smddp::RingWait::kReady, "push general SUBMIT");
-      std::uint8_t d[smddp::kSlotBytes];
-      check(ch->pop(d, 10 * kSecond, 20'000, true) == smddp::RingWait::kReady, "pop: " + ch->why());
-      smddp::Header done;
-      check(smddp::decode_header(d, smddp::kHeaderSize, &done).empty() && done.seq == h.seq,
-            "the general thread's DONE is its own");
-      std::shared_ptr<smddp::Segment> seg = ch->result(done.shard);
-      std::uint8_t* p = nullptr;
-      check(seg && seg->range(done.offset, kBytes, &p).empty() && right(reinterpret_cast<std::int32_t*>(p)),
-            "general result of #" + std::to_string(h.seq) + " on rank " + std::to_string(rank));
-      check(ch->release(rank, done.seq, static_cast<std::int64_t>(kBytes), 64 << 10, 10 * kSecond, 0) ==
-                smddp::RingWait::kReady,
-            "release");
+      // Given last first: the channel puts them on the ring in sequence order (the plane fails a
+      // rank whose SUBMITs come out of order), the fast thread's starts meanwhile behind them.
+      for (int b = kBatch - 1; b >= 0; b--) {
+        check(ch->push(frames[b].data(), 10 * kSecond, 0) == smddp::RingWait::kReady, "push general SUBMIT");
+        if (b > 0) std::this_thread::yield();
+      }
+      for (int b = 0; b < kBatch; b++) {
+        std::uint8_t d[smddp::kSlotBytes];
+        check(ch->pop(d, 10 * kSecond, 20'000, true) == smddp::RingWait::kReady, "pop: " + ch->why());
+        smddp::Header done;
+        check(smddp::decode_header(d, smddp::kHeaderSize, &done).empty() && mine.erase(done.seq) == 1,
+              "the general thread's DONEs are its own");
+        std::shared_ptr<smddp::Segment> seg = ch->result(done.shard);
+        std::uint8_t* p = nullptr;
+        check(seg && seg->range(done.offset, kBytes, &p).empty() && right(reinterpret_cast<std::int32_t*>(p)),
+              "general result of #" + std::to_string(done.seq) + " on rank " + std::to_string(rank));
+        check(ch->release(rank, done.seq, static_cast<std::int64_t>(kBytes), 64 << 10, 10 * kSecond, 0) ==
+                  smddp::RingWait::kReady,
+              "release");
+      }
     }
   };
   auto fast = [&](std::uint32_t rank) {

@@ -886,3 +886,43 @@ def test_a_timeline_keeps_the_engines_path_and_notes_every_phase(tmp_path):
         assert abs(a["ts"] + a["dur"] - b["ts"]) < 1 and abs(b["ts"] + b["dur"] - c["ts"]) < 1, (seq, a, b, c)
     assert phases[4]["in flight"]["dur"] >= 0.15e6, "the parked collective's flight did not span its timeout"
     assert [e["ts"] for e in events] == sorted(e["ts"] for e in events)
+
+
+def test_reserved_submits_given_last_first_go_on_the_ring_in_order(pair):
+    """A device collective's SUBMIT is given once its copy-in is complete, whenever that is: the channel
+    puts reserved SUBMITs on the ring in sequence order whatever order they are given in, and a call
+    started meanwhile follows them."""
+    client, daemon = pair
+    python = general_way(client)
+    first, second = client._channel.reserve(), client._channel.reserve()
+    assert (first, second) == (1, 2)
+
+    def barrier(seq: int) -> bytes:
+        return (
+            Submit(
+                0,
+                seq,
+                segment=2**32 - 1,
+                offset=0,
+                root=0,
+                count=0,
+                dtype=DType.UINT8,
+                op=None,
+                kind=Kind.BARRIER,
+            )
+            .header()
+            .encode()
+        )
+
+    client._channel.push(barrier(second), 1.0, 0.0)
+    a = np.ones(4, np.float32)
+    waited = allreduce_async(client, a)
+    assert isinstance(waited, EngineHandle) and waited.seq == 3
+    time.sleep(0.05)
+    assert not daemon.pending(), "a SUBMIT went ahead of a reserved one before it"
+    client._channel.push(barrier(first), 1.0, 0.0)
+    submits = [f for f in until_submits(daemon, 3) if f.type is MsgType.SUBMIT]
+    assert [(s.seq, s.kind) for s in submits] == [(1, Kind.BARRIER), (2, Kind.BARRIER), (3, Kind.ALLREDUCE)]
+    daemon.done(submits[2], 2.0)
+    assert waited.wait(5.0) is a and np.array_equal(a, np.full(4, 2.0, np.float32))
+    assert python == []
