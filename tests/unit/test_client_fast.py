@@ -926,3 +926,38 @@ def test_reserved_submits_given_last_first_go_on_the_ring_in_order(pair):
     daemon.done(submits[2], 2.0)
     assert waited.wait(5.0) is a and np.array_equal(a, np.full(4, 2.0, np.float32))
     assert python == []
+
+
+def test_device_submits_go_in_sequence_order_when_their_copy_ins_finish_the_other_way(pair):
+    """Two device collectives on two devices of the stand-in: the first's copy-in waits behind a slow
+    kernel on its device, the second's (a blocking call, whose own wait gives its SUBMIT) is done at
+    once. The second's SUBMIT is given first and waits in the channel; the daemon sees them in
+    sequence order once the first's copy-in lands, and both results reach their devices."""
+    from smddp_rigs.standin import StandinRuntime
+
+    from smddp.client.device.copies import DeviceIO
+
+    client, daemon = pair
+    rt = StandinRuntime(devices=2)
+    client._device = DeviceIO(rt, client._device_failed)
+    slow = rt.new_stream(0)
+    x0 = rt.asarray(np.ones(64, np.float32), device=0)
+    x1 = rt.asarray(np.ones(32, np.float32), device=1)
+    rt.sleep(slow, 0.4, device=0)
+    first = allreduce_async(client, x0, ReduceOp.SUM, stream=slow)
+    second = Call(lambda: collectives.allreduce(client, x1, ReduceOp.SUM, 5.0))
+    deadline = time.monotonic() + 5
+    while 2 in client._holding:
+        assert time.monotonic() < deadline, "the blocking call did not give its SUBMIT"
+        time.sleep(0.002)
+    assert 1 in client._holding and not daemon.pending(), "the second SUBMIT went ahead of the first"
+    s1, s2 = [f for f in until_submits(daemon, 2) if f.type is MsgType.SUBMIT]
+    assert [(s.seq, s.count) for s in (s1, s2)] == [(1, 64), (2, 32)]
+    daemon.done(s2, 2.0)
+    daemon.done(s1, 3.0)
+    second.join()
+    first.synchronize(5.0)
+    assert np.array_equal(x0.get(), np.full(64, 3.0, np.float32))
+    assert np.array_equal(x1.get(), np.full(32, 2.0, np.float32))
+    client.shutdown(timeout=2)
+    rt.close()
