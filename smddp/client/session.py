@@ -779,8 +779,9 @@ class Client:
         taken whole (the caller checked: collectives.allreduce), or the address of such memory (a
         torch tensor's data_ptr(), whose numpy view costs more than the rest of the call) with
         `view` making its numpy view, which also keeps the memory alive. A collective that does not
-        complete within `timeout` becomes a Handle like any other (its result lands in `buf` when it
-        comes, through `view()` for an address) and CollectiveTimeoutError is raised, as wait() does.
+        complete within `timeout` becomes an asynchronous collective of the engine's (_parked: its result
+        lands in `buf` when it comes, through `view()` for an address) and CollectiveTimeoutError is
+        raised, as wait() does.
         """
         return self._now(buf, dtype, count, op, timeout, Kind.ALLREDUCE, view)
 
@@ -814,9 +815,7 @@ class Client:
             return False  # shutting down: the general way refuses it
         t = self.config.timeout_s if timeout is None else timeout
         seq, segment, offset, nbytes = ran
-        raise self._parked(
-            seq, Slot(segment, offset, nbytes) if nbytes else None, buf, dtype, count, t, kind, view
-        )
+        raise self._parked(seq, segment, offset, nbytes, buf, dtype, count, op, t, kind, view)
 
     def start_async(
         self,
@@ -883,48 +882,43 @@ class Client:
     def _parked(
         self,
         seq: int,
-        slot: Slot | None,
+        segment: int,
+        offset: int,
+        nbytes: int,
         buf: np.ndarray | int,
         dtype: DType,
         count: int,
+        op: ReduceOp | None,
         t: float,
         kind: Kind,
         view: Callable[[], np.ndarray] | None,
     ) -> SmddpError:
         """What a blocking fast call raises when its collective did not complete within `t` (the channel
         parked it): the client's failure if it failed meanwhile, else CollectiveTimeoutError, with the
-        collective handed to a Handle first, so that its result still lands in `buf` when it comes
-        (through `view()` for an address)."""
+        collective made an asynchronous one of the engine's first (Channel.resume), collected, so that
+        the engine's taker of its DONE still copies its result into `buf` when it comes (through
+        `view()` for an address)."""
         if self._failure is not None or self._closed:
             # Nothing will complete it now: out of the engine's table of fast collectives, which
-            # shutdown waits on and names as unfinished (the failure finished the general way's).
+            # shutdown waits on and names as unfinished.
             self._channel.adopt(seq)
             return (
                 fresh(self._failure)
                 if self._failure is not None
                 else NotInitializedError("smddp has been shut down")
             )
-        if not isinstance(buf, np.ndarray):
-            assert view is not None  # (allreduce_now: an address comes with its view)
-            buf = view()
-        out = buf.reshape(-1).view(dtype.storage)
-
-        def deliver(r: np.ndarray) -> Any:
-            out[:] = r.view(out.dtype)
-            return out
-
-        handle = Handle(
-            seq, kind, dtype, count, deliver if kind is Kind.ALLREDUCE else lambda _r: None, slot, None,
-            self.config.timeout_s,
-        )  # fmt: skip
-        handle._drive = self._drive
-        if self.config.timeline_dir:
-            handle.times = self._channel.started(seq) or ()
-        with self._lock:
-            self._handles[seq] = handle
-        raw = self._channel.adopt(seq)
-        if raw is not None:
-            self._on_done(decode_header(raw))
+        result: np.ndarray | None = None  # what a wait returns (nobody's: the caller was told it timed out)
+        dst = NO_DATA  # a barrier: nothing comes back
+        if kind is Kind.ALLREDUCE:
+            if not isinstance(buf, np.ndarray):
+                assert view is not None  # (allreduce_now: an address comes with its view)
+                buf = view()
+            result, dst = buf, buf.reshape(-1).view(dtype.storage)
+        handle: EngineHandle | None = self._channel.resume(
+            seq, segment, offset, nbytes, kind, count, dtype, op or 0, dst, result
+        )
+        if handle is not None:
+            handle._collect()
         return CollectiveTimeoutError(
             f"collective #{seq} ({kind.label}, {dtype.label}, count={count}) "
             f"did not complete within {t:g}s; it is still in flight"
@@ -1297,7 +1291,7 @@ class Client:
 
     def _trace(self, handle: Handle, t_done: float, t_copied: float) -> None:
         """Chrome trace events of one collective the general way completed here."""
-        t0, t1 = handle.times if handle.times else (t_done, t_done)  # (a parked one the engine did not note)
+        t0, t1 = handle.times if handle.times else (t_done, t_done)  # (none noted: not one of submit())
         self._spans(handle.seq, handle.kind, handle.dtype, handle.count, (t0, t1, t_done, t_copied))
 
     def _spans(self, seq: int, kind: Kind, dtype: DType, count: int, times: tuple[float, ...]) -> None:

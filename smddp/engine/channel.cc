@@ -700,27 +700,30 @@ std::vector<ChannelTrace> WorkerChannel::take_traces(std::uint64_t* dropped) {
   return out;
 }
 
-bool WorkerChannel::started(std::uint64_t seq, double* start, double* submitted) {
-  std::lock_guard<std::mutex> lock(trace_mu_);
-  auto it = begun_.find(seq);
-  if (it == begun_.end()) return false;
-  *start = it->second.first;
-  *submitted = it->second.second;
-  begun_.erase(it);
+bool WorkerChannel::unblock(std::uint64_t seq) {
+  std::lock_guard<std::mutex> lock(pop_mu_);
+  auto it = fast_.find(seq);
+  if (it == fast_.end()) return false;
+  it->second.async = true;  // (blocking() lists it no more; collect() takes it)
   return true;
 }
 
 bool WorkerChannel::adopt(std::uint64_t seq, std::uint8_t* out) {
-  std::lock_guard<std::mutex> lock(pop_mu_);
-  auto it = fast_.find(seq);
-  if (it == fast_.end()) return false;
-  const bool came = it->second.came;
-  if (came) std::memcpy(out, it->second.done.data(), kSlotBytes);
-  fast_.erase(it);  // a blocking one's: never collect()ed, so never counted
-  if (!came) {
-    general_out_++;  // its DONE is still to come: the general way's takers collect it
-    wake_background();
+  bool came = false;
+  {
+    std::lock_guard<std::mutex> lock(pop_mu_);
+    auto it = fast_.find(seq);
+    if (it == fast_.end()) return false;
+    came = it->second.came;
+    if (came) std::memcpy(out, it->second.done.data(), kSlotBytes);
+    fast_.erase(it);  // a blocking one's: never collect()ed, so never counted
+    if (!came) {
+      general_out_++;  // its DONE is still to come: the general way's takers collect it
+      wake_background();
+    }
   }
+  std::lock_guard<std::mutex> trace_lock(trace_mu_);
+  begun_.erase(seq);  // (not traced here: deliver() never sees it)
   return came;
 }
 

@@ -37,7 +37,7 @@
 //
 // Memory: the channel owns its segment, its end of the side socket (and the daemon's end until
 // close_daemon_end), the result segments it was sent (shared with the callers of result()) and the
-// timeline's phases (set_trace: until take_traces, or started() for one handed over). The
+// timeline's phases (set_trace: until take_traces). The
 // caller's buffers (start's source, finish's destination) and the arena must stay alive for the call;
 // a collected collective's destination (collect) until it completes or the channel is gone (the
 // Python binding holds it: module.cc's ChannelObject::keep).
@@ -111,7 +111,7 @@ constexpr std::size_t kMaxChannelTraces = std::size_t{1} << 20;
 // How a fast-path call ended.
 enum class FastEnd {
   kDone,      // finish: the result is in place, the slot freed, its RELEASE held or sent
-  kTimeout,   // finish: not complete in time, or the channel aborted; the collective stays parked (adopt)
+  kTimeout,   // finish: not complete in time, or the channel aborted; the collective stays parked (unblock, adopt)
   kRingFull,  // start: the daemon left the submit ring full for the whole timeout (nothing was pushed)
   kRefused,   // why(): a broken ring, a DONE that does not match, or a range outside its segment
   kGone,      // finish: not (or no longer) the fast path's: an asynchronous one's DONE went the general way
@@ -191,7 +191,7 @@ class WorkerChannel {
                 std::int64_t spin_ns, bool async = false);
   // Second half: waits for `seq`'s DONE, checks it against `submit`, copies what `out` names of the
   // result to its destination, frees the slot and RELEASEs the result (held within `batch_bytes`).
-  // kTimeout leaves the collective parked until adopt(seq) (or, async, until a later finish or the
+  // kTimeout leaves the collective parked until unblock(seq) or adopt(seq) (or, async, until a later finish or the
   // general way); kGone: its DONE went the general way (or it was never started here).
   FastEnd finish(Arena& arena, const Slot& slot, const Header& submit, const Delivery& out,
                  std::uint64_t batch_bytes, std::int64_t timeout_ns, std::int64_t spin_ns);
@@ -213,13 +213,15 @@ class WorkerChannel {
   // A parked fast collective goes the general way from now on (the caller registered it): true and
   // its DONE in `out` if that had already come, else it is collected by pop() when it comes.
   bool adopt(std::uint64_t seq, std::uint8_t* out);
+  // A parked blocking collective (its finish() timed out) is an asynchronous one from now on: a later
+  // finish() or collect() completes it (its caller waits for it no more: the binding made a record of
+  // it). False when it is no longer the fast path's.
+  bool unblock(std::uint64_t seq);
 
   // The timeline: while on, every fast collective that completes here leaves its phases
-  // (ChannelTrace) until take_traces(); started() gives a parked one's first two to the general way.
+  // (ChannelTrace) until take_traces().
   void set_trace(bool on) { trace_.store(on, std::memory_order_relaxed); }
   std::vector<ChannelTrace> take_traces(std::uint64_t* dropped);
-  // `seq`'s start and SUBMIT times, forgotten here (adopt: the general way traces it); false if none kept.
-  bool started(std::uint64_t seq, double* start, double* submitted);
 
   // Stops pops and fast waits (the job failed or the client closes): they return within one sleep slice.
   void abort();

@@ -1795,6 +1795,71 @@ PyObject* channel_run(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   return fast_error(self, end);
 }
 
+// resume(seq, segment, offset, nbytes, kind, count, dtype, op, dst, result) -> a record of bind()'s class,
+// or None: a blocking collective that run() parked (its (seq, segment, offset, nbytes)) as an
+// asynchronous one from now on (WorkerChannel::unblock), its result to `dst` (in place: the buffer
+// run() was given, or a view of the memory at its address; empty for a barrier), as begin()'s records
+// are: a wait, or collect() and the taker of its DONE, completes it in the engine. None when it is no
+// longer the fast path's (nothing then completes it here). Its phases stay the engine's (timeline).
+PyObject* channel_resume(PyObject* self, PyObject* args) {
+  unsigned long long seq = 0, offset = 0, nbytes = 0;
+  unsigned long segment = 0;
+  long long count = 0, dtype = 0, op = 0;
+  PyObject *kind_obj = nullptr, *dtype_obj = nullptr, *dst = nullptr, *result = nullptr;
+  if (!PyArg_ParseTuple(args, "KkKKOLOLOO", &seq, &segment, &offset, &nbytes, &kind_obj, &count, &dtype_obj, &op,
+                        &dst, &result))
+    return nullptr;
+  ChannelObject* co = chan(self);
+  if (co->handle_type == nullptr) {
+    PyErr_SetString(PyExc_RuntimeError, "resume: the channel is not bound (bind)");
+    return nullptr;
+  }
+  long long kind = 0;
+  if (!int_arg(kind_obj, &kind) || !int_arg(dtype_obj, &dtype)) return nullptr;
+  smddp::Header h;
+  if (!submit_fields(self, co->arena, kind, co->rank, count, dtype, op, 0, &h)) return nullptr;
+  h.seq = seq;
+  h.shard = static_cast<std::uint32_t>(segment);
+  h.offset = offset;
+  // run()'s result goes back whole into its buffer: an all-reduce's bytes, a barrier's none.
+  Py_buffer view;
+  if (PyObject_GetBuffer(dst, &view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) != 0) return nullptr;
+  const long long result_bytes = view.len;
+  PyBuffer_Release(&view);
+  smddp::Delivery out;
+  PyObject* keep = nullptr;
+  if (!delivery_arg(self, dst, 0, result_bytes, dtype, count, Py_None, &out, &keep)) return nullptr;
+  auto* type = reinterpret_cast<PyTypeObject*>(co->handle_type);
+  PyObject* started = alloc_instance(type);  // made first: once unblocked, nothing may fail
+  if (started == nullptr) {
+    Py_DECREF(keep);
+    return nullptr;
+  }
+  StartedObject* obj = started_of(started);
+  obj->keep = keep;
+  if (!co->ch->unblock(seq)) {
+    Py_DECREF(started);
+    Py_RETURN_NONE;
+  }
+  obj->channel = Py_NewRef(self);
+  obj->arena = Py_NewRef(co->arena);
+  obj->ctx = Py_NewRef(co->ctx);
+  obj->result = Py_NewRef(result);
+  obj->keepalive = Py_NewRef(Py_None);
+  obj->kind = Py_NewRef(kind_obj);
+  obj->dtype = Py_NewRef(dtype_obj);
+  obj->submit = h;
+  obj->slot = smddp::Slot{static_cast<std::uint32_t>(segment), offset, nbytes};
+  obj->out = out;
+  obj->batch = co->batch;
+  obj->timeout_ns = co->timeout_ns;
+  obj->spin_ns = co->spin_ns;
+  PyObject* key = PyLong_FromUnsignedLongLong(seq);
+  if (key == nullptr || co->live == nullptr || PyDict_SetItem(co->live, key, started) != 0) PyErr_Clear();
+  Py_XDECREF(key);
+  return started;
+}
+
 // reserve() -> the general way's next sequence number (its SUBMIT follows through push, in order)
 PyObject* channel_reserve(PyObject* self, PyObject*) {
   return PyLong_FromUnsignedLongLong(channel_of(self).reserve());
@@ -1910,15 +1975,6 @@ PyObject* channel_take_traces(PyObject* self, PyObject*) {
   return Py_BuildValue("(NK)", out, static_cast<unsigned long long>(dropped));
 }
 
-// started(seq) -> (start, submitted) or None: a parked collective's first phases, for the general way to trace
-PyObject* channel_started(PyObject* self, PyObject* arg) {
-  std::uint64_t seq = 0;
-  if (!seq_arg(arg, "started", &seq)) return nullptr;
-  double start = 0, submitted = 0;
-  if (!channel_of(self).started(seq, &start, &submitted)) Py_RETURN_NONE;
-  return Py_BuildValue("(dd)", start, submitted);
-}
-
 // attach(segment, rank, timeout_s, spin_us): ATTACH of an input segment (its fd beside it)
 PyObject* channel_attach(PyObject* self, PyObject* args) {
   PyObject* seg_obj = nullptr;
@@ -1980,11 +2036,12 @@ PyMethodDef kChannelMethods[] = {
      "alloc(arena, nbytes, rank, timeout_s, spin_us) -> (segment, offset, new Segment or None): a slot, its segment "
      "ATTACHed first when new"},
     {"adopt", channel_adopt, METH_O, "adopt(seq) -> DONE or None: a parked fast collective goes the general way"},
+    {"resume", channel_resume, METH_VARARGS,
+     "resume(seq, segment, offset, nbytes, kind, count, dtype, op, dst, result) -> record or None: a parked "
+     "blocking collective as an asynchronous one"},
     {"set_trace", channel_set_trace, METH_O, "set_trace(on): keep each fast collective's phases (take_traces)"},
     {"take_traces", channel_take_traces, METH_NOARGS,
      "take_traces() -> ([WorkerTrace], dropped): the fast collectives' phases since the last take"},
-    {"started", channel_started, METH_O,
-     "started(seq) -> (start, submitted) or None: a parked collective's first phases (adopt), forgotten here"},
     {"attach", channel_attach, METH_VARARGS,
      "attach(segment, rank, timeout_s, spin_us): ATTACH an input segment (its fd on the side socket)"},
     {"result", channel_result, METH_O, "result(id) -> the result segment the daemon sent as id, or None"},

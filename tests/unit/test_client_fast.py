@@ -107,11 +107,16 @@ def test_fast_and_general_collectives_take_each_others_done(pair, first):
 
 
 def test_fast_timeout_becomes_a_handle_and_the_result_still_lands(pair):
+    """A blocking call not in time: its collective becomes an asynchronous one of the engine's
+    (collected: the DONE thread's), and its result still lands in the caller's buffer, copied by the
+    engine (no DONE reaches Python)."""
     client, daemon = pair
+    python = general_way(client)
     buf = np.zeros(1024, np.float32)
     with pytest.raises(CollectiveTimeoutError, match=r"collective #1 .*did not complete within 0.2s"):
         collectives.allreduce(client, buf, ReduceOp.SUM, 0.2)
     assert list(client._handles) == [1], "the collective left in flight is not tracked"
+    assert isinstance(client._handles[1], EngineHandle) and client._channel.blocking() == []
     daemon.done(until_submits(daemon, 1)[-1], 7.0)
     deadline = time.monotonic() + 5
     while not np.array_equal(buf, np.full(1024, 7.0, np.float32)):
@@ -121,6 +126,7 @@ def test_fast_timeout_becomes_a_handle_and_the_result_still_lands(pair):
         assert time.monotonic() < deadline
         time.sleep(0.01)
     assert client._arena.in_use == 0
+    assert python == [], "the parked collective's DONE reached Python"
 
 
 def test_fast_done_that_came_before_adopt_is_not_lost(pair):
@@ -360,18 +366,20 @@ def test_a_blocking_barrier_is_the_engines_no_data_no_handle(pair):
 
 
 def test_a_barrier_not_in_time_becomes_a_handle_and_completes_later(pair):
-    """A barrier whose DONE is late raises CollectiveTimeoutError; it stays in flight, and its DONE,
-    when it comes, is taken the general way (nothing freed: it had no slot)."""
+    """A barrier whose DONE is late raises CollectiveTimeoutError; it stays in flight, the engine's
+    (nothing freed: it had no slot), and its DONE, when it comes, completes it there."""
     client, daemon = pair
+    python = general_way(client)
     call = Call(lambda: collectives.barrier(client, 0.2))
     s = until_submits(daemon, 1)[-1]
     with pytest.raises(CollectiveTimeoutError, match="still in flight"):
         call.join()
     handle = client._handles[s.seq]
+    assert isinstance(handle, EngineHandle)
     assert handle.kind is Kind.BARRIER and handle._slot is None
     daemon.done(s, 0.0)
     assert handle.wait(5.0) is None
-    assert client._arena.in_use == 0
+    assert client._arena.in_use == 0 and python == []
 
 
 @pytest.mark.parametrize("kind", ["allgather", "reduce_scatter", "broadcast", "barrier"])
@@ -521,8 +529,9 @@ def test_an_address_takes_the_same_path_and_its_result_lands_there(pair):
 
 
 def test_an_address_not_in_time_is_delivered_later_through_its_view(pair):
-    """A timed-out call on an address becomes a handle like any other; its result lands through the
-    view the caller gave (which also keeps the memory alive), not through the bare address."""
+    """A timed-out call on an address becomes the engine's asynchronous collective like any other; its
+    result lands through the view the caller gave (which also keeps the memory alive), not through
+    the bare address."""
     client, daemon = pair
     buf = np.zeros(64, np.float32)
     views: list[np.ndarray] = []
@@ -839,7 +848,7 @@ def test_a_timeline_keeps_the_engines_path_and_notes_every_phase(tmp_path):
     """With a timeline on, every host collective still runs in the engine (no DONE reaches Python),
     and each leaves its three phases in the rank's part of the timeline, in order: a blocking call,
     an asynchronous one waited for, one completed by the DONE thread (callbacks), and a blocking one
-    parked by its timeout and completed the general way later."""
+    parked by its timeout and completed by the engine later."""
     client, theirs = lonely_client(timeline_dir=str(tmp_path))
     daemon = ScriptedDaemon(theirs)
     python = general_way(client)
@@ -866,7 +875,7 @@ def test_a_timeline_keeps_the_engines_path_and_notes_every_phase(tmp_path):
         while client._handles:
             assert time.monotonic() < deadline, "the parked collective never completed"
             time.sleep(0.01)
-        assert python == [4]
+        assert python == [], "the parked collective's DONE reached Python"
         assert np.array_equal(parked, np.full(16, 4.0, np.float32))
         client.shutdown(timeout=2)
     finally:
