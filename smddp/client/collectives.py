@@ -102,16 +102,15 @@ def _allreduce_pieces(
             return result
 
         part = view if aux == 0 else view.piece(a, b)
-        if b > a:
-            # The engine's, from its copy-in (a fused buffer's parts one after another, never packed
-            # first) to its copy-out.
-            dst = out[a:b]
-            h = c.start_async(
-                Kind.ALLREDUCE, _sources(part), view.dtype, b - a, rop, aux, dst, 0, dst.nbytes, None, result,
-                part.keepalive,
-            )  # fmt: skip
-            if h is not None:
-                return h
+        # The engine's, from its copy-in (a fused buffer's parts one after another, never packed
+        # first) to its copy-out.
+        dst = out[a:b]
+        h = c.start_async(
+            Kind.ALLREDUCE, _sources(part), view.dtype, b - a, rop, aux, dst, 0, dst.nbytes, None, result,
+            part.keepalive,
+        )  # fmt: skip
+        if h is not None:
+            return h
         return c.submit(Kind.ALLREDUCE, part, view.dtype, b - a, rop, aux, put)
 
     return _in_pieces(c, view.count, view.dtype.itemsize, result, submit)
@@ -198,7 +197,7 @@ def _usable_array(c: Client, buf: np.ndarray) -> DType | None:
     goes the general way, where it is refused with the full message or cut into pieces."""
     dt = dtype_from_numpy(buf.dtype)
     flags = buf.flags
-    if dt is not None and flags.c_contiguous and flags.writeable and buf.size and whole(c, buf.nbytes):
+    if dt is not None and flags.c_contiguous and flags.writeable and whole(c, buf.nbytes):
         return dt
     return None
 
@@ -257,13 +256,12 @@ def broadcast_parts_async(c: Client, parts: Sequence[Any], root: int = 0) -> Han
         return result
 
     mine = c.rank == root
-    if pv.count:
-        h = c.start_async(
-            Kind.BROADCAST, _sources(pv) if mine else NO_DATA, pv.dtype, pv.count, None, root, out, 0,
-            out.nbytes, None, result, pv.keepalive,
-        )  # fmt: skip
-        if h is not None:
-            return h
+    h = c.start_async(
+        Kind.BROADCAST, _sources(pv) if mine else NO_DATA, pv.dtype, pv.count, None, root, out, 0,
+        out.nbytes, None, result, pv.keepalive,
+    )  # fmt: skip
+    if h is not None:
+        return h
     return c.submit(Kind.BROADCAST, pv, pv.dtype, pv.count, None, root, deliver, send_data=mine)
 
 
@@ -294,16 +292,15 @@ def broadcast_async(c: Client, buf: Any, root: int = 0, stream: Any = None) -> H
             view.array[:] = result.view(view.dtype.storage)
         return buf
 
-    if view.count:
-        # The root sends its buffer and takes nothing back; the others send nothing and take it all.
-        arr = view.array
-        sent, back = (arr, NO_DATA) if mine else (NO_DATA, arr)
-        h = c.start_async(
-            Kind.BROADCAST, sent, view.dtype, view.count, None, root, back, 0, arr.nbytes, None, buf,
-            view.keepalive,
-        )  # fmt: skip
-        if h is not None:
-            return h
+    # The root sends its buffer and takes nothing back; the others send nothing and take it all.
+    arr = view.array
+    sent, back = (arr, NO_DATA) if mine else (NO_DATA, arr)
+    h = c.start_async(
+        Kind.BROADCAST, sent, view.dtype, view.count, None, root, back, 0, arr.nbytes, None, buf,
+        view.keepalive,
+    )  # fmt: skip
+    if h is not None:
+        return h
     return c.submit(Kind.BROADCAST, view, view.dtype, view.count, None, root, deliver, send_data=mine)
 
 
@@ -326,14 +323,13 @@ def allgather_async(c: Client, buf: Any, out: Any = None, stream: Any = None) ->
         out_view.array[:] = result.view(view.dtype.storage)
         return out
 
-    if view.count:
-        dst = out_view.array
-        h = c.start_async(
-            Kind.ALLGATHER, view.array, view.dtype, view.count, None, 0, dst, 0, dst.nbytes, None, out,
-            (view.keepalive, out_view.keepalive),
-        )  # fmt: skip
-        if h is not None:
-            return h
+    dst = out_view.array
+    h = c.start_async(
+        Kind.ALLGATHER, view.array, view.dtype, view.count, None, 0, dst, 0, dst.nbytes, None, out,
+        (view.keepalive, out_view.keepalive),
+    )  # fmt: skip
+    if h is not None:
+        return h
     return c.submit(Kind.ALLGATHER, view, view.dtype, view.count, None, 0, deliver)
 
 
@@ -380,14 +376,13 @@ def reduce_scatter_async(
         out_view.array[:] = result.view(view.dtype.storage)[lo : lo + part]
         return out
 
-    if part:
-        isz = view.dtype.itemsize
-        h = c.start_async(
-            Kind.REDUCE_SCATTER, view.array, view.dtype, view.count, rop, 0, out_view.array, lo * isz,
-            view.nbytes, None, out, (view.keepalive, out_view.keepalive),
-        )  # fmt: skip
-        if h is not None:
-            return h
+    isz = view.dtype.itemsize
+    h = c.start_async(
+        Kind.REDUCE_SCATTER, view.array, view.dtype, view.count, rop, 0, out_view.array, lo * isz,
+        view.nbytes, None, out, (view.keepalive, out_view.keepalive),
+    )  # fmt: skip
+    if h is not None:
+        return h
     return c.submit(Kind.REDUCE_SCATTER, view, view.dtype, view.count, rop, 0, deliver)
 
 

@@ -775,9 +775,9 @@ class Client:
         copy-in, it waits in the channel and goes right after them). False, with nothing done, once
         the client is shutting down (the general way's open check then refuses the call).
 
-        `buf` is a C-contiguous, writable numpy array of `count` elements of `dtype`, not empty and
-        taken whole (the caller checked: collectives.allreduce), or the address of such memory (a
-        torch tensor's data_ptr(), whose numpy view costs more than the rest of the call) with
+        `buf` is a C-contiguous, writable numpy array of `count` elements of `dtype` (empty too),
+        taken whole (the caller checked: collectives.allreduce), or the address of such memory, not
+        empty (a torch tensor's data_ptr(), whose numpy view costs more than the rest of the call) with
         `view` making its numpy view, which also keeps the memory alive. A collective that does not
         complete within `timeout` becomes an asynchronous collective of the engine's (_parked: its result
         lands in `buf` when it comes, through `view()` for an address) and CollectiveTimeoutError is

@@ -970,3 +970,27 @@ def test_device_submits_go_in_sequence_order_when_their_copy_ins_finish_the_othe
     assert np.array_equal(x1.get(), np.full(32, 2.0, np.float32))
     client.shutdown(timeout=2)
     rt.close()
+
+
+@pytest.mark.parametrize("kind", ["allreduce", "allreduce_async", "broadcast", "allgather", "reduce_scatter"])
+def test_a_collective_of_an_empty_host_buffer_is_the_engines(pair, kind):
+    """A collective of nothing runs in the engine like any other (the client once sent these the general
+    way): no slot, a SUBMIT of count 0, its DONE completed there, none reaching Python."""
+    client, daemon = pair
+    python = general_way(client)
+    empty = np.zeros(0, np.float32)
+    start: dict[str, Callable[[], Any]] = {
+        "allreduce": lambda: collectives.allreduce(client, empty, ReduceOp.SUM, 5.0),
+        "allreduce_async": lambda: allreduce_async(client, empty).wait(5.0),
+        "broadcast": lambda: collectives.broadcast_async(client, empty, 0).wait(5.0),
+        "allgather": lambda: collectives.allgather_async(client, empty).wait(5.0),
+        "reduce_scatter": lambda: collectives.reduce_scatter_async(client, empty).wait(5.0),
+    }
+    call = Call(start[kind])
+    (s,) = [f for f in until_submits(daemon, 1) if f.type is MsgType.SUBMIT]
+    assert s.count == 0 and s.kind.label == kind.removesuffix("_async")
+    assert client._arena.in_use == 0, "a collective of nothing took a slot"
+    daemon.done(s, 0.0)
+    result = call.join()
+    assert isinstance(result, np.ndarray) and result.size == 0
+    assert python == [], "its DONE reached Python"
