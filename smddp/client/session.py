@@ -895,7 +895,7 @@ class Client:
     ) -> SmddpError:
         """What a blocking fast call raises when its collective did not complete within `t` (the channel
         parked it): the client's failure if it failed meanwhile, else CollectiveTimeoutError, with the
-        collective made an asynchronous one of the engine's first (Channel.resume), collected, so that
+        collective made an asynchronous one of the engine's first (WorkerChannel.resume), collected, so that
         the engine's taker of its DONE still copies its result into `buf` when it comes (through
         `view()` for an address)."""
         if self._failure is not None or self._closed:
