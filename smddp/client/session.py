@@ -1291,7 +1291,7 @@ class Client:
 
     def _trace(self, handle: Handle, t_done: float, t_copied: float) -> None:
         """Chrome trace events of one collective the general way completed here."""
-        t0, t1 = handle.times if handle.times else (t_done, t_done)  # (none noted: not one of submit())
+        t0, t1 = handle.times  # (submit() notes them on every Handle it makes)
         self._spans(handle.seq, handle.kind, handle.dtype, handle.count, (t0, t1, t_done, t_copied))
 
     def _spans(self, seq: int, kind: Kind, dtype: DType, count: int, times: tuple[float, ...]) -> None:

@@ -135,25 +135,19 @@ std::uint64_t WorkerChannel::queued_starts() {
 }
 
 RingWait WorkerChannel::submit_locked(std::uint64_t seq, const std::uint8_t* frame, std::int64_t timeout_ns,
-                                      std::int64_t spin_ns, bool* queued) {
-  *queued = false;
+                                      std::int64_t spin_ns) {
   reserved_.erase(seq);  // (a fast one was never reserved)
   if (!reserved_.empty() && *reserved_.begin() < seq) {
     // A SUBMIT before it is reserved and not given yet (a device copy-in still running): it waits here.
     std::array<std::uint8_t, kHeaderSize> f{};
     std::memcpy(f.data(), frame, kHeaderSize);
     queued_.emplace(seq, f);
-    *queued = true;
     return RingWait::kReady;
   }
-  if (queued_.empty()) return push_locked(frame, timeout_ns, spin_ns);
-  // Queued ones before it go first, and those after it up to the next one still reserved follow it.
-  std::array<std::uint8_t, kHeaderSize> f{};
-  std::memcpy(f.data(), frame, kHeaderSize);
-  queued_.emplace(seq, f);
-  const RingWait r = drain_locked(timeout_ns, spin_ns);
-  if (r != RingWait::kReady) queued_.erase(seq);  // (if still there: the caller is told it did not go)
-  return r;
+  // Nothing before it waits (queued ones all follow a reserved one): it goes, then those queued
+  // after it, up to the next one still reserved.
+  const RingWait r = push_locked(frame, timeout_ns, spin_ns);
+  return r == RingWait::kReady ? drain_locked(timeout_ns, spin_ns) : r;
 }
 
 RingWait WorkerChannel::drain_locked(std::int64_t timeout_ns, std::int64_t spin_ns) {
@@ -256,8 +250,7 @@ RingWait WorkerChannel::push(const std::uint8_t* header, std::int64_t timeout_ns
   RingWait r;
   {
     std::lock_guard<std::mutex> lock(push_mu_);
-    bool queued = false;
-    r = submit ? submit_locked(h.seq, header, timeout_ns, spin_ns, &queued) : push_locked(header, timeout_ns, spin_ns);
+    r = submit ? submit_locked(h.seq, header, timeout_ns, spin_ns) : push_locked(header, timeout_ns, spin_ns);
   }
   if (submit && r != RingWait::kReady) {
     std::lock_guard<std::mutex> lock(pop_mu_);
@@ -504,10 +497,9 @@ FastEnd WorkerChannel::start(Arena& arena, const Source* src, std::size_t n, Hea
         }
         // Behind a reserved SUBMIT not on the ring yet (a device copy-in still running) it waits
         // here, and goes the moment the last reserved one before it does (submit_locked).
-        bool queued = false;
-        const RingWait r = submit_locked(submit->seq, frame.data(), timeout_ns, spin_ns, &queued);
+        const RingWait r = submit_locked(submit->seq, frame.data(), timeout_ns, spin_ns);
         if (r == RingWait::kReady) {
-          if (queued) queued_starts_++;
+          if (queued_.count(submit->seq)) queued_starts_++;
           next_seq_++;
           if (t_start != 0) {
             // Noted before start() returns, and so before anything can finish or collect it (a

@@ -257,10 +257,9 @@ class WorkerChannel {
   RingWait alloc_locked(Arena& arena, std::uint64_t nbytes, std::uint32_t rank, std::int64_t timeout_ns,
                         std::int64_t spin_ns, Slot* slot, std::shared_ptr<Segment>* fresh, std::string* arena_why);
   // With push_mu_ held: SUBMIT `seq` (`frame`) given, reserved no more. It goes on the ring now if no
-  // SUBMIT before it is still reserved (after the queued ones before it, and with those after it up
-  // to the next one reserved), else it waits in queued_ (*queued). Not kReady: it is not kept.
-  RingWait submit_locked(std::uint64_t seq, const std::uint8_t* frame, std::int64_t timeout_ns, std::int64_t spin_ns,
-                         bool* queued);
+  // SUBMIT before it is still reserved (and those queued after it, up to the next one reserved,
+  // follow it), else it waits in queued_.
+  RingWait submit_locked(std::uint64_t seq, const std::uint8_t* frame, std::int64_t timeout_ns, std::int64_t spin_ns);
   // With push_mu_ held: the queued SUBMITs before the first one still reserved go, in order.
   RingWait drain_locked(std::int64_t timeout_ns, std::int64_t spin_ns);
   // SUBMITs given while a reserved one before them was not: seq -> frame, pushed in seq order.

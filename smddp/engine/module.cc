@@ -1668,6 +1668,32 @@ bool int_arg(PyObject* arg, long long* out) {
   return !(*out == -1 && PyErr_Occurred());
 }
 
+// The rest of a record whose collective is under way (begin, resume): what its wait and collect take,
+// the bound channel's settings, and its place in the live table until it finishes (shutdown waits for
+// it; should that insert fail, for want of memory, the collective still runs: only shutdown would not
+// know it). Nothing here can fail.
+void fill_record(PyObject* self, PyObject* started, const smddp::Header& h, const smddp::Slot& slot,
+                 const smddp::Delivery& out, PyObject* kind, PyObject* dtype, PyObject* result, PyObject* keepalive) {
+  ChannelObject* co = chan(self);
+  StartedObject* obj = started_of(started);
+  obj->channel = Py_NewRef(self);
+  obj->arena = Py_NewRef(co->arena);
+  obj->ctx = Py_NewRef(co->ctx);
+  obj->result = Py_NewRef(result);
+  obj->keepalive = Py_NewRef(keepalive);
+  obj->kind = Py_NewRef(kind);
+  obj->dtype = Py_NewRef(dtype);
+  obj->submit = h;
+  obj->slot = slot;
+  obj->out = out;
+  obj->batch = co->batch;
+  obj->timeout_ns = co->timeout_ns;
+  obj->spin_ns = co->spin_ns;
+  PyObject* key = PyLong_FromUnsignedLongLong(h.seq);
+  if (key == nullptr || co->live == nullptr || PyDict_SetItem(co->live, key, started) != 0) PyErr_Clear();
+  Py_XDECREF(key);
+}
+
 // begin(kind, src, count, dtype, op, root, dst, src_offset, result_bytes, owner, result, keepalive) ->
 // a record of bind()'s class, or None (held: the caller goes the general way): a slot of the bound
 // arena for `src` (Sources; none when it is empty), ATTACHed if new, `src` copied in and the SUBMIT
@@ -1709,9 +1735,7 @@ PyObject* channel_begin(PyObject* self, PyObject* const* args, Py_ssize_t nargs)
     Py_DECREF(keep);
     return nullptr;
   }
-  PyObject* key = nullptr;
-  StartedObject* obj = started_of(started);
-  obj->keep = keep;  // (the rest zeroed by the allocation: a failed start leaves nothing else)
+  started_of(started)->keep = keep;  // (the rest zeroed by the allocation: a failed start leaves nothing else)
   smddp::Arena& a = *reinterpret_cast<ArenaObject*>(co->arena)->arena;
   smddp::Slot slot;
   smddp::FastEnd end;
@@ -1722,31 +1746,14 @@ PyObject* channel_begin(PyObject* self, PyObject* const* args, Py_ssize_t nargs)
     Py_DECREF(started);
     return not_started(self, end);
   }
-  obj->channel = Py_NewRef(self);
-  obj->arena = Py_NewRef(co->arena);
-  obj->ctx = Py_NewRef(co->ctx);
-  obj->result = Py_NewRef(args[10]);
-  obj->keepalive = Py_NewRef(args[11]);
-  obj->kind = Py_NewRef(args[0]);
-  obj->dtype = Py_NewRef(args[3]);
-  obj->submit = h;
-  obj->slot = slot;
-  obj->out = out;
-  obj->batch = co->batch;
-  obj->timeout_ns = co->timeout_ns;
-  obj->spin_ns = co->spin_ns;
-  // In the live table until it finishes (shutdown waits for it). Should that fail (no memory), the
-  // collective still runs; only shutdown would not know it.
-  key = PyLong_FromUnsignedLongLong(h.seq);
-  if (key == nullptr || co->live == nullptr || PyDict_SetItem(co->live, key, started) != 0) PyErr_Clear();
-  Py_XDECREF(key);
+  fill_record(self, started, h, slot, out, args[0], args[3], args[10], args[11]);
   return started;
 }
 
 // run(kind, buf, count, dtype, op, timeout_s) -> True once the collective is complete and its result
 // back in `buf` (in place: an all-reduce; a barrier's is empty), its slot (from the bound arena) freed
-// and its RELEASE held; None, with nothing done, where it goes the general way (held); (seq, segment,
-// offset, nbytes) when it did not complete in time (parked: adopt(seq)). start() and finish() on one
+// and its RELEASE held; None, with nothing done, once starts are closed (shutting down); (seq, segment,
+// offset, nbytes) when it did not complete in time (parked: resume, or adopt(seq)). start() and finish() on one
 // thread, the GIL released once. timeout_s None: the job's (bind()); the rest as bind() gave it.
 PyObject* channel_run(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 6) {
@@ -1821,11 +1828,8 @@ PyObject* channel_resume(PyObject* self, PyObject* args) {
   h.seq = seq;
   h.shard = static_cast<std::uint32_t>(segment);
   h.offset = offset;
-  // run()'s result goes back whole into its buffer: an all-reduce's bytes, a barrier's none.
-  Py_buffer view;
-  if (PyObject_GetBuffer(dst, &view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) != 0) return nullptr;
-  const long long result_bytes = view.len;
-  PyBuffer_Release(&view);
+  // run()'s result goes back whole into its buffer: an all-reduce's count of its dtype, a barrier's none.
+  const auto result_bytes = static_cast<long long>(smddp::dtype_size(static_cast<std::uint8_t>(dtype))) * count;
   smddp::Delivery out;
   PyObject* keep = nullptr;
   if (!delivery_arg(self, dst, 0, result_bytes, dtype, count, Py_None, &out, &keep)) return nullptr;
@@ -1835,28 +1839,13 @@ PyObject* channel_resume(PyObject* self, PyObject* args) {
     Py_DECREF(keep);
     return nullptr;
   }
-  StartedObject* obj = started_of(started);
-  obj->keep = keep;
+  started_of(started)->keep = keep;
   if (!co->ch->unblock(seq)) {
     Py_DECREF(started);
     Py_RETURN_NONE;
   }
-  obj->channel = Py_NewRef(self);
-  obj->arena = Py_NewRef(co->arena);
-  obj->ctx = Py_NewRef(co->ctx);
-  obj->result = Py_NewRef(result);
-  obj->keepalive = Py_NewRef(Py_None);
-  obj->kind = Py_NewRef(kind_obj);
-  obj->dtype = Py_NewRef(dtype_obj);
-  obj->submit = h;
-  obj->slot = smddp::Slot{static_cast<std::uint32_t>(segment), offset, nbytes};
-  obj->out = out;
-  obj->batch = co->batch;
-  obj->timeout_ns = co->timeout_ns;
-  obj->spin_ns = co->spin_ns;
-  PyObject* key = PyLong_FromUnsignedLongLong(seq);
-  if (key == nullptr || co->live == nullptr || PyDict_SetItem(co->live, key, started) != 0) PyErr_Clear();
-  Py_XDECREF(key);
+  fill_record(self, started, h, smddp::Slot{static_cast<std::uint32_t>(segment), offset, nbytes}, out, kind_obj,
+              dtype_obj, result, Py_None);
   return started;
 }
 
