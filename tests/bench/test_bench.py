@@ -345,20 +345,23 @@ def test_gpu_section_reads_a_lent_gpus_results(tmp_path):
     assert "On NVIDIA H200" in text and "**10 passed in" in text
     assert "| 2 | 0 of 480 | 0 of 480 | 0 of 480 | 0 of 480 | 0 of 480 |" in text
     assert "| 4 | 0 of 960 |" in text
-    assert "a kernel of 427 ms alone took 400, 400, 400 ms" in text
+    assert "a kernel of 447 ms alone took 400, 400, 400 ms" in text
+    assert "This run: smddp at 78c45a3" in text  # the newest run's notes, before its tables
     for title in (
         "### Device buffers through the client",
         "### torch.distributed on CUDA tensors",
         "### Stock DDP on CUDA",
     ):
         assert title in text
-    # The full run's two DDP tables, then a later, shorter run's (bench-results/gpu/2026-11-27/): its
-    # notes, the settings of each torch-gpu table, its two DDP tables.
-    assert text.count("smddp / gloo: **") == 4
-    later = text.index("### A later, shorter run: 2026-11-27")
-    assert later > text.index("### Stock DDP on CUDA")
-    assert "Settings: --threads 2, device buffers whole" in text[later:]
-    assert "| 2 | 0 of 480 |" in text[later:]  # its own consumer checks
+    # The newest run's two DDP tables, then the earlier runs' (bench-results/gpu/<date>/), newest
+    # first: each one's notes, its settings, its consumer checks, its two DDP tables.
+    assert text.count("smddp / gloo: **") == 6
+    second = text.index("### An earlier run: 2026-11-27")
+    first = text.index("### An earlier run: 2026-11-26")
+    assert text.index("### Stock DDP on CUDA") < second < first
+    assert "Settings: --threads 2, device buffers whole" in text[second:first]
+    assert "| 2 | 0 of 480 |" in text[second:first]  # its own consumer checks
+    assert "on smddp at 124c217" in text[first:] and "a kernel of 427 ms alone" in text[first:]
     (tmp_path / "gpu.json").write_text(json.dumps({"runtime": "standin"}))
     assert "**No GPU numbers**" in "\n".join(gpu_section(tmp_path))
     assert "**No GPU numbers**" in "\n".join(gpu_section(tmp_path / "absent"))

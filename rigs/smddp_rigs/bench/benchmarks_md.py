@@ -175,7 +175,7 @@ def gpu_tests(gpu_dir: Path) -> list[str]:
     return out
 
 
-#: The GPU benchmarks' tables (bench-results/gpu/, or a later run's directory), under their titles.
+#: The GPU benchmarks' tables (bench-results/gpu/, or an earlier run's directory), under their titles.
 GPU_TABLES = (
     ("Device buffers through the client", ("gpu.md",)),
     ("torch.distributed on CUDA tensors", ("torch-gpu.md", "torch-gpu-whole.md", "torch-gpu-before.md")),
@@ -183,11 +183,11 @@ GPU_TABLES = (
 )
 
 
-def later_gpu_run(run: Path) -> list[str]:
-    """A later, shorter run on a lent GPU (bench-results/gpu/<date>/): its notes (what ran, with which
-    settings, what did not finish), its correctness figures and its tables, before the full run's."""
+def earlier_gpu_run(run: Path) -> list[str]:
+    """An earlier run on a lent GPU (bench-results/gpu/<date>/): its notes (which smddp, what ran, with
+    which settings, what did not finish), its correctness figures and its tables."""
     env = (run / "env.txt").read_text().splitlines() if (run / "env.txt").exists() else []
-    out = [f"### A later, shorter run: {run.name}", ""]
+    out = [f"### An earlier run: {run.name}", ""]
     if len(env) >= 4:
         out += [f"On {env[1]} (name, driver, memory), {env[3]} cores; {env[2]}; measured {env[0]}.", ""]
     if (run / "NOTES.md").exists():
@@ -210,16 +210,21 @@ def gpu_section(gpu_dir: Path) -> list[str]:
         if len(env) >= 4:
             out += [
                 f"On {env[1]} (name, driver, memory), {env[3]} cores; {env[2]}; measured {env[0]}. Every "
-                "rank shares the one GPU. Produced by the first command below on a lent machine; "
-                "`python -m smddp_rigs.bench benchmarks` put it here from `bench-results/gpu/`.",
+                "rank shares the one GPU. Produced on a lent machine by the commands below (the notes say "
+                "which ran); `python -m smddp_rigs.bench benchmarks` put it here from `bench-results/gpu/`.",
                 "",
             ]
+        if (gpu_dir / "NOTES.md").exists():
+            out += [(gpu_dir / "NOTES.md").read_text().strip(), ""]
         out += ["```sh", *GPU_COMMANDS, "```", ""]
-        later = sorted(d for d in gpu_dir.iterdir() if d.is_dir())
-        if later:
+        # The newest run is the one above; earlier ones (smddp as it was then) follow, newest first.
+        earlier = sorted((d for d in gpu_dir.iterdir() if d.is_dir()), reverse=True)
+        if earlier:
             out += [
-                "Later, shorter runs (" + ", ".join(d.name for d in later) + ") follow the full one, each in "
-                "its own subsection at the end, with what it ran and with which settings.",
+                "Earlier runs ("
+                + ", ".join(d.name for d in earlier)
+                + ") follow this one, newest first, each "
+                "in its own subsection at the end, with the smddp it ran, what it ran and with which settings.",
                 "",
             ]
         out += ["### Correctness", "", *gpu_tests(gpu_dir)]
@@ -228,8 +233,8 @@ def gpu_section(gpu_dir: Path) -> list[str]:
             if found:
                 out += [f"### {title}", ""]
                 out += [line for f in found for line in (f.read_text().strip(), "")]
-        for d in later:
-            out += later_gpu_run(d)
+        for d in earlier:
+            out += earlier_gpu_run(d)
         return out
     return [
         *out,
