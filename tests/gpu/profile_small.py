@@ -1,0 +1,209 @@
+"""Worker script: where a small device all-reduce's time goes on a GPU (issue 28, the 4 KiB target).
+
+Run under smddp-launch on a lent GPU machine (tests/gpu/on_gpu.sh profile), or on the stand-in
+(`--device standin`, under tests/gpu/run_standin.py: the numbers then only show that it runs).
+Every rank, each call after a barrier, medians in microseconds:
+
+- calls: `dist.all_reduce(x)` then a synchronize (torch, blocking and async_op), `smddp.allreduce` of
+  a CuPy array (blocking), of host memory, and the floor (the bytes to page-locked memory and back,
+  each copy followed by a synchronize), interleaved round by round;
+- parts: what one call makes of the device runtime and of torch, each alone, many times (an event
+  record and query, a stream switch, a device-aware future completed with a tensor, a 4 KiB
+  device-to-host copy waited for by a poll of its event, by an event synchronize), all ranks at once;
+- rank 0's profile of the torch calls (cProfile: the Python and the waits, by function).
+
+Writes profile-<rank>.json and, on rank 0, profile-rank0.txt into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import smddp
+import smddp.torch
+
+
+def _median_us(fn: Callable[[], None], n: int) -> float:
+    ts = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts) * 1e6
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--size", type=int, default=4096)
+    ap.add_argument("--rounds", type=int, default=300)
+    ap.add_argument("--device", choices=("cuda", "standin"), default="cuda")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group(backend="smddp")
+    rank = dist.get_rank()
+    cuda = args.device == "cuda"
+    n = args.size // 4
+    if cuda:
+        dev = torch.device("cuda", smddp.local_rank() % torch.cuda.device_count())
+        torch.cuda.set_device(dev)
+        x = torch.zeros(n, device=dev)
+
+        def sync() -> None:
+            torch.cuda.synchronize(dev)
+
+    else:
+        dev = torch.device("cpu")
+        x = torch.zeros(n)
+
+        def sync() -> None:
+            pass
+
+    host = np.zeros(n, np.float32)
+    pinned = torch.empty(n, pin_memory=cuda)
+
+    def blocking() -> None:
+        dist.all_reduce(x)
+        sync()
+
+    def asynchronous() -> None:
+        dist.all_reduce(x, async_op=True).wait()
+        sync()
+
+    def on_host() -> None:
+        smddp.allreduce(host)
+
+    def copy() -> None:
+        pinned.copy_(x, non_blocking=True)
+        sync()
+        x.copy_(pinned, non_blocking=True)
+        sync()
+
+    calls: dict[str, Callable[[], None]] = {
+        "torch": blocking,
+        "torch-async": asynchronous,
+        "host": on_host,
+        "copy": copy,
+    }
+    if cuda:
+        import cupy
+
+        with cupy.cuda.Device(dev.index):
+            c = cupy.zeros(n, cupy.float32)
+
+        def on_cupy() -> None:
+            smddp.allreduce(c)
+            cupy.cuda.get_current_stream().synchronize()
+
+        calls["cupy"] = on_cupy
+    times: dict[str, list[float]] = {k: [] for k in calls}
+    for _ in range(20):  # warm: pinning, first events, the side stream
+        for fn in calls.values():
+            smddp.barrier()
+            fn()
+    for _ in range(args.rounds):
+        for name, fn in calls.items():
+            smddp.barrier()
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    result: dict[str, Any] = {
+        "rank": rank,
+        "size": args.size,
+        "calls_us": {k: statistics.median(v) * 1e6 for k, v in times.items()},
+    }
+
+    # The parts, every rank at once (they share the GPU as the calls do).
+    parts: dict[str, float] = {}
+    smddp.barrier()
+    if cuda:
+        rt = smddp.client().device_runtime()
+        side = torch.cuda.Stream(dev)
+        cur = torch.cuda.current_stream(dev)
+        ev = torch.cuda.Event()
+        parts["torch current_stream"] = _median_us(
+            lambda: torch.cuda.current_stream(dev).query() and None, 2000
+        )
+        parts["torch Event() + record"] = _median_us(lambda: torch.cuda.Event().record(cur), 2000)
+        parts["torch event query"] = _median_us(lambda: ev.query() and None, 2000)
+        parts["torch stream wait_event"] = _median_us(lambda: cur.wait_event(ev), 2000)
+
+        def switch() -> None:
+            with torch.cuda.stream(side):
+                pass
+
+        parts["torch stream switch"] = _median_us(switch, 2000)
+
+        def future() -> None:
+            with torch.cuda.stream(side):
+                f: torch.futures.Future[Any] = torch.futures.Future(devices=[dev])
+                f.set_result([x])
+
+        parts["torch device future set_result"] = _median_us(future, 2000)
+        s = rt.new_stream(dev.index)
+        e = rt.new_event(dev.index)
+        parts["runtime new_event"] = _median_us(lambda: rt.new_event(dev.index) and None, 2000)
+        parts["runtime record"] = _median_us(lambda: rt.record(e, s, dev.index), 2000)
+        parts["runtime event_done"] = _median_us(lambda: rt.event_done(e) and None, 2000)
+        dst = np.zeros(n, np.float32)
+        rt.register_host(int(dst.ctypes.data), dst.nbytes, False)
+        src = int(x.data_ptr())
+
+        def d2h_poll() -> None:
+            rt.copy_d2h(int(dst.ctypes.data), src, dst.nbytes, s, dev.index)
+            rt.record(e, s, dev.index)
+            while not rt.event_done(e):
+                time.sleep(0)
+
+        def d2h_sync() -> None:
+            rt.copy_d2h(int(dst.ctypes.data), src, dst.nbytes, s, dev.index)
+            rt.record(e, s, dev.index)
+            rt.event_synchronize(e)
+
+        parts["4 KiB D2H, event polled"] = _median_us(d2h_poll, 500)
+        parts["4 KiB D2H, event synchronize"] = _median_us(d2h_sync, 500)
+        rt.unregister_host(int(dst.ctypes.data))
+    result["parts_us"] = parts
+    smddp.barrier()
+
+    # Rank 0's profile of the blocking torch call (every rank runs the calls).
+    prof = cProfile.Profile()
+    for _ in range(args.rounds):
+        smddp.barrier()
+        if rank == 0:
+            prof.enable()
+        calls["torch"]()
+        if rank == 0:
+            prof.disable()
+    if rank == 0:
+        text = io.StringIO()
+        st = pstats.Stats(prof, stream=text)
+        st.sort_stats("tottime").print_stats(30)
+        st.sort_stats("cumulative").print_stats(40)
+        with open(os.path.join(args.out, "profile-rank0.txt"), "w") as f:
+            f.write(text.getvalue())
+    with open(os.path.join(args.out, f"profile-{rank}.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"rank {rank}: " + ", ".join(f"{k} {v:.0f}" for k, v in result["calls_us"].items()), flush=True)
+    if rank == 0:
+        for k, v in parts.items():
+            print(f"  {k}: {v:.1f} us", flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
