@@ -55,6 +55,9 @@ class StandinStreams:
     def handle(self, stream: Any) -> int:
         return int(stream)
 
+    def current_handle(self) -> int:
+        return self.rt.current_stream(0)
+
     def new_stream(self) -> int:
         return self.rt.new_stream(0)
 
@@ -76,6 +79,12 @@ class StandinStreams:
     def wait(self, stream: Any, event: Any) -> None:
         """`stream` waits for `event`; the caller's next torch operations run on the host, so it waits too."""
         self.rt.wait_event(int(stream), event, 0)
+        self.rt.event_synchronize(event)
+
+    def follow(self, event: Any) -> None:
+        """The current stream waits for `event` already; the caller's next torch operations run on the
+        host, so the host waits for it (only for it: an event that the stream's waits do not order
+        after the copies leaves the host racing them, as CUDA would leave the caller's kernels)."""
         self.rt.event_synchronize(event)
 
     def query(self, event: Any) -> bool:

@@ -10,6 +10,9 @@ behind a run of work on the current stream, starts `dist.all_reduce(x, async_op=
 - then:     read x inside a `get_future().then()` callback, whose value is then waited for
 - chained:  `get_future().then(...)` twice, read the last value
 - blocking: the call without async_op (torch waits for the Work itself), then read x
+- late:     the blocking call made through the group's backend (asyncOp false, completed in the
+            caller's thread), keeping its Work; then read x in a `get_future().then()` callback,
+            the future asked for only after the Work completed
 
 A consumer that is not ordered after the result's copy to the device reads the rank's own input
 (or a mix): every element is compared with the exact result. The same script runs on a GPU (`--device
@@ -27,12 +30,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch._C._distributed_c10d as c10d
 import torch.distributed as dist
 
 import smddp
 import smddp.torch
 
-PATHS = ("wait", "future", "value", "then", "chained", "blocking")
+PATHS = ("wait", "future", "value", "then", "chained", "blocking", "late")
 
 
 class Cuda:
@@ -92,6 +96,31 @@ def start(kind: str, x: torch.Tensor, world: int, async_op: bool) -> tuple[Any, 
     raise ValueError(kind)
 
 
+def start_blocking(kind: str, x: torch.Tensor, world: int) -> tuple[Any, torch.Tensor]:
+    """Start collective `kind` as torch's blocking call reaches the group's backend (asyncOp false:
+    the backend completes it before returning), keeping the Work that torch would wait for and drop."""
+    pg = dist.distributed_c10d._get_default_group()
+    if kind == "allreduce":
+        ar = dist.AllreduceOptions()
+        ar.asyncOp = False
+        return pg.allreduce([x], ar), x
+    if kind == "broadcast":
+        bc = dist.BroadcastOptions()
+        bc.rootRank, bc.asyncOp = 0, False
+        return pg.broadcast([x], bc), x
+    if kind == "allgather":
+        out = torch.empty(world * x.numel(), dtype=x.dtype, device=x.device)
+        ag = c10d.AllgatherOptions()
+        ag.asyncOp = False
+        return pg._allgather_base(out, x, ag), out
+    if kind == "reduce_scatter":
+        out = torch.empty(x.numel() // world, dtype=x.dtype, device=x.device)
+        rs = dist.ReduceScatterOptions()
+        rs.asyncOp = False
+        return pg._reduce_scatter_base(out, x, rs), out
+    raise ValueError(kind)
+
+
 def expected(kind: str, v: float, n: int, rank: int, world: int, like: torch.Tensor) -> torch.Tensor:
     """The exact result on `rank` when rank r's input is all v * (r + 1), in host memory.
 
@@ -127,6 +156,8 @@ def consume(path: str, work: Any, out: torch.Tensor, want: torch.Tensor) -> bool
         work.wait()
         return right(out)
     fut = work.get_future()
+    if path == "late":  # a pool stream's read, ordered by the future alone
+        return bool(fut.then(lambda f: right(out)).wait())
     if path == "future":
         fut.wait()
         return right(out)
@@ -170,7 +201,12 @@ def main() -> int:
                         vals = [float(1 + i + rnd) for i in range(inflight)]
                         for x, v in zip(xs, vals, strict=True):
                             dev.produce(x, v * (rank + 1))
-                        started = [start(kind, x, world, path != "blocking") for x in xs]
+                        started = [
+                            start_blocking(kind, x, world)
+                            if path == "late"
+                            else start(kind, x, world, path != "blocking")
+                            for x in xs
+                        ]
                         for (w, out), v in zip(started, vals, strict=True):
                             wrong += not consume(path, w, out, expected(kind, v, n, rank, world, out))
                         dev.sync()

@@ -133,14 +133,16 @@ def test_ddp_on_the_gpu_matches_the_cpu_path(tmp_path: Path, clean_host: None):
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_consumer_of_a_cuda_work_sees_its_result(world: int, tmp_path: Path, clean_host: None):
     """Issue 28's raw case: `wait()`, `get_future().wait()`, its value, `then()` callbacks and
-    chains, and the blocking call, read the exact result on the current stream, for all-reduce, broadcast, all-gather and
+    chains, the blocking call and a blocking Work's late future, read the exact result, for all-reduce, broadcast, all-gather and
     reduce-scatter, 256 KiB to 64 MiB, one and four in flight."""
     kinds = "allreduce,broadcast,allgather,reduce_scatter"
     args = [str(HERE / "check_ordering.py"), "--out", str(tmp_path), "--device", "cuda", "--rounds", "3"]
     launch(world, 1, [*args, "--kinds", kinds])
     rows = [row for d in results(tmp_path, world) for row in d["rows"]]
     keep(f"consumers-{world}", rows)
-    assert len(rows) == world * 4 * 4 * 2 * 6
+    from tests.gpu.check_ordering import PATHS
+
+    assert len(rows) == world * 4 * 4 * 2 * len(PATHS)
     wrong = [row for row in rows if row["wrong"]]
     assert not wrong, wrong
 

@@ -121,13 +121,16 @@ def test_every_consumer_of_a_work_sees_its_result(
     world: int, nodes: int, sizes: str, tmp_path: Path, clean_host: None
 ) -> None:
     """`wait()`, `get_future().wait()`, the future's value, `then()` callbacks and chains, and the
-    blocking call (completed in the caller's thread, not by the completer): every
+    blocking call (completed in the caller's thread, not by the completer), and a blocking Work's
+    future asked for after it completed (`then()`, on a pool stream): every
     element the consumer reads is the exact result, for every collective that writes a tensor, at
     every size, one and four in flight."""
     args = [WRAPPER, str(tmp_path), ORDERING, "--out", str(tmp_path), "--device", "standin"]
     launch(world, nodes, [*args, "--sizes", sizes, "--kinds", KINDS], SMDDP_STANDIN_DELAY_MS=LATE_MS)
     rows = ordering_rows(tmp_path, world)
-    assert len(rows) == world * 4 * len(sizes.split(",")) * 2 * 6
+    from tests.gpu.check_ordering import PATHS
+
+    assert len(rows) == world * 4 * len(sizes.split(",")) * 2 * len(PATHS)
     wrong = [row for row in rows if row["wrong"]]
     assert not wrong, wrong
 
