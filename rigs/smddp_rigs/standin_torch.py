@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from smddp.client.device.buffers import described
 from smddp.errors import DeviceError
-from smddp.proto.dtypes import DType
+from smddp.proto.dtypes import DType, dtype_from_numpy
 
 if TYPE_CHECKING:
     from smddp_rigs.standin import StandinEvent, StandinRuntime
@@ -45,9 +46,14 @@ class StandinStreams:
         self._marker: threading.Thread | None = None
 
     def buf(self, t: torch.Tensor) -> Any:
+        """`t`'s bytes as stand-in device memory, described as CudaStreams describes a CUDA tensor."""
         if t.dtype == torch.bfloat16:
-            return self.rt.alias(t.view(torch.int16).numpy().view(np.uint16), wire=DType.BFLOAT16)
-        return self.rt.alias(t.numpy())
+            arr = self.rt.alias(t.view(torch.int16).numpy().view(np.uint16), wire=DType.BFLOAT16)
+        else:
+            arr = self.rt.alias(t.numpy())
+        wire = arr.wire if arr.wire is not None else dtype_from_numpy(arr.dtype)
+        assert wire is not None  # torch's supported dtypes all have one
+        return described(arr.ptr, wire, tuple(t.shape), 0, "smddp_rigs", arr)
 
     def current(self) -> int:
         return self.rt.current_stream(0)

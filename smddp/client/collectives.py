@@ -138,7 +138,9 @@ def _allreduce_device(c: Client, dev: DeviceBuffer, rop: ReduceOp, stream: Any, 
     """All-reduce device buffer `dev` in place: in one piece, or in pieces (_piece_bytes) that all wait
     for the same point of the caller's stream, so that the copy of one to the host, the network steps
     of another and the copy of a third back to the device overlap."""
-    plan = c.device_plan(dev, [(dev, 0, dev.nbytes)], stream, dev, dev.keepalive)
+    # In pieces, copies in and out overlap on the lanes' two streams: in line only when whole.
+    one = whole(c, dev.nbytes)
+    plan = c.device_plan(dev, [(dev, 0, dev.nbytes)], stream, dev, dev.keepalive, inline=one)
 
     def submit(a: int, b: int, aux: int) -> Handle:
         piece = plan

@@ -236,7 +236,8 @@ class Handle:
         plan, io = self._device, self._io
         if plan is not None and plan.done is not None and io is not None:
             consumer = io.consumer_stream(plan) if stream is None else stream_handle(stream)
-            io.stream_wait(consumer, plan.done, plan.device)
+            if consumer != plan.inline:  # the copy-out ran on that stream itself: in order already
+                io.stream_wait(consumer, plan.done, plan.device)
         return self._result
 
     def synchronize(self, timeout: float | None = None) -> Any:
@@ -939,19 +940,27 @@ class Client:
             return self._device
 
     def device_buffer(self, buf: Any, what: str, writable: bool) -> DeviceBuffer | None:
-        """`buf` as device memory (None for host memory), checked against the runtime before anything is sent."""
-        found = device_kind(buf)
+        """`buf` as device memory (None for host memory), checked against the runtime before anything is
+        sent. A DeviceBuffer (a front end's tensor, device.buffers.described) is taken as it is."""
+        if isinstance(buf, DeviceBuffer):
+            found: tuple[str, int] | None = (buf.via, buf.device)
+            owner = buf.keepalive
+        else:
+            found = device_kind(buf)
+            owner = buf
         if found is None:
             return None
         via, device = found
         try:
             io = self._device_io()
         except DeviceUnavailableError as e:
-            raise DeviceUnavailableError(f"{what}: {type(buf).__name__} is CUDA memory, but {e}") from None
-        why = io.rt.refuse(buf)
+            raise DeviceUnavailableError(f"{what}: {type(owner).__name__} is CUDA memory, but {e}") from None
+        why = io.rt.refuse(owner)
         if why is not None:
             raise DeviceUnavailableError(f"{what}: the device runtime is {io.rt.name!r} and {why}")
-        if via == "dlpack":
+        if isinstance(buf, DeviceBuffer):
+            view = buf
+        elif via == "dlpack":
             view = read_dlpack(buf, what, device, io.lane(device).d2h)
         else:
             view = read_cai(buf, what)
@@ -969,8 +978,11 @@ class Client:
         stream: Any,
         like: DeviceBuffer,
         keepalive: Any,
+        inline: bool = True,
     ) -> DevicePlan:
-        """The streams and copies of one device collective; `like` is the buffer that names the device."""
+        """The streams and copies of one device collective; `like` is the buffer that names the device.
+        `inline`: its copies may run on the caller's stream when the caller waits at once (not for a
+        collective in pieces, whose copies overlap on the lanes)."""
         explicit = None if stream is None else stream_handle(stream)
         io = self._device_io()
         for b, _off, _n in [*([(src, 0, 0)] if src is not None else []), *outputs]:
@@ -978,8 +990,17 @@ class Client:
                 raise UnsupportedBufferError(
                     f"device buffers of one collective must be on one device: cuda:{b.device} and cuda:{like.device}"
                 )
-        before = io.mark(io.producer_stream(like, explicit), like.device)
+        producer = io.producer_stream(like, explicit)
         consumer = explicit if explicit is not None else (like.stream if like.stream_given else None)
+        if inline and producer is not None and getattr(self._tls, "waited", False):
+            # Waited for at once (Client.waiting): the copies run on the caller's stream, in line,
+            # after its work there (DevicePlan.inline); no event orders them.
+            if consumer is None:
+                consumer = producer
+            return DevicePlan(
+                like.device, src, None, outputs, consumer, like.library, keepalive, inline=producer
+            )
+        before = io.mark(producer, like.device)
         return DevicePlan(like.device, src, before, outputs, consumer, like.library, keepalive)
 
     def _copy_in(self, plan: DevicePlan, src: DeviceBuffer, slot: Slot) -> Any:
@@ -989,7 +1010,7 @@ class Client:
         seg = self._arena.segment(slot.segment)
         try:
             io.pin(("in", seg.id), seg.array, readonly=False)
-            return io.copy_in(src, self._arena.view(slot), plan.before)
+            return io.copy_in(src, self._arena.view(slot), plan.before, plan.inline)
         except BaseException:
             self._arena.free(slot)
             raise
@@ -1280,7 +1301,7 @@ class Client:
         assert io is not None
         io.pin(("out", seg.id), seg.array, readonly=True)
         parts = [(dst, view[off : off + n]) for dst, off, n in plan.outputs]
-        plan.done = io.copy_out(plan.device, parts, plan.before)
+        plan.done = io.copy_out(plan.device, parts, plan.before, plan.inline)
 
         def release() -> None:
             if not self._closed and self._failure is None:

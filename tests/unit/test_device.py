@@ -35,6 +35,7 @@ from smddp.errors import (
 )
 from smddp.proto import DType
 from smddp.transport.shm import Arena
+from tests.conftest import need_module
 
 SLOW = 0.3  # a "long kernel": long enough that a copy which does not wait for it runs first
 
@@ -539,3 +540,33 @@ def test_producer_and_consumer_stream_resolution(rt):
         assert io.consumer_stream(plan) == s
     assert library_stream(rt, "numpy", 0) == 1
     io.close()
+
+
+def test_a_torch_tensor_described_is_what_its_dlpack_export_says():
+    """smddp.torch hands device tensors as described buffers (address, dtype, shape), not through a
+    DLPack export: for every dtype the backend takes, at an offset into its storage and empty,
+    the description is the one DLPack's own capsule gives (read on CPU tensors: only the device
+    differs), and a non-contiguous tensor is refused rather than described wrongly."""
+    torch = need_module("torch", "pip install -e '.[torch]'")
+    from smddp.client.device.dlpack import dl_tensor
+    from smddp.torch.backend import SUPPORTED_DTYPES, CudaStreams, UnsupportedCollectiveError
+
+    streams = CudaStreams(torch.device("cuda", 3))
+    for dt in SUPPORTED_DTYPES:
+        base = torch.arange(40).to(dt).reshape(5, 8)
+        for t in (base, base[2:], base[1:1]):
+            d = streams.buf(t)
+            capsule = t.__dlpack__()  # alive while its struct is read
+            cap, wire, shape, count = dl_tensor(capsule, "t")
+            ptr = (int(cap.data or 0) + int(cap.byte_offset)) if count else 0
+            assert (d.ptr, d.dtype, d.shape, d.count) == (ptr, wire, shape, count), (dt, t.shape)
+            assert (d.device, d.via, d.library, d.readonly, d.stream_given) == (
+                3,
+                "described",
+                "torch",
+                False,
+                False,
+            )
+            assert d.keepalive is t and d.result_dtype == wire.storage
+    with pytest.raises(UnsupportedCollectiveError, match="non-contiguous"):
+        streams.buf(torch.zeros(4, 4).t())

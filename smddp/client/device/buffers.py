@@ -33,7 +33,7 @@ class DeviceBuffer:
     readonly: bool
     stream: int | None  # the stream the producer named (CUDA Array Interface v3), else None
     stream_given: bool  # the producer named a stream or said None ("no synchronization needed")
-    via: str  # "cai" or "dlpack"
+    via: str  # "cai", "dlpack" or "described" (by its framework's front end: described())
     library: str  # top-level module of the buffer's type: "torch" answers current_stream itself
     result_dtype: np.dtype  # dtype for result arrays smddp allocates (raw uint16 for DLPack bfloat16)
     keepalive: Any = None
@@ -161,6 +161,33 @@ def read_dlpack(buf: Any, what: str, device: int, consumer_stream: int) -> Devic
         library=_library(buf),
         result_dtype=dt.storage,
         keepalive=(buf, capsule),
+    )
+
+
+def described(
+    ptr: int, dtype: DType, shape: tuple[int, ...], device: int, library: str, keepalive: Any
+) -> DeviceBuffer:
+    """A contiguous device buffer as the framework that owns it describes it (address, dtype, shape,
+    device), read without an export: a front end's tensors (smddp.torch), where a DLPack export
+    costs about 30 us on a GPU's host (torch's __dlpack__ makes a stream wait for the current one in
+    Python). Nothing is ordered here: the collective's `stream=` must name the stream that produced
+    it. `keepalive` holds the memory (and is what the device runtime is asked to refuse or take)."""
+    count = 1
+    for n in shape:
+        count *= n
+    return DeviceBuffer(
+        ptr=ptr if count else 0,
+        dtype=dtype,
+        shape=shape,
+        count=count,
+        device=device,
+        readonly=False,
+        stream=None,
+        stream_given=False,
+        via="described",
+        library=library,
+        result_dtype=dtype.storage,
+        keepalive=keepalive,
     )
 
 
