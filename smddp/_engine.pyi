@@ -221,7 +221,7 @@ class WorkerChannel:
         keepalive: Any,
         /,
     ) -> Any:
-        """A record of bind()'s handle_type (a Started), or None: go the general way."""
+        """A record of bind()'s handle_type (a Started), or None: starts are closed (shutting down)."""
     def live(self) -> list[Any]: ...
     def unbind(self) -> None: ...
     def run(

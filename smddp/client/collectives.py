@@ -97,21 +97,14 @@ def _allreduce_pieces(
     as soon as it is back; the handle returns `result`."""
 
     def submit(a: int, b: int, aux: int) -> Handle:
-        def put(r: np.ndarray) -> Any:
-            out[a:b] = r.view(out.dtype)
-            return result
-
         part = view if aux == 0 else view.piece(a, b)
         # The engine's, from its copy-in (a fused buffer's parts one after another, never packed
         # first) to its copy-out.
         dst = out[a:b]
-        h = c.start_async(
+        return c.start_async(
             Kind.ALLREDUCE, _sources(part), view.dtype, b - a, rop, aux, dst, 0, dst.nbytes, None, result,
             part.keepalive,
         )  # fmt: skip
-        if h is not None:
-            return h
-        return c.submit(Kind.ALLREDUCE, part, view.dtype, b - a, rop, aux, put)
 
     return _in_pieces(c, view.count, view.dtype.itemsize, result, submit)
 
@@ -147,7 +140,7 @@ def _allreduce_device(c: Client, dev: DeviceBuffer, rop: ReduceOp, stream: Any, 
         if aux:
             part = dataclasses.replace(dev, ptr=dev.ptr + a * dev.dtype.itemsize, shape=(b - a,), count=b - a)
             piece = dataclasses.replace(plan, src=part, outputs=[(part, 0, part.nbytes)])
-        return c.submit(Kind.ALLREDUCE, None, dev.dtype, b - a, rop, aux, lambda _r: result, device=piece)
+        return c.submit(Kind.ALLREDUCE, dev.dtype, b - a, rop, aux, lambda _r: result, piece)
 
     return _in_pieces(c, dev.count, dev.dtype.itemsize, result, submit)
 
@@ -216,14 +209,13 @@ def _allreduce_array_async(c: Client, buf: np.ndarray, rop: ReduceOp) -> Handle 
 
 def allreduce_async_at(
     c: Client, addr: int, dtype: DType, count: int, rop: ReduceOp, owner: Any, result: Any
-) -> Handle | None:
+) -> Handle:
     """allreduce_async of `count` elements of `dtype` at address `addr`, in place and in one piece:
     host memory that `owner` owns (a torch tensor and its data_ptr(): its numpy view costs more than
     the rest of the call, so none is made). The engine copies in from the address and, whoever
     completes the collective, back to it (the engine keeps `owner` alive until then). The caller
     checked `count` (non-zero), `dtype` and that it goes whole (`whole`), as allreduce_now's callers
-    do; None, with nothing done, once the client is shutting down (the caller then takes the general
-    way, which refuses it)."""
+    do."""
     return c.start_async(
         Kind.ALLREDUCE, addr, dtype, count, rop, 0, addr, 0, count * dtype.itemsize, owner, result, owner
     )
@@ -252,19 +244,11 @@ def broadcast_parts_async(c: Client, parts: Sequence[Any], root: int = 0) -> Han
     root = _check_root(c, root)
     pv = as_parts(parts)
     out, result = _parts_result(pv)
-
-    def deliver(r: np.ndarray) -> np.ndarray:
-        out[:] = r.view(out.dtype)
-        return result
-
     mine = c.rank == root
-    h = c.start_async(
+    return c.start_async(
         Kind.BROADCAST, _sources(pv) if mine else NO_DATA, pv.dtype, pv.count, None, root, out, 0,
         out.nbytes, None, result, pv.keepalive,
     )  # fmt: skip
-    if h is not None:
-        return h
-    return c.submit(Kind.BROADCAST, pv, pv.dtype, pv.count, None, root, deliver, send_data=mine)
 
 
 def broadcast_async(c: Client, buf: Any, root: int = 0, stream: Any = None) -> Handle:
@@ -275,35 +259,18 @@ def broadcast_async(c: Client, buf: Any, root: int = 0, stream: Any = None) -> H
         src, outs = (dev, []) if mine else (None, [(dev, 0, dev.nbytes)])
         plan = c.device_plan(src, outs, stream, dev, dev.keepalive)
         return c.submit(
-            Kind.BROADCAST,
-            None,
-            dev.dtype,
-            dev.count,
-            None,
-            root,
-            lambda _r: buf,
-            send_data=mine,
-            device=plan,
+            Kind.BROADCAST, dev.dtype, dev.count, None, root, lambda _r: buf, plan, send_data=mine
         )
     _no_stream(stream)
     view = as_buffer(buf, writable=True)
     mine = c.rank == root
-
-    def deliver(result: np.ndarray) -> Any:
-        if not mine:
-            view.array[:] = result.view(view.dtype.storage)
-        return buf
-
     # The root sends its buffer and takes nothing back; the others send nothing and take it all.
     arr = view.array
     sent, back = (arr, NO_DATA) if mine else (NO_DATA, arr)
-    h = c.start_async(
+    return c.start_async(
         Kind.BROADCAST, sent, view.dtype, view.count, None, root, back, 0, arr.nbytes, None, buf,
         view.keepalive,
     )  # fmt: skip
-    if h is not None:
-        return h
-    return c.submit(Kind.BROADCAST, view, view.dtype, view.count, None, root, deliver, send_data=mine)
 
 
 def allgather_async(c: Client, buf: Any, out: Any = None, stream: Any = None) -> Handle:
@@ -312,7 +279,7 @@ def allgather_async(c: Client, buf: Any, out: Any = None, stream: Any = None) ->
         n = dev.count * c.size
         out, odev = _device_out(c, out, dev, (c.size, *dev.shape), n, "allgather out")
         plan = c.device_plan(dev, [(odev, 0, odev.nbytes)], stream, dev, (dev.keepalive, odev.keepalive))
-        return c.submit(Kind.ALLGATHER, None, dev.dtype, dev.count, None, 0, lambda _r: out, device=plan)
+        return c.submit(Kind.ALLGATHER, dev.dtype, dev.count, None, 0, lambda _r: out, plan)
     _no_stream(stream)
     view = as_buffer(buf, writable=False)
     if out is None:
@@ -320,19 +287,11 @@ def allgather_async(c: Client, buf: Any, out: Any = None, stream: Any = None) ->
         out_view = as_buffer(out, writable=True)
     else:
         out, out_view = _out_view(c, out, view.dtype, view.count * c.size, "allgather out")
-
-    def deliver(result: np.ndarray) -> Any:
-        out_view.array[:] = result.view(view.dtype.storage)
-        return out
-
     dst = out_view.array
-    h = c.start_async(
+    return c.start_async(
         Kind.ALLGATHER, view.array, view.dtype, view.count, None, 0, dst, 0, dst.nbytes, None, out,
         (view.keepalive, out_view.keepalive),
     )  # fmt: skip
-    if h is not None:
-        return h
-    return c.submit(Kind.ALLGATHER, view, view.dtype, view.count, None, 0, deliver)
 
 
 def _part_shape(shape: tuple[int, ...], part: int, size: int) -> tuple[int, ...]:
@@ -366,35 +325,22 @@ def reduce_scatter_async(
         plan = c.device_plan(
             dev, [(odev, lo * isz, part * isz)], stream, dev, (dev.keepalive, odev.keepalive)
         )
-        return c.submit(Kind.REDUCE_SCATTER, None, dev.dtype, dev.count, rop, 0, lambda _r: out, device=plan)
+        return c.submit(Kind.REDUCE_SCATTER, dev.dtype, dev.count, rop, 0, lambda _r: out, plan)
     assert view is not None
     if out is None:
         out = _new_array(_part_shape(view.shape, part, c.size), view)
         out_view = as_buffer(out, writable=True)
     else:
         out, out_view = _out_view(c, out, view.dtype, part, "reduce_scatter out")
-
-    def deliver(result: np.ndarray) -> Any:
-        out_view.array[:] = result.view(view.dtype.storage)[lo : lo + part]
-        return out
-
     isz = view.dtype.itemsize
-    h = c.start_async(
+    return c.start_async(
         Kind.REDUCE_SCATTER, view.array, view.dtype, view.count, rop, 0, out_view.array, lo * isz,
         view.nbytes, None, out, (view.keepalive, out_view.keepalive),
     )  # fmt: skip
-    if h is not None:
-        return h
-    return c.submit(Kind.REDUCE_SCATTER, view, view.dtype, view.count, rop, 0, deliver)
-
-
-def _nothing(_r: np.ndarray) -> None:
-    return None
 
 
 def barrier_async(c: Client) -> Handle:
-    h = c.start_async(Kind.BARRIER, NO_DATA, DType.UINT8, 0, None, 0, NO_DATA, 0, 0, None, None, None)
-    return h if h is not None else c.submit(Kind.BARRIER, None, DType.UINT8, 0, None, 0, _nothing)
+    return c.start_async(Kind.BARRIER, NO_DATA, DType.UINT8, 0, None, 0, NO_DATA, 0, 0, None, None, None)
 
 
 def barrier(c: Client, timeout: float | None) -> None:

@@ -18,7 +18,6 @@ from typing import Any
 import numpy as np
 
 from smddp import _engine, settings
-from smddp.client.buffers import BufferView, PartsView
 from smddp.client.device.buffers import DeviceBuffer, device_kind, read_cai, read_dlpack, stream_handle
 from smddp.client.device.copies import DeviceIO, DevicePlan
 from smddp.client.device.runtime import DeviceRuntime, check_runtime_name, load_runtime
@@ -684,21 +683,19 @@ class Client:
     def submit(
         self,
         kind: Kind,
-        buf: BufferView | PartsView | None,
         dtype: DType,
         count: int,
         op: ReduceOp | None,
         root: int,
         deliver: Callable[[np.ndarray], Any],
+        device: DevicePlan,
         send_data: bool = True,
-        device: DevicePlan | None = None,
     ) -> Handle:
-        """Copy `buf` into a shared slot and SUBMIT it; `deliver(result_bytes)` runs on DONE.
-
-        With a device plan the copy-in is an asynchronous device-to-host copy, and the SUBMIT is held
-        until that copy is complete (sent by the submitter thread, or by the wait of a caller that waits
-        at once); the channel keeps every later SUBMIT behind it.
-        """
+        """A collective of device buffers: the copy of `device.src` into a shared slot (an asynchronous
+        device-to-host copy), and its SUBMIT, held until that copy is complete (sent by the submitter
+        thread, or by the wait of a caller that waits at once; the channel keeps every later SUBMIT
+        behind it); `deliver(result_bytes)` runs on DONE, before the copy back (Client._on_done).
+        Host collectives are the engine's (start_async)."""
         nbytes = count * dtype.itemsize
         lost: ConnectionClosed | None = None
         with self._lock:
@@ -706,17 +703,13 @@ class Client:
             t_start = time.time()
             slot = None
             ready = None
-            src = device.src if device is not None else None
-            if send_data and (buf is not None or src is not None):
+            src = device.src
+            if send_data and src is not None:
                 slot, lost = self._alloc_locked(nbytes)
-                if slot is None:
-                    pass  # lost: failed below
-                elif src is not None and device is not None:
+                if slot is not None:  # (else lost: failed below)
                     ready = self._copy_in(device, src, slot)
-                elif buf is not None:
-                    buf.copy_into(self._arena.view(slot).view(dtype.storage))
             seq = self._channel.reserve()
-            keep = device.keepalive if device is not None else (buf.keepalive if buf else None)
+            keep = device.keepalive
             handle = Handle(
                 seq, kind, dtype, count, deliver, slot, keep, self.config.timeout_s, device, self._device
             )
@@ -832,7 +825,7 @@ class Client:
         owner: Any,
         result: Any,
         keepalive: Any,
-    ) -> EngineHandle | None:
+    ) -> EngineHandle:
         """An asynchronous host collective of any kind, started by the engine (a slot, the copy of `src`
         into shared memory and the SUBMIT under the channel's next seq, GIL released:
         WorkerChannel::start); its handle's wait() runs the rest there too, and so does whichever
@@ -846,8 +839,8 @@ class Client:
         be the address of the collective's `count` elements instead, with `owner` the object that owns
         it, which the engine keeps alive while it may still copy there. `result` is what the handle's
         wait returns; `keepalive`, what it holds until then. Behind device SUBMITs still waiting for
-        their copy-in it waits in the channel and goes right after them. None, with nothing done, once
-        the client is shutting down (the general way's open check then refuses the call)."""
+        their copy-in it waits in the channel and goes right after them. Once the client is shut
+        down or failed, it raises why, with nothing done."""
         if self._closed or self._failure is not None:
             self._check_open()
         try:
@@ -857,8 +850,11 @@ class Client:
             )  # fmt: skip
         except (TimeoutError, ProtocolError) as e:
             raise self._engine_failed(e) from None
+        if handle is None:  # starts closed: shut down meanwhile (or failed: _check_open says which)
+            self._check_open()
+            raise NotInitializedError("smddp has been shut down")
         failed = self._failure
-        if failed is not None and handle is not None:
+        if failed is not None:
             handle._finish(error=failed)  # the failure came as it started: _fail may not have seen it
         return handle
 
@@ -1252,30 +1248,23 @@ class Client:
         view = seg.view(h.offset, total)
         result = handle._deliver(view)
         plan = handle._device
-        if plan is not None:
-            self._copy_out(plan, seg, view, h.seq, handle._keepalive)
+        assert plan is not None  # (Client.submit takes device collectives only)
+        self._copy_out(plan, seg, view, h.seq, handle._keepalive)  # RELEASEs once the copy is done
         if self.config.timeline_dir:
             self._trace(handle, t_done, time.time())
         if handle._slot is not None:
             self._arena.free(handle._slot)
-        if plan is None:
-            self._release(h.seq, total)
         handle._finish(result)
 
-    def _release(self, seq: int, nbytes: int | None = None) -> None:
-        """Tell the daemon a result slot is free; a small one's RELEASE waits for the next descriptor.
-
-        Pushed on its own, a RELEASE wakes the daemon's engine thread once more per collective, a
-        good part of a small collective's cost. Held back (by the channel), it goes just ahead of the
-        next SUBMIT (or BYE). At most RELEASE_BATCH_BYTES of results wait that way; a RELEASE that
-        would pass the bound, or one without a size (a device result's), goes at once with any held
-        before it.
-        """
+    def _release(self, seq: int) -> None:
+        """Tell the daemon a device result's slot is free (its copy to the device is done): at once, with
+        any RELEASE the channel holds back before it (the engine holds a small host result's, to go just
+        ahead of the next SUBMIT, up to RELEASE_BATCH_BYTES)."""
         try:
             self._channel.release(
                 self.rank,
                 seq,
-                -1 if nbytes is None else nbytes,
+                -1,
                 RELEASE_BATCH_BYTES,
                 self.config.timeout_s,
                 RING_SPIN_US,

@@ -1695,7 +1695,7 @@ void fill_record(PyObject* self, PyObject* started, const smddp::Header& h, cons
 }
 
 // begin(kind, src, count, dtype, op, root, dst, src_offset, result_bytes, owner, result, keepalive) ->
-// a record of bind()'s class, or None (held: the caller goes the general way): a slot of the bound
+// a record of bind()'s class, or None (held: starts are closed, shutting down): a slot of the bound
 // arena for `src` (Sources; none when it is empty), ATTACHed if new, `src` copied in and the SUBMIT
 // pushed under the channel's next sequence number (WorkerChannel::start, asynchronous); its result
 // goes to `dst` (delivery_arg) once something waits for it or collects it, and its wait returns
@@ -2012,7 +2012,7 @@ PyMethodDef kChannelMethods[] = {
     {"begin", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(channel_begin)), METH_FASTCALL,
      "begin(kind, src, count, dtype, op, root, dst, src_offset, result_bytes, owner, result, keepalive) -> a record "
      "of bind()'s class, or None: an asynchronous fast collective's slot, copy-in and SUBMIT under the next seq "
-     "(None: go the general way)"},
+     "(None: starts are closed, shutting down)"},
     {"live", channel_live, METH_NOARGS, "live() -> [record]: begun and not finished"},
     {"unbind", channel_unbind, METH_NOARGS, "unbind(): let go of what bind() gave, and the live table"},
     {"run", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(channel_run)), METH_FASTCALL,

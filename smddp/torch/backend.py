@@ -1070,9 +1070,7 @@ class ProcessGroupSmddp(dist.ProcessGroup):
             one = self._one_host_tensor(tensors[0])
             if one is not None:
                 if getattr(opts, "asyncOp", True):
-                    work = self._allreduce_one_async(tensors, opts, *one)
-                    if work is not None:
-                        return work
+                    return self._allreduce_one_async(tensors, opts, *one)
                 elif self._allreduce_one_now(opts, *one):
                     # Complete already, and torch's blocking all_reduce (the only caller that asks
                     # for asyncOp=False) waits for no Work where a backend returns none: making one
@@ -1131,14 +1129,11 @@ class ProcessGroupSmddp(dist.ProcessGroup):
 
     def _allreduce_one_async(
         self, tensors: list[torch.Tensor], opts: Any, t: torch.Tensor, wire: DType, n: int, c: smddp.Client
-    ) -> dist.Work | None:
+    ) -> dist.Work:
         """`dist.all_reduce(t, async_op=True)` (and DDP's buckets) of one tensor `_one_host_tensor`
         took: started by the engine from the tensor's address (collectives.allreduce_async_at), its
-        Work a host Work like any other, completed where it is consumed. None, with nothing done,
-        where the client sends it the general way."""
+        Work a host Work like any other, completed where it is consumed."""
         h = allreduce_async_at(c, t.data_ptr(), wire, n, _op(opts, "all_reduce"), t, tensors)
-        if h is None:
-            return None
         work = SmddpWork("all_reduce", tensors, self._timeout_of(opts))
         _queue_work(work, [h], None, None)
         return work

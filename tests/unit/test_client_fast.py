@@ -19,7 +19,13 @@ import pytest
 from smddp.client import collectives
 from smddp.client.collectives import allreduce_async
 from smddp.client.session import NO_DATA, Client, EngineHandle
-from smddp.errors import CollectiveError, CollectiveTimeoutError, ProtocolError, SmddpError
+from smddp.errors import (
+    CollectiveError,
+    CollectiveTimeoutError,
+    NotInitializedError,
+    ProtocolError,
+    SmddpError,
+)
 from smddp.proto.dtypes import DType, Kind, ReduceOp
 from smddp.proto.frames import Header, MsgType
 from smddp.proto.messages import Submit
@@ -1047,3 +1053,27 @@ def test_a_device_collective_waited_for_at_once_copies_in_line_on_the_callers_st
     assert np.array_equal(x.get(), np.full(16, 16.0, np.float32))
     client.shutdown(timeout=2)
     rt.close()
+
+
+def test_a_host_collective_started_once_starts_are_closed_raises_and_sends_nothing(pair):
+    """Shutdown closes the engine's starts; a host collective that comes after (another thread's,
+    past the open check as shutdown closes them) raises that smddp has been shut down, with nothing
+    sent: there is no other way for it to go."""
+    client, daemon = pair
+    x = np.ones(8, np.float32)
+    client._channel.close_starts()  # as shutdown does, after a caller's open check
+    starts: list[Callable[[], Any]] = [
+        lambda: allreduce_async(client, x),
+        lambda: collectives.allreduce_parts_async(client, [x, x]),
+        lambda: collectives.broadcast_async(client, x, 0),
+        lambda: collectives.broadcast_parts_async(client, [x], 0),
+        lambda: collectives.allgather_async(client, x),
+        lambda: collectives.reduce_scatter_async(client, x),
+        lambda: collectives.barrier_async(client),
+    ]
+    for start in starts:
+        with pytest.raises(NotInitializedError, match="shut down"):
+            start()
+    assert not daemon.pending(), "a collective went on the ring after starts were closed"
+    assert client._arena.in_use == 0
+    client.shutdown(timeout=2)
