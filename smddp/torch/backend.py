@@ -544,15 +544,9 @@ class _Device:
             finish()
         work._complete(None)
 
-    def complete_here(
-        self,
-        work: SmddpWork,
-        handles: list[smddp.Handle],
-        finish: Callable[[], None] | None,
-        touched: list[torch.Tensor],
-    ) -> None:
-        """In the caller's thread, which waits for the Work at once: as `complete`."""
-        self.complete(work, handles, finish, touched)
+    # In the caller's thread, which waits for the Work at once: the same (a device route orders the
+    # caller's stream itself there).
+    complete_here = complete
 
     def settle(self, work: SmddpWork, base: Future[Any]) -> None:
         """Complete a future made after its Work completed (get_future)."""
