@@ -168,10 +168,11 @@ def described(
     ptr: int, dtype: DType, shape: tuple[int, ...], device: int, library: str, keepalive: Any
 ) -> DeviceBuffer:
     """A contiguous device buffer as the framework that owns it describes it (address, dtype, shape,
-    device), read without an export: a front end's tensors (smddp.torch), where a DLPack export
-    costs about 30 us on a GPU's host (torch's __dlpack__ makes a stream wait for the current one in
-    Python). Nothing is ordered here: the collective's `stream=` must name the stream that produced
-    it. `keepalive` holds the memory (and is what the device runtime is asked to refuse or take)."""
+    device), read without an export: a front end's tensors (smddp.torch), where a DLPack export costs
+    an estimated 30 us on a GPU's host (torch's __dlpack__ makes a stream wait for the current one
+    in Python). Nothing is ordered here: the collective's `stream=` must name the stream that
+    produced it. `keepalive` holds the memory (and is what the device runtime is asked to refuse or
+    take)."""
     count = 1
     for n in shape:
         count *= n
