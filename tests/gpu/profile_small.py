@@ -10,7 +10,12 @@ Every rank, each call after a barrier, medians in microseconds:
 - parts: what one call makes of the device runtime and of torch, each alone, many times (an event
   record and query, a stream switch, a device-aware future completed with a tensor, a 4 KiB
   device-to-host copy waited for by a poll of its event, by an event synchronize), all ranks at once;
-- rank 0's profile of the torch calls (cProfile: the Python and the waits, by function).
+- steps: the blocking torch call's steps, timed in every call by wrapping the client's methods
+  (submit returned: the copy-in enqueued; the copy-in seen complete; the SUBMIT on the ring; the
+  DONE taken; the copy-out enqueued; the Work complete; the call returned; the synchronize), the
+  median of each step's time from the one before, every rank;
+- rank 0's profile of the torch calls (cProfile: the Python and the waits, by function; on Python
+  3.12 it sees every thread's calls, and inflates small ones).
 
 Writes profile-<rank>.json and, on rank 0, profile-rank0.txt into --out.
 """
@@ -43,6 +48,51 @@ def _median_us(fn: Callable[[], None], n: int) -> float:
         fn()
         ts.append(time.perf_counter() - t)
     return statistics.median(ts) * 1e6
+
+
+# The blocking call's steps, in the order they happen: (name, what is wrapped, at its entry or exit).
+STEPS = (
+    ("submitted", "smddp.client.session:Client.submit", "exit"),
+    ("copy-in seen", "smddp.client.session:Client._copied", "exit"),
+    ("SUBMIT sent", "smddp.client.session:Client._send_frames", "exit"),
+    ("DONE taken", "smddp.client.session:Client._on_done", "entry"),
+    ("copy-out enqueued", "smddp.client.session:Client._on_done", "exit"),
+    ("Work complete", "smddp.torch.backend:_complete_here", "exit"),
+)
+
+
+def _mark_steps(marks: dict[str, float]) -> Callable[[], None]:
+    """Wrap each step's method to note when it is reached (the first time in a call) in `marks`;
+    returns what puts them back."""
+    import importlib
+
+    undo = []
+    for name, where, when in STEPS:
+        module, _, path = where.partition(":")
+        owner: Any = importlib.import_module(module)
+        *outer, attr = path.split(".")
+        for part in outer:
+            owner = getattr(owner, part)
+        real = getattr(owner, attr)
+
+        def wrapped(*a: Any, _real: Any = real, _name: str = name, _when: str = when, **k: Any) -> Any:
+            if _when == "entry":
+                marks.setdefault(_name, time.perf_counter())
+            try:
+                return _real(*a, **k)
+            finally:
+                if _when == "exit":
+                    marks.setdefault(_name, time.perf_counter())
+
+        # Two steps may wrap one method (_on_done's entry and exit): the later wrapper holds the earlier.
+        setattr(owner, attr, wrapped)
+        undo.append((owner, attr, real))
+
+    def restore() -> None:
+        for owner, attr, real in reversed(undo):
+            setattr(owner, attr, real)
+
+    return restore
 
 
 def main() -> int:
@@ -179,6 +229,29 @@ def main() -> int:
     result["parts_us"] = parts
     smddp.barrier()
 
+    # The blocking torch call's steps, every rank, every call.
+    marks: dict[str, float] = {}
+    restore = _mark_steps(marks)
+    names = ["submitted", *(n for n, _w, _e in STEPS[1:]), "returned", "synchronized"]
+    gaps: dict[str, list[float]] = {n: [] for n in names}
+    for _ in range(args.rounds):
+        smddp.barrier()
+        marks.clear()
+        t0 = time.perf_counter()
+        dist.all_reduce(x)
+        marks["returned"] = time.perf_counter()
+        sync()
+        marks["synchronized"] = time.perf_counter()
+        if all(n in marks for n in names):
+            prev = t0
+            for n in names:
+                gaps[n].append(marks[n] - prev)
+                prev = marks[n]
+    restore()
+    result["steps_us"] = {n: statistics.median(v) * 1e6 if v else None for n, v in gaps.items()}
+    result["steps_counted"] = len(gaps["synchronized"])
+    smddp.barrier()
+
     # Rank 0's profile of the blocking torch call (every rank runs the calls).
     prof = cProfile.Profile()
     for _ in range(args.rounds):
@@ -201,6 +274,11 @@ def main() -> int:
     if rank == 0:
         for k, v in parts.items():
             print(f"  {k}: {v:.1f} us", flush=True)
+        print(
+            f"  steps ({result['steps_counted']} calls): "
+            + ", ".join(f"{k} +{v:.0f}" for k, v in result["steps_us"].items() if v is not None),
+            flush=True,
+        )
     dist.destroy_process_group()
     return 0
 
