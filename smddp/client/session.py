@@ -731,7 +731,7 @@ class Client:
                 # This one waits for its copy-in (the channel keeps later SUBMITs behind it). One whose
                 # caller waits for it at once is sent by that wait: the submitter thread is not woken
                 # for it (_send_held).
-                waited = getattr(self._tls, "waited", False)
+                waited = self._waited()
                 self._holding[seq] = _Held(h, ready, handle, time.monotonic())
                 handle._held = True
                 handle._sends = waited
@@ -981,14 +981,18 @@ class Client:
         collective in pieces, whose copies overlap on the lanes)."""
         explicit = None if stream is None else stream_handle(stream)
         io = self._device_io()
+        exported = False  # a buffer read through DLPack: its export ordered the copy-in lane
         for b, _off, _n in [*([(src, 0, 0)] if src is not None else []), *outputs]:
             if b.device != like.device:
                 raise UnsupportedBufferError(
                     f"device buffers of one collective must be on one device: cuda:{b.device} and cuda:{like.device}"
                 )
+            exported = exported or b.via == "dlpack"
         producer = io.producer_stream(like, explicit)
         consumer = explicit if explicit is not None else (like.stream if like.stream_given else None)
-        if inline and producer is not None and getattr(self._tls, "waited", False):
+        # A DLPack export made the copy-in lane wait for its library's current stream; with `stream=`
+        # naming another, a copy in line on that one alone would not wait for the producer's work.
+        if inline and producer is not None and not (exported and explicit is not None) and self._waited():
             # Waited for at once (Client.waiting): the copies run on the caller's stream, in line,
             # after its work there (DevicePlan.inline); no event orders them.
             if consumer is None:
@@ -1038,6 +1042,10 @@ class Client:
             yield
         finally:
             tls.waited = outer
+
+    def _waited(self) -> bool:
+        """Whether this thread is inside waiting(): what it starts, it waits for at once."""
+        return bool(getattr(self._tls, "waited", False))
 
     def _submit_loop(self) -> None:
         self._send_held(None)

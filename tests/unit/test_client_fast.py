@@ -1077,3 +1077,34 @@ def test_a_host_collective_started_once_starts_are_closed_raises_and_sends_nothi
     assert not daemon.pending(), "a collective went on the ring after starts were closed"
     assert client._arena.in_use == 0
     client.shutdown(timeout=2)
+
+
+def test_a_blocking_call_on_another_stream_than_its_dlpack_producers_waits_for_both(pair):
+    """A DLPack buffer still being written on its library's current stream, handed to a blocking call
+    with `stream=` another stream: the copy-in reads it after both (the export orders the copy
+    stream after the producer's current stream, `before` after the named one), so it goes on the
+    lanes, not in line on the named stream alone."""
+    from smddp_rigs.standin import StandinRuntime
+
+    from smddp.client.device.copies import DeviceIO
+
+    client, daemon = pair
+    rt = StandinRuntime()
+    client._device = DeviceIO(rt, client._device_failed)
+    current, other = rt.current_stream(0), rt.new_stream(0)
+    x = rt.asarray(np.zeros(16, np.float32))
+    # The producer's kernel on the current stream: a while, then the values the call must send.
+    rt.launch(current, lambda h: (time.sleep(0.3), h.__setitem__(slice(None), 5.0)), x)
+    call = Call(lambda: collectives.allreduce(client, x, ReduceOp.SUM, 5.0, stream=other))
+    (s,) = [f for f in until_submits(daemon, 1) if f.type is MsgType.SUBMIT]
+    sub = Submit.of(s)
+    sent_values = client._arena.segment(sub.segment).view(sub.offset, 64).view(np.float32).copy()
+    assert np.array_equal(sent_values, np.full(16, 5.0, np.float32)), (
+        "the copy-in read before the producer wrote"
+    )
+    daemon.done(s, 10.0)
+    call.join()
+    rt.synchronize()
+    assert np.array_equal(x.get(), np.full(16, 10.0, np.float32))
+    client.shutdown(timeout=2)
+    rt.close()
