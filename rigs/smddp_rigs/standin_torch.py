@@ -14,7 +14,7 @@ import torch
 
 from smddp.client.device.buffers import described
 from smddp.errors import DeviceError
-from smddp.proto.dtypes import DType, dtype_from_numpy
+from smddp.proto.dtypes import DType
 
 if TYPE_CHECKING:
     from smddp_rigs.standin import StandinEvent, StandinRuntime
@@ -51,9 +51,8 @@ class StandinStreams:
             arr = self.rt.alias(t.view(torch.int16).numpy().view(np.uint16), wire=DType.BFLOAT16)
         else:
             arr = self.rt.alias(t.numpy())
-        wire = arr.wire if arr.wire is not None else dtype_from_numpy(arr.dtype)
-        assert wire is not None  # torch's supported dtypes all have one
-        return described(arr.ptr, wire, tuple(t.shape), 0, "smddp_rigs", arr)
+        assert arr.wire is not None  # (alias() names it, from numpy's dtype where not given)
+        return described(arr.ptr, arr.wire, tuple(t.shape), 0, "smddp_rigs", arr)
 
     def current(self) -> int:
         return self.rt.current_stream(0)

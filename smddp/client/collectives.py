@@ -258,9 +258,7 @@ def broadcast_async(c: Client, buf: Any, root: int = 0, stream: Any = None) -> H
         mine = c.rank == root
         src, outs = (dev, []) if mine else (None, [(dev, 0, dev.nbytes)])
         plan = c.device_plan(src, outs, stream, dev, dev.keepalive)
-        return c.submit(
-            Kind.BROADCAST, dev.dtype, dev.count, None, root, lambda _r: buf, plan, send_data=mine
-        )
+        return c.submit(Kind.BROADCAST, dev.dtype, dev.count, None, root, lambda _r: buf, plan)
     _no_stream(stream)
     view = as_buffer(buf, writable=True)
     mine = c.rank == root

@@ -689,13 +689,13 @@ class Client:
         root: int,
         deliver: Callable[[np.ndarray], Any],
         device: DevicePlan,
-        send_data: bool = True,
     ) -> Handle:
         """A collective of device buffers: the copy of `device.src` into a shared slot (an asynchronous
         device-to-host copy), and its SUBMIT, held until that copy is complete (sent by the submitter
         thread, or by the wait of a caller that waits at once; the channel keeps every later SUBMIT
         behind it); `deliver(result_bytes)` runs on DONE, before the copy back (Client._on_done).
-        Host collectives are the engine's (start_async)."""
+        A plan with no `src` (a broadcast's receiver) sends no data. Host collectives are the
+        engine's (start_async)."""
         nbytes = count * dtype.itemsize
         lost: ConnectionClosed | None = None
         with self._lock:
@@ -704,7 +704,7 @@ class Client:
             slot = None
             ready = None
             src = device.src
-            if send_data and src is not None:
+            if src is not None:
                 slot, lost = self._alloc_locked(nbytes)
                 if slot is not None:  # (else lost: failed below)
                     ready = self._copy_in(device, src, slot)
@@ -939,14 +939,27 @@ class Client:
         """`buf` as device memory (None for host memory), checked against the runtime before anything is
         sent. A DeviceBuffer (a front end's tensor, device.buffers.described) is taken as it is."""
         if isinstance(buf, DeviceBuffer):
-            found: tuple[str, int] | None = (buf.via, buf.device)
-            owner = buf.keepalive
+            self._io_taking(buf.keepalive, what)
+            view = buf
         else:
             found = device_kind(buf)
-            owner = buf
-        if found is None:
-            return None
-        via, device = found
+            if found is None:
+                return None
+            via, device = found
+            io = self._io_taking(buf, what)
+            if via == "dlpack":
+                view = read_dlpack(buf, what, device, io.lane(device).d2h)
+            else:
+                view = read_cai(buf, what)
+                view = dataclasses.replace(view, device=io.rt.pointer_device(view.ptr) if view.count else 0)
+        if writable and view.readonly:
+            raise UnsupportedBufferError(
+                f"{what}: the device array is read-only, and this collective writes into it"
+            )
+        return view
+
+    def _io_taking(self, owner: Any, what: str) -> DeviceIO:
+        """The device machinery, once its runtime takes `owner`'s memory; else why not."""
         try:
             io = self._device_io()
         except DeviceUnavailableError as e:
@@ -954,18 +967,7 @@ class Client:
         why = io.rt.refuse(owner)
         if why is not None:
             raise DeviceUnavailableError(f"{what}: the device runtime is {io.rt.name!r} and {why}")
-        if isinstance(buf, DeviceBuffer):
-            view = buf
-        elif via == "dlpack":
-            view = read_dlpack(buf, what, device, io.lane(device).d2h)
-        else:
-            view = read_cai(buf, what)
-            view = dataclasses.replace(view, device=io.rt.pointer_device(view.ptr) if view.count else 0)
-        if writable and view.readonly:
-            raise UnsupportedBufferError(
-                f"{what}: the device array is read-only, and this collective writes into it"
-            )
-        return view
+        return io
 
     def device_plan(
         self,

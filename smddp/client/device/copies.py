@@ -143,12 +143,7 @@ class DeviceIO:
         producer's stream never waits for the copy. `inline`: the copy runs on that stream (the
         producer's, whose caller waits at once: DevicePlan.inline), after what is queued there.
         """
-        if inline is not None:
-            stream = inline
-        else:
-            stream = self.lane(src.device).d2h
-            if before is not None:
-                self.rt.wait_event(stream, before, src.device)
+        stream = self._copy_stream(src.device, "d2h", before, inline)
         self.rt.copy_d2h(int(dst.ctypes.data), src.ptr, src.nbytes, stream, src.device)
         copied = self.rt.new_event(src.device)
         self.rt.record(copied, stream, src.device)
@@ -167,17 +162,22 @@ class DeviceIO:
         the caller's queued on it (a buffer it was just filling, or zeroing). `inline`: they run on
         that stream (the caller's, DevicePlan.inline), after that work.
         """
-        if inline is not None:
-            stream = inline
-        else:
-            stream = self.lane(device).h2d
-            if before is not None:
-                self.rt.wait_event(stream, before, device)
+        stream = self._copy_stream(device, "h2d", before, inline)
         for dst, src in parts:
             self.rt.copy_h2d(dst.ptr, int(src.ctypes.data), src.nbytes, stream, device)
         done = self.rt.new_event(device)
         self.rt.record(done, stream, device)
         return done
+
+    def _copy_stream(self, device: int, direction: str, before: Any, inline: int | None) -> int:
+        """Where a copy runs: `inline` as it is, else the lane's `direction` stream, made to wait for
+        `before` (the caller's stream at the call) first."""
+        if inline is not None:
+            return inline
+        stream: int = getattr(self.lane(device), direction)
+        if before is not None:
+            self.rt.wait_event(stream, before, device)
+        return stream
 
     def host_wait(self, event: Any) -> None:
         self.rt.event_synchronize(event)
