@@ -1,8 +1,10 @@
 """Types of smddp._engine, the compiled engine (smddp/engine/module.cc); every error is a ProtocolError."""
 
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from smddp.daemon.config import PlaneConfig
+
+_S = TypeVar("_S", bound=Started)
 
 def has_f16c() -> bool: ...
 
@@ -188,7 +190,9 @@ class WorkerChannel:
     @property
     def segment(self) -> Segment: ...
     def push(self, header: bytes, timeout_s: float, spin_us: float, /) -> None: ...
-    def pop(self, timeout_s: float, spin_us: float, waiter: bool, /) -> bytes | int | None: ...
+    def pop(
+        self, timeout_s: float, spin_us: float, waiter: bool, /
+    ) -> bytes | int | tuple[int, int, int] | None: ...
     def kick(self) -> None: ...
     def abort(self) -> None: ...
     def release(
@@ -228,6 +232,21 @@ class WorkerChannel:
         self, kind: int, buf: Any, count: int, dtype: int, op: int, timeout_s: float | None, /
     ) -> Literal[True] | tuple[int, int, int, int] | None: ...
     def reserve(self) -> int: ...
+    def reserve_record(
+        self,
+        kind: int,
+        count: int,
+        dtype: int,
+        op: int,
+        root: int,
+        slot: tuple[int, int, int] | None,
+        result_bytes: int,
+        result: Any,
+        keepalive: Any,
+        handle_type: type[_S],
+        /,
+    ) -> _S:
+        """A record of `handle_type` whose SUBMIT goes with its give() and whose result its _arrived() takes on."""
     def close_starts(self) -> None: ...
     def blocking(self) -> list[int]: ...
     def alloc(
@@ -261,6 +280,7 @@ class Started:
 
     def wait(self, timeout: float | None = None, stream: Any = None) -> Any: ...
     def collect(self) -> bool | None: ...
+    def give(self, timeout_s: float | None = None, /) -> None: ...
     def _complete(self, failed: bool, /) -> None: ...
     # (Read-only at run time; declared as attributes so that a Handle subclass may share them.)
     seq: int

@@ -140,7 +140,7 @@ def _allreduce_device(c: Client, dev: DeviceBuffer, rop: ReduceOp, stream: Any, 
         if aux:
             part = dataclasses.replace(dev, ptr=dev.ptr + a * dev.dtype.itemsize, shape=(b - a,), count=b - a)
             piece = dataclasses.replace(plan, src=part, outputs=[(part, 0, part.nbytes)])
-        return c.submit(Kind.ALLREDUCE, dev.dtype, b - a, rop, aux, lambda _r: result, piece)
+        return c.submit(Kind.ALLREDUCE, dev.dtype, b - a, rop, aux, result, piece)
 
     return _in_pieces(c, dev.count, dev.dtype.itemsize, result, submit)
 
@@ -258,7 +258,7 @@ def broadcast_async(c: Client, buf: Any, root: int = 0, stream: Any = None) -> H
         mine = c.rank == root
         src, outs = (dev, []) if mine else (None, [(dev, 0, dev.nbytes)])
         plan = c.device_plan(src, outs, stream, dev, dev.keepalive)
-        return c.submit(Kind.BROADCAST, dev.dtype, dev.count, None, root, lambda _r: buf, plan)
+        return c.submit(Kind.BROADCAST, dev.dtype, dev.count, None, root, buf, plan)
     _no_stream(stream)
     view = as_buffer(buf, writable=True)
     mine = c.rank == root
@@ -277,7 +277,7 @@ def allgather_async(c: Client, buf: Any, out: Any = None, stream: Any = None) ->
         n = dev.count * c.size
         out, odev = _device_out(c, out, dev, (c.size, *dev.shape), n, "allgather out")
         plan = c.device_plan(dev, [(odev, 0, odev.nbytes)], stream, dev, (dev.keepalive, odev.keepalive))
-        return c.submit(Kind.ALLGATHER, dev.dtype, dev.count, None, 0, lambda _r: out, plan)
+        return c.submit(Kind.ALLGATHER, dev.dtype, dev.count, None, 0, out, plan)
     _no_stream(stream)
     view = as_buffer(buf, writable=False)
     if out is None:
@@ -323,7 +323,7 @@ def reduce_scatter_async(
         plan = c.device_plan(
             dev, [(odev, lo * isz, part * isz)], stream, dev, (dev.keepalive, odev.keepalive)
         )
-        return c.submit(Kind.REDUCE_SCATTER, dev.dtype, dev.count, rop, 0, lambda _r: out, plan)
+        return c.submit(Kind.REDUCE_SCATTER, dev.dtype, dev.count, rop, 0, out, plan)
     assert view is not None
     if out is None:
         out = _new_array(_part_shape(view.shape, part, c.size), view)

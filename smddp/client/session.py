@@ -37,8 +37,8 @@ from smddp.errors import (
 )
 from smddp.proto.dtypes import DType, Kind, ReduceOp
 from smddp.proto.failure import exit_status_of, infra_of, read_failure
-from smddp.proto.frames import Header, MsgType, Role, decode_header
-from smddp.proto.messages import Bye, Channel, Done, Submit
+from smddp.proto.frames import MsgType, Role, decode_header
+from smddp.proto.messages import Bye, Channel
 from smddp.settings import KiB, MiB, default
 from smddp.trace import span
 from smddp.transport.auth import client_handshake
@@ -148,54 +148,31 @@ class Handle:
     For device buffers, `wait()` blocks the host only until the result has reached this node and
     its copy to the device is enqueued; the copy is ordered before later work on the caller's
     stream by an event that stream waits on (see docs/gpu.md).
+
+    What the client hands out is the engine's record of a collective (EngineHandle, DeviceHandle) or
+    one made of pieces (PipelinedHandle); this class holds what they share.
     """
 
-    # Class defaults, set on a handle only when its SUBMIT is held back (Client.submit): most never are.
-    _held = False  # its SUBMIT is held back, waiting for its copy-in (Client._send_held)
-    _sends = False  # held, and sent by its wait rather than the submitter thread (Client.waiting)
-    # Until set: no callbacks yet, no result or error yet, host memory (no device plan).
+    # Until set: no callbacks yet, no result or error yet.
     _callbacks: list[Callable[[Handle], None]] | None = None
     _result: Any = None
     _error: SmddpError | None = None
-    _device: DevicePlan | None = None
-    _io: DeviceIO | None = None
-    _drive: Callable[[Handle, float], None] | None = None  # wait() takes DONEs off the done ring itself
-    times: tuple[float, ...] | list[float] = ()  # submit started, SUBMIT sent (wall clock), for the timeline
 
     def __init__(
-        self,
-        seq: int,
-        kind: Kind,
-        dtype: DType,
-        count: int,
-        deliver: Callable[[np.ndarray], Any],
-        slot: Slot | None,
-        keepalive: Any,
-        default_timeout_s: float,
-        device: DevicePlan | None = None,
-        io: DeviceIO | None = None,
+        self, seq: int, kind: Kind, dtype: DType, count: int, result: Any, default_timeout_s: float
     ) -> None:
         self.seq = seq
         self.kind = kind
         self.dtype = dtype
         self.count = count
-        self._deliver = deliver
-        self._slot = slot
-        self._keepalive = keepalive
+        self._result = result
         self._default_timeout_s = default_timeout_s
-        self._device = device
-        self._io = io  # the client's device machinery, for a device plan's events (None for host buffers)
         self._event = Latch()
         self._lock = threading.Lock()  # orders add_done_callback against _finish
 
     def done(self) -> bool:
         """True once the result is in place (or the collective failed); never blocks."""
-        if not self._event.is_set():
-            return False
-        plan = self._device
-        if plan is None or plan.done is None or self._error is not None or self._io is None:
-            return True
-        return self._io.rt.event_done(plan.done)
+        return self._event.is_set()
 
     def add_done_callback(self, fn: Callable[[Handle], None]) -> None:
         """Call `fn(handle)` once the collective has finished (or failed), when `wait()` would no longer block.
@@ -221,10 +198,6 @@ class Handle:
         (torch's for a torch tensor, the device runtime's otherwise) of the thread calling wait().
         """
         t = self._default_timeout_s if timeout is None else timeout
-        if self._drive is not None and not self._event.is_set():
-            t0 = time.monotonic()
-            self._drive(self, t)
-            t = max(0.0, t - (time.monotonic() - t0))
         if not self._event.wait(t):
             raise CollectiveTimeoutError(
                 f"collective #{self.seq} ({self.kind.label}, {self.dtype.label}, count={self.count}) "
@@ -232,25 +205,15 @@ class Handle:
             )
         if self._error is not None:
             raise fresh(self._error)
-        plan, io = self._device, self._io
-        if plan is not None and plan.done is not None and io is not None:
-            consumer = io.consumer_stream(plan) if stream is None else stream_handle(stream)
-            if consumer != plan.inline:  # the copy-out ran on that stream itself: in order already
-                io.stream_wait(consumer, plan.done, plan.device)
         return self._result
 
     def synchronize(self, timeout: float | None = None) -> Any:
         """wait(), then block the host until a device result is in device memory (any stream may read it)."""
-        result = self.wait(timeout)
-        plan, io = self._device, self._io
-        if plan is not None and plan.done is not None and io is not None:
-            io.host_wait(plan.done)
-        return result
+        return self.wait(timeout)
 
     def _finish(self, result: Any = None, error: SmddpError | None = None) -> None:
         self._result = result
         self._error = error
-        self._keepalive = None
         with self._lock:
             self._event.set()
             callbacks, self._callbacks = self._callbacks, None
@@ -281,7 +244,7 @@ class EngineHandle(_engine.Started, Handle):
         return float(self._client.config.timeout_s)
 
     @property
-    def _slot(self) -> Slot | None:  # type: ignore[override]
+    def _slot(self) -> Slot | None:
         slot = self.slot
         return None if slot is None else Slot(*slot)
 
@@ -372,6 +335,77 @@ class EngineHandle(_engine.Started, Handle):
                 time.sleep(min(left, 1e-4))  # the other waiter finishes it as soon as it has the GIL
 
 
+class DeviceHandle(EngineHandle):
+    """A collective of device buffers (Client.submit): the engine's record of it, as for a host one
+    (WorkerChannel.reserve_record: its sequence number, its DONE checked and its result located by
+    whoever takes it, on the channel's one table), with the device's part in Python: the copy of its
+    data into its slot before its SUBMIT goes (held until that copy is complete: Client._send_held,
+    then give()), and the copy of its result to the device (_arrived, run by whoever takes its DONE),
+    whose completion RELEASEs the result (Client._copy_out).
+
+    wait() blocks the host only until the result has reached this node and its copy to the device
+    is enqueued; that copy is ordered before later work on the caller's stream by an event the
+    stream waits on (docs/gpu.md)."""
+
+    _plan: DevicePlan  # set by Client.submit
+    _held = False  # its SUBMIT is held back, waiting for its copy-in (Client._send_held)
+    _sends = False  # held, and sent by its wait rather than the submitter thread (Client.waiting)
+
+    def wait(self, timeout: float | None = None, stream: Any = None) -> Any:
+        t = self._default_timeout_s if timeout is None else timeout
+        c = self._client
+        if self._held and self._sends:
+            # Its caller waits for it at once: this wait sends its SUBMIT (False: not in time, or the
+            # client failed; the submitter thread takes it, and the engine's wait says why).
+            t0 = time.monotonic()
+            c._send_held(self, t0 + t)
+            t = max(0.0, t - (time.monotonic() - t0))
+        result = _engine.Started.wait(self, t)
+        plan = self._plan
+        if plan.done is not None:
+            io = c._device
+            assert io is not None  # (its copy-out made plan.done)
+            consumer = io.consumer_stream(plan) if stream is None else stream_handle(stream)
+            if consumer != plan.inline:  # the copy-out ran on that stream itself: in order already
+                io.stream_wait(consumer, plan.done, plan.device)
+        return result
+
+    def synchronize(self, timeout: float | None = None) -> Any:
+        result = self.wait(timeout)
+        plan, io = self._plan, self._client._device
+        if plan.done is not None and io is not None:
+            io.host_wait(plan.done)
+        return result
+
+    def done(self) -> bool:
+        if not EngineHandle.done(self):
+            return False
+        plan, io = self._plan, self._client._device
+        if plan.done is None or self._error is not None or io is None:
+            return True
+        return bool(io.rt.event_done(plan.done))
+
+    def _arrived(self, segment: int, offset: int) -> Any:
+        """Its result is in result segment `segment` at `offset` (the engine checked both): its copy to
+        the device enqueued, the RELEASE to follow that copy (Client._copy_out). Run by whoever took
+        its DONE, before the record is finished; returns what its wait returns. A copy that fails
+        fails the job (and this collective with it)."""
+        c = self._client
+        try:
+            seg = c._result_segment(segment)
+            if seg is None:
+                raise ProtocolError(f"collective #{self.seq}'s result segment {segment} is not in the table")
+            total = _result_bytes(self.kind, self.count * self.dtype.itemsize, c.size)
+            c._copy_out(self._plan, seg, seg.view(offset, total), self.seq)
+        except SmddpError as e:
+            c._device_failed(e)
+        except Exception as e:
+            c._device_failed(
+                DeviceError(f"the copy of collective #{self.seq}'s result to the device failed: {e!r}")
+            )
+        return self._value
+
+
 def when_all(handles: Sequence[Handle], fn: Callable[[], None]) -> None:
     """Call `fn()` once every handle has finished (at once if there are none), in the thread that
     finishes the last; the same rules as Handle.add_done_callback."""
@@ -404,11 +438,8 @@ class PipelinedHandle(Handle):
 
     def __init__(self, pieces: list[Handle], count: int, result: Any) -> None:
         first = pieces[0]
-        super().__init__(
-            first.seq, first.kind, first.dtype, count, lambda _r: result, None, None, first._default_timeout_s
-        )
+        super().__init__(first.seq, first.kind, first.dtype, count, result, first._default_timeout_s)
         self.pieces = pieces
-        self._result = result
 
     def add_done_callback(self, fn: Callable[[Handle], None]) -> None:
         """`fn(self)` once every piece has finished."""
@@ -446,9 +477,8 @@ class _Held:
     reserved: the channel puts it on the ring in its place, whenever it is given (and keeps every
     SUBMIT after it waiting in the channel until then)."""
 
-    header: Header
     ready: Any  # the copy-in's event
-    handle: Handle  # its _sends: its caller waits for it at once and sends it (Client.waiting)
+    handle: DeviceHandle  # its _sends: its caller waits for it at once and sends it (Client.waiting)
     since: float = 0.0  # when it was held (time.monotonic), for WAITED_GRACE_S
     claimed: bool = False  # a thread waits for its copy-in, to send it (Client._send_held)
 
@@ -476,7 +506,8 @@ class Client:
         # Sequence numbers are the channel's, and so is their order on the ring (a SUBMIT given before
         # one reserved ahead of it waits there); this lock guards the handle table and the held SUBMITs.
         self._lock = threading.Lock()
-        self._handles: dict[int, Handle] = {}
+        # seq -> a collected collective (callbacks or polls wait for it: the DONE thread completes it)
+        self._handles: dict[int, EngineHandle] = {}
         self._results: dict[int, Segment] = {}
         self._arena = Arena(config.arena_bytes, f"smddp-rank{self.rank}")
         self._failure: SmddpError | None = None
@@ -591,21 +622,18 @@ class Client:
         t = self.config.timeout_s if timeout is None else timeout
         deadline = time.monotonic() + t
         with self._lock:
-            pending = list(self._handles.values())
+            pending: list[EngineHandle] = list(self._handles.values())
         known = {h.seq for h in pending}
-        # The engine's asynchronous collectives nobody waited for are on no table but the channel's.
+        # The engine's collectives nobody waited for or collected are on no table but the channel's.
         pending += [h for h in self._channel.live() if h.seq not in known]
         for h in pending:
-            if isinstance(h, EngineHandle):
-                try:  # nothing takes an unwaited one's DONE: its wait does
-                    h.wait(max(0.0, deadline - time.monotonic()))
-                except SmddpError:
-                    pass  # failed or not in time: said below
-            else:
-                h._event.wait(max(0.0, deadline - time.monotonic()))
+            try:  # nothing takes an unwaited one's DONE: its wait does (the engine's: no stream to order)
+                _engine.Started.wait(h, max(0.0, deadline - time.monotonic()))
+            except SmddpError:
+                pass  # failed or not in time: said below
         while self._channel.blocking() and time.monotonic() < deadline:  # another thread's blocking call
             time.sleep(0.001)
-        unfinished = [h.seq for h in pending if not _finished(h)] + sorted(self._channel.blocking())
+        unfinished = [h.seq for h in pending if not h.finished] + sorted(self._channel.blocking())
         device = self._device
         if device is not None:
             # RELEASE goes once a result's copy to the device is done: let those leave before BYE.
@@ -687,20 +715,20 @@ class Client:
         count: int,
         op: ReduceOp | None,
         root: int,
-        deliver: Callable[[np.ndarray], Any],
+        result: Any,
         device: DevicePlan,
-    ) -> Handle:
-        """A collective of device buffers: the copy of `device.src` into a shared slot (an asynchronous
-        device-to-host copy), and its SUBMIT, held until that copy is complete (sent by the submitter
-        thread, or by the wait of a caller that waits at once; the channel keeps every later SUBMIT
-        behind it); `deliver(result_bytes)` runs on DONE, before the copy back (Client._on_done).
-        A plan with no `src` (a broadcast's receiver) sends no data. Host collectives are the
-        engine's (start_async)."""
+    ) -> DeviceHandle:
+        """A collective of device buffers, the engine's record (DeviceHandle) under the channel's next
+        sequence number: the copy of `device.src` into a shared slot (an asynchronous device-to-host
+        copy), and its SUBMIT, held until that copy is complete (given by the submitter thread, or by
+        the wait of a caller that waits at once; the channel keeps every later SUBMIT behind it). Its
+        result goes back to the device (DeviceHandle._arrived), and its wait returns `result`. A plan
+        with no `src` (a broadcast's receiver) sends no data. Host collectives are start_async's."""
         nbytes = count * dtype.itemsize
         lost: ConnectionClosed | None = None
+        refused: TimeoutError | ProtocolError | None = None
         with self._lock:
             self._check_open()
-            t_start = time.time()
             slot = None
             ready = None
             src = device.src
@@ -708,50 +736,40 @@ class Client:
                 slot, lost = self._alloc_locked(nbytes)
                 if slot is not None:  # (else lost: failed below)
                     ready = self._copy_in(device, src, slot)
-            seq = self._channel.reserve()
-            keep = device.keepalive
-            handle = Handle(
-                seq, kind, dtype, count, deliver, slot, keep, self.config.timeout_s, device, self._device
-            )
-            handle.times = [t_start, time.time()]
-            handle._drive = self._drive
-            self._handles[seq] = handle
-            h = Submit(
-                self.rank,
-                seq,
-                segment=slot.segment if slot else NO_SEGMENT,
-                offset=slot.offset if slot else 0,
-                root=root,
-                count=count,
-                dtype=dtype,
-                op=op,
-                kind=kind,
-            ).header()
-            if lost is None and ready is not None:
-                # This one waits for its copy-in (the channel keeps later SUBMITs behind it). One whose
-                # caller waits for it at once is sent by that wait: the submitter thread is not woken
-                # for it (_send_held).
-                waited = self._waited()
-                self._holding[seq] = _Held(h, ready, handle, time.monotonic())
-                handle._held = True
-                handle._sends = waited
-                self._start_submitter()
-                if not waited:
-                    self._held_cv.notify_all()
-            elif lost is None:
-                try:
-                    self._send_frames([h.encode()], timeout=self.config.timeout_s)
-                except ConnectionClosed as e:
-                    lost = e
-            if lost is not None:
-                self._handles.pop(seq, None)
-                if slot is not None:
-                    self._arena.free(slot)
+            handle: DeviceHandle | None = None
+            if lost is None:
+                handle = self._channel.reserve_record(
+                    kind, count, dtype, op or 0, root, None if slot is None else (slot.segment, slot.offset, slot.nbytes),
+                    _result_bytes(kind, nbytes, self.size), result, device.keepalive, DeviceHandle,
+                )  # fmt: skip
+                assert handle is not None
+                handle._plan = device
+                if ready is not None:
+                    # This one waits for its copy-in (the channel keeps later SUBMITs behind it). One whose
+                    # caller waits for it at once is sent by that wait: the submitter thread is not woken
+                    # for it (_send_held).
+                    waited = self._waited()
+                    self._holding[handle.seq] = _Held(ready, handle, time.monotonic())
+                    handle._held = True
+                    handle._sends = waited
+                    self._start_submitter()
+                    if not waited:
+                        self._held_cv.notify_all()
+                else:
+                    try:
+                        handle.give(self.config.timeout_s)
+                    except (TimeoutError, ProtocolError) as e:
+                        refused = e
+            elif slot is not None:
+                self._arena.free(slot)
         if lost is not None:
             # Outside the lock: _fail takes it too (the reader thread may be failing us right now).
             self._fail(_daemon_lost(f"rank {self.rank}: lost the node daemon: {lost}"))
             assert self._failure is not None  # set by _fail, now or by the reader before it
             raise fresh(self._failure) from None
+        if refused is not None:
+            raise self._engine_failed(refused) from None
+        assert handle is not None
         return handle
 
     def allreduce_now(
@@ -1052,7 +1070,7 @@ class Client:
     def _submit_loop(self) -> None:
         self._send_held(None)
 
-    def _send_held(self, until: Handle | None, deadline: float = float("inf")) -> bool:
+    def _send_held(self, until: DeviceHandle | None, deadline: float = float("inf")) -> bool:
         """Send held SUBMITs, each once its copy-in is complete, in whatever order those complete (the
         channel puts them on the ring in sequence order); one thread waits for each (`claimed`).
 
@@ -1086,6 +1104,7 @@ class Client:
                     self._held_cv.wait(grace)
                 item.claimed = True
             error: SmddpError | None = None
+            handle = item.handle
             try:
                 assert self._device is not None  # a device copy-in made it
                 if until is None:
@@ -1098,21 +1117,21 @@ class Client:
             except SmddpError as e:
                 error = e
             except Exception as e:
-                error = DeviceError(f"the copy-in of collective #{item.header.seq} failed: {e!r}")
-            lost: ConnectionClosed | None = None
+                error = DeviceError(f"the copy-in of collective #{handle.seq} failed: {e!r}")
+            refused: TimeoutError | ProtocolError | None = None
             with self._lock:
-                del self._holding[item.header.seq]
-                item.handle._held = False
+                del self._holding[handle.seq]
+                handle._held = False
                 self._held_cv.notify_all()
                 if error is None and self._failure is None and not self._closed:
                     try:
-                        self._send_frames([item.header.encode()], timeout=self.config.timeout_s)
-                    except ConnectionClosed as e:
-                        lost = e
+                        handle.give(self.config.timeout_s)
+                    except (TimeoutError, ProtocolError) as e:
+                        refused = e
             if error is not None:
                 self._device_failed(error)
-            elif lost is not None:
-                self._fail(_daemon_lost(f"rank {self.rank}: lost the node daemon: {lost}"))
+            elif refused is not None:
+                self._engine_failed(refused)
 
     def _next_held(self) -> tuple[_Held | None, float | None]:
         """(lock held) The first held SUBMIT the submitter thread may take now; else how long until one
@@ -1182,89 +1201,56 @@ class Client:
             self._fail(CollectiveError(f"rank {self.rank}: internal error in the client: {e!r}"))
 
     def _done_loop(self) -> None:
-        """DONEs nobody waits for, from the done ring (the socket's reader handles the rest)."""
+        """The collected collectives (callbacks or polls wait for them, maybe nobody ever waits), from
+        the done ring: the engine completes each whose DONE this thread takes, and it finishes here."""
         channel = self._channel
         try:
             while not self._closed:
-                raw = channel.pop(0.5, 0.0, False)  # a waiter (_drive) takes the ring from us
+                raw = channel.pop(0.5, 0.0, False)  # a wait (the engine's finish) takes the ring from us
                 if raw is not None:
                     self._taken(raw)
-                    channel.kick()  # a waiter that came meanwhile sleeps on the ring: it is done now
         except SmddpError as e:
             self._distrust(e)
         except Exception as e:  # a bug; never leave waiters hanging
             log.exception("smddp client done-ring thread crashed")
             self._fail(CollectiveError(f"rank {self.rank}: internal error in the client: {e!r}"))
 
-    def _drive(self, handle: Handle, timeout: float) -> None:
-        """Wait for `handle` by taking DONEs off the done ring on this thread (the engine data plane):
-        the waiting thread is woken by the ring itself, not by the DONE thread after it. DONEs of other
-        collectives it meets are completed here too. Returns at completion, failure or `timeout`."""
-        channel = self._channel
-        deadline = time.monotonic() + timeout
-        if handle._held and handle._sends and not self._send_held(handle, deadline):
-            return  # its SUBMIT could not go in time (or the client failed): the wait says so
-        try:
-            while not handle._event.is_set() and self._failure is None and not self._closed:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return
-                raw = channel.pop(min(left, 0.05), RING_SPIN_US, True)
-                if raw is not None:
-                    self._taken(raw)
-        except SmddpError as e:
-            self._distrust(e)
-
     def _distrust(self, e: SmddpError) -> None:
         """A frame we cannot trust: fail here, and hang up so the daemon fails the job for everyone."""
         self._fail(e if isinstance(e, CollectiveError) else CollectiveError(f"rank {self.rank}: {e}"))
         self._conn.close()
 
-    def _taken(self, raw: bytes | int) -> None:
-        """What a pop of the done ring gave: a DONE to complete here, or the sequence number of an
-        engine collective the engine completed (collect)."""
+    def _taken(self, raw: bytes | int | tuple[int, int, int]) -> None:
+        """What the DONE thread's pop of the done ring gave: the sequence number of a collected collective
+        the engine completed, or (seq, segment, offset) of a device one whose result it located. A DONE
+        itself never comes here but for a collective this rank does not have (the daemon's fault)."""
         if type(raw) is int:
             self._on_engine_done(raw)
+        elif type(raw) is tuple:
+            self._on_engine_done(raw[0], raw[1:])
         else:
             assert isinstance(raw, bytes)
-            self._on_done(decode_header(raw))
+            seq = decode_header(raw).seq
+            raise ProtocolError(f"DONE for collective #{seq} does not match anything this rank submitted")
 
-    def _on_engine_done(self, seq: int) -> None:
-        """An engine collective completed by the engine in a pop (its result in place, its RELEASE held or
-        sent): its input slot goes back and its handle finishes here (callbacks included)."""
+    def _on_engine_done(self, seq: int, at: tuple[int, int] | None = None) -> None:
+        """A collected collective completed by the engine in a pop (a host one's result in place and its
+        RELEASE held or sent; a device one's located at `at`, copied on here): its input slot goes back
+        and its handle finishes here (callbacks included)."""
         with self._lock:
             handle = self._handles.pop(seq, None)
         if handle is None and (self._failure is not None or self._closed):
             return  # the failure finished it meanwhile (its memory is the channel's to keep until now)
         if not isinstance(handle, EngineHandle):
             raise ProtocolError(f"the engine completed collective #{seq}, which this rank did not collect")
+        if at is not None:
+            assert isinstance(handle, DeviceHandle)  # (only its records hold their result)
+            handle._arrived(*at)
+            if handle.finished:
+                return  # its copy-out failed the job, and it with it
         if handle._slot is not None:
             self._arena.free(handle._slot)
         handle._finish(handle._value)
-
-    def _on_done(self, header: Header) -> None:
-        h = Done.of(header)
-        with self._lock:
-            handle = self._handles.pop(h.seq, None)
-        if handle is None or (h.kind, h.dtype, h.count) != (handle.kind, handle.dtype, handle.count):
-            raise ProtocolError(f"DONE for collective #{h.seq} does not match anything this rank submitted")
-        if isinstance(handle, EngineHandle):  # the engine completes its own (collect): never here
-            raise ProtocolError(f"DONE for collective #{h.seq} reached Python; the engine started it")
-        seg = self._result_segment(h.segment)  # its SEGMENT came before it on the ring
-        if seg is None:
-            raise ProtocolError(f"DONE for #{h.seq} names result segment {h.segment}, which was never sent")
-        total = _result_bytes(handle.kind, h.count * handle.dtype.itemsize, self.size)
-        t_done = time.time()
-        view = seg.view(h.offset, total)
-        result = handle._deliver(view)
-        plan = handle._device
-        assert plan is not None  # (Client.submit takes device collectives only)
-        self._copy_out(plan, seg, view, h.seq, handle._keepalive)  # RELEASEs once the copy is done
-        if self.config.timeline_dir:
-            self._trace(handle, t_done, time.time())
-        if handle._slot is not None:
-            self._arena.free(handle._slot)
-        handle._finish(result)
 
     def _release(self, seq: int) -> None:
         """Tell the daemon a device result's slot is free (its copy to the device is done): at once, with
@@ -1294,7 +1280,7 @@ class Client:
                     f"the daemon did not read this worker's ring for {timeout:g}s (frozen or gone)"
                 ) from None
 
-    def _copy_out(self, plan: DevicePlan, seg: Segment, view: np.ndarray, seq: int, keepalive: Any) -> None:
+    def _copy_out(self, plan: DevicePlan, seg: Segment, view: np.ndarray, seq: int) -> None:
         """Enqueue the result's copy to the device; RELEASE the result slot only once that copy is done."""
         io = self._device
         assert io is not None
@@ -1307,12 +1293,7 @@ class Client:
                 self._release(seq)
 
         # The releaser holds the buffers too, so their memory cannot be reused while the copy runs.
-        io.after(plan.done, release, (keepalive, plan.outputs))
-
-    def _trace(self, handle: Handle, t_done: float, t_copied: float) -> None:
-        """Chrome trace events of one collective the general way completed here."""
-        t0, t1 = handle.times  # (submit() notes them on every Handle it makes)
-        self._spans(handle.seq, handle.kind, handle.dtype, handle.count, (t0, t1, t_done, t_copied))
+        io.after(plan.done, release, (plan.keepalive, plan.outputs))
 
     def _spans(self, seq: int, kind: Kind, dtype: DType, count: int, times: tuple[float, ...]) -> None:
         """One collective's phases on this rank as Chrome trace events: copy in, in flight, copy out."""
@@ -1324,7 +1305,7 @@ class Client:
     def _write_timeline(self) -> None:
         if not self.config.timeline_dir:
             return
-        # The engine's collectives left their phases in the channel; the general way's are here already.
+        # Every collective's phases are the channel's (the engine's records, the device ones included).
         traces, dropped = self._channel.take_traces()
         for t in traces:
             self._spans(
@@ -1360,11 +1341,6 @@ class Client:
             self._wrapper.cause(status)
         if first and getattr(err, "infra", False) and self._wrapper is not None:
             self._wrapper.infra(str(err))
-
-
-def _finished(h: Handle) -> bool:
-    """Whether `h` is complete (or failed), without collecting an engine collective as done() would."""
-    return bool(h.finished) if isinstance(h, EngineHandle) else h._event.is_set()
 
 
 def _daemon_lost(why: str) -> PeerLostError:

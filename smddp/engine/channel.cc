@@ -116,6 +116,46 @@ std::uint64_t WorkerChannel::reserve() {
   return next_seq_++;
 }
 
+std::uint64_t WorkerChannel::reserve_fast() {
+  std::lock_guard<std::mutex> lock(push_mu_);
+  const std::uint64_t seq = next_seq_++;
+  reserved_.insert(seq);
+  reserved_fast_.insert(seq);
+  {
+    // Registered before its SUBMIT can go, and so before any taker can meet its DONE.
+    std::lock_guard<std::mutex> pop_lock(pop_mu_);
+    Fast f;
+    f.async = true;
+    fast_.emplace(seq, f);
+  }
+  if (trace_.load(std::memory_order_relaxed)) {
+    std::lock_guard<std::mutex> trace_lock(trace_mu_);
+    begun_[seq] = {wall(), 0.0};  // its SUBMIT's time is noted when it goes (give, drain_locked)
+  }
+  return seq;
+}
+
+RingWait WorkerChannel::give(const std::uint8_t* header, std::int64_t timeout_ns, std::int64_t spin_ns) {
+  Header h;
+  const std::string w = decode_header(header, kHeaderSize, &h);
+  if (!w.empty() || h.type != Msg::kSubmit) {
+    refused("give: not a SUBMIT" + (w.empty() ? std::string() : ": " + w));
+    return RingWait::kCorrupt;
+  }
+  std::lock_guard<std::mutex> lock(push_mu_);
+  if (reserved_fast_.erase(h.seq) == 0) {
+    refused("give: SUBMIT #" + num(h.seq) + " was not reserved for the fast path, or was given already");
+    return RingWait::kCorrupt;
+  }
+  const RingWait r = submit_locked(h.seq, header, timeout_ns, spin_ns);
+  if (r == RingWait::kReady && !queued_.count(h.seq) && trace_.load(std::memory_order_relaxed)) {
+    std::lock_guard<std::mutex> trace_lock(trace_mu_);
+    auto b = begun_.find(h.seq);
+    if (b != begun_.end()) b->second.second = wall();
+  }
+  return r;
+}
+
 void WorkerChannel::close_starts() {
   std::lock_guard<std::mutex> lock(push_mu_);
   starts_closed_ = true;
@@ -334,7 +374,7 @@ WorkerChannel::Route WorkerChannel::route(const Descriptor& d) {
 }
 
 RingWait WorkerChannel::pop(std::uint8_t* out, std::int64_t timeout_ns, std::int64_t spin_ns, bool waiter,
-                            bool* completed) {
+                            bool* completed, Located* at) {
   if (completed != nullptr) *completed = false;
   const Clock::time_point t0 = Clock::now();
   std::unique_lock<std::mutex> lock(pop_mu_);
@@ -400,12 +440,13 @@ RingWait WorkerChannel::pop(std::uint8_t* out, std::int64_t timeout_ns, std::int
   wake_background();
   if (r != RingWait::kReady) return r;
   bool done = false;
-  r = complete_collected(out, &lock, &done);
+  r = complete_collected(out, &lock, &done, at);
   if (completed != nullptr) *completed = done;
   return r;
 }
 
-RingWait WorkerChannel::complete_collected(const std::uint8_t* d, std::unique_lock<std::mutex>* lock, bool* done) {
+RingWait WorkerChannel::complete_collected(const std::uint8_t* d, std::unique_lock<std::mutex>* lock, bool* done,
+                                           Located* at) {
   *done = false;
   Header h;
   if (!decode_header(d, kHeaderSize, &h).empty() || h.type != Msg::kDone) return RingWait::kReady;
@@ -415,7 +456,9 @@ RingWait WorkerChannel::complete_collected(const std::uint8_t* d, std::unique_lo
   collected_.erase(it);
   lock->unlock();  // the copy and the RELEASE need none of the takers' state
   *done = true;
-  const RingWait r = deliver(h, c.submit, c.out, c.batch_bytes, c.timeout_ns, 0);
+  Located here;
+  const RingWait r = deliver(h, c.submit, c.out, c.batch_bytes, c.timeout_ns, 0, &here);
+  if (at != nullptr) *at = here;
   if (r != RingWait::kTimeout) return r;
   refused("the daemon left this worker's submit ring full: the RELEASE of #" + num(h.seq) + " could not go");
   return RingWait::kCorrupt;
@@ -525,7 +568,7 @@ FastEnd WorkerChannel::refused_by_arena(const std::string& why) {
 }
 
 FastEnd WorkerChannel::finish(Arena& arena, const Slot& slot, const Header& submit, const Delivery& out,
-                              std::uint64_t batch_bytes, std::int64_t timeout_ns, std::int64_t spin_ns) {
+                              std::uint64_t batch_bytes, std::int64_t timeout_ns, std::int64_t spin_ns, Located* located) {
   if (out.src_offset > out.result_bytes || out.nbytes > out.result_bytes - out.src_offset)
     return refused("collective #" + num(submit.seq) + ": its destination lies outside its result");
   const Clock::time_point t0 = Clock::now();
@@ -611,8 +654,10 @@ FastEnd WorkerChannel::finish(Arena& arena, const Slot& slot, const Header& subm
   Header h;
   const std::string w = decode_header(mine.data(), kHeaderSize, &h);
   if (!w.empty()) return refused("the daemon wrote a descriptor that is not a frame: " + w);
-  const RingWait r = deliver(h, submit, out, batch_bytes, timeout_ns, spin_ns);
+  Located here;
+  const RingWait r = deliver(h, submit, out, batch_bytes, timeout_ns, spin_ns, &here);
   if (r == RingWait::kCorrupt) return FastEnd::kRefused;
+  if (located != nullptr) *located = here;
   if (slot.segment != kNoSegment) {
     const std::string fw = arena.free(slot);
     if (!fw.empty()) return refused("input slot of #" + num(h.seq) + ": " + fw);
@@ -621,7 +666,7 @@ FastEnd WorkerChannel::finish(Arena& arena, const Slot& slot, const Header& subm
 }
 
 RingWait WorkerChannel::deliver(const Header& h, const Header& submit, const Delivery& out, std::uint64_t batch_bytes,
-                                std::int64_t timeout_ns, std::int64_t spin_ns) {
+                                std::int64_t timeout_ns, std::int64_t spin_ns, Located* at) {
   const double t_done = trace_.load(std::memory_order_relaxed) ? wall() : 0;
   if (h.kind != submit.kind || h.dtype != submit.dtype || h.count != submit.count) {
     refused("DONE for collective #" + num(h.seq) + " does not match what this rank submitted");
@@ -638,6 +683,12 @@ RingWait WorkerChannel::deliver(const Header& h, const Header& submit, const Del
   if (!w.empty()) {
     refused("DONE for #" + num(h.seq) + ": " + w);
     return RingWait::kCorrupt;
+  }
+  if (out.hold) {
+    // A device collective's: its caller copies the result to the device and RELEASEs it after that copy.
+    *at = Located{true, h.shard, h.offset};
+    if (t_done != 0) traced(submit, h.seq, t_done, wall());
+    return RingWait::kReady;
   }
   if (out.nbytes != 0) std::memcpy(out.dst, p + out.src_offset, out.nbytes);
   if (t_done != 0) traced(submit, h.seq, t_done, wall());

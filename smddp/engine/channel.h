@@ -14,7 +14,8 @@
 // SUBMIT that names it): no caller's lock orders the ring.
 //
 // The worker's side serves three kinds of takers of the done ring, one popping at a time:
-// - a waiter: a thread in Handle.wait() for a collective submitted the general way (pop(waiter));
+// - a waiter: a thread waiting for a collective submitted the general way (reserve, push; pop(waiter)).
+//   The client no longer submits any (every collective it starts is the fast path's); tests do;
 // - the background taker: the client's DONE thread, for collectives nobody waits for (pop(!waiter));
 //   it enters the ring only while such collectives are out (`general_out_`), so a worker whose every
 //   collective is waited for is never woken for nothing;
@@ -29,7 +30,10 @@
 //   if nobody is in its finish when its DONE is taken (or it is parked already), the taker that
 //   hands it out of pop() completes it there: the DONE checked, its Delivery copied, its RELEASE
 //   held or sent, all here (`collected_`), and pop() says so (`*completed`): the caller has only
-//   its input slot to free and its callbacks to run. finish then answers kGone.
+//   its input slot to free and its callbacks to run. finish then answers kGone. A device collective
+//   is a fast one too, reserved (reserve_fast) and given (give) rather than started, and held
+//   (Delivery::hold): whoever takes its DONE checks it and locates its result (Located), copying
+//   and RELEASEing nothing; the caller copies the result to the device and RELEASEs it after.
 // Waiters and the fast path go first: the background taker's pop ends when one comes.
 //
 // A SEGMENT is taken in by whichever taker pops it (its fd off the side socket, mapped read-only
@@ -80,6 +84,18 @@ struct Delivery {
   std::uint64_t nbytes = 0;
   std::uint64_t src_offset = 0;
   std::uint64_t result_bytes = 0;
+  // A device collective's (reserve(true)): its DONE is checked and its result's range located
+  // (Located), nothing is copied here and no RELEASE goes: the caller copies the result to the
+  // device and RELEASEs it (release(..., -1, ...)) once that copy is done.
+  bool hold = false;
+};
+
+// Where a held delivery's result lies: `result_bytes` from `offset` of result segment `segment`
+// (result()), checked against that segment's size.
+struct Located {
+  bool held = false;  // set by a held delivery: the two below say where
+  std::uint32_t segment = 0;
+  std::uint64_t offset = 0;
 };
 
 // One piece of what a fast collective sends: `nbytes` at `data` (the caller's memory).
@@ -148,6 +164,14 @@ class WorkerChannel {
   // so does a fast start() then (it takes the next number all the same). The push that gives the
   // last reserved SUBMIT before them pushes them.
   std::uint64_t reserve();
+  // A reserved sequence number whose collective is the fast path's from the start (a device one):
+  // registered as an asynchronous fast collective before its SUBMIT can go, so its DONE is kept for
+  // its finish() or completed by collect()'s taker like any other; its SUBMIT follows through give().
+  std::uint64_t reserve_fast();
+  // The SUBMIT of a reserve_fast() number, given when its caller has it ready (a device copy-in
+  // complete), in any order: it goes on the ring in its place (as push() does). kCorrupt (why()) for
+  // a SUBMIT that is not such a number's, or was given already.
+  RingWait give(const std::uint8_t* header, std::int64_t timeout_ns, std::int64_t spin_ns);
   // How many fast starts waited behind a reserved SUBMIT so far.
   std::uint64_t queued_starts();
   // No fast collective starts from now on (start() answers kHeld): the client is shutting down,
@@ -175,8 +199,9 @@ class WorkerChannel {
   // when none came in time or the channel aborted. A `waiter` goes first (see above). *completed
   // (if given) is true when that DONE was a collected fast collective's and it was completed here
   // (collect): its result is in place and its RELEASE held or sent.
+  // A held delivery's (Delivery::hold) result is located in *at (if given) instead: not copied or RELEASEd.
   RingWait pop(std::uint8_t* out, std::int64_t timeout_ns, std::int64_t spin_ns, bool waiter,
-               bool* completed = nullptr);
+               bool* completed = nullptr, Located* at = nullptr);
   // Another thread completed something a waiter may be waiting for: waiters' pops return now (kTimeout).
   void kick();
 
@@ -190,11 +215,12 @@ class WorkerChannel {
   FastEnd start(Arena& arena, const Source* src, std::size_t n, Header* submit, Slot* slot, std::int64_t timeout_ns,
                 std::int64_t spin_ns, bool async = false);
   // Second half: waits for `seq`'s DONE, checks it against `submit`, copies what `out` names of the
-  // result to its destination, frees the slot and RELEASEs the result (held within `batch_bytes`).
+  // result to its destination, frees the slot and RELEASEs the result (held within `batch_bytes`);
+  // a held delivery (Delivery::hold) copies nothing and RELEASEs nothing: its result is located in *at.
   // kTimeout leaves the collective parked until unblock(seq) or adopt(seq) (or, async, until a later finish or the
   // general way); kGone: its DONE went the general way (or it was never started here).
   FastEnd finish(Arena& arena, const Slot& slot, const Header& submit, const Delivery& out,
-                 std::uint64_t batch_bytes, std::int64_t timeout_ns, std::int64_t spin_ns);
+                 std::uint64_t batch_bytes, std::int64_t timeout_ns, std::int64_t spin_ns, Located* located = nullptr);
   // What completing a collected collective takes: its SUBMIT's fingerprint and sender, where its
   // result goes, and its RELEASE's batch and timeout. `out.dst` is the caller's, kept alive (and
   // unmoved) by the caller until the collective completes or the channel is gone.
@@ -250,7 +276,8 @@ class WorkerChannel {
   std::shared_ptr<Segment> seg_;
   std::mutex push_mu_;  // guards the submit ring's producer side, held_, queued_ and the sequence numbers
   std::uint64_t next_seq_ = 1;
-  std::set<std::uint64_t> reserved_;  // reserved by the general way, not pushed yet
+  std::set<std::uint64_t> reserved_;  // reserved (reserve, reserve_fast), not pushed yet
+  std::set<std::uint64_t> reserved_fast_;  // those of reserve_fast(), for give()
   bool starts_closed_ = false;
   // attach() with push_mu_ held.
   RingWait attach_locked(const Segment& seg, std::uint32_t rank, std::int64_t timeout_ns, std::int64_t spin_ns);
@@ -300,12 +327,12 @@ class WorkerChannel {
   std::map<std::uint64_t, Collected> collected_;
   // With pop_mu_ held by `lock`: completes the collected collective whose DONE is `d`, if it is one
   // (unlocking to copy and RELEASE); kReady and *done true when it did, kCorrupt when it refused.
-  RingWait complete_collected(const std::uint8_t* d, std::unique_lock<std::mutex>* lock, bool* done);
+  RingWait complete_collected(const std::uint8_t* d, std::unique_lock<std::mutex>* lock, bool* done, Located* at);
   // `submit`'s DONE `h` taken, by its finish() or by a taker (collect): checked against `submit`,
-  // `out` copied from its result, its RELEASE held or sent. kCorrupt (why()) when refused; kTimeout
-  // when the RELEASE found the ring full for the whole timeout.
+  // `out` copied from its result, its RELEASE held or sent (held: located in *at, nothing else).
+  // kCorrupt (why()) when refused; kTimeout when the RELEASE found the ring full for the whole timeout.
   RingWait deliver(const Header& h, const Header& submit, const Delivery& out, std::uint64_t batch_bytes,
-                   std::int64_t timeout_ns, std::int64_t spin_ns);
+                   std::int64_t timeout_ns, std::int64_t spin_ns, Located* at);
   // The timeline (set_trace): start() notes when each collective started and was pushed, deliver()
   // turns that into its trace. trace_mu_ is taken alone, or inside push_mu_ (never the other way).
   std::atomic<bool> trace_{false};

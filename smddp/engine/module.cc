@@ -1162,7 +1162,8 @@ PyObject* channel_push(PyObject* self, PyObject* args) {
 }
 
 // pop(timeout_s, spin_us, waiter) -> the next 56-byte header; or the seq (an int) of a collected
-// collective completed here (collect); or None
+// collective completed here (collect), or (seq, segment, offset) of a collected held one whose result
+// was located here (reserve_record: the caller copies it on, and RELEASEs it); or None
 PyObject* channel_pop(PyObject* self, PyObject* args) {
   double timeout = 0, spin_us = 0;
   int waiter = 0;
@@ -1170,9 +1171,10 @@ PyObject* channel_pop(PyObject* self, PyObject* args) {
   std::uint8_t slot[smddp::kSlotBytes];
   smddp::RingWait r;
   bool completed = false;
+  smddp::Located at;
   Py_BEGIN_ALLOW_THREADS
   r = channel_of(self).pop(slot, static_cast<std::int64_t>(timeout * 1e9), static_cast<std::int64_t>(spin_us * 1e3),
-                           waiter != 0, &completed);
+                           waiter != 0, &completed, &at);
   Py_END_ALLOW_THREADS
   if (r == smddp::RingWait::kTimeout) Py_RETURN_NONE;
   if (r == smddp::RingWait::kCorrupt) return raise_from(self, channel_of(self).why());
@@ -1180,6 +1182,9 @@ PyObject* channel_pop(PyObject* self, PyObject* args) {
     smddp::Header h;  // the channel decoded it: a DONE
     (void)smddp::decode_header(slot, smddp::kHeaderSize, &h);
     unkeep(self, h.seq);
+    if (at.held)
+      return Py_BuildValue("(KkK)", static_cast<unsigned long long>(h.seq), static_cast<unsigned long>(at.segment),
+                           static_cast<unsigned long long>(at.offset));
     return PyLong_FromUnsignedLongLong(h.seq);
   }
   return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(slot), static_cast<Py_ssize_t>(smddp::kHeaderSize));
@@ -1419,6 +1424,21 @@ PyObject* refusal(StartedObject* obj, smddp::FastEnd end) {
   return PyObject_CallFunction(errors(module_of(obj->channel))->protocol, "s", why.c_str());
 }
 
+// A held collective's result is in place on the host (a device one's, at `at`): the handle's
+// _arrived(segment, offset) copies it on to the device (its RELEASE goes once that copy is done) and
+// returns what its wait returns. Before the record is finished, so that nobody sees it complete
+// before its copy-out is under way. False with an error set when that raised.
+bool arrived(PyObject* self, const smddp::Located& at) {
+  PyObject* r = PyObject_CallMethod(self, "_arrived", "kK", static_cast<unsigned long>(at.segment),
+                                    static_cast<unsigned long long>(at.offset));
+  if (r == nullptr) return false;
+  StartedObject* obj = started_of(self);
+  PyObject* old = obj->result;
+  obj->result = r;
+  Py_XDECREF(old);
+  return true;
+}
+
 PyObject* finished_result(PyObject* self, PyObject* stream) {
   StartedObject* obj = started_of(self);
   if (obj->failed) return settle(self, Py_NewRef(Py_True), 0.0, stream);
@@ -1458,17 +1478,21 @@ PyObject* started_wait(PyObject* self, PyObject* const* args, Py_ssize_t nargs, 
   smddp::Arena& arena = *reinterpret_cast<ArenaObject*>(obj->arena)->arena;
   smddp::FastEnd end;
   std::int64_t took_ns = 0;
+  smddp::Located at;
   Py_BEGIN_ALLOW_THREADS
   const auto t0 = std::chrono::steady_clock::now();
-  end = ch.finish(arena, obj->slot, obj->submit, obj->out, obj->batch, timeout_ns, obj->spin_ns);
+  end = ch.finish(arena, obj->slot, obj->submit, obj->out, obj->batch, timeout_ns, obj->spin_ns, &at);
   took_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
   Py_END_ALLOW_THREADS
   if (end == smddp::FastEnd::kDone) {
-    retire(obj);
-    if (obj->collected) {  // callbacks wait for it: the handle runs them (and takes it off its table)
-      PyObject* r = PyObject_CallMethod(self, "_completed", nullptr);
-      if (r == nullptr) return nullptr;
-      Py_DECREF(r);
+    if (at.held && !arrived(self, at)) return nullptr;
+    if (!obj->finished) {  // (the handle's copy-out may have failed the job, and it with it)
+      retire(obj);
+      if (obj->collected) {  // callbacks wait for it: the handle runs them (and takes it off its table)
+        PyObject* r = PyObject_CallMethod(self, "_completed", nullptr);
+        if (r == nullptr) return nullptr;
+        Py_DECREF(r);
+      }
     }
     return finished_result(self, stream);
   }
@@ -1506,6 +1530,31 @@ PyObject* started_collect(PyObject* self, PyObject*) {
   return PyBool_FromLong(taken);
 }
 
+// give(timeout_s=None): the SUBMIT of a record reserve_record() made goes (WorkerChannel::give: in
+// its place on the ring, whatever order records are given in). TimeoutError when the daemon left
+// the ring full; ProtocolError when the channel refused it (given twice, a broken ring).
+PyObject* started_give(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs > 1) {
+    PyErr_SetString(PyExc_TypeError, "give(timeout_s=None)");
+    return nullptr;
+  }
+  StartedObject* obj = started_of(self);
+  std::int64_t timeout_ns = 0;
+  if (!timeout_arg(nargs > 0 ? args[0] : Py_None, obj->timeout_ns, &timeout_ns)) return nullptr;
+  std::array<std::uint8_t, smddp::kHeaderSize> frame{};
+  const std::string w = smddp::encode_header(obj->submit, frame.data());
+  if (!w.empty()) return raise_from(obj->channel, "cannot encode SUBMIT: " + w);
+  smddp::WorkerChannel& ch = channel_of(obj->channel);
+  smddp::RingWait r;
+  const std::int64_t spin_ns = obj->spin_ns;
+  Py_BEGIN_ALLOW_THREADS
+  r = ch.give(frame.data(), timeout_ns, spin_ns);
+  Py_END_ALLOW_THREADS
+  if (r != smddp::RingWait::kReady)
+    return channel_ring_error(obj->channel, r, "the daemon left this worker's submit ring full");
+  Py_RETURN_NONE;
+}
+
 // _complete(failed): finished other than by its own wait (the DONE thread completed it, collected;
 // or the job failed): its wait returns at once, or (failed) raises through _settle.
 PyObject* started_complete(PyObject* self, PyObject* failed) {
@@ -1541,6 +1590,8 @@ PyMethodDef kStartedMethods[] = {
     {"collect", started_collect, METH_NOARGS,
      "collect() -> None (finished already) or bool: whoever takes its DONE completes it (pop returns its seq)"},
     {"_complete", started_complete, METH_O, "_complete(failed): finished other than by its own wait"},
+    {"give", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(started_give)), METH_FASTCALL,
+     "give(timeout_s=None): a reserved record's SUBMIT goes, in its place on the ring"},
     {nullptr, nullptr, 0, nullptr},
 };
 
@@ -1854,6 +1905,60 @@ PyObject* channel_reserve(PyObject* self, PyObject*) {
   return PyLong_FromUnsignedLongLong(channel_of(self).reserve());
 }
 
+// reserve_record(kind, count, dtype, op, root, slot, result_bytes, result, keepalive, handle_type) ->
+// a record of `handle_type` (Started or a subclass) for a collective whose data the caller puts in
+// `slot` (segment, offset, nbytes) itself, or none (None: a broadcast's receiver, or nothing to send),
+// under the channel's next sequence number (WorkerChannel::reserve_fast): the engine's from now on.
+// Its SUBMIT goes when the caller gives it (give()); its DONE is checked and its result located by
+// whoever takes it (its wait, or collect()'s taker), not copied or RELEASEd: the record's
+// _arrived(segment, offset) does that (the device path). Its wait returns what _arrived returned.
+PyObject* channel_reserve_record(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 10) {
+    PyErr_SetString(PyExc_TypeError,
+                    "reserve_record(kind, count, dtype, op, root, slot, result_bytes, result, keepalive, handle_type)");
+    return nullptr;
+  }
+  ChannelObject* co = chan(self);
+  if (co->handle_type == nullptr) {
+    PyErr_SetString(PyExc_RuntimeError, "reserve_record: the channel is not bound (bind)");
+    return nullptr;
+  }
+  long long kind = 0, count = 0, dtype = 0, op = 0, root = 0, result_bytes = 0;
+  if (!int_arg(args[0], &kind) || !int_arg(args[1], &count) || !int_arg(args[2], &dtype) || !int_arg(args[3], &op) ||
+      !int_arg(args[4], &root) || !int_arg(args[6], &result_bytes))
+    return nullptr;
+  if (result_bytes < 0) {
+    PyErr_SetString(PyExc_ValueError, "reserve_record: result_bytes is non-negative");
+    return nullptr;
+  }
+  smddp::Header h;
+  if (!submit_fields(self, co->arena, kind, co->rank, count, dtype, op, root, &h)) return nullptr;
+  smddp::Slot slot{smddp::kNoSegment, 0, 0};
+  if (args[5] != Py_None) {
+    unsigned long seg = 0;
+    unsigned long long offset = 0, nbytes = 0;
+    if (!PyArg_ParseTuple(args[5], "kKK", &seg, &offset, &nbytes)) return nullptr;
+    slot = smddp::Slot{static_cast<std::uint32_t>(seg), offset, nbytes};
+  }
+  PyObject* type = args[9];
+  ModuleState* st = state(module_of(self));
+  if (!PyType_Check(type) ||
+      !PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(type), reinterpret_cast<PyTypeObject*>(st->started_type))) {
+    PyErr_SetString(PyExc_TypeError, "reserve_record: handle_type is smddp._engine.Started or a subclass of it");
+    return nullptr;
+  }
+  PyObject* started = alloc_instance(reinterpret_cast<PyTypeObject*>(type));  // made first: nothing may fail after
+  if (started == nullptr) return nullptr;
+  h.seq = co->ch->reserve_fast();
+  h.shard = slot.segment;
+  h.offset = slot.offset;
+  smddp::Delivery out;
+  out.result_bytes = static_cast<std::uint64_t>(result_bytes);
+  out.hold = true;
+  fill_record(self, started, h, slot, out, args[0], args[2], args[7], args[8]);
+  return started;
+}
+
 // close_starts(): no fast collective starts from now on (start and run answer None)
 PyObject* channel_close_starts(PyObject* self, PyObject*) {
   channel_of(self).close_starts();
@@ -2019,6 +2124,9 @@ PyMethodDef kChannelMethods[] = {
      "run(kind, buf, count, dtype, op, timeout_s) -> True, None or (seq, segment, offset, nbytes): a blocking fast "
      "collective whole, its result in place (None: go the general way; a tuple: not in time, parked)"},
     {"reserve", channel_reserve, METH_NOARGS, "reserve() -> the general way's next seq"},
+    {"reserve_record", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(channel_reserve_record)),
+     METH_FASTCALL, "reserve_record(kind, count, dtype, op, root, slot, result_bytes, result, keepalive, handle_type)"
+                    " -> a record whose SUBMIT goes with give() and whose result its _arrived() takes on"},
     {"close_starts", channel_close_starts, METH_NOARGS, "close_starts(): no fast collective starts from now on"},
     {"blocking", channel_blocking, METH_NOARGS, "blocking() -> [seq]: blocking fast collectives not finished"},
     {"alloc", channel_alloc, METH_VARARGS,

@@ -378,7 +378,11 @@ void shared_channel() {
     smddp::WorkerChannel* ch = rig.channels[rank].get();
     smddp::Arena& arena = *arenas[rank];
     for (int it = 0; it < kEach; it += kBatch) {
+      // Every other batch is held, as the client's device collectives are (reserve_fast, give, and a
+      // finish that locates the result without copying or RELEASEing it).
+      const bool held = (it / kBatch) % 2 == 1;
       std::vector<std::array<std::uint8_t, smddp::kHeaderSize>> frames(kBatch);
+      std::vector<smddp::Header> heads(kBatch);
       std::set<std::uint64_t> mine;
       for (int b = 0; b < kBatch; b++) {
         smddp::Header h = shape(rank);
@@ -392,17 +396,39 @@ void shared_channel() {
         auto* x = reinterpret_cast<std::int32_t*>(arena.segment(slot.segment)->base() + slot.offset);
         for (std::uint64_t i = 0; i < kCount; i++) x[i] = static_cast<std::int32_t>((rank + 1) * (i + 1));
         kept[rank].push_back(slot);
-        h.seq = ch->reserve();
+        h.seq = held ? ch->reserve_fast() : ch->reserve();
         h.shard = slot.segment;
         h.offset = slot.offset;
         mine.insert(h.seq);
+        heads[b] = h;
         check(smddp::encode_header(h, frames[b].data()).empty(), "encode");
       }
       // Given last first: the channel puts them on the ring in sequence order (the plane fails a
       // rank whose SUBMITs come out of order), the fast thread's starts meanwhile behind them.
       for (int b = kBatch - 1; b >= 0; b--) {
-        check(ch->push(frames[b].data(), 10 * kSecond, 0) == smddp::RingWait::kReady, "push general SUBMIT");
+        const smddp::RingWait r = held ? ch->give(frames[b].data(), 10 * kSecond, 0)
+                                       : ch->push(frames[b].data(), 10 * kSecond, 0);
+        check(r == smddp::RingWait::kReady, "push general SUBMIT: " + ch->why());
         if (b > 0) std::this_thread::yield();
+      }
+      if (held) {
+        check(ch->give(frames[0].data(), kSecond, 0) == smddp::RingWait::kCorrupt, "a SUBMIT given twice is refused");
+        for (int b = 0; b < kBatch; b++) {
+          smddp::Delivery out;
+          out.result_bytes = kBytes;
+          out.hold = true;
+          smddp::Located at;
+          // No input slot: this thread keeps them (the arena grows a segment at a time).
+          check(ch->finish(arena, smddp::Slot{smddp::kNoSegment, 0, 0}, heads[b], out, 64 << 10, 10 * kSecond,
+                           20'000, &at) == smddp::FastEnd::kDone,
+                "held finish: " + ch->why());
+          std::shared_ptr<smddp::Segment> seg = ch->result(at.segment);
+          std::uint8_t* p = nullptr;
+          check(at.held && seg && seg->range(at.offset, kBytes, &p).empty() && right(reinterpret_cast<std::int32_t*>(p)),
+                "held result of #" + std::to_string(heads[b].seq) + " on rank " + std::to_string(rank));
+          check(ch->release(rank, heads[b].seq, -1, 64 << 10, 10 * kSecond, 0) == smddp::RingWait::kReady, "release");
+        }
+        continue;
       }
       for (int b = 0; b < kBatch; b++) {
         std::uint8_t d[smddp::kSlotBytes];

@@ -54,9 +54,9 @@ def _median_us(fn: Callable[[], None], n: int) -> float:
 STEPS = (
     ("submitted", "smddp.client.session:Client.submit", "exit"),
     ("copy-in seen", "smddp.client.session:Client._copied", "exit"),
-    ("SUBMIT sent", "smddp.client.session:Client._send_frames", "exit"),
-    ("DONE taken", "smddp.client.session:Client._on_done", "entry"),
-    ("copy-out enqueued", "smddp.client.session:Client._on_done", "exit"),
+    ("SUBMIT sent", "smddp.client.session:DeviceHandle.give", "exit"),
+    ("DONE taken", "smddp.client.session:DeviceHandle._arrived", "entry"),
+    ("copy-out enqueued", "smddp.client.session:DeviceHandle._arrived", "exit"),
     ("Work complete", "smddp.torch.backend:_complete_here", "exit"),
 )
 
@@ -84,7 +84,7 @@ def _mark_steps(marks: dict[str, float]) -> Callable[[], None]:
                 if _when == "exit":
                     marks.setdefault(_name, time.perf_counter())
 
-        # Two steps may wrap one method (_on_done's entry and exit): the later wrapper holds the earlier.
+        # Two steps may wrap one method (_arrived's entry and exit): the later wrapper holds the earlier.
         setattr(owner, attr, wrapped)
         undo.append((owner, attr, real))
 

@@ -27,7 +27,7 @@ from smddp.errors import (
     SmddpError,
 )
 from smddp.proto.dtypes import DType, Kind, ReduceOp
-from smddp.proto.frames import Header, MsgType
+from smddp.proto.frames import Header, MsgType, decode_header
 from smddp.proto.messages import Submit
 from tests.unit.lonely import lonely_client
 from tests.unit.test_client_release import RESULTS, ScriptedDaemon, sent, until_submits
@@ -191,6 +191,42 @@ def test_a_done_that_lies_fails_the_client_naming_why(pair, lie, match):
         collectives.allreduce(client, buf, ReduceOp.SUM, 1.0)
 
 
+@pytest.mark.parametrize("waited", [True, False])
+@pytest.mark.parametrize(
+    "lie, match",
+    [
+        (dict(count=1023), "does not match what this rank submitted"),
+        (dict(offset=RESULTS - 64), "out of bounds|outside"),
+        (dict(shard=5), "names result segment 5, which was never sent"),
+    ],
+)
+def test_a_done_that_lies_about_a_device_collective_fails_the_client_naming_why(pair, lie, match, waited):
+    """The engine checks a device collective's DONE as it does a host one's, whether its wait or the DONE
+    thread (collected) takes it: nothing is copied to the device from a range it refused."""
+    from smddp_rigs.standin import StandinRuntime
+
+    from smddp.client.device.copies import DeviceIO
+
+    client, daemon = pair
+    rt = StandinRuntime()
+    client._device = DeviceIO(rt, client._device_failed)
+    x = rt.asarray(np.zeros(1024, np.float32))
+    h = allreduce_async(client, x, ReduceOp.SUM)
+    if not waited:
+        h.add_done_callback(lambda _h: None)
+    s = [f for f in until_submits(daemon, 1) if f.type is MsgType.SUBMIT][-1]
+    fields: dict[str, Any] = dict(
+        seq=s.seq, shard=0, offset=0, count=s.count, dtype=s.dtype, op=s.op, kind=s.kind
+    )
+    fields.update(lie)
+    daemon.rings.push(Header(MsgType.DONE, **fields).encode(), 5.0)
+    with pytest.raises(CollectiveError, match=match):
+        h.wait(5.0)
+    assert client._failure is not None and h.finished
+    assert rt.stats["h2d"] == 0, "a result the engine refused was copied to the device"
+    rt.close()
+
+
 def test_shutdown_waits_for_a_fast_call_and_names_it_unfinished(pair):
     client, daemon = pair
     call = fast(client, np.zeros(16, np.float32), timeout=5.0)
@@ -226,15 +262,17 @@ def test_an_async_all_reduce_is_the_engines_and_its_wait_completes_it_there(pair
 
 
 def general_way(client: Client) -> list[int]:
-    """The sequence numbers of the DONEs the client completes in Python from now on (Client._on_done)."""
+    """The sequence numbers of the DONEs that reach the client's Python from now on, rather than being
+    completed (or located, for a device collective) by the engine (Client._taken)."""
     seen: list[int] = []
-    on_done = client._on_done
+    taken = client._taken
 
-    def spy(header: Header) -> None:
-        seen.append(header.seq)
-        on_done(header)
+    def spy(raw: bytes | int | tuple[int, int, int]) -> None:
+        if isinstance(raw, bytes):
+            seen.append(decode_header(raw).seq)
+        taken(raw)
 
-    client._on_done = spy  # type: ignore[method-assign]
+    client._taken = spy  # type: ignore[method-assign]
     return seen
 
 
@@ -642,6 +680,14 @@ def test_an_address_destination_is_refused_without_its_owner(pair):
     assert client._arena.in_use == 0 and not daemon.pending()
 
 
+def reserved_barrier(client: Client) -> EngineHandle:
+    """A barrier reserved as a device collective's is (Client.submit): the engine's record, its SUBMIT
+    to go with give()."""
+    return client._channel.reserve_record(
+        Kind.BARRIER, 0, DType.UINT8, 0, 0, None, 0, None, None, EngineHandle
+    )  # fmt: skip
+
+
 def test_fast_calls_behind_a_reserved_general_submit_wait_in_the_engine_and_follow_it(pair):
     """Sequence numbers are the channel's, handed out in ring order: while a SUBMIT the general way
     reserved is not on the ring yet (a device copy-in still running), fast calls still start in the
@@ -649,7 +695,8 @@ def test_fast_calls_behind_a_reserved_general_submit_wait_in_the_engine_and_foll
     pushes them right after it, in their order, and each completes in the engine."""
     client, daemon = pair
     python = general_way(client)
-    assert client._channel.reserve() == 1
+    reserved = reserved_barrier(client)
+    assert reserved.seq == 1
     a = np.ones(4, np.float32)
     waited = allreduce_async(client, a)
     assert isinstance(waited, EngineHandle) and waited.seq == 2
@@ -661,10 +708,7 @@ def test_fast_calls_behind_a_reserved_general_submit_wait_in_the_engine_and_foll
         time.sleep(0.005)
     assert not daemon.pending(), "a fast SUBMIT went ahead of the reserved one"
     assert client._arena.in_use > 0, "the waiting calls' input is not in their slots"
-    barrier = Submit(
-        0, 1, segment=2**32 - 1, offset=0, root=0, count=0, dtype=DType.UINT8, op=None, kind=Kind.BARRIER
-    )
-    client._channel.push(barrier.header().encode(), 1.0, 0.0)
+    reserved.give(1.0)
     s1, s2, s3 = [f for f in until_submits(daemon, 3) if f.type is MsgType.SUBMIT]
     assert [(s.seq, s.kind, s.count) for s in (s1, s2, s3)] == [
         (1, Kind.BARRIER, 0),
@@ -909,33 +953,17 @@ def test_reserved_submits_given_last_first_go_on_the_ring_in_order(pair):
     started meanwhile follows them."""
     client, daemon = pair
     python = general_way(client)
-    first, second = client._channel.reserve(), client._channel.reserve()
-    assert (first, second) == (1, 2)
-
-    def barrier(seq: int) -> bytes:
-        return (
-            Submit(
-                0,
-                seq,
-                segment=2**32 - 1,
-                offset=0,
-                root=0,
-                count=0,
-                dtype=DType.UINT8,
-                op=None,
-                kind=Kind.BARRIER,
-            )
-            .header()
-            .encode()
-        )
-
-    client._channel.push(barrier(second), 1.0, 0.0)
+    first, second = reserved_barrier(client), reserved_barrier(client)
+    assert (first.seq, second.seq) == (1, 2)
+    second.give(1.0)
     a = np.ones(4, np.float32)
     waited = allreduce_async(client, a)
     assert isinstance(waited, EngineHandle) and waited.seq == 3
     time.sleep(0.05)
     assert not daemon.pending(), "a SUBMIT went ahead of a reserved one before it"
-    client._channel.push(barrier(first), 1.0, 0.0)
+    with pytest.raises(ProtocolError, match="given already"):
+        second.give(1.0)
+    first.give(1.0)
     submits = [f for f in until_submits(daemon, 3) if f.type is MsgType.SUBMIT]
     assert [(s.seq, s.kind) for s in submits] == [(1, Kind.BARRIER), (2, Kind.BARRIER), (3, Kind.ALLREDUCE)]
     daemon.done(submits[2], 2.0)
@@ -974,6 +1002,50 @@ def test_device_submits_go_in_sequence_order_when_their_copy_ins_finish_the_othe
     first.synchronize(5.0)
     assert np.array_equal(x0.get(), np.full(64, 3.0, np.float32))
     assert np.array_equal(x1.get(), np.full(32, 2.0, np.float32))
+    client.shutdown(timeout=2)
+    rt.close()
+
+
+@pytest.mark.parametrize("how", ["callback", "poll"])
+def test_a_device_collective_nobody_waits_for_is_completed_by_the_done_thread(pair, how):
+    """A device all-reduce that only a callback (or a poll) waits for is on the channel's one table: the
+    client's DONE thread takes its DONE, the engine checks it and locates the result, and the handle's
+    _arrived enqueues the copy to the device there; the callback runs after that, the result reaches
+    the device, the result's RELEASE goes only once that copy is done, and no DONE reaches Python."""
+    from smddp_rigs.standin import StandinRuntime
+
+    from smddp.client.device.copies import DeviceIO
+    from smddp.client.session import DeviceHandle
+
+    client, daemon = pair
+    python = general_way(client)
+    rt = StandinRuntime(copy_delay_s=0.3)  # every copy lands 0.3 s after it is due
+    client._device = DeviceIO(rt, client._device_failed)
+    x = rt.asarray(np.ones(256, np.float32))
+    h = allreduce_async(client, x, ReduceOp.SUM)
+    assert isinstance(h, DeviceHandle) and client._channel.live() == [h]
+    ran: list[bool] = []
+    if how == "callback":
+        h.add_done_callback(lambda d: ran.append(d.finished))
+    else:
+        assert not h.done()
+    assert client._handles == {h.seq: h}, "collected, it is not on the client's table"
+    (s1,) = [f for f in until_submits(daemon, 1) if f.type is MsgType.SUBMIT]
+    assert not daemon.pending()
+    daemon.done(s1, 4.0)
+    deadline = time.monotonic() + 5
+    while not h.finished:
+        assert time.monotonic() < deadline, "the DONE thread did not complete it"
+        time.sleep(0.002)
+    assert ran == ([True] if how == "callback" else [])
+    assert client._handles == {} and client._channel.live() == []
+    assert not daemon.pending(), "the result's RELEASE went before its copy to the device was done"
+    while not h.done():
+        assert time.monotonic() < deadline, "the copy to the device never completed"
+        time.sleep(0.002)
+    assert sent(daemon.frames(1)) == [(MsgType.RELEASE, 1)]
+    assert h.synchronize(5.0) is x and np.array_equal(x.get(), np.full(256, 4.0, np.float32))
+    assert python == [] and client._arena.in_use == 0
     client.shutdown(timeout=2)
     rt.close()
 
