@@ -1206,7 +1206,7 @@ class Client:
         channel = self._channel
         try:
             while not self._closed:
-                raw = channel.pop(0.5, 0.0, False)  # a wait (the engine's finish) takes the ring from us
+                raw = channel.pop(0.5, 0.0)  # a wait (the engine's finish) takes the ring from us
                 if raw is not None:
                     self._taken(raw)
         except SmddpError as e:

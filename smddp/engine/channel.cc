@@ -257,12 +257,12 @@ void WorkerChannel::wake_background() {
   // Only when it can do something: a background taker woken for nothing costs a context switch on
   // every collective, which on two cores is a measurable part of a 4 KiB all-reduce.
   if (bg_waiting_ == 0) return;
-  if ((!kept_.empty() && waiters_ == 0) || (!popping_ && !may_yield() && general_out_ > 0) || aborted_.load())
+  if (!kept_.empty() || (!popping_ && !may_yield() && general_out_ > 0) || aborted_.load())
     bg_cv_.notify_all();
 }
 
 void WorkerChannel::wake_takers() {
-  if (waiters_ + fast_waiters_ > 0) pop_cv_.notify_all();
+  if (fast_waiters_ > 0) pop_cv_.notify_all();
 }
 
 // --------------------------------------------------------------------------------- the submit ring
@@ -373,21 +373,15 @@ WorkerChannel::Route WorkerChannel::route(const Descriptor& d) {
   return Route::kKept;
 }
 
-RingWait WorkerChannel::pop(std::uint8_t* out, std::int64_t timeout_ns, std::int64_t spin_ns, bool waiter,
-                            bool* completed, Located* at) {
+RingWait WorkerChannel::pop(std::uint8_t* out, std::int64_t timeout_ns, std::int64_t spin_ns, bool* completed,
+                            Located* at) {
   if (completed != nullptr) *completed = false;
   const Clock::time_point t0 = Clock::now();
   std::unique_lock<std::mutex> lock(pop_mu_);
-  if (waiter) {
-    waiters_++;
-    yield_.store(true, std::memory_order_seq_cst);
-    if (popping_) done_.nudge();  // the background taker is asleep in the ring: hand it over
-  }
   RingWait r = RingWait::kTimeout;
   Descriptor slot;
   for (bool first = true;; first = false) {
-    if (waiter && kick_.exchange(false)) break;  // kick(): look at the collective again
-    if (!kept_.empty() && (waiter || waiters_ == 0)) {
+    if (!kept_.empty()) {
       std::memcpy(out, kept_.front().data(), kSlotBytes);
       kept_.pop_front();
       r = RingWait::kReady;
@@ -395,22 +389,16 @@ RingWait WorkerChannel::pop(std::uint8_t* out, std::int64_t timeout_ns, std::int
     }
     const std::int64_t left = left_of(t0, timeout_ns);
     if (aborted_.load() || (left <= 0 && !first)) break;
-    // The background taker enters the ring only for collectives of the general way nobody waits
-    // for, and never while a waiter or the fast path wants it.
-    const bool turn = !popping_ && (waiter || (!may_yield() && general_out_ > 0));
-    if (!turn) {
-      if (waiter) {
-        pop_cv_.wait_for(lock, std::chrono::nanoseconds(slice_of(left)));
-      } else {
-        bg_waiting_++;
-        bg_cv_.wait_for(lock, std::chrono::nanoseconds(slice_of(left)));
-        bg_waiting_--;
-      }
+    // It enters the ring only for collectives nobody waits for, and never while the fast path wants it.
+    if (popping_ || may_yield() || general_out_ == 0) {
+      bg_waiting_++;
+      bg_cv_.wait_for(lock, std::chrono::nanoseconds(slice_of(left)));
+      bg_waiting_--;
       continue;
     }
     popping_ = true;
     lock.unlock();
-    r = done_.pop(slot.data(), slice_of(left), first ? spin_ns : 0, waiter ? &kick_ : &yield_);
+    r = done_.pop(slot.data(), slice_of(left), first ? spin_ns : 0, &yield_);
     lock.lock();
     popping_ = false;
     wake_takers();
@@ -425,17 +413,10 @@ RingWait WorkerChannel::pop(std::uint8_t* out, std::int64_t timeout_ns, std::int
         continue;
       }
       if (general_out_ > 0) general_out_--;
-      if (!waiter && waiters_ > 0) {
-        kept_.push_back(slot);  // it may be what a waiter waits for: theirs to take
-        wake_takers();
-        r = RingWait::kTimeout;
-        continue;
-      }
       std::memcpy(out, slot.data(), kSlotBytes);
     }
     if (r != RingWait::kTimeout) break;
   }
-  if (waiter && --waiters_ == 0) yield_.store(may_yield(), std::memory_order_seq_cst);
   wake_takers();
   wake_background();
   if (r != RingWait::kReady) return r;
@@ -462,16 +443,6 @@ RingWait WorkerChannel::complete_collected(const std::uint8_t* d, std::unique_lo
   if (r != RingWait::kTimeout) return r;
   refused("the daemon left this worker's submit ring full: the RELEASE of #" + num(h.seq) + " could not go");
   return RingWait::kCorrupt;
-}
-
-void WorkerChannel::kick() {
-  std::lock_guard<std::mutex> lock(pop_mu_);
-  // Sticky: a waiter that checked its collective just before, and has not reached its pop yet
-  // (between the two it gave up the GIL to this thread), must still see it. A waiter that finds
-  // it stale returns once for nothing and looks again.
-  kick_.store(true, std::memory_order_seq_cst);
-  if (popping_) done_.nudge();
-  wake_takers();
 }
 
 // ----------------------------------------------------------------------------------- the fast path

@@ -13,12 +13,13 @@
 // input slots (alloc: a new segment's ATTACH under the same push lock as the slot, ahead of any
 // SUBMIT that names it): no caller's lock orders the ring.
 //
-// The worker's side serves three kinds of takers of the done ring, one popping at a time:
-// - a waiter: a thread waiting for a collective submitted the general way (reserve, push; pop(waiter)).
-//   The client no longer submits any (every collective it starts is the fast path's); tests do;
-// - the background taker: the client's DONE thread, for collectives nobody waits for (pop(!waiter));
-//   it enters the ring only while such collectives are out (`general_out_`), so a worker whose every
-//   collective is waited for is never woken for nothing;
+// Every collective the client starts is the fast path's, on one table (`fast_`), and the done
+// ring has two kinds of takers, one popping at a time:
+// - the background taker (pop): the client's DONE thread, for collectives nobody waits for (collected,
+//   below); it enters the ring only while such collectives are out (`general_out_`), so a worker
+//   whose every collective is waited for is never woken for nothing. Tests that drive a plane with
+//   raw descriptors pop their DONEs this way too (the general way: reserve or a SUBMIT of their own
+//   pushed, counted in `general_out_`, its DONE handed out of pop() as it is);
 // - the fast path (start/finish): a host collective of any kind run entirely here, GIL released,
 //   from the copy into shared memory to the copy of the result out of it (Delivery) and its
 //   RELEASE. Its DONE is its own: any other taker that meets it keeps it aside for it (`fast_`), and
@@ -34,7 +35,7 @@
 //   is a fast one too, reserved (reserve_fast) and given (give) rather than started, and held
 //   (Delivery::hold): whoever takes its DONE checks it and locates its result (Located), copying
 //   and RELEASEing nothing; the caller copies the result to the device and RELEASEs it after.
-// Waiters and the fast path go first: the background taker's pop ends when one comes.
+// The fast path goes first: the background taker's pop ends when one of its waits comes.
 //
 // A SEGMENT is taken in by whichever taker pops it (its fd off the side socket, mapped read-only
 // into the result table); it never reaches the caller.
@@ -195,15 +196,13 @@ class WorkerChannel {
   RingWait release(std::uint32_t rank, std::uint64_t seq, std::int64_t nbytes, std::uint64_t batch_bytes,
                    std::int64_t timeout_ns, std::int64_t spin_ns);
 
-  // Pops the next DONE of a collective submitted the general way into `out` (kSlotBytes); kTimeout
-  // when none came in time or the channel aborted. A `waiter` goes first (see above). *completed
+  // The background taker: pops the next DONE of a collective submitted the general way into `out`
+  // (kSlotBytes); kTimeout when none came in time or the channel aborted. *completed
   // (if given) is true when that DONE was a collected fast collective's and it was completed here
   // (collect): its result is in place and its RELEASE held or sent.
   // A held delivery's (Delivery::hold) result is located in *at (if given) instead: not copied or RELEASEd.
-  RingWait pop(std::uint8_t* out, std::int64_t timeout_ns, std::int64_t spin_ns, bool waiter,
-               bool* completed = nullptr, Located* at = nullptr);
-  // Another thread completed something a waiter may be waiting for: waiters' pops return now (kTimeout).
-  void kick();
+  RingWait pop(std::uint8_t* out, std::int64_t timeout_ns, std::int64_t spin_ns, bool* completed = nullptr,
+               Located* at = nullptr);
 
   // The fast path, first half: a slot for the `n` sources' bytes (alloc(); none when there are
   // none: a barrier, a broadcast's other ranks, whose slot is {kNoSegment, 0, 0}, never freed), the
@@ -264,8 +263,8 @@ class WorkerChannel {
   // SEGMENT refused (why() says why).
   enum class Route { kGeneral, kKept, kBroken };
   Route route(const Descriptor& d);
-  bool may_yield() const { return waiters_ > 0 || fast_waiters_ > 0; }
-  // With pop_mu_ held: wake the background taker if it can take something now; wake the waiters.
+  bool may_yield() const { return fast_waiters_ > 0; }
+  // With pop_mu_ held: wake the background taker if it can take something now; wake the fast waits.
   void wake_background();
   void wake_takers();
   FastEnd refused(const std::string& why);  // records why; kRefused
@@ -298,21 +297,19 @@ class WorkerChannel {
   RingView done_;
   std::atomic<bool> aborted_{false};
   std::mutex pop_mu_;               // guards everything below
-  std::condition_variable pop_cv_;  // waiters and the fast path: the ring is free, a DONE was kept, a kick
+  std::condition_variable pop_cv_;  // the fast path's waits: the ring is free, a DONE was kept
   std::condition_variable bg_cv_;   // the background taker: something is there for it to take
   int bg_waiting_ = 0;              // background takers waiting on bg_cv_
   bool popping_ = false;            // a thread is inside done_.pop (it has one consumer)
-  int waiters_ = 0;                 // waiters inside pop()
   int fast_waiters_ = 0;            // threads inside finish()
   std::uint64_t general_out_ = 0;   // collectives pushed the general way whose DONE is not taken yet
-  std::atomic<bool> yield_{false};  // a waiter or the fast path wants the ring: a background pop gives it up
-  std::atomic<bool> kick_{false};   // kick(): a waiter's pop returns, to look at its collective again
+  std::atomic<bool> yield_{false};  // the fast path wants the ring: a background pop gives it up
   // The fast path's spin adapts (finish): a spin that keeps missing the DONE only takes cores from
   // the threads the collective waits for, so after kSpinMisses misses in a row the next kSpinRest
   // waits sleep at once; then one spins again to see whether spinning pays once more.
   std::uint32_t spin_misses_ = 0;
   std::uint32_t spin_rest_ = 0;
-  // DONEs of the general way that a fast taker (or a background pop during a wait) took: handed out first.
+  // DONEs of the general way (or collected) that a fast wait took: the background taker's, handed out first.
   std::deque<Descriptor> kept_;
   // Fast collectives started and not finished or adopted, with their DONE once some taker met it.
   struct Fast {

@@ -1161,20 +1161,19 @@ PyObject* channel_push(PyObject* self, PyObject* args) {
   Py_RETURN_NONE;
 }
 
-// pop(timeout_s, spin_us, waiter) -> the next 56-byte header; or the seq (an int) of a collected
+// pop(timeout_s, spin_us) -> the next 56-byte header (the background taker's: channel.h); or the seq (an int) of a collected
 // collective completed here (collect), or (seq, segment, offset) of a collected held one whose result
 // was located here (reserve_record: the caller copies it on, and RELEASEs it); or None
 PyObject* channel_pop(PyObject* self, PyObject* args) {
   double timeout = 0, spin_us = 0;
-  int waiter = 0;
-  if (!PyArg_ParseTuple(args, "ddp", &timeout, &spin_us, &waiter)) return nullptr;
+  if (!PyArg_ParseTuple(args, "dd", &timeout, &spin_us)) return nullptr;
   std::uint8_t slot[smddp::kSlotBytes];
   smddp::RingWait r;
   bool completed = false;
   smddp::Located at;
   Py_BEGIN_ALLOW_THREADS
   r = channel_of(self).pop(slot, static_cast<std::int64_t>(timeout * 1e9), static_cast<std::int64_t>(spin_us * 1e3),
-                           waiter != 0, &completed, &at);
+                           &completed, &at);
   Py_END_ALLOW_THREADS
   if (r == smddp::RingWait::kTimeout) Py_RETURN_NONE;
   if (r == smddp::RingWait::kCorrupt) return raise_from(self, channel_of(self).why());
@@ -1188,11 +1187,6 @@ PyObject* channel_pop(PyObject* self, PyObject* args) {
     return PyLong_FromUnsignedLongLong(h.seq);
   }
   return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(slot), static_cast<Py_ssize_t>(smddp::kHeaderSize));
-}
-
-PyObject* channel_kick(PyObject* self, PyObject*) {
-  channel_of(self).kick();
-  Py_RETURN_NONE;
 }
 
 PyObject* channel_abort(PyObject* self, PyObject*) {
@@ -2106,9 +2100,8 @@ PyObject* get_channel_daemon_end(PyObject* self, void*) { return PyLong_FromLong
 PyMethodDef kChannelMethods[] = {
     {"push", channel_push, METH_VARARGS, "push(header, timeout_s, spin_us): onto the submit ring"},
     {"pop", channel_pop, METH_VARARGS,
-     "pop(timeout_s, spin_us, waiter) -> the next header of the done ring, the seq of a collected collective it "
-     "completed, or None (waiters go first)"},
-    {"kick", channel_kick, METH_NOARGS, "kick(): waiters' pops return, to look at their collective again"},
+     "pop(timeout_s, spin_us) -> the next header of the done ring, the seq of a collected collective it "
+     "completed (with where its result lies, for a held one), or None (the fast path's waits go first)"},
     {"abort", channel_abort, METH_NOARGS, "abort(): pops return None from now on"},
     {"release", channel_release, METH_VARARGS,
      "release(rank, seq, nbytes, batch_bytes, timeout_s, spin_us): RELEASE a result slot (small ones held)"},

@@ -67,7 +67,7 @@ void worker(smddp::LocalPlane* plane, smddp::Arena* results, smddp::WorkerChanne
       check(false, "push SUBMIT");
       return;
     }
-    if (ch->pop(slot, 10 * kSecond, 0, it % 2 == 0) != smddp::RingWait::kReady) {
+    if (ch->pop(slot, 10 * kSecond, it % 2 == 0 ? 20'000 : 0) != smddp::RingWait::kReady) {
       check(false, "no DONE for rank " + std::to_string(rank) + " #" + std::to_string(it));
       return;
     }
@@ -214,7 +214,7 @@ void fast_collectives() {
     std::uint8_t slot[smddp::kSlotBytes];
     while (!stop.load()) {
       bool completed = false;
-      const smddp::RingWait r = rig.channels[1]->pop(slot, kSecond / 100, 0, false, &completed);
+      const smddp::RingWait r = rig.channels[1]->pop(slot, kSecond / 100, 0, &completed);
       if (r == smddp::RingWait::kTimeout) continue;
       check(r == smddp::RingWait::kReady, "rank 1's taker: " + rig.channels[1]->why());
       smddp::Header d;
@@ -228,7 +228,7 @@ void fast_collectives() {
   std::thread background([&] {
     std::uint8_t slot[smddp::kSlotBytes];
     while (!stop.load()) {
-      const smddp::RingWait r = rig.channels[0]->pop(slot, kSecond / 100, 0, false);
+      const smddp::RingWait r = rig.channels[0]->pop(slot, kSecond / 100, 0);
       if (r != smddp::RingWait::kReady) continue;
       smddp::Header d;
       check(smddp::decode_header(slot, smddp::kHeaderSize, &d).empty() && d.seq % 2 == 0,
@@ -351,7 +351,7 @@ void fast_collectives() {
 }
 
 // Two threads share each worker's channel and arena, one going the general way (alloc, reserve,
-// push, three at a time given last first; their DONEs popped as a waiter), one the fast way (start, finish), while the arena grows a small
+// push, three at a time given last first; their DONEs popped by the background taker), one the fast way (start, finish), while the arena grows a small
 // segment at a time (the general thread keeps its input slots): the channel hands out sequence
 // numbers in ring order whichever thread asks, a fresh segment's ATTACH goes ahead of every SUBMIT
 // that names it (the plane fails a SUBMIT naming a segment it was not given), and a SUBMIT given
@@ -432,7 +432,7 @@ void shared_channel() {
       }
       for (int b = 0; b < kBatch; b++) {
         std::uint8_t d[smddp::kSlotBytes];
-        check(ch->pop(d, 10 * kSecond, 20'000, true) == smddp::RingWait::kReady, "pop: " + ch->why());
+        check(ch->pop(d, 10 * kSecond, 20'000) == smddp::RingWait::kReady, "pop: " + ch->why());
         smddp::Header done;
         check(smddp::decode_header(d, smddp::kHeaderSize, &done).empty() && mine.erase(done.seq) == 1,
               "the general thread's DONEs are its own");

@@ -117,7 +117,7 @@ void worker(smddp::Arena* results, smddp::WorkerChannel* ch, std::shared_ptr<smd
       check(false, "push SUBMIT");
       return;
     }
-    if (ch->pop(slot, 20 * kSecond, 0, true) != smddp::RingWait::kReady) {
+    if (ch->pop(slot, 20 * kSecond, 0) != smddp::RingWait::kReady) {
       check(false, "no DONE for rank " + std::to_string(rank) + " #" + std::to_string(it));
       return;
     }
