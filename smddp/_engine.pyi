@@ -228,7 +228,6 @@ class WorkerChannel:
     def run(
         self, kind: int, buf: Any, count: int, dtype: int, op: int, timeout_s: float | None, /
     ) -> Literal[True] | tuple[int, int, int, int] | None: ...
-    def reserve(self) -> int: ...
     def reserve_record(
         self,
         kind: int,

@@ -46,7 +46,6 @@ from smddp.transport.bootstrap import Membership, Placement, default_socket_dir,
 from smddp.transport.conn import Connection, ConnectionClosed
 from smddp.transport.shm import Arena, Segment, Slot
 
-NO_SEGMENT = 2**32 - 1
 # What a rank sends on the engine's path that sends no data (a barrier, a broadcast's other ranks), and
 # what one that takes nothing back (a barrier, a broadcast's root) takes: no slot, nothing copied.
 NO_DATA = np.empty(0, np.uint8)

@@ -1894,11 +1894,6 @@ PyObject* channel_resume(PyObject* self, PyObject* args) {
   return started;
 }
 
-// reserve() -> the general way's next sequence number (its SUBMIT follows through push, in order)
-PyObject* channel_reserve(PyObject* self, PyObject*) {
-  return PyLong_FromUnsignedLongLong(channel_of(self).reserve());
-}
-
 // reserve_record(kind, count, dtype, op, root, slot, result_bytes, result, keepalive, handle_type) ->
 // a record of `handle_type` (Started or a subclass) for a collective whose data the caller puts in
 // `slot` (segment, offset, nbytes) itself, or none (None: a broadcast's receiver, or nothing to send),
@@ -2116,7 +2111,6 @@ PyMethodDef kChannelMethods[] = {
     {"run", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(channel_run)), METH_FASTCALL,
      "run(kind, buf, count, dtype, op, timeout_s) -> True, None or (seq, segment, offset, nbytes): a blocking fast "
      "collective whole, its result in place (None: go the general way; a tuple: not in time, parked)"},
-    {"reserve", channel_reserve, METH_NOARGS, "reserve() -> the general way's next seq"},
     {"reserve_record", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(channel_reserve_record)),
      METH_FASTCALL, "reserve_record(kind, count, dtype, op, root, slot, result_bytes, result, keepalive, handle_type)"
                     " -> a record whose SUBMIT goes with give() and whose result its _arrived() takes on"},
