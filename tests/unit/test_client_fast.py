@@ -1019,7 +1019,7 @@ def test_a_device_collective_nobody_waits_for_is_completed_by_the_done_thread(pa
 
     client, daemon = pair
     python = general_way(client)
-    rt = StandinRuntime(copy_delay_s=0.3)  # every copy lands 0.3 s after it is due
+    rt = StandinRuntime(copy_delay_s=1.0)  # every copy lands 1 s after it is due: room for a loaded host
     client._device = DeviceIO(rt, client._device_failed)
     x = rt.asarray(np.ones(256, np.float32))
     h = allreduce_async(client, x, ReduceOp.SUM)
