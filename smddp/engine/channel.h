@@ -46,8 +46,8 @@
 // caller's buffers (start's source, finish's destination) and the arena must stay alive for the call;
 // a collected collective's destination (collect) until it completes or the channel is gone (the
 // Python binding holds it: module.cc's ChannelObject::keep). A held collective's input slot is the
-// caller's to fill (reserve_fast: the caller allocates it) and the channel's to free once its DONE
-// is taken, as a started one's; its result range (Located) stays the daemon's slot, which the
+// caller's to fill (reserve_fast: the caller allocates it), freed as a started one's is (by its
+// finish() once its DONE is taken, or by the caller of the pop() that completed it); its result range (Located) stays the daemon's slot, which the
 // daemon does not reuse until the caller's RELEASE, sent once its copy to the device has read it.
 #pragma once
 
