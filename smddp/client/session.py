@@ -384,8 +384,9 @@ class DeviceHandle(EngineHandle):
             return True
         return bool(io.rt.event_done(plan.done))
 
-    def _arrived(self, segment: int, offset: int) -> Any:
-        """Its result is in result segment `segment` at `offset` (the engine checked both): its copy to
+    def _arrived(self, segment: int, offset: int, nbytes: int) -> Any:
+        """Its result is the `nbytes` at `offset` of result segment `segment` (the engine checked that
+        range against the segment): its copy to
         the device enqueued, the RELEASE to follow that copy (Client._copy_out). Run by whoever took
         its DONE, before the record is finished; returns what its wait returns. A copy that fails
         fails the job (and this collective with it)."""
@@ -394,8 +395,7 @@ class DeviceHandle(EngineHandle):
             seg = c._result_segment(segment)
             if seg is None:
                 raise ProtocolError(f"collective #{self.seq}'s result segment {segment} is not in the table")
-            total = _result_bytes(self.kind, self.count * self.dtype.itemsize, c.size)
-            c._copy_out(self._plan, seg, seg.view(offset, total), self.seq)
+            c._copy_out(self._plan, seg, seg.view(offset, nbytes), self.seq)
         except SmddpError as e:
             c._device_failed(e)
         except Exception as e:
@@ -741,7 +741,6 @@ class Client:
                     kind, count, dtype, op or 0, root, None if slot is None else (slot.segment, slot.offset, slot.nbytes),
                     _result_bytes(kind, nbytes, self.size), result, device.keepalive, DeviceHandle,
                 )  # fmt: skip
-                assert handle is not None
                 handle._plan = device
                 if ready is not None:
                     # This one waits for its copy-in (the channel keeps later SUBMITs behind it). One whose
@@ -759,9 +758,7 @@ class Client:
                         handle.give(self.config.timeout_s)
                     except (TimeoutError, ProtocolError) as e:
                         refused = e
-            elif slot is not None:
-                self._arena.free(slot)
-        if lost is not None:
+        if lost is not None:  # (no slot was taken: _alloc_locked gives none with a loss)
             # Outside the lock: _fail takes it too (the reader thread may be failing us right now).
             self._fail(_daemon_lost(f"rank {self.rank}: lost the node daemon: {lost}"))
             assert self._failure is not None  # set by _fail, now or by the reader before it
@@ -1219,9 +1216,9 @@ class Client:
         self._fail(e if isinstance(e, CollectiveError) else CollectiveError(f"rank {self.rank}: {e}"))
         self._conn.close()
 
-    def _taken(self, raw: bytes | int | tuple[int, int, int]) -> None:
+    def _taken(self, raw: bytes | int | tuple[int, int, int, int]) -> None:
         """What the DONE thread's pop of the done ring gave: the sequence number of a collected collective
-        the engine completed, or (seq, segment, offset) of a device one whose result it located. A DONE
+        the engine completed, or (seq, segment, offset, nbytes) of a device one whose result it located. A DONE
         itself never comes here but for a collective this rank does not have (the daemon's fault)."""
         if type(raw) is int:
             self._on_engine_done(raw)
@@ -1232,7 +1229,7 @@ class Client:
             seq = decode_header(raw).seq
             raise ProtocolError(f"DONE for collective #{seq} does not match anything this rank submitted")
 
-    def _on_engine_done(self, seq: int, at: tuple[int, int] | None = None) -> None:
+    def _on_engine_done(self, seq: int, at: tuple[int, int, int] | None = None) -> None:
         """A collected collective completed by the engine in a pop (a host one's result in place and its
         RELEASE held or sent; a device one's located at `at`, copied on here): its input slot goes back
         and its handle finishes here (callbacks included)."""

@@ -135,11 +135,11 @@ std::uint64_t WorkerChannel::reserve_fast() {
   return seq;
 }
 
-RingWait WorkerChannel::give(const std::uint8_t* header, std::int64_t timeout_ns, std::int64_t spin_ns) {
-  Header h;
-  const std::string w = decode_header(header, kHeaderSize, &h);
-  if (!w.empty() || h.type != Msg::kSubmit) {
-    refused("give: not a SUBMIT" + (w.empty() ? std::string() : ": " + w));
+RingWait WorkerChannel::give(const Header& h, std::int64_t timeout_ns, std::int64_t spin_ns) {
+  std::array<std::uint8_t, kHeaderSize> frame{};
+  const std::string w = h.type == Msg::kSubmit ? encode_header(h, frame.data()) : "not a SUBMIT";
+  if (!w.empty()) {
+    refused("give: " + w);
     return RingWait::kCorrupt;
   }
   std::lock_guard<std::mutex> lock(push_mu_);
@@ -147,7 +147,7 @@ RingWait WorkerChannel::give(const std::uint8_t* header, std::int64_t timeout_ns
     refused("give: SUBMIT #" + num(h.seq) + " was not reserved for the fast path, or was given already");
     return RingWait::kCorrupt;
   }
-  const RingWait r = submit_locked(h.seq, header, timeout_ns, spin_ns);
+  const RingWait r = submit_locked(h.seq, frame.data(), timeout_ns, spin_ns);
   if (r == RingWait::kReady && !queued_.count(h.seq) && trace_.load(std::memory_order_relaxed)) {
     std::lock_guard<std::mutex> trace_lock(trace_mu_);
     auto b = begun_.find(h.seq);
@@ -657,7 +657,7 @@ RingWait WorkerChannel::deliver(const Header& h, const Header& submit, const Del
   }
   if (out.hold) {
     // A device collective's: its caller copies the result to the device and RELEASEs it after that copy.
-    *at = Located{true, h.shard, h.offset};
+    *at = Located{true, h.shard, h.offset, out.result_bytes};
     if (t_done != 0) traced(submit, h.seq, t_done, wall());
     return RingWait::kReady;
   }

@@ -94,12 +94,13 @@ struct Delivery {
   bool hold = false;
 };
 
-// Where a held delivery's result lies: `result_bytes` from `offset` of result segment `segment`
-// (result()), checked against that segment's size.
+// Where a held delivery's result lies: `nbytes` (its result_bytes) from `offset` of result segment
+// `segment` (result()), the range checked against that segment's size.
 struct Located {
-  bool held = false;  // set by a held delivery: the two below say where
+  bool held = false;  // set by a held delivery: the three below say where
   std::uint32_t segment = 0;
   std::uint64_t offset = 0;
+  std::uint64_t nbytes = 0;
 };
 
 // One piece of what a fast collective sends: `nbytes` at `data` (the caller's memory).
@@ -174,8 +175,8 @@ class WorkerChannel {
   std::uint64_t reserve_fast();
   // The SUBMIT of a reserve_fast() number, given when its caller has it ready (a device copy-in
   // complete), in any order: it goes on the ring in its place (as push() does). kCorrupt (why()) for
-  // a SUBMIT that is not such a number's, or was given already.
-  RingWait give(const std::uint8_t* header, std::int64_t timeout_ns, std::int64_t spin_ns);
+  // a SUBMIT that is not such a number's, was given already, or does not encode.
+  RingWait give(const Header& submit, std::int64_t timeout_ns, std::int64_t spin_ns);
   // How many fast starts waited behind a reserved SUBMIT so far.
   std::uint64_t queued_starts();
   // No fast collective starts from now on (start() answers kHeld): the client is shutting down,

@@ -1162,7 +1162,7 @@ PyObject* channel_push(PyObject* self, PyObject* args) {
 }
 
 // pop(timeout_s, spin_us) -> the next 56-byte header (the background taker's: channel.h); or the seq (an int) of a collected
-// collective completed here (collect), or (seq, segment, offset) of a collected held one whose result
+// collective completed here (collect), or (seq, segment, offset, nbytes) of a collected held one whose result
 // was located here (reserve_record: the caller copies it on, and RELEASEs it); or None
 PyObject* channel_pop(PyObject* self, PyObject* args) {
   double timeout = 0, spin_us = 0;
@@ -1182,8 +1182,8 @@ PyObject* channel_pop(PyObject* self, PyObject* args) {
     (void)smddp::decode_header(slot, smddp::kHeaderSize, &h);
     unkeep(self, h.seq);
     if (at.held)
-      return Py_BuildValue("(KkK)", static_cast<unsigned long long>(h.seq), static_cast<unsigned long>(at.segment),
-                           static_cast<unsigned long long>(at.offset));
+      return Py_BuildValue("(KkKK)", static_cast<unsigned long long>(h.seq), static_cast<unsigned long>(at.segment),
+                           static_cast<unsigned long long>(at.offset), static_cast<unsigned long long>(at.nbytes));
     return PyLong_FromUnsignedLongLong(h.seq);
   }
   return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(slot), static_cast<Py_ssize_t>(smddp::kHeaderSize));
@@ -1419,12 +1419,13 @@ PyObject* refusal(StartedObject* obj, smddp::FastEnd end) {
 }
 
 // A held collective's result is in place on the host (a device one's, at `at`): the handle's
-// _arrived(segment, offset) copies it on to the device (its RELEASE goes once that copy is done) and
+// _arrived(segment, offset, nbytes) copies it on to the device (its RELEASE goes once that copy is done) and
 // returns what its wait returns. Before the record is finished, so that nobody sees it complete
 // before its copy-out is under way. False with an error set when that raised.
 bool arrived(PyObject* self, const smddp::Located& at) {
-  PyObject* r = PyObject_CallMethod(self, "_arrived", "kK", static_cast<unsigned long>(at.segment),
-                                    static_cast<unsigned long long>(at.offset));
+  PyObject* r = PyObject_CallMethod(self, "_arrived", "kKK", static_cast<unsigned long>(at.segment),
+                                    static_cast<unsigned long long>(at.offset),
+                                    static_cast<unsigned long long>(at.nbytes));
   if (r == nullptr) return false;
   StartedObject* obj = started_of(self);
   PyObject* old = obj->result;
@@ -1535,14 +1536,12 @@ PyObject* started_give(PyObject* self, PyObject* const* args, Py_ssize_t nargs) 
   StartedObject* obj = started_of(self);
   std::int64_t timeout_ns = 0;
   if (!timeout_arg(nargs > 0 ? args[0] : Py_None, obj->timeout_ns, &timeout_ns)) return nullptr;
-  std::array<std::uint8_t, smddp::kHeaderSize> frame{};
-  const std::string w = smddp::encode_header(obj->submit, frame.data());
-  if (!w.empty()) return raise_from(obj->channel, "cannot encode SUBMIT: " + w);
   smddp::WorkerChannel& ch = channel_of(obj->channel);
   smddp::RingWait r;
+  const smddp::Header submit = obj->submit;
   const std::int64_t spin_ns = obj->spin_ns;
   Py_BEGIN_ALLOW_THREADS
-  r = ch.give(frame.data(), timeout_ns, spin_ns);
+  r = ch.give(submit, timeout_ns, spin_ns);
   Py_END_ALLOW_THREADS
   if (r != smddp::RingWait::kReady)
     return channel_ring_error(obj->channel, r, "the daemon left this worker's submit ring full");
@@ -1900,7 +1899,7 @@ PyObject* channel_resume(PyObject* self, PyObject* args) {
 // under the channel's next sequence number (WorkerChannel::reserve_fast): the engine's from now on.
 // Its SUBMIT goes when the caller gives it (give()); its DONE is checked and its result located by
 // whoever takes it (its wait, or collect()'s taker), not copied or RELEASEd: the record's
-// _arrived(segment, offset) does that (the device path). Its wait returns what _arrived returned.
+// _arrived(segment, offset, nbytes) does that (the device path). Its wait returns what _arrived returned.
 PyObject* channel_reserve_record(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 10) {
     PyErr_SetString(PyExc_TypeError,

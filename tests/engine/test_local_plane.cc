@@ -406,13 +406,13 @@ void shared_channel() {
       // Given last first: the channel puts them on the ring in sequence order (the plane fails a
       // rank whose SUBMITs come out of order), the fast thread's starts meanwhile behind them.
       for (int b = kBatch - 1; b >= 0; b--) {
-        const smddp::RingWait r = held ? ch->give(frames[b].data(), 10 * kSecond, 0)
+        const smddp::RingWait r = held ? ch->give(heads[b], 10 * kSecond, 0)
                                        : ch->push(frames[b].data(), 10 * kSecond, 0);
         check(r == smddp::RingWait::kReady, "push general SUBMIT: " + ch->why());
         if (b > 0) std::this_thread::yield();
       }
       if (held) {
-        check(ch->give(frames[0].data(), kSecond, 0) == smddp::RingWait::kCorrupt, "a SUBMIT given twice is refused");
+        check(ch->give(heads[0], kSecond, 0) == smddp::RingWait::kCorrupt, "a SUBMIT given twice is refused");
         for (int b = 0; b < kBatch; b++) {
           smddp::Delivery out;
           out.result_bytes = kBytes;

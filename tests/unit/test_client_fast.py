@@ -267,7 +267,7 @@ def general_way(client: Client) -> list[int]:
     seen: list[int] = []
     taken = client._taken
 
-    def spy(raw: bytes | int | tuple[int, int, int]) -> None:
+    def spy(raw: bytes | int | tuple[int, int, int, int]) -> None:
         if isinstance(raw, bytes):
             seen.append(decode_header(raw).seq)
         taken(raw)
