@@ -532,6 +532,9 @@ class Client:
         )  # fmt: skip
         if config.timeline_dir:
             self._channel.set_trace(True)  # the engine's collectives keep their phases (_write_timeline)
+        # On one node a large all-reduce streams through the channel (its daemon publishes the result
+        # as it is reduced); across nodes it goes as pipelined pieces instead (pipeline_bytes).
+        self._channel.set_stream(self.job.nnodes == 1)
         seg = self._channel.segment
         conn.send_frame(
             Channel(self.rank, 0, seg.size).header(),

@@ -1,10 +1,13 @@
 // The worker's side of its channel: the submit ring's producer, the done ring's takers, the fast path.
 #include "channel.h"
 
+#include <sched.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cstring>
+#include <new>
+#include <thread>
 #include <utility>
 
 namespace smddp {
@@ -26,16 +29,32 @@ std::int64_t slice_of(std::int64_t left) { return left < kTakeSliceNs ? (left > 
 
 std::string num(std::uint64_t v) { return std::to_string(v); }
 
+// A streaming wait (stream_room, stream_out) that has spun its spin_ns sleeps this long between
+// looks: the threads it waits for (the daemon's reductions) need the core more than it does.
+constexpr auto kStreamNap = std::chrono::microseconds(20);
+
 }  // namespace
 
-std::size_t channel_bytes() { return 2 * ring_bytes(kChannelSlots); }
+std::size_t channel_bytes() { return stream_offset() + sizeof(StreamShared); }
 
 WorkerChannel::WorkerChannel(std::shared_ptr<Segment> seg, int side, int daemon_end)
     : seg_(std::move(seg)),
       submit_(seg_->base(), kChannelSlots, true),
       done_(seg_->base() + done_ring_offset(), kChannelSlots, true),
+      stream_block_(new (seg_->base() + stream_offset()) StreamShared{}),
       side_(side),
-      daemon_end_(daemon_end) {}
+      daemon_end_(daemon_end) {
+  // Nothing streamed yet: no collective is #0, and the daemon publishes nothing before its first.
+  stream_block_->in_seq.store(0, std::memory_order_relaxed);
+  stream_block_->in_bytes.store(kStreamAll, std::memory_order_relaxed);
+  stream_block_->in_ring.store(0, std::memory_order_relaxed);
+  stream_block_->out_seq.store(0, std::memory_order_relaxed);
+  stream_block_->out_segment.store(0, std::memory_order_relaxed);
+  stream_block_->out_offset.store(0, std::memory_order_relaxed);
+  stream_block_->ack_seq.store(0, std::memory_order_relaxed);
+  stream_block_->ack_bytes.store(0, std::memory_order_relaxed);
+  stream_block_->out_bytes.store(0, std::memory_order_release);
+}
 
 WorkerChannel::~WorkerChannel() {
   close_daemon_end();
@@ -438,7 +457,7 @@ RingWait WorkerChannel::complete_collected(const std::uint8_t* d, std::unique_lo
   lock->unlock();  // the copy and the RELEASE need none of the takers' state
   *done = true;
   Located here;
-  const RingWait r = deliver(h, c.submit, c.out, c.batch_bytes, c.timeout_ns, 0, &here);
+  const RingWait r = deliver(h, c.submit, c.out, c.batch_bytes, c.timeout_ns, 0, &here, Streamed{});
   if (at != nullptr) *at = here;
   if (r != RingWait::kTimeout) return r;
   refused("the daemon left this worker's submit ring full: the RELEASE of #" + num(h.seq) + " could not go");
@@ -448,7 +467,9 @@ RingWait WorkerChannel::complete_collected(const std::uint8_t* d, std::unique_lo
 // ----------------------------------------------------------------------------------- the fast path
 
 FastEnd WorkerChannel::start(Arena& arena, const Source* src, std::size_t n, Header* submit, Slot* slot,
-                             std::int64_t timeout_ns, std::int64_t spin_ns, bool async) {
+                             std::int64_t timeout_ns, std::int64_t spin_ns, bool async, const Delivery* back,
+                             Streamed* got) {
+  if ((back == nullptr) != (got == nullptr)) return refused("start: a result to stream back needs its record");
   const double t_start = trace_.load(std::memory_order_relaxed) ? wall() : 0;
   std::uint64_t total = 0;
   for (std::size_t i = 0; i < n; i++) {
@@ -461,8 +482,15 @@ FastEnd WorkerChannel::start(Arena& arena, const Source* src, std::size_t n, Hea
   if (total != 0 && (isz == 0 || submit->count > total / isz || submit->count * isz != total))
     return refused("a fast SUBMIT's data (" + num(total) + " bytes) is not its count of its dtype");
   if (submit->type != Msg::kSubmit) return refused("a fast collective is a SUBMIT");
+  // A large all-reduce on one node streams (the stream block): its SUBMIT goes before its copy-in,
+  // which publishes its progress as it goes. One streams at a time (the block's `in` has one writer).
+  const bool streams = stream_.load(std::memory_order_relaxed) &&
+                       submit->kind == static_cast<std::uint8_t>(Kind::kAllreduce) && total >= kStreamMinBytes;
+  std::unique_lock<std::mutex> stream_lock(stream_mu_, std::defer_lock);
+  if (streams) stream_lock.lock();
   *slot = Slot{kNoSegment, 0, 0};
   std::shared_ptr<Segment> seg;
+  std::uint8_t* in = nullptr;
   if (total != 0) {
     std::string arena_why;
     std::shared_ptr<Segment> fresh;
@@ -470,7 +498,9 @@ FastEnd WorkerChannel::start(Arena& arena, const Source* src, std::size_t n, Hea
     {
       std::lock_guard<std::mutex> lock(push_mu_);
       if (starts_closed_) return FastEnd::kHeld;
-      r = alloc_locked(arena, total, submit->sender, timeout_ns, spin_ns, slot, &fresh, &arena_why);
+      // A blocking streaming one's slot is its input ring: it goes round it (stream_room).
+      r = alloc_locked(arena, streams && !async ? stream_ring_bytes(total) : total, submit->sender, timeout_ns,
+                       spin_ns, slot, &fresh, &arena_why);
     }
     if (!arena_why.empty()) return refused_by_arena(arena_why);
     if (r == RingWait::kTimeout) return FastEnd::kRingFull;
@@ -482,8 +512,9 @@ FastEnd WorkerChannel::start(Arena& arena, const Source* src, std::size_t n, Hea
       arena.free(*slot);
       return refused("input slot: " + w);
     }
+    in = p;
     // The copy goes outside the push lock: RELEASEs and other threads' descriptors need not wait for it.
-    for (std::size_t i = 0; i < n; i++) {
+    for (std::size_t i = 0; i < n && !streams; i++) {
       if (src[i].nbytes != 0) std::memcpy(p, src[i].data, src[i].nbytes);
       p += src[i].nbytes;
     }
@@ -509,6 +540,15 @@ FastEnd WorkerChannel::start(Arena& arena, const Source* src, std::size_t n, Hea
           f.async = async;
           fast_.emplace(submit->seq, f);
         }
+        if (streams) {
+          // Before its SUBMIT can go: the daemon that takes it sees that it streams.
+          // (Busy first, then the fields with release order: a daemon that reads one of them sees
+          // in_seq busy or this number after it, never the last one's.)
+          stream_block_->in_seq.store(kStreamBusy, std::memory_order_relaxed);
+          stream_block_->in_bytes.store(0, std::memory_order_release);
+          stream_block_->in_ring.store(slot->nbytes, std::memory_order_release);
+          stream_block_->in_seq.store(submit->seq, std::memory_order_release);
+        }
         // Behind a reserved SUBMIT not on the ring yet (a device copy-in still running) it waits
         // here, and goes the moment the last reserved one before it does (submit_locked).
         const RingWait r = submit_locked(submit->seq, frame.data(), timeout_ns, spin_ns);
@@ -522,6 +562,7 @@ FastEnd WorkerChannel::start(Arena& arena, const Source* src, std::size_t n, Hea
             begun_[submit->seq] = {t_start, wall()};
           }
         } else {
+          if (streams) stream_block_->in_bytes.store(kStreamAll, std::memory_order_release);  // (never pushed)
           std::lock_guard<std::mutex> pop_lock(pop_mu_);
           fast_.erase(submit->seq);  // nobody could collect() it yet: it was never counted
           end = r == RingWait::kTimeout ? FastEnd::kRingFull : FastEnd::kRefused;
@@ -530,6 +571,34 @@ FastEnd WorkerChannel::start(Arena& arena, const Source* src, std::size_t n, Hea
     }
   }
   if (end != FastEnd::kDone && total != 0) arena.free(*slot);
+  if (end == FastEnd::kDone && streams) {
+    // The copy-in, behind its SUBMIT, round the input ring (a whole slot: once round, never waiting):
+    // the daemon reduces each chunk once every worker is past it, and says so before this worker
+    // writes over it.
+    const std::uint64_t ring = slot->nbytes;
+    const Clock::time_point t0 = Clock::now();
+    std::uint64_t done = 0;
+    bool stopped = false;
+    for (std::size_t i = 0; i < n && !stopped; i++) {
+      for (std::uint64_t k = 0; k < src[i].nbytes;) {
+        std::uint64_t step = src[i].nbytes - k < kStreamStepBytes ? src[i].nbytes - k : kStreamStepBytes;
+        const std::uint64_t at = done % ring;
+        if (step > ring - at) step = ring - at;  // never across the ring's end
+        if (!stream_room(submit->seq, done, done + step, ring, t0, timeout_ns, spin_ns, back, got)) {
+          // Aborted, or the daemon stopped reducing for the whole timeout: the job is failing (its
+          // wait says so). Its input stays short of its end: the daemon never takes it as whole.
+          stopped = true;
+          break;
+        }
+        std::memcpy(in + at, src[i].data + k, step);
+        k += step;
+        done += step;
+        stream_block_->in_bytes.store(done, std::memory_order_release);
+      }
+    }
+    if (!stopped) stream_block_->in_bytes.store(kStreamAll, std::memory_order_release);
+    streamed_in_.fetch_add(done, std::memory_order_relaxed);
+  }
   return end;
 }
 
@@ -539,10 +608,26 @@ FastEnd WorkerChannel::refused_by_arena(const std::string& why) {
 }
 
 FastEnd WorkerChannel::finish(Arena& arena, const Slot& slot, const Header& submit, const Delivery& out,
-                              std::uint64_t batch_bytes, std::int64_t timeout_ns, std::int64_t spin_ns, Located* located) {
+                              std::uint64_t batch_bytes, std::int64_t timeout_ns, std::int64_t spin_ns, Located* located,
+                              Streamed* carried) {
   if (out.src_offset > out.result_bytes || out.nbytes > out.result_bytes - out.src_offset)
     return refused("collective #" + num(submit.seq) + ": its destination lies outside its result");
   const Clock::time_point t0 = Clock::now();
+  Streamed streamed;
+  if (carried != nullptr) streamed = *carried;  // what start() copied out already
+  if (stream_.load(std::memory_order_relaxed) && !out.hold && out.src_offset == 0 &&
+      out.nbytes == out.result_bytes && out.nbytes >= kStreamMinBytes &&
+      submit.kind == static_cast<std::uint8_t>(Kind::kAllreduce)) {
+    bool came = true;
+    {
+      std::lock_guard<std::mutex> lock(pop_mu_);
+      auto at = fast_.find(submit.seq);
+      if (at == fast_.end()) return FastEnd::kGone;
+      came = at->second.came;
+    }
+    // Its DONE already here: the result is whole, nothing to stream.
+    if (!came) stream_out(submit.seq, out, t0, timeout_ns, spin_ns, &streamed);
+  }
   Descriptor mine;
   FastEnd end = FastEnd::kTimeout;
   {
@@ -626,7 +711,7 @@ FastEnd WorkerChannel::finish(Arena& arena, const Slot& slot, const Header& subm
   const std::string w = decode_header(mine.data(), kHeaderSize, &h);
   if (!w.empty()) return refused("the daemon wrote a descriptor that is not a frame: " + w);
   Located here;
-  const RingWait r = deliver(h, submit, out, batch_bytes, timeout_ns, spin_ns, &here);
+  const RingWait r = deliver(h, submit, out, batch_bytes, timeout_ns, spin_ns, &here, streamed);
   if (r == RingWait::kCorrupt) return FastEnd::kRefused;
   if (located != nullptr) *located = here;
   if (slot.segment != kNoSegment) {
@@ -636,8 +721,85 @@ FastEnd WorkerChannel::finish(Arena& arena, const Slot& slot, const Header& subm
   return r == RingWait::kTimeout ? FastEnd::kRingFull : FastEnd::kDone;
 }
 
+bool WorkerChannel::stream_room(std::uint64_t seq, std::uint64_t done, std::uint64_t end, std::uint64_t ring,
+                                Clock::time_point t0, std::int64_t timeout_ns, std::int64_t spin_ns,
+                                const Delivery* back, Streamed* got) {
+  const StreamShared& b = *stream_block_;
+  Clock::time_point moved = Clock::now();
+  for (;;) {
+    // Reduced so far: nothing until the daemon starts it (its other workers' SUBMITs still to come).
+    // ack_bytes went to 0 before ack_seq became this one's, and no later one of this worker's
+    // streams before this copy-in ends: a value read after ack_seq == seq is this one's.
+    std::uint64_t acked = 0;
+    if (b.ack_seq.load(std::memory_order_acquire) == seq) acked = b.ack_bytes.load(std::memory_order_acquire);
+    if (end <= ring || end - ring <= acked) return true;
+    if (aborted_.load() || left_of(t0, timeout_ns) <= 0) return false;
+    // The ring is full: the result behind the reduction goes out meanwhile (below `done`: in place,
+    // the result overwrites its source, which is copied in that far).
+    const std::uint64_t before = got != nullptr ? got->bytes : 0;
+    if (back != nullptr && !got->stopped && stream_step(seq, *back, got, done) == Step::kStop) got->stopped = true;
+    if (got != nullptr && got->bytes > before) {
+      moved = Clock::now();
+      continue;
+    }
+    if (Clock::now() - moved < std::chrono::nanoseconds(spin_ns))
+      sched_yield();
+    else
+      std::this_thread::sleep_for(kStreamNap);
+  }
+}
+
+WorkerChannel::Step WorkerChannel::stream_step(std::uint64_t seq, const Delivery& out, Streamed* got,
+                                               std::uint64_t limit) {
+  const StreamShared& b = *stream_block_;
+  const std::uint64_t s = b.out_seq.load(std::memory_order_acquire);
+  if (s != seq) return s != kStreamBusy && s > seq ? Step::kStop : Step::kMore;
+  if (got->src == nullptr) {
+    // Where its result is: read between two looks at out_seq (a sequence lock; the daemon sets it
+    // busy before it rewrites the block, and writes each field with release order, so a field read
+    // here that is a later collective's makes the second look see busy or that one's number).
+    const std::uint64_t segment = b.out_segment.load(std::memory_order_acquire);
+    const std::uint64_t offset = b.out_offset.load(std::memory_order_acquire);
+    if (b.out_seq.load(std::memory_order_relaxed) != seq) return Step::kMore;
+    std::shared_ptr<Segment> seg = segment <= UINT32_MAX ? result(static_cast<std::uint32_t>(segment)) : nullptr;
+    std::uint8_t* p = nullptr;
+    if (!seg || !seg->range(offset, out.result_bytes, &p).empty()) return Step::kStop;
+    // (The segment stays mapped: result segments stay in the table while the channel lives.)
+    got->src = p;
+    got->segment = segment;
+    got->offset = offset;
+  }
+  const std::uint64_t ready = b.out_bytes.load(std::memory_order_acquire);
+  if (b.out_seq.load(std::memory_order_relaxed) != seq) return Step::kStop;  // moved on: the DONE does the rest
+  std::uint64_t upto = ready < out.nbytes ? ready : out.nbytes;
+  if (upto > limit) upto = limit;
+  if (upto > got->bytes) {
+    // Result memory the daemon does not reuse before this worker's RELEASE.
+    std::memcpy(out.dst + got->bytes, got->src + got->bytes, upto - got->bytes);
+    streamed_out_.fetch_add(upto - got->bytes, std::memory_order_relaxed);
+    got->bytes = upto;
+  }
+  return got->bytes == out.nbytes ? Step::kAll : Step::kMore;
+}
+
+void WorkerChannel::stream_out(std::uint64_t seq, const Delivery& out, Clock::time_point t0, std::int64_t timeout_ns,
+                               std::int64_t spin_ns, Streamed* got) {
+  Clock::time_point moved = Clock::now();  // the last progress: spinning restarts from there
+  while (!got->stopped) {
+    const std::uint64_t before = got->bytes;
+    const Step st = stream_step(seq, out, got, UINT64_MAX);
+    if (st != Step::kMore) break;
+    if (aborted_.load() || left_of(t0, timeout_ns) <= 0) break;
+    if (got->bytes > before) moved = Clock::now();
+    if (Clock::now() - moved < std::chrono::nanoseconds(spin_ns))
+      sched_yield();
+    else
+      std::this_thread::sleep_for(kStreamNap);
+  }
+}
+
 RingWait WorkerChannel::deliver(const Header& h, const Header& submit, const Delivery& out, std::uint64_t batch_bytes,
-                                std::int64_t timeout_ns, std::int64_t spin_ns, Located* at) {
+                                std::int64_t timeout_ns, std::int64_t spin_ns, Located* at, const Streamed& streamed) {
   const double t_done = trace_.load(std::memory_order_relaxed) ? wall() : 0;
   if (h.kind != submit.kind || h.dtype != submit.dtype || h.count != submit.count) {
     refused("DONE for collective #" + num(h.seq) + " does not match what this rank submitted");
@@ -661,7 +823,12 @@ RingWait WorkerChannel::deliver(const Header& h, const Header& submit, const Del
     if (t_done != 0) traced(submit, h.seq, t_done, wall());
     return RingWait::kReady;
   }
-  if (out.nbytes != 0) std::memcpy(out.dst, p + out.src_offset, out.nbytes);
+  if (streamed.bytes != 0 && (h.shard != streamed.segment || h.offset != streamed.offset)) {
+    refused("DONE for #" + num(h.seq) + " names another result slot than the one its daemon streamed");
+    return RingWait::kCorrupt;
+  }
+  if (out.nbytes > streamed.bytes)
+    std::memcpy(out.dst + streamed.bytes, p + out.src_offset + streamed.bytes, out.nbytes - streamed.bytes);
   if (t_done != 0) traced(submit, h.seq, t_done, wall());
   // The collective is complete: its RELEASE may wait for ring space the whole timeout, not what is
   // left of it (a full ring for that long means the daemon is gone).

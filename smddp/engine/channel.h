@@ -75,9 +75,76 @@ namespace smddp {
 constexpr std::uint32_t kChannelSlots = 256;  // per ring: far more collectives than a worker keeps in flight
 constexpr std::uint32_t kNoSegment = 0xFFFFFFFFu;  // a SUBMIT without data (a broadcast's non-root ranks)
 
-// Bytes of a worker's channel segment: the submit ring, then the done ring.
+// Bytes of a worker's channel segment: the submit ring, then the done ring, then the stream block.
 std::size_t channel_bytes();
 inline std::size_t done_ring_offset() { return ring_bytes(kChannelSlots); }
+inline std::size_t stream_offset() { return 2 * ring_bytes(kChannelSlots); }
+
+// The stream block (docs/protocol.md, CHANNEL): on one node a large all-reduce streams through shared
+// memory instead of going in three passes one after another (every worker's copy in, the reduction,
+// every copy out, each over more than the cache holds; issue 29, item 6). Its SUBMIT goes first; the
+// daemon reduces each chunk once every worker's copy-in is past it, says how far it has reduced,
+// and each worker copies the result out behind the reduction. A blocking one's input slot is a ring
+// of at most kStreamRingBytes that its copy-in goes round, waiting for the reduction to free it:
+// only a few MiB of shared memory are written per worker whatever the size, and they stay in the
+// cache. An asynchronous one's slot holds its whole buffer, so that its start never waits for the
+// other ranks (its caller goes on, and may be what another rank waits for).
+// - in (the worker writes; the daemon reads): `in_seq`, the collective it is copying in, written
+//   before that SUBMIT goes on the ring (so the daemon, taking the SUBMIT, sees that it streams);
+//   `in_ring`, the size of its input slot (its whole size, or kStreamRingBytes for a larger one that
+//   goes round it); `in_bytes`, how many of its bytes are in place, rising, and kStreamAll once every
+//   byte is. For a new collective the worker sets `in_seq` to kStreamBusy, then `in_bytes` to 0 and
+//   `in_ring`, then `in_seq` to its number (a sequence lock). One worker streams one collective at a
+//   time, and a busy or later `in_seq` tells the daemon that the one before has every byte in.
+// - ack (the daemon writes; the worker reads): `ack_seq`, the streaming collective it has started
+//   reducing, then `ack_bytes`, how many of its bytes it has reduced from the first, rising (set to 0
+//   before `ack_seq` changes). The worker writes position p of its input at p % ring only once
+//   p < ack_bytes + ring: the bytes there before it are reduced.
+// - out (the daemon writes; the worker reads), under a sequence lock: `out_seq` is kStreamBusy
+//   while the daemon rewrites the block for a new collective, then that collective's number; its
+//   result slot (`out_segment`, `out_offset`) and `out_bytes`, how many bytes of it from the slot's
+//   start are final, rising, all of them before its DONE goes. Best effort: a later collective may
+//   take the block over, and the DONE says where the rest is.
+// Neither side trusts the other's numbers: the daemon only compares them (a worker that claims its
+// bytes early reduces its own garbage; one that never finishes fails the job after the push
+// timeout), and the worker bounds-checks the result slot against its segment before reading it.
+struct alignas(64) StreamShared {
+  alignas(64) std::atomic<std::uint64_t> in_seq;
+  std::atomic<std::uint64_t> in_bytes;
+  std::atomic<std::uint64_t> in_ring;
+  alignas(64) std::atomic<std::uint64_t> ack_seq;
+  std::atomic<std::uint64_t> ack_bytes;
+  alignas(64) std::atomic<std::uint64_t> out_seq;
+  std::atomic<std::uint64_t> out_segment;
+  std::atomic<std::uint64_t> out_offset;
+  std::atomic<std::uint64_t> out_bytes;
+};
+constexpr std::uint64_t kStreamBusy = UINT64_MAX;  // out_seq while the daemon rewrites the block
+constexpr std::uint64_t kStreamAll = UINT64_MAX;   // in_bytes: every byte is in place
+// All-reduces of at least this many bytes stream on one node (both sides read this one constant).
+constexpr std::uint64_t kStreamMinBytes = std::uint64_t{1} << 20;
+// The input ring of a streaming all-reduce (its input slot, when the buffer is larger). The daemon
+// cuts one node's reductions into chunks of a power of two no larger than half of it (LocalPlane), so
+// a chunk never wraps round the ring's end and two can be reduced while the next is copied in.
+constexpr std::uint64_t kStreamRingBytes = std::uint64_t{4} << 20;
+constexpr std::uint64_t kStreamChunkMax = kStreamRingBytes / 4;
+// How much a streaming copy-in copies between two publications of its progress.
+constexpr std::uint64_t kStreamStepBytes = 256 << 10;
+inline std::uint64_t stream_ring_bytes(std::uint64_t nbytes) {
+  return nbytes < kStreamRingBytes ? nbytes : kStreamRingBytes;
+}
+inline StreamShared* stream_block(std::uint8_t* channel_base) {
+  return reinterpret_cast<StreamShared*>(channel_base + stream_offset());
+}
+// Whether a streamed collective `seq`'s input is in place up to `end` bytes, as `b` says.
+inline bool stream_in_ready(const StreamShared& b, std::uint64_t seq, std::uint64_t end) {
+  const std::uint64_t s = b.in_seq.load(std::memory_order_acquire);
+  if (s != seq) return s > seq;  // a later one started: this one's copy-in had ended
+  // in_bytes went to 0 before in_seq moved on, so a value read after in_seq == seq is this one's or
+  // a later one's 0: never more than this one's.
+  const std::uint64_t n = b.in_bytes.load(std::memory_order_acquire);
+  return n >= end;
+}
 
 // Where a fast collective's result goes, for every kind alike: `nbytes` from `src_offset` of its
 // result (`result_bytes` in all: the range the DONE names, and what its RELEASE gives back) to `dst`.
@@ -215,15 +282,29 @@ class WorkerChannel {
   // `submit` gives its kind, dtype, op, count, aux and sender and comes back with its seq, shard
   // and offset, `slot` with its slot. From here the collective's DONE is this channel's to keep for
   // finish(); an `async` one's until collect() asks for it while no finish() waits for it.
+  // A streamed all-reduce's result as copied out before its DONE: `bytes` of it from result slot
+  // (`segment`, `offset`), whose memory is `src` here; the DONE must name that slot, and only the rest
+  // is copied after it.
+  struct Streamed {
+    std::uint64_t bytes = 0;
+    std::uint64_t segment = 0;
+    std::uint64_t offset = 0;
+    const std::uint8_t* src = nullptr;
+    bool stopped = false;  // the DONE does the rest
+  };
+  // A blocking all-reduce that streams gives `back` (its finish's Delivery) and `got` (then finish's
+  // `streamed`): while its copy-in waits for the reduction to free its ring, it copies the result
+  // out behind it. (An `async` one streams through a whole slot and never waits.)
   FastEnd start(Arena& arena, const Source* src, std::size_t n, Header* submit, Slot* slot, std::int64_t timeout_ns,
-                std::int64_t spin_ns, bool async = false);
+                std::int64_t spin_ns, bool async = false, const Delivery* back = nullptr, Streamed* got = nullptr);
   // Second half: waits for `seq`'s DONE, checks it against `submit`, copies what `out` names of the
   // result to its destination, frees the slot and RELEASEs the result (held within `batch_bytes`);
   // a held delivery (Delivery::hold) copies nothing and RELEASEs nothing: its result is located in *at.
   // kTimeout leaves the collective parked until unblock(seq) or adopt(seq) (or, async, until a later finish or the
   // general way); kGone: its DONE went the general way (or it was never started here).
   FastEnd finish(Arena& arena, const Slot& slot, const Header& submit, const Delivery& out,
-                 std::uint64_t batch_bytes, std::int64_t timeout_ns, std::int64_t spin_ns, Located* located = nullptr);
+                 std::uint64_t batch_bytes, std::int64_t timeout_ns, std::int64_t spin_ns, Located* located = nullptr,
+                 Streamed* streamed = nullptr);
   // What completing a collected collective takes: its SUBMIT's fingerprint and sender, where its
   // result goes, and its RELEASE's batch and timeout. `out.dst` is the caller's, kept alive (and
   // unmoved) by the caller until the collective completes or the channel is gone.
@@ -246,6 +327,16 @@ class WorkerChannel {
   // finish() or collect() completes it (its caller waits for it no more: the binding made a record of
   // it). False when it is no longer the fast path's.
   bool unblock(std::uint64_t seq);
+
+  // Streaming (the stream block above): while on, a fast all-reduce of at least kStreamMinBytes
+  // publishes its copy-in's progress as it copies (start), and its finish copies the result out
+  // behind the daemon's reduction, before its DONE. On only in a job of one node, whose daemon
+  // publishes the results (the client turns it on there; every rank of the node alike or not: each
+  // worker's streaming is its own affair with its daemon).
+  void set_stream(bool on) { stream_.store(on, std::memory_order_relaxed); }
+  // Result bytes finish() copied out before their DONE, and copy-in bytes published as they went.
+  std::uint64_t streamed_out() const { return streamed_out_.load(std::memory_order_relaxed); }
+  std::uint64_t streamed_in() const { return streamed_in_.load(std::memory_order_relaxed); }
 
   // The timeline: while on, every fast collective that completes here leaves its phases
   // (ChannelTrace) until take_traces().
@@ -333,7 +424,28 @@ class WorkerChannel {
   // `out` copied from its result, its RELEASE held or sent (held: located in *at, nothing else).
   // kCorrupt (why()) when refused; kTimeout when the RELEASE found the ring full for the whole timeout.
   RingWait deliver(const Header& h, const Header& submit, const Delivery& out, std::uint64_t batch_bytes,
-                   std::int64_t timeout_ns, std::int64_t spin_ns, Located* at);
+                   std::int64_t timeout_ns, std::int64_t spin_ns, Located* at, const Streamed& streamed);
+  // One look at the stream block for collective `seq`'s result: copies into `out` what the daemon
+  // has published beyond what `got` has, without waiting. kMore: more is to come; kAll: every byte is
+  // copied; kStop: the DONE does the rest (the block moved on to a later collective, or the result's
+  // segment is not mapped here yet: its SEGMENT comes with the DONE).
+  enum class Step { kMore, kAll, kStop };
+  Step stream_step(std::uint64_t seq, const Delivery& out, Streamed* got, std::uint64_t limit);  // copies below `limit` only
+  // finish()'s first part: stream_step until kAll or kStop, the wait's time is spent or the channel aborted.
+  void stream_out(std::uint64_t seq, const Delivery& out, std::chrono::steady_clock::time_point t0,
+                  std::int64_t timeout_ns, std::int64_t spin_ns, Streamed* got);
+  // start()'s streaming copy-in, `done` bytes of `seq` in: waits until the daemon has reduced what
+  // the next bytes, up to `end`, overwrite in the input ring of `ring` bytes (false: the channel
+  // aborted or the time is spent, and the copy-in stops), copying the result out meanwhile, below
+  // `done`, when `back` says where (a blocking call: `got`).
+  bool stream_room(std::uint64_t seq, std::uint64_t done, std::uint64_t end, std::uint64_t ring,
+                   std::chrono::steady_clock::time_point t0, std::int64_t timeout_ns, std::int64_t spin_ns,
+                   const Delivery* back, Streamed* got);
+  std::atomic<bool> stream_{false};
+  std::mutex stream_mu_;  // one streaming copy-in at a time (in_seq/in_bytes have one writer); taken before push_mu_
+  StreamShared* stream_block_;  // in seg_
+  std::atomic<std::uint64_t> streamed_out_{0};
+  std::atomic<std::uint64_t> streamed_in_{0};
   // The timeline (set_trace): start() notes when each collective started and was pushed, deliver()
   // turns that into its trace. trace_mu_ is taken alone, or inside push_mu_ (never the other way).
   std::atomic<bool> trace_{false};

@@ -2,6 +2,7 @@
 // exchange and the executor are asked to do, DONE.
 #include "local_plane.h"
 
+#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -9,6 +10,7 @@
 #include <cstring>
 #include <set>
 #include <stdexcept>
+#include <thread>
 #include <utility>
 
 #include "fdpass.h"
@@ -28,6 +30,10 @@ constexpr std::size_t kMaxTraces = 1 << 16;
 // Collectives larger than this are reduced by the compute threads, smaller ones by the thread that
 // made the work ready (handing them to another thread would cost more than reducing them).
 constexpr std::uint64_t kInlineBytes = 64 << 10;
+
+// A reduction waiting for a streaming worker's copy-in (LocalPlane::inputs_in) that has spun its
+// spin_ns sleeps this long between looks: the copies it waits for need the core.
+constexpr auto kStreamNap = std::chrono::microseconds(20);
 
 std::uint64_t s_bytes(const Spec& s) { return s.count * s.itemsize; }
 
@@ -76,10 +82,37 @@ struct LocalPlane::Op {
   Clock::time_point t0;
   double wall0 = 0;
   std::array<std::pair<double, double>, kPhases> spans{};  // first start, last end; 0: never
+  // Streaming (channel.h, the stream block): one node, an all-reduce of kStreamMinBytes or more.
+  // `streaming[i]`, local rank i's stream block when its copy-in was still under way at its SUBMIT
+  // (null: its input was whole), whose input is then a ring of `ring[i]` bytes; `publish`, its result
+  // goes on every worker's block as its chunks complete in order (`finished`, by index; `prefix`, the
+  // chunks complete from the first), all under the table's lock but `streaming` and `ring`, set
+  // before the op starts and only read after.
+  std::vector<StreamShared*> streaming;
+  std::vector<std::uint64_t> ring;
+  bool streams = false;
+  bool publish = false;
+  std::vector<bool> finished;
+  std::uint64_t prefix = 0;
 };
 
+namespace {
+
+// One node's chunks only cut its reductions among the compute threads: a power of two, at most
+// kStreamChunkMax, so that a streaming all-reduce's chunks never wrap round its input ring.
+PlaneConfig one_node_chunks(PlaneConfig cfg) {
+  if (cfg.topo.nnodes == 1) {
+    std::uint64_t c = 1;
+    while (c * 2 <= cfg.topo.chunk_bytes && c * 2 <= kStreamChunkMax) c *= 2;
+    cfg.topo.chunk_bytes = c;
+  }
+  return cfg;
+}
+
+}  // namespace
+
 LocalPlane::LocalPlane(PlaneConfig cfg, Arena* results, Arena* scratch)
-    : cfg_(std::move(cfg)),
+    : cfg_(one_node_chunks(std::move(cfg))),
       results_(results),
       scratch_(scratch),
       table_(cfg_.topo, cfg_.node_names.size() == cfg_.topo.nnodes ? cfg_.node_names : std::vector<std::string>{cfg_.me},
@@ -190,14 +223,35 @@ void LocalPlane::on_submit(WorkerPort* link, const Header& h) {
   const std::uint64_t nbytes = s_bytes(spec);
   std::shared_ptr<Segment> seg;
   const std::uint8_t* data = nullptr;
+  StreamShared* streaming = nullptr;
+  std::uint64_t wraps = 0;  // a streaming input's ring, when it is smaller than the input (0: whole)
   if (h.shard != kNoSegment) {
     // Its ATTACH came before it on the same ring (this port's thread keeps the segments).
     auto it = link->segments.find(h.shard);
     if (it == link->segments.end())
       return fail(Verdict{Fault::kProtocol, link->name + " named segment " + num(h.shard) + ", which it never attached"});
     seg = it->second;
+    // Its copy-in still under way (the worker wrote its number before pushing it): each chunk waits
+    // for it, and its slot is its input ring.
+    std::uint64_t ring = nbytes;
+    StreamShared* b = link->stream;
+    if (cfg_.topo.nnodes == 1 && is_kind(spec, Kind::kAllreduce) && nbytes >= kStreamMinBytes &&
+        b->in_seq.load(std::memory_order_acquire) == h.seq) {
+      // Its ring, read between two looks at in_seq (the worker sets it busy before it rewrites the
+      // block). Moved on meanwhile: its copy-in ended, so its slot was whole (a ring's copy-in cannot
+      // end before its collective has started here, after this SUBMIT).
+      const std::uint64_t r = b->in_ring.load(std::memory_order_acquire);
+      if (b->in_seq.load(std::memory_order_relaxed) == h.seq) {
+        streaming = b;
+        ring = r;
+      }
+      if (ring != nbytes && ring != stream_ring_bytes(nbytes))
+        return fail(Verdict{Fault::kProtocol, link->name + " streams collective #" + num(h.seq) + " through a ring of " +
+                                                  num(ring) + " bytes, neither its size nor the stream ring's"});
+    }
+    if (ring != nbytes) wraps = ring;
     std::uint8_t* p = nullptr;
-    const std::string w = seg->range(h.offset, nbytes, &p);
+    const std::string w = seg->range(h.offset, ring, &p);
     if (!w.empty())
       return fail(Verdict{Fault::kProtocol,
                           link->name + " submitted collective #" + num(h.seq) + " outside its memory: " + w});
@@ -224,6 +278,9 @@ void LocalPlane::on_submit(WorkerPort* link, const Header& h) {
   }
   op->inputs[link->local] = data;
   op->held[link->local] = std::move(seg);
+  op->streaming[link->local] = streaming;
+  op->ring[link->local] = wraps;
+  if (streaming != nullptr) op->streams = true;
   if (cfg_.trace) phase_locked(*op, kWaitLocal, op->wall0, wall());
   if (!all_in) return;
   start_locked(op, [&] {
@@ -240,6 +297,10 @@ std::shared_ptr<LocalPlane::Op> LocalPlane::new_op_locked(const Spec& spec, std:
   op->spec = spec;
   op->inputs.assign(cfg_.topo.local_size, nullptr);
   op->held.resize(cfg_.topo.local_size);
+  op->streaming.assign(cfg_.topo.local_size, nullptr);
+  op->ring.assign(cfg_.topo.local_size, 0);
+  op->publish = cfg_.topo.nnodes == 1 && is_kind(spec, Kind::kAllreduce) && s_bytes(spec) >= kStreamMinBytes;
+  if (op->publish) op->finished.assign(op->c->own_chunks(), false);
   op->t0 = Clock::now();
   op->wall0 = wall();
   std::shared_ptr<Segment> fresh;
@@ -278,6 +339,7 @@ std::shared_ptr<LocalPlane::Op> LocalPlane::new_op_locked(const Spec& spec, std:
 
 void LocalPlane::start_locked(const std::shared_ptr<Op>& op, std::vector<Task> tasks,
                               std::unique_lock<std::mutex>* lock) {
+  if (op->publish) publish_locked(*op);
   lock->unlock();
   if (!executor_.empty() && tasks.size() > 1 && s_bytes(op->spec) > kInlineBytes) {
     // Large, in several chunks: the compute threads share them, and this thread goes back to its
@@ -352,12 +414,18 @@ bool LocalPlane::run_local(const std::shared_ptr<Op>& op, const Chunk& t) {
   const std::uint64_t isz = s.itemsize;
   const std::uint64_t n = t.end - t.start, off = t.start * isz, len = n * isz;
   std::vector<const void*> in(k);
-  for (std::uint32_t i = 0; i < k; i++) in[i] = o.inputs[i] == nullptr ? nullptr : o.inputs[i] + off;
+  for (std::uint32_t i = 0; i < k; i++) {
+    // A streaming input's ring holds this chunk at its offset round the ring (a chunk never wraps:
+    // one node's chunks are a power of two dividing the ring, LocalPlane's constructor).
+    const std::uint64_t at = o.ring[i] != 0 ? off % o.ring[i] : off;
+    in[i] = o.inputs[i] == nullptr ? nullptr : o.inputs[i] + at;
+  }
   const double w0 = cfg_.trace ? wall() : 0;
   if (!several) {
+    if (o.streams && !inputs_in(o, off + len)) return false;
     if (!fold(o, in, n, o.out + off, false)) return false;
     if (cfg_.trace) phase(o, kLocalReduce, w0, wall());
-    return chunk_done(op);
+    return chunk_done(op, &t);
   }
   if (o.c->replicated()) {
     // Our partial is our own server input and goes to every peer from there; that row stays until
@@ -428,9 +496,75 @@ void LocalPlane::partial_in(const std::shared_ptr<Op>& op, std::uint64_t index, 
   run_server(op, chunk);
 }
 
-bool LocalPlane::chunk_done(const std::shared_ptr<Op>& op) {
+bool LocalPlane::inputs_in(const Op& o, std::uint64_t end) {
+  const Clock::time_point t0 = Clock::now();
+  for (;;) {
+    std::uint32_t late = cfg_.topo.local_size;
+    for (std::uint32_t i = 0; i < o.streaming.size() && late == cfg_.topo.local_size; i++)
+      if (o.streaming[i] != nullptr && !stream_in_ready(*o.streaming[i], o.spec.seq, end)) late = i;
+    if (late == cfg_.topo.local_size) return true;
+    if (failed_.load()) return false;
+    const std::int64_t waited = std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();
+    if (waited >= cfg_.push_timeout_ns) {
+      // (ports_[late] was set before its SUBMIT, which came before this op started.)
+      fail(Verdict{Fault::kPeerLost, ports_[late]->name + " did not copy collective #" + num(o.spec.seq) +
+                                         " into shared memory within " +
+                                         num(static_cast<std::uint64_t>(cfg_.push_timeout_ns / 1'000'000'000)) + " s"});
+      return false;
+    }
+    if (waited < cfg_.spin_ns)
+      sched_yield();
+    else
+      std::this_thread::sleep_for(kStreamNap);
+  }
+}
+
+void LocalPlane::publish_locked(Op& op) {
+  for (auto& port : ports_) {
+    if (!port) continue;
+    // A sequence lock: busy first, then the new slot, then its number (channel.h, the stream block).
+    StreamShared& b = *port->stream;
+    // (Release stores, no fence: a reader that sees one of them sees busy after it.)
+    b.out_seq.store(kStreamBusy, std::memory_order_relaxed);
+    b.out_segment.store(op.result.segment, std::memory_order_release);
+    b.out_offset.store(op.result.offset, std::memory_order_release);
+    b.out_bytes.store(0, std::memory_order_release);
+    b.out_seq.store(op.spec.seq, std::memory_order_release);
+    port->published = op.spec.seq;
+  }
+  // A streaming worker learns how far its ring is free from here on (0 before ack_seq moves).
+  for (std::uint32_t i = 0; i < op.streaming.size(); i++) {
+    if (op.streaming[i] == nullptr) continue;
+    op.streaming[i]->ack_bytes.store(0, std::memory_order_relaxed);
+    op.streaming[i]->ack_seq.store(op.spec.seq, std::memory_order_release);
+    ports_[i]->acking = op.spec.seq;  // (its port is there: its SUBMIT came through it)
+  }
+}
+
+void LocalPlane::advance_locked(Op& op, const Chunk& t) {
+  if (t.index >= op.finished.size() || op.finished[t.index]) return;  // (the state machine located it once)
+  op.finished[t.index] = true;
+  const std::uint64_t before = op.prefix;
+  while (op.prefix < op.finished.size() && op.finished[op.prefix]) op.prefix++;
+  if (op.prefix == before) return;
+  const std::uint64_t bytes = op.prefix == op.finished.size()
+                                  ? s_bytes(op.spec)
+                                  : op.c->own_chunk(op.prefix).start * op.spec.itemsize;
+  // Released after the chunk's bytes were written (by this thread, or by another before it took the
+  // lock), and after its inputs were read: a streaming worker may write over them now.
+  for (auto& port : ports_)
+    if (port && port->published == op.spec.seq) port->stream->out_bytes.store(bytes, std::memory_order_release);
+  // Only while the block's ack still speaks of this collective: an earlier one still reducing after
+  // this worker's next one took the block over must not free the new one's ring.
+  for (std::uint32_t i = 0; i < op.streaming.size(); i++)
+    if (op.streaming[i] != nullptr && ports_[i]->acking == op.spec.seq)
+      op.streaming[i]->ack_bytes.store(bytes, std::memory_order_release);
+}
+
+bool LocalPlane::chunk_done(const std::shared_ptr<Op>& op, const Chunk* t) {
   std::unique_lock<std::mutex> lock(mu_);
   if (failed_) return false;
+  if (t != nullptr && op->publish) advance_locked(*op, *t);
   if (!op->c->chunk_completed()) return true;
   if (op->has_server && !op->c->server_live()) {
     // Every server reduction ran and nothing is sent from the rows (only a replicated collective

@@ -211,7 +211,14 @@ class LocalPlane final : private Exchange::Owner {
   bool run_server(const std::shared_ptr<Op>& op, const Chunk& chunk);
   bool fold(const Op& op, const std::vector<const void*>& in, std::uint64_t n, std::uint8_t* out, bool partial);
   void partial_in(const std::shared_ptr<Op>& op, std::uint64_t index, std::uint32_t from);
-  bool chunk_done(const std::shared_ptr<Op>& op);
+  // A chunk is complete (`t`: one node's local reduction of it, whose result may be published).
+  bool chunk_done(const std::shared_ptr<Op>& op, const Chunk* t = nullptr);
+  // Streaming (channel.h): wait until every streaming input of `o` is in place up to `end` bytes
+  // (false: the job failed meanwhile, or a worker took longer than the push timeout, failing it);
+  // put `op`'s result slot on every worker's stream block; chunk `t` reduced, publish how far it is.
+  bool inputs_in(const Op& o, std::uint64_t end);
+  void publish_locked(Op& op);
+  void advance_locked(Op& op, const Chunk& t);
   // A data frame to peer `node`, through the exchange, without the table's lock.
   bool send_data(const std::shared_ptr<Op>& op, std::uint32_t node, Msg type, std::uint32_t shard,
                  std::uint64_t offset, const std::uint8_t* payload, std::uint64_t length);

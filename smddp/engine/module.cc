@@ -1831,10 +1831,11 @@ PyObject* channel_run(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   smddp::WorkerChannel& ch = *co->ch;
   smddp::Slot slot;
   smddp::FastEnd end;
+  smddp::WorkerChannel::Streamed streamed;  // a streaming all-reduce's result copied out while it copies in
   Py_BEGIN_ALLOW_THREADS
-  end = ch.start(a, &in, 1, &h, &slot, timeout_ns, spin_ns);
+  end = ch.start(a, &in, 1, &h, &slot, timeout_ns, spin_ns, false, &out, &streamed);
   if (end == smddp::FastEnd::kDone)
-    end = ch.finish(a, slot, h, out, batch, timeout_ns, spin_ns);
+    end = ch.finish(a, slot, h, out, batch, timeout_ns, spin_ns, nullptr, &streamed);
   else
     h.seq = 0;  // not started
   Py_END_ALLOW_THREADS
@@ -2036,6 +2037,21 @@ PyObject* channel_set_trace(PyObject* self, PyObject* arg) {
   Py_RETURN_NONE;
 }
 
+// set_stream(on): large all-reduces stream through the channel's stream block (a job of one node)
+PyObject* channel_set_stream(PyObject* self, PyObject* arg) {
+  const int on = PyObject_IsTrue(arg);
+  if (on < 0) return nullptr;
+  channel_of(self).set_stream(on != 0);
+  Py_RETURN_NONE;
+}
+
+// streamed() -> (copied in as it went, copied out before the DONE): bytes, since the channel began
+PyObject* channel_streamed(PyObject* self, PyObject*) {
+  const smddp::WorkerChannel& ch = channel_of(self);
+  return Py_BuildValue("(KK)", static_cast<unsigned long long>(ch.streamed_in()),
+                       static_cast<unsigned long long>(ch.streamed_out()));
+}
+
 // take_traces() -> ([WorkerTrace], dropped): the phases kept since the last take, and how many were not
 PyObject* channel_take_traces(PyObject* self, PyObject*) {
   std::uint64_t dropped = 0;
@@ -2123,6 +2139,8 @@ PyMethodDef kChannelMethods[] = {
      "resume(seq, segment, offset, nbytes, kind, count, dtype, op, dst, result) -> record or None: a parked "
      "blocking collective as an asynchronous one"},
     {"set_trace", channel_set_trace, METH_O, "set_trace(on): keep each fast collective's phases (take_traces)"},
+    {"set_stream", channel_set_stream, METH_O, "set_stream(on): large all-reduces stream (a job of one node)"},
+    {"streamed", channel_streamed, METH_NOARGS, "streamed() -> (bytes copied in streaming, result bytes copied out before DONE)"},
     {"take_traces", channel_take_traces, METH_NOARGS,
      "take_traces() -> ([WorkerTrace], dropped): the fast collectives' phases since the last take"},
     {"attach", channel_attach, METH_VARARGS,

@@ -17,7 +17,8 @@ WorkerPort::WorkerPort(std::uint32_t l, std::uint32_t r, std::string n, std::sha
       channel(std::move(ch)),
       side(s),
       submit(channel->base(), kChannelSlots, false),
-      done(channel->base() + done_ring_offset(), kChannelSlots, false) {}
+      done(channel->base() + done_ring_offset(), kChannelSlots, false),
+      stream(stream_block(channel->base())) {}
 
 WorkerPort::~WorkerPort() {
   join();

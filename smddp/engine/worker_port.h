@@ -45,6 +45,12 @@ struct WorkerPort {
   const int side;   // the side socket: ATTACH fds read by this port's thread, SEGMENT fds sent under done_mu
   RingView submit;  // popped by this port's thread only
   RingView done;    // pushed under done_mu
+  // The channel's stream block (channel.h): its `in` read by whichever thread reduces, its `ack` and
+  // `out` written under the plane's lock; `acking` and `published`, the collectives they speak of
+  // (plane's lock: a collective still reducing after a later one took the block over writes neither).
+  StreamShared* const stream;
+  std::uint64_t acking = 0;
+  std::uint64_t published = 0;
   std::map<std::uint32_t, std::shared_ptr<Segment>> segments;  // attached input segments: this port's thread only
   std::atomic<bool> stop{false};
   std::atomic<bool> said_bye{false};

@@ -32,7 +32,7 @@ using plane_test::kSecond;
 
 constexpr std::uint32_t kWorkers = 4;
 
-smddp::PlaneConfig config(std::uint32_t n) {
+smddp::PlaneConfig config(std::uint32_t n, std::int64_t push_timeout_ns = 20 * kSecond) {
   smddp::PlaneConfig cfg;
   cfg.topo.nnodes = 1;
   cfg.topo.local_size = n;
@@ -41,7 +41,7 @@ smddp::PlaneConfig config(std::uint32_t n) {
   for (std::uint32_t i = 0; i < n; i++) cfg.rank_names.push_back("rank " + std::to_string(i));
   cfg.me = "node 0";
   cfg.spin_ns = 0;  // every wait sleeps on the futex
-  cfg.push_timeout_ns = 20 * kSecond;
+  cfg.push_timeout_ns = push_timeout_ns;
   return cfg;
 }
 
@@ -104,7 +104,8 @@ struct Rig {
   std::vector<std::shared_ptr<smddp::Segment>> inputs;
 
   // `with_inputs`: each worker's own input segment (id 3), ATTACHed; without, the test's arenas make theirs.
-  explicit Rig(std::uint32_t n, bool with_inputs = true) : plane(config(n), &results) {
+  explicit Rig(std::uint32_t n, bool with_inputs = true, std::int64_t push_timeout_ns = 20 * kSecond)
+      : plane(config(n, push_timeout_ns), &results) {
     for (std::uint32_t i = 0; i < n; i++) {
       std::string why;
       channels.push_back(smddp::WorkerChannel::create("test-ch", &why));
@@ -165,6 +166,27 @@ void broken_rings() {
     check(rig.channels[0]->push(sub.data(), kSecond, 0) == smddp::RingWait::kReady, "push");
     const std::string why = rig.failure(5 * kSecond);
     check(why.find("rank 0 submitted collective #1 outside its memory") == 0, "out of bounds: " + why);
+    rig.plane.close();
+  }
+  {
+    // Rank 0 says it streams a 1 MiB all-reduce (its stream block names it before its SUBMIT) and then
+    // never copies a byte in: the reduction waits for it no longer than the push timeout, then the
+    // job fails naming it; rank 1's input was whole.
+    Rig rig(2, true, kSecond);
+    smddp::StreamShared* b = smddp::stream_block(rig.channels[0]->segment()->base());
+    b->in_bytes.store(0, std::memory_order_relaxed);
+    b->in_ring.store(smddp::kStreamMinBytes, std::memory_order_relaxed);
+    b->in_seq.store(1, std::memory_order_release);
+    const std::uint64_t count = smddp::kStreamMinBytes / 4;
+    for (std::uint32_t r = 0; r < 2; r++) {
+      const auto sub = header(smddp::Msg::kSubmit, r, 1, 3, 0, count, 2, 1, 1);
+      check(rig.channels[r]->push(sub.data(), kSecond, 0) == smddp::RingWait::kReady, "push");
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    const std::string why = rig.failure(10 * kSecond);
+    const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    check(why.find("rank 0 did not copy collective #1 into shared memory within 1 s") == 0, "stalled copy-in: " + why);
+    check(took < 5, "a stalled copy-in fails the job within its bound (" + std::to_string(took) + " s)");
     rig.plane.close();
   }
 }
@@ -350,6 +372,114 @@ void fast_collectives() {
   rig.plane.close();
 }
 
+// Streaming (channel.h, the stream block): large all-reduces whose SUBMIT goes before the copy-in,
+// a blocking one's round a 4 MiB input ring as the plane's reductions free it, their results copied out
+// behind the reductions. Sizes from exactly kStreamMinBytes (the ring is the whole buffer) to two and
+// a half rings, from one source and from two whose boundary falls inside a copy step; blocking
+// (start and finish on one thread, the result in place over its source, copied out while the
+// copy-in waits for room) and asynchronous (through a whole slot, finished after the next one
+// started, so that the stream block moves on under it). The workers start at different times, so a reduction that did
+// not wait for a copy-in, or a copy-in that did not wait for the reduction before going round the
+// ring, reads or overwrites bytes another worker has not written yet: every result is checked.
+void streamed_collectives() {
+  constexpr int kIters = 12;
+  Rig rig(kWorkers);
+  std::vector<std::unique_ptr<smddp::Arena>> arenas;
+  for (std::uint32_t i = 0; i < kWorkers; i++) arenas.push_back(std::make_unique<smddp::Arena>("test-stream", 8 << 20));
+  std::atomic<bool> stop{false};
+  std::thread watch([&] {
+    smddp::PlaneEvent e;
+    while (!stop.load())
+      if (rig.plane.next_event(kSecond / 100, &e))
+        check(e.kind != smddp::PlaneEvent::kFailed, "plane failed: " + e.verdict.why);
+  });
+  const std::uint64_t sizes[] = {smddp::kStreamMinBytes / 4, (5 << 20) / 4 + 3, (10 << 20) / 4 + 1001};
+  auto expect = [](std::uint64_t i, int it) { return static_cast<std::int32_t>(10 * (i + it)); };  // 1+2+3+4
+  auto run = [&](std::uint32_t rank) {
+    smddp::WorkerChannel* ch = rig.channels[rank].get();
+    ch->set_stream(true);
+    smddp::Arena& arena = *arenas[rank];
+    std::vector<std::int32_t> a, b, pending;
+    smddp::Header ph;
+    smddp::Slot pslot;
+    smddp::WorkerChannel::Streamed pgot;
+    int pit = 0;
+    for (int it = 1; it <= kIters; it++) {
+      std::this_thread::sleep_for(std::chrono::microseconds(300 * ((rank + it) % kWorkers)));
+      const std::uint64_t count = sizes[it % 3];
+      const std::uint64_t nbytes = count * 4;
+      a.assign(count, 0);
+      for (std::uint64_t i = 0; i < count; i++) a[i] = static_cast<std::int32_t>((rank + 1) * (i + it));
+      smddp::Header h = int32_sum(rank, count);
+      // Two sources on even iterations, split off a 4-byte boundary inside a 256 KiB step.
+      const std::uint64_t cut = it % 2 == 0 ? (count / 3) * 4 : nbytes;
+      const auto* base = reinterpret_cast<const std::uint8_t*>(a.data());
+      const smddp::Source two[2] = {{base, cut}, {base + cut, nbytes - cut}};
+      const std::size_t n = cut == nbytes ? 1 : 2;
+      smddp::Slot slot;
+      if (it % 4 == 3) {  // asynchronous: finished after the next one has started
+        pending = a;
+        const smddp::Source mine[2] = {{reinterpret_cast<const std::uint8_t*>(pending.data()), cut},
+                                       {reinterpret_cast<const std::uint8_t*>(pending.data()) + cut, nbytes - cut}};
+        const smddp::Delivery back{reinterpret_cast<std::uint8_t*>(pending.data()), nbytes, 0, nbytes};
+        pgot = {};
+        check(ch->start(arena, mine, n, &h, &slot, 10 * kSecond, 20'000, true, &back, &pgot) == smddp::FastEnd::kDone,
+              "start async streamed: " + ch->why());
+        check(slot.nbytes == nbytes, "an asynchronous streamed input's slot is whole (its start never waits)");
+        ph = h;
+        pslot = slot;
+        pit = it;
+        continue;
+      }
+      // Blocking, in place: its result overwrites its source as the copy-in goes.
+      const smddp::Delivery back{reinterpret_cast<std::uint8_t*>(a.data()), nbytes, 0, nbytes};
+      smddp::WorkerChannel::Streamed got;
+      check(ch->start(arena, two, n, &h, &slot, 10 * kSecond, 20'000, false, &back, &got) == smddp::FastEnd::kDone,
+            "start streamed: " + ch->why());
+      check(slot.nbytes == smddp::stream_ring_bytes(nbytes), "a streamed input's slot is its ring");
+      check(ch->finish(arena, slot, h, back, 64 << 10, 10 * kSecond, 20'000, nullptr, &got) == smddp::FastEnd::kDone,
+            "finish streamed #" + std::to_string(it) + " on rank " + std::to_string(rank) + ": " + ch->why());
+      bool ok = true;
+      for (std::uint64_t i = 0; i < count && ok; i++) ok = a[i] == expect(i, it);
+      check(ok, "streamed result of #" + std::to_string(it) + " on rank " + std::to_string(rank));
+      if (pit != 0) {
+        const std::uint64_t pbytes = ph.count * 4;
+        const smddp::Delivery back2{reinterpret_cast<std::uint8_t*>(pending.data()), pbytes, 0, pbytes};
+        check(ch->finish(arena, pslot, ph, back2, 64 << 10, 10 * kSecond, 20'000, nullptr, &pgot) ==
+                  smddp::FastEnd::kDone,
+              "finish async streamed #" + std::to_string(pit) + ": " + ch->why());
+        ok = true;
+        for (std::uint64_t i = 0; i < ph.count && ok; i++) ok = pending[i] == expect(i, pit);
+        check(ok, "async streamed result of #" + std::to_string(pit) + " on rank " + std::to_string(rank));
+        pit = 0;
+      }
+    }
+    check(pit == 0, "every asynchronous one finished");
+    const auto bye = header(smddp::Msg::kBye, rank, 0, 0, 0, 0, 0, 0, 0);
+    check(ch->push(bye.data(), 10 * kSecond, 0) == smddp::RingWait::kReady, "push BYE");
+  };
+  std::vector<std::thread> threads;
+  for (std::uint32_t i = 0; i < kWorkers; i++) threads.emplace_back(run, i);
+  for (auto& t : threads) t.join();
+  stop.store(true);
+  watch.join();
+  for (std::uint32_t i = 0; i < kWorkers; i++) {
+    check(rig.plane.remove_worker(i), "rank said BYE");
+    check(arenas[i]->in_use() == 0, "every streamed input ring given back");
+    // Every byte went in streaming, and results came out before their DONE (not those of a fresh
+    // result segment, whose SEGMENT comes with its DONE, nor the rest of one whose block moved on).
+    std::uint64_t total = 0;
+    for (int it = 1; it <= kIters; it++) total += sizes[it % 3] * 4;
+    check(rig.channels[i]->streamed_in() == total, "rank " + std::to_string(i) + " streamed every byte in");
+    check(rig.channels[i]->streamed_out() > total / 4,
+          "rank " + std::to_string(i) + " copied " + std::to_string(rig.channels[i]->streamed_out()) + " of " +
+              std::to_string(total) + " result bytes out before their DONE");
+  }
+  check(rig.failure(0).empty(), "no failure");
+  check(rig.plane.in_flight() == 0 && rig.results.in_use() == 0, "every result slot given back");
+  rig.plane.close();
+}
+
 // Two threads share each worker's channel and arena, one going the general way (alloc, reserve,
 // push, three at a time given last first; their DONEs popped by the background taker), one the fast way (start, finish), while the arena grows a small
 // segment at a time (the general thread keeps its input slots): the channel hands out sequence
@@ -489,6 +619,7 @@ void shared_channel() {
 int main() {
   many_collectives();
   fast_collectives();
+  streamed_collectives();
   shared_channel();
   broken_rings();
   if (plane_test::failures.load() != 0) return 1;
