@@ -214,7 +214,7 @@ SETTINGS: tuple[Setting, ...] = (
         "chunk_kb",
         int,
         1024,
-        "the daemons' pipelining chunk (KiB)",
+        "the daemons' pipelining chunk (KiB); on one node a power of two of at most 1024",
         ("--chunk-kb",),
         (LAUNCH, DAEMON),
         env="SMDDP_CHUNK_KB",

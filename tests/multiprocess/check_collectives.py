@@ -8,6 +8,7 @@ import json
 import os
 import socket
 import sys
+import time
 
 import numpy as np
 
@@ -154,6 +155,19 @@ def main() -> int:
         got = h.wait(timeout=120)
         records.append(check(c, got, world, args.nnodes, rank))
 
+    # The large all-reduces again as blocking calls (on one node their copy-in goes round an input
+    # ring as the daemon reduces, and the result comes out behind it), the ranks arriving at
+    # different times so that each waits for the others' copy-ins mid-way.
+    for c in all_cases:
+        if c["kind"] != "allreduce" or c["count"] * ITEMSIZE[c["dtype"]] < MIB:
+            continue
+        x = as_user_array(make_input(c["id"], rank, c["dtype"], c["count"]), c["dtype"])
+        time.sleep(0.002 * rank)
+        got = smddp.allreduce(x, op=OPS[c["op"]], timeout=120)
+        rec = check(c, got, world, args.nnodes, rank)
+        rec["blocking"] = True
+        records.append(rec)
+
     # Many in flight: mixed kinds, sizes and dtypes submitted back to back, then waited in reverse.
     rng = np.random.default_rng(7)
     small = [c for c in all_cases if c["count"] <= MIB]
@@ -166,13 +180,24 @@ def main() -> int:
         records.append(rec)
 
     job = smddp.client().job
+    streamed_in, streamed_out = smddp.client()._channel.streamed()
     daemons = [{"node": d.node, "host": d.host, "tcp_host": d.tcp_host} for d in job.daemons]
     smddp.shutdown()
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         # Where it ran: which interpreter, and what it got from the launching environment.
         env = {k: os.environ.get(k) for k in ("VIRTUAL_ENV", "SMDDP_CHECK_FORWARDED", "CHECK_USER_VAR")}
         where = {"executable": sys.executable, "host": socket.gethostname(), "env": env}
-        json.dump({"rank": rank, "world": world, "records": records, "daemons": daemons, **where}, f)
+        json.dump(
+            {
+                "rank": rank,
+                "world": world,
+                "records": records,
+                "daemons": daemons,
+                "streamed": [streamed_in, streamed_out],
+                **where,
+            },
+            f,
+        )
     return 0
 
 

@@ -56,6 +56,15 @@ def check_every_collective(world: int, nodes: int, tmp_path: Path, extra: list[s
         if recs[0]["case"]["kind"] != "reduce_scatter":
             assert len({rec["digest"] for rec in recs}) == 1, f"ranks disagree on {recs[0]['case']}"
     assert sum(1 for rec in per_rank[0] if rec.get("inflight")) == 32
+    assert any(rec.get("blocking") for rec in per_rank[0])  # the large all-reduces, blocking
+    # On one node every all-reduce of 1 MiB or more streams in, and results come out before their
+    # DONE; across nodes none does (they go as pipelined pieces).
+    for r in range(world):
+        streamed_in, streamed_out = json.loads((tmp_path / f"rank{r}.json").read_text())["streamed"]
+        if nodes == 1:
+            assert streamed_in > 0 and streamed_out > 0, (r, streamed_in, streamed_out)
+        else:
+            assert streamed_in == 0 and streamed_out == 0, (r, streamed_in, streamed_out)
 
 
 MULTI = [(w, n) for w, n in CONFIGS if n > 1]
