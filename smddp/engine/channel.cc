@@ -1,13 +1,11 @@
 // The worker's side of its channel: the submit ring's producer, the done ring's takers, the fast path.
 #include "channel.h"
 
-#include <sched.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cstring>
 #include <new>
-#include <thread>
 #include <utility>
 
 namespace smddp {
@@ -29,10 +27,6 @@ std::int64_t slice_of(std::int64_t left) { return left < kTakeSliceNs ? (left > 
 
 std::string num(std::uint64_t v) { return std::to_string(v); }
 
-// A streaming wait (stream_room, stream_out) that has spun its spin_ns sleeps this long between
-// looks: the threads it waits for (the daemon's reductions) need the core more than it does.
-constexpr auto kStreamNap = std::chrono::microseconds(20);
-
 }  // namespace
 
 std::size_t channel_bytes() { return stream_offset() + sizeof(StreamShared); }
@@ -41,20 +35,10 @@ WorkerChannel::WorkerChannel(std::shared_ptr<Segment> seg, int side, int daemon_
     : seg_(std::move(seg)),
       submit_(seg_->base(), kChannelSlots, true),
       done_(seg_->base() + done_ring_offset(), kChannelSlots, true),
+      // Zeroed (value-initialized): no collective is #0, so nothing streams or is published yet.
       stream_block_(new (seg_->base() + stream_offset()) StreamShared{}),
       side_(side),
-      daemon_end_(daemon_end) {
-  // Nothing streamed yet: no collective is #0, and the daemon publishes nothing before its first.
-  stream_block_->in_seq.store(0, std::memory_order_relaxed);
-  stream_block_->in_bytes.store(kStreamAll, std::memory_order_relaxed);
-  stream_block_->in_ring.store(0, std::memory_order_relaxed);
-  stream_block_->out_seq.store(0, std::memory_order_relaxed);
-  stream_block_->out_segment.store(0, std::memory_order_relaxed);
-  stream_block_->out_offset.store(0, std::memory_order_relaxed);
-  stream_block_->ack_seq.store(0, std::memory_order_relaxed);
-  stream_block_->ack_bytes.store(0, std::memory_order_relaxed);
-  stream_block_->out_bytes.store(0, std::memory_order_release);
-}
+      daemon_end_(daemon_end) {}
 
 WorkerChannel::~WorkerChannel() {
   close_daemon_end();
@@ -484,10 +468,9 @@ FastEnd WorkerChannel::start(Arena& arena, const Source* src, std::size_t n, Hea
   if (submit->type != Msg::kSubmit) return refused("a fast collective is a SUBMIT");
   // A large all-reduce on one node streams (the stream block): its SUBMIT goes before its copy-in,
   // which publishes its progress as it goes. One streams at a time (the block's `in` has one writer).
-  const bool streams = stream_.load(std::memory_order_relaxed) &&
-                       submit->kind == static_cast<std::uint8_t>(Kind::kAllreduce) && total >= kStreamMinBytes;
+  const bool streaming = stream_.load(std::memory_order_relaxed) && streams(submit->kind, total);
   std::unique_lock<std::mutex> stream_lock(stream_mu_, std::defer_lock);
-  if (streams) stream_lock.lock();
+  if (streaming) stream_lock.lock();
   *slot = Slot{kNoSegment, 0, 0};
   std::shared_ptr<Segment> seg;
   std::uint8_t* in = nullptr;
@@ -499,7 +482,7 @@ FastEnd WorkerChannel::start(Arena& arena, const Source* src, std::size_t n, Hea
       std::lock_guard<std::mutex> lock(push_mu_);
       if (starts_closed_) return FastEnd::kHeld;
       // A blocking streaming one's slot is its input ring: it goes round it (stream_room).
-      r = alloc_locked(arena, streams && !async ? stream_ring_bytes(total) : total, submit->sender, timeout_ns,
+      r = alloc_locked(arena, streaming && !async ? stream_ring_bytes(total) : total, submit->sender, timeout_ns,
                        spin_ns, slot, &fresh, &arena_why);
     }
     if (!arena_why.empty()) return refused_by_arena(arena_why);
@@ -513,10 +496,13 @@ FastEnd WorkerChannel::start(Arena& arena, const Source* src, std::size_t n, Hea
       return refused("input slot: " + w);
     }
     in = p;
-    // The copy goes outside the push lock: RELEASEs and other threads' descriptors need not wait for it.
-    for (std::size_t i = 0; i < n && !streams; i++) {
-      if (src[i].nbytes != 0) std::memcpy(p, src[i].data, src[i].nbytes);
-      p += src[i].nbytes;
+    // The copy goes outside the push lock: RELEASEs and other threads' descriptors need not wait for
+    // it. (A streaming one's goes after its SUBMIT, below.)
+    if (!streaming) {
+      for (std::size_t i = 0; i < n; i++) {
+        if (src[i].nbytes != 0) std::memcpy(p, src[i].data, src[i].nbytes);
+        p += src[i].nbytes;
+      }
     }
   }
   submit->shard = slot->segment;
@@ -540,7 +526,7 @@ FastEnd WorkerChannel::start(Arena& arena, const Source* src, std::size_t n, Hea
           f.async = async;
           fast_.emplace(submit->seq, f);
         }
-        if (streams) {
+        if (streaming) {
           // Before its SUBMIT can go: the daemon that takes it sees that it streams.
           // (Busy first, then the fields with release order: a daemon that reads one of them sees
           // in_seq busy or this number after it, never the last one's.)
@@ -562,7 +548,7 @@ FastEnd WorkerChannel::start(Arena& arena, const Source* src, std::size_t n, Hea
             begun_[submit->seq] = {t_start, wall()};
           }
         } else {
-          if (streams) stream_block_->in_bytes.store(kStreamAll, std::memory_order_release);  // (never pushed)
+          if (streaming) stream_block_->in_bytes.store(kStreamAll, std::memory_order_release);  // (never pushed)
           std::lock_guard<std::mutex> pop_lock(pop_mu_);
           fast_.erase(submit->seq);  // nobody could collect() it yet: it was never counted
           end = r == RingWait::kTimeout ? FastEnd::kRingFull : FastEnd::kRefused;
@@ -571,7 +557,7 @@ FastEnd WorkerChannel::start(Arena& arena, const Source* src, std::size_t n, Hea
     }
   }
   if (end != FastEnd::kDone && total != 0) arena.free(*slot);
-  if (end == FastEnd::kDone && streams) {
+  if (end == FastEnd::kDone && streaming) {
     // The copy-in, behind its SUBMIT, round the input ring (a whole slot: once round, never waiting):
     // the daemon reduces each chunk once every worker is past it, and says so before this worker
     // writes over it.
@@ -616,8 +602,7 @@ FastEnd WorkerChannel::finish(Arena& arena, const Slot& slot, const Header& subm
   Streamed streamed;
   if (carried != nullptr) streamed = *carried;  // what start() copied out already
   if (stream_.load(std::memory_order_relaxed) && !out.hold && out.src_offset == 0 &&
-      out.nbytes == out.result_bytes && out.nbytes >= kStreamMinBytes &&
-      submit.kind == static_cast<std::uint8_t>(Kind::kAllreduce)) {
+      out.nbytes == out.result_bytes && streams(submit.kind, out.nbytes)) {
     bool came = true;
     {
       std::lock_guard<std::mutex> lock(pop_mu_);
@@ -742,10 +727,7 @@ bool WorkerChannel::stream_room(std::uint64_t seq, std::uint64_t done, std::uint
       moved = Clock::now();
       continue;
     }
-    if (Clock::now() - moved < std::chrono::nanoseconds(spin_ns))
-      sched_yield();
-    else
-      std::this_thread::sleep_for(kStreamNap);
+    stream_pause(moved, spin_ns);
   }
 }
 
@@ -791,10 +773,7 @@ void WorkerChannel::stream_out(std::uint64_t seq, const Delivery& out, Clock::ti
     if (st != Step::kMore) break;
     if (aborted_.load() || left_of(t0, timeout_ns) <= 0) break;
     if (got->bytes > before) moved = Clock::now();
-    if (Clock::now() - moved < std::chrono::nanoseconds(spin_ns))
-      sched_yield();
-    else
-      std::this_thread::sleep_for(kStreamNap);
+    stream_pause(moved, spin_ns);
   }
 }
 

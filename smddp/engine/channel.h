@@ -51,6 +51,8 @@
 // daemon does not reuse until the caller's RELEASE, sent once its copy to the device has read it.
 #pragma once
 
+#include <sched.h>
+
 #include <array>
 #include <atomic>
 #include <chrono>
@@ -62,6 +64,7 @@
 #include <mutex>
 #include <set>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -130,6 +133,20 @@ constexpr std::uint64_t kStreamRingBytes = std::uint64_t{4} << 20;
 constexpr std::uint64_t kStreamChunkMax = kStreamRingBytes / 4;
 // How much a streaming copy-in copies between two publications of its progress.
 constexpr std::uint64_t kStreamStepBytes = 256 << 10;
+// Whether a collective of `kind` (a wire code) and `nbytes` streams, in a job of one node: the one
+// rule the worker (start, finish) and the daemon (on_submit, new_op_locked) both follow.
+inline bool streams(std::uint8_t kind, std::uint64_t nbytes) {
+  return kind == static_cast<std::uint8_t>(Kind::kAllreduce) && nbytes >= kStreamMinBytes;
+}
+// One look of a streaming wait (the worker's stream_room and stream_out, the daemon's inputs_in)
+// that found nothing: a yield while less than `spin_ns` has passed since `since`, else a 20 us nap,
+// since the threads it waits for need the core more than it does.
+inline void stream_pause(std::chrono::steady_clock::time_point since, std::int64_t spin_ns) {
+  if (std::chrono::steady_clock::now() - since < std::chrono::nanoseconds(spin_ns))
+    sched_yield();
+  else
+    std::this_thread::sleep_for(std::chrono::microseconds(20));
+}
 inline std::uint64_t stream_ring_bytes(std::uint64_t nbytes) {
   return nbytes < kStreamRingBytes ? nbytes : kStreamRingBytes;
 }

@@ -2,7 +2,6 @@
 // exchange and the executor are asked to do, DONE.
 #include "local_plane.h"
 
-#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -10,7 +9,6 @@
 #include <cstring>
 #include <set>
 #include <stdexcept>
-#include <thread>
 #include <utility>
 
 #include "fdpass.h"
@@ -30,10 +28,6 @@ constexpr std::size_t kMaxTraces = 1 << 16;
 // Collectives larger than this are reduced by the compute threads, smaller ones by the thread that
 // made the work ready (handing them to another thread would cost more than reducing them).
 constexpr std::uint64_t kInlineBytes = 64 << 10;
-
-// A reduction waiting for a streaming worker's copy-in (LocalPlane::inputs_in) that has spun its
-// spin_ns sleeps this long between looks: the copies it waits for need the core.
-constexpr auto kStreamNap = std::chrono::microseconds(20);
 
 std::uint64_t s_bytes(const Spec& s) { return s.count * s.itemsize; }
 
@@ -235,8 +229,7 @@ void LocalPlane::on_submit(WorkerPort* link, const Header& h) {
     // for it, and its slot is its input ring.
     std::uint64_t ring = nbytes;
     StreamShared* b = link->stream;
-    if (cfg_.topo.nnodes == 1 && is_kind(spec, Kind::kAllreduce) && nbytes >= kStreamMinBytes &&
-        b->in_seq.load(std::memory_order_acquire) == h.seq) {
+    if (cfg_.topo.nnodes == 1 && streams(spec.kind, nbytes) && b->in_seq.load(std::memory_order_acquire) == h.seq) {
       // Its ring, read between two looks at in_seq (the worker sets it busy before it rewrites the
       // block). Moved on meanwhile: its copy-in ended, so its slot was whole (a ring's copy-in cannot
       // end before its collective has started here, after this SUBMIT).
@@ -299,7 +292,7 @@ std::shared_ptr<LocalPlane::Op> LocalPlane::new_op_locked(const Spec& spec, std:
   op->held.resize(cfg_.topo.local_size);
   op->streaming.assign(cfg_.topo.local_size, nullptr);
   op->ring.assign(cfg_.topo.local_size, 0);
-  op->publish = cfg_.topo.nnodes == 1 && is_kind(spec, Kind::kAllreduce) && s_bytes(spec) >= kStreamMinBytes;
+  op->publish = cfg_.topo.nnodes == 1 && streams(spec.kind, s_bytes(spec));
   if (op->publish) op->finished.assign(op->c->own_chunks(), false);
   op->t0 = Clock::now();
   op->wall0 = wall();
@@ -512,10 +505,7 @@ bool LocalPlane::inputs_in(const Op& o, std::uint64_t end) {
                                          num(static_cast<std::uint64_t>(cfg_.push_timeout_ns / 1'000'000'000)) + " s"});
       return false;
     }
-    if (waited < cfg_.spin_ns)
-      sched_yield();
-    else
-      std::this_thread::sleep_for(kStreamNap);
+    stream_pause(t0, cfg_.spin_ns);
   }
 }
 
