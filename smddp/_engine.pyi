@@ -40,6 +40,9 @@ class Arena:
     def close(self) -> None: ...
 
 CHANNEL_BYTES: int
+MAX_IN_FLIGHT: (
+    int  # SUBMITs on a channel's ring without their DONE taken, at most (a start past it takes DONEs first)
+)
 
 # The plane's results: struct sequences (tuples whose fields have names, as os.stat_result).
 class PeerFrame(tuple[int, int, int, int, bytes]):

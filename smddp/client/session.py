@@ -767,7 +767,7 @@ class Client:
             assert self._failure is not None  # set by _fail, now or by the reader before it
             raise fresh(self._failure) from None
         if refused is not None:
-            raise self._engine_failed(refused) from None
+            raise self._give_failed(refused) from None
         assert handle is not None
         return handle
 
@@ -875,9 +875,22 @@ class Client:
             handle._finish(error=failed)  # the failure came as it started: _fail may not have seen it
         return handle
 
+    def _give_failed(self, e: TimeoutError | ProtocolError) -> SmddpError:
+        """What a reserved SUBMIT's give() that failed raises: as _engine_failed, except that a
+        CollectiveTimeoutError fails the client too, since every later SUBMIT waits behind this one."""
+        if isinstance(e, CollectiveTimeoutError):
+            self._fail(e)
+            assert self._failure is not None
+            return fresh(self._failure)
+        return self._engine_failed(e)
+
     def _engine_failed(self, e: TimeoutError | ProtocolError) -> SmddpError:
         """What a fast call raises once the channel failed it: the daemon's loss (its ring left full
-        for the whole timeout), or a frame or ring it broke (distrusted). The client is failed first."""
+        for the whole timeout), or a frame or ring it broke (distrusted). The client is failed first.
+        A CollectiveTimeoutError (the collectives before it had no result within the timeout: nothing
+        was started) is raised as it is, and fails nothing: those collectives' own waits say the rest."""
+        if isinstance(e, CollectiveTimeoutError):
+            return e if self._failure is None else fresh(self._failure)
         if isinstance(e, TimeoutError):
             self._fail(
                 _daemon_lost(
@@ -1130,7 +1143,7 @@ class Client:
             if error is not None:
                 self._device_failed(error)
             elif refused is not None:
-                self._engine_failed(refused)
+                self._give_failed(refused)
 
     def _next_held(self) -> tuple[_Held | None, float | None]:
         """(lock held) The first held SUBMIT the submitter thread may take now; else how long until one

@@ -48,6 +48,7 @@ struct Errors {
   PyObject* protocol;   // ProtocolError
   PyObject* mismatch;   // CollectiveMismatchError
   PyObject* peer_lost;  // PeerLostError
+  PyObject* timeout;    // CollectiveTimeoutError
 };
 
 inline Errors* errors(PyObject* module) { return static_cast<Errors*>(PyModule_GetState(module)); }
@@ -60,8 +61,10 @@ inline int load_errors(PyObject* module) {
   e->protocol = PyObject_GetAttrString(mod, "ProtocolError");
   e->mismatch = PyObject_GetAttrString(mod, "CollectiveMismatchError");
   e->peer_lost = PyObject_GetAttrString(mod, "PeerLostError");
+  e->timeout = PyObject_GetAttrString(mod, "CollectiveTimeoutError");
   Py_DECREF(mod);
-  return e->protocol == nullptr || e->mismatch == nullptr || e->peer_lost == nullptr ? -1 : 0;
+  return e->protocol == nullptr || e->mismatch == nullptr || e->peer_lost == nullptr || e->timeout == nullptr ? -1
+                                                                                                              : 0;
 }
 
 inline int visit_errors(PyObject* module, visitproc visit, void* arg) {
@@ -69,6 +72,7 @@ inline int visit_errors(PyObject* module, visitproc visit, void* arg) {
   Py_VISIT(e->protocol);
   Py_VISIT(e->mismatch);
   Py_VISIT(e->peer_lost);
+  Py_VISIT(e->timeout);
   return 0;
 }
 
@@ -77,6 +81,7 @@ inline void clear_errors(PyObject* module) {
   Py_CLEAR(e->protocol);
   Py_CLEAR(e->mismatch);
   Py_CLEAR(e->peer_lost);
+  Py_CLEAR(e->timeout);
 }
 
 // In a module's exec: the heap type of `spec`, kept in the state's `*slot` and added to the module

@@ -138,12 +138,18 @@ std::uint64_t WorkerChannel::reserve_fast() {
   return seq;
 }
 
-RingWait WorkerChannel::give(const Header& h, std::int64_t timeout_ns, std::int64_t spin_ns) {
+RingWait WorkerChannel::give(const Header& h, std::int64_t timeout_ns, std::int64_t spin_ns, bool* backlog) {
+  if (backlog != nullptr) *backlog = false;
   std::array<std::uint8_t, kHeaderSize> frame{};
   const std::string w = h.type == Msg::kSubmit ? encode_header(h, frame.data()) : "not a SUBMIT";
   if (!w.empty()) {
     refused("give: " + w);
     return RingWait::kCorrupt;
+  }
+  const RingWait room = make_room(h.sender, timeout_ns, spin_ns);
+  if (room != RingWait::kReady) {
+    if (backlog != nullptr) *backlog = room == RingWait::kTimeout;
+    return room;
   }
   std::lock_guard<std::mutex> lock(push_mu_);
   if (reserved_fast_.erase(h.seq) == 0) {
@@ -190,7 +196,9 @@ RingWait WorkerChannel::submit_locked(std::uint64_t seq, const std::uint8_t* fra
   // Nothing before it waits (queued ones all follow a reserved one): it goes, then those queued
   // after it, up to the next one still reserved.
   const RingWait r = push_locked(frame, timeout_ns, spin_ns);
-  return r == RingWait::kReady ? drain_locked(timeout_ns, spin_ns) : r;
+  if (r != RingWait::kReady) return r;
+  submits_pushed_.fetch_add(1, std::memory_order_release);
+  return drain_locked(timeout_ns, spin_ns);
 }
 
 RingWait WorkerChannel::drain_locked(std::int64_t timeout_ns, std::int64_t spin_ns) {
@@ -198,6 +206,7 @@ RingWait WorkerChannel::drain_locked(std::int64_t timeout_ns, std::int64_t spin_
     const auto it = queued_.begin();
     const RingWait r = push_locked(it->second.data(), timeout_ns, spin_ns);
     if (r != RingWait::kReady) return r;
+    submits_pushed_.fetch_add(1, std::memory_order_release);
     if (trace_.load(std::memory_order_relaxed)) {
       std::lock_guard<std::mutex> trace_lock(trace_mu_);
       auto b = begun_.find(it->first);
@@ -237,6 +246,11 @@ FastEnd WorkerChannel::refused(const std::string& why) {
   std::lock_guard<std::mutex> lock(why_mu_);
   why_ = why;
   return FastEnd::kRefused;
+}
+
+std::string WorkerChannel::backlog_why() {
+  std::lock_guard<std::mutex> lock(why_mu_);
+  return backlog_why_;
 }
 
 std::string WorkerChannel::why() {
@@ -290,8 +304,8 @@ RingWait WorkerChannel::push(const std::uint8_t* header, std::int64_t timeout_ns
     general_out_++;
     wake_background();  // it has a collective to collect now
   }
-  RingWait r;
-  {
+  RingWait r = submit ? make_room(h.sender, timeout_ns, spin_ns) : RingWait::kReady;
+  if (r == RingWait::kReady) {
     std::lock_guard<std::mutex> lock(push_mu_);
     r = submit ? submit_locked(h.seq, header, timeout_ns, spin_ns) : push_locked(header, timeout_ns, spin_ns);
   }
@@ -316,8 +330,12 @@ RingWait WorkerChannel::try_push(const std::uint8_t* header) {
     // Only a push that goes on the ring alone: one that waits for, or carries, queued SUBMITs is
     // push()'s, which has a timeout for their room.
     if (lock.owns_lock() && queued_.empty() && (!submit || reserved_.empty() || *reserved_.begin() >= h.seq)) {
-      r = push_locked(header, 0, 0);
-      if (submit && r == RingWait::kReady) reserved_.erase(h.seq);
+      // (Not past kMaxInFlight: that wait is push()'s, which takes DONEs meanwhile.)
+      if (!submit || in_flight() < kMaxInFlight) r = push_locked(header, 0, 0);
+      if (submit && r == RingWait::kReady) {
+        reserved_.erase(h.seq);
+        submits_pushed_.fetch_add(1, std::memory_order_release);
+      }
     }
   }
   if (submit && r != RingWait::kReady) {
@@ -359,6 +377,7 @@ WorkerChannel::Route WorkerChannel::route(const Descriptor& d) {
   if (!decode_header(d.data(), kHeaderSize, &h).empty()) return Route::kGeneral;
   if (h.type == Msg::kSegment) return take_segment(h) ? Route::kKept : Route::kBroken;
   if (h.type != Msg::kDone) return Route::kGeneral;
+  dones_taken_.fetch_add(1, std::memory_order_release);
   auto it = fast_.find(h.seq);
   if (it == fast_.end() || it->second.came) return Route::kGeneral;
   Fast& f = it->second;
@@ -448,6 +467,63 @@ RingWait WorkerChannel::complete_collected(const std::uint8_t* d, std::unique_lo
   return RingWait::kCorrupt;
 }
 
+RingWait WorkerChannel::make_room(std::uint32_t rank, std::int64_t timeout_ns, std::int64_t spin_ns) {
+  if (in_flight() < kMaxInFlight) return RingWait::kReady;  // (the common case: two loads)
+  const Clock::time_point t0 = Clock::now();
+  std::unique_lock<std::mutex> lock(pop_mu_);
+  // A taker as finish() is: counted among the fast waits, so that the background taker yields the ring.
+  fast_waiters_++;
+  yield_.store(true, std::memory_order_seq_cst);
+  if (popping_) done_.nudge();
+  RingWait end = RingWait::kTimeout;
+  Descriptor d;
+  for (bool first = true;; first = false) {
+    if (in_flight() < kMaxInFlight) {
+      end = RingWait::kReady;
+      break;
+    }
+    const std::int64_t left = left_of(t0, timeout_ns);
+    if (aborted_.load() || (left <= 0 && !first)) break;
+    if (popping_) {  // another taker is in the ring: what it takes counts as well
+      pop_cv_.wait_for(lock, std::chrono::nanoseconds(slice_of(left)));
+      continue;
+    }
+    popping_ = true;
+    lock.unlock();
+    const RingWait r = done_.pop(d.data(), slice_of(left), first ? spin_ns : 0, &aborted_);
+    lock.lock();
+    popping_ = false;
+    wake_takers();
+    if (r == RingWait::kCorrupt) {
+      refused("the daemon broke this worker's done ring: " + done_.why());
+      end = RingWait::kCorrupt;
+      break;
+    }
+    if (r != RingWait::kReady) continue;
+    const Route where = route(d);
+    if (where == Route::kBroken) {
+      end = RingWait::kCorrupt;
+      break;
+    }
+    if (where == Route::kGeneral) {  // the general way's, or a collected one's: the background taker's
+      if (general_out_ > 0) general_out_--;
+      kept_.push_back(d);
+      wake_background();
+    }
+  }
+  fast_waiters_--;
+  yield_.store(may_yield(), std::memory_order_seq_cst);
+  wake_takers();
+  wake_background();
+  if (end == RingWait::kTimeout && !aborted_.load()) {
+    std::lock_guard<std::mutex> g(why_mu_);
+    backlog_why_ = "rank " + num(rank) + ": a collective could not start: the " + num(in_flight()) +
+            " this worker started before it had no result for " + num(static_cast<std::uint64_t>(timeout_ns / 1'000'000'000)) +
+            " s (are the other ranks still calling them?)";
+  }
+  return end;
+}
+
 // ----------------------------------------------------------------------------------- the fast path
 
 FastEnd WorkerChannel::start(Arena& arena, const Source* src, std::size_t n, Header* submit, Slot* slot,
@@ -466,6 +542,11 @@ FastEnd WorkerChannel::start(Arena& arena, const Source* src, std::size_t n, Hea
   if (total != 0 && (isz == 0 || submit->count > total / isz || submit->count * isz != total))
     return refused("a fast SUBMIT's data (" + num(total) + " bytes) is not its count of its dtype");
   if (submit->type != Msg::kSubmit) return refused("a fast collective is a SUBMIT");
+  switch (make_room(submit->sender, timeout_ns, spin_ns)) {
+    case RingWait::kReady: break;
+    case RingWait::kTimeout: return aborted_.load() ? FastEnd::kRingFull : FastEnd::kBacklog;
+    case RingWait::kCorrupt: return FastEnd::kRefused;
+  }
   // A large all-reduce on one node streams (the stream block): its SUBMIT goes before its copy-in,
   // which publishes its progress as it goes. One streams at a time (the block's `in` has one writer).
   const bool streaming = stream_.load(std::memory_order_relaxed) && streams(submit->kind, total);

@@ -75,7 +75,12 @@
 
 namespace smddp {
 
-constexpr std::uint32_t kChannelSlots = 256;  // per ring: far more collectives than a worker keeps in flight
+constexpr std::uint32_t kChannelSlots = 256;  // per ring
+// SUBMITs on the ring whose DONE no taker has taken yet, at most (make_room): each DONE may come with
+// a SEGMENT before it, so this many leave the done ring room for every one of them, with room to
+// spare for threads that start at the same moment. A caller may keep any number of collectives in
+// flight; past this many, the one that starts takes DONEs off the ring itself first.
+constexpr std::uint64_t kMaxInFlight = kChannelSlots / 2 - 16;
 constexpr std::uint32_t kNoSegment = 0xFFFFFFFFu;  // a SUBMIT without data (a broadcast's non-root ranks)
 
 // Bytes of a worker's channel segment: the submit ring, then the done ring, then the stream block.
@@ -222,6 +227,7 @@ enum class FastEnd {
   kGone,      // finish: not (or no longer) the fast path's: an asynchronous one's DONE went the general way
   kHeld,      // start: starts are closed (the client is shutting down): nothing pushed, nothing kept
   kArena,     // start: the arena could not give a slot (why() says why; not the daemon's fault)
+  kBacklog,   // start: kMaxInFlight collectives before it had no DONE for the whole timeout (backlog_why())
 };
 
 class WorkerChannel {
@@ -260,7 +266,8 @@ class WorkerChannel {
   // The SUBMIT of a reserve_fast() number, given when its caller has it ready (a device copy-in
   // complete), in any order: it goes on the ring in its place (as push() does). kCorrupt (why()) for
   // a SUBMIT that is not such a number's, was given already, or does not encode.
-  RingWait give(const Header& submit, std::int64_t timeout_ns, std::int64_t spin_ns);
+  // *backlog (if given) is set when it timed out waiting for earlier collectives' DONEs (make_room).
+  RingWait give(const Header& submit, std::int64_t timeout_ns, std::int64_t spin_ns, bool* backlog = nullptr);
   // How many fast starts waited behind a reserved SUBMIT so far.
   std::uint64_t queued_starts();
   // No fast collective starts from now on (start() answers kHeld): the client is shutting down,
@@ -364,6 +371,8 @@ class WorkerChannel {
   void abort();
   bool aborted() const { return aborted_.load(); }
   std::string why();
+  // Why the last kBacklog (or give()'s *backlog) came: no DONE of the earlier collectives in time.
+  std::string backlog_why();
 
  private:
   using Descriptor = std::array<std::uint8_t, kSlotBytes>;
@@ -376,6 +385,19 @@ class WorkerChannel {
   enum class Route { kGeneral, kKept, kBroken };
   Route route(const Descriptor& d);
   bool may_yield() const { return fast_waiters_ > 0; }
+  // With no lock held, before a SUBMIT goes: while kMaxInFlight SUBMITs are on the ring without their
+  // DONE taken, this thread is a taker (as finish() is): it takes what the done ring holds, keeping
+  // each fast collective's DONE for its finish() and handing the others to the background taker.
+  // Else DONEs nobody waits for yet (asynchronous collectives not waited for, none collected) fill
+  // the done ring, the daemon stops reading the submit ring until they are taken, and the next
+  // SUBMIT waits for a ring nobody empties. kReady: there is room; kTimeout: none in time, or
+  // aborted (aborted() says which; backlog_why() says why); kCorrupt: a broken ring or a refused SEGMENT (why()).
+  RingWait make_room(std::uint32_t rank, std::int64_t timeout_ns, std::int64_t spin_ns);
+  std::uint64_t in_flight() const {
+    // DONEs first: read after them, the count of SUBMITs is at least as large.
+    const std::uint64_t taken = dones_taken_.load(std::memory_order_acquire);
+    return submits_pushed_.load(std::memory_order_acquire) - taken;
+  }
   // With pop_mu_ held: wake the background taker if it can take something now; wake the fast waits.
   void wake_background();
   void wake_takers();
@@ -403,6 +425,8 @@ class WorkerChannel {
   // SUBMITs given while a reserved one before them was not: seq -> frame, pushed in seq order.
   std::map<std::uint64_t, std::array<std::uint8_t, kHeaderSize>> queued_;
   std::uint64_t queued_starts_ = 0;  // how many ever waited there (queued_starts())
+  std::atomic<std::uint64_t> submits_pushed_{0};  // SUBMITs on the ring so far (written with push_mu_ held)
+  std::atomic<std::uint64_t> dones_taken_{0};     // DONEs taken off it so far (route(), with pop_mu_ held)
   RingView submit_;
   std::deque<std::array<std::uint8_t, kHeaderSize>> held_;  // RELEASEs waiting for the next push
   std::uint64_t held_bytes_ = 0;
@@ -477,6 +501,7 @@ class WorkerChannel {
   std::map<std::uint32_t, std::shared_ptr<Segment>> results_;
   std::mutex why_mu_;
   std::string why_;  // a refusal of the fast path (the rings keep their own)
+  std::string backlog_why_;  // the last make_room() that timed out: which rank, how many, how long
 };
 
 }  // namespace smddp

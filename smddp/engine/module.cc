@@ -1308,6 +1308,10 @@ PyObject* not_started(PyObject* self, smddp::FastEnd end) {
     PyErr_SetString(PyExc_OSError, channel_of(self).why().c_str());
     return nullptr;
   }
+  if (end == smddp::FastEnd::kBacklog) {
+    PyErr_SetString(errors(module_of(self))->timeout, channel_of(self).backlog_why().c_str());
+    return nullptr;
+  }
   return fast_error(self, end);
 }
 
@@ -1527,7 +1531,8 @@ PyObject* started_collect(PyObject* self, PyObject*) {
 
 // give(timeout_s=None): the SUBMIT of a record reserve_record() made goes (WorkerChannel::give: in
 // its place on the ring, whatever order records are given in). TimeoutError when the daemon left
-// the ring full; ProtocolError when the channel refused it (given twice, a broken ring).
+// the ring full; CollectiveTimeoutError when the collectives before it had no result in time
+// (WorkerChannel::make_room); ProtocolError when the channel refused it (given twice, a broken ring).
 PyObject* started_give(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs > 1) {
     PyErr_SetString(PyExc_TypeError, "give(timeout_s=None)");
@@ -1540,9 +1545,14 @@ PyObject* started_give(PyObject* self, PyObject* const* args, Py_ssize_t nargs) 
   smddp::RingWait r;
   const smddp::Header submit = obj->submit;
   const std::int64_t spin_ns = obj->spin_ns;
+  bool backlog = false;
   Py_BEGIN_ALLOW_THREADS
-  r = ch.give(submit, timeout_ns, spin_ns);
+  r = ch.give(submit, timeout_ns, spin_ns, &backlog);
   Py_END_ALLOW_THREADS
+  if (backlog) {
+    PyErr_SetString(errors(module_of(obj->channel))->timeout, ch.backlog_why().c_str());
+    return nullptr;
+  }
   if (r != smddp::RingWait::kReady)
     return channel_ring_error(obj->channel, r, "the daemon left this worker's submit ring full");
   Py_RETURN_NONE;
@@ -2229,6 +2239,7 @@ int exec_module(PyObject* module) {
   }
   if (PyModule_AddIntConstant(module, "CHANNEL_BYTES", static_cast<long>(smddp::channel_bytes())) != 0) return -1;
   if (PyModule_AddIntConstant(module, "SLOT_ALIGN", static_cast<long>(smddp::kSlotAlign)) != 0) return -1;
+  if (PyModule_AddIntConstant(module, "MAX_IN_FLIGHT", static_cast<long>(smddp::kMaxInFlight)) != 0) return -1;
   return 0;
 }
 

@@ -616,11 +616,69 @@ void shared_channel() {
   rig.plane.close();
 }
 
+// More collectives in flight than the done ring holds (make_room): every rank has two threads on its
+// channel, each starting 400 asynchronous all-reduces without waiting for any, then finishing its
+// own in reverse order. Nobody takes a DONE until the starts do: past kMaxInFlight, each start takes
+// DONEs off the ring itself (parking them for their finish), the two threads of a channel taking
+// turns. Every collective of the job has the same count and every rank sends (rank + 1) in every
+// element, so whichever thread's collective a sequence number is, its result is 10 everywhere.
+void backlog() {
+  constexpr int kEach = 400;
+  constexpr std::uint64_t kCount = 100;
+  Rig rig(kWorkers);
+  std::vector<std::unique_ptr<smddp::Arena>> arenas;
+  for (std::uint32_t i = 0; i < kWorkers; i++) arenas.push_back(std::make_unique<smddp::Arena>("test-backlog", 1 << 20));
+  std::atomic<int> finished{0};
+  auto run = [&](std::uint32_t rank) {
+    smddp::WorkerChannel* ch = rig.channels[rank].get();
+    const std::vector<std::int32_t> src(kCount, static_cast<std::int32_t>(rank + 1));
+    const smddp::Source one{reinterpret_cast<const std::uint8_t*>(src.data()), kCount * 4};
+    std::vector<std::pair<smddp::Header, smddp::Slot>> started;
+    for (int it = 0; it < kEach; it++) {
+      smddp::Header h = int32_sum(rank, kCount);
+      smddp::Slot slot;
+      const smddp::FastEnd end = ch->start(*arenas[rank], &one, 1, &h, &slot, 10 * kSecond, 20'000, true);
+      check(end == smddp::FastEnd::kDone, "start #" + std::to_string(it) + " on rank " + std::to_string(rank) +
+                                               ": " + ch->why() + ch->backlog_why());
+      if (end != smddp::FastEnd::kDone) return;
+      started.emplace_back(h, slot);
+    }
+    std::vector<std::int32_t> dst(kCount);
+    for (auto it = started.rbegin(); it != started.rend(); ++it) {
+      std::fill(dst.begin(), dst.end(), -1);
+      const smddp::FastEnd end =
+          ch->finish(*arenas[rank], it->second, it->first,
+                     smddp::Delivery{reinterpret_cast<std::uint8_t*>(dst.data()), kCount * 4, 0, kCount * 4}, 64 << 10,
+                     10 * kSecond, 20'000);
+      check(end == smddp::FastEnd::kDone && std::all_of(dst.begin(), dst.end(), [](std::int32_t v) { return v == 10; }),
+            "backlog result of #" + std::to_string(it->first.seq) + " on rank " + std::to_string(rank));
+      finished++;
+    }
+  };
+  std::vector<std::thread> threads;
+  for (std::uint32_t i = 0; i < kWorkers; i++) {
+    threads.emplace_back(run, i);
+    threads.emplace_back(run, i);
+  }
+  for (auto& t : threads) t.join();
+  check(finished.load() == 2 * kWorkers * kEach, "every collective finished");
+  for (std::uint32_t i = 0; i < kWorkers; i++) {
+    const auto bye = header(smddp::Msg::kBye, i, 0, 0, 0, 0, 0, 0, 0);
+    check(rig.channels[i]->push(bye.data(), 10 * kSecond, 0) == smddp::RingWait::kReady, "push BYE");
+  }
+  for (std::uint32_t i = 0; i < kWorkers; i++) check(rig.plane.remove_worker(i), "rank said BYE");
+  check(rig.failure(0).empty(), "no failure");
+  check(rig.plane.in_flight() == 0 && rig.results.in_use() == 0, "every result slot given back");
+  for (std::uint32_t i = 0; i < kWorkers; i++) check(arenas[i]->in_use() == 0, "every input slot given back");
+  rig.plane.close();
+}
+
 int main() {
   many_collectives();
   fast_collectives();
   streamed_collectives();
   shared_channel();
+  backlog();
   broken_rings();
   if (plane_test::failures.load() != 0) return 1;
   std::printf("test_local_plane: every check held\n");

@@ -257,3 +257,44 @@ def test_worker_output_is_tagged_with_the_rank(clean_host):
         assert f"[rank {r}] err from {r}" in proc.stderr.splitlines()
     raw = smddp_launch(2, 1, ["-c", script], timeout=120, extra=["--no-tag-output"])
     assert raw.returncode == 0 and "out from 1" in raw.stdout.splitlines()
+
+
+def test_more_collectives_in_flight_than_the_rings_hold(tmp_path, clean_host):
+    # 600 asynchronous collectives started before any is waited for (numpy handles kept, then
+    # dropped; torch Works kept, then dropped): the done ring holds 256, so the starts themselves
+    # must take the DONEs nobody waits for yet. Two nodes of two, so the daemons' exchange runs too.
+    proc = smddp_launch(
+        4, 2, [str(HERE / "check_backlog.py"), "--out", str(tmp_path), "--case", "flood"], timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for r in range(4):
+        out = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert out == {
+            "numpy_bad": [],
+            "after_drops_ok": True,
+            "torch_bad": [],
+            "torch_after_drops_ok": True,
+        }, out
+
+
+def test_a_start_behind_collectives_that_never_complete_times_out(tmp_path, clean_host):
+    # The last rank is late by 2.5x the job's timeout: the others start as many collectives as a
+    # channel keeps in flight, and the next start raises CollectiveTimeoutError after the timeout,
+    # naming the cause, with the job intact: once the late rank joins, every collective started completes.
+    args = [str(HERE / "check_backlog.py"), "--out", str(tmp_path), "--case", "late", "--timeout", "2"]
+    proc = smddp_launch(3, 1, args, timeout=300, extra=["--timeout", "2"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for r in range(3):
+        out = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert out["late_bad"] == [] and out["late_started"] == out["max_in_flight"], out
+        if r < 2:
+            head, _, why = out["late_start"].partition(": ")
+            took = float(head.removeprefix("timeout after ").removesuffix("s"))
+            assert 2.0 <= took < 4.0, out
+            assert (
+                f"rank {r}: a collective could not start: the {out['max_in_flight']} this worker started"
+                in why
+            )
+            assert "had no result for 2 s" in why, out
+        else:
+            assert out["late_start"] == "all started", out
