@@ -1,6 +1,11 @@
-"""One all-reduce the way a training step meets it (a barrier before each call): the blocking call, `allreduce_async(...).wait()` and torch's `dist.all_reduce`, blocking and async_op=True, on the smddp backend, interleaved, in one smddp-launch job.
+"""One all-reduce the way a training step meets it (a barrier before each call): the blocking call, `allreduce_async(...).wait()` and torch's `dist.all_reduce`, blocking and async_op=True, on the smddp backend, interleaved, in one smddp-launch job; and the floor of any Python torch backend (torch.floor).
 
     python -m smddp_rigs.bench.calls [--np 4] [--size 4096] [--rounds 400] [--out DIR --name NAME]
+
+torch.floor is what a torch call could cost at best on a backend written in Python, as smddp's is:
+torch's `dist.all_reduce` on a group whose backend does nothing (its own dispatch: the Python
+wrapper, the C++ dispatcher, the call into Python), then the engine's blocking all-reduce of the
+tensor by its address with no check at all (`Client.allreduce_now`).
 
 Each rank times each call from the end of the barrier to its return. Printed per call: the median
 over rounds of the slowest rank's time, and the median over ranks of each rank's own median, each
@@ -22,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-CALLS = ("blocking", "async.wait", "torch", "torch.async")
+CALLS = ("blocking", "async.wait", "torch", "torch.async", "torch.floor")
 
 
 def worker(out: str, size: int, rounds: int, warmup: int) -> int:
@@ -33,16 +38,40 @@ def worker(out: str, size: int, rounds: int, warmup: int) -> int:
     import smddp
     import smddp.torch
 
+    from smddp.proto.dtypes import DType
+
+    class NopWork(dist.Work):
+        def wait(self, timeout: Any = None) -> bool:
+            return True
+
+    class Nop(dist.ProcessGroup):
+        """A backend that does nothing: what torch's dispatch to a Python backend costs alone."""
+
+        def allreduce(self, tensors: Any, opts: Any = None) -> Any:
+            return NopWork() if getattr(opts, "asyncOp", True) else None
+
+        def getBackendName(self) -> str:
+            return "smddp-rig-nop"
+
+    dist.Backend.register_backend("smddp-rig-nop", lambda store, rank, size, timeout: Nop(rank, size))
     smddp.init()
     dist.init_process_group("smddp")
+    nop = dist.new_group(backend="smddp-rig-nop")
     rank = smddp.rank()
     a = np.ones(size // 4, np.float32)
     t = torch.ones(size // 4)
+    client = smddp.client()
+
+    def floor() -> None:
+        dist.all_reduce(t, group=nop)
+        client.allreduce_now(t.data_ptr(), DType.FLOAT32, t.numel(), smddp.SUM, None)
+
     run = {
         "blocking": lambda: smddp.allreduce(a),
         "async.wait": lambda: smddp.allreduce_async(a).wait(),
         "torch": lambda: dist.all_reduce(t),
         "torch.async": lambda: dist.all_reduce(t, async_op=True).wait(),
+        "torch.floor": floor,
     }
     times: dict[str, list[float]] = {c: [] for c in CALLS}
     for i in range(warmup + rounds):
@@ -121,12 +150,15 @@ TARGET_X = 1.2
 def calls_markdown(report: dict[str, Any]) -> str:
     """The report as a table: each call's medians and their ratios to the blocking call, and the target."""
     med, own = report["slowest_s"], report["own_s"]
-    calls = [c for c in CALLS if c in med]  # (reports from before torch.async have three)
+    calls = [c for c in CALLS if c in med]  # (older reports have fewer)
     lines = [
         f"{report['np']} workers on one host, {report['size']} B float32 all-reduces, a barrier before each "
         f"call, {report['rounds']} rounds of the {len(calls)} calls interleaved in one smddp-launch job: blocking "
         "`smddp.allreduce(a)`, `smddp.allreduce_async(a).wait()`, torch's `dist.all_reduce(t)` on the "
-        "smddp backend (torch), and `dist.all_reduce(t, async_op=True).wait()` (torch.async). "
+        "smddp backend (torch), and `dist.all_reduce(t, async_op=True).wait()` (torch.async); torch.floor: "
+        "`dist.all_reduce(t)` on a group whose Python backend does nothing, then the engine's blocking "
+        "all-reduce of `t` by its address with no check (`Client.allreduce_now`), the least a torch call "
+        "through a backend written in Python can cost. "
         "Slowest rank: the median over rounds of the slowest rank's time (it also carries "
         "the barrier's skew); a rank's own: the median over ranks of each rank's median.",
         "",
@@ -143,8 +175,10 @@ def calls_markdown(report: dict[str, Any]) -> str:
     verdict = [
         f"{c}: {'met' if med[c] / med['blocking'] <= TARGET_X else 'missed'}"
         for c in calls
-        if c != "blocking"
+        if c not in ("blocking", "torch.floor")
     ]
+    if "torch.floor" in med:
+        verdict.append(f"the floor of a torch call: {med['torch.floor'] / med['blocking']:.2f}x")
     lines += [
         "",
         f"Target (issue 29): at most {TARGET_X}x the blocking call, slowest rank. "
