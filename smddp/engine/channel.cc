@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <new>
 #include <utility>
@@ -517,9 +518,11 @@ RingWait WorkerChannel::make_room(std::uint32_t rank, std::int64_t timeout_ns, s
   wake_background();
   if (end == RingWait::kTimeout && !aborted_.load()) {
     std::lock_guard<std::mutex> g(why_mu_);
+    char secs[32];
+    std::snprintf(secs, sizeof secs, "%g", static_cast<double>(timeout_ns) / 1e9);
     backlog_why_ = "rank " + num(rank) + ": a collective could not start: the " + num(in_flight()) +
-            " this worker started before it had no result for " + num(static_cast<std::uint64_t>(timeout_ns / 1'000'000'000)) +
-            " s (are the other ranks still calling them?)";
+                   " this worker started before it had no result for " + secs +
+                   " s (are the other ranks still calling them?)";
   }
   return end;
 }
