@@ -37,7 +37,6 @@ def worker(out: str, size: int, rounds: int, warmup: int) -> int:
 
     import smddp
     import smddp.torch
-
     from smddp.proto.dtypes import DType
 
     class NopWork(dist.Work):
@@ -47,13 +46,13 @@ def worker(out: str, size: int, rounds: int, warmup: int) -> int:
     class Nop(dist.ProcessGroup):
         """A backend that does nothing: what torch's dispatch to a Python backend costs alone."""
 
-        def allreduce(self, tensors: Any, opts: Any = None) -> Any:
+        def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work | None:  # type: ignore[override]
             return NopWork() if getattr(opts, "asyncOp", True) else None
 
         def getBackendName(self) -> str:
             return "smddp-rig-nop"
 
-    dist.Backend.register_backend("smddp-rig-nop", lambda store, rank, size, timeout: Nop(rank, size))
+    dist.Backend.register_backend("smddp-rig-nop", lambda store, rank, size, timeout: Nop(rank, size))  # type: ignore[call-arg]
     smddp.init()
     dist.init_process_group("smddp")
     nop = dist.new_group(backend="smddp-rig-nop")
