@@ -248,6 +248,12 @@ def main() -> int:
     ap.add_argument("--delay-ms", type=float, default=0.0, help="stand-in: every async copy waits this long")
     ap.add_argument("--errors", action="store_true", help="check the refusals first")
     ap.add_argument("--inflight", type=int, default=24)
+    ap.add_argument(
+        "--flood",
+        type=int,
+        default=0,
+        help="then this many small all-reduces in flight at once (device and host)",
+    )
     ap.add_argument("--big", action="store_true")
     ap.add_argument(
         "--unavailable", action="store_true", help="hand a stand-in array to a client whose runtime is CuPy"
@@ -321,6 +327,30 @@ def main() -> int:
             rec["inflight"] = True
             rec["device"] = on_device
             records.append(rec)
+
+        if args.flood:
+            # More in flight than a channel's rings hold, one in four on device buffers (collected:
+            # the DONE thread takes DONEs meanwhile), the rest host buffers.
+            few = [c for c in small if c["kind"] == "allreduce" and c["count"] <= 4096]
+            flood = []
+            for i in range(args.flood):
+                c = few[i % len(few)]
+                if i % 4 != 3:
+                    h, _x = cc.start(c, rank)
+                    flood.append((c, h, False))
+                    continue
+                started = run_case(dev, c, rank)
+                if started is not None:
+                    flood.append((c, started[0], True))
+            bad = 0
+            for c, h, on_device in reversed(flood):
+                rec = (
+                    collect(dev, c, h, world, args.nnodes, rank)
+                    if on_device
+                    else cc.check(c, h.wait(timeout=120), world, args.nnodes, rank)
+                )
+                bad += not rec["ok"]
+            result["flood"] = {"started": len(flood), "bad": bad}
 
     result["records"] = records
     result["skipped"] = skipped
