@@ -254,6 +254,7 @@ bench: $(STAMP)
 	$(BIN)/smddp-bench sweep --sizes 4K-256M --out $(BENCH_OUT) --name sweep-host4
 	$(BIN)/smddp-bench sweep --isolated --sizes 4K-1M --impls smddp,mpi,gloo --out $(BENCH_OUT) --name sweep-host4-isolated
 	$(BIN)/smddp-bench sweep --sim --nodes 4 --per-node 1 --rate-mbit 1000 --sizes 4K-256M --impls smddp,mpi,mpi-ring,gloo,smddp-ofi --out $(BENCH_OUT) --name sweep-sim4
+	$(BIN)/smddp-bench sweep --sim --isolated --nodes 4 --per-node 1 --rate-mbit 1000 --sizes 4K-64K --impls smddp,mpi,mpi-ring --out $(BENCH_OUT) --name sweep-sim4-isolated
 	$(BIN)/smddp-bench sweep --sim --nodes 4 --per-node 1 --rate-mbit 1000 --delay-ms 0.5 --sizes 4K-1M --impls smddp,mpi,mpi-ring,gloo,smddp-ofi --out $(BENCH_OUT) --name sweep-sim4d
 	$(BIN)/smddp-bench profile --size 4K --per-node 4 --py-spy --name profile-host4-4k --out $(BENCH_OUT)
 	$(BIN)/smddp-bench profile --sim --nodes 4 --per-node 1 --rate-mbit 1000 --size 4K --py-spy --name profile-sim4-4k --out $(BENCH_OUT)

@@ -394,9 +394,11 @@ class WorkerChannel {
   // aborted (aborted() says which; backlog_why() says why); kCorrupt: a broken ring or a refused SEGMENT (why()).
   RingWait make_room(std::uint32_t rank, std::int64_t timeout_ns, std::int64_t spin_ns);
   std::uint64_t in_flight() const {
-    // DONEs first: read after them, the count of SUBMITs is at least as large.
+    // DONEs first: read after them, the count of SUBMITs is at least as large, unless the daemon
+    // sent a DONE for nothing this worker pushed (the taker that meets it refuses it): then none.
     const std::uint64_t taken = dones_taken_.load(std::memory_order_acquire);
-    return submits_pushed_.load(std::memory_order_acquire) - taken;
+    const std::uint64_t pushed = submits_pushed_.load(std::memory_order_acquire);
+    return pushed > taken ? pushed - taken : 0;
   }
   // With pop_mu_ held: wake the background taker if it can take something now; wake the fast waits.
   void wake_background();

@@ -302,6 +302,66 @@ def test_engine_figures_from_sweeps_profiles_and_ddp():
     assert "| 1 host, 4 workers, 4 KiB | 700 us |" in out and "| 12.0x |" in out
 
 
+def test_worker_figures_from_sweeps_ddp_and_calls():
+    """Issue 29's section: each figure from the runs' JSON, the calls against the blocking call with
+    the floor of a Python backend beside the torch ones."""
+    from smddp_rigs.bench.engine_md import worker_section
+
+    def sweep(name, times):
+        runs = [
+            {
+                **{"impl": impl, "topology": {}, "ranks": 4, "command": "", "settings": {}, "wall_s": 1.0},
+                "cases": [
+                    {"nbytes": n, "dtype": "float32", "op": "sum", "median_s": t} for n, t in by.items()
+                ],
+            }
+            for impl, by in times.items()
+        ]
+        return {"config": {"name": name}, "runs": runs}
+
+    sweeps = {
+        "sweep-host4-isolated": sweep("sweep-host4-isolated", {"smddp": {4096: 30e-6}, "mpi": {4096: 20e-6}}),
+        "sweep-sim4-isolated": sweep("sweep-sim4-isolated", {"smddp": {4096: 260e-6}, "mpi": {4096: 80e-6}}),
+        "sweep-host4": sweep(
+            "sweep-host4",
+            {
+                "smddp": {4096: 25e-6, 16 << 20: 5.5e-3},
+                "mpi": {4096: 24e-6, 16 << 20: 5.3e-3},
+                "mpi-ring": {4096: 33e-6, 16 << 20: 4.1e-3},
+            },
+        ),
+    }
+    calls = [
+        {
+            "size": 4096,
+            "slowest_s": {
+                "blocking": 25e-6,
+                "async.wait": 26e-6,
+                "torch": 45e-6,
+                "torch.async": 60e-6,
+                "torch.floor": 32e-6,
+            },
+        }
+    ]
+    out = "\n".join(worker_section(sweeps, {"ddp-host1x4": {"ratio": 0.81}}, calls))
+    assert (
+        "| 1 host, 4 workers, isolated: 4 KiB, smddp / Open MPI | 1.5 | <= 1.5 | 30 us against 20 us | met |"
+        in out
+    )
+    assert "| 4 simulated nodes x 1 at 1 Gbit/s, isolated: 4 KiB, smddp / Open MPI | 3.25 | <= 1.3 |" in out
+    # 16 MiB: 5.5 ms against the ring's 4.1 ms is the slowest (1.34x); 4 KiB (1.04x) is under the limit.
+    assert "4 KiB to 256 MiB: slowest size against the best of mpi, mpi-ring, gloo | 1.34 | <= 1.2 |" in out
+    assert "16 MiB against mpi-ring; above 1.2: 16 MiB 1.34 | **missed** |" in out
+    assert "| DDP step, 1 host, 4 workers: smddp / gloo | 0.81 | <= 0.75 | - | **missed** |" in out
+    assert (
+        "| async.wait at 4 KiB: time / the blocking call | 1.04 | <= 1.2 | 26.0 us against 25.0 us | met |"
+        in out
+    )
+    assert "| torch at 4 KiB: time / the blocking call | 1.8 | <= 1.2 |" in out
+    assert "a Python backend's floor: 1.28x | **missed** |" in out
+    assert worker_section({}, {}, []) == []
+
+
 def test_ofi_beside_tcp(tmp_path):
     """smddp-ofi (the daemons on libfabric's tcp provider) runs beside smddp in one sweep, and the
     BENCHMARKS.md section of issue 18 reads the pair from a setup that ran both."""

@@ -12,7 +12,7 @@ from smddp.bench.ddp import ddp_markdown
 from smddp.bench.profile import profile_markdown
 from smddp.bench.report import comparison_table, is_isolated, mode_line, settings_lines
 from smddp.bench.runner import ImplRun, Topology
-from smddp_rigs.bench.engine_md import engine_section, load_before
+from smddp_rigs.bench.engine_md import engine_section, load_before, worker_section
 from smddp_rigs.bench.model import model_markdown
 from smddp_rigs.bench.targets import Check, target_table
 
@@ -21,6 +21,7 @@ MAKE_BENCH = (
     "smddp-bench sweep --sizes 4K-256M --out bench-results --name sweep-host4",
     "smddp-bench sweep --isolated --sizes 4K-1M --impls smddp,mpi,gloo --out bench-results --name sweep-host4-isolated",
     "smddp-bench sweep --sim --nodes 4 --per-node 1 --rate-mbit 1000 --sizes 4K-256M --impls smddp,mpi,mpi-ring,gloo,smddp-ofi --out bench-results --name sweep-sim4",
+    "smddp-bench sweep --sim --isolated --nodes 4 --per-node 1 --rate-mbit 1000 --sizes 4K-64K --impls smddp,mpi,mpi-ring --out bench-results --name sweep-sim4-isolated",
     "smddp-bench sweep --sim --nodes 4 --per-node 1 --rate-mbit 1000 --delay-ms 0.5 --sizes 4K-1M --impls smddp,mpi,mpi-ring,gloo,smddp-ofi --out bench-results --name sweep-sim4d",
     "smddp-bench profile --size 4K --per-node 4 --py-spy --name profile-host4-4k --out bench-results",
     "smddp-bench profile --sim --nodes 4 --per-node 1 --rate-mbit 1000 --size 4K --py-spy --name profile-sim4-4k --out bench-results",
@@ -410,6 +411,9 @@ def render(
         {pr["config"]["name"]: pr for pr in profiles or []},
         before or {},
         {d["config"]["name"]: d for d in ddps or []},
+    )
+    out += worker_section(
+        {s["config"]["name"]: s for s in sweeps}, {d["config"]["name"]: d for d in ddps or []}, calls or []
     )
     if profiles:
         out += [

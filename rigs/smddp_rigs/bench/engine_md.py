@@ -266,3 +266,89 @@ def engine_section(
 def load_before(sweeps_dir: str) -> dict[str, dict[str, Any]]:
     d = Path(sweeps_dir) / BEFORE_DIR
     return {p.stem: json.loads(p.read_text()) for p in sorted(d.glob("profile*.json"))} if d.is_dir() else {}
+
+
+def worst_size_figure(label: str, sweep: dict[str, Any], limit: float) -> Figure | None:
+    """The slowest size of a sweep against the best of the baselines, under `limit`."""
+    med = _medians(sweep)
+    mine = med.get("smddp", {})
+    ratios = {s: mine[s] / _best(med, s)[1] for s in sorted(mine) if _best(med, s)[0]}
+    if not ratios:
+        return None
+    worst = max(ratios, key=lambda s: ratios[s])
+    over = ", ".join(f"{fmt_size(s)} {r:.2f}" for s, r in ratios.items() if r > limit)
+    return Figure(
+        f"{label}: slowest size against the best of {', '.join(BASELINES)}",
+        ratios[worst],
+        "<=",
+        limit,
+        f"{fmt_size(worst)} against {_best(med, worst)[0]}" + (f"; above {limit:g}: {over}" if over else ""),
+    )
+
+
+#: Issue 29's limit on each call of the calls rig, against the blocking call.
+CALLS_X = 1.2
+
+
+def worker_section(
+    sweeps: dict[str, dict[str, Any]], ddps: dict[str, dict[str, Any]], calls: list[dict[str, Any]]
+) -> list[str]:
+    """Issue 29's targets (item 6), each measured in this run: small all-reduces isolated and back to
+    back, one host's sizes against the best, the DDP step, and the calls against the blocking call."""
+    figs: list[Figure | None] = []
+    if "sweep-host4-isolated" in sweeps:
+        figs.append(small_figure("1 host, 4 workers, isolated", sweeps["sweep-host4-isolated"], 1.5))
+    if "sweep-sim4-isolated" in sweeps:
+        figs.append(
+            small_figure("4 simulated nodes x 1 at 1 Gbit/s, isolated", sweeps["sweep-sim4-isolated"], 1.3)
+        )
+    if "sweep-sim4" in sweeps:
+        figs.append(
+            small_figure("4 simulated nodes x 1 at 1 Gbit/s, back to back", sweeps["sweep-sim4"], 1.3)
+        )
+    if "sweep-host4" in sweeps:
+        figs.append(worst_size_figure("1 host, 4 workers, 4 KiB to 256 MiB", sweeps["sweep-host4"], 1.2))
+    if "sweep-host2-large" in sweeps:
+        figs.append(large_figure(sweeps["sweep-host2-large"]))
+    if "ddp-host1x4" in ddps:
+        figs.append(
+            Figure(
+                "DDP step, 1 host, 4 workers: smddp / gloo", float(ddps["ddp-host1x4"]["ratio"]), "<=", 0.75
+            )
+        )
+    for report in calls:
+        med = report["slowest_s"]
+        floor = med.get("torch.floor")
+        for c in ("async.wait", "torch", "torch.async"):
+            if c in med:
+                note = f"{med[c] * 1e6:.1f} us against {med['blocking'] * 1e6:.1f} us"
+                if c.startswith("torch") and floor is not None:
+                    note += f"; a Python backend's floor: {floor / med['blocking']:.2f}x"
+                figs.append(
+                    Figure(
+                        f"{c} at {fmt_size(report['size'])}: time / the blocking call",
+                        med[c] / med["blocking"],
+                        "<=",
+                        CALLS_X,
+                        note,
+                    )
+                )
+    shown = [f for f in figs if f is not None]
+    if not shown:
+        return []
+    out = [
+        "## The worker side's figures (issue 29, item 6)",
+        "",
+        "Each of issue 29's targets, computed from the runs above (the sweeps' medians, the DDP runs, "
+        "the calls rig): one run, implementations interleaved. What limits the ones missed: "
+        "[docs/performance.md](docs/performance.md).",
+        "",
+        "| figure | measured | limit | where | met |",
+        "| --- | ---: | ---: | --- | --- |",
+    ]
+    for f in shown:
+        out.append(
+            f"| {f.what} | {f.value:.3g} | {f.cmp} {f.limit:g} | {f.note or '-'} | {'met' if f.met else '**missed**'} |"
+        )
+    out.append("")
+    return out
