@@ -149,7 +149,7 @@ RingWait WorkerChannel::give(const Header& h, std::int64_t timeout_ns, std::int6
   }
   const RingWait room = make_room(h.sender, timeout_ns, spin_ns);
   if (room != RingWait::kReady) {
-    if (backlog != nullptr) *backlog = room == RingWait::kTimeout;
+    if (backlog != nullptr) *backlog = room == RingWait::kTimeout && !aborted_.load();  // (aborted: the job's failure says why)
     return room;
   }
   std::lock_guard<std::mutex> lock(push_mu_);
