@@ -241,21 +241,21 @@ def test_kernels_benchmark_writes_both_kernels(tmp_path):
     assert all(r["numpy_s"] > 0 and r["compiled_s"] > 0 and r["bytes"] == 4096 for r in rows)
 
 
+def sweep(name, times):
+    """A sweep's JSON as the figures read it: each implementation's float32 sums, size -> median s."""
+    runs = [
+        {
+            **{"impl": impl, "topology": {}, "ranks": 4, "command": "", "settings": {}, "wall_s": 1.0},
+            "cases": [{"nbytes": n, "dtype": "float32", "op": "sum", "median_s": t} for n, t in by.items()],
+        }
+        for impl, by in times.items()
+    ]
+    return {"config": {"name": name}, "runs": runs}
+
+
 def test_engine_figures_from_sweeps_profiles_and_ddp():
     """Issue 17's section: each figure computed from the runs' JSON, the misses named with their factor."""
     from smddp_rigs.bench.engine_md import engine_section
-
-    def sweep(name, times):
-        runs = [
-            {
-                **{"impl": impl, "topology": {}, "ranks": 4, "command": "", "settings": {}, "wall_s": 1.0},
-                "cases": [
-                    {"nbytes": n, "dtype": "float32", "op": "sum", "median_s": t} for n, t in by.items()
-                ],
-            }
-            for impl, by in times.items()
-        ]
-        return {"config": {"name": name}, "runs": runs}
 
     host = sweep(
         "sweep-host4",
@@ -306,18 +306,6 @@ def test_worker_figures_from_sweeps_ddp_and_calls():
     """Issue 29's section: each figure from the runs' JSON, the calls against the blocking call with
     the floor of a Python backend beside the torch ones."""
     from smddp_rigs.bench.engine_md import worker_section
-
-    def sweep(name, times):
-        runs = [
-            {
-                **{"impl": impl, "topology": {}, "ranks": 4, "command": "", "settings": {}, "wall_s": 1.0},
-                "cases": [
-                    {"nbytes": n, "dtype": "float32", "op": "sum", "median_s": t} for n, t in by.items()
-                ],
-            }
-            for impl, by in times.items()
-        ]
-        return {"config": {"name": name}, "runs": runs}
 
     sweeps = {
         "sweep-host4-isolated": sweep("sweep-host4-isolated", {"smddp": {4096: 30e-6}, "mpi": {4096: 20e-6}}),

@@ -148,6 +148,16 @@ def _profile_cells(row: dict[str, float] | None) -> list[str]:
     ]
 
 
+def figures_table(figs: list[Figure]) -> list[str]:
+    """Figures as a markdown table (measured, limit, where, met), and the blank line after it."""
+    out = ["| figure | measured | limit | where | met |", "| --- | ---: | ---: | --- | --- |"]
+    for f in figs:
+        out.append(
+            f"| {f.what} | {f.value:.3g} | {f.cmp} {f.limit:g} | {f.note or '-'} | {'met' if f.met else '**missed**'} |"
+        )
+    return [*out, ""]
+
+
 def engine_section(
     targets: dict[str, Any],
     sweeps: dict[str, dict[str, Any]],
@@ -221,14 +231,8 @@ def engine_section(
         "Each of issue 17's targets, computed from the runs above (the sweeps' medians, the target "
         "setups, the DDP runs): one run, implementations interleaved.",
         "",
-        "| figure | measured | limit | where | met |",
-        "| --- | ---: | ---: | --- | --- |",
+        *figures_table(shown),
     ]
-    for f in shown:
-        out.append(
-            f"| {f.what} | {f.value:.3g} | {f.cmp} {f.limit:g} | {f.note or '-'} | {'met' if f.met else '**missed**'} |"
-        )
-    out.append("")
     missed = [f for f in shown if not f.met]
     if missed:
         out += [
@@ -343,12 +347,6 @@ def worker_section(
         "the calls rig): one run, implementations interleaved. What limits the ones missed: "
         "[docs/performance.md](docs/performance.md).",
         "",
-        "| figure | measured | limit | where | met |",
-        "| --- | ---: | ---: | --- | --- |",
+        *figures_table(shown),
     ]
-    for f in shown:
-        out.append(
-            f"| {f.what} | {f.value:.3g} | {f.cmp} {f.limit:g} | {f.note or '-'} | {'met' if f.met else '**missed**'} |"
-        )
-    out.append("")
     return out
