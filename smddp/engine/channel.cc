@@ -468,6 +468,31 @@ RingWait WorkerChannel::complete_collected(const std::uint8_t* d, std::unique_lo
   return RingWait::kCorrupt;
 }
 
+RingWait WorkerChannel::take_turn(std::unique_lock<std::mutex>* lock, std::int64_t slice_ns, std::int64_t spin_ns) {
+  popping_ = true;
+  lock->unlock();
+  Descriptor d;
+  const RingWait r = done_.pop(d.data(), slice_ns, spin_ns, &aborted_);
+  lock->lock();
+  popping_ = false;
+  wake_takers();
+  if (r == RingWait::kCorrupt) {
+    refused("the daemon broke this worker's done ring: " + done_.why());
+    return r;
+  }
+  if (r != RingWait::kReady) return r;
+  const Route where = route(d);
+  if (where == Route::kBroken) return RingWait::kCorrupt;  // (take_segment said why)
+  if (where == Route::kGeneral) {
+    // The general way's, or a collected one's (another thread's collective): the background taker's.
+    if (general_out_ > 0) general_out_--;
+    kept_.push_back(d);
+    wake_takers();
+    wake_background();
+  }
+  return RingWait::kReady;
+}
+
 RingWait WorkerChannel::make_room(std::uint32_t rank, std::int64_t timeout_ns, std::int64_t spin_ns) {
   if (in_flight() < kMaxInFlight) return RingWait::kReady;  // (the common case: two loads)
   const Clock::time_point t0 = Clock::now();
@@ -477,7 +502,6 @@ RingWait WorkerChannel::make_room(std::uint32_t rank, std::int64_t timeout_ns, s
   yield_.store(true, std::memory_order_seq_cst);
   if (popping_) done_.nudge();
   RingWait end = RingWait::kTimeout;
-  Descriptor d;
   for (bool first = true;; first = false) {
     if (in_flight() < kMaxInFlight) {
       end = RingWait::kReady;
@@ -489,27 +513,9 @@ RingWait WorkerChannel::make_room(std::uint32_t rank, std::int64_t timeout_ns, s
       pop_cv_.wait_for(lock, std::chrono::nanoseconds(slice_of(left)));
       continue;
     }
-    popping_ = true;
-    lock.unlock();
-    const RingWait r = done_.pop(d.data(), slice_of(left), first ? spin_ns : 0, &aborted_);
-    lock.lock();
-    popping_ = false;
-    wake_takers();
-    if (r == RingWait::kCorrupt) {
-      refused("the daemon broke this worker's done ring: " + done_.why());
+    if (take_turn(&lock, slice_of(left), first ? spin_ns : 0) == RingWait::kCorrupt) {
       end = RingWait::kCorrupt;
       break;
-    }
-    if (r != RingWait::kReady) continue;
-    const Route where = route(d);
-    if (where == Route::kBroken) {
-      end = RingWait::kCorrupt;
-      break;
-    }
-    if (where == Route::kGeneral) {  // the general way's, or a collected one's: the background taker's
-      if (general_out_ > 0) general_out_--;
-      kept_.push_back(d);
-      wake_background();
     }
   }
   fast_waiters_--;
@@ -708,7 +714,6 @@ FastEnd WorkerChannel::finish(Arena& arena, const Slot& slot, const Header& subm
     fast_waiters_++;
     yield_.store(true, std::memory_order_seq_cst);
     if (popping_) done_.nudge();
-    Descriptor d;
     for (bool first = true;; first = false) {
       auto it = fast_.find(submit.seq);
       if (it == fast_.end()) {
@@ -731,14 +736,14 @@ FastEnd WorkerChannel::finish(Arena& arena, const Slot& slot, const Header& subm
         pop_cv_.wait_for(lock, std::chrono::nanoseconds(slice_of(left)));
         continue;
       }
-      popping_ = true;
       const std::int64_t spin = spin_rest_ > 0 ? 0 : spin_ns;
       if (spin_rest_ > 0) spin_rest_--;
-      lock.unlock();
       const Clock::time_point p0 = Clock::now();
-      const RingWait r = done_.pop(d.data(), slice_of(left), spin, &aborted_);
-      lock.lock();
-      popping_ = false;
+      const RingWait r = take_turn(&lock, slice_of(left), spin);
+      if (r == RingWait::kCorrupt) {
+        end = FastEnd::kRefused;  // (take_turn said why)
+        break;
+      }
       if (r == RingWait::kReady && spin > 0) {
         // Caught while spinning, or only after the sleep: the spin's record.
         spin_misses_ = Clock::now() - p0 <= std::chrono::nanoseconds(spin) ? 0 : spin_misses_ + 1;
@@ -746,23 +751,6 @@ FastEnd WorkerChannel::finish(Arena& arena, const Slot& slot, const Header& subm
           spin_misses_ = kSpinMisses - 1;  // after the rest, one more miss is enough to rest again
           spin_rest_ = kSpinRest;
         }
-      }
-      wake_takers();
-      if (r == RingWait::kCorrupt) {
-        end = refused("the daemon broke this worker's done ring: " + done_.why());
-        break;
-      }
-      const Route where = r == RingWait::kReady ? route(d) : Route::kKept;
-      if (where == Route::kBroken) {
-        end = FastEnd::kRefused;
-        break;
-      }
-      if (where == Route::kGeneral) {
-        // The general way's (another thread's collective): theirs to take.
-        if (general_out_ > 0) general_out_--;
-        kept_.push_back(d);
-        wake_takers();
-        wake_background();
       }
     }
     fast_waiters_--;

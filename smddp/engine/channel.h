@@ -393,6 +393,12 @@ class WorkerChannel {
   // SUBMIT waits for a ring nobody empties. kReady: there is room; kTimeout: none in time, or
   // aborted (aborted() says which; backlog_why() says why); kCorrupt: a broken ring or a refused SEGMENT (why()).
   RingWait make_room(std::uint32_t rank, std::int64_t timeout_ns, std::int64_t spin_ns);
+  // One turn of a fast taker (finish, make_room), with pop_mu_ held by `lock` and nobody else
+  // popping: pops the next descriptor (unlocked, at most `slice_ns`, spinning `spin_ns` first) and
+  // routes it, a DONE of the general way's or a collected one's to kept_ for the background taker.
+  // kReady: one was taken; kTimeout: none came (or aborted); kCorrupt: a broken ring or a refused
+  // SEGMENT (why() says which).
+  RingWait take_turn(std::unique_lock<std::mutex>* lock, std::int64_t slice_ns, std::int64_t spin_ns);
   std::uint64_t in_flight() const {
     // DONEs first: read after them, the count of SUBMITs is at least as large, unless the daemon
     // sent a DONE for nothing this worker pushed (the taker that meets it refuses it): then none.

@@ -103,7 +103,7 @@ def test_device_buffer_without_a_runtime_is_a_clear_error(tmp_path: Path, clean_
         assert d["after"] == [3.0] * 4
 
 
-def test_more_device_collectives_in_flight_than_the_rings_hold(tmp_path: Path, clean_host: None):
+def test_six_hundred_device_and_host_collectives_in_flight(tmp_path: Path, clean_host: None):
     # 600 small all-reduces in flight at once, one in four on device buffers, on 2 nodes, waited for
     # last first: every result bit-exact. (The device ones are collected, so the DONE thread keeps
     # taking DONEs here; the starts' own taking past MAX_IN_FLIGHT is what tests/multiprocess's

@@ -54,11 +54,16 @@ def _best(med: dict[str, dict[int, float]], size: int) -> tuple[str, float]:
     return min(times, key=lambda t: t[1]) if times else ("", float("nan"))
 
 
+def _ratios(med: dict[str, dict[int, float]]) -> dict[int, float]:
+    """smddp's time over the best baseline's, per size both measured, smallest size first."""
+    mine = med.get("smddp", {})
+    return {s: mine[s] / _best(med, s)[1] for s in sorted(mine) if _best(med, s)[0]}
+
+
 def sweep_figures(label: str, sweep: dict[str, Any]) -> list[Figure]:
     """The issue's sweep rules: no size slower than 1.5x the best baseline, at or below it from 1 MiB."""
     med = _medians(sweep)
-    mine = med.get("smddp", {})
-    ratios = {s: mine[s] / _best(med, s)[1] for s in sorted(mine) if _best(med, s)[0]}
+    ratios = _ratios(med)
     if not ratios:
         return []
     worst = max(ratios, key=lambda s: ratios[s])
@@ -275,8 +280,7 @@ def load_before(sweeps_dir: str) -> dict[str, dict[str, Any]]:
 def worst_size_figure(label: str, sweep: dict[str, Any], limit: float) -> Figure | None:
     """The slowest size of a sweep against the best of the baselines, under `limit`."""
     med = _medians(sweep)
-    mine = med.get("smddp", {})
-    ratios = {s: mine[s] / _best(med, s)[1] for s in sorted(mine) if _best(med, s)[0]}
+    ratios = _ratios(med)
     if not ratios:
         return None
     worst = max(ratios, key=lambda s: ratios[s])
