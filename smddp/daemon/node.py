@@ -70,6 +70,10 @@ class PeerLink:
 # cause's status every rank's wrapper then ends with) before failing the job without it. The wrapper
 # has the report ready when its worker exits, so it comes within milliseconds unless it died too.
 EXIT_REPORT_WAIT_S = 1.0
+# Why a rank whose wrapper was told to end went: what the failure says of it.
+TORN_DOWN = (
+    "mpirun or the scheduler tore the job down: another process of it ended first, or it was cancelled"
+)
 # The engine plane's worker threads spin this long for the next descriptor before they sleep (yielding
 # the core between looks, smddp/engine/ring.cc): measured with 4 workers on 2 cores, a 4 KiB
 # all-reduce took ~100 us with 200 us here and in the client's RING_SPIN_US, ~200 us with 20 us.
@@ -112,6 +116,7 @@ class NodeDaemon:
         # Exit statuses of local ranks that joined and then ended badly (their wrapper's EXITED).
         self._exit_status: list[int | None] = [None] * self.local_size
         self._exit_reported = [threading.Event() for _ in range(self.local_size)]
+        self._torn_down = [False] * self.local_size  # ... and whether its wrapper was told to end
         self.peers = {j: PeerLink(j) for j in range(self.nnodes) if j != node}
         self.results = Arena(cfg.result_segment_bytes, f"smddp-result-n{node}")
         self.scratch = Arena(cfg.result_segment_bytes, f"smddp-server-n{node}")
@@ -393,11 +398,16 @@ class NodeDaemon:
                 self._maybe_finish()
             if not (link.said_bye or self._finished.is_set()):
                 reason = self._worker_lost(link)
-                status = self._await_exit_status(link.local_rank)
-                if status is not None:
-                    how = f"killed by signal {status - 128}" if status > 128 else f"exit status {status}"
-                    reason += f" ({how})"
-                self.fail(reason, PeerLostError, exit_status=status, infra=infra_status(status))
+                status, torn_down = self._await_exit_status(link.local_rank)
+                if torn_down:
+                    # A consequence, not the cause: the cause's own rank, daemon or node says that.
+                    reason += f" (stopped with its job: {TORN_DOWN})"
+                    self.fail(reason, PeerLostError, infra=False)
+                else:
+                    if status is not None:
+                        how = f"killed by signal {status - 128}" if status > 128 else f"exit status {status}"
+                        reason += f" ({how})"
+                    self.fail(reason, PeerLostError, exit_status=status, infra=infra_status(status))
         except SmddpError as e:
             # Keep the connection open until the worker leaves, so that it reads the ERROR rather
             # than a broken pipe (teardown closes it at the end of the linger time regardless).
@@ -421,18 +431,21 @@ class NodeDaemon:
     def _worker_lost(self, link: WorkerLink) -> str:
         return f"{self.job.describe_rank(link.rank, link.pid)} {_process_fate(link.pid)}"
 
-    def _await_exit_status(self, local: int) -> int | None:
-        """The exit status the wrapper of local rank `local` reports, waited for a moment; None if none."""
+    def _await_exit_status(self, local: int) -> tuple[int | None, bool]:
+        """The exit status the wrapper of local rank `local` reports, waited for a moment (None if
+        none), and whether that wrapper was told to end (the job torn down around it)."""
         self._exit_reported[local].wait(EXIT_REPORT_WAIT_S)
-        return self._exit_status[local]
+        return self._exit_status[local], self._torn_down[local]
 
-    def _on_exited(self, rank: int, status: int) -> None:
+    def _on_exited(self, rank: int, status: int, torn_down: bool = False) -> None:
         """The launcher's wrapper of local `rank` says its process ended with `status`.
 
         A rank that never joined is gone for good: any collective that needs it fails now, naming
         it as a lost rank, and a node whose ranks all left (or never came) finishes as after BYE.
         A rank that joined and ended badly is named by its connection's end; its status is recorded
         for the failure (the cause's exit status, which every rank's wrapper then ends with).
+        `torn_down`: its wrapper was told to end (mpirun tore the job down because another process
+        ended first, or the job was cancelled): its end is no cause, of the infrastructure or not.
         """
         ranks = self.job.ranks_of(self.node)
         if rank not in ranks:
@@ -440,9 +453,15 @@ class NodeDaemon:
         local = rank - ranks.start
         if self.workers[local] is not None:
             self._exit_status[local] = status
+            self._torn_down[local] = torn_down
             self._exit_reported[local].set()
             return
-        how = f"was killed by signal {status - 128}" if status > 128 else f"exited with status {status}"
+        if torn_down:
+            how = f"was stopped with its job ({TORN_DOWN})"
+        elif status > 128:
+            how = f"was killed by signal {status - 128}"
+        else:
+            how = f"exited with status {status}"
         reason = (
             f"{self.job.describe_rank(rank)} {how} without joining the job (it never called smddp.init(), "
             "or failed before it)"
@@ -452,7 +471,7 @@ class NodeDaemon:
                 recorded = self.plane.rank_left_early(local, self.workers[local] is not None, reason)
         except PeerLostError as e:  # a collective in flight waits for it, and never gets it
             log.info("%s: %s", self.me, reason)
-            self.fail(str(e), PeerLostError, infra=infra_status(status))
+            self.fail(str(e), PeerLostError, infra=not torn_down and infra_status(status))
             return
         if recorded:
             log.info("%s: %s", self.me, reason)
@@ -582,7 +601,7 @@ class NodeDaemon:
                     return
                 if h.type is MsgType.EXITED:
                     gone = Exited.of(h)
-                    self._on_exited(gone.rank, gone.status)
+                    self._on_exited(gone.rank, gone.status, gone.torn_down)
                     continue
                 if h.type is not MsgType.STATUS:
                     raise ProtocolError(f"{conn.peer} sent {h.type.name}")

@@ -13,8 +13,12 @@ from smddp.transport.bootstrap import default_socket_dir, job_dir, wait_for_job
 from smddp.transport.conn import Connection
 
 
-def report_exited(job_hex: str, node: int, rank: int, status: int, timeout: float) -> None:
-    """Wait (at most `timeout` s) for node `node`'s daemon, then say that `rank` ended with `status`.
+def report_exited(
+    job_hex: str, node: int, rank: int, status: int, timeout: float, torn_down: bool = False
+) -> None:
+    """Wait (at most `timeout` s) for node `node`'s daemon, then say that `rank` ended with `status`
+    (`torn_down`: because its wrapper was told to end; the handshake then gets 2 s, as the daemon may
+    be going down with the job).
 
     The wrapper runs as the job's user on the daemon's host, so it reads the job's secret where
     the worker would have, and proves it in the handshake like any control client.
@@ -30,10 +34,10 @@ def report_exited(job_hex: str, node: int, rank: int, status: int, timeout: floa
         raise BootstrapError(f"cannot reach the daemon of node {node}: {e}") from None
     conn = Connection(sock, f"the daemon of node {node}")
     try:
-        client_handshake(conn, job.secret, job.job_id, Role.CONTROL, rank, 10.0)
+        client_handshake(conn, job.secret, job.job_id, Role.CONTROL, rank, 2.0 if torn_down else 10.0)
         conn.send(
             [
-                Exited(rank, min(max(status, 0), 255)).header().encode(),
+                Exited(rank, min(max(status, 0), 255), torn_down).header().encode(),
                 Bye(rank).header().encode(),
             ],
             timeout=5.0,

@@ -210,11 +210,16 @@ def run_worker(command: list[str], prefix: str, report: Report | None) -> int:
         # Its daemon may be unable to say (frozen, gone): smddp-launch hears the cause from here,
         # first, so that it stops the daemons' world rather than wait for it to finish.
         report.infra(lost)
-    # A wrapper told to end does not wait on a daemon that is being torn down too (up to
-    # REPORT_TIMEOUT_S), nor on one its worker lost (a frozen daemon would hold the handshake for
-    # its whole timeout): it ends with its worker.
-    if report is not None and joined is not None and not torn_down.is_set() and not lost_daemon:
-        if not joined_ok:
+    # A wrapper told to end (mpirun tearing the job down because another rank ended first, or the
+    # job cancelled) says so, to a daemon that is there now only: its rank's end is a consequence,
+    # and without the word its daemon would take a rank gone without a status for a crash. It does
+    # not wait on a daemon that is being torn down too (up to REPORT_TIMEOUT_S), nor report to one
+    # its worker lost (a frozen daemon would hold the handshake for its whole timeout).
+    if report is not None and joined is not None and not lost_daemon:
+        if torn_down.is_set():
+            if code != 0:
+                report.send(code, wait=False, torn_down=True)
+        elif not joined_ok:
             report.send(code)
         elif code != 0:
             report.send(code, wait=False)  # its daemon waits a moment for this before failing the job
@@ -247,14 +252,17 @@ class Report:
                 file=sys.stderr,
             )
 
-    def send(self, status: int, wait: bool = True) -> None:
-        """Report `status`; without `wait`, only to a daemon that is there now (not one still starting)."""
+    def send(self, status: int, wait: bool = True, torn_down: bool = False) -> None:
+        """Report `status` (`torn_down`: the wrapper was told to end); without `wait`, only to a
+        daemon that is there now (not one still starting)."""
         # Imported only here: most workers join, and the wrapper should start in no time.
         from smddp.errors import SmddpError
         from smddp.launcher.exited import report_exited
 
         try:
-            report_exited(self.job_hex, self.node, self.rank, status, self.timeout if wait else 0.0)
+            report_exited(
+                self.job_hex, self.node, self.rank, status, self.timeout if wait else 0.0, torn_down
+            )
         except SmddpError as e:
             if wait:  # without waiting, a daemon that has finished is no news
                 print(f"smddp worker_env: rank {self.rank}: could not tell the daemon: {e}", file=sys.stderr)

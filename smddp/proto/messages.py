@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, TypeVar
 
+from smddp.errors import ProtocolError
 from smddp.proto.dtypes import DType, Kind, ReduceOp
 from smddp.proto.frames import Header, MsgType
 
@@ -126,18 +127,24 @@ class Release:
 
 @dataclass(frozen=True, slots=True)
 class Exited:
-    """launcher wrapper -> daemon: rank `rank`'s process ended with `status` without joining the job."""
+    """launcher wrapper -> daemon: rank `rank`'s process ended with `status` without joining the job,
+    or after joining it with a non-zero status. `torn_down`: the wrapper was told to end (SIGTERM,
+    SIGINT or SIGHUP: mpirun or the scheduler tearing the job down), so this end is a consequence of
+    another, not a cause (`seq` 1; 0 otherwise)."""
 
     rank: int
     status: int  # 0-255
+    torn_down: bool = False
 
     def header(self) -> Header:
-        return Header(MsgType.EXITED, sender=self.rank, aux=self.status)
+        return Header(MsgType.EXITED, sender=self.rank, seq=int(self.torn_down), aux=self.status)
 
     @classmethod
     def of(cls, h: Header) -> Exited:
         _check(h, MsgType.EXITED)
-        return cls(h.sender, h.aux)
+        if h.seq not in (0, 1) or h.aux > 255:
+            raise ProtocolError(f"EXITED with seq {h.seq} and aux {h.aux} (seq 0 or 1, aux 0-255)")
+        return cls(h.sender, h.aux, bool(h.seq))
 
 
 @dataclass(frozen=True, slots=True)

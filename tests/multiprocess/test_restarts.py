@@ -42,6 +42,32 @@ def test_a_scripts_own_failure_is_not_restarted_unless_asked(tmp_path: Path, cle
     assert proc.stdout.count(f"attempt 1 job {attempt_job_id(first, 1)}") == 2, proc.stdout
 
 
+TORN = (
+    "import os, time, smddp\n"
+    "smddp.init()\n"
+    "smddp.barrier(timeout=60)\n"
+    "if smddp.client().rank == 1:\n"
+    "    time.sleep(30)  # still in the job when rank 0's exit makes mpirun tear it down\n"
+    "smddp.shutdown()\n"
+    "raise SystemExit(4)\n"
+)
+
+
+def test_a_rank_stopped_because_another_failed_is_no_crash(tmp_path: Path, clean_host: None) -> None:
+    """Rank 0's own exit 4 makes mpirun tear the job down while rank 1 is still in it: rank 1's end
+    (SIGTERM, no status of its own) is a consequence, so the job is not restarted for it. (Before its
+    wrapper said so, its daemon took a rank gone without a status for a crash, and restarted it.)"""
+    script = tmp_path / "torn.py"
+    script.write_text(TORN)
+    proc = smddp_launch(2, 2, [str(script)], extra=["--max-restarts", "3", "--restart-delay", "0"])
+    LAUNCHED.append(attempt_job_id(LAUNCHED[-1], 1))
+    assert proc.returncode == 4, proc.stderr[-2000:]
+    assert "not a crash; not restarted (--restart-on any would)" in proc.stderr, proc.stderr[-2000:]
+    assert "stopped with its job: mpirun or the scheduler tore the job down" in proc.stderr, proc.stderr[
+        -2000:
+    ]
+
+
 def test_restart_flags_are_checked() -> None:
     import subprocess
     import sys

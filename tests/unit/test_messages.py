@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from smddp.errors import ProtocolError
 from smddp.proto.dtypes import DType, Kind, ReduceOp
 from smddp.proto.frames import Header, MsgType, decode_header
 from smddp.proto.messages import (
@@ -37,6 +38,7 @@ CASES = [
     ),
     (Release(5, 9), Header(MsgType.RELEASE, sender=5, seq=9)),
     (Exited(6, status=3), Header(MsgType.EXITED, sender=6, aux=3)),
+    (Exited(6, status=143, torn_down=True), Header(MsgType.EXITED, sender=6, seq=1, aux=143)),
     (StatusRequest(2, request=11), Header(MsgType.STATUS, sender=2, seq=11)),
     (Report(2, request=11, length=300), Header(MsgType.REPORT, sender=2, seq=11, length=300)),
     (Heartbeat(4), Header(MsgType.HEARTBEAT, sender=4)),
@@ -51,6 +53,13 @@ def test_same_bytes_and_back(msg, raw):
     of = getattr(type(msg), "of", None)
     if of is not None:
         assert of(decode_header(wire)) == msg
+
+
+def test_exited_refuses_what_it_does_not_define():
+    with pytest.raises(ProtocolError, match="seq 0 or 1"):
+        Exited.of(Header(MsgType.EXITED, sender=6, seq=2, aux=3))
+    with pytest.raises(ProtocolError, match="aux 0-255"):
+        Exited.of(Header(MsgType.EXITED, sender=6, aux=256))
 
 
 def test_a_message_refuses_another_types_header():

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 import time
 
 from smddp.client.session import WrapperPipe
@@ -61,8 +63,33 @@ def test_the_wrapper_ends_a_consequence_with_the_causes_status():
         code = run_worker([sys.executable, "-c", child, tell, str(own)], "", report)
         assert code == want, (tell, own, code)
         # A joined rank that ended badly is reported without waiting for a daemon (its own status).
-        assert report.sent == ([(own, False)] if own else []), report.sent
+        assert report.sent == ([(own, False, False)] if own else []), report.sent
         assert time.monotonic() - t0 < 20
+
+
+def test_a_wrapper_told_to_end_says_so():
+    """mpirun's teardown (SIGTERM to the wrapper, passed on to the worker): the report says the
+    rank was torn down, so that its daemon does not take its end for a crash; it does not wait for
+    a daemon that may be going down too."""
+    child = (
+        "import os, time\n"
+        "from smddp.client.session import WrapperPipe\n"
+        "p = WrapperPipe.open(os.environ)\n"
+        "print('joined', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    report = _Recorded(rank=1, node=0, job_hex="00" * 16)
+    me = os.getpid()
+    killer = threading.Timer(1.0, os.kill, (me, signal.SIGTERM))  # the wrapper's handler runs here
+    killer.start()
+    t0 = time.monotonic()
+    try:
+        code = run_worker([sys.executable, "-c", child], "", report)
+    finally:
+        killer.cancel()
+    assert code == 128 + signal.SIGTERM
+    assert report.sent == [(128 + signal.SIGTERM, False, True)], report.sent
+    assert time.monotonic() - t0 < 20
 
 
 class _Recorded(Report):
@@ -71,7 +98,7 @@ class _Recorded(Report):
 
     def __init__(self, rank: int, node: int, job_hex: str) -> None:
         super().__init__(rank, node, job_hex)
-        self.sent: list[tuple[int, bool]] = []
+        self.sent: list[tuple[int, bool, bool]] = []
 
-    def send(self, status: int, wait: bool = True) -> None:
-        self.sent.append((status, wait))
+    def send(self, status: int, wait: bool = True, torn_down: bool = False) -> None:
+        self.sent.append((status, wait, torn_down))
