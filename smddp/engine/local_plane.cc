@@ -113,6 +113,11 @@ LocalPlane::LocalPlane(PlaneConfig cfg, Arena* results, Arena* scratch)
              cfg_.rank_names),
       executor_(cfg_.threads, &failed_) {
   ports_.resize(cfg_.topo.local_size);
+  polling_ = cfg_.one_poller && cfg_.topo.local_size + 1 <= kWaitAnyMax && have_futex_wait_any();
+  if (polling_) {
+    polled_.reset(new std::atomic<WorkerPort*>[cfg_.topo.local_size]);
+    for (std::uint32_t i = 0; i < cfg_.topo.local_size; i++) polled_[i].store(nullptr, std::memory_order_relaxed);
+  }
   const std::uint32_t nn = cfg_.topo.nnodes;
   if (nn > 1) {
     if (scratch_ == nullptr || cfg_.node_names.size() != nn || cfg_.topo.node >= nn)
@@ -148,7 +153,13 @@ std::string LocalPlane::add_worker(std::uint32_t local, std::uint32_t rank, cons
   if (ports_[local]) return refuse(name + " joined twice");
   ports_[local] = std::make_unique<WorkerPort>(local, rank, name, std::move(channel), side);
   WorkerPort* port = ports_[local].get();
-  port->thread = std::thread([this, port] { run(port); });
+  if (polling_) {
+    polled_[local].store(port, std::memory_order_release);
+    if (!poller_.joinable()) poller_ = std::thread([this] { poll(); });
+    ring_poller();
+  } else {
+    port->thread = std::thread([this, port] { run(port); });
+  }
   return {};
 }
 
@@ -159,8 +170,82 @@ bool LocalPlane::remove_worker(std::uint32_t local) {
     if (local >= ports_.size() || !ports_[local]) return false;
     port = ports_[local].get();
   }
-  port->join();
+  if (polling_) {
+    port->stop.store(true, std::memory_order_release);
+    ring_poller();
+    std::unique_lock<std::mutex> g(retire_mu_);
+    retire_cv_.wait(g, [port] { return port->retired.load(); });
+  } else {
+    port->join();
+  }
   return port->said_bye.load();
+}
+
+void LocalPlane::ring_poller() {
+  poll_bell_.fetch_add(1, std::memory_order_seq_cst);
+  futex_wake(&poll_bell_, 1);
+}
+
+void LocalPlane::retire_port(WorkerPort* port) {
+  std::lock_guard<std::mutex> g(retire_mu_);
+  port->retired.store(true);
+  retire_cv_.notify_all();
+}
+
+void LocalPlane::poll() {
+  alignas(8) std::uint8_t slot[kSlotBytes];
+  const std::uint32_t n = cfg_.topo.local_size;
+  std::vector<std::atomic<std::uint32_t>*> words;
+  std::vector<std::uint32_t> rung;
+  std::vector<WorkerPort*> asleep;
+  Clock::time_point idle = Clock::now();
+  for (;;) {
+    const bool closing = poll_stop_.load(std::memory_order_acquire);
+    bool busy = false, live = false;
+    for (std::uint32_t i = 0; i < n; i++) {
+      WorkerPort* p = polled_[i].load(std::memory_order_acquire);
+      if (p == nullptr || p->retired.load(std::memory_order_relaxed)) continue;
+      // Once told to stop, whatever its worker had published is still handled, then it is retired.
+      const bool stopping = closing || p->stop.load(std::memory_order_acquire);
+      const RingWait r = p->submit.pop(slot, 0, 0);
+      if (r == RingWait::kReady) {
+        handle(p, slot);
+        busy = live = true;
+      } else if (r == RingWait::kCorrupt) {
+        fail(Verdict{Fault::kProtocol, p->name + " broke its submit ring: " + p->submit.why()});
+        retire_port(p);
+      } else if (stopping) {
+        retire_port(p);
+      } else {
+        live = true;
+      }
+    }
+    if (closing && !live) return;
+    if (busy) {
+      idle = Clock::now();
+      continue;
+    }
+    const std::int64_t waited = std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - idle).count();
+    if (waited < cfg_.spin_ns) {
+      std::this_thread::yield();  // the workers this one waits for may need the core
+      continue;
+    }
+    // Asleep on every live ring's bell and our own, counted among each ring's sleepers first.
+    words.assign(1, &poll_bell_);
+    rung.assign(1, poll_bell_.load(std::memory_order_seq_cst));
+    asleep.clear();
+    bool ready = poll_stop_.load(std::memory_order_seq_cst);
+    for (std::uint32_t i = 0; i < n; i++) {
+      WorkerPort* p = polled_[i].load(std::memory_order_acquire);
+      if (p == nullptr || p->retired.load(std::memory_order_relaxed)) continue;
+      rung.push_back(p->submit.sleep_begin());
+      words.push_back(p->submit.data_bell());
+      asleep.push_back(p);
+      if (!p->submit.empty() || p->stop.load(std::memory_order_seq_cst)) ready = true;
+    }
+    if (!ready) futex_wait_any(words.data(), rung.data(), words.size(), kPopSliceNs);
+    for (WorkerPort* p : asleep) p->submit.sleep_end();
+  }
 }
 
 void LocalPlane::run(WorkerPort* link) {
@@ -206,7 +291,7 @@ void LocalPlane::on_attach(WorkerPort* link, const Header& h) {
   if (w.empty()) seg = Segment::attach(h.shard, fd, h.offset, false, &w);
   if (!seg) return fail(Verdict{Fault::kProtocol, link->name + " wrote ATTACH of " + w});
   if (failed_) return;
-  if (!link->segments.emplace(h.shard, std::move(seg)).second)  // this port's thread alone
+  if (!link->segments.emplace(h.shard, std::move(seg)).second)  // the thread that pops its ring alone
     return fail(Verdict{Fault::kProtocol, link->name + ": segment " + num(h.shard) + " attached twice"});
 }
 
@@ -220,7 +305,7 @@ void LocalPlane::on_submit(WorkerPort* link, const Header& h) {
   StreamShared* streaming = nullptr;
   std::uint64_t wraps = 0;  // a streaming input's ring, when it is smaller than the input (0: whole)
   if (h.shard != kNoSegment) {
-    // Its ATTACH came before it on the same ring (this port's thread keeps the segments).
+    // Its ATTACH came before it on the same ring (the thread that pops it keeps the segments).
     auto it = link->segments.find(h.shard);
     if (it == link->segments.end())
       return fail(Verdict{Fault::kProtocol, link->name + " named segment " + num(h.shard) + ", which it never attached"});
@@ -973,6 +1058,11 @@ void LocalPlane::close() {
     std::lock_guard<std::mutex> lock(mu_);
     closed_ = true;
     event_cv_.notify_all();
+  }
+  if (poller_.joinable()) {
+    poll_stop_.store(true, std::memory_order_seq_cst);
+    ring_poller();
+    poller_.join();
   }
   for (auto& port : ports_)
     if (port) port->join();

@@ -6,6 +6,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstring>
 #include <ctime>
@@ -44,6 +45,41 @@ void futex_wait(std::atomic<std::uint32_t>* word, std::uint32_t expected, std::i
 
 void futex_wake(std::atomic<std::uint32_t>* word, int n) {
   (void)syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(word), FUTEX_WAKE, n, nullptr, nullptr, 0);
+}
+
+// futex_waitv's waiter, as the kernel defines it (5.16): declared here, since the headers a wheel is
+// built with may predate it; the call's number is the same on every architecture.
+struct WaitvEntry {
+  std::uint64_t val;
+  std::uint64_t uaddr;
+  std::uint32_t flags;
+  std::uint32_t reserved;
+};
+constexpr std::uint32_t kWaitvU32 = 2;  // FUTEX2_SIZE_U32; without FUTEX2_PRIVATE: shared words
+#ifndef SYS_futex_waitv
+#define SYS_futex_waitv 449
+#endif
+
+bool futex_wait_any(std::atomic<std::uint32_t>* const* words, const std::uint32_t* expected, std::size_t n,
+                    std::int64_t timeout_ns) {
+  if (n == 0 || n > kWaitAnyMax || timeout_ns <= 0) return true;
+  WaitvEntry v[kWaitAnyMax];
+  for (std::size_t i = 0; i < n; i++)
+    v[i] = WaitvEntry{expected[i], reinterpret_cast<std::uintptr_t>(words[i]), kWaitvU32, 0};
+  // Its timeout is absolute, on the clock named last.
+  timespec now{};
+  clock_gettime(CLOCK_MONOTONIC, &now);
+  std::int64_t ns = now.tv_nsec + timeout_ns % 1'000'000'000;
+  timespec until{static_cast<time_t>(now.tv_sec + timeout_ns / 1'000'000'000 + ns / 1'000'000'000),
+                 static_cast<long>(ns % 1'000'000'000)};
+  const long r = syscall(SYS_futex_waitv, v, static_cast<unsigned>(n), 0u, &until, static_cast<int>(CLOCK_MONOTONIC));
+  return !(r < 0 && errno == ENOSYS);
+}
+
+bool have_futex_wait_any() {
+  // Zero waiters is EINVAL where the call exists.
+  const long r = syscall(SYS_futex_waitv, nullptr, 0u, 0u, nullptr, static_cast<int>(CLOCK_MONOTONIC));
+  return !(r < 0 && errno == ENOSYS);
 }
 
 // One wait of a producer for space or a consumer for data, once its attempt found none: false when
@@ -136,6 +172,16 @@ RingWait RingView::push(const void* data, std::size_t n, std::int64_t timeout_ns
       return RingWait::kTimeout;
   }
 }
+
+std::uint32_t RingView::sleep_begin() {
+  const std::uint32_t rung = shared_->data_bell.load(std::memory_order_seq_cst);
+  shared_->data_sleepers.fetch_add(1, std::memory_order_seq_cst);
+  return rung;
+}
+
+bool RingView::empty() { return shared_->head.load(std::memory_order_seq_cst) == mine_; }
+
+void RingView::sleep_end() { shared_->data_sleepers.fetch_sub(1, std::memory_order_seq_cst); }
 
 RingWait RingView::peek() {
   const std::uint64_t head = shared_->head.load(std::memory_order_acquire);

@@ -60,6 +60,14 @@ class RingView {
   void nudge();
   // Consumer: whether a slot is ready now (no wait, no copy: kReady or kTimeout); kCorrupt for a broken ring.
   RingWait peek();
+  // A consumer that sleeps on several rings at once (futex_wait_any): `sleep_begin` reads the data
+  // bell, then counts this consumer among the ring's sleepers (what wait_turn does before one ring's
+  // sleep), and returns the bell's value to sleep on; `empty` re-reads the head after it (seq_cst);
+  // `sleep_end` uncounts it. kCorrupt cannot come from these: the next pop says it.
+  std::uint32_t sleep_begin();
+  bool empty();
+  void sleep_end();
+  std::atomic<std::uint32_t>* data_bell() const { return &shared_->data_bell; }
   // Why the ring was refused, after kCorrupt.
   const std::string& why() const { return why_; }
 
@@ -80,5 +88,13 @@ class RingView {
 // timeout_ns; wake up to `n` waiters. Exposed for the engine's other sleepers.
 void futex_wait(std::atomic<std::uint32_t>* word, std::uint32_t expected, std::int64_t timeout_ns);
 void futex_wake(std::atomic<std::uint32_t>* word, int n);
+// At most this many words for futex_wait_any (the kernel's limit).
+constexpr std::size_t kWaitAnyMax = 128;
+// Waits until any of `n` shared words is woken (or differs from its `expected`), up to timeout_ns:
+// futex_waitv (Linux 5.16). False, at once, where the kernel has no futex_waitv.
+bool futex_wait_any(std::atomic<std::uint32_t>* const* words, const std::uint32_t* expected, std::size_t n,
+                    std::int64_t timeout_ns);
+// Whether this kernel has futex_waitv.
+bool have_futex_wait_any();
 
 }  // namespace smddp

@@ -1,7 +1,8 @@
 // One worker's port on the daemon: its channel's two rings, its side socket, the result segments it
-// has been told of, and the engine thread that pops its submit ring (docs/engine.md, "The data plane").
+// has been told of (docs/engine.md, "The data plane"). Its submit ring is popped by the plane's one
+// poller, or by a thread of its own where the kernel has no futex_waitv (LocalPlane).
 //
-// Threads and memory: the port's thread alone pops the submit ring and reads the side socket for
+// Threads and memory: that thread alone pops the submit ring and reads the side socket for
 // ATTACH fds, and so alone touches `segments` (the worker's input segments, mapped while the port
 // lives or an op record holds them); DONE and SEGMENT go out under `done_mu` from whichever thread
 // completes a collective. The port owns the channel mapping (shared), the side socket's end (closed
@@ -42,8 +43,8 @@ struct WorkerPort {
   const std::uint32_t rank;
   const std::string name;
   const std::shared_ptr<Segment> channel;
-  const int side;   // the side socket: ATTACH fds read by this port's thread, SEGMENT fds sent under done_mu
-  RingView submit;  // popped by this port's thread only
+  const int side;   // the side socket: ATTACH fds read by the thread that pops its ring, SEGMENT fds sent under done_mu
+  RingView submit;  // popped by one thread only (the plane's poller, or the port's own)
   RingView done;    // pushed under done_mu
   // The channel's stream block (channel.h): its `in` read by whichever thread reduces, its `ack` and
   // `out` written under the plane's lock; `acking` and `published`, the collectives they speak of
@@ -51,10 +52,11 @@ struct WorkerPort {
   StreamShared* const stream;
   std::uint64_t acking = 0;
   std::uint64_t published = 0;
-  std::map<std::uint32_t, std::shared_ptr<Segment>> segments;  // attached input segments: this port's thread only
+  std::map<std::uint32_t, std::shared_ptr<Segment>> segments;  // attached input segments: the thread that pops the ring only
   std::atomic<bool> stop{false};
   std::atomic<bool> said_bye{false};
-  std::thread thread;
+  std::atomic<bool> retired{false};  // the plane's poller has drained it after `stop` and lets it be
+  std::thread thread;  // its own thread, where the plane runs no poller
 
  private:
   std::mutex done_mu_;

@@ -32,6 +32,10 @@ using plane_test::kSecond;
 
 constexpr std::uint32_t kWorkers = 4;
 
+// Whether the planes these tests make pop their workers' rings with one poller (the default, where
+// the kernel has futex_waitv) or a thread per worker (the fallback): main runs some tests both ways.
+bool one_poller = true;
+
 smddp::PlaneConfig config(std::uint32_t n, std::int64_t push_timeout_ns = 20 * kSecond) {
   smddp::PlaneConfig cfg;
   cfg.topo.nnodes = 1;
@@ -42,6 +46,7 @@ smddp::PlaneConfig config(std::uint32_t n, std::int64_t push_timeout_ns = 20 * k
   cfg.me = "node 0";
   cfg.spin_ns = 0;  // every wait sleeps on the futex
   cfg.push_timeout_ns = push_timeout_ns;
+  cfg.one_poller = one_poller;
   return cfg;
 }
 
@@ -674,11 +679,16 @@ void backlog() {
 }
 
 int main() {
+  check(smddp::have_futex_wait_any(), "this kernel has futex_waitv (5.16 or later): the one poller is tested");
   many_collectives();
   fast_collectives();
   streamed_collectives();
   shared_channel();
   backlog();
+  broken_rings();
+  one_poller = false;  // the fallback: a thread per worker
+  many_collectives();
+  fast_collectives();
   broken_rings();
   if (plane_test::failures.load() != 0) return 1;
   std::printf("test_local_plane: every check held\n");

@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -128,10 +129,78 @@ void test_timeouts_and_corruption() {
   munmap(base, smddp::ring_bytes(cap));
 }
 
+// One consumer asleep on several rings at once (sleep_begin, empty, futex_wait_any, sleep_end: what
+// the daemon's one poller does), fed by a producer process that pushes to one ring at a time, in an
+// order it draws, pausing so the consumer sleeps between most of them: each descriptor arrives once,
+// in order per ring, and the sleeper is woken by whichever ring it came on (every wait in the
+// consumer is a full second, so a lost wake-up shows as a timeout, not as latency).
+void test_wait_any() {
+  check(smddp::have_futex_wait_any(), "this kernel has futex_waitv");
+  constexpr std::uint32_t kRings = 3, kCap = 8;
+  constexpr std::uint64_t kN = 3000;
+  const std::size_t bytes = smddp::ring_bytes(kCap);
+  auto* base = static_cast<std::uint8_t*>(shared_map(kRings * bytes));
+  for (std::uint32_t r = 0; r < kRings; r++) smddp::RingView init(base + r * bytes, kCap, true);
+  const pid_t child = fork();
+  if (child == 0) {
+    smddp::RingView rings[kRings] = {{base, kCap, false}, {base + bytes, kCap, false}, {base + 2 * bytes, kCap, false}};
+    std::uint64_t sent[kRings] = {};
+    for (std::uint64_t i = 0; i < kN; i++) {
+      const std::uint32_t r = static_cast<std::uint32_t>(mix(i) % kRings);
+      Desc d{};
+      d.seq = sent[r]++;
+      d.check = mix(d.seq + r);
+      if (rings[r].push(&d, sizeof d, 10 * kSecond, 0) != smddp::RingWait::kReady) _exit(1);
+      if (i % 3 == 0) std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+    _exit(0);
+  }
+  smddp::RingView rings[kRings] = {{base, kCap, false}, {base + bytes, kCap, false}, {base + 2 * bytes, kCap, false}};
+  std::uint64_t got[kRings] = {}, total = 0, sleeps = 0;
+  bool ok = true;
+  const auto t0 = std::chrono::steady_clock::now();
+  while (ok && total < kN && std::chrono::steady_clock::now() - t0 < std::chrono::seconds(60)) {
+    bool any = false;
+    for (std::uint32_t r = 0; r < kRings; r++) {
+      std::uint8_t slot[smddp::kSlotBytes];
+      if (rings[r].pop(slot, 0, 0) != smddp::RingWait::kReady) continue;
+      Desc d;
+      std::memcpy(&d, slot, sizeof d);
+      ok = d.seq == got[r] && d.check == mix(d.seq + r);
+      got[r]++;
+      total++;
+      any = true;
+    }
+    if (any) continue;
+    std::atomic<std::uint32_t>* words[kRings];
+    std::uint32_t rung[kRings];
+    bool ready = false;
+    for (std::uint32_t r = 0; r < kRings; r++) {
+      rung[r] = rings[r].sleep_begin();
+      words[r] = rings[r].data_bell();
+    }
+    for (std::uint32_t r = 0; r < kRings; r++) ready = ready || !rings[r].empty();
+    if (!ready) {
+      const auto s0 = std::chrono::steady_clock::now();
+      check(smddp::futex_wait_any(words, rung, kRings, kSecond), "futex_wait_any is there");
+      check(std::chrono::steady_clock::now() - s0 < std::chrono::milliseconds(900), "woken, not timed out");
+      sleeps++;
+    }
+    for (std::uint32_t r = 0; r < kRings; r++) rings[r].sleep_end();
+  }
+  int status = 0;
+  waitpid(child, &status, 0);
+  check(ok && total == kN, "wait_any: every descriptor once, in order per ring (" + std::to_string(total) + ")");
+  check(WIFEXITED(status) && WEXITSTATUS(status) == 0, "wait_any: the producer pushed everything");
+  check(sleeps > 100, "wait_any: the consumer slept (" + std::to_string(sleeps) + " times)");
+  munmap(base, kRings * bytes);
+}
+
 }  // namespace
 
 int main() {
   test_processes();  // first: fork before any thread exists
+  test_wait_any();
   test_timeouts_and_corruption();
   test_threads(2, 0, 30000);          // tiny, never spinning: both sides sleep on their futexes constantly
   test_threads(64, 20000, 200000);     // spinning 20 us, then sleeping
