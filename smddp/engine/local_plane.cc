@@ -582,6 +582,11 @@ bool LocalPlane::inputs_in(const Op& o, std::uint64_t end) {
       if (o.streaming[i] != nullptr && !stream_in_ready(*o.streaming[i], o.spec.seq, end)) late = i;
     if (late == cfg_.topo.local_size) return true;
     if (failed_.load()) return false;
+    // Its worker hung up (remove_worker) with its copy-in short: the daemon fails the job for that,
+    // naming it and how it ended, once this thread lets go (the poller retires the port after this
+    // returns; remove_worker waits for it). Waiting on for bytes that never come would hold every
+    // other worker's ring, and that failure, for the whole push timeout.
+    if (ports_[late]->stop.load(std::memory_order_acquire)) return false;
     const std::int64_t waited = std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();
     if (waited >= cfg_.push_timeout_ns) {
       // (ports_[late] was set before its SUBMIT, which came before this op started.)

@@ -678,6 +678,36 @@ void backlog() {
   rig.plane.close();
 }
 
+// A worker that hangs up while the collective it streams into is short of its bytes (killed mid
+// copy-in): the thread reducing that collective (a compute thread here; the one that pops the rings
+// where there are none) stops waiting for it at once, so that neither remove_worker (the daemon's
+// first step when a worker's connection ends, before it fails the job naming it), every other
+// worker's ring, nor the plane's close is held for the push timeout (20 s here).
+void gone_mid_stream() {
+  Rig rig(2);
+  constexpr std::uint64_t kCount = (1 << 20) / 4;  // the whole 1 MiB input segment: it streams
+  for (std::uint32_t r = 0; r < 2; r++) {
+    smddp::StreamShared* b = smddp::stream_block(rig.channels[r]->segment()->base());
+    b->in_seq.store(smddp::kStreamBusy);
+    b->in_bytes.store(r == 0 ? smddp::kStreamAll : 4096);  // rank 1 stops 4 KiB in
+    b->in_ring.store(kCount * 4);
+    b->in_seq.store(1);
+  }
+  for (std::uint32_t r = 0; r < 2; r++) {
+    const auto sub = header(smddp::Msg::kSubmit, r, 1, 3, 0, kCount, 2, 1, 1);
+    check(rig.channels[r]->push(sub.data(), 10 * kSecond, 0) == smddp::RingWait::kReady, "push SUBMIT");
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // reducing, and waiting for rank 1
+  check(rig.plane.in_flight() == 1, "the collective started");
+  const auto t0 = std::chrono::steady_clock::now();
+  check(!rig.plane.remove_worker(1), "rank 1 left without BYE");
+  check(!rig.plane.remove_worker(0), "rank 0 left without BYE");
+  rig.plane.close();  // (the daemon's teardown, once it has failed the job)
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  check(took < 5.0, "the ports and the plane let go in " + std::to_string(took) + " s, not after the push timeout");
+  check(rig.results.in_use() == 0, "the abandoned collective's result slot given back at close");
+}
+
 int main() {
   check(smddp::have_futex_wait_any(), "this kernel has futex_waitv (5.16 or later): the one poller is tested");
   many_collectives();
@@ -686,10 +716,12 @@ int main() {
   shared_channel();
   backlog();
   broken_rings();
+  gone_mid_stream();
   one_poller = false;  // the fallback: a thread per worker
   many_collectives();
   fast_collectives();
   broken_rings();
+  gone_mid_stream();
   if (plane_test::failures.load() != 0) return 1;
   std::printf("test_local_plane: every check held\n");
   return 0;

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -25,11 +26,7 @@ def test_a_scripts_own_failure_is_not_restarted_unless_asked(tmp_path: Path, cle
     """A script's own non-zero exit is not a crash: no restart, unless --restart-on any; a restart is
     a fresh job (another id) that sees its attempt number."""
     script = tmp_path / "fail.py"
-    script.write_text(SCRIPT)
-    proc = smddp_launch(2, 2, [str(script)], extra=["--max-restarts", "3", "--restart-delay", "0"])
-    LAUNCHED.append(attempt_job_id(LAUNCHED[-1], 1))
-    assert proc.returncode == 4, proc.stderr[-2000:]
-    assert "not a crash; not restarted (--restart-on any would)" in proc.stderr, proc.stderr[-2000:]
+    proc = _failed_without_restart(script, SCRIPT)
     assert proc.stdout.count("attempt 0 job") == 2 and "attempt 1" not in proc.stdout, proc.stdout
 
     extra = ["--max-restarts", "3", "--restart-delay", "0", "--restart-on", "any"]
@@ -57,19 +54,24 @@ def test_a_rank_stopped_because_another_failed_is_no_crash(tmp_path: Path, clean
     """Rank 0's own exit 4 makes mpirun tear the job down while rank 1 is still in it: rank 1's end
     (SIGTERM, no status of its own) is a consequence, so the job is not restarted for it. (Before its
     wrapper said so, its daemon took a rank gone without a status for a crash, and restarted it.)"""
-    script = tmp_path / "torn.py"
-    script.write_text(TORN)
-    proc = smddp_launch(2, 2, [str(script)], extra=["--max-restarts", "3", "--restart-delay", "0"])
-    LAUNCHED.append(attempt_job_id(LAUNCHED[-1], 1))
-    assert proc.returncode == 4, proc.stderr[-2000:]
-    assert "not a crash; not restarted (--restart-on any would)" in proc.stderr, proc.stderr[-2000:]
+    proc = _failed_without_restart(tmp_path / "torn.py", TORN)
     assert "stopped with its job: mpirun or the scheduler tore the job down" in proc.stderr, proc.stderr[
         -2000:
     ]
 
 
+def _failed_without_restart(script: Path, text: str) -> subprocess.CompletedProcess[str]:
+    """`text` run as `script` (2 ranks on 2 nodes, --max-restarts 3): it ends with status 4, which
+    is said to be no crash, and is not restarted."""
+    script.write_text(text)
+    proc = smddp_launch(2, 2, [str(script)], extra=["--max-restarts", "3", "--restart-delay", "0"])
+    LAUNCHED.append(attempt_job_id(LAUNCHED[-1], 1))
+    assert proc.returncode == 4, proc.stderr[-2000:]
+    assert "not a crash; not restarted (--restart-on any would)" in proc.stderr, proc.stderr[-2000:]
+    return proc
+
+
 def test_restart_flags_are_checked() -> None:
-    import subprocess
     import sys
 
     from tests.conftest import BIN
