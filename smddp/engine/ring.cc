@@ -77,9 +77,11 @@ bool futex_wait_any(std::atomic<std::uint32_t>* const* words, const std::uint32_
 }
 
 bool have_futex_wait_any() {
-  // Zero waiters is EINVAL where the call exists.
+  // Zero waiters is EINVAL where the call exists and may be made. ENOSYS: an older kernel; EPERM: a
+  // seccomp filter that predates it (container runtimes' default profiles before 2022), where every
+  // call would fail at once and the poller would never sleep.
   const long r = syscall(SYS_futex_waitv, nullptr, 0u, 0u, nullptr, static_cast<int>(CLOCK_MONOTONIC));
-  return !(r < 0 && errno == ENOSYS);
+  return r < 0 && errno == EINVAL;
 }
 
 // One wait of a producer for space or a consumer for data, once its attempt found none: false when

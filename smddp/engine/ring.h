@@ -94,7 +94,7 @@ constexpr std::size_t kWaitAnyMax = 128;
 // futex_waitv (Linux 5.16). False, at once, where the kernel has no futex_waitv.
 bool futex_wait_any(std::atomic<std::uint32_t>* const* words, const std::uint32_t* expected, std::size_t n,
                     std::int64_t timeout_ns);
-// Whether this kernel has futex_waitv.
+// Whether this process may call futex_waitv (the kernel has it, and no seccomp filter refuses it).
 bool have_futex_wait_any();
 
 }  // namespace smddp
