@@ -137,7 +137,7 @@ class LocalPlane final : private Exchange::Owner {
 
   // Local rank `local` (global rank `rank`, named `name`) joined with its channel (mapped
   // read-write, channel_bytes() or more) and the daemon's end of its side socket (`side`, which the
-  // plane owns from now on: closed on a refusal too): its thread starts. "" or why not.
+  // plane owns from now on: closed on a refusal too): its ring is polled from now on. "" or why not.
   std::string add_worker(std::uint32_t local, std::uint32_t rank, const std::string& name,
                          std::shared_ptr<Segment> channel, int side);
   // The worker's connection ended: its thread handles what the worker had published, then stops.

@@ -973,7 +973,7 @@ Py_ssize_t plane_len(PyObject* self) { return static_cast<Py_ssize_t>(plane_of(s
 
 PyMethodDef kPlaneMethods[] = {
     {"add_worker", plane_add_worker, METH_VARARGS,
-     "add_worker(local, rank, name, channel, side): its thread starts (the plane owns the fd side)"},
+     "add_worker(local, rank, name, channel, side): its ring is polled from now on (the plane owns the fd side)"},
     {"remove_worker", plane_remove_worker, METH_O, "remove_worker(local) -> it said BYE (its ring handled first)"},
     {"rank_left_early", plane_rank_left_early, METH_VARARGS,
      "rank_left_early(local, joined, reason) -> recorded; raises if a collective waits for it"},
