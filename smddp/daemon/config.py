@@ -78,9 +78,6 @@ class PlaneConfig:
     spin_us: float  # link threads and the progress thread spin this long, then sleep
     push_timeout_s: float  # a done ring full this long: its worker is stuck
     threads: int  # compute threads sharing the chunks of large collectives (0: none)
-    # One thread pops every worker's submit ring, asleep on all their bells at once (futex_waitv,
-    # Linux 5.16); False, or an older kernel: a thread per worker (docs/engine.md, "Threads").
-    one_poller: bool = True
     replicate_bytes: int = 0  # collectives up to this size are replicated on every node
     node_names: tuple[str, ...] = ()  # node j in messages (one per node; several nodes only)
     heartbeat_s: float = 0.0  # between daemons: a link silent this long is down (0: no heartbeats)

@@ -549,7 +549,6 @@ PyObject* plane_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   cfg.node_names = f.strs("node_names");
   cfg.me = f.str("me");
   cfg.trace = f.flag("trace");
-  cfg.one_poller = f.flag("one_poller");
   cfg.fabric = f.str("fabric");
   cfg.ofi_library = f.str("ofi_library");
   cfg.ofi_provider = f.str("ofi_provider");

@@ -73,7 +73,7 @@ bool futex_wait_any(std::atomic<std::uint32_t>* const* words, const std::uint32_
   timespec until{static_cast<time_t>(now.tv_sec + timeout_ns / 1'000'000'000 + ns / 1'000'000'000),
                  static_cast<long>(ns % 1'000'000'000)};
   const long r = syscall(SYS_futex_waitv, v, static_cast<unsigned>(n), 0u, &until, static_cast<int>(CLOCK_MONOTONIC));
-  return !(r < 0 && errno == ENOSYS);
+  return !(r < 0 && (errno == ENOSYS || errno == EPERM));
 }
 
 bool have_futex_wait_any() {

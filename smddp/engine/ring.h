@@ -91,7 +91,7 @@ void futex_wake(std::atomic<std::uint32_t>* word, int n);
 // At most this many words for futex_wait_any (the kernel's limit).
 constexpr std::size_t kWaitAnyMax = 128;
 // Waits until any of `n` shared words is woken (or differs from its `expected`), up to timeout_ns:
-// futex_waitv (Linux 5.16). False, at once, where the kernel has no futex_waitv.
+// futex_waitv (Linux 5.16). False, at once, where the call may not be made (have_futex_wait_any).
 bool futex_wait_any(std::atomic<std::uint32_t>* const* words, const std::uint32_t* expected, std::size_t n,
                     std::int64_t timeout_ns);
 // Whether this process may call futex_waitv (the kernel has it, and no seccomp filter refuses it).

@@ -1,6 +1,6 @@
 // One worker's port on the daemon: its channel's two rings, its side socket, the result segments it
 // has been told of (docs/engine.md, "The data plane"). Its submit ring is popped by the plane's one
-// poller, or by a thread of its own where the kernel has no futex_waitv (LocalPlane).
+// poller, or by a thread of its own where futex_waitv may not be called (LocalPlane).
 //
 // Threads and memory: that thread alone pops the submit ring and reads the side socket for
 // ATTACH fds, and so alone touches `segments` (the worker's input segments, mapped while the port

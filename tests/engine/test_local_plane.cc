@@ -697,8 +697,16 @@ void gone_mid_stream() {
     const auto sub = header(smddp::Msg::kSubmit, r, 1, 3, 0, kCount, 2, 1, 1);
     check(rig.channels[r]->push(sub.data(), 10 * kSecond, 0) == smddp::RingWait::kReady, "push SUBMIT");
   }
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // reducing, and waiting for rank 1
-  check(rig.plane.in_flight() == 1, "the collective started");
+  // Both SUBMITs taken (nobody late): the collective is reducing, and waits for rank 1's bytes.
+  auto started = [&rig] {
+    const auto w = rig.plane.waiting();
+    return w.size() == 1 && w[0].late.empty();
+  };
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!started() && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  check(started() && rig.plane.in_flight() == 1, "the collective started");
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // (its reduction now waiting)
   const auto t0 = std::chrono::steady_clock::now();
   check(!rig.plane.remove_worker(1), "rank 1 left without BYE");
   check(!rig.plane.remove_worker(0), "rank 0 left without BYE");

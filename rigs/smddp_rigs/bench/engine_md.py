@@ -60,34 +60,32 @@ def _ratios(med: dict[str, dict[int, float]]) -> dict[int, float]:
     return {s: mine[s] / _best(med, s)[1] for s in sorted(mine) if _best(med, s)[0]}
 
 
+def _slowest(
+    what: str, med: dict[str, dict[int, float]], ratios: dict[int, float], limit: float, name_over: bool
+) -> Figure:
+    """The slowest of `ratios` (size -> smddp over the best baseline) against `limit`; with
+    `name_over`, every size above the limit named in the note."""
+    worst = max(ratios, key=lambda s: ratios[s])
+    over = ", ".join(f"{fmt_size(s)} {r:.2f}" for s, r in ratios.items() if r > limit) if name_over else ""
+    note = f"{fmt_size(worst)} against {_best(med, worst)[0]}" + (
+        f"; above {limit:g}: {over}" if over else ""
+    )
+    return Figure(what, ratios[worst], "<=", limit, note)
+
+
 def sweep_figures(label: str, sweep: dict[str, Any]) -> list[Figure]:
     """The issue's sweep rules: no size slower than 1.5x the best baseline, at or below it from 1 MiB."""
     med = _medians(sweep)
     ratios = _ratios(med)
     if not ratios:
         return []
-    worst = max(ratios, key=lambda s: ratios[s])
     figs = [
-        Figure(
-            f"{label}: slowest size against the best of {', '.join(BASELINES)}",
-            ratios[worst],
-            "<=",
-            1.5,
-            f"{fmt_size(worst)} against {_best(med, worst)[0]}",
-        )
+        _slowest(f"{label}: slowest size against the best of {', '.join(BASELINES)}", med, ratios, 1.5, False)
     ]
     big = {s: r for s, r in ratios.items() if s >= 1 << 20}
     if big:
-        w = max(big, key=lambda s: big[s])
-        over = ", ".join(f"{fmt_size(s)} {r:.2f}" for s, r in big.items() if r > 1.0)
         figs.append(
-            Figure(
-                f"{label}: from 1 MiB up, the slowest size against the best",
-                big[w],
-                "<=",
-                1.0,
-                f"{fmt_size(w)} against {_best(med, w)[0]}" + (f"; above 1: {over}" if over else ""),
-            )
+            _slowest(f"{label}: from 1 MiB up, the slowest size against the best", med, big, 1.0, True)
         )
     return figs
 
@@ -283,14 +281,8 @@ def worst_size_figure(label: str, sweep: dict[str, Any], limit: float) -> Figure
     ratios = _ratios(med)
     if not ratios:
         return None
-    worst = max(ratios, key=lambda s: ratios[s])
-    over = ", ".join(f"{fmt_size(s)} {r:.2f}" for s, r in ratios.items() if r > limit)
-    return Figure(
-        f"{label}: slowest size against the best of {', '.join(BASELINES)}",
-        ratios[worst],
-        "<=",
-        limit,
-        f"{fmt_size(worst)} against {_best(med, worst)[0]}" + (f"; above {limit:g}: {over}" if over else ""),
+    return _slowest(
+        f"{label}: slowest size against the best of {', '.join(BASELINES)}", med, ratios, limit, True
     )
 
 
