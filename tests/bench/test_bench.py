@@ -438,3 +438,36 @@ def test_calls_rig_writes_what_benchmarks_md_quotes(tmp_path):
     targets = json.loads((REPO / "bench-results" / "targets.json").read_text())
     text = render(targets, None, [], calls=[report])
     assert "## One call, the way a training step meets it (issue 29)" in text and md.strip() in text
+
+
+@pytest.mark.timeout(120)
+def test_copies_rig_sums_to_the_bit_both_ways(monkeypatch):
+    """`python -m smddp_rigs.bench.copies` (docs/performance.md's copy-fewer figures): both ways leave
+    the ranks' left-to-right float32 sum in every rank's buffer, on either page size, and a way that
+    leaves anything else is refused rather than timed."""
+    from smddp_rigs.bench import copies
+
+    for huge in (False, True):
+        cfg = copies.CopiesConfig(workers=3, sizes=(1 << 20, 3 << 20), chunk=64 << 10, rounds=1, huge=huge)
+        res = copies.run(cfg)
+        assert set(res) == {str(1 << 20), str(3 << 20)}
+        assert all(t["staging"] > 0 and t["cma"] > 0 for t in res.values())
+    real = copies._move
+
+    def short(fn, pid, remote, n, local):  # the sum written back to every rank but the last
+        if fn.__name__ == "process_vm_writev" and pid == last[0]:
+            return
+        real(fn, pid, remote, n, local)
+
+    last = [0]
+    orig_ranks = copies._Ranks
+
+    class Ranks(orig_ranks):  # type: ignore[misc, valid-type]
+        def __init__(self, cfg):
+            super().__init__(cfg)
+            last[0] = self.pids[-1]
+
+    monkeypatch.setattr(copies, "_Ranks", Ranks)
+    monkeypatch.setattr(copies, "_move", short)
+    with pytest.raises(AssertionError, match="cma left another sum"):
+        copies.run(copies.CopiesConfig(workers=2, sizes=(1 << 20,), chunk=64 << 10, rounds=1))
