@@ -145,15 +145,16 @@ struct Views {
   }
 };
 
-// reduce16(kind, op, inputs, out, divisor) -> block indices left unwritten (their result holds a NaN):
-// the block kernel alone, for its tests; reduce() is what the daemon runs.
+// reduce16(kind, op, inputs, out, divisor[, portable]) -> block indices left unwritten (their result
+// holds a NaN): the block kernel alone, for its tests; reduce() is what the daemon runs.
 // kind: 0 float16, 1 bfloat16; op: 0 sum, 1 min, 2 max; divisor 0.0 for none. Inputs and out are
 // C-contiguous buffers of equally many 16-bit elements; out may alias an input element-wise.
+// portable: bfloat16 by the baseline's loops where the CPU would run the AVX2 ones.
 PyObject* py_reduce16(PyObject*, PyObject* args) {
-  int kind = 0, op = 0;
+  int kind = 0, op = 0, portable = 0;
   PyObject *inputs = nullptr, *out_obj = nullptr;
   float divisor = 0.0f;
-  if (!PyArg_ParseTuple(args, "iiOOf", &kind, &op, &inputs, &out_obj, &divisor)) return nullptr;
+  if (!PyArg_ParseTuple(args, "iiOOf|p", &kind, &op, &inputs, &out_obj, &divisor, &portable)) return nullptr;
   if (kind != 0 && kind != 1) return PyErr_Format(PyExc_ValueError, "unknown kind %d", kind);
   if (op < 0 || op > 2) return PyErr_Format(PyExc_ValueError, "unknown op %d", op);
   if (kind == 0 && !smddp::have_f16c()) return PyErr_Format(PyExc_NotImplementedError, "float16 needs a CPU with F16C");
@@ -185,7 +186,8 @@ PyObject* py_reduce16(PyObject*, PyObject* args) {
         Py_BEGIN_ALLOW_THREADS
         try {
           smddp::reduce16(static_cast<smddp::Half>(kind), static_cast<smddp::Fold>(op), ptrs.data(),
-                          static_cast<std::size_t>(k), static_cast<std::size_t>(len / 2), out, divisor, &nan_blocks);
+                          static_cast<std::size_t>(k), static_cast<std::size_t>(len / 2), out, divisor, &nan_blocks,
+                          portable != 0);
         } catch (const std::bad_alloc&) {
           oom = true;
         }
@@ -1050,7 +1052,7 @@ PyMethodDef kMethods[] = {
     {"locate_reduce", py_locate_reduce, METH_VARARGS,
      "locate_reduce(count, itemsize, nshards, chunk_elems, shard, byte_offset, byte_length) -> (index, start, end)"},
     {"reduce16", py_reduce16, METH_VARARGS,
-     "reduce16(kind, op, inputs, out, divisor) -> block indices (NaN) left for the caller"},
+     "reduce16(kind, op, inputs, out, divisor[, portable]) -> block indices (NaN) left for the caller"},
     {"reduce", py_reduce, METH_VARARGS,
      "reduce(dtype, op, inputs, out, divisor) -> None: the daemon's kernel, any wire dtype"},
     {"shard_range", py_shard_range, METH_VARARGS, "shard_range(count, nshards, shard) -> (start, end)"},

@@ -26,8 +26,10 @@ bool have_f16c();
 // out[i] = fold(in[0][i], in[1][i], ...) / divisor (divisor 0: none) for i < n; `out` may alias an
 // input element-wise. Appends to `nan_blocks` the blocks left unwritten because they hold a NaN.
 // Requires k >= 1, every in[j] and out holding n elements, and have_f16c() for float16.
+// `portable`: bfloat16 by the baseline's loops even where the AVX2 ones would run (their tests
+// compare the two: the same bits).
 void reduce16(Half kind, Fold op, const std::uint16_t* const* in, std::size_t k, std::size_t n,
-              std::uint16_t* out, float divisor, std::vector<std::size_t>* nan_blocks);
+              std::uint16_t* out, float divisor, std::vector<std::size_t>* nan_blocks, bool portable = false);
 
 // Writes block `block` of a reduce16 call that left it (it holds a NaN), element by element, by the
 // engine's own NaN rule (reduce.h): where a NaN meets a value the first NaN is kept, quieted for a

@@ -380,6 +380,29 @@ def test_compiled_kernel_without_nan_takes_no_fallback(compiled, dtype, op, ninp
             assert_same_bits(out[lo:hi], want[lo:hi], f"{dtype} {op} x{ninputs} block {i}")
 
 
+@pytest.mark.parametrize("ninputs", [1, 2, 4, 7])
+@pytest.mark.parametrize("op", OPS)
+def test_bfloat16_loops_give_the_same_bits_for_the_baseline_and_avx2(compiled, op, ninputs):
+    """The bfloat16 loops are compiled twice (the baseline's, and AVX2's where the CPU has it): the
+    same bits from both, NaN blocks left alike, special values and a ragged tail included. (On a CPU
+    without AVX2 both calls run the baseline's.)"""
+    n = 5 * compiled.BLOCK + 29
+    rng = np.random.default_rng([ninputs, OPS.index(op), 16])
+    with np.errstate(all="ignore"):
+        inputs = [gen("bfloat16", n, rng) for _ in range(ninputs)]
+    div = float(ninputs) if op == "avg" else 0.0
+    code = {"sum": 0, "avg": 0, "min": 1, "max": 2}[op]
+    fast, base = garbage("bfloat16", n), garbage("bfloat16", n)
+    left = compiled.reduce16(1, code, inputs, fast, div)
+    assert compiled.reduce16(1, code, inputs, base, div, True) == left
+    assert bits(fast) == bits(base), f"bfloat16 {op} x{ninputs}"
+    with np.errstate(all="ignore"):
+        clean = [_no_nan("bfloat16", n, rng) for _ in range(ninputs)]
+    fast, base = garbage("bfloat16", n), garbage("bfloat16", n)
+    assert compiled.reduce16(1, code, clean, fast, div) == compiled.reduce16(1, code, clean, base, div, True)
+    assert bits(fast) == bits(base), f"bfloat16 {op} x{ninputs}, no NaN"
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_compiled_kernel_leaves_nan_blocks_to_the_nan_rule(compiled, dtype):
     """One NaN in the middle block: the block kernel leaves only that block unwritten, and the
