@@ -95,13 +95,30 @@ inline T average(T sum, std::uint64_t divisor) {
   }
 }
 
+// K inputs (a node's workers, or its peers' partials: a few) folded in one pass over the block: each
+// element read once from every input and written once, the same left fold as the loop below.
+template <std::size_t K, class T, class F>
+[[gnu::always_inline]] inline void fold_fused(const void* const* in_raw, std::size_t i0, std::size_t m, T* acc, F f) {
+  const T* x[K];
+  for (std::size_t j = 0; j < K; j++) x[j] = static_cast<const T*>(in_raw[j]) + i0;
+  for (std::size_t i = 0; i < m; i++) {
+    T s = f(x[0][i], x[1][i]);
+    for (std::size_t j = 2; j < K; j++) s = f(s, x[j][i]);
+    acc[i] = s;
+  }
+}
+
 template <class T, class F>
 [[gnu::always_inline]] inline void fold_block(const void* const* in_raw, std::size_t k, std::size_t i0, std::size_t m,
                                               T* acc, F f) {
   const T* a = static_cast<const T*>(in_raw[0]) + i0;
-  if (k == 1) {
-    std::memmove(acc, a, m * sizeof(T));
-    return;
+  switch (k) {
+    case 1: std::memmove(acc, a, m * sizeof(T)); return;
+    case 2: fold_fused<2>(in_raw, i0, m, acc, f); return;
+    case 3: fold_fused<3>(in_raw, i0, m, acc, f); return;
+    case 4: fold_fused<4>(in_raw, i0, m, acc, f); return;
+    case 8: fold_fused<8>(in_raw, i0, m, acc, f); return;
+    default: break;
   }
   const T* b = static_cast<const T*>(in_raw[1]) + i0;
   for (std::size_t i = 0; i < m; i++) acc[i] = f(a[i], b[i]);

@@ -236,7 +236,7 @@ def test_avg_without_divisor_is_a_sum(dtype, op):
     assert_same_bits(out, ref.allreduce(inputs, dtype, "sum", nnodes=1), dtype)
 
 
-ALIASES = [(k, a) for k in (1, 2, 3, 5) for a in (0, 1, -1) if a < k]
+ALIASES = [(k, a) for k in (1, 2, 3, 4, 5, 8) for a in (0, 1, -1) if a < k]
 
 
 @pytest.mark.parametrize("ninputs,alias", ALIASES)
