@@ -37,6 +37,28 @@ inline std::uint16_t bf16_down(float f) {
   return static_cast<std::uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
+// K bfloat16 inputs folded into `acc` in one pass (as reduce.cc's fold_fused): the same left fold as
+// the input-at-a-time loops in bf16_block, so the same bits.
+template <std::size_t K, Fold kOp>
+[[gnu::always_inline]] inline void bf16_fused(const std::uint16_t* const* in, std::size_t off, std::size_t m,
+                                              float* acc) {
+  const std::uint16_t* x[K];
+  for (std::size_t j = 0; j < K; j++) x[j] = in[j] + off;
+  for (std::size_t i = 0; i < m; i++) {
+    float s = fold(bf16_up(x[0][i]), bf16_up(x[1][i]), kOp);
+    for (std::size_t j = 2; j < K; j++) s = fold(s, bf16_up(x[j][i]), kOp);
+    acc[i] = s;
+  }
+}
+
+template <std::size_t K>
+[[gnu::always_inline]] inline void bf16_fused(const std::uint16_t* const* in, std::size_t off, std::size_t m,
+                                              float* acc, Fold op) {
+  if (op == Fold::kSum) bf16_fused<K, Fold::kSum>(in, off, m, acc);
+  else if (op == Fold::kMin) bf16_fused<K, Fold::kMin>(in, off, m, acc);
+  else bf16_fused<K, Fold::kMax>(in, off, m, acc);
+}
+
 // One block of bfloat16; true if it holds a NaN (then `out` is left as it was). Plain loops the
 // compiler vectorises: compiled for the baseline and again for AVX2 below (as reduce.cc does), the
 // same operations in the same order either way, so the same bits.
@@ -44,8 +66,17 @@ inline std::uint16_t bf16_down(float f) {
                                               std::size_t m, std::uint16_t* out, Fold op, float divisor) {
   alignas(32) float acc[kReduceBlock];
   const std::uint16_t* x0 = in[0] + off;
-  for (std::size_t i = 0; i < m; i++) acc[i] = bf16_up(x0[i]);
-  for (std::size_t j = 1; j < k; j++) {
+  std::size_t folded = k;  // inputs already in `acc`
+  switch (k) {
+    case 2: bf16_fused<2>(in, off, m, acc, op); break;
+    case 3: bf16_fused<3>(in, off, m, acc, op); break;
+    case 4: bf16_fused<4>(in, off, m, acc, op); break;
+    case 8: bf16_fused<8>(in, off, m, acc, op); break;
+    default:
+      for (std::size_t i = 0; i < m; i++) acc[i] = bf16_up(x0[i]);
+      folded = 1;
+  }
+  for (std::size_t j = folded; j < k; j++) {
     const std::uint16_t* x = in[j] + off;
     if (op == Fold::kSum) {
       for (std::size_t i = 0; i < m; i++) acc[i] = acc[i] + bf16_up(x[i]);

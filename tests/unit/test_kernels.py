@@ -357,7 +357,7 @@ def compiled():
     return _engine_testing
 
 
-@pytest.mark.parametrize("ninputs", [1, 2, 4, 7])
+@pytest.mark.parametrize("ninputs", [1, 2, 3, 4, 7, 8])
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_compiled_kernel_without_nan_takes_no_fallback(compiled, dtype, op, ninputs):
@@ -380,11 +380,12 @@ def test_compiled_kernel_without_nan_takes_no_fallback(compiled, dtype, op, ninp
             assert_same_bits(out[lo:hi], want[lo:hi], f"{dtype} {op} x{ninputs} block {i}")
 
 
-@pytest.mark.parametrize("ninputs", [1, 2, 4, 7])
+@pytest.mark.parametrize("ninputs", [1, 2, 3, 4, 7, 8])
 @pytest.mark.parametrize("op", OPS)
 def test_bfloat16_loops_give_the_same_bits_for_the_baseline_and_avx2(compiled, op, ninputs):
     """The bfloat16 loops are compiled twice (the baseline's, and AVX2's where the CPU has it): the
-    same bits from both, NaN blocks left alike, special values and a ragged tail included. (On a CPU
+    same bits from both, NaN blocks left alike, special values and a ragged tail included, with the
+    input counts folded in one pass (2, 3, 4, 8) and the others. (On a CPU
     without AVX2 both calls run the baseline's.)"""
     n = 5 * compiled.BLOCK + 29
     rng = np.random.default_rng([ninputs, OPS.index(op), 16])
