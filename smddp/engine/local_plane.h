@@ -70,8 +70,8 @@ struct PlaneConfig {
   std::uint32_t threads = 2;  // compute threads sharing the chunks of large collectives (0: none)
   // One thread pops every worker's submit ring (asleep on all their bells at once: futex_waitv)
   // instead of a thread per worker; ignored where futex_waitv may not be called (an older kernel, or
-  // a seccomp filter that refuses it). The daemon keeps the default; tests/engine runs both. Measured on 2 cores, 4 workers: a 4 KiB all-reduce 18-26 us
-  // against 31-37 (docs/performance.md).
+  // a seccomp filter that refuses it). The daemon keeps the default; tests/engine runs both.
+  // Measured on 2 cores, 4 workers: a 4 KiB all-reduce 18-26 us against 31-37 (docs/performance.md).
   bool one_poller = true;
   // Between daemons: a HEARTBEAT to every peer each quarter of this, and a link that brings nothing
   // for this long goes down as silent (0: neither).

@@ -191,11 +191,6 @@ __attribute__((target("avx2"))) std::string any_type_avx2(std::uint8_t dtype, st
                                                           std::uint64_t divisor) {
   return any_type(dtype, op, in, k, n, out, divisor);
 }
-
-bool have_avx2() {
-  static const bool yes = __builtin_cpu_supports("avx2");
-  return yes;
-}
 #endif
 
 }  // namespace

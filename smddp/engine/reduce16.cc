@@ -157,26 +157,30 @@ __attribute__((target("avx2,f16c"))) bool block_f16(const std::uint16_t* const* 
 }
 #endif
 
-#if SMDDP_X86
-bool have_avx2_16() {
-  static const bool yes = __builtin_cpu_supports("avx2");
-  return yes;
-}
-#endif
-
 }  // namespace
+
+// Both asked once: every reduction asks (the daemon's, per chunk), and in a virtual machine CPUID
+// traps to the hypervisor (asked per call, it cost a 4 KiB float16 sum of 4 inputs 8 us against 1 us).
+bool have_avx2() {
+#if SMDDP_X86
+  static const bool yes = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") != 0;
+  }();
+  return yes;
+#else
+  return false;
+#endif
+}
 
 bool have_f16c() {
 #if SMDDP_X86
-  // Asked once: every float16 reduction asks (the daemon's, per chunk), and in a virtual machine
-  // CPUID traps to the hypervisor (it cost a 4 KiB float16 sum of 4 inputs 8 us against 1 us).
   static const bool yes = [] {
-    __builtin_cpu_init();
     // F16C from CPUID leaf 1 (ECX bit 29) itself: clang's __builtin_cpu_supports does not know "f16c".
     // (AVX2's check includes the OS's saving of the YMM registers, which F16C's instructions use too.)
     unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
     const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & bit_F16C) != 0;
-    return __builtin_cpu_supports("avx2") && f16c;
+    return have_avx2() && f16c;
   }();
   return yes;
 #else
@@ -190,7 +194,7 @@ void reduce16(Half kind, Fold op, const std::uint16_t* const* in, std::size_t k,
       block_bf16;
 #if SMDDP_X86
   if (kind == Half::kFloat16) block = block_f16;  // (the callers check have_f16c(), which includes AVX2)
-  else if (!portable && have_avx2_16()) block = block_bf16_avx2;
+  else if (!portable && have_avx2()) block = block_bf16_avx2;
 #else
   (void)kind;
   (void)portable;

@@ -20,6 +20,9 @@ enum class Fold : int { kSum = 0, kMin = 1, kMax = 2 };
 
 constexpr std::size_t kReduceBlock = 2048;  // elements per block: 8 KiB of float32 accumulator, in L1
 
+// Whether the CPU runs AVX2 (x86-64): the kernels' AVX2 builds are chosen by it, per call. Asked of
+// the CPU once.
+bool have_avx2();
 // Whether float16 can be reduced here (x86-64 with AVX2 and F16C); bfloat16 always can.
 bool have_f16c();
 

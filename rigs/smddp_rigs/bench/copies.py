@@ -142,6 +142,8 @@ class _Ranks:
             self.procs.append(p)
         self.addrs = [c.recv() for c in self.conns]
         self.pids = [int(p.pid or 0) for p in self.procs]
+        # Looked up here, once, not in the timed calls.
+        self.readv, self.writev = _vm_call("process_vm_readv"), _vm_call("process_vm_writev")
 
     def ask(self, what: str, n: int) -> list[object]:
         """Every rank in turn (one copy at a time: one thread's work, as the ways are compared)."""
@@ -168,15 +170,14 @@ def _staging(ranks: _Ranks, n: int) -> None:
 
 def _cma(ranks: _Ranks, n: int, chunk: int, inputs: list[np.ndarray], acc: np.ndarray) -> None:
     """No slot: each chunk of every buffer read into the cache, summed there, written back to all."""
-    readv, writev = _vm_call("process_vm_readv"), _vm_call("process_vm_writev")
     for off in range(0, n, chunk):
         m = min(chunk, n - off)
         xs = [x[: m // 4] for x in inputs]
         for w, pid in enumerate(ranks.pids):
-            _move(readv, pid, ranks.addrs[w][n] + off, m, xs[w])
+            _move(ranks.readv, pid, ranks.addrs[w][n] + off, m, xs[w])
         _sum(xs, acc[: m // 4])
         for w, pid in enumerate(ranks.pids):
-            _move(writev, pid, ranks.addrs[w][n] + off, m, acc)
+            _move(ranks.writev, pid, ranks.addrs[w][n] + off, m, acc)
 
 
 def _sum(xs: list[np.ndarray], out: np.ndarray) -> None:
