@@ -9,9 +9,9 @@ from typing import Any
 import numpy as np
 
 from smddp.client.buffers import BufferView, PartsView, as_buffer, as_parts
-from smddp.client.device.buffers import DeviceBuffer
+from smddp.client.device.buffers import DeviceBuffer, stream_handle
 from smddp.client.session import NO_DATA, Client, Handle, PipelinedHandle, check_op
-from smddp.errors import InvalidArgumentError, UnsupportedBufferError
+from smddp.errors import CollectiveTimeoutError, InvalidArgumentError, UnsupportedBufferError
 from smddp.proto.dtypes import DType, Kind, ReduceOp, dtype_from_numpy
 from smddp.proto.layout import shard_bounds
 
@@ -161,12 +161,32 @@ def allreduce_async(c: Client, buf: Any, op: Any = ReduceOp.SUM, stream: Any = N
 
 def allreduce(c: Client, buf: Any, op: Any, timeout: float | None, stream: Any = None) -> Any:
     """The blocking all-reduce: a numpy array in one pass through the engine where it can
-    (Client.allreduce_now), anything else as allreduce_async(...).wait()."""
+    (Client.allreduce_now), a device buffer with its copies in line (allreduce_device_now), anything
+    else as allreduce_async(...).wait()."""
     if stream is None and type(buf) is np.ndarray:
         dt = _usable_array(c, buf)
         if dt is not None and c.allreduce_now(buf, dt, buf.size, check_op(op), timeout):
             return buf
-    return waited(c, lambda: allreduce_async(c, buf, op, stream), timeout)
+    rop = check_op(op)
+    dev = c.device_buffer(buf, "buffer", writable=True)
+    if dev is not None:
+        allreduce_device_now(c, dev, rop, stream, timeout)
+        return buf
+    return waited(c, lambda: allreduce_async(c, buf, rop, stream), timeout)
+
+
+def allreduce_device_now(
+    c: Client, dev: DeviceBuffer, rop: ReduceOp, stream: Any, timeout: float | None
+) -> Any:
+    """A blocking all-reduce of device buffer `dev`: in one piece with its copies in line on the
+    caller's stream where it can be (Client.device_allreduce_now; returns the event after the copy
+    back), else as an asynchronous one waited for at once (None)."""
+    explicit = None if stream is None else stream_handle(stream)
+    here = c.in_line(dev, explicit) if dev.count and whole(c, dev.nbytes) else None
+    if here is not None:
+        return c.device_allreduce_now(dev, rop, here, timeout)
+    waited(c, lambda: _allreduce_device(c, dev, rop, stream, None), timeout)
+    return None
 
 
 def waited(c: Client, start: Callable[[], Handle], timeout: float | None) -> Any:
@@ -174,7 +194,17 @@ def waited(c: Client, start: Callable[[], Handle], timeout: float | None) -> Any
     then goes from the wait, on this thread) and wait for it."""
     with c.waiting():
         h = start()
-    return h.wait(timeout)
+    try:
+        return h.wait(timeout)
+    except CollectiveTimeoutError:
+        # Nobody waits for it again: collected, so that whichever thread takes its DONE completes it
+        # (its result lands where it was going, and its memory goes back), as a fast call's does.
+        h.add_done_callback(_ignore)
+        raise
+
+
+def _ignore(_h: Handle) -> None:
+    pass
 
 
 def _one_piece(nbytes: int, piece_bytes: int) -> bool:

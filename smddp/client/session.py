@@ -726,9 +726,37 @@ class Client:
         the wait of a caller that waits at once; the channel keeps every later SUBMIT behind it). Its
         result goes back to the device (DeviceHandle._arrived), and its wait returns `result`. A plan
         with no `src` (a broadcast's receiver) sends no data. Host collectives are start_async's."""
+        handle, ready = self._reserve_device(kind, dtype, count, op, root, result, device)
+        refused: TimeoutError | ProtocolError | None = None
+        with self._lock:
+            if ready is not None:
+                # This one waits for its copy-in (the channel keeps later SUBMITs behind it). One whose
+                # caller waits for it at once is sent by that wait: the submitter thread is not woken
+                # for it (_send_held).
+                self._hold(handle, ready, self._waited())
+            elif self._failure is None and not self._closed:
+                try:
+                    handle.give(self.config.timeout_s)
+                except (TimeoutError, ProtocolError) as e:
+                    refused = e
+        if refused is not None:
+            raise self._give_failed(refused) from None
+        return handle
+
+    def _reserve_device(
+        self,
+        kind: Kind,
+        dtype: DType,
+        count: int,
+        op: ReduceOp | None,
+        root: int,
+        result: Any,
+        device: DevicePlan,
+    ) -> tuple[DeviceHandle, Any]:
+        """A device collective's slot, its copy-in enqueued there, and its record under the channel's
+        next sequence number, not yet given: (its handle, the copy-in's event, None if it sends no data)."""
         nbytes = count * dtype.itemsize
         lost: ConnectionClosed | None = None
-        refused: TimeoutError | ProtocolError | None = None
         with self._lock:
             self._check_open()
             slot = None
@@ -738,38 +766,83 @@ class Client:
                 slot, lost = self._alloc_locked(nbytes)
                 if slot is not None:  # (else lost: failed below)
                     ready = self._copy_in(device, src, slot)
-            handle: DeviceHandle | None = None
             if lost is None:
-                handle = self._channel.reserve_record(
+                handle: DeviceHandle = self._channel.reserve_record(
                     kind, count, dtype, op or 0, root, None if slot is None else (slot.segment, slot.offset, slot.nbytes),
                     _result_bytes(kind, nbytes, self.size), result, device.keepalive, DeviceHandle,
                 )  # fmt: skip
                 handle._plan = device
-                if ready is not None:
-                    # This one waits for its copy-in (the channel keeps later SUBMITs behind it). One whose
-                    # caller waits for it at once is sent by that wait: the submitter thread is not woken
-                    # for it (_send_held).
-                    waited = self._waited()
-                    self._holding[handle.seq] = _Held(ready, handle, time.monotonic())
-                    handle._held = True
-                    handle._sends = waited
-                    self._start_submitter()
-                    if not waited:
-                        self._held_cv.notify_all()
-                else:
-                    try:
-                        handle.give(self.config.timeout_s)
-                    except (TimeoutError, ProtocolError) as e:
-                        refused = e
-        if lost is not None:  # (no slot was taken: _alloc_locked gives none with a loss)
-            # Outside the lock: _fail takes it too (the reader thread may be failing us right now).
-            self._fail(_daemon_lost(f"rank {self.rank}: lost the node daemon: {lost}"))
-            assert self._failure is not None  # set by _fail, now or by the reader before it
-            raise fresh(self._failure) from None
+                return handle, ready
+        # Outside the lock: _fail takes it too (the reader thread may be failing us right now). No
+        # slot was taken: _alloc_locked gives none with a loss.
+        self._fail(_daemon_lost(f"rank {self.rank}: lost the node daemon: {lost}"))
+        assert self._failure is not None  # set by _fail, now or by the reader before it
+        raise fresh(self._failure) from None
+
+    def _hold(self, handle: DeviceHandle, ready: Any, sends: bool) -> None:
+        """(lock held) Hold `handle`'s SUBMIT until its copy-in (`ready`) is complete: sent by the
+        submitter thread, or by its caller's wait where `sends` (the caller waits at once)."""
+        self._holding[handle.seq] = _Held(ready, handle, time.monotonic())
+        handle._held = True
+        handle._sends = sends
+        self._start_submitter()
+        if not sends:
+            self._held_cv.notify_all()
+
+    def device_allreduce_now(
+        self, dev: DeviceBuffer, op: ReduceOp, stream: int, timeout: float | None
+    ) -> Any:
+        """A blocking all-reduce of device buffer `dev` in place, in one piece, for a caller that waits
+        for it at once on `stream` (the stream its work on `dev` is queued on): the copy to the host
+        in line on `stream`, this thread waiting for it and sending the SUBMIT, taking the DONE and
+        enqueuing the copy back in line on `stream` too. Returns the event after that copy: the
+        caller's later work on `stream` is ordered after it already. The same record, copies and
+        RELEASE as submit() and DeviceHandle.wait(), without their hand-offs: nothing is held for
+        another thread, and no thread but the releaser's (the RELEASE once the copy back is done) is
+        woken (issue 28: a 4 KiB call's Python there was most of its time beyond the copies).
+
+        Raises as a wait does. A copy-in not complete within `timeout` leaves the collective to the
+        submitter thread (its SUBMIT sent once the copy lands, its result copied back on `stream` when
+        it comes) and raises CollectiveTimeoutError: it is still in flight."""
+        t = self.config.timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + t
+        plan = DevicePlan(
+            dev.device, dev, None, [(dev, 0, dev.nbytes)], stream, dev.library, dev.keepalive, inline=stream
+        )
+        handle, ready = self._reserve_device(Kind.ALLREDUCE, dev.dtype, dev.count, op, 0, None, plan)
+        error: SmddpError | None = None
+        try:
+            copied = self._copied(ready, deadline)
+        except SmddpError as e:
+            error = e
+        except Exception as e:
+            error = DeviceError(f"the copy-in of collective #{handle.seq} failed: {e!r}")
+        if error is not None:
+            self._device_failed(error)  # (the record is the channel's live one: the failure finishes it)
+            copied = True
+        refused: TimeoutError | ProtocolError | None = None
+        with self._lock:
+            if not copied:
+                self._hold(handle, ready, False)  # the submitter thread sends it once its copy lands
+            elif self._failure is None and not self._closed:
+                try:
+                    handle.give(self.config.timeout_s)
+                except (TimeoutError, ProtocolError) as e:
+                    refused = e
         if refused is not None:
             raise self._give_failed(refused) from None
-        assert handle is not None
-        return handle
+        try:
+            # Its DONE's taker (this wait, mostly) runs _arrived: the copy back.
+            _engine.Started.wait(handle, max(0.0, deadline - time.monotonic()))
+        except CollectiveTimeoutError:
+            # Nobody waits for it again: collected, so that whichever thread takes its DONE copies its
+            # result back (on `stream`, where the caller's later work finds it) and RELEASEs it.
+            handle._collect()
+            raise CollectiveTimeoutError(
+                f"collective #{handle.seq} (allreduce, {dev.dtype.label}, count={dev.count}) "
+                f"did not complete within {t:g}s; it is still in flight"
+            ) from None
+        return plan.done
 
     def allreduce_now(
         self,
@@ -1020,20 +1093,23 @@ class Client:
                     f"device buffers of one collective must be on one device: cuda:{b.device} and cuda:{like.device}"
                 )
             exported = exported or b.via == "dlpack"
-        producer = io.producer_stream(like, explicit)
         consumer = explicit if explicit is not None else (like.stream if like.stream_given else None)
-        # A DLPack export made the copy-in lane wait for its library's current stream; with `stream=`
-        # naming another, a copy in line on that one alone would not wait for the producer's work.
-        if inline and producer is not None and not (exported and explicit is not None) and self._waited():
+        producer = io.producer_stream(like, explicit)
+        here = _in_line(producer, explicit, exported) if inline and self._waited() else None
+        if here is not None:
             # Waited for at once (Client.waiting): the copies run on the caller's stream, in line,
             # after its work there (DevicePlan.inline); no event orders them.
-            if consumer is None:
-                consumer = producer
             return DevicePlan(
-                like.device, src, None, outputs, consumer, like.library, keepalive, inline=producer
-            )
+                like.device, src, None, outputs, here if consumer is None else consumer, like.library,
+                keepalive, inline=here,
+            )  # fmt: skip
         before = io.mark(producer, like.device)
         return DevicePlan(like.device, src, before, outputs, consumer, like.library, keepalive)
+
+    def in_line(self, like: DeviceBuffer, explicit: int | None) -> int | None:
+        """The stream on which the copies of a collective of `like` alone may run in line for a caller
+        that waits for it at once (_in_line), `explicit` being the `stream=` it passed."""
+        return _in_line(self._device_io().producer_stream(like, explicit), explicit, like.via == "dlpack")
 
     def _copy_in(self, plan: DevicePlan, src: DeviceBuffer, slot: Slot) -> Any:
         """Enqueue the copy of `src` into `slot` (lock held); on failure free the slot and raise."""
@@ -1353,6 +1429,18 @@ class Client:
             self._wrapper.cause(status)
         if first and getattr(err, "infra", False) and self._wrapper is not None:
             self._wrapper.infra(str(err))
+
+
+def _in_line(producer: int | None, explicit: int | None, exported: bool) -> int | None:
+    """Where a device collective's copies may run in line for a caller that waits for it at once: on
+    `producer`, the stream its work on the buffers is queued on (the one passed, the buffer's, or its
+    library's current one). None where they may not: no stream is known, or a DLPack export
+    (`exported`) made the copy-in lane wait for its library's current stream while `stream=`
+    (`explicit`) names another, so a copy in line on that one alone would not wait for the
+    producer's work."""
+    if producer is None or (exported and explicit is not None):
+        return None
+    return producer
 
 
 def _daemon_lost(why: str) -> PeerLostError:

@@ -1071,6 +1071,8 @@ class ProcessGroupSmddp(dist.ProcessGroup):
                     # for asyncOp=False) waits for no Work where a backend returns none: making one
                     # (pybind's Work.__init__) cost as much as a fifth of the call.
                     return None
+            elif not getattr(opts, "asyncOp", True) and self._allreduce_one_device_now(opts, tensors[0]):
+                return None  # complete, and the caller's stream ordered after it already
         opts = opts if opts is not None else dist.AllreduceOptions()
         op = _op(opts, "all_reduce")
         ts = [_check_tensor(t, "all_reduce") for t in tensors]
@@ -1132,6 +1134,28 @@ class ProcessGroupSmddp(dist.ProcessGroup):
         work = SmddpWork("all_reduce", tensors, self._timeout_of(opts))
         _queue_work(work, [h], None, None)
         return work
+
+    def _allreduce_one_device_now(self, opts: Any, t: Any) -> bool:
+        """`dist.all_reduce(t)` of one contiguous device tensor that goes in one piece: both copies in line
+        on the caller's current stream, the SUBMIT and the DONE taken in this thread
+        (Client.device_allreduce_now), no Work (torch waits for none where a backend returns none,
+        and the copy back is ordered before the caller's next work on its stream already). Errors
+        raise from the call. False, with nothing done, for anything else (the general way takes it)."""
+        if type(t) is not torch.Tensor or t.dtype not in _DEVICE_WIRE or not t.is_contiguous():
+            return False
+        device = _device_of([t], "all_reduce")
+        n = t.numel()
+        if not isinstance(device, _DeviceRoute) or not n:
+            return False
+        c = smddp.client()
+        if not whole(c, n * t.element_size()):
+            return False
+        op = _op(opts, "all_reduce")  # (refused before anything is sent: routed to the side group)
+        s = device.streams
+        dev = c.device_buffer(s.buf(t), "all_reduce", writable=True)
+        assert dev is not None  # (a described tensor is device memory)
+        s.follow(c.device_allreduce_now(dev, op, s.current_handle(), self._seconds_of(opts)))
+        return True
 
     def _allreduce_now(self, ts: list[torch.Tensor], op: smddp.ReduceOp, opts: Any, result: Any) -> dist.Work:
         """A blocking all-reduce of contiguous host tensors: run here, whole, each through the engine in

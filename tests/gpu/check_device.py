@@ -239,6 +239,45 @@ def error_cases(rt: Any) -> dict[str, str]:
     return out
 
 
+def late_copy(rank: int, world: int, count: int) -> dict[str, Any]:
+    """A blocking device all-reduce of `count` float32 whose copy-in cannot start in time: rank 0's
+    stream is still busy with a long kernel past the call's timeout. Rank 0 is told so
+    (CollectiveTimeoutError, within about that timeout), its collective is still sent once the copy
+    lands, every rank gets the exact result, rank 0's lands in its array all the same, and the job
+    goes on."""
+    import time
+
+    import smddp
+    from smddp.errors import CollectiveTimeoutError
+
+    rt = smddp.client().device_runtime()
+    s = rt.new_stream(0)
+    out: dict[str, Any] = {}
+    want = world * (world + 1) / 2
+    with rt.use(s):
+        arr = rt.asarray(np.full(count, rank + 1.0, np.float32))
+        if rank == 0:
+            rt.sleep(s, 2.0)  # the caller's kernels, still running when it calls
+        t0 = time.monotonic()
+        try:
+            smddp.allreduce(arr, timeout=0.3 if rank == 0 else 60)
+            out["call"] = "returned"
+        except CollectiveTimeoutError as e:
+            out["call"] = "timed out"
+            out["why"] = str(e)
+        out["call_s"] = time.monotonic() - t0
+        got = arr.get()  # on `s`: after the kernel, and after the copy back once it is enqueued
+        deadline = time.monotonic() + 30
+        while not (got == want).all() and time.monotonic() < deadline:
+            time.sleep(0.05)
+            got = arr.get()
+        out["landed"] = bool((got == want).all())
+        again = rt.asarray(np.full(8, rank + 1.0, np.float32))
+        out["again"] = smddp.allreduce(again, timeout=60).get().tolist()
+    out["host"] = smddp.allreduce(np.full(4, rank + 1.0, np.float32)).tolist()
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -258,6 +297,13 @@ def main() -> int:
     ap.add_argument(
         "--unavailable", action="store_true", help="hand a stand-in array to a client whose runtime is CuPy"
     )
+    ap.add_argument(
+        "--late-copy",
+        type=int,
+        default=0,
+        help="stand-in: rank 0's blocking all-reduce of this many float32 times out waiting for its own "
+        "stream's kernels",
+    )
     args = ap.parse_args()
     os.environ["SMDDP_DEVICE_RUNTIME"] = args.runtime
     os.environ["SMDDP_STANDIN_DELAY_MS"] = str(args.delay_ms)
@@ -276,6 +322,14 @@ def main() -> int:
         result["after"] = smddp.allreduce(x).tolist()  # nothing was sent: the job goes on
         own.close()
         smddp.shutdown()
+        with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+            json.dump(result, f)
+        return 0
+    if args.late_copy:
+        rt = smddp.client().device_runtime()
+        result.update(late_copy(rank, world, args.late_copy))
+        smddp.shutdown()
+        result["registered"] = len(rt.registered())  # every segment unpinned
         with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
             json.dump(result, f)
         return 0

@@ -12,7 +12,8 @@ behind a run of work on the current stream, starts `dist.all_reduce(x, async_op=
 - blocking: the call without async_op (torch waits for the Work itself), then read x
 - late:     the blocking call made through the group's backend (asyncOp false, completed in the
             caller's thread), keeping its Work; then read x in a `get_future().then()` callback,
-            the future asked for only after the Work completed
+            the future asked for only after the Work completed (an all-reduce of x and a spare
+            tensor: of one tensor alone the backend returns no Work, as for host tensors)
 
 A consumer that is not ordered after the result's copy to the device reads the rank's own input
 (or a mix): every element is compared with the exact result. The same script runs on a GPU (`--device
@@ -103,7 +104,8 @@ def start_blocking(kind: str, x: torch.Tensor, world: int) -> tuple[Any, torch.T
     if kind == "allreduce":
         ar = dist.AllreduceOptions()
         ar.asyncOp = False
-        return pg.allreduce([x], ar), x
+        # Two tensors: one alone takes the call's shortest path, which returns no Work to keep.
+        return pg.allreduce([x, torch.zeros(1, dtype=x.dtype, device=x.device)], ar), x
     if kind == "broadcast":
         bc = dist.BroadcastOptions()
         bc.rootRank, bc.asyncOp = 0, False

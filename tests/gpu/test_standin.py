@@ -114,3 +114,24 @@ def test_six_hundred_device_and_host_collectives_in_flight(tmp_path: Path, clean
     for d in results(tmp_path, 4):
         assert d["flood"] == {"started": 600, "bad": 0}, d["flood"]
         assert d["registered"] == 0
+
+
+@pytest.mark.parametrize(("nodes", "count"), [(1, 1024), (2, 3 << 20)], ids=["whole", "in-pieces"])
+def test_a_blocking_call_whose_copy_in_is_late_times_out_and_still_lands(
+    tmp_path: Path, clean_host: None, nodes: int, count: int
+):
+    # Rank 0's own stream is busy for 2 s when it calls a blocking all-reduce with a 0.3 s timeout:
+    # it is told so in about that time, its collective is still sent once the copy lands (nothing is
+    # skipped: the next collectives pair up right), and its result lands in its array all the same.
+    # Whole (its copies in line on the caller's stream: Client.device_allreduce_now), and 12 MiB on
+    # 2 nodes (in pieces, waited for through collectives.waited).
+    args = [SCRIPT, "--out", str(tmp_path), "--nnodes", str(nodes), "--late-copy", str(count)]
+    proc = launch(2, nodes, args)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    first, second = results(tmp_path, 2)
+    assert first["call"] == "timed out" and "within 0.3s; it is still in flight" in first["why"], first
+    assert 0.25 < first["call_s"] < 1.5, first
+    assert second["call"] == "returned" and second["call_s"] > 1.0, second
+    for d in (first, second):
+        assert d["landed"] and d["again"] == [3.0] * 8 and d["host"] == [3.0] * 4, d["landed"]
+        assert d["registered"] == 0
