@@ -60,31 +60,37 @@ class StandinEvent:
 class _Stream:
     """A stream: a thread that runs enqueued operations one at a time, in order."""
 
-    def __init__(self, handle: int, device: int) -> None:
+    def __init__(self, handle: int, device: int, immediate: bool = False) -> None:
         self.handle = handle
         self.device = device
         self.error: str | None = None  # sticky, as CUDA errors are: later copies and kernels are skipped
+        self._immediate = immediate
         self._q: queue.SimpleQueue[tuple[Callable[[], None], bool] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=f"standin-stream-{handle:#x}", daemon=True)
         self._thread.start()
 
     def put(self, op: Callable[[], None], always: bool = False) -> None:
         """`always`: run even after an error (event records and waits, so that nothing hangs)."""
-        self._q.put((op, always))
+        if self._immediate:
+            self._step(op, always)
+        else:
+            self._q.put((op, always))
 
     def _run(self) -> None:
         while True:
             item = self._q.get()
             if item is None:
                 return
-            op, always = item
-            if self.error is not None and not always:
-                continue
-            try:
-                op()
-            except Exception as e:
-                if self.error is None:
-                    self.error = f"{type(e).__name__}: {e}"
+            self._step(*item)
+
+    def _step(self, op: Callable[[], None], always: bool) -> None:
+        if self.error is not None and not always:
+            return
+        try:
+            op()
+        except Exception as e:
+            if self.error is None:
+                self.error = f"{type(e).__name__}: {e}"
 
     def stop(self) -> None:
         self._q.put(None)
@@ -92,8 +98,12 @@ class _Stream:
 
 
 def make_runtime() -> StandinRuntime:
-    """The registry's factory (entry point smddp.device_runtimes:standin); SMDDP_STANDIN_DELAY_MS delays every copy."""
-    return StandinRuntime(copy_delay_s=float(os.environ.get("SMDDP_STANDIN_DELAY_MS", "0") or 0) / 1000.0)
+    """The registry's factory (entry point smddp.device_runtimes:standin); SMDDP_STANDIN_DELAY_MS delays every copy,
+    SMDDP_STANDIN_IMMEDIATE=1 runs every operation at once instead (for measuring, never for ordering tests)."""
+    return StandinRuntime(
+        copy_delay_s=float(os.environ.get("SMDDP_STANDIN_DELAY_MS", "0") or 0) / 1000.0,
+        immediate=os.environ.get("SMDDP_STANDIN_IMMEDIATE", "") == "1",
+    )
 
 
 class StandinRuntime:
@@ -108,9 +118,14 @@ class StandinRuntime:
 
     name = "standin"
 
-    def __init__(self, devices: int = 1, copy_delay_s: float = 0.0) -> None:
+    def __init__(self, devices: int = 1, copy_delay_s: float = 0.0, immediate: bool = False) -> None:
         self.devices = devices
         self.copy_delay_s = copy_delay_s
+        # Every operation runs in the enqueuing thread at once (one order of the streams' work that a
+        # GPU may take, with no thread hand-off): what is left of a device call's time is smddp's and
+        # torch's own, which is what `immediate` is for. It orders everything, so an ordering bug
+        # never shows: never for the ordering tests.
+        self.immediate = immediate
         self.stats = {"d2h": 0, "h2d": 0, "pinned": 0, "pageable": 0, "kernels": 0}
         self._lock = threading.Lock()
         self._closed = False
@@ -143,7 +158,7 @@ class StandinRuntime:
                 self._check_device(device)
                 s = self._defaults.get(device)
                 if s is None:
-                    s = self._defaults[device] = _Stream(STREAM_LEGACY, device)
+                    s = self._defaults[device] = _Stream(STREAM_LEGACY, device, self.immediate)
                 return s
             s = self._streams.get(handle)
         if s is None:
@@ -158,7 +173,7 @@ class StandinRuntime:
         with self._lock:
             if self._closed:
                 raise DeviceError("stand-in device: the runtime is closed")
-            self._streams[handle] = _Stream(handle, device)
+            self._streams[handle] = _Stream(handle, device, self.immediate)
         return handle
 
     def current_stream(self, device: int = 0) -> int:

@@ -9,11 +9,13 @@ Every rank, each call after a barrier, medians in microseconds:
   each copy followed by a synchronize), interleaved round by round;
 - parts: what one call makes of the device runtime and of torch, each alone, many times (an event
   record and query, a stream switch, a device-aware future completed with a tensor, a 4 KiB
-  device-to-host copy waited for by a poll of its event, by an event synchronize), all ranks at once;
+  device-to-host copy waited for by the client's poll of its event, by an event synchronize), all
+  ranks at once;
 - steps: the blocking torch call's steps, timed in every call by wrapping the client's methods
-  (submit returned: the copy-in enqueued; the copy-in seen complete; the SUBMIT on the ring; the
-  DONE taken; the copy-out enqueued; the Work complete; the call returned; the synchronize), the
-  median of each step's time from the one before, every rank;
+  (torch's dispatch and the backend's checks until smddp is reached; the copy-in enqueued and the
+  record reserved; the copy-in seen complete; the SUBMIT on the ring; the DONE taken; the copy-out
+  enqueued; smddp's return; the call's return; the synchronize), the median of each step's time
+  from the one before, every rank;
 - rank 0's profile of the torch calls (cProfile: the Python and the waits, by function; on Python
   3.12 it sees every thread's calls, and inflates small ones).
 
@@ -51,13 +53,15 @@ def _median_us(fn: Callable[[], None], n: int) -> float:
 
 
 # The blocking call's steps, in the order they happen: (name, what is wrapped, at its entry or exit).
+# (`dist.all_reduce(x)` of one tensor in one piece: Client.device_allreduce_now, no Work.)
 STEPS = (
-    ("submitted", "smddp.client.session:Client.submit", "exit"),
+    ("reached smddp", "smddp.client.session:Client.device_allreduce_now", "entry"),
+    ("copy-in enqueued", "smddp.client.session:Client._reserve_device", "exit"),
     ("copy-in seen", "smddp.client.session:Client._copied", "exit"),
     ("SUBMIT sent", "smddp.client.session:DeviceHandle.give", "exit"),
     ("DONE taken", "smddp.client.session:DeviceHandle._arrived", "entry"),
     ("copy-out enqueued", "smddp.client.session:DeviceHandle._arrived", "exit"),
-    ("Work complete", "smddp.torch.backend:_complete_here", "exit"),
+    ("smddp returned", "smddp.client.session:Client.device_allreduce_now", "exit"),
 )
 
 
@@ -212,11 +216,12 @@ def main() -> int:
         rt.register_host(int(dst.ctypes.data), dst.nbytes, False)
         src = int(x.data_ptr())
 
-        def d2h_poll() -> None:
+        client = smddp.client()
+
+        def d2h_poll() -> None:  # polled as a blocking call polls its copy-in (Client._copied)
             rt.copy_d2h(int(dst.ctypes.data), src, dst.nbytes, s, dev.index)
             rt.record(e, s, dev.index)
-            while not rt.event_done(e):
-                time.sleep(0)
+            client._copied(e, time.monotonic() + 10.0)
 
         def d2h_sync() -> None:
             rt.copy_d2h(int(dst.ctypes.data), src, dst.nbytes, s, dev.index)
@@ -232,7 +237,7 @@ def main() -> int:
     # The blocking torch call's steps, every rank, every call.
     marks: dict[str, float] = {}
     restore = _mark_steps(marks)
-    names = ["submitted", *(n for n, _w, _e in STEPS[1:]), "returned", "synchronized"]
+    names = [*(n for n, _w, _e in STEPS), "returned", "synchronized"]
     gaps: dict[str, list[float]] = {n: [] for n in names}
     for _ in range(args.rounds):
         smddp.barrier()
