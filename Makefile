@@ -269,6 +269,7 @@ bench: $(STAMP)
 	$(BIN)/smddp-bench ddp --nodes 1 --per-node 4 --launcher torchrun --out $(BENCH_OUT) --name ddp-torchrun-host1x4
 	$(BIN)/smddp-bench ddp --sim --nodes 4 --per-node 1 --rate-mbit 1000 --launcher torchrun --out $(BENCH_OUT) --name ddp-torchrun-sim4
 	$(BIN)/python -m smddp_rigs.bench.calls --out $(BENCH_OUT) --name calls-host4
+	$(BIN)/python -m smddp_rigs.bench.calls --device --out $(BENCH_OUT) --name calls-device4
 	$(BIN)/python -m smddp_rigs.bench targets --out $(BENCH_OUT)
 	$(BIN)/python -m smddp_rigs.bench model --check --out $(BENCH_OUT)
 	$(BIN)/python -m smddp_rigs.bench benchmarks --targets $(BENCH_OUT)/targets.json --model $(BENCH_OUT)/model.json --sweeps $(BENCH_OUT) --out BENCHMARKS.md

@@ -349,6 +349,7 @@ class DeviceHandle(EngineHandle):
 
     _plan: DevicePlan  # set by Client.submit
     _held = False  # its SUBMIT is held back, waiting for its copy-in (Client._send_held)
+    _ready: Any = None  # its copy-in's event, where its caller watches it (Client.submit's hold=False)
     _sends = False  # held, and sent by its wait rather than the submitter thread (Client.waiting)
 
     def wait(self, timeout: float | None = None, stream: Any = None) -> Any:
@@ -720,44 +721,19 @@ class Client:
         root: int,
         result: Any,
         device: DevicePlan,
+        hold: bool = True,
     ) -> DeviceHandle:
         """A collective of device buffers, the engine's record (DeviceHandle) under the channel's next
         sequence number: the copy of `device.src` into a shared slot (an asynchronous device-to-host
         copy), and its SUBMIT, held until that copy is complete (given by the submitter thread, or by
         the wait of a caller that waits at once; the channel keeps every later SUBMIT behind it). Its
         result goes back to the device (DeviceHandle._arrived), and its wait returns `result`. A plan
-        with no `src` (a broadcast's receiver) sends no data. Host collectives are start_async's."""
-        handle, ready = self._reserve_device(kind, dtype, count, op, root, result, device)
-        refused: TimeoutError | ProtocolError | None = None
-        with self._lock:
-            if ready is not None:
-                # This one waits for its copy-in (the channel keeps later SUBMITs behind it). One whose
-                # caller waits for it at once is sent by that wait: the submitter thread is not woken
-                # for it (_send_held).
-                self._hold(handle, ready, self._waited())
-            elif self._failure is None and not self._closed:
-                try:
-                    handle.give(self.config.timeout_s)
-                except (TimeoutError, ProtocolError) as e:
-                    refused = e
-        if refused is not None:
-            raise self._give_failed(refused) from None
-        return handle
-
-    def _reserve_device(
-        self,
-        kind: Kind,
-        dtype: DType,
-        count: int,
-        op: ReduceOp | None,
-        root: int,
-        result: Any,
-        device: DevicePlan,
-    ) -> tuple[DeviceHandle, Any]:
-        """A device collective's slot, its copy-in enqueued there, and its record under the channel's
-        next sequence number, not yet given: (its handle, the copy-in's event, None if it sends no data)."""
+        with no `src` (a broadcast's receiver) sends no data. Host collectives are start_async's.
+        `hold` False: a SUBMIT that waits for its copy-in is neither held nor given; the caller
+        watches the copy (the handle's `_ready`) and gives it (device_allreduce_now)."""
         nbytes = count * dtype.itemsize
         lost: ConnectionClosed | None = None
+        refused: TimeoutError | ProtocolError | None = None
         with self._lock:
             self._check_open()
             slot = None
@@ -767,18 +743,42 @@ class Client:
                 slot, lost = self._alloc_locked(nbytes)
                 if slot is not None:  # (else lost: failed below)
                     ready = self._copy_in(device, src, slot)
+            handle: DeviceHandle | None = None
             if lost is None:
-                handle: DeviceHandle = self._channel.reserve_record(
+                handle = self._channel.reserve_record(
                     kind, count, dtype, op or 0, root, None if slot is None else (slot.segment, slot.offset, slot.nbytes),
                     _result_bytes(kind, nbytes, self.size), result, device.keepalive, DeviceHandle,
                 )  # fmt: skip
                 handle._plan = device
-                return handle, ready
-        # Outside the lock: _fail takes it too (the reader thread may be failing us right now). No
-        # slot was taken: _alloc_locked gives none with a loss.
-        self._fail(_daemon_lost(f"rank {self.rank}: lost the node daemon: {lost}"))
-        assert self._failure is not None  # set by _fail, now or by the reader before it
-        raise fresh(self._failure) from None
+                if ready is None:
+                    refused = self._give_locked(handle)
+                elif hold:
+                    # This one waits for its copy-in (the channel keeps later SUBMITs behind it). One whose
+                    # caller waits for it at once is sent by that wait: the submitter thread is not woken
+                    # for it (_send_held).
+                    self._hold(handle, ready, self._waited())
+                else:
+                    handle._ready = ready
+        if lost is not None:  # (no slot was taken: _alloc_locked gives none with a loss)
+            # Outside the lock: _fail takes it too (the reader thread may be failing us right now).
+            self._fail(_daemon_lost(f"rank {self.rank}: lost the node daemon: {lost}"))
+            assert self._failure is not None  # set by _fail, now or by the reader before it
+            raise fresh(self._failure) from None
+        if refused is not None:
+            raise self._give_failed(refused) from None
+        assert handle is not None
+        return handle
+
+    def _give_locked(self, handle: DeviceHandle) -> TimeoutError | ProtocolError | None:
+        """(lock held) Give `handle`'s SUBMIT, unless the client failed or closed (its wait then says
+        so); the channel's refusal, for the caller to raise once the lock is let go (_give_failed)."""
+        if self._failure is not None or self._closed:
+            return None
+        try:
+            handle.give(self.config.timeout_s)
+        except (TimeoutError, ProtocolError) as e:
+            return e
+        return None
 
     def _hold(self, handle: DeviceHandle, ready: Any, sends: bool) -> None:
         """(lock held) Hold `handle`'s SUBMIT until its copy-in (`ready`) is complete: sent by the
@@ -810,7 +810,8 @@ class Client:
         plan = DevicePlan(
             dev.device, dev, None, [(dev, 0, dev.nbytes)], stream, dev.library, dev.keepalive, inline=stream
         )
-        handle, ready = self._reserve_device(Kind.ALLREDUCE, dev.dtype, dev.count, op, 0, None, plan)
+        handle = self.submit(Kind.ALLREDUCE, dev.dtype, dev.count, op, 0, None, plan, hold=False)
+        ready = handle._ready
         error: SmddpError | None = None
         try:
             copied = self._copied(ready, deadline)
@@ -823,13 +824,10 @@ class Client:
             copied = True
         refused: TimeoutError | ProtocolError | None = None
         with self._lock:
-            if not copied:
+            if copied:
+                refused = self._give_locked(handle)
+            else:
                 self._hold(handle, ready, False)  # the submitter thread sends it once its copy lands
-            elif self._failure is None and not self._closed:
-                try:
-                    handle.give(self.config.timeout_s)
-                except (TimeoutError, ProtocolError) as e:
-                    refused = e
         if refused is not None:
             raise self._give_failed(refused) from None
         try:
@@ -1212,11 +1210,8 @@ class Client:
                 del self._holding[handle.seq]
                 handle._held = False
                 self._held_cv.notify_all()
-                if error is None and self._failure is None and not self._closed:
-                    try:
-                        handle.give(self.config.timeout_s)
-                    except (TimeoutError, ProtocolError) as e:
-                        refused = e
+                if error is None:
+                    refused = self._give_locked(handle)
             if error is not None:
                 self._device_failed(error)
             elif refused is not None:

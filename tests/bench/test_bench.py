@@ -440,6 +440,31 @@ def test_calls_rig_writes_what_benchmarks_md_quotes(tmp_path):
     assert "## One call, the way a training step meets it (issue 29)" in text and md.strip() in text
 
 
+@pytest.mark.timeout(180)
+def test_calls_rig_times_the_device_path_on_the_stand_in(tmp_path):
+    """`python -m smddp_rigs.bench.calls --device` (make bench, issue 28): the device path's calls on
+    the stand-in with its operations at once, beside the host's blocking call, in BENCHMARKS.md's own
+    section and not among issue 29's figures."""
+    need_module("torch", "make setup installs it")
+    from smddp_rigs.bench.benchmarks_md import render
+    from smddp_rigs.bench.calls import DEVICE_CALLS
+
+    cmd = [sys.executable, "-m", "smddp_rigs.bench.calls", "--device", "--np", "2", "--rounds", "20"]
+    cmd += ["--warmup", "3", "--out", str(tmp_path), "--name", "calls-dev"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=170, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "calls-dev.json").read_text())
+    assert report["kind"] == "calls-device" and report["np"] == 2
+    assert set(report["slowest_s"]) == set(DEVICE_CALLS) and all(v > 0 for v in report["slowest_s"].values())
+    md = (tmp_path / "calls-dev.md").read_text()
+    extra = (report["slowest_s"]["torch.device"] - report["slowest_s"]["blocking"]) * 1e6
+    assert f"torch.device {extra:.0f} us" in md and "SMDDP_STANDIN_IMMEDIATE=1" in md
+    targets = json.loads((REPO / "bench-results" / "targets.json").read_text())
+    text = render(targets, None, [], calls=[report])
+    assert "## One device call's own cost, on the stand-in (issue 28)" in text and md.strip() in text
+    assert "## One call, the way a training step meets it" not in text and "torch.device at" not in text
+
+
 @pytest.mark.timeout(120)
 def test_copies_rig_sums_to_the_bit_both_ways(monkeypatch):
     """`python -m smddp_rigs.bench.copies` (docs/performance.md's copy-fewer figures): both ways leave

@@ -18,7 +18,14 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--seconds", type=float, default=90.0)
     ap.add_argument("--mib", type=float, default=1.0)
+    ap.add_argument(
+        "--device",
+        action="store_true",
+        help="device buffers (the stand-in runtime): blocking device all-reduces",
+    )
     args = ap.parse_args()
+    if args.device:
+        os.environ["SMDDP_DEVICE_RUNTIME"] = "standin"
     smddp.init()
     c = smddp.client()
     rank, world = smddp.rank(), smddp.size()
@@ -26,13 +33,19 @@ def main() -> int:
     with open(os.path.join(args.out, f"pids{rank}.json"), "w") as f:
         json.dump(me, f)
     x = np.empty(int(args.mib * (1 << 20)) // 4, np.float32)
+    dev = c.device_runtime().empty(x.shape, np.float32) if args.device else None
     record: dict = {"rank": rank}
     deadline = time.monotonic() + args.seconds
     i = 0
     try:
         while time.monotonic() < deadline:
             x[:] = rank + 1
-            smddp.allreduce(x, op=smddp.SUM, timeout=120)
+            if dev is None:
+                smddp.allreduce(x, op=smddp.SUM, timeout=120)
+            else:
+                dev.set(x)
+                smddp.allreduce(dev, op=smddp.SUM, timeout=120)
+                x = dev.get()
             if not np.all(x == world * (world + 1) / 2):
                 record["wrong"] = f"iteration {i}: wrong result"
                 break

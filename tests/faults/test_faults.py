@@ -30,7 +30,12 @@ FABRICS = {"tcp": [], "ofi": ["--fabric", "ofi", "--ofi-provider", "tcp"]}
 
 
 def start(
-    out: Path, np_: int, nodes: int, extra: list[str] | None = None, fabric: str = "tcp"
+    out: Path,
+    np_: int,
+    nodes: int,
+    extra: list[str] | None = None,
+    fabric: str = "tcp",
+    worker_args: tuple[str, ...] = (),
 ) -> subprocess.Popen:
     """A job whose survivors stay alive after a fault (mpirun --enable-recovery) to report it."""
     cmd = [
@@ -42,7 +47,7 @@ def start(
         "--heartbeat-timeout",
         str(HEARTBEAT_S),
         "--mpi-args=--enable-recovery",
-        *("--", sys.executable, WORKER, "--out", str(out)),
+        *("--", sys.executable, WORKER, "--out", str(out), *worker_args),
     ]
     return subprocess.Popen(
         cmd,
@@ -102,15 +107,19 @@ def check(name: str, recs: list[dict], t_fault: float, bound: float, *needles: s
     assert took < bound, took
 
 
-def test_worker_killed_mid_collective(tmp_path, clean_host):
+@pytest.mark.parametrize("buffers", ["host", "device"])
+def test_worker_killed_mid_collective(tmp_path, clean_host, buffers):
+    # Device buffers (the stand-in runtime): the survivors are inside blocking device all-reduces
+    # (Client.device_allreduce_now: polling a copy-in, or waiting for the DONE) when the worker dies.
     world, nodes, victim = 4, 2, 3
-    proc = start(tmp_path, world, nodes)
+    proc = start(tmp_path, world, nodes, worker_args=("--device",) if buffers == "device" else ())
     pids = wait_running(proc, tmp_path, world)
     t_fault = time.time()
     os.kill(pids[victim]["pid"], signal.SIGKILL)
     output = finish(proc)
     assert proc.returncode != 0
-    check("worker SIGKILL", reports(tmp_path, [0, 1, 2]), t_fault, EOF_BOUND_S, f"rank {victim}", "died")
+    name = "worker SIGKILL" + (", device buffers" if buffers == "device" else "")
+    check(name, reports(tmp_path, [0, 1, 2]), t_fault, EOF_BOUND_S, f"rank {victim}", "died")
     assert "died" in output
 
 

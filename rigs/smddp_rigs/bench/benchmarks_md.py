@@ -36,6 +36,7 @@ MAKE_BENCH = (
     "smddp-bench ddp --nodes 1 --per-node 4 --launcher torchrun --out bench-results --name ddp-torchrun-host1x4",
     "smddp-bench ddp --sim --nodes 4 --per-node 1 --rate-mbit 1000 --launcher torchrun --out bench-results --name ddp-torchrun-sim4",
     "python -m smddp_rigs.bench.calls --out bench-results --name calls-host4",
+    "python -m smddp_rigs.bench.calls --device --out bench-results --name calls-device4",
     "python -m smddp_rigs.bench targets --out bench-results",
     "python -m smddp_rigs.bench model --check --out bench-results",
     "python -m smddp_rigs.bench benchmarks --targets bench-results/targets.json --model bench-results/model.json --sweeps bench-results --out BENCHMARKS.md",
@@ -398,12 +399,19 @@ def render(
         ]
         for d in ddps:
             out += [f"Command: `{d['command']}` ({d['wall_s'] / 60:.1f} min).", "", ddp_markdown(d), ""]
-    if calls:
+    device_calls = [c for c in calls or [] if c.get("kind") == "calls-device"]
+    calls = [c for c in calls or [] if c.get("kind") != "calls-device"]
+    if calls or device_calls:
         from smddp_rigs.bench.calls import calls_markdown
 
-        out += ["## One call, the way a training step meets it (issue 29)", ""]
-        for c in calls:
-            out += [calls_markdown(c), ""]
+        if calls:
+            out += ["## One call, the way a training step meets it (issue 29)", ""]
+            for c in calls:
+                out += [calls_markdown(c), ""]
+        if device_calls:
+            out += ["## One device call's own cost, on the stand-in (issue 28)", ""]
+            for c in device_calls:
+                out += [calls_markdown(c), ""]
     out += ofi_section(targets)
     out += engine_section(
         targets,

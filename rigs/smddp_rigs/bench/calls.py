@@ -11,6 +11,14 @@ Each rank times each call from the end of the barrier to its return. Printed per
 over rounds of the slowest rank's time, and the median over ranks of each rank's own median, each
 with its ratio to the blocking call (issue 29's targets for the asynchronous calls: 1.2x at most).
 With --out, also NAME.json and NAME.md there: `make bench` runs it, and BENCHMARKS.md quotes it.
+
+--device measures the device path's calls instead (issue 28), on the stand-in runtime with every
+operation run at once (SMDDP_STANDIN_IMMEDIATE=1: no copy takes time and no stream's thread is
+woken), so that what a call costs beyond the host's blocking call is smddp's and torch's own Python
+and hand-offs, which is what a 4 KiB device all-reduce pays on a GPU beyond its copies: the blocking
+call of a device array (`smddp.allreduce(d)`, as of a CuPy array), `smddp.allreduce_async(d).wait()`,
+and torch's `dist.all_reduce(t)`, blocking and async_op=True, of a tensor the stand-in takes as
+device memory; the host's blocking call of a numpy array beside them.
 """
 
 from __future__ import annotations
@@ -28,6 +36,54 @@ from pathlib import Path
 from typing import Any
 
 CALLS = ("blocking", "async.wait", "torch", "torch.async", "torch.floor")
+# --device: the host's blocking call, then the device path's (the stand-in, its operations at once).
+DEVICE_CALLS = ("blocking", "device", "device.async.wait", "torch.device", "torch.device.async")
+
+
+def _timed(
+    out: str, rank: int, calls: tuple[str, ...], run: dict[str, Any], rounds: int, warmup: int
+) -> None:
+    """Every call once a round, interleaved, each after a barrier; each rank's times into rankR.json."""
+    import smddp
+
+    times: dict[str, list[float]] = {c: [] for c in calls}
+    for i in range(warmup + rounds):
+        for c in calls:  # interleaved: every round has one of each
+            smddp.barrier()
+            t0 = time.perf_counter()
+            run[c]()
+            if i >= warmup:
+                times[c].append(time.perf_counter() - t0)
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(times, f)
+
+
+def device_worker(out: str, size: int, rounds: int, warmup: int) -> int:
+    """--device: the device path's calls on the stand-in (its operations at once), the host's beside."""
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    import smddp
+    import smddp.torch
+
+    smddp.init()
+    dist.init_process_group("smddp")
+    a = np.ones(size // 4, np.float32)
+    rt: Any = smddp.client().device_runtime()  # the stand-in (SMDDP_DEVICE_RUNTIME=standin)
+    d = rt.asarray(a)
+    t = torch.ones(size // 4)  # device memory to the backend: the stand-in claims CPU tensors
+    run = {
+        "blocking": lambda: smddp.allreduce(a),
+        "device": lambda: smddp.allreduce(d),
+        "device.async.wait": lambda: smddp.allreduce_async(d).wait(),
+        "torch.device": lambda: dist.all_reduce(t),
+        "torch.device.async": lambda: dist.all_reduce(t, async_op=True).wait(),
+    }
+    _timed(out, smddp.rank(), DEVICE_CALLS, run, rounds, warmup)
+    dist.destroy_process_group()
+    smddp.shutdown()
+    return 0
 
 
 def worker(out: str, size: int, rounds: int, warmup: int) -> int:
@@ -72,16 +128,7 @@ def worker(out: str, size: int, rounds: int, warmup: int) -> int:
         "torch.async": lambda: dist.all_reduce(t, async_op=True).wait(),
         "torch.floor": floor,
     }
-    times: dict[str, list[float]] = {c: [] for c in CALLS}
-    for i in range(warmup + rounds):
-        for c in CALLS:  # interleaved: every round has one of each
-            smddp.barrier()
-            t0 = time.perf_counter()
-            run[c]()
-            if i >= warmup:
-                times[c].append(time.perf_counter() - t0)
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump(times, f)
+    _timed(out, rank, CALLS, run, rounds, warmup)
     dist.destroy_process_group()
     smddp.shutdown()
     return 0
@@ -95,39 +142,37 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--out", default="", help="write NAME.json and NAME.md into this directory")
     ap.add_argument("--name", default="calls")
+    ap.add_argument("--device", action="store_true", help="the device path's calls (the stand-in, at once)")
     ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        return worker(args.worker, args.size, args.rounds, args.warmup)
+        work = device_worker if args.device else worker
+        return work(args.worker, args.size, args.rounds, args.warmup)
+    calls = DEVICE_CALLS if args.device else CALLS
     launch = str(Path(sys.executable).parent / "smddp-launch")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if args.device:
+        env.update(SMDDP_DEVICE_RUNTIME="standin", SMDDP_STANDIN_IMMEDIATE="1", SMDDP_STANDIN_DELAY_MS="0")
     with tempfile.TemporaryDirectory(prefix="smddp-calls-") as out:
         cmd = [launch, "-np", str(args.np), "--", sys.executable, "-m", "smddp_rigs.bench.calls"]
-        cmd += [
-            "--size",
-            str(args.size),
-            "--rounds",
-            str(args.rounds),
-            "--warmup",
-            str(args.warmup),
-            "--worker",
-            out,
-        ]
-        subprocess.run(cmd, check=True, timeout=1800, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        cmd += ["--size", str(args.size), "--rounds", str(args.rounds), "--warmup", str(args.warmup)]
+        cmd += [*(["--device"] if args.device else []), "--worker", out]
+        subprocess.run(cmd, check=True, timeout=1800, env=env)
         ranks = [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(args.np)]
-    med = {c: statistics.median(max(r[c][i] for r in ranks) for i in range(args.rounds)) for c in CALLS}
+    med = {c: statistics.median(max(r[c][i] for r in ranks) for i in range(args.rounds)) for c in calls}
     # Each rank's own median too: the slowest rank of a round also carries the barrier's skew.
-    own = {c: statistics.median(statistics.median(r[c]) for r in ranks) for c in CALLS}
+    own = {c: statistics.median(statistics.median(r[c]) for r in ranks) for c in calls}
     print(
         f"{args.np} workers on one host, {args.size} B float32, a barrier before each call, {args.rounds} rounds:"
     )
-    for c in CALLS:
+    for c in calls:
         print(
             f"  {c:11s} slowest rank: median {med[c] * 1e6:7.1f} us ({med[c] / med['blocking']:.2f}x blocking);"
             f" a rank's own: median {own[c] * 1e6:7.1f} us ({own[c] / own['blocking']:.2f}x blocking)"
         )
     if args.out:
         report = {
-            "kind": "calls",
+            "kind": "calls-device" if args.device else "calls",
             "command": shlex.join(["python", "-m", "smddp_rigs.bench.calls", *(argv or sys.argv[1:])]),
             "np": args.np,
             "size": args.size,
@@ -148,7 +193,9 @@ TARGET_X = 1.2
 
 def calls_markdown(report: dict[str, Any]) -> str:
     """The report as a table: each call's medians and their ratios to the blocking call, and the target."""
-    med, own = report["slowest_s"], report["own_s"]
+    if report.get("kind") == "calls-device":
+        return _device_markdown(report)
+    med = report["slowest_s"]
     calls = [c for c in CALLS if c in med]  # (older reports have fewer)
     lines = [
         f"{report['np']} workers on one host, {report['size']} B float32 all-reduces, a barrier before each "
@@ -163,14 +210,8 @@ def calls_markdown(report: dict[str, Any]) -> str:
         "",
         f"Command: `{report['command']}`",
         "",
-        "| call | slowest rank us | x blocking | a rank's own us | x blocking |",
-        "| --- | ---: | ---: | ---: | ---: |",
+        *_table(report, tuple(calls)),
     ]
-    for c in calls:
-        lines.append(
-            f"| {c} | {med[c] * 1e6:.1f} | {med[c] / med['blocking']:.2f} | {own[c] * 1e6:.1f} | "
-            f"{own[c] / own['blocking']:.2f} |"
-        )
     verdict = [
         f"{c}: {'met' if med[c] / med['blocking'] <= TARGET_X else 'missed'}"
         for c in calls
@@ -183,6 +224,47 @@ def calls_markdown(report: dict[str, Any]) -> str:
         f"Target (issue 29): at most {TARGET_X}x the blocking call, slowest rank. "
         + "; ".join(verdict)
         + ".",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _table(report: dict[str, Any], calls: tuple[str, ...]) -> list[str]:
+    med, own = report["slowest_s"], report["own_s"]
+    lines = [
+        "| call | slowest rank us | x blocking | a rank's own us | x blocking |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for c in calls:
+        lines.append(
+            f"| {c} | {med[c] * 1e6:.1f} | {med[c] / med['blocking']:.2f} | {own[c] * 1e6:.1f} | "
+            f"{own[c] / own['blocking']:.2f} |"
+        )
+    return lines
+
+
+def _device_markdown(report: dict[str, Any]) -> str:
+    """--device's report: the device path's calls against the host's blocking call (no target here:
+    issue 28's is a GPU's, against its copies' floor)."""
+    med = report["slowest_s"]
+    lines = [
+        f"{report['np']} workers on one host, {report['size']} B float32 all-reduces, a barrier before each "
+        f"call, {report['rounds']} rounds of the {len(DEVICE_CALLS)} calls interleaved in one smddp-launch job, "
+        "on the stand-in device runtime with every operation run at once (`SMDDP_STANDIN_IMMEDIATE=1`: "
+        "no copy takes time): what a device call costs beyond the host's blocking call (`smddp.allreduce(a)` "
+        "of a numpy array) is smddp's and torch's own Python and hand-offs, which a GPU's 4 KiB call pays "
+        "beside its copies (issue 28). device: `smddp.allreduce(d)` of a device array (as of a CuPy "
+        "array); device.async.wait: `smddp.allreduce_async(d).wait()`; torch.device: `dist.all_reduce(t)` "
+        "of a tensor the stand-in takes as device memory; torch.device.async: the same with "
+        "`async_op=True`, then `wait()`. The stand-in's own calls (its arrays, copies and events in "
+        "Python) are in these times too; on a GPU those are CUDA calls of a few microseconds each.",
+        "",
+        f"Command: `{report['command']}`",
+        "",
+        *_table(report, DEVICE_CALLS),
+        "",
+        "Beyond the host's blocking call: "
+        + "; ".join(f"{c} {(med[c] - med['blocking']) * 1e6:.0f} us" for c in DEVICE_CALLS if c != "blocking")
+        + " (slowest rank).",
     ]
     return "\n".join(lines) + "\n"
 
