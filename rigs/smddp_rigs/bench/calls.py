@@ -36,24 +36,30 @@ from pathlib import Path
 from typing import Any
 
 CALLS = ("blocking", "async.wait", "torch", "torch.async", "torch.floor")
-# --device: the host's blocking call, then the device path's (the stand-in, its operations at once).
+# --device: the host's blocking call, then the device path's (the stand-in, its operations at once),
+# each timed in blocks of this many calls in a row (_timed).
 DEVICE_CALLS = ("blocking", "device", "device.async.wait", "torch.device", "torch.device.async")
+DEVICE_BLOCK = 20
 
 
 def _timed(
-    out: str, rank: int, calls: tuple[str, ...], run: dict[str, Any], rounds: int, warmup: int
+    out: str, rank: int, calls: tuple[str, ...], run: dict[str, Any], rounds: int, warmup: int, block: int = 1
 ) -> None:
-    """Every call once a round, interleaved, each after a barrier; each rank's times into rankR.json."""
+    """Each call after a barrier, `block` times in a row, the calls' blocks interleaved (1: every round
+    has one of each); each rank's times into rankR.json. With blocks, a block's first call is not
+    kept: it carries what the call before it left running (an asynchronous call's releases and
+    completions, on its client's threads)."""
     import smddp
 
     times: dict[str, list[float]] = {c: [] for c in calls}
-    for i in range(warmup + rounds):
-        for c in calls:  # interleaved: every round has one of each
-            smddp.barrier()
-            t0 = time.perf_counter()
-            run[c]()
-            if i >= warmup:
-                times[c].append(time.perf_counter() - t0)
+    for r in range(0, warmup + rounds, block):
+        for c in calls:
+            for j in range(block):
+                smddp.barrier()
+                t0 = time.perf_counter()
+                run[c]()
+                if r + j >= warmup and (block == 1 or j > 0):
+                    times[c].append(time.perf_counter() - t0)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(times, f)
 
@@ -80,7 +86,9 @@ def device_worker(out: str, size: int, rounds: int, warmup: int) -> int:
         "torch.device": lambda: dist.all_reduce(t),
         "torch.device.async": lambda: dist.all_reduce(t, async_op=True).wait(),
     }
-    _timed(out, smddp.rank(), DEVICE_CALLS, run, rounds, warmup)
+    # In blocks: each call after itself, as a training loop repeats it (interleaved one by one, a
+    # blocking call measured after an asynchronous one took twice its time, on that call's threads).
+    _timed(out, smddp.rank(), DEVICE_CALLS, run, rounds, warmup, block=DEVICE_BLOCK)
     dist.destroy_process_group()
     smddp.shutdown()
     return 0
@@ -159,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         cmd += [*(["--device"] if args.device else []), "--worker", out]
         subprocess.run(cmd, check=True, timeout=1800, env=env)
         ranks = [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(args.np)]
-    med = {c: statistics.median(max(r[c][i] for r in ranks) for i in range(args.rounds)) for c in calls}
+    kept = len(ranks[0][calls[0]])  # (the same on every rank, call by call)
+    med = {c: statistics.median(max(r[c][i] for r in ranks) for i in range(kept)) for c in calls}
     # Each rank's own median too: the slowest rank of a round also carries the barrier's skew.
     own = {c: statistics.median(statistics.median(r[c]) for r in ranks) for c in calls}
     print(
@@ -248,7 +257,9 @@ def _device_markdown(report: dict[str, Any]) -> str:
     med = report["slowest_s"]
     lines = [
         f"{report['np']} workers on one host, {report['size']} B float32 all-reduces, a barrier before each "
-        f"call, {report['rounds']} rounds of the {len(DEVICE_CALLS)} calls interleaved in one smddp-launch job, "
+        f"call, {report['rounds']} rounds of the {len(DEVICE_CALLS)} calls in one smddp-launch job, in interleaved "
+        f"blocks of {DEVICE_BLOCK} of one call (the first of each block not kept: it carries what the call "
+        "before it left running), "
         "on the stand-in device runtime with every operation run at once (`SMDDP_STANDIN_IMMEDIATE=1`: "
         "no copy takes time): what a device call costs beyond the host's blocking call (`smddp.allreduce(a)` "
         "of a numpy array) is smddp's and torch's own Python and hand-offs, which a GPU's 4 KiB call pays "
@@ -256,7 +267,8 @@ def _device_markdown(report: dict[str, Any]) -> str:
         "array); device.async.wait: `smddp.allreduce_async(d).wait()`; torch.device: `dist.all_reduce(t)` "
         "of a tensor the stand-in takes as device memory; torch.device.async: the same with "
         "`async_op=True`, then `wait()`. The stand-in's own calls (its arrays, copies and events in "
-        "Python) are in these times too; on a GPU those are CUDA calls of a few microseconds each.",
+        "Python) are in these times too; on a GPU those are CUDA calls of a few microseconds each. With "
+        "more ranks than cores (4 on this 2-core host, beside their daemon) the ranks' Python runs in turn.",
         "",
         f"Command: `{report['command']}`",
         "",
