@@ -66,8 +66,10 @@ class _Stream:
         self.error: str | None = None  # sticky, as CUDA errors are: later copies and kernels are skipped
         self._immediate = immediate
         self._q: queue.SimpleQueue[tuple[Callable[[], None], bool] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=f"standin-stream-{handle:#x}", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None  # none at all where every operation runs at once
+        if not immediate:
+            self._thread = threading.Thread(target=self._run, name=f"standin-stream-{handle:#x}", daemon=True)
+            self._thread.start()
 
     def put(self, op: Callable[[], None], always: bool = False) -> None:
         """`always`: run even after an error (event records and waits, so that nothing hangs)."""
@@ -93,8 +95,9 @@ class _Stream:
                 self.error = f"{type(e).__name__}: {e}"
 
     def stop(self) -> None:
-        self._q.put(None)
-        self._thread.join(timeout=10.0)
+        if self._thread is not None:
+            self._q.put(None)
+            self._thread.join(timeout=10.0)
 
 
 def make_runtime() -> StandinRuntime:

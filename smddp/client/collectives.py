@@ -154,6 +154,11 @@ def allreduce_async(c: Client, buf: Any, op: Any = ReduceOp.SUM, stream: Any = N
     dev = c.device_buffer(buf, "buffer", writable=True)
     if dev is not None:
         return _allreduce_device(c, dev, rop, stream, buf)
+    return _allreduce_host(c, buf, rop, stream)
+
+
+def _allreduce_host(c: Client, buf: Any, rop: ReduceOp, stream: Any) -> Handle:
+    """The general way for host memory (allreduce_async's, once `buf` is known not to be device memory)."""
     _no_stream(stream)
     view = as_buffer(buf, writable=True)
     return _allreduce_pieces(c, view, rop, view.array, buf)
@@ -161,32 +166,33 @@ def allreduce_async(c: Client, buf: Any, op: Any = ReduceOp.SUM, stream: Any = N
 
 def allreduce(c: Client, buf: Any, op: Any, timeout: float | None, stream: Any = None) -> Any:
     """The blocking all-reduce: a numpy array in one pass through the engine where it can
-    (Client.allreduce_now), a device buffer with its copies in line (allreduce_device_now), anything
-    else as allreduce_async(...).wait()."""
+    (Client.allreduce_now), a device buffer with its copies in line (_allreduce_device_now), anything
+    else as allreduce_async(...).wait() would take it."""
+    rop = check_op(op)
     if stream is None and type(buf) is np.ndarray:
         dt = _usable_array(c, buf)
-        if dt is not None and c.allreduce_now(buf, dt, buf.size, check_op(op), timeout):
+        if dt is not None and c.allreduce_now(buf, dt, buf.size, rop, timeout):
             return buf
-    rop = check_op(op)
-    dev = c.device_buffer(buf, "buffer", writable=True)
-    if dev is not None:
-        allreduce_device_now(c, dev, rop, stream, timeout)
-        return buf
-    return waited(c, lambda: allreduce_async(c, buf, rop, stream), timeout)
+    dev = c.device_buffer(buf, "buffer", writable=True)  # (asked once: the ways below take its answer)
+    if dev is None:
+        waited(c, lambda: _allreduce_host(c, buf, rop, stream), timeout)
+    elif not _allreduce_device_now(c, dev, rop, stream, timeout):
+        waited(c, lambda: _allreduce_device(c, dev, rop, stream, buf), timeout)
+    return buf
 
 
-def allreduce_device_now(
+def _allreduce_device_now(
     c: Client, dev: DeviceBuffer, rop: ReduceOp, stream: Any, timeout: float | None
-) -> Any:
-    """A blocking all-reduce of device buffer `dev`: in one piece with its copies in line on the
-    caller's stream where it can be (Client.device_allreduce_now; returns the event after the copy
-    back), else as an asynchronous one waited for at once (None)."""
+) -> bool:
+    """A blocking all-reduce of device buffer `dev` in one piece with its copies in line on the
+    caller's stream (Client.device_allreduce_now), where it can go so; False, with nothing done,
+    where it cannot (in pieces, or no stream to run them in line on)."""
     explicit = None if stream is None else stream_handle(stream)
     here = c.in_line(dev, explicit) if dev.count and whole(c, dev.nbytes) else None
-    if here is not None:
-        return c.device_allreduce_now(dev, rop, here, timeout)
-    waited(c, lambda: _allreduce_device(c, dev, rop, stream, None), timeout)
-    return None
+    if here is None:
+        return False
+    c.device_allreduce_now(dev, rop, here, timeout)
+    return True
 
 
 def waited(c: Client, start: Callable[[], Handle], timeout: float | None) -> Any:

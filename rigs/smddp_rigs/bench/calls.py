@@ -87,7 +87,7 @@ def device_worker(out: str, size: int, rounds: int, warmup: int) -> int:
         "torch.device.async": lambda: dist.all_reduce(t, async_op=True).wait(),
     }
     # In blocks: each call after itself, as a training loop repeats it (interleaved one by one, a
-    # blocking call measured after an asynchronous one took twice its time, on that call's threads).
+    # blocking call measured after an asynchronous one took 1.7-3.3x its time alone, on that call's threads).
     _timed(out, smddp.rank(), DEVICE_CALLS, run, rounds, warmup, block=DEVICE_BLOCK)
     dist.destroy_process_group()
     smddp.shutdown()
