@@ -902,17 +902,20 @@ class NodeDaemon:
             self._maybe_finish()
 
     def _maybe_finish(self) -> None:
-        """After the last local BYE: flush every queue, say BYE; finish when every peer has said it."""
+        """After the last local BYE: say BYE to every peer (behind everything queued to it); finish
+        when every peer has said it too."""
         with self._lock:
             if not self.plane.all_ranks_gone():
                 return
-            first = self._bye_sent_at is None
-            if first:
+            if self._bye_sent_at is None:
                 self._bye_sent_at = time.monotonic()
-        if first:
-            for p in self.peers.values():
-                self._to_peer(p, Bye(self.node).header().encode())
-        if all(p.said_bye for p in self.peers.values()):
+                # Queued under the lock: a peer's BYE handled meanwhile on another thread would
+                # otherwise finish the daemon, whose teardown flushes only what is queued, before
+                # ours is, and close the links without it (the peer then lost contact with us).
+                for p in self.peers.values():
+                    self._to_peer(p, Bye(self.node).header().encode())
+            done = all(p.said_bye for p in self.peers.values())
+        if done:
             self._finished.set()
 
 
