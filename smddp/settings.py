@@ -279,10 +279,21 @@ SETTINGS: tuple[Setting, ...] = (
         "connect_timeout_s",
         float,
         120.0,
-        "every local worker and every peer daemon must connect within this long of a daemon's start (s)",
+        "every peer daemon must connect within this long of a daemon's start (s)",
         ("--connect-timeout",),
-        (DAEMON,),
+        (LAUNCH, DAEMON),
         env="SMDDP_CONNECT_TIMEOUT_S",
+    ),
+    S(
+        "join_timeout_s",
+        float,
+        1800.0,
+        "every local worker whose process runs must call smddp.init() within this long of its daemon's "
+        "start: the script's own start-up (imports, JIT builds, data) counts (s; torch's default "
+        "for init_process_group)",
+        ("--join-timeout",),
+        (LAUNCH, DAEMON),
+        env="SMDDP_JOIN_TIMEOUT_S",
     ),
     S(
         "stall_warning_s",

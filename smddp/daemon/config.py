@@ -20,6 +20,7 @@ class DaemonConfig:
     socket_dir: str = default("socket_dir")  # "" -> default_socket_dir()
     job_id_hex: str = default("job_id")  # "" -> a random id chosen at bootstrap
     connect_timeout_s: float = default("connect_timeout_s")
+    join_timeout_s: float = default("join_timeout_s")
     heartbeat_timeout_s: float = default("heartbeat_timeout_s")
     stall_warning_s: float = default("stall_warning_s")
     stall_timeout_s: float = default("stall_timeout_s")
@@ -60,6 +61,8 @@ class DaemonConfig:
             raise ConfigError("heartbeat timeout must be between 0.2 s and 1 hour")
         if self.stall_timeout_s < 0:
             raise ConfigError("--stall-timeout must not be negative (0: no limit)")
+        if self.connect_timeout_s <= 0 or self.join_timeout_s <= 0:
+            raise ConfigError("--connect-timeout and --join-timeout must be positive")
 
 
 @dataclass(frozen=True, slots=True)

@@ -174,7 +174,11 @@ class NodeDaemon:
                 self._spawn(self._connect_peer, j, name=f"connect-{j}")
         self._spawn(self._plane_loop, self.plane, name="plane-events")
         self._spawn(self._heartbeat_loop, name="heartbeat")
-        deadline = self._started + self.cfg.connect_timeout_s
+        # Peers are daemons, up within seconds of each other: one missing after connect_timeout_s is
+        # the infrastructure's failure. A local rank joins when its script calls smddp.init(), after
+        # its own start-up (imports, JIT builds, data), which may take minutes: join_timeout_s.
+        connect_by = self._started + self.cfg.connect_timeout_s
+        join_by = self._started + self.cfg.join_timeout_s
         last_tick = 0.0
         while not self._finished.wait(0.2):
             now = time.monotonic()
@@ -183,8 +187,19 @@ class NodeDaemon:
                 self.count_plane()
                 self.stats.sample()
                 self._inspect_stalls(now)
-            if time.monotonic() > deadline and not self._all_connected():
-                self.fail(self._missing_message(), PeerLostError, infra=self._missing_is_infra())
+            if now > connect_by and (peers := self._missing_peers()):
+                msg = (
+                    f"{self.me}: not connected after {self.cfg.connect_timeout_s:g}s (--connect-timeout): "
+                    + ", ".join(peers)
+                )
+                self.fail(msg, PeerLostError, infra=True)
+            if now > join_by and (ranks := self._missing_ranks()):
+                msg = (
+                    f"{self.me}: {', '.join(ranks)} did not join (call smddp.init()) within "
+                    f"{self.cfg.join_timeout_s:g}s of the job's start (--join-timeout): its script is slow "
+                    "or stuck before it"
+                )
+                self.fail(msg, PeerLostError, infra=False)
             bye = self._bye_sent_at
             if bye is not None and time.monotonic() > bye + self.cfg.shutdown_timeout_s:
                 waiting = [self.job.describe_node(j) for j, p in self.peers.items() if not p.said_bye]
@@ -192,31 +207,19 @@ class NodeDaemon:
                 self.fail(msg, PeerLostError, infra=True)
         # A failure before every local rank came: keep the door open for the late ones (until the
         # connect deadline), so that each hears why instead of waiting for a daemon that has gone.
-        while not self._all_connected() and time.monotonic() < deadline:
+        while (self._missing_ranks() or self._missing_peers()) and time.monotonic() < connect_by:
             time.sleep(0.05)
         return self._teardown()
 
-    def _all_connected(self) -> bool:
-        """Whether every local rank and peer has connected (a rank may instead have been reported
-        gone before it could: EXITED)."""
+    def _missing_ranks(self) -> list[str]:
+        """The local ranks that have not connected (nor been reported gone before they could: EXITED)."""
         with self._lock:
-            return all(w is not None or self.plane.left_early(i) for i, w in enumerate(self.workers)) and all(
-                p.connected.is_set() for p in self.peers.values()
-            )
+            absent = [i for i, w in enumerate(self.workers) if w is None and not self.plane.left_early(i)]
+        return [self.job.describe_rank(self.job.ranks_of(self.node)[i]) for i in absent]
 
-    def _missing_message(self) -> str:
-        missing = [
-            self.job.describe_rank(self.job.ranks_of(self.node)[i])
-            for i, w in enumerate(self.workers)
-            if w is None and not self.plane.left_early(i)
-        ]
-        missing += [self.job.describe_node(j) for j, p in self.peers.items() if not p.connected.is_set()]
-        return f"{self.me}: not connected after {self.cfg.connect_timeout_s:.0f}s: {', '.join(missing)}"
-
-    def _missing_is_infra(self) -> bool:
-        """A daemon that never connected is the infrastructure's failure; a rank that never joined
-        (its script slow or stuck before init) is the script's."""
-        return any(not p.connected.is_set() for p in self.peers.values())
+    def _missing_peers(self) -> list[str]:
+        """The peer daemons that have not connected."""
+        return [self.job.describe_node(j) for j, p in self.peers.items() if not p.connected.is_set()]
 
     def _teardown(self) -> int:
         self._stop.set()

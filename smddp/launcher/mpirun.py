@@ -48,6 +48,8 @@ class LaunchConfig:
     pipeline_kb: int = default("pipeline_kb")
     timeout_s: float = default("timeout_s")
     heartbeat_timeout_s: float = default("heartbeat_timeout_s")
+    connect_timeout_s: float = default("connect_timeout_s")
+    join_timeout_s: float = default("join_timeout_s")
     stall_warning_s: float = default("stall_warning_s")
     stall_timeout_s: float = default("stall_timeout_s")
     metrics_port: int = default("metrics_port")  # daemon of node n serves /metrics on port + n
@@ -92,6 +94,8 @@ class LaunchConfig:
             raise ConfigError("--pipeline-kb must be 0 (never) or positive")
         if self.stall_timeout_s < 0:
             raise ConfigError("--stall-timeout must not be negative (0: no limit)")
+        if self.connect_timeout_s <= 0 or self.join_timeout_s <= 0:
+            raise ConfigError("--connect-timeout and --join-timeout must be positive")
         if self.max_restarts < 0 or self.restart_delay_s < 0 or self.host_wait_s < 0:
             raise ConfigError("--max-restarts, --restart-delay and --host-wait must not be negative")
         if self.min_nodes < 0 or (self.hosts and self.min_nodes > len(self.hosts)):
@@ -208,6 +212,8 @@ def build_commands(cfg: LaunchConfig) -> Commands:
                 "libfabric": cfg.libfabric,
                 "secret_file": cfg.secret_file,
                 "heartbeat_timeout_s": cfg.heartbeat_timeout_s,
+                "connect_timeout_s": cfg.connect_timeout_s,
+                "join_timeout_s": cfg.join_timeout_s,
                 "stall_warning_s": cfg.stall_warning_s,
                 "stall_timeout_s": cfg.stall_timeout_s,
                 "metrics_port": cfg.metrics_port,

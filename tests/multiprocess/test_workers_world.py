@@ -1,8 +1,9 @@
-"""The workers' own MPI world: scripts that never call smddp.init(), use MPI themselves, or leave before joining."""
+"""The workers' own MPI world: scripts that never call smddp.init(), use MPI themselves, leave before joining, or join late."""
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -104,3 +105,48 @@ def test_a_rank_that_fails_before_joining_ends_the_job_with_its_status(
     proc = smddp_launch(4, 2, [*args, "--skip-rank", "2", "--skip-status", "4"], timeout=120)
     assert proc.returncode == 4, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert time.monotonic() - t0 < 60
+
+
+SLOW_START = (
+    "import os, sys, time\n"
+    "import numpy as np\n"
+    "import smddp\n"
+    "if os.environ['RANK'] == '1':\n"
+    "    time.sleep(float(sys.argv[1]))  # a slow start-up: imports, a JIT build, data\n"
+    "smddp.init()\n"
+    "a = np.full(10, float(os.environ['RANK']) + 1, np.float32)\n"
+    "smddp.allreduce(a)\n"
+    "print('sum', a[0], flush=True)\n"
+    "smddp.shutdown()\n"
+)
+
+
+def test_a_rank_slow_to_join_is_waited_for(tmp_path: Path, clean_host: None) -> None:
+    """A script's start-up before smddp.init() is no peer's connect time: rank 1 joins 4 s in, past a
+    1 s --connect-timeout (which bounds the daemons' links alone), and the job runs. (Before
+    --join-timeout, the connect timeout bounded both: 120 s for a script's imports and JIT builds.)"""
+    script = tmp_path / "slow.py"
+    script.write_text(SLOW_START)
+    proc = smddp_launch(2, 2, [str(script), "4"], timeout=120, extra=["--connect-timeout", "1"])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stdout.count("sum 3.0") == 2, proc.stdout
+
+
+def test_a_rank_that_does_not_join_in_time_fails_the_job_as_its_own(tmp_path: Path, clean_host: None) -> None:
+    """Past --join-timeout every rank hears which rank did not join, and the job is the script's
+    failure: not a crash, not restarted."""
+    script = tmp_path / "stuck.py"
+    script.write_text(SLOW_START)
+    t0 = time.monotonic()
+    extra = ["--join-timeout", "3", "--max-restarts", "1", "--restart-delay", "0"]
+    proc = smddp_launch(2, 2, [str(script), "300"], timeout=120, extra=extra)
+    seconds = time.monotonic() - t0
+    assert proc.returncode != 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    host = os.uname().nodename
+    said = (
+        f"[rank 0] smddp.errors.PeerLostError: node 1 ({host}, rank 1): rank 1 (node 1, {host}) did not "
+        "join (call smddp.init()) within 3s of the job's start (--join-timeout)"
+    )
+    assert said in proc.stdout + proc.stderr, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "not a crash; not restarted" in proc.stderr, proc.stderr[-2000:]
+    assert seconds < 60, seconds
