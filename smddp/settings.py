@@ -288,11 +288,11 @@ SETTINGS: tuple[Setting, ...] = (
         "join_timeout_s",
         float,
         1800.0,
-        "every local worker whose process runs must call smddp.init() within this long of its daemon's "
-        "start: the script's own start-up (imports, JIT builds, data) counts (s; torch's default "
-        "for init_process_group)",
+        "every worker must call smddp.init() within this long of its daemon's start (under torchrun: of "
+        "the other ranks' first smddp group, and at most the group's timeout): the script's own start-up "
+        "(imports, JIT builds, data) counts (s; torch's default for init_process_group)",
         ("--join-timeout",),
-        (LAUNCH, DAEMON),
+        (LAUNCH, DAEMON, WORKER),
         env="SMDDP_JOIN_TIMEOUT_S",
     ),
     S(

@@ -294,7 +294,10 @@ def agree_job_id(store: KVStore, rank: int, size: int, timeout: float) -> str:
                         answered[r] = asked
             if pending and time.monotonic() > deadline:
                 late = ", ".join(map(str, sorted(pending)[:16]))
-                raise BootstrapError(f"rank 0: rank(s) {late} did not join the smddp job within {timeout:g}s")
+                raise BootstrapError(
+                    f"rank 0: rank(s) {late} did not join the smddp job within {timeout:g}s "
+                    "(SMDDP_JOIN_TIMEOUT_S, or the group's timeout if shorter)"
+                )
             time.sleep(pause)
             pause = min(2 * pause, 0.02)
     except BootstrapError:

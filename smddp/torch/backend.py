@@ -20,6 +20,7 @@ from torch.distributed.distributed_c10d import GroupName
 from torch.futures import Future
 
 import smddp
+from smddp import settings
 from smddp.client.collectives import allreduce_async_at, whole
 from smddp.client.device.buffers import described
 from smddp.client.device.runtime import BUILTIN as BUILTIN_RUNTIMES
@@ -29,10 +30,6 @@ from smddp.launcher.elastic import check_launcher, join_through_store
 from smddp.proto.dtypes import DType, dtype_from_numpy
 
 BACKEND_NAME = "smddp"
-#: The longest a group's creation under torchrun waits for the other nodes' daemons (less, when
-#: the group's own timeout is shorter): a node whose daemon failed says so at once; this bounds one
-#: that never came.
-BOOTSTRAP_TIMEOUT_S = 300.0
 log = logging.getLogger("smddp.torch")
 
 # torch dtypes smddp carries (see smddp.proto.dtypes); anything else is refused with its name.
@@ -1479,7 +1476,11 @@ def create_process_group(store: Any, rank: int, size: int, timeout: timedelta) -
                     f"the first smddp group has {size} of the {world} ranks: under torchrun smddp starts with "
                     'a group of every rank (init_process_group("smddp"), or new_group(backend="smddp") of all)'
                 )
-            env = join_through_store(store, rank, size, min(timeout.total_seconds(), BOOTSTRAP_TIMEOUT_S))
+            # A node whose daemon failed says so at once; one that never comes (its workers slow or stuck
+            # before their first group) is bounded as under smddp-launch: --join-timeout, at most the
+            # group's own timeout.
+            join = settings.from_env(settings.WORKER)["join_timeout_s"]
+            env = join_through_store(store, rank, size, min(timeout.total_seconds(), join))
         smddp.init(env=env)
     side = SideGroup(store, rank, size, timeout)  # torch's store for this group: its members only
     if size != smddp.size():

@@ -275,6 +275,36 @@ def test_a_daemon_that_cannot_start_fails_every_rank_with_the_cause(
     assert took < 60, took
 
 
+SLOW_FIRST_GROUP = (
+    "import os, time\n"
+    "import torch, torch.distributed as dist\n"
+    "import smddp.torch  # noqa: F401\n"
+    "if os.environ['RANK'] == '1':\n"
+    "    time.sleep(8)  # a slow start-up before its first group: a dataset to fetch, a JIT build\n"
+    "dist.init_process_group('smddp')\n"
+    "t = torch.ones(4)\n"
+    "dist.all_reduce(t)\n"
+    "print('sum', t[0].item(), flush=True)\n"
+)
+
+
+def test_a_rank_that_does_not_reach_its_first_group_in_time_is_named(
+    torchrun: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under torchrun the ranks' first groups bootstrap the daemons, bounded by the join timeout of
+    smddp-launch's daemons (SMDDP_JOIN_TIMEOUT_S, 30 min: torch's default) rather than a fixed 300 s;
+    here 2 s, and rank 1 comes 8 s late."""
+    script = tmp_path / "slow.py"
+    script.write_text(SLOW_FIRST_GROUP)
+    monkeypatch.setenv("SMDDP_JOIN_TIMEOUT_S", "2")
+    t0 = time.monotonic()
+    proc = torchrun(2, [str(script)])
+    assert proc.returncode != 0, _why(proc.stdout, proc.stderr)
+    said = "BootstrapError: rank 0: rank(s) 1 did not join the smddp job within 2s (SMDDP_JOIN_TIMEOUT_S"
+    assert said in proc.stderr, _why(proc.stdout, proc.stderr)
+    assert time.monotonic() - t0 < 60
+
+
 def test_a_secret_file_keeps_the_secret_off_the_store(
     torchrun: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
