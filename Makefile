@@ -241,7 +241,7 @@ clean:
 # about 30 minutes on 2 cores.
 # Outputs (JSON, markdown, PNG plots) go to bench-results/.
 BENCH_OUT ?= bench-results
-# The chaos soak (issue 31; root, about 17 minutes here, not in CI): DDP training with checkpoints on 4
+# The chaos soak (issue 31; root, about 19 minutes here, not in CI): DDP training with checkpoints on 4
 # simulated nodes under a random fault every 40-80 s for 10 minutes, against an uninterrupted run.
 # Its report: bench-results/soak/soak.md (docs/reliability.md, "Chaos soak").
 .PHONY: soak
