@@ -44,7 +44,7 @@ class Finished(threading.Event):
 
 
 def test_a_peers_bye_handled_meanwhile_does_not_finish_before_ours_is_queued() -> None:
-    """The flake of stops 50 and 53 (1 in about 200 runs of a two-node job): the thread that handles
+    """The CI flake of stop 50 (1 in about 200 runs of a two-node job): the thread that handles
     the last local BYE decided to say BYE, and before it queued the frames the plane's event thread
     handled the peers' BYEs, finished, flushed nothing and closed the links; the peer, which never got
     our BYE, failed the job with "lost contact: node 0 closed the connection", an infrastructure cause,
