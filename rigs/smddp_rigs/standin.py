@@ -530,9 +530,13 @@ class StandinArray:
         byte_strides = tuple(s * self.dtype.itemsize for s in self.strides)
         return np.lib.stride_tricks.as_strided(flat, self.shape, byte_strides)
 
-    def get(self) -> np.ndarray:
-        """A host copy, taken on the current stream (the call returns once it is taken), as cupy's get()."""
-        out = np.empty(self.shape, self.dtype)
+    def get(self, out: np.ndarray | None = None) -> np.ndarray:
+        """A host copy, taken on the current stream (the call returns once it is taken), into `out` if
+        given, as cupy's get()."""
+        if out is None:
+            out = np.empty(self.shape, self.dtype)
+        elif out.shape != self.shape or out.dtype != self.dtype:
+            raise ValueError(f"get(out=): {out.dtype}{out.shape} for an array of {self.dtype}{self.shape}")
         rt = self.runtime
         s = rt._stream(rt.current_stream(self.device_id), self.device_id)
         rt._enqueue(s, lambda: np.copyto(out, self._host_view()), wait=True)

@@ -45,7 +45,7 @@ def main() -> int:
             else:
                 dev.set(x)
                 smddp.allreduce(dev, op=smddp.SUM, timeout=120)
-                x = dev.get()
+                dev.get(out=x)
             if not np.all(x == world * (world + 1) / 2):
                 record["wrong"] = f"iteration {i}: wrong result"
                 break

@@ -46,20 +46,23 @@ def _timed(
     out: str, rank: int, calls: tuple[str, ...], run: dict[str, Any], rounds: int, warmup: int, block: int = 1
 ) -> None:
     """Each call after a barrier, `block` times in a row, the calls' blocks interleaved (1: every round
-    has one of each); each rank's times into rankR.json. With blocks, a block's first call is not
-    kept: it carries what the call before it left running (an asynchronous call's releases and
-    completions, on its client's threads)."""
+    has one of each), until `rounds` times of each are kept after `warmup` calls of each; each rank's
+    times into rankR.json. With blocks, a block's first call is not kept: it carries what the call
+    before it left running (an asynchronous call's releases and completions, on its client's threads).
+    Every rank makes the same calls, so their barriers pair up."""
     import smddp
 
     times: dict[str, list[float]] = {c: [] for c in calls}
-    for r in range(0, warmup + rounds, block):
+    made = 0  # calls of each so far
+    while len(times[calls[-1]]) < rounds:
         for c in calls:
             for j in range(block):
                 smddp.barrier()
                 t0 = time.perf_counter()
                 run[c]()
-                if r + j >= warmup and (block == 1 or j > 0):
+                if made + j >= warmup and (block == 1 or j > 0) and len(times[c]) < rounds:
                     times[c].append(time.perf_counter() - t0)
+        made += block
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(times, f)
 
