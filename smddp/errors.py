@@ -80,7 +80,23 @@ class CollectiveStallError(CollectiveError):
 
 
 class CollectiveTimeoutError(SmddpError, TimeoutError):
-    """A blocking call ran past its timeout; the job itself is still usable."""
+    """A blocking call ran past its timeout; the job itself is still usable.
+
+    Every message says "Timed out" as gloo's does ("Timed out waiting 1000ms for ..."), which is what
+    torch's own callers look for in a timed-out collective's error (its test suite matches
+    " (Timed out|closed|timeout) "): `waiting` words a collective's; any other is prefixed."""
+
+    PREFIX = "smddp: Timed out"
+
+    def __init__(self, message: str = "", *args: object) -> None:
+        if not message.startswith(self.PREFIX):
+            message = f"{self.PREFIX} - {message}"
+        super().__init__(message, *args)
+
+    @classmethod
+    def waiting(cls, seconds: float, what: str) -> CollectiveTimeoutError:
+        """The error of a wait of `seconds` for collective `what` that is still in flight."""
+        return cls(f"{cls.PREFIX} waiting {seconds * 1000:g}ms for {what}; it is still in flight")
 
 
 class DeviceError(SmddpError, RuntimeError):

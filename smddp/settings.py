@@ -141,6 +141,16 @@ SETTINGS: tuple[Setting, ...] = (
         metavar="PATH",
     ),
     S(
+        "host_id",
+        str,
+        "",
+        "without a launcher (mp.spawn, file:// or tcp://), ranks with the same host id form a node "
+        "(empty: this host's name, boot id and network and mount namespaces)",
+        (),
+        (WORKER,),
+        env="SMDDP_HOST_ID",
+    ),
+    S(
         "daemon_at_import",
         bool,
         True,

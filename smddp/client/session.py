@@ -199,9 +199,8 @@ class Handle:
         """
         t = self._default_timeout_s if timeout is None else timeout
         if not self._event.wait(t):
-            raise CollectiveTimeoutError(
-                f"collective #{self.seq} ({self.kind.label}, {self.dtype.label}, count={self.count}) "
-                f"did not complete within {t:g}s; it is still in flight"
+            raise CollectiveTimeoutError.waiting(
+                t, f"collective #{self.seq} ({self.kind.label}, {self.dtype.label}, count={self.count})"
             )
         if self._error is not None:
             raise fresh(self._error)
@@ -324,9 +323,8 @@ class EngineHandle(_engine.Started, Handle):
                 raise NotInitializedError("smddp has been shut down")
             left = deadline - time.monotonic()
             if end is False or left <= 0:
-                raise CollectiveTimeoutError(
-                    f"collective #{self.seq} ({self.kind.label}, {self.dtype.label}, count={self.count}) "
-                    f"did not complete within {t:g}s; it is still in flight"
+                raise CollectiveTimeoutError.waiting(
+                    t, f"collective #{self.seq} ({self.kind.label}, {self.dtype.label}, count={self.count})"
                 )
             event = self._event
             if event is not None:
@@ -456,10 +454,10 @@ class PipelinedHandle(Handle):
             try:
                 h.wait(max(0.0, deadline - time.monotonic()), stream)
             except CollectiveTimeoutError:
-                raise CollectiveTimeoutError(
+                raise CollectiveTimeoutError.waiting(
+                    t,
                     f"collective #{self.seq} ({self.kind.label}, {self.dtype.label}, count={self.count}, "
-                    f"in {len(self.pieces)} pieces #{self.seq}-#{self.pieces[-1].seq}) did not complete "
-                    f"within {t:g}s; it is still in flight"
+                    f"in {len(self.pieces)} pieces #{self.seq}-#{self.pieces[-1].seq})",
                 ) from None
         return self._result
 
@@ -837,9 +835,8 @@ class Client:
             # Nobody waits for it again: collected, so that whichever thread takes its DONE copies its
             # result back (on `stream`, where the caller's later work finds it) and RELEASEs it.
             handle._collect()
-            raise CollectiveTimeoutError(
-                f"collective #{handle.seq} (allreduce, {dev.dtype.label}, count={dev.count}) "
-                f"did not complete within {t:g}s; it is still in flight"
+            raise CollectiveTimeoutError.waiting(
+                t, f"collective #{handle.seq} (allreduce, {dev.dtype.label}, count={dev.count})"
             ) from None
         return plan.done
 
@@ -1018,9 +1015,8 @@ class Client:
         )
         if handle is not None:
             handle._collect()
-        return CollectiveTimeoutError(
-            f"collective #{seq} ({kind.label}, {dtype.label}, count={count}) "
-            f"did not complete within {t:g}s; it is still in flight"
+        return CollectiveTimeoutError.waiting(
+            t, f"collective #{seq} ({kind.label}, {dtype.label}, count={count})"
         )
 
     # ------------------------------------------------------------------ the device path

@@ -1,17 +1,19 @@
-"""Joining a job under torchrun (or any env:// launcher): the node's first worker starts its daemon and relays the daemons' bootstrap through the store."""
+"""Joining a job through torch's store: under torchrun (or any env:// launcher) or none (mp.spawn, file://, tcp://), the node's first worker starts its daemon and relays the daemons' bootstrap through the store."""
 
-# No mpirun on this path. Every worker reads its place from torch's environment (RANK, WORLD_SIZE,
-# LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK); rank 0 picks a fresh job id, which every rank learns
-# through the store torch hands the backend under a nonce of its own (torch elastic keeps that store
-# across restarts: agree_job_id), so every attempt is a new job and everything of it lives under its
-# id in the store. The first worker of each node starts that node's smddp-daemon as its child, tied to it
-# by PR_SET_PDEATHSIG, and relays the daemons' bootstrap collectives through the store
-# (transport/relay.py). It starts the daemon before it knows the job's id, and tells it the id first
-# thing over their socket pair: at `import smddp.torch` (EarlyDaemon), so that the daemon's own
-# start-up runs while the script goes on to its first smddp group, or else as that group begins.
-# Once its daemon has written the job description, it says so under "node/N" in the store; the
-# node's other workers wait for that word (or the error that stopped the daemon) and then join
-# exactly as under smddp-launch, through the daemon's private directory.
+# No mpirun on this path. Every rank tells rank 0 of itself through the store torch hands the backend
+# (its host, and the launcher's LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK where one set them); rank 0
+# picks a fresh job id, which every rank learns under a nonce of its own (torch elastic keeps that
+# store across restarts: agree_job), and places every rank: the launcher's nodes, checked, or
+# without a launcher the ranks on one host as one node (place_ranks). Everything of a job lives under
+# its id in the store. The first worker of each node starts that node's smddp-daemon as its child,
+# tied to it by PR_SET_PDEATHSIG, and relays the daemons' bootstrap collectives through the store
+# (transport/relay.py). Under a launcher it starts the daemon before it knows the job's id, and tells
+# it the id first thing over their socket pair: at `import smddp.torch` (EarlyDaemon), so that the
+# daemon's own start-up runs while the script goes on to its first smddp group, or else as that group
+# begins; without one it starts the daemon once the ranks are placed. Once its daemon has written the
+# job description, it says so under "node/N" in the store; the node's other workers wait for that
+# word (or the error that stopped the daemon) and then join exactly as under smddp-launch, through
+# the daemon's private directory.
 
 from __future__ import annotations
 
@@ -25,9 +27,10 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 from smddp import settings
 from smddp.errors import BootstrapError, ConfigError, SmddpError
@@ -97,10 +100,10 @@ class ElasticPlace:
         }
 
 
-def _get(store: KVStore, key: str, timeout: float, what: str) -> str:
+def _get_raw(store: KVStore, key: str, timeout: float, what: str) -> bytes:
     try:
         store.wait([key], timedelta(seconds=timeout))
-        return store.get(key).decode()
+        return store.get(key)
     except Exception as e:  # torch's store raises DistStoreError / RuntimeError of its own
         raise BootstrapError(f"{what} within {timeout:g}s: {e}") from None
 
@@ -199,7 +202,7 @@ def _daemon_settings(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
 def _torchrun_place(env: Mapping[str, str]) -> ElasticPlace | None:
     """This worker's place under torchrun (or another env:// launcher); None under smddp-launch,
     without a launcher, or with variables join_through_store will refuse by name."""
-    if env.get("SMDDP_JOB_ID") and env.get("SMDDP_RANK"):
+    if under_smddp_launch(env):
         return None
     try:
         return ElasticPlace.from_env(env, int(env.get("RANK", "")), int(env.get("WORLD_SIZE", "")))
@@ -257,75 +260,316 @@ def start_early_daemon(env: Mapping[str, str] | None = None) -> None:
     _early.start(os.environ if env is None else env)
 
 
-def agree_job_id(store: KVStore, rank: int, size: int, timeout: float) -> str:
-    """A fresh job id of rank 0's on every rank (collective), never one of an earlier attempt.
+#: The launcher's variables a rank's record carries where they are set, so that every rank checks
+#: every rank's against what the store says.
+LAUNCHER_VARS = ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_RESTART_COUNT")
+#: How long a rank waits, past its own deadline, for rank 0's word on the job (rank 0 may have started
+#: later, and says why the job cannot start once its own deadline passes).
+TABLE_GRACE_S = 10.0
+
+
+def under_smddp_launch(env: Mapping[str, str]) -> bool:
+    """Whether this worker was placed by smddp-launch (else it joins through torch's store)."""
+    return bool(env.get("SMDDP_JOB_ID") and env.get("SMDDP_RANK"))
+
+
+def host_identity(env: Mapping[str, str]) -> str:
+    """What ranks compare to find their node: SMDDP_HOST_ID where set, else this host's name, the
+    kernel's boot id and the network and mount namespaces this process runs in. Ranks alike in all of
+    these reach one daemon's socket directory and loopback; a container or network namespace of its
+    own is a node of its own."""
+    given = str(settings.from_env(settings.WORKER, env)["host_id"])
+    if given:
+        return given
+    parts = [socket.gethostname()]
+    with contextlib.suppress(OSError), open("/proc/sys/kernel/random/boot_id") as f:
+        parts.append(f.read().strip())
+    for ns in ("net", "mnt"):
+        with contextlib.suppress(OSError):
+            parts.append(f"{ns}:{os.stat(f'/proc/self/ns/{ns}').st_ino}")
+    return "/".join(parts)
+
+
+def rank_record(env: Mapping[str, str], size: int) -> dict[str, Any]:
+    """What a rank tells the others of itself (every rank's place is computed from every rank's)."""
+    return {
+        "world": size,
+        "host": host_identity(env),
+        "hostname": socket.gethostname(),
+        "pid": os.getpid(),
+        "env": {n: env[n] for n in LAUNCHER_VARS if env.get(n)},
+    }
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    """Ranks as runs: 0-3, 6, 8-9."""
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and runs[-1][1] == r - 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs[:16]) + (
+        ", ..." if len(runs) > 16 else ""
+    )
+
+
+def place_ranks(records: Sequence[Mapping[str, Any]], size: int) -> list[ElasticPlace]:
+    """Every rank's place from every rank's record (rank_record), the same on every rank.
+
+    Where a launcher set LOCAL_RANK (for every rank, or it is an error) its nodes are taken, and
+    checked against the store: no two ranks claim one local rank, and the ranks of a node share a host.
+    Without one, the ranks on one host form a node, in rank order. Raises BootstrapError naming the
+    ranks of whatever smddp cannot run."""
+
+    def who(r: int) -> str:
+        return f"rank {r} ({records[r]['hostname']}, pid {records[r]['pid']})"
+
+    odd = [r for r, rec in enumerate(records) if rec["world"] != size]
+    if odd:
+        said = ", ".join(f"{who(r)} {records[r]['world']}" for r in odd[:8])
+        raise BootstrapError(
+            f"the ranks disagree on the world size: rank 0 says {size}, {said}: every rank must pass "
+            "the same world_size"
+        )
+    given = [r for r, rec in enumerate(records) if "LOCAL_RANK" in rec["env"]]
+    if not given:
+        return _places_by_host(records, size, who)
+    if len(given) != size:
+        unset = [r for r in range(size) if r not in set(given)]
+        raise BootstrapError(
+            f"LOCAL_RANK is set for rank(s) {_ranks(given)} but not for rank(s) {_ranks(unset)}: a launcher "
+            "sets it for every rank; without one leave it unset, and the ranks find their nodes through the store"
+        )
+    claimed: dict[tuple[str, str, str], int] = {}
+    for r, rec in enumerate(records):
+        env = rec["env"]
+        key = (rec["host"], env.get("GROUP_RANK", ""), env["LOCAL_RANK"])
+        if key in claimed:
+            raise BootstrapError(
+                f"{who(claimed[key])} and {who(r)} both claim local rank {env['LOCAL_RANK']} of their node "
+                "(LOCAL_RANK): each rank of a node needs a local rank of its own"
+            )
+        claimed[key] = r
+    places = [ElasticPlace.from_env(rec["env"], r, size) for r, rec in enumerate(records)]
+    sizes = {p.local_size for p in places}
+    if len(sizes) > 1:
+        raise BootstrapError(
+            "the ranks disagree on LOCAL_WORLD_SIZE ("
+            + ", ".join(f"rank {p.rank}: {p.local_size}" for p in places[:8])
+            + "): smddp needs the same number of workers on every node"
+        )
+    host_of: dict[int, int] = {}
+    for p in places:
+        first = host_of.setdefault(p.node, p.rank)
+        if records[first]["host"] != records[p.rank]["host"]:
+            raise BootstrapError(
+                f"{who(first)} and {who(p.rank)} are on different hosts, yet their launcher put both on "
+                f"node {p.node} (LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK): the ranks of a node share its "
+                "daemon, so they must share a host"
+            )
+    return places
+
+
+def _places_by_host(
+    records: Sequence[Mapping[str, Any]], size: int, who: Callable[[int], str]
+) -> list[ElasticPlace]:
+    """Without a launcher: the ranks on one host form a node, nodes in the order of their first rank."""
+    hosts: dict[str, list[int]] = {}
+    for r, rec in enumerate(records):
+        hosts.setdefault(rec["host"], []).append(r)
+    nodes = list(hosts.values())
+    per = len(nodes[0])
+    if any(len(n) != per for n in nodes):
+        counts = "; ".join(f"{len(n)} on {records[n[0]]['hostname']} (ranks {_ranks(n)})" for n in nodes[:8])
+        raise BootstrapError(f"smddp needs the same number of ranks on every host, and this job has {counts}")
+    for i, n in enumerate(nodes):
+        if n != list(range(i * per, (i + 1) * per)):
+            raise BootstrapError(
+                f"smddp needs the ranks of each host numbered consecutively (rank = node x ranks per host + "
+                f"local rank), and {who(n[0])}'s host has ranks {_ranks(n)}"
+            )
+    restart = int(records[0]["env"].get("TORCHELASTIC_RESTART_COUNT") or 0)
+    return [ElasticPlace(r, size, r // per, len(nodes), r % per, per, restart) for r in range(size)]
+
+
+def _word(raw: bytes, what: str) -> dict[str, Any]:
+    try:
+        word = json.loads(raw)
+    except ValueError:
+        word = None
+    if not isinstance(word, dict):
+        raise BootstrapError(f"the store holds a malformed {what}: {raw[:80]!r}")
+    return word
+
+
+def agree_job(
+    store: KVStore, rank: int, size: int, timeout: float, record: Mapping[str, Any]
+) -> tuple[str, list[ElasticPlace]]:
+    """A fresh job id of rank 0's, and every rank's place, on every rank (collective); never an
+    earlier attempt's.
 
     torch elastic keeps one store for every restart of a run (and its restart counts may differ
     between nodes), so a key an earlier attempt wrote may still be there: reading "the job id" could
     give the last attempt's. Instead each rank asks under a nonce of its own, which no earlier attempt
     can have answered; rank 0 answers whatever it finds asked (an earlier attempt's question too,
-    harmlessly) until each rank has confirmed under the new id, which no earlier attempt can have
-    written either. Everything else of the job lives under that id.
+    harmlessly) until each rank has joined under the new id with its record (rank_record), which no
+    earlier attempt can have written either. Rank 0 then places every rank (place_ranks) and writes
+    the records, or why the job cannot start, as the job's table; every rank places itself from it.
+    Everything else of the job lives under that id.
     """
     deadline = time.monotonic() + timeout
-    if rank != 0:
-        nonce = secrets.token_hex(16)
-        store.set(f"{PREFIX}ask/{rank}", nonce.encode())
-        job_hex = _get(
-            store, f"{PREFIX}answer/{rank}/{nonce}", timeout, f"rank {rank}: rank 0 gave no smddp job id"
-        )
-        if not is_job_hex(job_hex):
-            raise BootstrapError(f"rank {rank}: the store holds a malformed smddp job id {job_hex[:40]!r}")
-        store.set(f"{PREFIX}{job_hex}/joined/{rank}", b"1")
-        return job_hex
-    job_hex = secrets.token_hex(JOB_ID_SIZE)
-    answered: dict[int, bytes] = {}
-    pending = set(range(1, size))
-    pause = 0.001
     try:
-        while pending:
-            for r in sorted(pending):
-                if store.check([f"{PREFIX}{job_hex}/joined/{r}"]):
-                    pending.discard(r)
-                elif store.check([f"{PREFIX}ask/{r}"]):
-                    asked = store.get(f"{PREFIX}ask/{r}")
-                    if answered.get(r) != asked:
-                        store.set(f"{PREFIX}answer/{r}/{asked.decode(errors='replace')}", job_hex.encode())
-                        answered[r] = asked
-            if pending and time.monotonic() > deadline:
-                late = ", ".join(map(str, sorted(pending)[:16]))
-                raise BootstrapError(
-                    f"rank 0: rank(s) {late} did not join the smddp job within {timeout:g}s "
-                    "(SMDDP_JOIN_TIMEOUT_S, or the group's timeout if shorter)"
-                )
-            time.sleep(pause)
-            pause = min(2 * pause, 0.02)
+        if rank != 0:
+            job_hex = _ask_job_id(store, rank, size, timeout, deadline)
+            store.set(f"{PREFIX}{job_hex}/joined/{rank}", json.dumps(record).encode())
+            left = max(deadline - time.monotonic(), 0.0) + TABLE_GRACE_S
+            table = _word(
+                _get_raw(store, f"{PREFIX}{job_hex}/table", left, f"rank {rank}: rank 0 placed no ranks"),
+                "smddp job table",
+            )
+            if "error" in table:
+                raise BootstrapError(f"rank {rank}: {table['error']}")
+        else:
+            job_hex, table = _answer_job_id(store, size, timeout, deadline, record)
+        records = table.get("records")
+        if not isinstance(records, list) or len(records) != size:
+            raise BootstrapError(f"rank {rank}: the store holds a malformed smddp job table")
+        return job_hex, place_ranks(records, size)
     except BootstrapError:
         raise
     except Exception as e:  # torch's store raises its own errors
-        raise BootstrapError(f"rank 0: the store failed while agreeing on the smddp job id: {e}") from None
+        raise BootstrapError(f"rank {rank}: the store failed while starting the smddp job: {e}") from None
+
+
+def _ask_job_id(store: KVStore, rank: int, size: int, timeout: float, deadline: float) -> str:
+    """Rank `rank`'s side of agree_job: ask rank 0 for the job id (and keep asking in our own name)."""
+    nonce = secrets.token_hex(16)
+    ask = f"{PREFIX}ask/{rank}"
+    mine = json.dumps({"nonce": nonce, "world": size}).encode()
+    store.set(ask, mine)
+    answer = f"{PREFIX}answer/{rank}/{nonce}"
+    pause, look = 0.001, 0.0
+    while not store.check([answer]):
+        now = time.monotonic()
+        if now > deadline:
+            raise BootstrapError(
+                f"rank {rank}: rank 0 gave no smddp job id within {timeout:g}s (is rank 0 running, and does "
+                f"it reach the same store? does every rank pass the same world_size? this rank's is {size})"
+            )
+        if now >= look:
+            # No earlier attempt writes after us: another value is another live process of this rank.
+            if store.get(ask) != mine:
+                raise BootstrapError(
+                    f"rank {rank}: another process asked for the smddp job as rank {rank} through the same "
+                    "store: every process needs a rank of its own"
+                )
+            look = now + 0.2
+        time.sleep(pause)
+        pause = min(2 * pause, 0.02)
+    word = _word(store.get(answer), "answer from rank 0")
+    if "error" in word:
+        raise BootstrapError(f"rank {rank}: {word['error']}")
+    job_hex = str(word.get("job", ""))
+    if not is_job_hex(job_hex):
+        raise BootstrapError(f"rank {rank}: the store holds a malformed smddp job id {job_hex[:40]!r}")
     return job_hex
+
+
+def _answer_job_id(
+    store: KVStore, size: int, timeout: float, deadline: float, record: Mapping[str, Any]
+) -> tuple[str, dict[str, Any]]:
+    """Rank 0's side of agree_job: answer every rank, collect their records, write the job's table."""
+    job_hex = secrets.token_hex(JOB_ID_SIZE)
+    records: dict[int, Any] = {0: dict(record)}
+    answered: dict[int, bytes] = {}
+    pending = set(range(1, size))
+    refusal = ""  # once set, what every rank that asks from then on is answered, and the table says
+    pause = 0.001
+    while pending:
+        for r in sorted(pending):
+            joined = f"{PREFIX}{job_hex}/joined/{r}"
+            if store.check([joined]):
+                records[r] = _word(store.get(joined), f"record of rank {r}")
+                pending.discard(r)
+            elif store.check([f"{PREFIX}ask/{r}"]):
+                asked = store.get(f"{PREFIX}ask/{r}")
+                if answered.get(r) == asked:
+                    continue
+                answered[r] = asked
+                try:
+                    question = json.loads(asked)
+                    nonce, world = str(question["nonce"]), int(question["world"])
+                except (ValueError, KeyError, TypeError):
+                    continue  # not a question of this version of smddp's (nor of this attempt's)
+                if world != size and not refusal:
+                    refusal = (
+                        f"rank {r} has a world of {world} ranks and rank 0 one of {size}: every rank must "
+                        "pass the same world_size"
+                    )
+                word = {"error": refusal} if refusal else {"job": job_hex}
+                store.set(f"{PREFIX}answer/{r}/{nonce}", json.dumps(word).encode())
+                if refusal:
+                    pending.discard(r)  # told: it will not join
+        if pending and time.monotonic() > deadline:
+            refusal = refusal or (
+                f"rank(s) {_ranks(sorted(pending))} did not join the smddp job within {timeout:g}s "
+                "(SMDDP_JOIN_TIMEOUT_S, or the group's timeout if shorter; do they reach the same store?)"
+            )
+            break
+        time.sleep(pause)
+        pause = min(2 * pause, 0.02)
+    table: dict[str, Any] = {"error": refusal}
+    if not refusal:
+        ordered = [records[r] for r in range(size)]
+        try:
+            place_ranks(ordered, size)
+            table = {"records": ordered}
+        except BootstrapError as e:
+            table = {"error": str(e)}
+    store.set(f"{PREFIX}{job_hex}/table", json.dumps(table).encode())
+    if "error" in table:
+        raise BootstrapError(f"rank 0: {table['error']}")
+    return job_hex, table
 
 
 def join_through_store(
     store: KVStore, rank: int, size: int, timeout: float, env: Mapping[str, str] | None = None
 ) -> dict[str, str]:
-    """Collective over every rank of the job: start and bootstrap the daemons through `store`.
+    """Collective over every rank of the job: place the ranks, start and bootstrap the daemons through
+    `store`, under torchrun or any other launcher (it set LOCAL_RANK) or none (mp.spawn, a file:// or
+    tcp:// init_method, a store passed in).
 
     Returns the SMDDP_ placement variables to join with (smddp.init's `env`). Raises BootstrapError
-    naming the cause on every rank when a daemon cannot start, and ConfigError for a layout smddp
-    cannot run."""
+    naming the cause on every rank when the ranks cannot be placed or a daemon cannot start."""
     environ = os.environ if env is None else env
-    place = ElasticPlace.from_env(environ, rank, size)
+    record = rank_record(environ, size)
     daemon: DaemonChild | None = None
     error: SmddpError | None = None
-    if place.local_rank == 0:
-        # Started before the job's id is agreed (or at import): its start-up overlaps the agreement.
+    # Under a launcher a node's first worker knows its place at once: its daemon is started before the
+    # job's id is agreed (or at import), so that its start-up overlaps the agreement. Its variables are
+    # checked with every rank's in agree_job, which says what is wrong on every rank.
+    guess = _torchrun_place(environ)
+    if guess is not None and guess.local_rank == 0:
         try:
-            daemon = _early.take(place, environ) or DaemonChild(place, environ)
+            daemon = _early.take(guess, environ) or DaemonChild(guess, environ)
         except SmddpError as e:
             error = e  # said under the node's key once there is a job to say it in
-    job_hex = agree_job_id(store, rank, size, timeout)
+    try:
+        job_hex, places = agree_job(store, rank, size, timeout, record)
+    except BootstrapError:
+        if daemon is not None:
+            daemon.wait_exit(5.0)
+        raise
+    place = places[rank]
+    if daemon is not None and daemon.place != place:  # the same rule on the same variables: never
+        daemon.wait_exit(5.0)
+        daemon = None
+    if place.local_rank == 0 and daemon is None and error is None:
+        try:
+            daemon = DaemonChild(place, environ)
+        except SmddpError as e:
+            error = e
     node_key = f"{PREFIX}{job_hex}/node/{place.node}"
     if place.local_rank == 0:
         try:
@@ -340,29 +584,19 @@ def join_through_store(
             raise
         store.set(node_key, json.dumps({"ok": daemon.proc.pid}).encode())
     else:
-        raw = _get(
-            store, node_key, timeout, f"rank {rank}: the first worker of node {place.node} started no daemon"
+        word = _word(
+            _get_raw(
+                store,
+                node_key,
+                timeout,
+                f"rank {rank}: the first worker of node {place.node} started no daemon",
+            ),
+            f"word for node {place.node}",
         )
-        try:
-            word = json.loads(raw)
-        except ValueError:
-            word = None
-        if not isinstance(word, dict) or not ("ok" in word or "error" in word):
+        if not ("ok" in word or "error" in word):
             raise BootstrapError(
-                f"rank {rank}: the store holds a malformed word for node {place.node}: {raw[:80]!r}"
+                f"rank {rank}: the store holds a malformed word for node {place.node}: {word!r:.80}"
             )
         if "error" in word:
             raise BootstrapError(f"rank {rank}: {word['error']}")
     return {**environ, **place.worker_env(job_hex)}
-
-
-def check_launcher(env: Mapping[str, str]) -> bool:
-    """Whether this worker runs under smddp-launch (True) or must join through the store (False)."""
-    if env.get("SMDDP_JOB_ID") and env.get("SMDDP_RANK"):
-        return True
-    if env.get("LOCAL_RANK") is None:
-        raise ConfigError(
-            "the smddp backend needs a launcher: smddp-launch -np W -- python SCRIPT, or "
-            "torchrun --nproc-per-node G SCRIPT (or one that sets torch's env:// variables)"
-        )
-    return False

@@ -26,7 +26,7 @@ from smddp.client.device.buffers import described
 from smddp.client.device.runtime import BUILTIN as BUILTIN_RUNTIMES
 from smddp.client.session import Latch, when_all
 from smddp.errors import CollectiveError, CollectiveTimeoutError, ConfigError, SmddpError, fresh
-from smddp.launcher.elastic import check_launcher, join_through_store
+from smddp.launcher.elastic import join_through_store, under_smddp_launch
 from smddp.proto.dtypes import DType, dtype_from_numpy
 
 BACKEND_NAME = "smddp"
@@ -183,9 +183,7 @@ class SmddpWork(dist.Work):
         if self._handles and not self._done.is_set():
             self._drive(deadline)
         if not self._done.wait(max(0.0, deadline - time.monotonic())):
-            raise CollectiveTimeoutError(
-                f"smddp {self.name} did not complete within {t.total_seconds():g}s; it is still in flight"
-            )
+            raise CollectiveTimeoutError.waiting(t.total_seconds(), f"{self.name}")
         if self._error is not None:
             err = self._error
             if isinstance(err, SmddpError):
@@ -401,11 +399,7 @@ class _Watchdog:
                 if not expired:
                     self._cv.wait(None if earliest is None else earliest - now)
             for work in expired:
-                work._complete(
-                    CollectiveTimeoutError(
-                        f"smddp {work.name} did not complete within {work._timeout.total_seconds():g}s"
-                    )
-                )
+                work._complete(CollectiveTimeoutError.waiting(work._timeout.total_seconds(), work.name))
 
 
 class _Completer:
@@ -901,7 +895,7 @@ class SideGroup:
                 return "nccl", self._nccl
         return "gloo", self._gloo
 
-    def run(self, call: str, method: str, args: tuple, reason: str, kwargs: dict | None = None) -> Any:
+    def run(self, call: str, method: str, args: tuple, kwargs: dict | None, reason: str) -> Any:
         """Run `call` on the side backend (its `method`, with the arguments torch gave us)."""
         tensors = _tensors_in((*args, *(kwargs or {}).values()))
         name, backend = self.backend_for(tensors)
@@ -925,22 +919,58 @@ def _tensors_in(args: Any) -> list[Any]:
     return out
 
 
-def _routable(call: str, method: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+#: How a routed call is put to the side backend: (call, method, args, kwargs) for its arguments.
+Route = Callable[[str, str, tuple, dict], tuple[str, str, tuple, dict]]
+
+
+def _as_given(call: str, method: str, args: tuple, kwargs: dict) -> tuple[str, str, tuple, dict]:
+    return call, method, args, kwargs
+
+
+def _reduce_options(kind: Callable[[], Any], opts: Any) -> Any:
+    """torch's options of `kind` (AllreduceOptions, AllreduceCoalescedOptions) saying what `opts` does."""
+    o = kind()
+    if opts is not None:
+        o.reduceOp = opts.reduceOp
+        o.timeout = opts.timeout
+        o.asyncOp = getattr(opts, "asyncOp", True)
+    return o
+
+
+def _several_as_coalesced(call: str, method: str, args: tuple, kwargs: dict) -> tuple[str, str, tuple, dict]:
+    """An allreduce of several tensors, as smddp runs it (each on its own): the side's allreduce_coalesced."""
+    tensors = args[0] if args else kwargs.get("tensors", ())
+    if len(tensors) < 2:
+        return call, method, args, kwargs
+    opts = args[1] if len(args) > 1 else kwargs.get("opts")
+    o = _reduce_options(dist.AllreduceCoalescedOptions, opts)
+    return "all_reduce_coalesced", "allreduce_coalesced", (list(tensors), o), {}
+
+
+def _routable(
+    call: str, method: str, route: Route = _as_given
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """A collective smddp runs itself when it can; what it refuses (an op, dtype or shape it does
-    not carry, or any call of a subgroup) goes to the side group instead. A refusal happens before
-    anything is sent, and depends only on what every rank passes alike, so all ranks route together."""
+    not carry, or any call of a subgroup) goes to the side group instead, as the same call (`route`
+    says how, where the side backend's method of that name means something else). A refusal happens
+    before anything is sent, and depends only on what every rank passes alike, so all ranks route
+    together."""
 
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def side(self: ProcessGroupSmddp, reason: str, args: tuple, kwargs: dict) -> Any:
+            assert self._side is not None
+            return self._side.run(*route(call, method, args, kwargs), reason)
+
         @functools.wraps(fn)
         def routed(self: ProcessGroupSmddp, *args: Any, **kwargs: Any) -> Any:
             if self._side is not None and self._subgroup:
-                return self._side.run(call, method, args, "smddp runs groups of every rank only", kwargs)
+                return side(self, "smddp runs groups of every rank only", args, kwargs)
             try:
                 return fn(self, *args, **kwargs)
             except UnsupportedCollectiveError as e:
                 if self._side is None:
                     raise
-                return self._side.run(call, method, args, str(e), kwargs)
+                return side(self, str(e), args, kwargs)
 
         return routed
 
@@ -1056,8 +1086,8 @@ class ProcessGroupSmddp(dist.ProcessGroup):
 
     # -- collectives
 
-    @_routable("all_reduce", "allreduce")
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work | None:
+    def _allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work | None:
+        """Each tensor all-reduced on its own (several are a coalesced call, on every path)."""
         if opts is not None and len(tensors) == 1 and self.trace is None:
             one = self._one_host_tensor(tensors[0])
             if one is not None:
@@ -1177,11 +1207,14 @@ class ProcessGroupSmddp(dist.ProcessGroup):
             trace.done = time.perf_counter()
         return _DoneWork(result)
 
-    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
-        o = dist.AllreduceOptions()
-        if opts is not None:
-            o.reduceOp = opts.reduceOp
-        return self.allreduce(tensors, o)
+    # What smddp refuses goes to the side group as the same call: several tensors are several
+    # all-reduces (the side backend's allreduce would reduce them all into one, as for one tensor per
+    # device), so they go to its allreduce_coalesced.
+    allreduce = _routable("all_reduce", "allreduce", _several_as_coalesced)(_allreduce)
+
+    @_routable("all_reduce_coalesced", "allreduce_coalesced")
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work | None:
+        return self._allreduce(tensors, _reduce_options(dist.AllreduceOptions, opts))
 
     @_routable("broadcast", "broadcast")
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> SmddpWork:
@@ -1433,7 +1466,7 @@ class ProcessGroupSmddp(dist.ProcessGroup):
                 f"the smddp backend does not run {call} and this group has no side group "
                 "(groups made by torch.distributed have one)"
             )
-        return self._side.run(call, method, args, "smddp does not run it", kwargs)
+        return self._side.run(call, method, args, kwargs, "smddp does not run it")
 
     def alltoall(self, *args: Any, **kwargs: Any) -> Any:
         return self._elsewhere("all_to_all", "alltoall", args, kwargs)
@@ -1468,13 +1501,16 @@ def create_process_group(store: Any, rank: int, size: int, timeout: timedelta) -
     """
     if not smddp.is_initialized():
         env = None
-        if not check_launcher(os.environ):
-            # Under torchrun: this first group starts the job (its daemons) through torch's store.
-            world = int(os.environ.get("WORLD_SIZE") or size)
+        if not under_smddp_launch(os.environ):
+            # Under torchrun, or no launcher at all: this first group starts the job (its daemons)
+            # through torch's store. A subgroup cannot: its store and ranks are not the job's.
+            world = (
+                dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE") or size)
+            )
             if size != world:
                 raise ConfigError(
-                    f"the first smddp group has {size} of the {world} ranks: under torchrun smddp starts with "
-                    'a group of every rank (init_process_group("smddp"), or new_group(backend="smddp") of all)'
+                    f"the first smddp group has {size} of the {world} ranks: smddp starts with a group of "
+                    'every rank (init_process_group("smddp"), or new_group(backend="smddp") of all)'
                 )
             # A node whose daemon failed says so at once; one that never comes (its workers slow or stuck
             # before their first group) is bounded as under smddp-launch: --join-timeout, at most the

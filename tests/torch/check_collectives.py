@@ -204,6 +204,24 @@ def main() -> int:
     xp = torch.full((3,), float(r + 1))
     dist.all_reduce(xp, op=dist.ReduceOp.PRODUCT)
     routed["product"] = xp.tolist() == [float(math.factorial(w))] * 3
+    # A coalesced all-reduce is one all-reduce per tensor on every path: with an op the side group runs
+    # (it once got the product of every element of every tensor), with or without a group argument,
+    # through the group's own allreduce of several tensors, and with an op smddp runs.
+    want = [math.prod(2.0 * i + 1 for i in range(w)), math.prod(2.0 * i + 2 for i in range(w))]
+    for how in ("group", "default", "pg.allreduce"):
+        pc = [torch.tensor([2.0 * r + 1]), torch.tensor([2.0 * r + 2])]
+        if how == "pg.allreduce":
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = dist.ReduceOp.PRODUCT
+            work = dist.group.WORLD.allreduce(pc, opts)
+            if work is not None:
+                work.wait()
+        else:
+            dist.all_reduce_coalesced(pc, dist.ReduceOp.PRODUCT, dist.group.WORLD if how == "group" else None)
+        routed[f"coalesced_product_{how}"] = [t.item() for t in pc] == want
+    sc = [torch.tensor([2.0 * r + 1]), torch.tensor([2.0 * r + 2, 1.0])]
+    dist.all_reduce_coalesced(sc, dist.ReduceOp.SUM)
+    checks["coalesced_sum"] = [t.tolist() for t in sc] == [[float(w * w)], [float(w * (w + 1)), float(w)]]
     xa = torch.tensor([r | 8, 15], dtype=torch.int32)
     dist.all_reduce(xa, op=dist.ReduceOp.BAND)
     routed["band"] = xa.tolist() == [functools.reduce(lambda a, b: a & b, [i | 8 for i in range(w)]), 15]

@@ -119,7 +119,7 @@ def test_fast_timeout_becomes_a_handle_and_the_result_still_lands(pair):
     client, daemon = pair
     python = general_way(client)
     buf = np.zeros(1024, np.float32)
-    with pytest.raises(CollectiveTimeoutError, match=r"collective #1 .*did not complete within 0.2s"):
+    with pytest.raises(CollectiveTimeoutError, match=r"Timed out waiting 200ms for collective #1 "):
         collectives.allreduce(client, buf, ReduceOp.SUM, 0.2)
     assert list(client._handles) == [1], "the collective left in flight is not tracked"
     assert isinstance(client._handles[1], EngineHandle) and client._channel.blocking() == []

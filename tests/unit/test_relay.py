@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from smddp.errors import BootstrapCancelled, BootstrapError
-from smddp.launcher.elastic import EarlyDaemon, ElasticPlace, agree_job_id
+from smddp.launcher.elastic import EarlyDaemon, ElasticPlace, agree_job, place_ranks, rank_record
 from smddp.transport.bootstrap import Membership, bootstrap_daemons, job_secret, read_secret_file
 from smddp.transport.relay import LineConn, RelayComm, StoreRelay
 from tests.conftest import need_module
@@ -193,13 +193,25 @@ def test_elastic_place_refuses_what_smddp_cannot_run(
         ElasticPlace.from_env(env, rank, size)
 
 
-def _agree(store: Any, size: int, delays: list[float]) -> list[Any]:
+def _record(host: str = "h0", world: int = 2, **env: str) -> dict[str, Any]:
+    return {"world": world, "host": host, "hostname": host, "pid": 1, "env": env}
+
+
+def _agree(
+    store: Any, size: int, delays: list[float], records: list[Any] | None = None, timeout: float = 10.0
+) -> list[Any]:
+    """agree_job on `size` threads, each after its delay: each rank's job id (or its BootstrapError)."""
     got: list[Any] = [None] * size
+    places: list[Any] = [None] * size
 
     def rank(r: int) -> None:
         time.sleep(delays[r])
+        record = records[r] if records else _record(world=size)
         try:
-            got[r] = agree_job_id(store, r, size, 10.0)
+            got[r], places[r] = agree_job(
+                store, r, size if records is None else record["world"], timeout, record
+            )
+            assert places[r][r].rank == r
         except BootstrapError as e:
             got[r] = e
 
@@ -227,7 +239,118 @@ def test_every_rank_gets_this_attempts_job_id_never_a_stale_one(rank0_late: bool
 def test_a_rank_that_never_asks_is_named_by_rank_0() -> None:
     store = dist.HashStore()
     with pytest.raises(BootstrapError, match=r"rank\(s\) 1 did not join the smddp job within 0\.3s"):
-        agree_job_id(store, 0, 2, 0.3)
+        agree_job(store, 0, 2, 0.3, _record())
+
+
+def test_a_store_nobody_else_reaches_is_bounded_and_said() -> None:
+    """Each rank alone in its store (file:// paths that differ): rank 0 names the ranks that never came,
+    the others say rank 0 never answered and what to check, each within its timeout."""
+    with pytest.raises(BootstrapError, match=r"rank\(s\) 1-3 did not join.*do they reach the same store"):
+        agree_job(dist.HashStore(), 0, 4, 0.3, _record(world=4))
+    t0 = time.monotonic()
+    with pytest.raises(BootstrapError, match=r"rank 2: rank 0 gave no smddp job id within 0\.3s.*same store"):
+        agree_job(dist.HashStore(), 2, 4, 0.3, _record(world=4))
+    assert time.monotonic() - t0 < 5.0  # bounded by the timeout given (generous: a loaded host)
+
+
+def test_ranks_that_disagree_on_the_world_size_all_say_so() -> None:
+    """Rank 1 says 2 ranks, ranks 0 and 2 say 3: every rank that reached the store fails naming the sizes,
+    rank 1 from rank 0's answer, rank 2 from rank 0's table."""
+    records = [_record(world=3), _record(world=2), _record(world=3)]
+    got = _agree(dist.HashStore(), 3, [0.0, 0.0, 0.1], records)
+    for r in range(3):
+        assert isinstance(got[r], BootstrapError), got
+        assert "rank 1 has a world of 2 ranks and rank 0 one of 3" in str(got[r]), (r, got[r])
+
+
+def test_two_processes_claiming_one_rank_are_told() -> None:
+    """Two processes both rank 1 (rank 0 not there yet): the one whose question was replaced says so at
+    once instead of waiting out its timeout."""
+    store = dist.HashStore()
+    errors: list[Any] = []
+
+    def second() -> None:
+        time.sleep(0.1)
+        try:
+            agree_job(store, 1, 2, 5.0, _record())
+        except BootstrapError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=second)
+    t.start()
+    t0 = time.monotonic()
+    with pytest.raises(BootstrapError, match="another process asked for the smddp job as rank 1"):
+        agree_job(store, 1, 2, 5.0, _record())
+    assert time.monotonic() - t0 < 4.0  # before its own 5 s timeout
+    # The other (whose question stands) is answered once rank 0 comes.
+    job, places = agree_job(store, 0, 2, 5.0, _record())
+    t.join(10)
+    assert not errors and len(job) == 32 and [p.node for p in places] == [0, 0]
+
+
+def test_without_a_launcher_the_ranks_of_one_host_form_a_node() -> None:
+    recs = [_record(h, 6) for h in ("a", "a", "a", "b", "b", "b")]
+    places = place_ranks(recs, 6)
+    assert [(p.node, p.local_rank, p.local_size, p.nnodes) for p in places] == [
+        (n, lr, 3, 2) for n in range(2) for lr in range(3)
+    ]
+    # Through the store, on one host (what mp.spawn gives): one node of every rank.
+    got = _agree(dist.HashStore(), 3, [0.0, 0.0, 0.0], [rank_record(os.environ, 3)] * 3)
+    assert len(set(got)) == 1 and isinstance(got[0], str), got
+
+
+@pytest.mark.parametrize(
+    ("records", "match"),
+    [
+        (
+            [_record("a", 3), _record("a", 3), _record("b", 3)],
+            r"same number of ranks on every host.*2 on a \(ranks 0-1\); 1 on b",
+        ),
+        (
+            [_record("a", 4), _record("b", 4), _record("a", 4), _record("b", 4)],
+            r"numbered consecutively.*has ranks 0, 2",
+        ),
+        (
+            [_record("a", 2, LOCAL_RANK="0", LOCAL_WORLD_SIZE="2"), _record("a", 2)],
+            r"LOCAL_RANK is set for rank\(s\) 0 but not for rank\(s\) 1",
+        ),
+        (
+            [_record("a", 2, LOCAL_RANK="0", LOCAL_WORLD_SIZE="2")] * 2,
+            r"rank 0 \(a, pid 1\) and rank 1 \(a, pid 1\) both claim local rank 0",
+        ),
+        (
+            [_record(h, 2, LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2") for r, h in enumerate("ab")],
+            r"rank 0 \(a, pid 1\) and rank 1 \(b, pid 1\) are on different hosts, yet their launcher put both on node 0",
+        ),
+        (
+            # Each rank's variables fit its own rank, but not each other's.
+            [_record("a", 4, LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2" if r < 2 else "4") for r in range(4)],
+            r"disagree on LOCAL_WORLD_SIZE \(rank 0: 2, rank 1: 2, rank 2: 4",
+        ),
+    ],
+    ids=[
+        "uneven-hosts",
+        "not-contiguous",
+        "local-rank-on-some",
+        "same-local-rank",
+        "node-across-hosts",
+        "local-sizes",
+    ],
+)
+def test_what_smddp_cannot_place_is_refused_by_name(records: list[Any], match: str) -> None:
+    with pytest.raises(BootstrapError, match=match):
+        place_ranks(records, len(records))
+
+
+def test_a_launchers_nodes_are_kept_and_may_share_a_host() -> None:
+    """torchrun agents as nodes of one host (a simulated cluster): two nodes on host a, as GROUP_RANK says."""
+    recs = [
+        _record("a", 4, LOCAL_RANK=str(r % 2), LOCAL_WORLD_SIZE="2", GROUP_RANK=str(r // 2)) for r in range(4)
+    ]
+    assert [(p.node, p.local_rank) for p in place_ranks(recs, 4)] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    # Every rank of the store's view agrees with what each was told by its launcher.
+    got = _agree(dist.HashStore(), 4, [0.0] * 4, recs)
+    assert len(set(got)) == 1 and isinstance(got[0], str), got
 
 
 def test_the_greeting_gives_a_daemon_started_ahead_its_job() -> None:
