@@ -11,7 +11,9 @@ TF_PINS := 'tensorflow-cpu==2.21.0' 'keras==3.15.1'
 # Real clients the tests run unchanged on smddp (issue 15): DeepSpeed (ZeRO-3 over init_distributed),
 # Hugging Face Trainer and accelerate (SageMaker data-parallel mode), and tf-keras, the Keras 2 that
 # TF_USE_LEGACY_KERAS=1 scripts (old SageMaker and Horovod model.fit scripts) use. Test-only, pinned.
-CLIENT_PINS := 'deepspeed==0.19.8' 'transformers==5.23.0' 'accelerate==1.15.0' 'tf-keras==2.21.0'
+# expecttest: torch's own distributed test suite (torch.testing._internal, tests/torch/torch_suite.py)
+# imports it, and torch's wheel does not depend on it.
+CLIENT_PINS := 'deepspeed==0.19.8' 'transformers==5.23.0' 'accelerate==1.15.0' 'tf-keras==2.21.0' 'expecttest==0.3.0'
 
 .PHONY: setup demo test unit multiprocess lint typecheck clean
 
