@@ -6,20 +6,9 @@ import argparse
 import shlex
 import sys
 
+from smddp.bench.flags import parse_list, parse_size, parse_sizes
 from smddp.bench.runner import DEFAULT_IMPLS, IMPLS, BenchError, RunOptions, Topology
 from smddp.settings import default
-
-
-def parse_size(text: str) -> int:
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    if t and t[-1] in mult:
-        return int(float(t[:-1]) * mult[t[-1]])
-    return int(t)
-
-
-def parse_list(text: str) -> tuple[str, ...]:
-    return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
 def common_flags(p: argparse.ArgumentParser, rounds: bool = True) -> None:
@@ -152,18 +141,6 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("results", nargs="+", help="sweep JSON files (NAME.json, as `sweep` wrote them)")
     r.add_argument("--out", default="", help="output directory (default: beside each JSON file)")
     return p
-
-
-def parse_sizes(text: str) -> tuple[int, ...]:
-    if "-" in text and "," not in text:
-        lo, hi = (parse_size(x) for x in text.split("-"))
-        out = []
-        s = lo
-        while s <= hi:
-            out.append(s)
-            s *= 4
-        return tuple(out)
-    return tuple(parse_size(x) for x in parse_list(text))
 
 
 def main(argv: list[str] | None = None) -> int:

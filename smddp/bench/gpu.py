@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from smddp.bench.cli import parse_list, parse_sizes
+from smddp.bench.flags import parse_list, parse_sizes
 from smddp.client.device.buffers import DeviceBuffer
 from smddp.client.device.copies import DeviceIO
 from smddp.client.device.runtime import DeviceRuntime, load_runtime

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from smddp.bench.cli import parse_sizes
+from smddp.bench.flags import parse_sizes
 from smddp.bench.runner import OMPI_RING, busbw_factor, mpi_settings
 from tests.conftest import BIN, REPO, need_module
 

@@ -13,7 +13,7 @@ from smddp.proto.dtypes import DType, Kind, ReduceOp
 
 
 def describe(kind: Kind, dtype: DType, count: int, op: ReduceOp | None, root: int) -> str:
-    """How a collective's fingerprint reads in an error message, as the Python daemon wrote it."""
+    """How a collective's fingerprint reads in an error message, as the daemon's Python wrote it before the engine took its table (kept here as the reference)."""
     extra = f", op={op.name.lower()}" if op is not None else ""
     if kind == Kind.BROADCAST:
         extra = f", root={root}"

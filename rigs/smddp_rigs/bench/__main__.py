@@ -6,7 +6,8 @@ import argparse
 import shlex
 import sys
 
-from smddp.bench.cli import common_flags, parse_list, parse_size, run_options
+from smddp.bench.cli import common_flags, run_options
+from smddp.bench.flags import parse_list, parse_size
 from smddp.bench.runner import BenchError
 
 

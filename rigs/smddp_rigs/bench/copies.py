@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from smddp.bench.cli import parse_size
+from smddp.bench.flags import parse_size
 from smddp.bench.report import fmt_size
 from smddp.proto.dtypes import DType, ReduceOp
 from smddp_rigs import _engine_testing
