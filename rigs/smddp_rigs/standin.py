@@ -434,6 +434,19 @@ class StandinRuntime:
         """A kernel that keeps `stream` busy for `seconds` (a long compute kernel)."""
         self.launch(stream, lambda: time.sleep(seconds), device=device)
 
+    def hold(self, stream: int, device: int = 0, limit_s: float = 20.0) -> threading.Event:
+        """A kernel that keeps `stream` busy until the returned gate is set: what a test orders work
+        against (this ran while that was held) without betting on how long a loaded host takes to get
+        anywhere. A gate never set fails the stream after `limit_s` (sticky), instead of hanging it."""
+        gate = threading.Event()
+
+        def held() -> None:
+            if not gate.wait(limit_s):
+                raise DeviceError(f"stand-in: stream {stream:#x} held for {limit_s:g}s and never let go")
+
+        self.launch(stream, held, device=device)
+        return gate
+
     def torch_streams(self) -> Any:
         """The smddp torch backend's streams for CPU tensors under this runtime (it claims them all)."""
         from smddp_rigs.standin_torch import StandinStreams

@@ -290,7 +290,9 @@ def test_a_start_behind_collectives_that_never_complete_times_out(tmp_path, clea
         if r < 2:
             head, _, why = out["late_start"].partition(": ")
             took = float(head.removeprefix("timeout after ").removesuffix("s"))
-            assert 2.0 <= took < 4.0, out
+            # Not before its 2 s (--timeout 2); the upper bound tells that bound from the job's 300 s, with
+            # room for a loaded host's seconds.
+            assert 2.0 <= took < 60.0, out
             assert (
                 f"rank {r}: a collective could not start: the {out['max_in_flight']} this worker started"
                 in why

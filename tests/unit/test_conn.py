@@ -132,7 +132,9 @@ def test_recv_header_timeout_on_silence(pair):
     with pytest.raises(ConnectionClosed, match="timed out"):
         b.recv_header(timeout=0.3)
     took = time.monotonic() - t0
-    assert 0.3 <= took < 2.0, took
+    # Not before its 0.3 s; the upper bound only tells a timed wait from a hang (a loaded host is late
+    # by seconds at most).
+    assert 0.3 <= took < 30.0, took
 
 
 def test_idle_limit_resets_on_progress(pair):

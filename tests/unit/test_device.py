@@ -64,14 +64,13 @@ def test_copies_are_asynchronous_and_in_order(rt):
     s = rt.new_stream()
     dev = rt.asarray(np.arange(1000, dtype=np.float32))
     host = pinned(rt, dev.nbytes)
-    rt.sleep(s, SLOW)
-    t0 = time.monotonic()
-    rt.copy_d2h(host.ctypes.data, dev.ptr, dev.nbytes, s)
-    assert time.monotonic() - t0 < SLOW / 2, "a copy into pinned memory must not block the host"
+    gate = rt.hold(s)  # a kernel that runs until the test lets it end
+    rt.copy_d2h(host.ctypes.data, dev.ptr, dev.nbytes, s)  # returns with the kernel still running
     assert not host.any(), "the copy ran before the kernel enqueued ahead of it"
     ev = rt.new_event()
     rt.record(ev, s)
     assert not rt.event_done(ev)
+    gate.set()
     rt.event_synchronize(ev)
     assert rt.event_done(ev)
     assert np.array_equal(host.view(np.float32), np.arange(1000, dtype=np.float32))
@@ -82,10 +81,20 @@ def test_pageable_copies_block_the_caller(rt):
     s = rt.new_stream()
     dev = rt.asarray(np.ones(10, np.float64))
     host = np.zeros(10, np.float64)  # not registered
-    rt.sleep(s, SLOW)
-    t0 = time.monotonic()
-    rt.copy_d2h(host.ctypes.data, dev.ptr, dev.nbytes, s)
-    assert time.monotonic() - t0 >= SLOW * 0.9, "a copy into pageable memory returns when it is done"
+    ended: list[bool] = []
+    gate = rt.hold(s)
+    rt.launch(s, lambda: ended.append(True))  # the kernel ahead of the copy has ended
+    returned: list[bool] = []
+    call = threading.Thread(
+        target=lambda: (rt.copy_d2h(host.ctypes.data, dev.ptr, dev.nbytes, s), returned.append(bool(ended)))
+    )
+    call.start()
+    call.join(0.2)  # a copy that did not block would return while the stream is held
+    gate.set()
+    call.join(30)
+    assert returned == [True], (
+        "a copy into pageable memory returns when it is done, after the work ahead of it"
+    )
     assert (host == 1).all()
     assert rt.stats["pageable"] == 1
 
@@ -95,10 +104,14 @@ def test_event_wait_orders_streams_and_a_missing_wait_reads_stale_data(rt):
     x = rt.asarray(np.zeros(100, np.int32))
     seen_without: list[np.ndarray] = []
     seen_with: list[np.ndarray] = []
-    rt.sleep(producer, SLOW)
+    gate = rt.hold(producer)
     rt.launch(producer, lambda v: v.fill(7), x)
     # Without a wait the consumer runs now, before the producer's kernel wrote anything.
     rt.launch(consumer, lambda v: seen_without.append(v.copy()), x)
+    ran = rt.new_event()
+    rt.record(ran, consumer)
+    rt.event_synchronize(ran)
+    gate.set()
     ev = rt.new_event()
     rt.record(ev, producer)
     rt.wait_event(consumer, ev)
@@ -113,14 +126,18 @@ def test_a_wait_refers_to_the_last_record_before_it(rt):
     x = rt.asarray(np.zeros(4, np.int64))
     ev = rt.new_event()
     rt.record(ev, a)  # an early, empty point of stream a
-    rt.sleep(a, SLOW)
+    gate = rt.hold(a)
     rt.launch(a, lambda v: v.fill(1), x)
     seen: list[int] = []
     rt.wait_event(b, ev)  # waits for the early record only
     rt.launch(b, lambda v: seen.append(int(v[0])), x)
+    first = rt.new_event()
+    rt.record(first, b)
     rt.record(ev, a)  # re-recorded after the write: later waits see it
     rt.wait_event(b, ev)
     rt.launch(b, lambda v: seen.append(int(v[0])), x)
+    rt.event_synchronize(first)  # b's first read is done, with a still held
+    gate.set()
     rt.synchronize()
     assert seen == [0, 1]
 
@@ -327,11 +344,13 @@ def test_dlpack_export_makes_the_consumer_stream_wait_for_the_producer(rt):
     producer, consumer = rt.new_stream(), rt.new_stream()
     x = rt.empty((64,), np.float32)
     with rt.use(producer):
-        rt.sleep(producer, SLOW)
+        gate = rt.hold(producer)
         rt.launch(producer, lambda v: v.fill(3.0), x)
         read_dlpack(x, "buf", 0, consumer)
     seen: list[float] = []
     rt.launch(consumer, lambda v: seen.append(float(v[0])), x)
+    time.sleep(0.05)  # (a consumer made to wait for nothing would read garbage meanwhile)
+    gate.set()
     rt.synchronize()
     assert seen == [3.0]
 
@@ -427,13 +446,14 @@ def test_copy_in_waits_for_the_producer_and_would_be_stale_without(rt):
         for wait in (True, False):
             x = rt.empty((1000,), np.float32)
             with rt.use(compute):
-                rt.sleep(compute, SLOW)
+                gate = rt.hold(compute)
                 rt.launch(compute, lambda v: v.fill(2.5), x)
                 b = dataclass_device(read_cai(CaiOnly(x), "buf"))
                 before = io.mark(io.producer_stream(b, None), 0) if wait else None
-            t0 = time.monotonic()
-            done = io.copy_in(b, slot, before)
-            assert time.monotonic() - t0 < SLOW / 2, "copy-in must not block the host"
+            done = io.copy_in(b, slot, before)  # returns with the producer held: it does not block
+            if not wait:
+                io.host_wait(done)  # the copy did not wait for the producer, still held
+            gate.set()
             io.host_wait(done)
             got = slot.view(np.float32)
             if wait:
@@ -450,18 +470,23 @@ def test_copy_in_waits_for_the_producer_and_would_be_stale_without(rt):
 
 def test_copy_out_is_ordered_before_the_consumer_and_would_be_stale_without(rt):
     io = _io(rt)
-    rt.copy_delay_s = SLOW  # every copy waits first: a reader that does not wait loses the race
     result = pinned(rt, 400)
     result.view(np.int32)[:] = np.arange(100, dtype=np.int32)
     consumer = rt.new_stream()
     for ordered in (True, False):
         x = rt.asarray(np.full(100, -1, np.int32))
         b = read_dlpack(x, "buf", 0, io.lane(0).d2h)
+        gate = rt.hold(io.lane(0).h2d)  # the copy back is late: a reader that does not wait reads first
         done = io.copy_out(0, [(b, result)], None)
         if ordered:
             io.stream_wait(consumer, done, 0)
         seen: list[np.ndarray] = []
         rt.launch(consumer, lambda v, seen=seen: seen.append(v.copy()), x)
+        if not ordered:
+            read = rt.new_event()
+            rt.record(read, consumer)
+            rt.event_synchronize(read)  # it read with the copy still held
+        gate.set()
         rt.synchronize()
         if ordered:
             assert np.array_equal(seen[0], np.arange(100))
@@ -479,11 +504,15 @@ def test_copy_out_waits_for_work_queued_on_its_destination(rt):
     for ordered in (True, False):
         x = rt.empty((10,), np.float32)
         with rt.use(compute):
-            rt.sleep(compute, SLOW)
+            gate = rt.hold(compute)
             rt.launch(compute, lambda v: v.fill(-1.0), x)  # the caller's own (old) contents, late
             b = read_dlpack(x, "buf", 0, io.lane(0).d2h)
             before = io.mark(io.producer_stream(b, None), 0) if ordered else None
-        io.host_wait(io.copy_out(0, [(b, result)], before))
+        done = io.copy_out(0, [(b, result)], before)
+        if not ordered:
+            io.host_wait(done)  # landed with the caller's work still held, which then overwrites it
+        gate.set()
+        io.host_wait(done)
         rt.synchronize()
         assert (x.get() == (9.0 if ordered else -1.0)).all()
     io.close()
