@@ -54,7 +54,9 @@ def _race_set_against_waiters() -> None:
         for th in threads:
             th.join()
         assert got == [True, True, True]
-        assert max(took) < WAIT_S / 2, f"a waiter slept {max(took):.1f} s of its {WAIT_S:g} s: it missed the set()"
+        assert max(took) < WAIT_S / 2, (
+            f"a waiter slept {max(took):.1f} s of its {WAIT_S:g} s: it missed the set()"
+        )
 
 
 def test_a_latch_not_set_times_out_and_a_set_one_needs_no_event() -> None:
