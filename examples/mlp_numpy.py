@@ -9,8 +9,10 @@ import os
 for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
 
+import argparse  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -127,6 +129,11 @@ def evaluate(params: Params, x: np.ndarray, y: np.ndarray, rank: int, size: int)
 
 
 def main() -> int:
+    ap = argparse.ArgumentParser(description="data-parallel training of a small MLP on smddp, in numpy")
+    ap.add_argument(
+        "--save-params", default="", help="each rank writes its final parameters to DIR/rank<r>.bin"
+    )
+    args = ap.parse_args()
     smddp.init()
     rank, size = smddp.rank(), smddp.size()
     # Count nodes as the ranks that are first on theirs: local_size alone is wrong when nodes are uneven.
@@ -180,6 +187,8 @@ def main() -> int:
 
     # Data parallelism is only correct if every replica holds exactly the same weights.
     flat = np.concatenate([p.ravel() for p in params])
+    if args.save_params:  # to be compared without the collectives under test (tests/replicas.py)
+        Path(args.save_params, f"rank{rank}.bin").write_bytes(flat.tobytes())
     gathered = smddp.allgather(flat)
     ref = gathered[0].view(np.uint8)
     differ = [r for r in range(size) if not np.array_equal(gathered[r].view(np.uint8), ref)]

@@ -1,16 +1,37 @@
 """The layouts the daemon followed before the engine (smddp/engine/collective.h) took them over, kept
-as the tests' independent plan: N balanced shards cut into chunks, and gather blocks. `locate`
-asks the engine, so that the tests of every wire offset exercise the check the daemon runs."""
+as the tests' independent plan: N balanced shards cut into chunks, and gather blocks, computed here
+with arithmetic of their own (not smddp.proto.layout's, which the client plans with and which the
+tests compare with this). `locate` is the engine's check (the one every wire offset passes), so that
+tests of every offset compare it with these chunks."""
 
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 
 from smddp_rigs import _engine_testing
 
 from smddp.errors import ProtocolError
-from smddp.proto.layout import Chunk, shard_bounds, split_range
+from smddp.proto.layout import Chunk  # a plain record: shard, index, start, end
+
+
+def shard_bounds(count: int, nshards: int) -> list[tuple[int, int]]:
+    """Shard j starts after j shards of count // N elements and one more for each of the first
+    count % N shards before it."""
+    base, longer = count // nshards, count % nshards
+    starts = [j * base + min(j, longer) for j in range(nshards + 1)]
+    return list(itertools.pairwise(starts))
+
+
+def split_range(start: int, end: int, step: int) -> list[tuple[int, int]]:
+    """[start, end) in pieces of `step` elements, the last one shorter; an empty range is one empty piece."""
+    pieces = [(start, start)] if end <= start else []
+    a = start
+    while a < end:
+        pieces.append((a, min(end, a + step)))
+        a += step
+    return pieces
 
 
 @dataclass(frozen=True)

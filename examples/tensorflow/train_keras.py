@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -83,6 +84,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--epochs", type=int, default=8)
     ap.add_argument("--batch", type=int, default=16, help="per worker")
+    ap.add_argument(
+        "--save-params", default="", help="each rank writes its final parameters to DIR/rank<r>.bin"
+    )
     ap.add_argument("--lr", type=float, default=0.001, help="for one worker; scaled by the number of workers")
     args = ap.parse_args()
     tf.config.threading.set_intra_op_parallelism_threads(1)
@@ -115,6 +119,9 @@ def main() -> None:
         verbose=0,
     )
     agree = replicas_agree(net.variables)
+    if args.save_params:  # to be compared without the collectives under test (tests/replicas.py)
+        flat = np.concatenate([np.asarray(v).reshape(-1) for v in net.variables])
+        Path(args.save_params, f"rank{rank}.bin").write_bytes(flat.tobytes())
     if rank == 0:
         print(
             f"replicas agree bit for bit: {agree} ({net.count_params()} parameters, {world} workers)",

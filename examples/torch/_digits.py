@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -49,8 +50,14 @@ def report_epoch(epoch: int, total: torch.Tensor, correct: torch.Tensor, t0: flo
         )
 
 
-def check_replicas(flat: torch.Tensor) -> None:
-    """All-gather every rank's flattened parameters; rank 0 says whether they are the same bits."""
+def check_replicas(flat: torch.Tensor, save_dir: str = "") -> None:
+    """All-gather every rank's flattened parameters; rank 0 says whether they are the same bits.
+    `save_dir`: each rank also writes its bytes to save_dir/rank<r>.bin, to be compared without the
+    collectives under test (tests/replicas.py)."""
+    if save_dir:
+        Path(save_dir, f"rank{dist.get_rank()}.bin").write_bytes(
+            flat.detach().cpu().contiguous().numpy().tobytes()
+        )
     world = dist.get_world_size()
     rows = [torch.empty_like(flat) for _ in range(world)]
     dist.all_gather(rows, flat)

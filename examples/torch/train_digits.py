@@ -52,6 +52,9 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=10)
     ap.add_argument("--batch", type=int, default=16, help="per worker")
     ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument(
+        "--save-params", default="", help="each rank writes its final parameters to DIR/rank<r>.bin"
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group(backend="smddp")  # RANK, WORLD_SIZE, ... come from smddp-launch or torchrun
@@ -81,7 +84,7 @@ def main() -> None:
             total += torch.tensor([loss.item() * len(y), len(y)], dtype=torch.float64)
         net.eval()  # BatchNorm: running statistics for the test
         report_epoch(epoch, total, accuracy(net, test, torch.device("cpu")), t0)
-    check_replicas(torch.cat([p.detach().reshape(-1) for p in net.parameters()]))
+    check_replicas(torch.cat([p.detach().reshape(-1) for p in net.parameters()]), args.save_params)
     dist.destroy_process_group()
 
 

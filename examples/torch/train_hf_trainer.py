@@ -62,6 +62,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16, help="per worker")
     ap.add_argument("--backend", default="smddp", help="torch.distributed backend (gloo to compare)")
     ap.add_argument("--save", default="", help="write the final parameters here (rank 0)")
+    ap.add_argument(
+        "--save-params", default="", help="each rank writes its final parameters to DIR/rank<r>.bin"
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group(backend=args.backend)  # RANK, WORLD_SIZE, ... come from smddp-launch or torchrun
@@ -95,7 +98,7 @@ def main() -> None:
         )
         if args.save:
             torch.save(flat, args.save)
-    check_replicas(flat)
+    check_replicas(flat, args.save_params)
     # The Trainer (its DDP wrapper, and any work the backend still holds for it) sits in reference
     # cycles that only the collector frees: free it now, while the interpreter is whole, then end
     # the group's threads. Left to the interpreter's exit, gloo's work objects can abort the

@@ -112,13 +112,15 @@ def install_bare(wheel: Path, python: str, work: Path, find_links: str = "") -> 
     return venv, env
 
 
-def run_demo(venv: Path, env: dict[str, str], work: Path) -> str:
-    """The demo (4 workers on 2 simulated nodes) from an installed venv; its output."""
+def run_demo(venv: Path, env: dict[str, str], work: Path, params: Path | None = None) -> str:
+    """The demo (4 workers on 2 simulated nodes) from an installed venv; its output. `params`: a
+    directory for each rank's final parameters (the demo's --save-params)."""
     demo = [
         str(venv / "bin" / DEMO[0]),
         *DEMO[1:],
         str(venv / "bin" / "python"),
         str(REPO / "examples" / "mlp_numpy.py"),
+        *(["--save-params", str(params)] if params is not None else []),
     ]
     return run(demo, env=env, cwd=str(work), timeout=300).stdout
 

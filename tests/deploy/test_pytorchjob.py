@@ -15,6 +15,7 @@ from smddp.transport.netif import service_port
 from tests.conftest import communicate_all
 from tests.deploy.helpers import BIN, DEPLOY, REPO, base_env
 from tests.deploy.test_kubernetes import SCHEMAS, STRICT, documents, registry
+from tests.replicas import assert_replicas_identical
 
 pytestmark = pytest.mark.deploy
 
@@ -135,7 +136,7 @@ def test_the_pods_command_runs_under_the_operators_environment(tmp_path: Path) -
             OMP_NUM_THREADS="1",
         )
         args = [a.replace("/opt/smddp/", f"{REPO}/") for a in c["args"]]
-        argv = [str(BIN / args[0]), *args[1:], "--epochs", "2"]
+        argv = [str(BIN / args[0]), *args[1:], "--epochs", "2", "--save-params", str(tmp_path)]
         procs.append(
             subprocess.Popen(
                 argv, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -146,3 +147,4 @@ def test_the_pods_command_runs_under_the_operators_environment(tmp_path: Path) -
         assert p.returncode == 0, out[-2000:] + err[-4000:]
     assert "training" in outs[0][0] and "on 2 workers" in outs[0][0], outs[0][0]
     assert "replicas agree bit for bit: True" in outs[0][0]
+    assert_replicas_identical(tmp_path, 2)

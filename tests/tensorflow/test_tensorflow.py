@@ -17,6 +17,7 @@ import pytest
 
 from tests import reference
 from tests.conftest import LAUNCHED, REPO, leftovers, smddp_launch
+from tests.replicas import assert_replicas_identical
 
 pytestmark = pytest.mark.tensorflow
 
@@ -310,9 +311,17 @@ def test_mismatch_inside_tf_function_names_the_cause(runs: Callable[[int, int], 
         )
 
 
-def test_example_keras_digits(clean_host: None) -> None:
-    proc = smddp_launch(4, 2, [str(REPO / "examples" / "tensorflow" / "train_keras.py"), "--epochs", "3"])
+def test_example_keras_digits(clean_host: None, tmp_path: Path) -> None:
+    example = [
+        str(REPO / "examples" / "tensorflow" / "train_keras.py"),
+        "--epochs",
+        "3",
+        "--save-params",
+        str(tmp_path),
+    ]
+    proc = smddp_launch(4, 2, example)
     _ok(proc)
     acc = [float(m) for m in re.findall(r"test accuracy (\d\.\d+)", proc.stdout)]
     assert len(acc) == 3 and acc[-1] > 0.9, proc.stdout[-3000:]
     assert "replicas agree bit for bit: True" in proc.stdout
+    assert_replicas_identical(tmp_path, 4)

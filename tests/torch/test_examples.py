@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, need_module, smddp_launch
+from tests.replicas import assert_replicas_identical
 
 torch = need_module("torch", "pip install -e '.[torch]'")
 
@@ -38,19 +39,16 @@ def test_hf_trainer_example_matches_gloo(tmp_path: Path, clean_host: None) -> No
     got = {}
     for backend in ("smddp", "gloo"):
         save = tmp_path / f"{backend}.pt"
-        args = [
-            str(EXAMPLES / "train_hf_trainer.py"),
-            "--epochs",
-            "2",
-            "--backend",
-            backend,
-            "--save",
-            str(save),
-        ]
+        params = tmp_path / backend
+        params.mkdir()
+        args = [str(EXAMPLES / "train_hf_trainer.py"), "--epochs", "2", "--backend", backend]
+        args += ["--save", str(save), "--save-params", str(params)]
         proc = smddp_launch(2, 1, args, timeout=400)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert AGREE in proc.stdout and f"backend {backend}, 2 workers" in proc.stdout, proc.stdout[-2000:]
         got[backend] = torch.load(save)
+        # Each rank's own bytes, compared here (the printed line is decided by smddp's all_gather).
+        assert_replicas_identical(params, 2)
     assert torch.equal(got["smddp"], got["gloo"])
 
 

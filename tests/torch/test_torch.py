@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import REPO, need_module, smddp_launch
+from tests.replicas import assert_replicas_identical
 
 torch = need_module("torch", "pip install -e '.[torch]'")
 
@@ -182,9 +183,17 @@ def test_sagemaker_scripts(style: str, tmp_path: Path, clean_host: None) -> None
 
 
 @pytest.mark.long  # CI runs this example under torchrun (tests/torch/test_torchrun.py, 4 workers)
-def test_example_digits_classifier(clean_host: None) -> None:
-    proc = smddp_launch(4, 2, [str(REPO / "examples" / "torch" / "train_digits.py"), "--epochs", "8"])
+def test_example_digits_classifier(clean_host: None, tmp_path: Path) -> None:
+    example = [
+        str(REPO / "examples" / "torch" / "train_digits.py"),
+        "--epochs",
+        "8",
+        "--save-params",
+        str(tmp_path),
+    ]
+    proc = smddp_launch(4, 2, example)
     _ok(proc)
     acc = [float(m) for m in re.findall(r"test accuracy (\d\.\d+)", proc.stdout)]
     assert len(acc) == 8 and acc[-1] > 0.9, proc.stdout[-3000:]
     assert "replicas agree bit for bit: True" in proc.stdout
+    assert_replicas_identical(tmp_path, 4)

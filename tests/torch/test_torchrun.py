@@ -17,6 +17,7 @@ import pytest
 from smddp.transport.bootstrap import PLACEMENT_VARS, default_socket_dir
 from smddp.transport.netif import service_port
 from tests.conftest import BIN, REPO, need_module, smddp_launch
+from tests.replicas import assert_replicas_identical
 
 torch = need_module("torch", "pip install -e '.[torch]'")
 
@@ -328,14 +329,29 @@ def test_a_secret_file_keeps_the_secret_off_the_store(
 
 def test_examples_run_under_torchrun(torchrun: Any, tmp_path: Path) -> None:
     """The DDP example and the Hugging Face Trainer one, unchanged, under torchrun."""
-    proc = torchrun(4, [str(EXAMPLES / "train_digits.py"), "--epochs", "4"])
+    (tmp_path / "ddp").mkdir()
+    proc = torchrun(
+        4, [str(EXAMPLES / "train_digits.py"), "--epochs", "4", "--save-params", str(tmp_path / "ddp")]
+    )
     _ok(proc)
     acc = [float(m) for m in re.findall(r"test accuracy (\d\.\d+)", proc.stdout)]
     assert len(acc) == 4 and acc[-1] > 0.85, proc.stdout[-3000:]
     assert "replicas agree bit for bit: True" in proc.stdout
+    assert_replicas_identical(tmp_path / "ddp", 4)
     need_module("transformers", "make setup installs it")
     save = tmp_path / "hf.pt"
-    proc = torchrun(2, [str(EXAMPLES / "train_hf_trainer.py"), "--epochs", "1", "--save", str(save)])
+    (tmp_path / "hf").mkdir()
+    hf = [
+        str(EXAMPLES / "train_hf_trainer.py"),
+        "--epochs",
+        "1",
+        "--save",
+        str(save),
+        "--save-params",
+        str(tmp_path / "hf"),
+    ]
+    proc = torchrun(2, hf)
     _ok(proc)
     assert "replicas agree bit for bit: True" in proc.stdout, proc.stdout[-3000:]
+    assert_replicas_identical(tmp_path / "hf", 2)
     assert "backend smddp, 2 workers" in proc.stdout, proc.stdout[-3000:]

@@ -254,53 +254,80 @@ def test_u64_fields_beyond_2_63(field):
             decode_header(valid_raw(MsgType.PARTIAL, **{field: bad}))
 
 
-@settings(max_examples=400, deadline=None)
-@given(st.binary(min_size=HEADER_SIZE, max_size=HEADER_SIZE))
-def test_decode_random_bytes_total(data):
-    try:
-        h = decode_header(data)
-    except ProtocolError:
-        return
-    assert isinstance(h, Header)
+FIELDS = ("magic", "version", "mtype", "flags", "dtype", "op", "kind", "reserved", "sender", "seq")
+FIELDS += ("shard", "aux", "offset", "length", "count")
 
 
-small = st.sampled_from([0, 0, 0, 1])
+def _values(enum: type) -> set[int]:
+    return {int(v) for v in enum}  # type: ignore[attr-defined]
 
 
-@settings(max_examples=400, deadline=None)
-@given(
-    mtype=st.sampled_from([int(t) for t in MsgType] + [0, 99]),
-    flags=small,
-    reserved=small,
-    dtype=st.integers(0, 9),
-    op=st.integers(0, 6),
-    kind=st.integers(0, 7),
-    length=st.sampled_from([0, 1, MAX_CONTROL_PAYLOAD, MAX_CONTROL_PAYLOAD + 1, MAX_DATA_PAYLOAD + 1]),
-    big=st.sampled_from([0, U63, 2**63, 2**64 - 1]),
-)
-def test_decode_structured_fields_total(mtype, flags, reserved, dtype, op, kind, length, big):
-    """Plausible but random fields exercise every check; whatever decodes re-encodes to the same bytes."""
-    data = raw(
-        mtype=mtype,
-        flags=flags,
-        reserved=reserved,
-        dtype=dtype,
-        op=op,
-        kind=kind,
-        length=length,
-        seq=big,
-        offset=big,
-        count=big,
+@st.composite
+def broken(draw) -> tuple[Header, str, bytes, str]:
+    """A valid header, one of its fields set to a value no decoder may accept, the bytes, and the words
+    the refusal must say."""
+    h = draw(headers())
+    t = h.type
+    fp = t in FINGERPRINTED
+    bad = {
+        "magic": (st.binary(min_size=4, max_size=4).filter(lambda b: b != MAGIC), "bad magic"),
+        "version": (st.integers(0, 255).filter(lambda v: v != VERSION), "protocol version"),
+        "mtype": (st.integers(0, 255).filter(lambda v: v not in _values(MsgType)), "unknown message type"),
+        "flags": (st.integers(1, 2**16 - 1), "reserved bits set"),
+        "reserved": (st.integers(1, 255), "reserved bits set"),
+        "seq": (st.integers(2**63, 2**64 - 1), r"beyond 2\*\*63"),
+        "offset": (st.integers(2**63, 2**64 - 1), r"beyond 2\*\*63"),
+        "count": (st.integers(2**63, 2**64 - 1), r"beyond 2\*\*63"),
+        "length": (st.integers(limit_of(t) + 1, 2**64 - 1), "length"),
+        "dtype": (st.integers(0, 255).filter(lambda v: v not in _values(DType)), "unknown dtype")
+        if fp
+        else (st.integers(1, 255), "must be zero"),
+        "kind": (st.integers(0, 255).filter(lambda v: v not in _values(Kind)), "unknown dtype .* or kind")
+        if fp
+        else (st.integers(1, 255), "must be zero"),
+        "op": (st.integers(1, 255).filter(lambda v: v not in _values(ReduceOp)), "unknown reduce op")
+        if fp
+        else (st.integers(1, 255), "must be zero"),
+    }
+    field = draw(st.sampled_from(sorted(bad)))
+    values = list(LAYOUT.unpack(encode_header(h)))
+    values[FIELDS.index(field)] = draw(bad[field][0])
+    return h, field, LAYOUT.pack(*values), bad[field][1]
+
+
+@settings(max_examples=600, deadline=None)
+@given(broken())
+def test_a_valid_header_with_any_one_field_broken_is_refused_by_name(case):
+    """Every check is reached: the frame is valid but for one field (random bytes almost always stop at
+    the magic), and the refusal names what is wrong with that field."""
+    h, _field, data, words = case
+    assert decode_header(encode_header(h)) == h  # the header itself is valid
+    with pytest.raises(ProtocolError, match=words):
+        decode_header(data)
+
+
+def test_broken_headers_reach_every_check():
+    """The generator breaks every field, of fingerprinted and other messages alike."""
+    seen: set[tuple[str, bool]] = set()
+
+    @settings(max_examples=600, deadline=None, database=None)
+    @given(broken())
+    def collect(case):
+        seen.add((case[1], case[0].type in FINGERPRINTED))
+
+    collect()
+    expect = {"magic", "version", "mtype", "flags", "reserved", "seq", "offset", "count", "length"}
+    expect |= {"dtype", "op", "kind"}
+    assert {f for f, _ in seen} == expect and {fp for _, fp in seen} == {True, False}
+
+
+@settings(max_examples=300, deadline=None)
+@given(headers())
+def test_every_valid_header_round_trips_through_bytes(h):
+    data = encode_header(h)
+    assert (
+        len(data) == HEADER_SIZE and decode_header(data) == h and encode_header(decode_header(data)) == data
     )
-    try:
-        h = decode_header(data)
-    except ProtocolError:
-        return
-    assert int(h.type) == mtype
-    assert flags == reserved == 0
-    assert 0 <= h.length <= limit_of(h.type)
-    assert big <= U63
-    assert encode_header(h) == data
 
 
 # -- encode refuses what it must not send ------------------------------------------------------------
@@ -356,15 +383,27 @@ def any_headers(draw) -> Header:
 @settings(max_examples=300, deadline=None)
 @given(any_headers())
 def test_encode_refuses_what_decode_refuses(h):
-    """encode_header promises never to send a header the decoder would refuse.
-
-    So for any Header: either encoding raises ProtocolError, or the bytes decode back to it.
-    """
+    """encode_header promises never to send a header the decoder would refuse, and to refuse nothing it
+    would take: for any Header, encoding refuses exactly when decoding its fields' bytes does, and
+    otherwise encodes exactly those bytes, which decode back to it."""
+    fields = raw(
+        mtype=int(h.type),
+        flags=h.flags,
+        dtype=int(h.dtype or 0),
+        op=int(h.op or 0),
+        kind=int(h.kind or 0),
+        sender=h.sender,
+        length=h.length,
+    )
     try:
-        wire = encode_header(h)
+        decoded: Header | None = decode_header(fields)
     except ProtocolError:
-        return
-    assert decode_header(wire) == h
+        decoded = None
+    if decoded is None:
+        with pytest.raises(ProtocolError):
+            encode_header(h)
+    else:
+        assert encode_header(h) == fields and decoded == h
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from smddp.errors import ProtocolError
 from smddp.proto import Chunk, shard_bounds, split_range
+from tests import layout_reference as reference
 from tests.layout_reference import GatherLayout, ReduceLayout
 
 
@@ -53,6 +54,19 @@ def test_split_range_properties(start, length, step):
     assert all(b - a == step for a, b in pieces[:-1])
     assert 0 < pieces[-1][1] - pieces[-1][0] <= step
     assert len(pieces) == -(-length // step)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.integers(0, 2**40), st.integers(1, 2000), st.integers(0, 2**20), st.integers(1, 2**16))
+def test_the_client_plans_as_the_reference(count, n, length, step):
+    """smddp.proto.layout (the client's planner) against the tests' own arithmetic."""
+    j = count % n
+    assert shard_bounds(count, n)[j] == reference.shard_bounds(count, n)[j]
+    assert shard_bounds(count, n)[-1] == reference.shard_bounds(count, n)[-1]
+    start = count % 1000
+    assert split_range(start, start + length % 5000, step) == reference.split_range(
+        start, start + length % 5000, step
+    )
 
 
 def test_split_range_examples():

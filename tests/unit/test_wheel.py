@@ -12,6 +12,7 @@ import pytest
 from smddp_rigs import wheels
 
 from tests.conftest import skip_or_fail
+from tests.replicas import assert_replicas_identical
 
 RIGS = ("simcluster", "delayline", "standin", "targets", "benchmarks_md", "smddp_rigs", "rigs/")
 VERSIONS = ("3.10", "3.11", "3.12", "3.13")
@@ -66,8 +67,11 @@ def test_manylinux_wheels_for_every_cpython(built: tuple[dict[str, str], list[Pa
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
         venvs = dict(zip(VERSIONS, pool.map(install, VERSIONS), strict=True))
     for v, (venv, env) in venvs.items():
-        out = wheels.run_demo(venv, env, tmp_path)
+        params = tmp_path / f"params-{v}"
+        params.mkdir()
+        out = wheels.run_demo(venv, env, tmp_path, params)
         assert "replicas agree bit for bit: True" in out and "4 workers" in out, (v, out[-2000:])
+        assert_replicas_identical(params, 4)
 
 
 def test_the_sdist_names_the_missing_compiler(
