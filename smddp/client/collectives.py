@@ -203,14 +203,11 @@ def waited(c: Client, start: Callable[[], Handle], timeout: float | None) -> Any
     try:
         return h.wait(timeout)
     except CollectiveTimeoutError:
-        # Nobody waits for it again: collected, so that whichever thread takes its DONE completes it
-        # (its result lands where it was going, and its memory goes back), as a fast call's does.
-        h.add_done_callback(_ignore)
+        # Nobody waits for it again, and its caller is told it failed: whichever thread takes its DONE
+        # completes it (its memory goes back), but its result is dropped, as a fast call's is: nothing
+        # writes the caller's buffer after the error.
+        h._drop()
         raise
-
-
-def _ignore(_h: Handle) -> None:
-    pass
 
 
 def _one_piece(nbytes: int, piece_bytes: int) -> bool:

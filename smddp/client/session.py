@@ -210,6 +210,11 @@ class Handle:
         """wait(), then block the host until a device result is in device memory (any stream may read it)."""
         return self.wait(timeout)
 
+    def _drop(self) -> None:
+        """Its caller was told it failed (a blocking call that timed out): it completes all the same
+        (the other ranks need it), but its result goes nowhere from now on."""
+        raise NotImplementedError
+
     def _finish(self, result: Any = None, error: SmddpError | None = None) -> None:
         self._result = result
         self._error = error
@@ -265,9 +270,15 @@ class EngineHandle(_engine.Started, Handle):
                 return
         _call_back(fn, self)
 
-    def _collect(self) -> None:
+    def _drop(self) -> None:
+        if self._event is None:
+            self._collect(drop=True)
+        elif not self.finished:
+            self.collect(True)  # collected already: the channel's destination replaced by none
+
+    def _collect(self, drop: bool = False) -> None:
         """Callbacks or polls wait for it: on the client's table (its failure finishes it), and the
-        engine's taker of its DONE completes it (Started.collect)."""
+        engine's taker of its DONE completes it (Started.collect; `drop`: its result goes nowhere)."""
         if self._event is not None:
             return
         c = self._client
@@ -280,7 +291,7 @@ class EngineHandle(_engine.Started, Handle):
                 c._handles[self.seq] = self
         if failed is not None:
             self._finish(error=failed)
-        elif self.collect() is None:
+        elif self.collect(drop) is None:
             self._completed()  # a wait completed it before it saw it collected: its callbacks run here
 
     def _completed(self) -> None:
@@ -303,11 +314,12 @@ class EngineHandle(_engine.Started, Handle):
         for fn in callbacks or ():
             _call_back(fn, self)
 
-    def _settle(self, end: bool | BaseException | None, t: float, stream: Any) -> Any:
+    def _settle(self, end: bool | BaseException | None, t: float, waited: float, stream: Any) -> Any:
         """What a wait that did not end in its result raises or returns (Started.wait): `end` is True
         (finished: failed), False (not in time, or the channel aborted), None (another thread is
         completing it: a second waiter, or the DONE thread once collected) or the exception of the
-        channel's refusal (a DONE or ring the daemon broke, or its ring full: the client fails)."""
+        channel's refusal (a DONE or ring the daemon broke, or its ring full: the client fails). `t`:
+        the time left of the wait's `waited` seconds."""
         c = self._client
         if isinstance(end, BaseException):
             c._engine_failed(end)
@@ -324,7 +336,8 @@ class EngineHandle(_engine.Started, Handle):
             left = deadline - time.monotonic()
             if end is False or left <= 0:
                 raise CollectiveTimeoutError.waiting(
-                    t, f"collective #{self.seq} ({self.kind.label}, {self.dtype.label}, count={self.count})"
+                    waited,
+                    f"collective #{self.seq} ({self.kind.label}, {self.dtype.label}, count={self.count})",
                 )
             event = self._event
             if event is not None:
@@ -368,6 +381,10 @@ class DeviceHandle(EngineHandle):
             if consumer != plan.inline:  # the copy-out ran on that stream itself: in order already
                 io.stream_wait(consumer, plan.done, plan.device)
         return result
+
+    def _drop(self) -> None:
+        self._plan.dropped = True  # (before any taker can meet its DONE: only collected ones are taken)
+        EngineHandle._drop(self)
 
     def synchronize(self, timeout: float | None = None) -> Any:
         result = self.wait(timeout)
@@ -446,6 +463,10 @@ class PipelinedHandle(Handle):
 
     def done(self) -> bool:
         return all(h.done() for h in self.pieces)
+
+    def _drop(self) -> None:
+        for h in self.pieces:
+            h._drop()
 
     def wait(self, timeout: float | None = None, stream: Any = None) -> Any:
         t = self._default_timeout_s if timeout is None else timeout
@@ -832,9 +853,9 @@ class Client:
             # Its DONE's taker (this wait, mostly) runs _arrived: the copy back.
             _engine.Started.wait(handle, max(0.0, deadline - time.monotonic()))
         except CollectiveTimeoutError:
-            # Nobody waits for it again: collected, so that whichever thread takes its DONE copies its
-            # result back (on `stream`, where the caller's later work finds it) and RELEASEs it.
-            handle._collect()
+            # Nobody waits for it again, and its caller is told it failed: it completes (whichever thread
+            # takes its DONE RELEASEs it), but its result is never copied back into the caller's tensor.
+            handle._drop()
             raise CollectiveTimeoutError.waiting(
                 t, f"collective #{handle.seq} (allreduce, {dev.dtype.label}, count={dev.count})"
             ) from None
@@ -847,7 +868,6 @@ class Client:
         count: int,
         op: ReduceOp,
         timeout: float | None,
-        view: Callable[[], np.ndarray] | None = None,
     ) -> bool:
         """A blocking all-reduce of host memory in place, run by the engine from the copy into shared
         memory to the copy of the result back and its RELEASE (WorkerChannel start/finish, without
@@ -857,13 +877,12 @@ class Client:
 
         `buf` is a C-contiguous, writable numpy array of `count` elements of `dtype` (empty too),
         taken whole (the caller checked: collectives.allreduce), or the address of such memory, not
-        empty (a torch tensor's data_ptr(), whose numpy view costs more than the rest of the call) with
-        `view` making its numpy view, which also keeps the memory alive. A collective that does not
-        complete within `timeout` becomes an asynchronous collective of the engine's (_parked: its result
-        lands in `buf` when it comes, through `view()` for an address) and CollectiveTimeoutError is
-        raised, as wait() does.
+        empty (a torch tensor's data_ptr(), whose numpy view costs more than the rest of the call). A
+        collective that does not complete within `timeout` raises CollectiveTimeoutError, as wait()
+        does, and its result is dropped: it completes as an asynchronous collective of the engine's
+        (_parked) whose result goes nowhere, so nothing writes `buf` after the error.
         """
-        return self._now(buf, dtype, count, op, timeout, Kind.ALLREDUCE, view)
+        return self._now(buf, dtype, count, op, timeout, Kind.ALLREDUCE)
 
     def barrier_now(self, timeout: float | None) -> bool:
         """A blocking barrier, run by the engine as allreduce_now is (SUBMIT, DONE, RELEASE, GIL
@@ -879,7 +898,6 @@ class Client:
         op: ReduceOp | None,
         timeout: float | None,
         kind: Kind,
-        view: Callable[[], np.ndarray] | None = None,
     ) -> bool:
         if self._closed or self._failure is not None:
             self._check_open()
@@ -895,7 +913,7 @@ class Client:
             return False  # shutting down: the general way refuses it
         t = self.config.timeout_s if timeout is None else timeout
         seq, segment, offset, nbytes = ran
-        raise self._parked(seq, segment, offset, nbytes, buf, dtype, count, op, t, kind, view)
+        raise self._parked(seq, segment, offset, nbytes, dtype, count, op, t, kind)
 
     def start_async(
         self,
@@ -981,19 +999,16 @@ class Client:
         segment: int,
         offset: int,
         nbytes: int,
-        buf: np.ndarray | int,
         dtype: DType,
         count: int,
         op: ReduceOp | None,
         t: float,
         kind: Kind,
-        view: Callable[[], np.ndarray] | None,
     ) -> SmddpError:
         """What a blocking fast call raises when its collective did not complete within `t` (the channel
         parked it): the client's failure if it failed meanwhile, else CollectiveTimeoutError, with the
-        collective made an asynchronous one of the engine's first (WorkerChannel.resume), collected, so that
-        the engine's taker of its DONE still copies its result into `buf` when it comes (through
-        `view()` for an address)."""
+        collective made an asynchronous one of the engine's first (WorkerChannel.resume) with no
+        destination, collected, so that the engine's taker of its DONE RELEASEs it and copies nothing."""
         if self._failure is not None or self._closed:
             # Nothing will complete it now: out of the engine's table of fast collectives, which
             # shutdown waits on and names as unfinished.
@@ -1003,15 +1018,10 @@ class Client:
                 if self._failure is not None
                 else NotInitializedError("smddp has been shut down")
             )
-        result: np.ndarray | None = None  # what a wait returns (nobody's: the caller was told it timed out)
-        dst = NO_DATA  # a barrier: nothing comes back
-        if kind is Kind.ALLREDUCE:
-            if not isinstance(buf, np.ndarray):
-                assert view is not None  # (allreduce_now: an address comes with its view)
-                buf = view()
-            result, dst = buf, buf.reshape(-1).view(dtype.storage)
+        # Its caller is told it failed: its result is dropped (nothing comes back into `buf`, now or
+        # when its DONE comes), and the collective completes for the other ranks' sake.
         handle: EngineHandle | None = self._channel.resume(
-            seq, segment, offset, nbytes, kind, count, dtype, op or 0, dst, result
+            seq, segment, offset, nbytes, kind, count, dtype, op or 0, NO_DATA, None
         )
         if handle is not None:
             handle._collect()
@@ -1366,7 +1376,12 @@ class Client:
                 ) from None
 
     def _copy_out(self, plan: DevicePlan, seg: Segment, view: np.ndarray, seq: int) -> None:
-        """Enqueue the result's copy to the device; RELEASE the result slot only once that copy is done."""
+        """Enqueue the result's copy to the device; RELEASE the result slot only once that copy is done
+        (at once for a dropped result: nothing is copied)."""
+        if plan.dropped:
+            if not self._closed and self._failure is None:
+                self._release(seq)
+            return
         io = self._device
         assert io is not None
         io.pin(("out", seg.id), seg.array, readonly=True)

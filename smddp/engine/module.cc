@@ -1404,12 +1404,12 @@ void retire(StartedObject* obj) {
 }
 
 // What a wait that did not simply end in the result says, handed to the handle's Python:
-// self._settle(end, left_s, stream), where `end` is True (finished: it failed), False (not in time,
+// self._settle(end, left_s, waited_s, stream) (`waited_s`: the wait's whole timeout), where `end` is True (finished: it failed), False (not in time,
 // or the channel aborted), None (its DONE is another thread's to complete) or the exception the
 // channel's refusal makes (not raised: _settle fails the client with it).
-PyObject* settle(PyObject* self, PyObject* end, double left_s, PyObject* stream) {
+PyObject* settle(PyObject* self, PyObject* end, double left_s, double waited_s, PyObject* stream) {
   if (end == nullptr) return nullptr;
-  PyObject* r = PyObject_CallMethod(self, "_settle", "OdO", end, left_s, stream);
+  PyObject* r = PyObject_CallMethod(self, "_settle", "OddO", end, left_s, waited_s, stream);
   Py_DECREF(end);
   return r;
 }
@@ -1440,7 +1440,7 @@ bool arrived(PyObject* self, const smddp::Located& at) {
 
 PyObject* finished_result(PyObject* self, PyObject* stream) {
   StartedObject* obj = started_of(self);
-  if (obj->failed) return settle(self, Py_NewRef(Py_True), 0.0, stream);
+  if (obj->failed) return settle(self, Py_NewRef(Py_True), 0.0, 0.0, stream);
   return Py_NewRef(obj->result != nullptr ? obj->result : Py_None);
 }
 
@@ -1496,18 +1496,35 @@ PyObject* started_wait(PyObject* self, PyObject* const* args, Py_ssize_t nargs, 
     return finished_result(self, stream);
   }
   const double left_s = timeout_ns > took_ns ? static_cast<double>(timeout_ns - took_ns) * 1e-9 : 0.0;
-  if (end == smddp::FastEnd::kTimeout) return settle(self, Py_NewRef(Py_False), left_s, stream);
-  if (end == smddp::FastEnd::kGone) return settle(self, Py_NewRef(Py_None), left_s, stream);
-  return settle(self, refusal(obj, end), left_s, stream);
+  const double waited_s = static_cast<double>(timeout_ns) * 1e-9;
+  if (end == smddp::FastEnd::kTimeout) return settle(self, Py_NewRef(Py_False), left_s, waited_s, stream);
+  if (end == smddp::FastEnd::kGone) return settle(self, Py_NewRef(Py_None), left_s, waited_s, stream);
+  return settle(self, refusal(obj, end), left_s, waited_s, stream);
 }
 
-// collect() -> None when it has finished already (the caller completes the handle), else whether
-// the channel took it: callbacks wait for it, maybe nobody ever waits, so the taker that meets its
-// DONE completes it (WorkerChannel::collect; pop() then returns its seq), its destination kept alive
-// by the channel until then. Either way, from now on a wait that completes it runs _completed().
-PyObject* started_collect(PyObject* self, PyObject*) {
+// collect(drop=False) -> None when it has finished already (the caller completes the handle), else
+// whether the channel took it: callbacks wait for it, maybe nobody ever waits, so the taker that meets
+// its DONE completes it (WorkerChannel::collect; pop() then returns its seq), its destination kept
+// alive by the channel until then. Either way, from now on a wait that completes it runs _completed().
+// `drop`: its caller was told it failed (a blocking call that timed out), so its result goes nowhere:
+// its DONE is still taken and its RELEASE sent, but nothing is copied into the caller's memory, now
+// or by a later wait (asked again, it replaces the destination a first collect() gave the channel).
+PyObject* started_collect(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs > 1) {
+    PyErr_SetString(PyExc_TypeError, "collect() takes at most 1 argument (drop)");
+    return nullptr;
+  }
+  const int drop = nargs == 1 ? PyObject_IsTrue(args[0]) : 0;
+  if (drop < 0) return nullptr;
   StartedObject* obj = started_of(self);
   if (obj->finished) Py_RETURN_NONE;
+  if (drop) {
+    obj->out.dst = nullptr;  // a held (device) delivery copies nothing here anyway: its _arrived decides
+    obj->out.nbytes = 0;
+    PyObject* was = obj->result;  // what wait() returns: nobody's now
+    obj->result = Py_NewRef(Py_None);
+    Py_XDECREF(was);
+  }
   obj->collected = true;  // (under the GIL, as a wait's check of it once finish() returned)
   smddp::WorkerChannel::Collected how;
   how.submit = obj->submit;
@@ -1590,8 +1607,9 @@ PyObject* get_started_slot(PyObject* self, void*) {
 PyMethodDef kStartedMethods[] = {
     {"wait", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(started_wait)), METH_FASTCALL | METH_KEYWORDS,
      "wait(timeout=None, stream=None) -> its result once in place (else the handle's _settle says what)"},
-    {"collect", started_collect, METH_NOARGS,
-     "collect() -> None (finished already) or bool: whoever takes its DONE completes it (pop returns its seq)"},
+    {"collect", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(started_collect)), METH_FASTCALL,
+     "collect(drop=False) -> None (finished already) or bool: whoever takes its DONE completes it (pop returns its "
+     "seq); drop: its result goes nowhere"},
     {"_complete", started_complete, METH_O, "_complete(failed): finished other than by its own wait"},
     {"give", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(started_give)), METH_FASTCALL,
      "give(timeout_s=None): a reserved record's SUBMIT goes, in its place on the ring"},

@@ -103,6 +103,7 @@ class SmddpWork(dist.Work):
     _completing = False
     _unwatch: Callable[[], None] = staticmethod(_nothing)  # the watchdog's, once it watches this Work
     _handles: Sequence[smddp.Handle] = ()  # host Works: what wait() drives (_drive)
+    _collectives: Sequence[smddp.Handle] = ()  # every Work's: what a timeout drops (_time_out)
     # Host Works: the copy back into non-contiguous tensors, run by whoever completes the Work.
     _finish: Callable[[], None] | None = None
     _armed = False  # host Works: the handles' callbacks complete it (_arm)
@@ -143,18 +144,25 @@ class SmddpWork(dist.Work):
         return self._result
 
     def _complete(
-        self, error: BaseException | None, value: Any = None, finish: Callable[[], None] | None = None
+        self,
+        error: BaseException | None,
+        value: Any = None,
+        finish: Callable[[], None] | None = None,
+        won: Callable[[], None] | None = None,
     ) -> None:
         """Complete once: the first of the waiter, the handles' callback and the watchdog's timeout wins.
 
         `value` is what the base future holds: a device Work's tensors, so that the device-aware
         future records its event on the current stream (none is recorded for a value without them).
-        `finish` (the copy back) runs only for the one that wins, before anyone sees the Work done.
+        `finish` (the copy back) runs only for the one that wins, before anyone sees the Work done;
+        so does `won`, whatever the outcome.
         """
         with self._lock:
             if self._completing:
                 return
             self._completing = True
+        if won is not None:
+            won()
         if finish is not None and error is None:
             try:
                 finish()
@@ -183,7 +191,7 @@ class SmddpWork(dist.Work):
         if self._handles and not self._done.is_set():
             self._drive(deadline)
         if not self._done.wait(max(0.0, deadline - time.monotonic())):
-            raise CollectiveTimeoutError.waiting(t.total_seconds(), f"{self.name}")
+            self._time_out(CollectiveTimeoutError.waiting(t.total_seconds(), f"{self.name}"))
         if self._error is not None:
             err = self._error
             if isinstance(err, SmddpError):
@@ -191,6 +199,17 @@ class SmddpWork(dist.Work):
             raise CollectiveError(f"smddp {self.name} failed: {err!r}")
         self._device.order(self)
         return True
+
+    def _time_out(self, error: CollectiveTimeoutError) -> None:
+        """Not complete in time (its waiter's timeout, or the watchdog's): it fails with `error` and, as
+        torch's contract says of a collective that timed out, writes nothing more into its tensors:
+        its collectives go on (every rank needs them) but their late results are dropped. A Work that
+        completed meanwhile keeps its result."""
+        self._complete(error, won=self._drop_all)
+
+    def _drop_all(self) -> None:
+        for h in self._collectives:
+            h._drop()
 
     def _drive(self, deadline: float) -> None:
         """Host Works: wait for the handles on this thread (their waits take the DONEs off the client's
@@ -399,7 +418,7 @@ class _Watchdog:
                 if not expired:
                     self._cv.wait(None if earliest is None else earliest - now)
             for work in expired:
-                work._complete(CollectiveTimeoutError.waiting(work._timeout.total_seconds(), work.name))
+                work._time_out(CollectiveTimeoutError.waiting(work._timeout.total_seconds(), work.name))
 
 
 class _Completer:
@@ -477,6 +496,7 @@ def _queue_work(
 ) -> None:
     """Arrange for `work` to complete: where it is consumed (host: SmddpWork._drive, or its handles'
     callbacks once armed), or on the completer (device)."""
+    work._collectives = handles
     if work._device is _HOST:
         work._handles = handles
         work._finish = finish
@@ -494,8 +514,11 @@ def _complete_here(
 ) -> None:
     """A device Work that is waited for at once, completed in the calling thread (its route's
     `complete_here`): a failure, or a timeout, is the Work's error."""
+    work._collectives = handles
     try:
         work._device.complete_here(work, handles, finish, touched)
+    except CollectiveTimeoutError as e:
+        work._time_out(e)
     except BaseException as e:
         work._complete(e)
 
@@ -1146,10 +1169,9 @@ class ProcessGroupSmddp(dist.ProcessGroup):
         SUBMIT, DONE, copy-out, GIL released). False, with nothing done, once the client is shutting
         down (the general way then refuses it)."""
         timeout = self._seconds_of(opts)
-        # The tensor's address, not its numpy view (which costs more than the rest of this call);
-        # the view only should the call time out, when the result is delivered later (and the view
-        # keeps the tensor alive until then).
-        return c.allreduce_now(t.data_ptr(), wire, n, _op(opts, "all_reduce"), timeout, lambda: _HOST.buf(t))
+        # The tensor's address, not its numpy view (which costs more than the rest of this call). A
+        # call that times out writes the tensor no more: its late result is dropped.
+        return c.allreduce_now(t.data_ptr(), wire, n, _op(opts, "all_reduce"), timeout)
 
     def _allreduce_one_async(
         self, tensors: list[torch.Tensor], opts: Any, t: torch.Tensor, wire: DType, n: int, c: smddp.Client

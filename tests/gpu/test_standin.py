@@ -117,12 +117,13 @@ def test_six_hundred_device_and_host_collectives_in_flight(tmp_path: Path, clean
 
 
 @pytest.mark.parametrize(("nodes", "count"), [(1, 1024), (2, 3 << 20)], ids=["whole", "in-pieces"])
-def test_a_blocking_call_whose_copy_in_is_late_times_out_and_still_lands(
+def test_a_blocking_call_whose_copy_in_is_late_times_out_and_is_never_written_after(
     tmp_path: Path, clean_host: None, nodes: int, count: int
 ):
     # Rank 0's own stream is busy for 2 s when it calls a blocking all-reduce with a 0.3 s timeout:
     # it is told so in about that time, its collective is still sent once the copy lands (nothing is
-    # skipped: the next collectives pair up right), and its result lands in its array all the same.
+    # skipped: the next collectives pair up right), rank 1 gets the result, and rank 0's is dropped:
+    # its array still holds its input after everything completed (nothing writes it after the error).
     # Whole (its copies in line on the caller's stream: Client.device_allreduce_now), and 12 MiB on
     # 2 nodes (in pieces, waited for through collectives.waited).
     args = [SCRIPT, "--out", str(tmp_path), "--nnodes", str(nodes), "--late-copy", str(count)]
@@ -132,6 +133,7 @@ def test_a_blocking_call_whose_copy_in_is_late_times_out_and_still_lands(
     assert first["call"] == "timed out" and "Timed out waiting 300ms for " in first["why"], first
     assert 0.25 < first["call_s"] < 1.5, first
     assert second["call"] == "returned" and second["call_s"] > 1.0, second
+    assert (first["holds"], second["holds"]) == ("input", "result"), (first, second)
     for d in (first, second):
-        assert d["landed"] and d["again"] == [3.0] * 8 and d["host"] == [3.0] * 4, d["landed"]
+        assert d["again"] == [3.0] * 8 and d["host"] == [3.0] * 4, d
         assert d["registered"] == 0

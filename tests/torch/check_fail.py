@@ -35,7 +35,7 @@ def main() -> int:
     if args.mode == "late_rank":
         # Rank 1 is 6 s late. Rank 0's Work has a 1 s timeout: its future (what DDP waits on in C++,
         # with no timeout of its own) must fail with the timeout, not wait for rank 1; the collective
-        # itself stays in flight and completes once rank 1 comes.
+        # itself stays in flight and completes once rank 1 comes, its result dropped on rank 0.
         import time
         from datetime import timedelta
 

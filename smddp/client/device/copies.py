@@ -50,6 +50,9 @@ class DevicePlan:
     # one stream for another's event costs a turn of the GPU (issue 28: 4 KiB took 2.2-2.6x a bare
     # copy round trip on the lanes).
     inline: int | None = None
+    # Its caller was told it failed (a blocking call that timed out): its result is never copied to
+    # the device (Client._copy_out), only RELEASEd, so that nothing writes the caller's memory after.
+    dropped: bool = False
 
 
 class DeviceIO:
