@@ -16,7 +16,7 @@ import pytest
 
 from smddp.transport.bootstrap import default_socket_dir
 from tests.conftest import REPO, need_module
-from tests.torch.test_torchrun import run_env
+from tests.torch.test_torchrun import live_daemons_with, run_env
 
 torch = need_module("torch", "pip install -e '.[torch]'")
 
@@ -35,17 +35,7 @@ def marked_leftovers(mark: str, dirs_before: set[str]) -> list[str]:
     found += [
         os.path.join(base, n) for n in set(os.listdir(base) if os.path.isdir(base) else ()) - dirs_before
     ]
-    ps = subprocess.run(["ps", "-eo", "pid=,stat=,args="], capture_output=True, text=True, timeout=30)
-    for line in ps.stdout.splitlines():
-        pid, stat, args = [*line.split(None, 2), "", ""][:3]
-        if "smddp" in args and "daemon" in args and not stat.startswith("Z"):
-            try:
-                env = Path(f"/proc/{pid}/environ").read_bytes()
-            except OSError:
-                continue
-            if f"{MARK}={mark}".encode() in env:
-                found.append(f"process {pid} {args[:160]}")
-    return found
+    return found + live_daemons_with(f"{MARK}={mark}")
 
 
 @pytest.fixture

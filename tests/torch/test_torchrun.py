@@ -58,6 +58,12 @@ def torchrun_leftovers(run_id: str, dirs_before: set[str]) -> list[str]:
             continue  # gone meanwhile, or a job still starting: not one of this run's leftovers
         if run == run_id:
             found.append(os.path.join(base, name))
+    return found + live_daemons_with(f"TORCHELASTIC_RUN_ID={run_id}")
+
+
+def live_daemons_with(variable: str) -> list[str]:
+    """The live smddp-daemon processes whose environment holds `variable` (NAME=value)."""
+    found = []
     ps = subprocess.run(["ps", "-eo", "pid=,stat=,args="], capture_output=True, text=True, timeout=30)
     for line in ps.stdout.splitlines():
         pid, stat, args = [*line.split(None, 2), "", ""][:3]
@@ -66,7 +72,7 @@ def torchrun_leftovers(run_id: str, dirs_before: set[str]) -> list[str]:
                 env = Path(f"/proc/{pid}/environ").read_bytes()
             except OSError:
                 continue
-            if f"TORCHELASTIC_RUN_ID={run_id}".encode() in env:
+            if variable.encode() in env.split(b"\0"):
                 found.append(f"process {pid} {args[:160]}")
     return found
 
