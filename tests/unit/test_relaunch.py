@@ -43,7 +43,7 @@ def test_without_waiting_a_silent_host_is_named(tmp_path: Path) -> None:
     assert [(h.name, why) for h, why in gone] == [
         ("b", "it does not answer: ssh: connect to host b port 22: No route to host")
     ]
-    assert time.monotonic() - t0 < 20
+    assert time.monotonic() - t0 < 20  # one look and no wait: a loaded host takes seconds, not 20
 
 
 def test_a_host_back_within_the_wait_rejoins(tmp_path: Path) -> None:
@@ -62,7 +62,7 @@ def test_the_wait_is_bounded(tmp_path: Path) -> None:
     alive, gone = wait_for_hosts(cfg, 2.5)
     took = time.monotonic() - t0
     assert [h.name for h in alive] == ["a"] and [h.name for h, _ in gone] == ["b"]
-    assert 2.5 <= took < 20, took
+    assert 2.5 <= took < 20, took  # the whole 2.5 s waited, and then no longer than a look or two
 
 
 def test_only_the_nodes_that_never_said_are_called_lost() -> None:
