@@ -103,5 +103,10 @@ class DeviceError(SmddpError, RuntimeError):
     """A device (GPU) runtime call failed: a copy, an event, a stream, pinning host memory."""
 
 
+class GraphCaptureError(DeviceError):
+    """A device collective was issued on a stream that is capturing a CUDA graph: smddp's copies are
+    waited for by the host (the daemons sum on the host), which no capture may contain."""
+
+
 class DeviceUnavailableError(DeviceError):
     """A device buffer arrived but no device runtime can serve it (CuPy missing, no GPU, wrong runtime)."""

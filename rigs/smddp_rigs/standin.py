@@ -32,13 +32,19 @@ _NUMPY_DL_CODES = {"i": 0, "u": 1, "f": 2, "c": 5, "b": 6}
 
 
 class _Mark:
-    """One record of an event: reached when the stream that holds it gets there."""
+    """One record of an event: reached when the stream that holds it gets there. `captured`: recorded
+    into a CUDA graph under capture, where no host may wait for it (it is reached when the graph runs)."""
 
-    __slots__ = ("done", "error")
+    __slots__ = ("done", "error", "graph")
 
-    def __init__(self) -> None:
+    def __init__(self, graph: list[Any] | None = None) -> None:
         self.done = threading.Event()
         self.error: str | None = None
+        self.graph = graph  # the graph it was recorded into (None: recorded on a running stream)
+
+    @property
+    def captured(self) -> bool:
+        return self.graph is not None
 
     def reach(self, error: str | None) -> None:
         self.error = error
@@ -67,13 +73,18 @@ class _Stream:
         self._immediate = immediate
         self._q: queue.SimpleQueue[tuple[Callable[[], None], bool] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None  # none at all where every operation runs at once
+        # Under capture (begin_capture): what is put is recorded into this graph instead of run, as
+        # CUDA does on a capturing stream, until end_capture hands the graph back.
+        self.graph: list[tuple[Callable[[], None], bool]] | None = None
         if not immediate:
             self._thread = threading.Thread(target=self._run, name=f"standin-stream-{handle:#x}", daemon=True)
             self._thread.start()
 
     def put(self, op: Callable[[], None], always: bool = False) -> None:
         """`always`: run even after an error (event records and waits, so that nothing hangs)."""
-        if self._immediate:
+        if self.graph is not None:
+            self.graph.append((op, always))
+        elif self._immediate:
             self._step(op, always)
         else:
             self._q.put((op, always))
@@ -100,6 +111,17 @@ class _Stream:
             self._thread.join(timeout=10.0)
 
 
+#: What CUDA says of a host wait on work under capture (cudaErrorStreamCaptureUnsupported).
+_CAPTURING = "stand-in device: operation not permitted when stream is capturing"
+
+
+def _not_captured(mark: _Mark) -> None:
+    """A host may not wait for, nor ask about, a record made under capture (CUDA refuses, and the
+    capture is invalidated): the record is reached only when the graph runs."""
+    if mark.captured and not mark.done.is_set():
+        raise DeviceError(_CAPTURING)
+
+
 def make_runtime() -> StandinRuntime:
     """The registry's factory (entry point smddp.device_runtimes:standin); SMDDP_STANDIN_DELAY_MS delays every copy,
     SMDDP_STANDIN_IMMEDIATE=1 runs every operation at once instead (for measuring, never for ordering tests)."""
@@ -123,6 +145,7 @@ class StandinRuntime:
 
     def __init__(self, devices: int = 1, copy_delay_s: float = 0.0, immediate: bool = False) -> None:
         self.devices = devices
+        self._joined: dict[int, list[_Stream]] = {}  # the streams each capture drew in (by its graph)
         self.copy_delay_s = copy_delay_s
         # Every operation runs in the enqueuing thread at once (one order of the streams' work that a
         # GPU may take, with no thread hand-off): what is left of a device call's time is smddp's and
@@ -207,7 +230,7 @@ class StandinRuntime:
             raise DeviceError(
                 f"stand-in device: an event of device {event.device} recorded on device {s.device}"
             )
-        mark = _Mark()
+        mark = _Mark(s.graph)
         event.mark = mark
         s.put(lambda: mark.reach(s.error), always=True)
 
@@ -216,6 +239,13 @@ class StandinRuntime:
         mark = event.mark
         if mark is None:
             return  # never recorded: nothing to wait for, as with cudaStreamWaitEvent
+        if mark.graph is not None and not mark.done.is_set() and s.graph is None:
+            # Waiting for a record made under capture draws this stream into the capture, as CUDA
+            # does: what it is given from now on is recorded into that graph too, not run.
+            s.graph = mark.graph
+            with self._lock:
+                self._joined.setdefault(id(mark.graph), []).append(s)
+            return
 
         def wait() -> None:
             mark.done.wait()
@@ -228,12 +258,51 @@ class StandinRuntime:
         mark = event.mark
         if mark is None:
             return
+        _not_captured(mark)
         mark.done.wait()
         if mark.error is not None:
             raise DeviceError(f"stand-in device: {mark.error}")
 
     def event_done(self, event: StandinEvent) -> bool:
+        if event.mark is not None:
+            _not_captured(event.mark)
         return event.done
+
+    # -- CUDA graphs: stream capture -------------------------------------------------------------
+
+    def begin_capture(self, stream: int, device: int = 0) -> None:
+        """cudaStreamBeginCapture: from now on what is enqueued on `stream` is recorded, not run."""
+        s = self._stream(stream, device)
+        if stream in (0, 1):
+            raise DeviceError("stand-in device: the legacy default stream cannot be captured (as with CUDA)")
+        if s.graph is not None:
+            raise DeviceError(f"stand-in device: stream {stream:#x} is capturing already")
+        s.graph = []
+
+    def end_capture(self, stream: int, device: int = 0) -> list[tuple[Callable[[], None], bool]]:
+        """cudaStreamEndCapture: the graph of what was enqueued meanwhile (launch_graph runs it). Streams
+        the capture drew in (wait_event) leave it too; as CUDA says (cudaErrorStreamCaptureUnjoined),
+        that is an error: their work was recorded into the graph instead of running."""
+        s = self._stream(stream, device)
+        graph, s.graph = s.graph, None
+        if graph is None:
+            raise DeviceError(f"stand-in device: stream {stream:#x} is not capturing")
+        with self._lock:
+            joined = self._joined.pop(id(graph), [])
+        for j in joined:
+            j.graph = None
+        if joined:
+            names = ", ".join(f"{j.handle:#x}" for j in joined)
+            raise DeviceError(f"stand-in device: the capture on {stream:#x} drew in stream(s) {names} (unjoined)")
+        return graph
+
+    def launch_graph(self, graph: list[tuple[Callable[[], None], bool]], stream: int, device: int = 0) -> None:
+        s = self._stream(stream, device)
+        for op, always in graph:
+            s.put(op, always)
+
+    def is_capturing(self, stream: int, device: int = 0) -> bool:
+        return self._stream(stream, device).graph is not None
 
     def stream_synchronize(self, stream: int, device: int = 0) -> None:
         ev = self.new_event(device)
@@ -410,6 +479,8 @@ class StandinRuntime:
 
     def _enqueue(self, s: _Stream, op: Callable[[], None], wait: bool) -> None:
         """Enqueue `op`; with `wait`, return only once it ran (a copy from or to pageable memory)."""
+        if wait and s.graph is not None:
+            raise DeviceError(_CAPTURING)  # a copy the host waits for cannot be captured
         s.put(op)
         if wait:
             mark = _Mark()

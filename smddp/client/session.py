@@ -18,7 +18,15 @@ from typing import Any
 import numpy as np
 
 from smddp import _engine, settings
-from smddp.client.device.buffers import DeviceBuffer, device_kind, read_cai, read_dlpack, stream_handle
+from smddp.client.device.buffers import (
+    DeviceBuffer,
+    device_kind,
+    library_of,
+    library_stream,
+    read_cai,
+    read_dlpack,
+    stream_handle,
+)
 from smddp.client.device.copies import DeviceIO, DevicePlan
 from smddp.client.device.runtime import DeviceRuntime, check_runtime_name, load_runtime
 from smddp.errors import (
@@ -26,6 +34,7 @@ from smddp.errors import (
     CollectiveTimeoutError,
     DeviceError,
     DeviceUnavailableError,
+    GraphCaptureError,
     InvalidArgumentError,
     NotInitializedError,
     PeerLostError,
@@ -826,6 +835,7 @@ class Client:
         it comes) and raises CollectiveTimeoutError: it is still in flight."""
         t = self.config.timeout_s if timeout is None else timeout
         deadline = time.monotonic() + t
+        _refuse_capture(self._device_io().rt, dev.device, stream)
         plan = DevicePlan(
             dev.device, dev, None, [(dev, 0, dev.nbytes)], stream, dev.library, dev.keepalive, inline=stream
         )
@@ -1056,6 +1066,9 @@ class Client:
             via, device = found
             io = self._io_taking(buf, what)
             if via == "dlpack":
+                # The export records an event on its library's current stream for our lane to wait on:
+                # under capture that would draw the lane into the graph, so it is refused first.
+                _refuse_capture(io.rt, device, library_stream(io.rt, library_of(buf), device))
                 view = read_dlpack(buf, what, device, io.lane(device).d2h)
             else:
                 view = read_cai(buf, what)
@@ -1100,6 +1113,7 @@ class Client:
             exported = exported or b.via == "dlpack"
         consumer = explicit if explicit is not None else (like.stream if like.stream_given else None)
         producer = io.producer_stream(like, explicit)
+        _refuse_capture(io.rt, like.device, producer, consumer)
         here = _in_line(producer, explicit, exported) if inline and self._waited() else None
         if here is not None:
             # Waited for at once (Client.waiting): the copies run on the caller's stream, in line,
@@ -1441,6 +1455,21 @@ class Client:
             self._wrapper.cause(status)
         if first and getattr(err, "infra", False) and self._wrapper is not None:
             self._wrapper.infra(str(err))
+
+
+def _refuse_capture(rt: DeviceRuntime, device: int, *streams: int | None) -> None:
+    """GraphCaptureError, before anything is enqueued or sent, where a device collective's stream is
+    capturing a CUDA graph: its copies are waited for by the host (the sums are the daemons'), which
+    a capture cannot hold, and under capture they would be recorded and never run, so its SUBMIT
+    would wait for a copy that never comes. Issue it outside the captured region (before or after
+    the graph's launch)."""
+    for s in streams:
+        if s is not None and rt.is_capturing(s, device):
+            raise GraphCaptureError(
+                f"a device collective on stream {s:#x} of cuda:{device}, which is capturing a CUDA graph: "
+                "smddp's collectives cannot be captured (their copies are waited for by the host); issue "
+                "it outside torch.cuda.graph() / stream capture"
+            )
 
 
 def _in_line(producer: int | None, explicit: int | None, exported: bool) -> int | None:

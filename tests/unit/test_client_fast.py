@@ -1181,3 +1181,43 @@ def test_a_blocking_call_on_another_stream_than_its_dlpack_producers_waits_for_b
     assert np.array_equal(x.get(), np.full(16, 10.0, np.float32))
     client.shutdown(timeout=2)
     rt.close()
+
+
+@pytest.mark.parametrize("how", ["blocking", "async"])
+def test_a_device_collective_under_graph_capture_is_refused_at_once(pair, how):
+    """Issued on a stream that is capturing a CUDA graph (torch.cuda.graph(), cudaStreamBeginCapture):
+    refused at once, naming the stream, with nothing enqueued or sent (under capture its copies would
+    be recorded, never run, and its SUBMIT wait for a copy-in that never comes); once the capture has
+    ended, the next collective is #1 and goes through."""
+    from smddp_rigs.standin import StandinRuntime
+
+    from smddp.client.device.copies import DeviceIO
+    from smddp.errors import GraphCaptureError
+
+    client, daemon = pair
+    rt = StandinRuntime()
+    client._device = DeviceIO(rt, client._device_failed)
+    x = rt.asarray(np.ones(16, np.float32))
+    current = rt.new_stream(0)  # what torch.cuda.graph() captures on: a stream of its own
+    rt.begin_capture(current)
+    with (
+        rt.use(current),
+        pytest.raises(
+            GraphCaptureError, match=f"on stream {current:#x} of cuda:0, which is capturing a CUDA graph"
+        ),
+    ):
+        if how == "blocking":
+            collectives.allreduce(client, x, ReduceOp.SUM, 5.0)
+        else:
+            allreduce_async(client, x)
+    graph = rt.end_capture(current)
+    assert graph == [] and not daemon.pending(), "something was enqueued under capture, or sent"
+    assert client._failure is None
+    h = allreduce_async(client, x)
+    (s,) = [f for f in until_submits(daemon, 1) if f.type is MsgType.SUBMIT]
+    assert s.seq == 1
+    daemon.done(s, 2.0)
+    h.synchronize(5.0)
+    assert np.array_equal(x.get(), np.full(16, 2.0, np.float32))
+    client.shutdown(timeout=2)
+    rt.close()

@@ -121,7 +121,7 @@ def read_cai(buf: Any, what: str) -> DeviceBuffer:
         stream=stream,
         stream_given=stream_given,
         via="cai",
-        library=_library(buf),
+        library=library_of(buf),
         result_dtype=np_dtype,
         keepalive=buf,
     )
@@ -158,7 +158,7 @@ def read_dlpack(buf: Any, what: str, device: int, consumer_stream: int) -> Devic
         stream=None,
         stream_given=False,
         via="dlpack",
-        library=_library(buf),
+        library=library_of(buf),
         result_dtype=dt.storage,
         keepalive=(buf, capsule),
     )
@@ -192,7 +192,7 @@ def described(
     )
 
 
-def _library(buf: Any) -> str:
+def library_of(buf: Any) -> str:
     return type(buf).__module__.partition(".")[0]
 
 
