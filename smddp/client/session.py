@@ -667,9 +667,13 @@ class Client:
             time.sleep(0.001)
         unfinished = [h.seq for h in pending if not h.finished] + sorted(self._channel.blocking())
         device = self._device
+        copying = False  # a device copy into or out of smddp's memory still running at the bound
         if device is not None:
             # RELEASE goes once a result's copy to the device is done: let those leave before BYE.
             device.drain(max(0.0, deadline - time.monotonic()))
+            # And every copy touching smddp's memory must have ended before it is unpinned and
+            # unmapped, the in-line ones on callers' streams too (behind the callers' own kernels).
+            copying = not device.copies_done(max(0.0, deadline - time.monotonic()))
         with self._lock:
             self._closed = True
             self._channel.close_starts()  # (BYE must be the last descriptor)
@@ -677,7 +681,7 @@ class Client:
         if self._submitter is not None:
             self._submitter.join(timeout=5.0)
         self._write_routed()  # the final counts, before BYE lets the daemon finish
-        if self._failure is None and not unfinished:
+        if self._failure is None and not unfinished and not copying:
             try:
                 self._send_frames([Bye(self.rank).header().encode()], timeout=5.0)
             except SmddpError:
@@ -688,16 +692,32 @@ class Client:
         self._reader.join(timeout=5.0)
         self._done_thread.join(timeout=5.0)
         self._write_timeline()
-        if device is not None:
-            # Unpin before anything unmaps the segments; the runtime goes last.
-            device.close()
-            device.rt.close()
-        self._arena.close()
-        for seg in self._results.values():
-            seg.close()
-        self._results.clear()
+        if copying:
+            # A copy may still write or read this memory: it stays pinned and mapped (the process's
+            # end takes it, after the device's), and the job fails (no BYE was sent), rather than a
+            # copy running into memory that is gone.
+            log.error(
+                "rank %d: shut down with a device copy into or out of smddp's memory still running after "
+                "%gs (behind the kernels queued before it): its memory is left mapped until the process ends",
+                self.rank, t,
+            )  # fmt: skip
+        else:
+            if device is not None:
+                # Unpin before anything unmaps the segments; the runtime goes last.
+                device.close()
+                device.rt.close()
+            self._arena.close()
+            for seg in self._results.values():
+                seg.close()
+            self._results.clear()
         if self._wrapper is not None:
             self._wrapper.close()
+        if copying:
+            raise DeviceError(
+                f"rank {self.rank}: shut down with a device copy into or out of smddp's memory still running "
+                f"after {t:g}s: its memory is left mapped until the process ends, and the job fails"
+                + (f" (collectives {unfinished} unfinished)" if unfinished else "")
+            )
         if unfinished:
             # Leaving without BYE tells the daemon this rank is gone, so the job fails instead of hanging.
             raise CollectiveTimeoutError(

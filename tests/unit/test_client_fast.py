@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import json
+import subprocess
 import sys
 import threading
 import time
@@ -29,6 +30,7 @@ from smddp.errors import (
 from smddp.proto.dtypes import DType, Kind, ReduceOp
 from smddp.proto.frames import Header, MsgType, decode_header
 from smddp.proto.messages import Submit
+from tests.conftest import REPO
 from tests.unit.lonely import lonely_client
 from tests.unit.test_client_release import RESULTS, ScriptedDaemon, sent, until_submits
 
@@ -1221,3 +1223,25 @@ def test_a_device_collective_under_graph_capture_is_refused_at_once(pair, how):
     assert np.array_equal(x.get(), np.full(16, 2.0, np.float32))
     client.shutdown(timeout=2)
     rt.close()
+
+
+def test_shutdown_never_unmaps_memory_a_device_copy_still_uses() -> None:
+    """A blocking device all-reduce times out with its copy-in, in line on the caller's stream, still
+    behind the caller's held kernel; shutdown waits for that copy within its bound and, past it, leaves
+    the memory pinned and mapped and fails the job naming the copy, instead of unmapping the slot the
+    copy will write. Once the kernel ends, the copy lands and the process lives. (In a process of its
+    own: tests/unit/copy_at_shutdown.py.)"""
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.unit.copy_at_shutdown"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "timed out", lines
+    assert lines[1].startswith(
+        "shutdown: rank 0: shut down with a device copy into or out of smddp's memory still running after 0.5s"
+    ), lines
+    assert lines[2] == "alive", lines

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,6 +74,10 @@ class DeviceIO:
         self._after: queue.SimpleQueue[tuple[Any, Callable[[], None], Any] | None] = queue.SimpleQueue()
         self._pending = 0
         self._idle = threading.Condition(self._lock)
+        # The event after every copy into or out of smddp's memory, oldest first (done ones dropped
+        # from the front as new ones come): shutdown waits for them all, on the callers' streams too
+        # (the in-line copies), before anything is unpinned or unmapped (copies_done).
+        self._copies: collections.deque[Any] = collections.deque()
         self._releaser = threading.Thread(
             target=self._release_loop, name="smddp-device-releaser", daemon=True
         )
@@ -150,6 +156,7 @@ class DeviceIO:
         self.rt.copy_d2h(int(dst.ctypes.data), src.ptr, src.nbytes, stream, src.device)
         copied = self.rt.new_event(src.device)
         self.rt.record(copied, stream, src.device)
+        self._track(copied)
         return copied
 
     def copy_out(
@@ -170,7 +177,28 @@ class DeviceIO:
             self.rt.copy_h2d(dst.ptr, int(src.ctypes.data), src.nbytes, stream, device)
         done = self.rt.new_event(device)
         self.rt.record(done, stream, device)
+        self._track(done)
         return done
+
+    def _track(self, event: Any) -> None:
+        with self._lock:
+            while self._copies and self.rt.event_done(self._copies[0]):
+                self._copies.popleft()
+            self._copies.append(event)
+
+    def copies_done(self, timeout: float) -> bool:
+        """Whether every copy into or out of smddp's memory has ended within `timeout` (polled: a copy
+        in line on a caller's stream may wait behind that caller's kernels for as long as they run)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                while self._copies and self.rt.event_done(self._copies[0]):
+                    self._copies.popleft()
+                if not self._copies:
+                    return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.001)
 
     def _copy_stream(self, device: int, direction: str, before: Any, inline: int | None) -> int:
         """Where a copy runs: `inline` as it is, else the lane's `direction` stream, made to wait for
