@@ -647,3 +647,43 @@ def test_a_copy_in_still_landing_after_the_spin_is_slept_for_and_its_deadline_ke
     assert waits == [f"sleep {session.COPY_POLL_SLEEP_S:g}"] * 2
     fake, waits = _poller(monkeypatch)
     assert not session.Client._copied(fake, _PolledEvent(after=10**9), time.monotonic() - 1.0)
+
+
+def test_a_slow_pinning_holds_up_no_copy_and_no_release(rt):
+    """cudaHostRegister touches every page of a segment: while one thread pins a new segment, another's
+    copy back and its RELEASE (the releaser's `after`) go on; a second pin of the same segment waits
+    for the first, and the segment is registered once."""
+    io = _io(rt)
+    result = pinned(rt, 64)  # a result segment pinned already
+    result.view(np.float32)[:] = 5.0
+    registering = threading.Event()
+    let_go = threading.Event()
+    real = rt.register_host
+    calls: list[int] = []
+
+    def slow_register(ptr: int, nbytes: int, readonly: bool = False) -> None:
+        calls.append(ptr)
+        registering.set()
+        assert let_go.wait(20), "the test never let the registration end"
+        real(ptr, nbytes, readonly)
+
+    rt.register_host = slow_register  # type: ignore[method-assign]
+    seg = np.zeros(1 << 16, np.uint8)
+    pinners = [threading.Thread(target=io.pin, args=(("in", 7), seg, False)) for _ in range(2)]
+    pinners[0].start()
+    assert registering.wait(10)
+    pinners[1].start()
+    # Meanwhile, a result's copy to the device and what follows it, on other threads' behalf.
+    x = rt.empty((16,), np.float32)
+    b = read_dlpack(x, "buf", 0, io.lane(0).d2h)
+    released = threading.Event()
+    done = io.copy_out(0, [(b, result)], None)
+    io.after(done, released.set, None)
+    assert released.wait(10), "a release waited behind a pinning"
+    assert not let_go.is_set() and pinners[0].is_alive() and pinners[1].is_alive()
+    let_go.set()
+    for t in pinners:
+        t.join(10)
+    assert calls == [seg.ctypes.data] and seg.ctypes.data in rt.registered()
+    assert np.array_equal(x.get(), np.full(16, 5.0, np.float32))
+    io.close()

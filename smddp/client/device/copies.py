@@ -71,6 +71,7 @@ class DeviceIO:
         self._lock = threading.Lock()
         self._lanes: dict[int, Lane] = {}
         self._pinned: dict[tuple[str, int], int | None] = {}  # key -> registered address, None: not pinnable
+        self._pinning: dict[tuple[str, int], threading.Event] = {}  # being registered: set once done
         self._after: queue.SimpleQueue[tuple[Any, Callable[[], None], Any] | None] = queue.SimpleQueue()
         self._pending = 0
         self._idle = threading.Condition(self._lock)
@@ -97,20 +98,33 @@ class DeviceIO:
             return self._lanes.setdefault(device, new)
 
     def pin(self, key: tuple[str, int], array: np.ndarray, readonly: bool) -> None:
-        """Page-lock `array` (a whole arena segment) once, so copies to and from it are asynchronous DMA."""
+        """Page-lock `array` (a whole arena segment) once, so copies to and from it are asynchronous DMA.
+
+        The registration (which touches every page of the segment) runs outside this object's lock,
+        which the releaser and every copy's bookkeeping take: a second caller for the same segment
+        waits for the first's registration, nobody else waits at all."""
         with self._lock:
             if key in self._pinned:
                 return
+            first = self._pinning.get(key)
+            if first is None:
+                mine = self._pinning[key] = threading.Event()
+        if first is not None:
+            first.wait()
+            return
+        ptr: int | None = None
+        try:
+            self.rt.register_host(int(array.ctypes.data), array.nbytes, readonly)
             ptr = int(array.ctypes.data)
-            try:
-                self.rt.register_host(ptr, array.nbytes, readonly)
+        except SmddpError as e:
+            # Still correct, only slower: copies from pageable memory are staged and block the caller.
+            ptr = None
+            log.warning("could not page-lock %s segment %d (%d bytes): %s", key[0], key[1], array.nbytes, e)
+        finally:
+            with self._lock:
                 self._pinned[key] = ptr
-            except SmddpError as e:
-                # Still correct, only slower: copies from pageable memory are staged and block the caller.
-                self._pinned[key] = None
-                log.warning(
-                    "could not page-lock %s segment %d (%d bytes): %s", key[0], key[1], array.nbytes, e
-                )
+                del self._pinning[key]
+            mine.set()
 
     def unpin(self, key: tuple[str, int]) -> None:
         with self._lock:
