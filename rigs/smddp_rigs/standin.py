@@ -293,10 +293,14 @@ class StandinRuntime:
             j.graph = None
         if joined:
             names = ", ".join(f"{j.handle:#x}" for j in joined)
-            raise DeviceError(f"stand-in device: the capture on {stream:#x} drew in stream(s) {names} (unjoined)")
+            raise DeviceError(
+                f"stand-in device: the capture on {stream:#x} drew in stream(s) {names} (unjoined)"
+            )
         return graph
 
-    def launch_graph(self, graph: list[tuple[Callable[[], None], bool]], stream: int, device: int = 0) -> None:
+    def launch_graph(
+        self, graph: list[tuple[Callable[[], None], bool]], stream: int, device: int = 0
+    ) -> None:
         s = self._stream(stream, device)
         for op, always in graph:
             s.put(op, always)
