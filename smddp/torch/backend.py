@@ -191,7 +191,10 @@ class SmddpWork(dist.Work):
         if self._handles and not self._done.is_set():
             self._drive(deadline)
         if not self._done.wait(max(0.0, deadline - time.monotonic())):
-            self._time_out(CollectiveTimeoutError.waiting(t.total_seconds(), f"{self.name}"))
+            timed_out = CollectiveTimeoutError.waiting(t.total_seconds(), self.name)
+            self._time_out(timed_out)
+            if not self._done.is_set():  # another thread won its completion, and is not through it yet
+                raise timed_out
         if self._error is not None:
             err = self._error
             if isinstance(err, SmddpError):
