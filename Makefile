@@ -231,6 +231,13 @@ wheels: $(STAMP)
 wire-header: $(STAMP)
 	$(BIN)/python -m smddp_rigs.wire_header
 
+# smddp/_engine.pyi, the engine's stubs, generated from its bindings (nanobind's stubgen, at the version
+# the build pins); tests/unit/test_engine_faces.py regenerates them and fails while the committed
+# file differs. Rebuild the engine first (make setup, or pip install -e .).
+.PHONY: stubs
+stubs: $(STAMP)
+	$(BIN)/python -m nanobind.stubgen -q -P -p smddp/engine/stubs.pat -m smddp._engine -o smddp/_engine.pyi
+
 .PHONY: configuration-doc
 configuration-doc: $(STAMP)
 	$(BIN)/python -c 'from smddp.settings import markdown; print(markdown(), end="")' > docs/configuration.md

@@ -15,9 +15,28 @@ ENGINE_FLAGS = ["-std=c++17", "-O3", "-Wall", "-Wextra", "-Wshadow", "-Werror", 
 # The C++ runtime goes into the extension itself: the wheel then needs only glibc's old symbols
 # (auditwheel tags it manylinux), not the libstdc++ of the machine that built it.
 LINK_FLAGS = ["-static-libstdc++", "-static-libgcc"]
-# From Python 3.11 on the bindings keep to the stable ABI (its buffer protocol came in 3.11): one
-# cp311-abi3 wheel serves 3.11 and every later CPython. 3.10 gets a wheel of its own.
-LIMITED_API = sys.version_info >= (3, 11) and not os.environ.get("SMDDP_NO_LIMITED_API")
+# The bindings are nanobind's (module.cc), which keeps to the stable ABI from CPython 3.12 on: one
+# cp312-abi3 wheel serves 3.12 and every later CPython; 3.10 and 3.11 get a wheel each.
+LIMITED_API = sys.version_info >= (3, 12) and not os.environ.get("SMDDP_NO_LIMITED_API")
+
+
+def _nanobind() -> tuple[str, list[str]]:
+    """nanobind's headers and its own sources (compiled into the extension, as its CMake build does):
+    the build requirement pyproject.toml pins."""
+    import nanobind
+
+    src = nanobind.source_dir()
+    names = ("nb_internals", "nb_func", "nb_type", "nb_enum", "nb_ndarray", "nb_static_property", "nb_ft",
+             "common", "error", "trampoline", "implicit")  # fmt: skip
+    return nanobind.include_dir(), [os.path.join(src, f"{n}.cpp") for n in names]
+
+
+NB_INCLUDE, NB_SOURCES = _nanobind()
+NB_ROOT = os.path.dirname(NB_INCLUDE)
+# nanobind's sources are its own, not held to the engine's warnings: compiled with its flags (its
+# CMake build's: no strict aliasing, compact assertions), and its headers seen as system headers.
+NB_FLAGS = ["-std=c++17", "-O3", "-fvisibility=hidden", "-fno-strict-aliasing", "-DNB_COMPACT_ASSERTIONS",
+            "-isystem", NB_INCLUDE]  # fmt: skip
 
 
 class BuildExt(build_ext):
@@ -59,7 +78,8 @@ def _compile_in_parallel(compiler: object, jobs: int) -> None:
 
         def one(obj: str) -> None:
             src, ext = build[obj]
-            compiler._compile(obj, src, ext, cc_args, extra_postargs, pp_opts)  # type: ignore[attr-defined]
+            post = NB_FLAGS if src.startswith(NB_ROOT) else extra_postargs
+            compiler._compile(obj, src, ext, cc_args, post, pp_opts)  # type: ignore[attr-defined]
 
         with concurrent.futures.ThreadPoolExecutor(max(1, jobs)) as pool:
             for _ in pool.map(one, build):  # the first failure raises here
@@ -91,18 +111,20 @@ extensions = [
             "smddp/engine/worker_port.cc",
             "smddp/engine/local_plane.cc",
             "smddp/engine/module.cc",
+            *NB_SOURCES,
         ],
+        include_dirs=[os.path.join(NB_ROOT, "ext", "robin_map", "include")],
         # Headers too: a changed one (wire.h, generated) rebuilds the engine.
         depends=sorted(glob.glob("smddp/engine/*.h")),
         language="c++",
-        extra_compile_args=ENGINE_FLAGS,
+        extra_compile_args=[*ENGINE_FLAGS, "-isystem", NB_INCLUDE, "-DNB_COMPACT_ASSERTIONS"],
         extra_link_args=LINK_FLAGS,
-        define_macros=[("Py_LIMITED_API", "0x030B0000")] if LIMITED_API else [],
+        define_macros=[("Py_LIMITED_API", "0x030C0000")] if LIMITED_API else [],
         py_limited_api=LIMITED_API,
     ),
 ]
 setup(
     ext_modules=extensions,
     cmdclass={"build_ext": BuildExt},
-    options={"bdist_wheel": {"py_limited_api": "cp311"}} if LIMITED_API else {},
+    options={"bdist_wheel": {"py_limited_api": "cp312"}} if LIMITED_API else {},
 )

@@ -1,300 +1,595 @@
-"""Types of smddp._engine, the compiled engine (smddp/engine/module.cc); every error is a ProtocolError."""
+import enum
+from typing import Any, TypeVar
 
-from typing import Any, Literal, TypeVar
+import smddp.daemon.config
 
-from smddp.daemon.config import PlaneConfig
 
-_S = TypeVar("_S", bound=Started)
+def has_f16c() -> bool:
+    """Whether float16 can be reduced here (x86-64 with AVX2 and F16C)."""
 
-def has_f16c() -> bool: ...
+CHANNEL_BYTES: int = 33472
 
-SLOT_ALIGN: int
+SLOT_ALIGN: int = 64
 
-class Segment:
-    """A sealed memfd segment, mapped (smddp/engine/arena.h); its buffer is the mapping."""
+MAX_IN_FLIGHT: int = 112
+
+class Slot:
+    """Where a slot lies: nbytes at offset of segment segment."""
+
+    def __init__(self, segment: int, offset: int, nbytes: int) -> None: ...
 
     @property
-    def id(self) -> int: ...
+    def segment(self) -> int:
+        """its segment's id"""
+
     @property
-    def size(self) -> int: ...
+    def offset(self) -> int:
+        """its offset in that segment"""
+
     @property
-    def fd(self) -> int: ...
+    def nbytes(self) -> int:
+        """its length"""
+
+    def __eq__(self, other: object, /) -> bool: ...
+
+    def __hash__(self) -> int: ...
+
+    def __repr__(self) -> str: ...
+
+    __match_args__: tuple = ('segment', 'offset', 'nbytes')
+
+class Allocated:
+    """A slot an arena gave (Arena.alloc, WorkerChannel.alloc)."""
+
     @property
-    def writable(self) -> bool: ...
-    def check(self, offset: int, nbytes: int, /) -> None: ...
-    def close_fd(self) -> None: ...
-    def __buffer__(self, flags: int, /) -> memoryview: ...
+    def segment(self) -> int:
+        """its segment's id"""
 
-def segment_create(id: int, size: int, name: str, /) -> Segment: ...
-def segment_attach(id: int, fd: int, size: int, writable: bool, /) -> Segment: ...
-
-class Arena:
-    """First fit over growing memfd segments (smddp/engine/arena.h); thread-safe."""
-
-    def __new__(cls, name: str, segment_bytes: int) -> Arena: ...
     @property
-    def in_use(self) -> int: ...
-    def alloc(self, nbytes: int, /) -> tuple[int, int, Segment | None]: ...
-    def free(self, segment: int, offset: int, nbytes: int, /) -> None: ...
-    def segment(self, id: int, /) -> Segment | None: ...
-    def close(self) -> None: ...
+    def offset(self) -> int:
+        """its offset in that segment"""
 
-CHANNEL_BYTES: int
-MAX_IN_FLIGHT: (
-    int  # SUBMITs on a channel's ring without their DONE taken, at most (a start past it takes DONEs first)
-)
+    @property
+    def fresh(self) -> Segment:
+        """the segment made for it, or None"""
 
-# The plane's results: struct sequences (tuples whose fields have names, as os.stat_result).
-class PeerFrame(tuple[int, int, int, int, bytes]):
+    __match_args__: tuple = ('segment', 'offset', 'fresh')
+
+class PeerFrame:
     """A control frame from a peer daemon (next_event)."""
 
-    __match_args__ = ("node", "type", "seq", "aux", "payload")
     @property
-    def node(self) -> int: ...
-    @property
-    def type(self) -> int: ...
-    @property
-    def seq(self) -> int: ...
-    @property
-    def aux(self) -> int: ...
-    @property
-    def payload(self) -> bytes: ...
+    def node(self) -> int:
+        """the peer node that sent it"""
 
-class PlaneFailure(tuple[str, str]):
+    @property
+    def type(self) -> int:
+        """its message type (the wire code: STATUS, REPORT, ERROR or BYE)"""
+
+    @property
+    def seq(self) -> int:
+        """its header's seq"""
+
+    @property
+    def aux(self) -> int:
+        """its header's aux"""
+
+    @property
+    def payload(self) -> bytes:
+        """its payload, whole"""
+
+    __match_args__: tuple = ('node', 'type', 'seq', 'aux', 'payload')
+
+class PlaneFailure:
     """The plane's own failure, with its fault (next_event)."""
 
-    __match_args__ = ("fault", "why")
     @property
-    def fault(self) -> str: ...
-    @property
-    def why(self) -> str: ...
+    def fault(self) -> str:
+        """
+        what failed: 'protocol', 'mismatch' or 'peer_lost' (the smddp.errors class to raise)
+        """
 
-class PeerCounters(tuple[int, bool, int, int, int]):
+    @property
+    def why(self) -> str:
+        """the message every rank prints"""
+
+    __match_args__: tuple = ('fault', 'why')
+
+class PeerCounters:
     """One peer daemon's link as the plane counts it (peer_counters)."""
 
-    __match_args__ = ("node", "up", "bytes_in", "bytes_out", "queued")
     @property
-    def node(self) -> int: ...
-    @property
-    def up(self) -> bool: ...
-    @property
-    def bytes_in(self) -> int: ...
-    @property
-    def bytes_out(self) -> int: ...
-    @property
-    def queued(self) -> int: ...
+    def node(self) -> int:
+        """the peer node"""
 
-class Waiting(tuple[int, float, str, list[int], list[int]]):
+    @property
+    def up(self) -> bool:
+        """its link is handed over and not down"""
+
+    @property
+    def bytes_in(self) -> int:
+        """data frames' bytes received from it, headers included"""
+
+    @property
+    def bytes_out(self) -> int:
+        """data frames' bytes sent to it, headers included"""
+
+    @property
+    def queued(self) -> int:
+        """frames queued to it that have not left yet"""
+
+    __match_args__: tuple = ('node', 'up', 'bytes_in', 'bytes_out', 'queued')
+
+class Waiting:
     """A collective in flight and not done (waiting)."""
 
-    __match_args__ = ("seq", "age_s", "what", "late", "late_nodes")
     @property
-    def seq(self) -> int: ...
-    @property
-    def age_s(self) -> float: ...
-    @property
-    def what(self) -> str: ...
-    @property
-    def late(self) -> list[int]: ...
-    @property
-    def late_nodes(self) -> list[int]: ...
+    def seq(self) -> int:
+        """the collective's sequence number"""
 
-class Completion(tuple[int, int, int, int, int, float]):
-    """Collectives completed here, summed by kind, dtype, size class and latency bucket (take_completions)."""
+    @property
+    def age_s(self) -> float:
+        """seconds since this daemon first saw it"""
 
-    __match_args__ = ("kind", "dtype", "size_class", "bucket", "completed", "seconds")
     @property
-    def kind(self) -> int: ...
-    @property
-    def dtype(self) -> int: ...
-    @property
-    def size_class(self) -> int: ...
-    @property
-    def bucket(self) -> int: ...
-    @property
-    def completed(self) -> int: ...
-    @property
-    def seconds(self) -> float: ...
+    def what(self) -> str:
+        """its fingerprint as messages spell it"""
 
-class Trace(tuple[int, str, list[tuple[str, float, float]]]):
+    @property
+    def late(self) -> list[int]:
+        """the local ranks that have not submitted it"""
+
+    @property
+    def late_nodes(self) -> list[int]:
+        """the peer nodes whose part has not come"""
+
+    __match_args__: tuple = ('seq', 'age_s', 'what', 'late', 'late_nodes')
+
+class Completion:
+    """
+    Collectives completed here, summed by kind, dtype, size class and latency bucket (take_completions).
+    """
+
+    @property
+    def kind(self) -> int:
+        """the collectives' kind (wire code)"""
+
+    @property
+    def dtype(self) -> int:
+        """their dtype (wire code)"""
+
+    @property
+    def size_class(self) -> int:
+        """
+        their size class: an index into PlaneConfig.size_limits (its length: larger than all)
+        """
+
+    @property
+    def bucket(self) -> int:
+        """
+        their latency bucket: an index into PlaneConfig.latency_buckets (its length: slower than all)
+        """
+
+    @property
+    def completed(self) -> int:
+        """how many completed"""
+
+    @property
+    def seconds(self) -> float:
+        """their latencies (first sight here to DONE), summed"""
+
+    __match_args__: tuple = ...
+
+class Trace:
     """A retired collective's phases (take_traces)."""
 
-    __match_args__ = ("seq", "what", "phases")
     @property
-    def seq(self) -> int: ...
-    @property
-    def what(self) -> str: ...
-    @property
-    def phases(self) -> list[tuple[str, float, float]]: ...
+    def seq(self) -> int:
+        """the collective's sequence number"""
 
-class WorkerTrace(tuple[int, int, int, int, float, float, float, float]):
-    """A fast collective's phases on its worker (WorkerChannel.take_traces)."""
+    @property
+    def what(self) -> str:
+        """its fingerprint as messages spell it"""
 
-    __match_args__ = ("seq", "kind", "dtype", "elements", "start", "submitted", "done", "copied")
     @property
-    def seq(self) -> int: ...
-    @property
-    def kind(self) -> int: ...
-    @property
-    def dtype(self) -> int: ...
-    @property
-    def elements(self) -> int: ...
-    @property
-    def start(self) -> float: ...
-    @property
-    def submitted(self) -> float: ...
-    @property
-    def done(self) -> float: ...
-    @property
-    def copied(self) -> float: ...
+    def phases(self) -> list[tuple[str, float, float]]:
+        """[(phase name, start, end)] in wall-clock seconds"""
 
-class PlaneCounters(tuple[int, int, float]):
+    __match_args__: tuple = ('seq', 'what', 'phases')
+
+class PlaneCounters:
     """The plane's running totals (counters)."""
 
-    __match_args__ = ("collectives", "reduced_bytes", "reduce_seconds")
     @property
-    def collectives(self) -> int: ...
+    def collectives(self) -> int:
+        """collectives completed"""
+
     @property
-    def reduced_bytes(self) -> int: ...
+    def reduced_bytes(self) -> int:
+        """input bytes the reductions read"""
+
     @property
-    def reduce_seconds(self) -> float: ...
+    def reduce_seconds(self) -> float:
+        """seconds the reductions took"""
+
+    __match_args__: tuple = ...
+
+class WorkerTrace:
+    """A fast collective's phases on its worker (WorkerChannel.take_traces)."""
+
+    @property
+    def seq(self) -> int:
+        """the collective's sequence number"""
+
+    @property
+    def kind(self) -> int:
+        """its kind (wire code)"""
+
+    @property
+    def dtype(self) -> int:
+        """its dtype (wire code)"""
+
+    @property
+    def elements(self) -> int:
+        """its SUBMIT's count"""
+
+    @property
+    def start(self) -> float:
+        """when its start began (wall-clock seconds): the copy in"""
+
+    @property
+    def submitted(self) -> float:
+        """when its SUBMIT was on the ring"""
+
+    @property
+    def done(self) -> float:
+        """when its DONE was taken up"""
+
+    @property
+    def copied(self) -> float:
+        """when its result was copied out"""
+
+    __match_args__: tuple = ...
+
+class Completed:
+    """A collected collective the engine completed in a pop()."""
+
+    @property
+    def seq(self) -> int:
+        """its sequence number"""
+
+    @property
+    def at(self) -> Slot | None:
+        """a held (device) one's result: where it lies; None for a host one"""
+
+    __match_args__: tuple = ('seq', 'at')
+
+class Unmatched:
+    """A DONE pop() had nobody for: the general way's, or the daemon's fault."""
+
+    @property
+    def header(self) -> bytes:
+        """its 56-byte header"""
+
+    __match_args__: tuple = ('header',)
+
+class RunEnd(enum.Enum):
+    """How WorkerChannel.run() ended."""
+
+    DONE = 0
+    """complete: its result is in place"""
+
+    CLOSED = 1
+    """nothing done: starts are closed (shutting down); go the general way"""
+
+    PARKED = 2
+    """not complete in time: parked (resume, or adopt)"""
+
+class Ran:
+    """What WorkerChannel.run() did."""
+
+    @property
+    def end(self) -> RunEnd:
+        """how it ended"""
+
+    @property
+    def seq(self) -> int:
+        """PARKED: its sequence number (0 otherwise)"""
+
+    @property
+    def slot(self) -> Slot | None:
+        """PARKED: its input slot (None otherwise)"""
+
+    __match_args__: tuple = ('end', 'seq', 'slot')
+
+RAN_DONE: Ran = ...
+
+RAN_CLOSED: Ran = ...
+
+class Segment:
+    """
+    A sealed memfd segment, mapped (smddp/engine/arena.h); its buffer is the mapping.
+    """
+
+    @property
+    def id(self) -> int:
+        """its id within its owner"""
+
+    @property
+    def size(self) -> int:
+        """bytes"""
+
+    @property
+    def fd(self) -> int:
+        """its memfd (-1 once closed)"""
+
+    @property
+    def writable(self) -> bool:
+        """mapped read-write"""
+
+    def check(self, offset: int, nbytes: int) -> None:
+        """Raises ProtocolError unless the range lies inside the segment."""
+
+    def close_fd(self) -> None:
+        """The fd goes now, the mapping with its last holder."""
+
+    def __buffer__(self, flags: int, /) -> memoryview: ...
+
+def segment_create(id: int, size: int, name: str) -> Segment:
+    """A new sealed memfd, mapped read-write."""
+
+def segment_attach(id: int, fd: int, size: int, writable: bool) -> Segment:
+    """
+    A segment mapped from `fd`, which it takes over (closed on a refusal too).
+    """
+
+class Arena:
+    """
+    First fit over growing memfd segments (smddp/engine/arena.h); thread-safe.
+    """
+
+    def __init__(self, name: str, segment_bytes: int) -> None: ...
+
+    @property
+    def in_use(self) -> int:
+        """bytes in live slots (rounded to the slot alignment)"""
+
+    def alloc(self, nbytes: int) -> Allocated:
+        """A slot of nbytes, and the segment made for it if one was."""
+
+    def free(self, segment: int, offset: int, nbytes: int) -> None:
+        """ValueError unless it is exactly a live slot."""
+
+    def segment(self, id: int) -> Segment:
+        """The arena's segment `id`, or None."""
+
+    def close(self) -> None:
+        """Drop every segment and slot."""
 
 class LocalPlane:
-    """The daemon's data plane: rings, reductions, the shard exchange (smddp/engine/local_plane.h)."""
+    """
+    The daemon's data plane: rings, reductions, the shard exchange (smddp/engine/local_plane.h).
+    """
 
-    def __new__(cls, config: PlaneConfig, results: Arena, scratch: Arena | None = None) -> LocalPlane: ...
+    def __init__(self, config: smddp.daemon.config.PlaneConfig, results: Arena, scratch: Arena | None = None) -> None: ...
+
     def __len__(self) -> int: ...
-    def add_worker(self, local: int, rank: int, name: str, channel: Segment, side: int, /) -> None: ...
-    def remove_worker(self, local: int, /) -> bool: ...
-    def add_peer(self, node: int, fd: int, /) -> None: ...
-    def send_control(self, node: int, header: bytes, payload: bytes = b"", /) -> str: ...
-    def flush(self, timeout_s: float, /) -> bool: ...
-    def peer_counters(self) -> list[PeerCounters]: ...
-    def fabric(self) -> tuple[str, dict[str, int]]: ...
-    def take_traces(self) -> list[Trace]: ...
-    def queued_tasks(self) -> tuple[int, int]: ...
-    def rank_left_early(self, local: int, joined: bool, reason: str, /) -> bool: ...
-    def left_early(self, local: int, /) -> bool: ...
-    def all_ranks_gone(self) -> bool: ...
-    def name_rank(self, local: int, name: str, /) -> None: ...
-    def waiting(self) -> list[Waiting]: ...
-    def abort(self) -> None: ...
-    def next_event(self, timeout_s: float, /) -> PeerFrame | PlaneFailure | None:
-        """A peer's control frame; the plane's own failure (fault "protocol", "mismatch" or
-        "peer_lost"); None: nothing in time."""
-    def take_completions(self) -> list[Completion]: ...
-    def counters(self) -> PlaneCounters: ...
-    def close(self) -> None: ...
+
+    def add_worker(self, local: int, rank: int, name: str, channel: object | None, side: int) -> None:
+        """
+        Its ring is polled from now on (the plane owns the fd side, closed on failure too).
+        """
+
+    def remove_worker(self, local: int) -> bool:
+        """Whether it said BYE (its ring handled first)."""
+
+    def rank_left_early(self, local: int, joined: bool, reason: str) -> bool:
+        """Recorded; raises when a collective waits for it."""
+
+    def left_early(self, local: int) -> bool:
+        """Its process ended without joining."""
+
+    def all_ranks_gone(self) -> bool:
+        """Every local rank said BYE or left early."""
+
+    def name_rank(self, local: int, name: str) -> None: ...
+
+    def waiting(self) -> list[Waiting]:
+        """The collectives in flight and not done."""
+
+    def abort(self) -> None:
+        """The job failed: handle nothing more."""
+
+    def next_event(self, timeout_s: float) -> PeerFrame | PlaneFailure | None:
+        """
+        A peer's control frame; the plane's own failure; None: nothing in time.
+        """
+
+    def take_completions(self) -> list[Completion]:
+        """What completed since the last take, summed."""
+
+    def add_peer(self, node: int, fd: int) -> None:
+        """
+        The plane owns the authenticated stream `fd` from now on (closed on failure too).
+        """
+
+    def send_control(self, node: int, header: bytes, payload: bytes | None = None) -> str:
+        r"""\'\' or why not: a control frame after what is queued to that peer."""
+
+    def flush(self, timeout_s: float) -> bool:
+        """Every control frame left (or its link went down)."""
+
+    def fabric(self) -> tuple[str, dict[str, int]]:
+        r"""
+        The fabric to the other daemons and its counters (\'\' and {} on one node).
+        """
+
+    def peer_counters(self) -> list[PeerCounters]:
+        """Each peer daemon's link."""
+
+    def take_traces(self) -> list[Trace]:
+        """The retired collectives' phases."""
+
+    def queued_tasks(self) -> tuple[int, int]:
+        """(local, server): chunks waiting for a compute thread."""
+
+    def counters(self) -> PlaneCounters:
+        """The plane's running totals."""
+
+    def close(self) -> None:
+        """Stop every thread."""
+
+class Started:
+    """
+    A fast collective started asynchronously (WorkerChannel.begin), and its handle.
+    """
+
+    def wait(self, timeout: float | None = None, stream: Any = None) -> Any:
+        """Its result once in place (else the handle's _settle says what)."""
+
+    def collect(self, drop: bool = False) -> bool | None:
+        """
+        None (finished already) or whether the channel took it: whoever takes its DONE completes it; drop: its result goes nowhere.
+        """
+
+    def give(self, timeout_s: float | None = None) -> None:
+        """A reserved record's SUBMIT goes, in its place on the ring."""
+
+    def _complete(self, failed: bool) -> None:
+        """Finished other than by its own wait."""
+
+    @property
+    def seq(self) -> int:
+        """its sequence number"""
+
+    @property
+    def kind(self) -> Any:
+        """its kind, as begin() was given it"""
+
+    @property
+    def dtype(self) -> Any:
+        """its dtype, as begin() was given it"""
+
+    @property
+    def count(self) -> int:
+        """its SUBMIT's count"""
+
+    @property
+    def slot(self) -> Slot | None:
+        """its input slot, or None"""
+
+    @property
+    def finished(self) -> bool:
+        """complete: its result in place, or failed"""
+
+    @property
+    def _client(self) -> Any:
+        """the ctx its channel was bound with"""
+
+    @property
+    def _value(self) -> Any:
+        """what its wait returns"""
+
+_S = TypeVar("_S", bound=Started)
 
 class WorkerChannel:
     """A worker's rings to its daemon (smddp/engine/channel.h)."""
 
-    def __new__(cls, name: str) -> WorkerChannel: ...
-    @property
-    def segment(self) -> Segment: ...
-    def push(self, header: bytes, timeout_s: float, spin_us: float, /) -> None: ...
-    def pop(self, timeout_s: float, spin_us: float, /) -> bytes | int | tuple[int, int, int, int] | None: ...
-    def abort(self) -> None: ...
-    def release(
-        self, rank: int, seq: int, nbytes: int, batch_bytes: int, timeout_s: float, spin_us: float, /
-    ) -> None: ...
-    def bind(
-        self,
-        arena: Arena,
-        rank: int,
-        batch_bytes: int,
-        timeout_s: float,
-        spin_us: float,
-        handle_type: type[Started],
-        ctx: Any,
-        /,
-    ) -> None: ...
-    def begin(
-        self,
-        kind: int,
-        src: Any,
-        count: int,
-        dtype: int,
-        op: int,
-        root: int,
-        dst: Any,
-        src_offset: int,
-        result_bytes: int,
-        owner: Any,
-        result: Any,
-        keepalive: Any,
-        /,
-    ) -> Any:
-        """A record of bind()'s handle_type (a Started), or None: starts are closed (shutting down)."""
-    def live(self) -> list[Any]: ...
-    def unbind(self) -> None: ...
-    def run(
-        self, kind: int, buf: Any, count: int, dtype: int, op: int, timeout_s: float | None, /
-    ) -> Literal[True] | tuple[int, int, int, int] | None: ...
-    def reserve_record(
-        self,
-        kind: int,
-        count: int,
-        dtype: int,
-        op: int,
-        root: int,
-        slot: tuple[int, int, int] | None,
-        result_bytes: int,
-        result: Any,
-        keepalive: Any,
-        handle_type: type[_S],
-        /,
-    ) -> _S:
-        """A record of `handle_type` whose SUBMIT goes with its give() and whose result its _arrived() takes on."""
-    def close_starts(self) -> None: ...
-    def blocking(self) -> list[int]: ...
-    def alloc(
-        self, arena: Arena, nbytes: int, rank: int, timeout_s: float, spin_us: float, /
-    ) -> tuple[int, int, Segment | None]: ...
-    def adopt(self, seq: int, /) -> bytes | None: ...
-    def resume(
-        self,
-        seq: int,
-        segment: int,
-        offset: int,
-        nbytes: int,
-        kind: int,
-        count: int,
-        dtype: int,
-        op: int,
-        dst: Any,
-        result: Any,
-        /,
-    ) -> Any: ...
-    def set_trace(self, on: bool, /) -> None: ...
-    def set_stream(self, on: bool, /) -> None: ...
-    def streamed(self) -> tuple[int, int]: ...
-    def take_traces(self) -> tuple[list[WorkerTrace], int]: ...
-    def attach(self, segment: Segment, rank: int, timeout_s: float, spin_us: float, /) -> None: ...
-    def result(self, id: int, /) -> Segment | None: ...
-    def close_daemon_end(self) -> None: ...
-    @property
-    def daemon_end(self) -> int: ...
+    def __init__(self, name: str) -> None: ...
 
-class Started:
-    """A fast collective started asynchronously (WorkerChannel.begin), and its handle."""
+    @property
+    def segment(self) -> Segment:
+        """the channel's segment (pass its fd to the daemon)"""
 
-    def wait(self, timeout: float | None = None, stream: Any = None) -> Any: ...
-    def collect(self, drop: bool = False, /) -> bool | None: ...
-    def give(self, timeout_s: float | None = None, /) -> None: ...
-    def _complete(self, failed: bool, /) -> None: ...
-    # (Read-only at run time; declared as attributes so that a Handle subclass may share them.)
-    seq: int
-    kind: Any
-    dtype: Any
-    count: int
     @property
-    def slot(self) -> tuple[int, int, int] | None: ...
-    @property
-    def finished(self) -> bool: ...
-    @property
-    def _client(self) -> Any: ...
-    @property
-    def _value(self) -> Any: ...
+    def daemon_end(self) -> int:
+        """the daemon's end of the side socket (pass it with CHANNEL)"""
 
-def ofi_providers(library: str, /) -> list[str]: ...
+    def push(self, header: bytes, timeout_s: float, spin_us: float) -> None:
+        """A descriptor onto the submit ring."""
+
+    def pop(self, timeout_s: float, spin_us: float) -> Completed | Unmatched | None:
+        """
+        What the done ring gave: a collected collective completed here, a DONE nobody had, or None (nothing in time; the fast path's waits go first).
+        """
+
+    def abort(self) -> None:
+        """Pops return None from now on."""
+
+    def release(self, rank: int, seq: int, nbytes: int, batch_bytes: int, timeout_s: float, spin_us: float) -> None:
+        """
+        RELEASE a result slot (small ones held back to go with the next SUBMIT).
+        """
+
+    def bind(self, arena: Arena, rank: int, batch_bytes: int, timeout_s: float, spin_us: float, handle_type: type[Started], ctx: Any) -> None:
+        """What every begin() shares."""
+
+    def begin(self, kind: int, src: Any, count: int, dtype: int, op: int, root: int, dst: Any, src_offset: int, result_bytes: int, owner: Any, result: Any, keepalive: Any) -> Any:
+        """
+        A record of bind()'s handle_type, or None (starts are closed): an asynchronous fast collective's slot, copy-in and SUBMIT under the next seq.
+        """
+
+    def live(self) -> list:
+        """What begin() made and nothing has finished yet."""
+
+    def unbind(self) -> None:
+        """Let go of what bind() gave, and the live table."""
+
+    def run(self, kind: int, buf: Any, count: int, dtype: int, op: int, timeout_s: float, /) -> Ran:
+        """A blocking fast collective whole, its result in place."""
+
+    def reserve_record(self, kind: int, count: int, dtype: int, op: int, root: int, slot: Slot | None, result_bytes: int, result: Any, keepalive: Any, handle_type: type[_S]) -> _S:
+        """
+        A record whose SUBMIT goes with give() and whose result its _arrived() takes on.
+        """
+
+    def close_starts(self) -> None:
+        """No fast collective starts from now on."""
+
+    def blocking(self) -> list[int]:
+        """The blocking fast collectives not finished."""
+
+    def alloc(self, arena: Arena, nbytes: int, rank: int, timeout_s: float, spin_us: float) -> Allocated:
+        """A slot, its segment ATTACHed first when new."""
+
+    def adopt(self, seq: int) -> bytes | None:
+        """
+        A parked fast collective goes the general way: the DONE that came, or None.
+        """
+
+    def resume(self, seq: int, slot: Slot, kind: int, count: int, dtype: int, op: int, dst: Any, result: Any) -> Any:
+        """
+        A parked blocking collective as an asynchronous one: its record, or None.
+        """
+
+    def set_trace(self, on: bool) -> None:
+        """Keep each fast collective's phases (take_traces), or stop."""
+
+    def set_stream(self, on: bool) -> None:
+        """
+        Large all-reduces stream through the channel's stream block (a job of one node).
+        """
+
+    def streamed(self) -> tuple[int, int]:
+        """
+        (copied in as it went, copied out before the DONE): bytes, since the channel began.
+        """
+
+    def take_traces(self) -> tuple[list[WorkerTrace], int]:
+        """
+        (the fast collectives' phases since the last take, how many were not kept).
+        """
+
+    def attach(self, segment: Segment, rank: int, timeout_s: float, spin_us: float) -> None:
+        """ATTACH an input segment (its fd on the side socket)."""
+
+    def result(self, id: int) -> Segment:
+        """The result segment the daemon sent as `id`, or None."""
+
+    def close_daemon_end(self) -> None:
+        """The daemon's end of the side socket is closed here (once passed)."""
+
+def ofi_providers(library: str) -> list[str]:
+    """
+    The providers of that libfabric with reliable-datagram tagged messages.
+    """

@@ -1,7 +1,9 @@
-"""Wheels users can install: build (cp311-abi3 and cp310), repair to a manylinux tag, check, and run the demo from each in a fresh venv with no compiler anywhere on PATH."""
+"""Wheels users can install: build (cp312-abi3, cp311 and cp310), repair to a manylinux tag, check, and run the demo from each in a fresh venv with no compiler anywhere on PATH."""
 
 # `make wheels` and tests/unit/test_wheel.py both run this. What it makes, in OUT:
-#   smddp-V-cp311-abi3-manylinux_2_X_x86_64.whl  for CPython 3.11 and later (the stable ABI)
+#   smddp-V-cp312-abi3-manylinux_2_X_x86_64.whl  for CPython 3.12 and later (the stable ABI, which
+#                                                 the bindings' nanobind keeps to from 3.12 on)
+#   smddp-V-cp311-cp311-manylinux_2_X_x86_64.whl for CPython 3.11
 #   smddp-V-cp310-cp310-manylinux_2_X_x86_64.whl for CPython 3.10
 #   smddp-V.tar.gz                                the sdist (it builds only with a C++17 compiler)
 # The manylinux tag auditwheel gives is the oldest glibc the wheel's symbols allow: the glibc of the
@@ -39,6 +41,21 @@ def pythons(versions: tuple[str, ...] = ("3.10", "3.11", "3.12", "3.13")) -> dic
     return found
 
 
+#: The interpreters a wheel is built with: 3.12's is the abi3 one, for 3.12 and every later CPython.
+BUILT = ("3.12", "3.11", "3.10")
+
+
+def wheel_for(made: list[Path], version: str) -> Path:
+    """The wheel CPython `version` installs: its own (3.10, 3.11), else the abi3 one."""
+    tag = (
+        f"-cp{version.replace('.', '')}-cp{version.replace('.', '')}-"
+        if version in ("3.10", "3.11")
+        else "-abi3-"
+    )
+    (wheel,) = [w for w in made if w.suffix == ".whl" and tag in w.name]
+    return wheel
+
+
 def run(argv: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
     kw.setdefault("timeout", 900)
     out = subprocess.run(argv, capture_output=True, text=True, **kw)  # type: ignore[call-overload]
@@ -55,14 +72,14 @@ def tool(name: str) -> str:
 
 
 def build(out: Path, py: dict[str, str]) -> list[Path]:
-    """The two wheels (abi3 from the 3.11 interpreter, cp310 from 3.10), repaired, and the sdist."""
+    """The three wheels (abi3 from the 3.12 interpreter, cp311 and cp310 from theirs), repaired, and the sdist."""
     raw = out / "raw"
     raw.mkdir(parents=True, exist_ok=True)
     # The wheels are built from the sdist, as an index's users would: only what the sdist ships goes
     # in (a checkout holds its own in-place builds of the engine, for other Pythons).
     run([sys.executable, "-m", "build", "--sdist", "-o", str(out), str(REPO)])
     (sdist,) = out.glob("smddp-*.tar.gz")
-    for v in ("3.11", "3.10"):
+    for v in BUILT:
         if v not in py:
             raise SystemExit(f"no CPython {v} found (pyenv, or python{v} on PATH) to build its wheel with")
         # Build isolation fetches setuptools and wheel into a fresh environment, per the pyproject.
@@ -173,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         with tempfile.TemporaryDirectory(prefix="smddp-wheels-") as tmp:
             for v, exe in py.items():
-                (wheel,) = [w for w in made if w.suffix == ".whl" and ("cp310" in w.name) == (v == "3.10")]
+                wheel = wheel_for(made, v)
                 text = check_wheel(wheel, exe, Path(tmp))
                 print(f"CPython {v}: {wheel.name}: the demo ran ({text.strip().splitlines()[-1]})")
     return 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import dataclasses
 import json
@@ -13,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -58,6 +59,9 @@ from smddp.transport.shm import Arena, Segment, Slot
 # What a rank sends on the engine's path that sends no data (a barrier, a broadcast's other ranks), and
 # what one that takes nothing back (a barrier, a broadcast's root) takes: no slot, nothing copied.
 NO_DATA = np.empty(0, np.uint8)
+# run()'s two answers that carry nothing (the engine returns these very objects).
+_RAN_DONE = _engine.RAN_DONE
+_RAN_CLOSED = _engine.RAN_CLOSED
 # Results up to this many bytes in all may wait for the next descriptor to be RELEASEd (Client._release).
 RELEASE_BATCH_BYTES = 256 << 10
 # How long a wait on the engine's rings spins before it sleeps on the ring's futex: long enough to
@@ -151,7 +155,7 @@ class Latch:
         return event.wait(timeout)
 
 
-class Handle:
+class Handle(metaclass=abc.ABCMeta):  # noqa: B024 (abstract for its registered engine subclasses, not its methods)
     """An in-flight collective; `wait()` returns its result or raises why the job failed.
 
     For device buffers, `wait()` blocks the host only until the result has reached this node and
@@ -234,7 +238,17 @@ class Handle:
             _call_back(fn, self)
 
 
-class EngineHandle(_engine.Started, Handle):
+if TYPE_CHECKING:
+    # For the type checker an engine record is a Handle too (its base, in the stubs' terms); at run
+    # time nanobind's classes take one base, and Handle knows its engine subclasses by registration.
+    # (Handle's seq, kind, dtype and count are attributes; the record's are read-only properties.)
+    class _EngineBase(_engine.Started, Handle):  # type: ignore[override]
+        pass
+else:
+    _EngineBase = _engine.Started
+
+
+class EngineHandle(_EngineBase):
     """A host collective the engine started asynchronously (Client.start_async): the engine's own
     record of it (`_engine.Started`, which WorkerChannel.begin makes as this class) is the handle. Its
     copy-in and SUBMIT were the engine's, and wait() is the engine's too: the DONE taken, the result
@@ -249,6 +263,9 @@ class EngineHandle(_engine.Started, Handle):
     then runs the callbacks (Client._on_engine_done); a wait that completes it runs them (_completed).
     Handle's other fields keep their class defaults: none of them applies."""
 
+    _callbacks: list[Callable[[Handle], None]] | None = None
+    _result: Any = None
+    _error: SmddpError | None = None
     _event: Latch | None = None  # type: ignore[assignment]  # made once collected: what a waiter of another thread's completion waits on
     _callbacks_lock = threading.Lock()  # orders add_done_callback against _finish (only for callbacks)
 
@@ -258,8 +275,11 @@ class EngineHandle(_engine.Started, Handle):
 
     @property
     def _slot(self) -> Slot | None:
-        slot = self.slot
-        return None if slot is None else Slot(*slot)
+        return self.slot
+
+    def synchronize(self, timeout: float | None = None) -> Any:
+        """wait(), then block the host until a device result is in device memory (any stream may read it)."""
+        return self.wait(timeout)
 
     def done(self) -> bool:
         if self.finished:
@@ -456,6 +476,9 @@ def _call_back(fn: Callable[[Handle], None], handle: Handle) -> None:
         fn(handle)
     except Exception:  # a caller's callback must not stop the thread that finished the handle
         log.exception("smddp: a done-callback of collective #%d raised", handle.seq)
+
+
+Handle.register(EngineHandle)  # (DeviceHandle with it)
 
 
 class PipelinedHandle(Handle):
@@ -737,7 +760,7 @@ class Client:
         the SUBMIT that names it (the channel does both under its push lock, as the fast path's
         start does). The daemon's loss comes back for the caller to fail with (and no slot)."""
         try:
-            seg_id, offset, fresh = self._channel.alloc(
+            got = self._channel.alloc(
                 self._arena.native, nbytes, self.rank, self.config.timeout_s, RING_SPIN_US
             )
         except TimeoutError:
@@ -746,9 +769,9 @@ class Client:
             )
         except ProtocolError as e:  # its fd could not go (not for a closed daemon end: that is no error)
             return None, ConnectionClosed(str(e))
-        if fresh is not None:
-            self._arena.adopt(fresh)
-        return Slot(seg_id, offset, nbytes), None
+        if got.fresh is not None:
+            self._arena.adopt(got.fresh)
+        return Slot(got.segment, got.offset, nbytes), None
 
     def _result_segment(self, seg_id: int) -> Segment | None:
         """Result segment `seg_id`, as the channel took it in from its SEGMENT (None: never sent)."""
@@ -794,7 +817,7 @@ class Client:
             handle: DeviceHandle | None = None
             if lost is None:
                 handle = self._channel.reserve_record(
-                    kind, count, dtype, op or 0, root, None if slot is None else (slot.segment, slot.offset, slot.nbytes),
+                    kind, count, dtype, op or 0, root, slot,
                     _result_bytes(kind, nbytes, self.size), result, device.keepalive, DeviceHandle,
                 )  # fmt: skip
                 handle._plan = device
@@ -934,16 +957,16 @@ class Client:
         try:
             # Slot, copy-in, SUBMIT under the channel's next seq, DONE, copy-out, RELEASE: one call
             # (the arena, rank, RELEASE batch, spin and the job's timeout as bind() gave them).
-            ran = self._channel.run(kind, buf, count, dtype, op or 0, timeout)
+            t = self.config.timeout_s if timeout is None else timeout
+            ran = self._channel.run(kind, buf, count, dtype, op or 0, t)
         except (TimeoutError, ProtocolError) as e:
             raise self._engine_failed(e) from None
-        if ran is True:
+        if ran is _RAN_DONE:
             return True
-        if ran is None:
+        if ran is _RAN_CLOSED:
             return False  # shutting down: the general way refuses it
-        t = self.config.timeout_s if timeout is None else timeout
-        seq, segment, offset, nbytes = ran
-        raise self._parked(seq, segment, offset, nbytes, dtype, count, op, t, kind)
+        assert ran.end is _engine.RunEnd.PARKED and ran.slot is not None
+        raise self._parked(ran.seq, ran.slot, dtype, count, op, t, kind)
 
     def start_async(
         self,
@@ -1026,9 +1049,7 @@ class Client:
     def _parked(
         self,
         seq: int,
-        segment: int,
-        offset: int,
-        nbytes: int,
+        slot: Slot,
         dtype: DType,
         count: int,
         op: ReduceOp | None,
@@ -1051,7 +1072,7 @@ class Client:
         # Its caller is told it failed: its result is dropped (nothing comes back into `buf`, now or
         # when its DONE comes), and the collective completes for the other ranks' sake.
         handle: EngineHandle | None = self._channel.resume(
-            seq, segment, offset, nbytes, kind, count, dtype, op or 0, NO_DATA, None
+            seq, slot, kind, count, dtype, op or 0, NO_DATA, None
         )
         if handle is not None:
             handle._collect()
@@ -1335,9 +1356,9 @@ class Client:
         channel = self._channel
         try:
             while not self._closed:
-                raw = channel.pop(0.5, 0.0)  # a wait (the engine's finish) takes the ring from us
-                if raw is not None:
-                    self._taken(raw)
+                got = channel.pop(0.5, 0.0)  # a wait (the engine's finish) takes the ring from us
+                if got is not None:
+                    self._taken(got)
         except SmddpError as e:
             self._distrust(e)
         except Exception as e:  # a bug; never leave waiters hanging
@@ -1349,20 +1370,18 @@ class Client:
         self._fail(e if isinstance(e, CollectiveError) else CollectiveError(f"rank {self.rank}: {e}"))
         self._conn.close()
 
-    def _taken(self, raw: bytes | int | tuple[int, int, int, int]) -> None:
-        """What the DONE thread's pop of the done ring gave: the sequence number of a collected collective
-        the engine completed, or (seq, segment, offset, nbytes) of a device one whose result it located. A DONE
-        itself never comes here but for a collective this rank does not have (the daemon's fault)."""
-        if type(raw) is int:
-            self._on_engine_done(raw)
-        elif type(raw) is tuple:
-            self._on_engine_done(raw[0], raw[1:])
-        else:
-            assert isinstance(raw, bytes)
-            seq = decode_header(raw).seq
-            raise ProtocolError(f"DONE for collective #{seq} does not match anything this rank submitted")
+    def _taken(self, got: _engine.Completed | _engine.Unmatched) -> None:
+        """What the DONE thread's pop of the done ring gave: a collected collective the engine completed
+        (a device one's with where its result lies). A DONE itself (Unmatched) never comes here but for a
+        collective this rank does not have (the daemon's fault)."""
+        match got:
+            case _engine.Completed(seq, at):
+                self._on_engine_done(seq, at)
+            case _engine.Unmatched(header):
+                seq = decode_header(header).seq
+                raise ProtocolError(f"DONE for collective #{seq} does not match anything this rank submitted")
 
-    def _on_engine_done(self, seq: int, at: tuple[int, int, int] | None = None) -> None:
+    def _on_engine_done(self, seq: int, at: Slot | None = None) -> None:
         """A collected collective completed by the engine in a pop (a host one's result in place and its
         RELEASE held or sent; a device one's located at `at`, copied on here): its input slot goes back
         and its handle finishes here (callbacks included)."""
@@ -1374,7 +1393,7 @@ class Client:
             raise ProtocolError(f"the engine completed collective #{seq}, which this rank did not collect")
         if at is not None:
             assert isinstance(handle, DeviceHandle)  # (only its records hold their result)
-            handle._arrived(*at)
+            handle._arrived(at.segment, at.offset, at.nbytes)
             if handle.finished:
                 return  # its copy-out failed the job, and it with it
         if handle._slot is not None:

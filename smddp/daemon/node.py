@@ -568,16 +568,17 @@ class NodeDaemon:
 
     def _count_plane_locked(self) -> None:
         plane = self.plane
-        for kind, dtype, size_class, bucket, completed, seconds in plane.take_completions():
-            self.stats.done(kind, dtype, size_class, bucket, completed, seconds)
+        for c in plane.take_completions():
+            self.stats.done(c.kind, c.dtype, c.size_class, c.bucket, c.completed, c.seconds)
         totals = plane.counters()
         reduced, secs = totals.reduced_bytes, totals.reduce_seconds
         reduced0, secs0 = self._plane_reduced
         if reduced > reduced0:
             self.stats.add_reduce(reduced - reduced0, secs - secs0)
         self._plane_reduced = (reduced, secs)
-        for node, _up, bytes_in, bytes_out, queued in plane.peer_counters():
-            self._plane_queued[node] = queued
+        for peer in plane.peer_counters():
+            node, bytes_in, bytes_out = peer.node, peer.bytes_in, peer.bytes_out
+            self._plane_queued[node] = peer.queued
             in0, out0 = self._plane_peer_counted.get(node, (0, 0))
             if bytes_in > in0:
                 self.stats.add_in(node, bytes_in - in0)
@@ -586,10 +587,10 @@ class NodeDaemon:
             self._plane_peer_counted[node] = (bytes_in, bytes_out)
         if self.cfg.timeline_dir:
             process = f"node {self.node} daemon"
-            for seq, what, phases in plane.take_traces():
-                args = {"seq": seq, "what": what}
+            for t in plane.take_traces():
+                args = {"seq": t.seq, "what": t.what}
                 self.timeline.extend(
-                    span(f"#{seq} {name}", start, end, process, name, args) for name, start, end in phases
+                    span(f"#{t.seq} {name}", start, end, process, name, args) for name, start, end in t.phases
                 )
 
     # ------------------------------------------------------------------ status and stalls
@@ -747,13 +748,13 @@ class NodeDaemon:
         ranks = self.job.ranks_of(self.node)
         rows = [
             {
-                "seq": seq,
-                "what": what,
-                "age_s": age,
-                "waiting_for": [self.job.describe_rank(ranks[i]) for i in late]
-                + [self.job.describe_node(j) for j in late_nodes],
+                "seq": w.seq,
+                "what": w.what,
+                "age_s": w.age_s,
+                "waiting_for": [self.job.describe_rank(ranks[i]) for i in w.late]
+                + [self.job.describe_node(j) for j in w.late_nodes],
             }
-            for seq, age, what, late, late_nodes in self.plane.waiting()
+            for w in self.plane.waiting()
         ]
         return sorted(rows, key=lambda r: -r["age_s"])
 
@@ -799,7 +800,14 @@ class NodeDaemon:
         with self._lock:
             waiting = self.plane.waiting()
             pids = [w.pid if w is not None else None for w in self.workers]
-        for seq, age, what, late, late_nodes in sorted(waiting, key=lambda w: -w.age_s):
+        for stalled in sorted(waiting, key=lambda w: -w.age_s):
+            seq, age, what, late, late_nodes = (
+                stalled.seq,
+                stalled.age_s,
+                stalled.what,
+                stalled.late,
+                stalled.late_nodes,
+            )
             if not (late or late_nodes) or age <= limit:
                 continue
             if not late and age <= limit + 2 * self.cfg.heartbeat_timeout_s:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -53,13 +52,9 @@ class Segment:
         self._native.close_fd()
 
 
-@dataclass(frozen=True)
-class Slot:
-    """A range handed out by an Arena."""
-
-    segment: int
-    offset: int
-    nbytes: int
+#: A range handed out by an Arena: the engine's record (segment, offset, nbytes; frozen, hashable),
+#: the one type for a slot on both sides of the binding.
+Slot = _engine.Slot
 
 
 class Arena:
@@ -82,11 +77,11 @@ class Arena:
     def alloc(self, nbytes: int) -> tuple[Slot, Segment | None]:
         """A slot of `nbytes`; the second value is a newly created segment the peers must be told of."""
         with self._lock:
-            seg_id, offset, fresh = self._native.alloc(nbytes)
+            got = self._native.alloc(nbytes)
             seg = None
-            if fresh is not None:
-                seg = self.segments[seg_id] = Segment(fresh)
-        return Slot(seg_id, offset, nbytes), seg
+            if got.fresh is not None:
+                seg = self.segments[got.segment] = Segment(got.fresh)
+        return Slot(got.segment, got.offset, nbytes), seg
 
     @property
     def native(self) -> _engine.Arena:

@@ -49,10 +49,16 @@ if [[ ! -e ${core[0]} ]]; then
   echo "$0: no engine objects in $out/$san: make engine-sanitize-jobs builds them" >&2
   exit 2
 fi
-cxx=(g++ -std=c++17 -O1 -g -Wall -Wextra -Wshadow -Werror -fno-omit-frame-pointer -fPIC -pthread
-  -I"$include" -Ismddp/engine "${flags[@]}")
-"${cxx[@]}" -c smddp/engine/module.cc -o "$out/$san-module.o"
-"${cxx[@]}" -shared "${core[@]}" "$out/$san-module.o" -o "$pkg/smddp/_engine$suffix"
+# The bindings (module.cc) with nanobind's headers as system headers, and nanobind's own sources
+# with its flags (not held to the engine's warnings), all under the sanitizer.
+nb_include=$("$py" -c 'import nanobind; print(nanobind.include_dir())')
+nb_src=$("$py" -c 'import nanobind; print(nanobind.source_dir())')
+robin=$(dirname "$nb_include")/ext/robin_map/include
+cxx=(g++ -std=c++17 -O1 -g -fno-omit-frame-pointer -fPIC -pthread -I"$include" -isystem "$nb_include" -I"$robin"
+  -DNB_COMPACT_ASSERTIONS "${flags[@]}")
+"${cxx[@]}" -Wall -Wextra -Wshadow -Werror -Ismddp/engine -c smddp/engine/module.cc -o "$out/$san-module.o"
+"${cxx[@]}" -fno-strict-aliasing -c "$nb_src/nb_combined.cpp" -o "$out/$san-nanobind.o"
+"${cxx[@]}" -shared "${core[@]}" "$out/$san-module.o" "$out/$san-nanobind.o" -o "$pkg/smddp/_engine$suffix"
 export PYTHONPATH=$pkg LD_PRELOAD=$runtime
 # Outside the checkout, so that its own smddp/ is not the one imported.
 (cd / && "$py" -c 'import smddp._engine as e, sys; sys.exit(0 if e.__file__.startswith(sys.argv[1]) else "not the sanitized engine: " + e.__file__)' "$pkg")

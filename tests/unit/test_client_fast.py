@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from smddp import _engine
 from smddp.client import collectives
 from smddp.client.collectives import allreduce_async
 from smddp.client.session import NO_DATA, Client, EngineHandle
@@ -732,7 +733,7 @@ def test_no_fast_call_starts_once_starts_are_closed(pair):
     buf = np.ones(4, np.float32)
     begin = (Kind.ALLREDUCE, buf, 4, DType.FLOAT32, ReduceOp.SUM, 0, buf, 0, buf.nbytes, None, buf, None)
     assert client._channel.begin(*begin) is None
-    assert client._channel.run(Kind.ALLREDUCE, buf, 4, DType.FLOAT32, ReduceOp.SUM, 1.0) is None
+    assert client._channel.run(Kind.ALLREDUCE, buf, 4, DType.FLOAT32, ReduceOp.SUM, 1.0) is _engine.RAN_CLOSED
     assert client._arena.in_use == 0 and not daemon.pending()
 
 

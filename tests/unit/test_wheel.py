@@ -1,4 +1,4 @@
-"""What ships is what users run: manylinux wheels for CPython 3.10-3.13 (one cp311-abi3, one cp310) that
+"""What ships is what users run: manylinux wheels for CPython 3.10-3.13 (one cp312-abi3, one cp311, one cp310) that
 hold no test rig, pass twine's checks, and install and run the demo with no compiler anywhere on PATH;
 the sdist refuses to build without one, naming it."""
 
@@ -33,9 +33,14 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, str], lis
 def test_manylinux_wheels_for_every_cpython(built: tuple[dict[str, str], list[Path]], tmp_path: Path) -> None:
     py, made = built
     names = sorted(p.name for p in made)
-    abi3 = [n for n in names if "-cp311-abi3-manylinux_" in n and n.endswith("_x86_64.whl")]
-    cp310 = [n for n in names if "-cp310-cp310-manylinux_" in n and n.endswith("_x86_64.whl")]
-    assert len(abi3) == 1 and len(cp310) == 1 and any(n.endswith(".tar.gz") for n in names), names
+    for tag in ("-cp312-abi3-", "-cp311-cp311-", "-cp310-cp310-"):
+        assert len([n for n in names if f"{tag}manylinux_" in n and n.endswith("_x86_64.whl")]) == 1, (
+            tag,
+            names,
+        )
+    assert len([n for n in names if n.endswith(".whl")]) == 3 and any(n.endswith(".tar.gz") for n in names), (
+        names
+    )
     sdist = next(p for p in made if p.name.endswith(".tar.gz"))
     with tarfile.open(sdist) as t:
         shipped_src = t.getnames()
@@ -53,6 +58,8 @@ def test_manylinux_wheels_for_every_cpython(built: tuple[dict[str, str], list[Pa
         assert engine == (
             ["smddp/_engine.abi3.so"]
             if "abi3" in wheel.name
+            else ["smddp/_engine.cpython-311-x86_64-linux-gnu.so"]
+            if "-cp311-" in wheel.name
             else ["smddp/_engine.cpython-310-x86_64-linux-gnu.so"]
         )
         # No libstdc++ of the builder's: the C++ runtime is inside the extension.
@@ -61,8 +68,7 @@ def test_manylinux_wheels_for_every_cpython(built: tuple[dict[str, str], list[Pa
     # Each CPython installs its wheel where no compiler is found (two installs at a time: mostly
     # unpacking), then runs a real job from it (one job at a time).
     def install(v: str) -> tuple[Path, dict[str, str]]:
-        wheel = next(w for w in made if w.suffix == ".whl" and ("cp310" in w.name) == (v == "3.10"))
-        return wheels.install_bare(wheel, py[v], tmp_path)
+        return wheels.install_bare(wheels.wheel_for(made, v), py[v], tmp_path)
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
         venvs = dict(zip(VERSIONS, pool.map(install, VERSIONS), strict=True))
