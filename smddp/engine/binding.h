@@ -1,5 +1,5 @@
-// What the engine's two Python faces share: smddp._engine (module.cc, in the wheel) and the rigs'
-// smddp_rigs._engine_testing (engine_testing.cc, never shipped): plain CPython API helpers.
+// Plain CPython API helpers of the rigs' smddp_rigs._engine_testing (rigs/smddp_rigs/_engine_testing.cc,
+// never shipped), until it too is bound with nanobind as smddp._engine (module.cc) is.
 //
 // Each module's state begins with `Errors` (smddp.errors' classes the engine raises), so that these
 // helpers find them from any module object. Everything here is internal to each extension.
