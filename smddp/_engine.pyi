@@ -4,6 +4,16 @@ from typing import Any, TypeVar
 import smddp.daemon.config
 
 
+def decode_header(data: bytes | bytearray | memoryview) -> tuple[int, int, int, int, int, int, int, int, int, int, int, int]:
+    """
+    One header's fields (type, flags, dtype, op, kind, sender, seq, shard, aux, offset, length, count), every one checked (smddp/engine/frame.cc); ProtocolError naming what is wrong.
+    """
+
+def encode_header(type: int, flags: int, dtype: int, op: int, kind: int, sender: int, seq: int, shard: int, aux: int, offset: int, length: int, count: int) -> bytes:
+    """
+    The 56 bytes of a header; refuses what decode_header would refuse, naming the field.
+    """
+
 def has_f16c() -> bool:
     """Whether float16 can be reduced here (x86-64 with AVX2 and F16C)."""
 

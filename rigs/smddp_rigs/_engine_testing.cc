@@ -43,50 +43,6 @@ struct ModuleState {
 
 ModuleState* state(PyObject* module) { return static_cast<ModuleState*>(PyModule_GetState(module)); }
 
-// decode_header(data) -> (type, flags, dtype, op, kind, sender, seq, shard, aux, offset, length, count)
-PyObject* py_decode_header(PyObject* module, PyObject* arg) {
-  Py_buffer view;
-  if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) != 0) return nullptr;
-  smddp::Header h;
-  const std::string why = smddp::decode_header(static_cast<const std::uint8_t*>(view.buf),
-                                               static_cast<std::size_t>(view.len), &h);
-  PyBuffer_Release(&view);
-  if (!why.empty()) return raise_protocol(module, why);
-  return Py_BuildValue("(BHBBBkKkkKKK)", static_cast<unsigned char>(h.type), h.flags, h.dtype, h.op, h.kind,
-                       static_cast<unsigned long>(h.sender), static_cast<unsigned long long>(h.seq),
-                       static_cast<unsigned long>(h.shard), static_cast<unsigned long>(h.aux),
-                       static_cast<unsigned long long>(h.offset), static_cast<unsigned long long>(h.length),
-                       static_cast<unsigned long long>(h.count));
-}
-
-// encode_header(type, sender, seq, shard, aux, offset, length, count, dtype, op, kind) -> bytes
-PyObject* py_encode_header(PyObject* module, PyObject* args) {
-  unsigned int type = 0, dtype = 0, op = 0, kind = 0;
-  unsigned long long sender = 0, seq = 0, shard = 0, aux = 0, offset = 0, length = 0, count = 0;
-  if (!PyArg_ParseTuple(args, "IKKKKKKKIII", &type, &sender, &seq, &shard, &aux, &offset, &length, &count,
-                        &dtype, &op, &kind))
-    return nullptr;
-  if (type > 255 || dtype > 255 || op > 255 || kind > 255 || sender > UINT32_MAX || shard > UINT32_MAX ||
-      aux > UINT32_MAX)
-    return raise_protocol(module, "cannot encode: a field is out of range");
-  smddp::Header h;
-  h.type = static_cast<smddp::Msg>(type);
-  h.sender = static_cast<std::uint32_t>(sender);
-  h.seq = seq;
-  h.shard = static_cast<std::uint32_t>(shard);
-  h.aux = static_cast<std::uint32_t>(aux);
-  h.offset = offset;
-  h.length = length;
-  h.count = count;
-  h.dtype = static_cast<std::uint8_t>(dtype);
-  h.op = static_cast<std::uint8_t>(op);
-  h.kind = static_cast<std::uint8_t>(kind);
-  std::uint8_t out[smddp::kHeaderSize];
-  const std::string why = smddp::encode_header(h, out);
-  if (!why.empty()) return raise_protocol(module, why);
-  return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(out), smddp::kHeaderSize);
-}
-
 // locate_reduce(count, itemsize, nshards, chunk_elems, shard, byte_offset, byte_length) -> (index, start, end)
 PyObject* py_locate_reduce(PyObject* module, PyObject* args) {
   long long count = 0, itemsize = 0, nshards = 0, chunk_elems = 0, shard = 0, offset = 0, length = 0;
@@ -1045,10 +1001,6 @@ PyType_Spec kDaemonChannelSpec = {
 };
 
 PyMethodDef kMethods[] = {
-    {"decode_header", py_decode_header, METH_O,
-     "decode_header(data) -> (type, flags, dtype, op, kind, sender, seq, shard, aux, offset, length, count)"},
-    {"encode_header", py_encode_header, METH_VARARGS,
-     "encode_header(type, sender, seq, shard, aux, offset, length, count, dtype, op, kind) -> bytes"},
     {"locate_reduce", py_locate_reduce, METH_VARARGS,
      "locate_reduce(count, itemsize, nshards, chunk_elems, shard, byte_offset, byte_length) -> (index, start, end)"},
     {"reduce16", py_reduce16, METH_VARARGS,

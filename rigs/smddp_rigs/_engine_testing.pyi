@@ -2,23 +2,6 @@
 
 HEADER_SIZE: int
 
-def decode_header(
-    data: bytes | bytearray | memoryview, /
-) -> tuple[int, int, int, int, int, int, int, int, int, int, int, int]: ...
-def encode_header(
-    type: int,
-    sender: int,
-    seq: int,
-    shard: int,
-    aux: int,
-    offset: int,
-    length: int,
-    count: int,
-    dtype: int,
-    op: int,
-    kind: int,
-    /,
-) -> bytes: ...
 def shard_range(count: int, nshards: int, shard: int, /) -> tuple[int, int]: ...
 def locate_reduce(
     count: int,

@@ -48,7 +48,8 @@ std::string decode_header(const std::uint8_t* data, std::size_t n, Header* out) 
   h.length = load_le<std::uint64_t>(data + kOffLength);
   h.count = load_le<std::uint64_t>(data + kOffCount);
   const std::string who(info->name);
-  if (data[kOffReserved] != 0 || h.flags != 0) return who + ": reserved bits set";
+  if (data[kOffReserved] != 0 || h.flags != 0)
+    return who + ": reserved bits set (flags=" + num(h.flags) + ", reserved=" + num(data[kOffReserved]) + ")";
   if (h.seq > kMaxU63 || h.offset > kMaxU63 || h.count > kMaxU63) return who + ": seq/offset/count beyond 2**63";
   const std::uint64_t limit = info->max_payload;
   if (h.length > limit)

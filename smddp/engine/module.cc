@@ -170,6 +170,59 @@ struct ReadView {
   std::size_t size() const { return static_cast<std::size_t>(view.len); }
 };
 
+// --------------------------------------------------------------------------------------- codec
+
+// The frame header codec's Python face: smddp.proto.frames encodes and decodes through these, so
+// that the engine's codec (frame.cc) is the only one.
+using HeaderFields = std::tuple<std::uint8_t, std::uint16_t, std::uint8_t, std::uint8_t, std::uint8_t, std::uint32_t,
+                                std::uint64_t, std::uint32_t, std::uint32_t, std::uint64_t, std::uint64_t, std::uint64_t>;
+
+HeaderFields codec_decode(nb::handle data) {
+  ReadView v(data);
+  smddp::Header h;
+  const std::string why = smddp::decode_header(v.data(), v.size(), &h);
+  if (!why.empty()) raise_error(Err::kProtocol, why);
+  return {static_cast<std::uint8_t>(h.type), h.flags, h.dtype, h.op, h.kind, h.sender, h.seq, h.shard, h.aux,
+          h.offset, h.length, h.count};
+}
+
+// One field of a header to encode: a Python int in [0, limit], else refused naming the message, the
+// field and its value (as Python spells it: it may be beyond any C++ integer).
+std::uint64_t codec_field(nb::handle v, const char* msg, const char* name, std::uint64_t limit) {
+  const unsigned long long x = PyLong_AsUnsignedLongLong(v.ptr());
+  if (PyErr_Occurred()) {
+    PyErr_Clear();
+  } else if (x <= limit) {
+    return x;
+  }
+  raise_error(Err::kProtocol, std::string("cannot encode ") + msg + ": field " + name + "=" +
+                                  nb::cast<std::string>(nb::str(v)) + " out of range");
+}
+
+nb::bytes codec_encode(long long type, nb::handle flags, nb::handle dtype, nb::handle op, nb::handle kind,
+                       nb::handle sender, nb::handle seq, nb::handle shard, nb::handle aux, nb::handle offset,
+                       nb::handle length, nb::handle count) {
+  const char* msg = type >= 0 && type <= 255 ? smddp::msg_name(static_cast<std::uint8_t>(type)) : nullptr;
+  if (msg == nullptr) raise_error(Err::kProtocol, "cannot encode unknown message type " + std::to_string(type));
+  smddp::Header h;
+  h.type = static_cast<smddp::Msg>(type);
+  h.flags = static_cast<std::uint16_t>(codec_field(flags, msg, "flags", UINT16_MAX));
+  h.dtype = static_cast<std::uint8_t>(codec_field(dtype, msg, "dtype", UINT8_MAX));
+  h.op = static_cast<std::uint8_t>(codec_field(op, msg, "op", UINT8_MAX));
+  h.kind = static_cast<std::uint8_t>(codec_field(kind, msg, "kind", UINT8_MAX));
+  h.sender = static_cast<std::uint32_t>(codec_field(sender, msg, "sender", UINT32_MAX));
+  h.seq = codec_field(seq, msg, "seq", smddp::kMaxU63);
+  h.shard = static_cast<std::uint32_t>(codec_field(shard, msg, "shard", UINT32_MAX));
+  h.aux = static_cast<std::uint32_t>(codec_field(aux, msg, "aux", UINT32_MAX));
+  h.offset = codec_field(offset, msg, "offset", smddp::kMaxU63);
+  h.length = codec_field(length, msg, "length", UINT64_MAX);
+  h.count = codec_field(count, msg, "count", smddp::kMaxU63);
+  std::uint8_t out[smddp::kHeaderSize];
+  const std::string why = smddp::encode_header(h, out);
+  if (!why.empty()) raise_error(Err::kProtocol, why);
+  return nb::bytes(reinterpret_cast<const char*>(out), smddp::kHeaderSize);
+}
+
 // ------------------------------------------------------------------------------------- records
 
 // Where a slot lies: `nbytes` at `offset` of segment `segment`.
@@ -1254,6 +1307,16 @@ NB_MODULE(_engine, m) {
   // with the process: nanobind's report of it would be noise on every such exit.
   nb::set_leak_warnings(false);
 
+  m.def("decode_header", &codec_decode, "data"_a,
+        nb::sig("def decode_header(data: bytes | bytearray | memoryview) -> tuple[int, int, int, int, int, int, "
+                "int, int, int, int, int, int]"),
+        "One header's fields (type, flags, dtype, op, kind, sender, seq, shard, aux, offset, length, count), "
+        "every one checked (smddp/engine/frame.cc); ProtocolError naming what is wrong.");
+  m.def("encode_header", &codec_encode, "type"_a, "flags"_a, "dtype"_a, "op"_a, "kind"_a, "sender"_a, "seq"_a,
+        "shard"_a, "aux"_a, "offset"_a, "length"_a, "count"_a,
+        nb::sig("def encode_header(type: int, flags: int, dtype: int, op: int, kind: int, sender: int, seq: int, "
+                "shard: int, aux: int, offset: int, length: int, count: int) -> bytes"),
+        "The 56 bytes of a header; refuses what decode_header would refuse, naming the field.");
   m.def("has_f16c", &smddp::have_f16c, "Whether float16 can be reduced here (x86-64 with AVX2 and F16C).");
   m.attr("CHANNEL_BYTES") = smddp::channel_bytes();
   m.attr("SLOT_ALIGN") = smddp::kSlotAlign;

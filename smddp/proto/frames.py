@@ -6,7 +6,7 @@ import enum
 import struct
 from dataclasses import dataclass
 
-from smddp.errors import ProtocolError
+from smddp import _engine
 from smddp.proto.dtypes import DType, Kind, ReduceOp
 
 MAGIC = b"SMDP"
@@ -46,8 +46,6 @@ MAX_CONTROL_PAYLOAD = 64 * 1024
 MAX_REPORT_PAYLOAD = 1 << 20
 # A data frame never carries more than one pipelining chunk; this is the hard ceiling.
 MAX_DATA_PAYLOAD = 256 * 1024 * 1024
-MAX_U32 = 2**32 - 1
-MAX_U63 = 2**63 - 1
 
 
 class MsgType(enum.IntEnum):
@@ -137,34 +135,14 @@ class Header:
 
 
 def encode_header(h: Header) -> bytes:
-    """Pack a header; refuses values that the decoder would refuse, so we never send garbage."""
-    for name, value, limit in (
-        ("sender", h.sender, MAX_U32),
-        ("shard", h.shard, MAX_U32),
-        ("aux", h.aux, MAX_U32),
-        ("seq", h.seq, MAX_U63),
-        ("offset", h.offset, MAX_U63),
-        ("count", h.count, MAX_U63),
-    ):
-        if not 0 <= value <= limit:
-            raise ProtocolError(f"cannot encode {h.type.name}: field {name}={value} out of range")
-    _check_length(h.type, h.length)
-    if h.flags != 0:
-        raise ProtocolError(f"cannot encode {h.type.name}: no flags are defined in version {VERSION}")
-    if h.type in FINGERPRINTED:
-        if h.dtype is None or h.kind is None:
-            raise ProtocolError(f"cannot encode {h.type.name} without its dtype and kind")
-    elif h.dtype is not None or h.op is not None or h.kind is not None:
-        raise ProtocolError(f"cannot encode {h.type.name} with a dtype, op or kind")
-    return _HEADER.pack(
-        MAGIC,
-        VERSION,
-        int(h.type),
-        int(h.flags),
-        int(h.dtype) if h.dtype is not None else 0,
-        int(h.op) if h.op is not None else 0,
-        int(h.kind) if h.kind is not None else 0,
-        0,
+    """Pack a header; refuses values that the decoder would refuse, so we never send garbage. The
+    engine's codec does both (smddp/engine/frame.cc: the one codec, this side's and the engine's)."""
+    return _engine.encode_header(
+        h.type,
+        h.flags,
+        0 if h.dtype is None else h.dtype,
+        0 if h.op is None else h.op,
+        0 if h.kind is None else h.kind,
         h.sender,
         h.seq,
         h.shard,
@@ -176,50 +154,13 @@ def encode_header(h: Header) -> bytes:
 
 
 def decode_header(data: bytes | bytearray | memoryview) -> Header:
-    """Unpack and validate one header; every field is checked before anyone trusts it."""
-    if len(data) != HEADER_SIZE:
-        raise ProtocolError(f"header must be {HEADER_SIZE} bytes, got {len(data)}")
-    (
-        magic,
-        version,
-        mtype,
-        flags,
-        dtype,
-        op,
-        kind,
-        reserved,
-        sender,
-        seq,
-        shard,
-        aux,
-        offset,
-        length,
-        count,
-    ) = _HEADER.unpack(data)
-    if magic != MAGIC:
-        raise ProtocolError(f"bad magic {bytes(magic)!r} (not an smddp peer)")
-    if version != VERSION:
-        raise ProtocolError(f"protocol version {version} is not supported (this side speaks {VERSION})")
-    t = _TYPES.get(mtype)
-    if t is None:
-        raise ProtocolError(f"unknown message type {mtype}")
-    if reserved != 0 or flags != 0:
-        raise ProtocolError(f"{t.name}: reserved bits set (flags={flags:#x}, reserved={reserved})")
-    if seq > MAX_U63 or offset > MAX_U63 or count > MAX_U63:
-        raise ProtocolError(f"{t.name}: seq/offset/count beyond 2**63")
-    _check_length(t, length)
-    d = o = k = None
-    if t in FINGERPRINTED:
-        d = _DTYPES.get(dtype)
-        k = _KINDS.get(kind)
-        if d is None or k is None:
-            raise ProtocolError(f"{t.name}: unknown dtype {dtype} or kind {kind}")
-        if op != 0:
-            o = _OPS.get(op)
-            if o is None:
-                raise ProtocolError(f"{t.name}: unknown reduce op {op}")
-    elif dtype or op or kind:
-        raise ProtocolError(f"{t.name}: dtype/op/kind must be zero on this message")
+    """Unpack and validate one header; every field is checked before anyone trusts it (by the engine's
+    codec, smddp/engine/frame.cc)."""
+    mtype, flags, dtype, op, kind, sender, seq, shard, aux, offset, length, count = _engine.decode_header(
+        data
+    )
+    t = _TYPES[mtype]
+    fingerprinted = t in FINGERPRINTED
     return Header(
         type=t,
         sender=sender,
@@ -229,9 +170,9 @@ def decode_header(data: bytes | bytearray | memoryview) -> Header:
         offset=offset,
         length=length,
         count=count,
-        dtype=d,
-        op=o,
-        kind=k,
+        dtype=_DTYPES[dtype] if fingerprinted else None,
+        op=_OPS[op] if fingerprinted and op else None,
+        kind=_KINDS[kind] if fingerprinted else None,
         flags=flags,
     )
 
@@ -245,12 +186,6 @@ def payload_limit(t: MsgType) -> int:
     if t in _CONTROL:
         return MAX_CONTROL_PAYLOAD
     return MAX_DATA_PAYLOAD
-
-
-def _check_length(t: MsgType, length: int) -> None:
-    limit = payload_limit(t)
-    if not 0 <= length <= limit:
-        raise ProtocolError(f"{t.name}: payload length {length} exceeds the limit of {limit} bytes")
 
 
 def error_frame(text: str, sender: int = 0, aux: int = 0) -> bytes:

@@ -83,4 +83,4 @@ def test_the_shipped_engine_binds_nothing_only_tests_call() -> None:
     """What the rigs' module binds (the codec, layouts, kernels, state machines, a daemon's end of the
     rings) is not in the wheel's module, and the two share nothing but the engine's sources."""
     assert _public(_engine) & _public(_engine_testing) == set()
-    assert {"Collective", "NodeState", "DaemonChannel", "decode_header", "reduce"} <= _public(_engine_testing)
+    assert {"Collective", "NodeState", "DaemonChannel", "reduce"} <= _public(_engine_testing)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 
 import pytest
-from smddp_rigs import _engine_testing, wire_header
+from smddp_rigs import wire_header
 
+from smddp import _engine
 from smddp.errors import ProtocolError
 from smddp.proto.dtypes import DType, Kind, ReduceOp
 from smddp.proto.frames import (
@@ -43,12 +44,12 @@ def test_the_engine_takes_every_message_at_its_limit_and_refuses_one_byte_more(t
     limit = payload_limit(t)
     wire = encode_header(Header(t, length=limit, **extra))  # type: ignore[arg-type]
     assert len(wire) == HEADER_SIZE
-    assert _engine_testing.decode_header(wire)[0] == int(t)
+    assert _engine.decode_header(wire)[0] == int(t)
     over = bytearray(wire)
     at = HEADER_OFFSETS["length"]
     over[at : at + 8] = (limit + 1).to_bytes(8, "little")
     with pytest.raises(ProtocolError, match="exceeds the limit"):
-        _engine_testing.decode_header(bytes(over))
+        _engine.decode_header(bytes(over))
 
 
 def test_the_engine_names_every_dtype_op_and_kind_as_proto_does() -> None:
@@ -58,14 +59,14 @@ def test_the_engine_names_every_dtype_op_and_kind_as_proto_does() -> None:
         wire[HEADER_OFFSETS["dtype"]] = code
         known = code in {int(d) for d in DType}
         if known:
-            assert _engine_testing.decode_header(bytes(wire))[2] == code
+            assert _engine.decode_header(bytes(wire))[2] == code
         else:
             with pytest.raises(ProtocolError, match="unknown dtype"):
-                _engine_testing.decode_header(bytes(wire))
+                _engine.decode_header(bytes(wire))
         wire[HEADER_OFFSETS["dtype"]] = int(DType.UINT8)
         wire[HEADER_OFFSETS["kind"]] = code
         if code in {int(k) for k in Kind}:
-            assert _engine_testing.decode_header(bytes(wire))[4] == code
+            assert _engine.decode_header(bytes(wire))[4] == code
         else:
             with pytest.raises(ProtocolError, match="unknown dtype"):
-                _engine_testing.decode_header(bytes(wire))
+                _engine.decode_header(bytes(wire))
