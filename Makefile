@@ -231,12 +231,13 @@ wheels: $(STAMP)
 wire-header: $(STAMP)
 	$(BIN)/python -m smddp_rigs.wire_header
 
-# smddp/_engine.pyi, the engine's stubs, generated from its bindings (nanobind's stubgen, at the version
+# smddp/_engine.pyi and rigs/smddp_rigs/_engine_testing.pyi, the engine's stubs, generated from its bindings (nanobind's stubgen, at the version
 # the build pins); tests/unit/test_engine_faces.py regenerates them and fails while the committed
 # file differs. Rebuild the engine first (make setup, or pip install -e .).
 .PHONY: stubs
 stubs: $(STAMP)
 	$(BIN)/python -m nanobind.stubgen -q -P -p smddp/engine/stubs.pat -m smddp._engine -o smddp/_engine.pyi
+	$(BIN)/python -m nanobind.stubgen -q -m smddp_rigs._engine_testing -o rigs/smddp_rigs/_engine_testing.pyi
 
 .PHONY: configuration-doc
 configuration-doc: $(STAMP)

@@ -2,9 +2,11 @@
 the engine's test-only bindings (smddp_rigs._engine_testing), which smddp's wheel does not carry."""
 
 import glob
+import os
 import sys
 
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 # The engine's sources these bindings need, from the smddp tree beside this one (never shipped here).
 ENGINE = "../smddp/engine"
@@ -24,6 +26,34 @@ ENGINE_SOURCES = [
     )
 ]
 
+
+def _nanobind() -> tuple[str, str]:
+    """nanobind's headers and its sources in one file (as smddp's setup.py compiles them, one by one)."""
+    import nanobind
+
+    return nanobind.include_dir(), os.path.join(nanobind.source_dir(), "nb_combined.cpp")
+
+
+NB_INCLUDE, NB_SOURCE = _nanobind()
+NB_ROOT = os.path.dirname(NB_INCLUDE)
+# nanobind's own sources with its own flags, not the engine's warnings (as smddp's setup.py).
+NB_FLAGS = ["-std=c++17", "-O2", "-fvisibility=hidden", "-fno-strict-aliasing", "-DNB_COMPACT_ASSERTIONS",
+            "-isystem", NB_INCLUDE]  # fmt: skip
+
+
+class BuildExt(build_ext):
+    """nanobind's source compiled with NB_FLAGS; every other with its extension's flags."""
+
+    def build_extensions(self) -> None:
+        one = self.compiler._compile  # type: ignore[attr-defined]
+
+        def compile_one(obj, src, ext, cc_args, extra_postargs, pp_opts):  # type: ignore[no-untyped-def]
+            one(obj, src, ext, cc_args, NB_FLAGS if src.startswith(NB_ROOT) else extra_postargs, pp_opts)
+
+        self.compiler._compile = compile_one  # type: ignore[attr-defined]
+        super().build_extensions()
+
+
 extensions = []
 # Not optional: a rig that silently lacks its delay line would fail the delay tests later and vaguer.
 if sys.platform.startswith("linux"):
@@ -37,8 +67,8 @@ if sys.platform.startswith("linux"):
     extensions.append(
         Extension(
             "smddp_rigs._engine_testing",
-            ["smddp_rigs/_engine_testing.cc", *ENGINE_SOURCES],
-            include_dirs=[ENGINE],
+            ["smddp_rigs/_engine_testing.cc", *ENGINE_SOURCES, NB_SOURCE],
+            include_dirs=[ENGINE, os.path.join(NB_ROOT, "ext", "robin_map", "include")],
             depends=sorted(glob.glob(f"{ENGINE}/*.h")),
             language="c++",
             # The engine's own flags (smddp's setup.py): warnings are errors here too.
@@ -50,7 +80,10 @@ if sys.platform.startswith("linux"):
                 "-Wshadow",
                 "-Werror",
                 "-fvisibility=hidden",
+                "-isystem",
+                NB_INCLUDE,
+                "-DNB_COMPACT_ASSERTIONS",
             ],
         )
     )
-setup(ext_modules=extensions)
+setup(ext_modules=extensions, cmdclass={"build_ext": BuildExt})

@@ -1,290 +1,205 @@
 // smddp_rigs._engine_testing: the engine's parts as only tests and rigs call them, never shipped.
 //
-// The same engine sources as smddp._engine (smddp/engine/), bound here for the tests that drive them
-// without processes (the header codec, the layouts, the kernels, the collective state machine, the
+// The same engine sources as smddp._engine (smddp/engine/), bound with nanobind for the tests that
+// drive them without processes (the layouts, the kernels, the collective state machine, the
 // daemon's table) and for a stand-in daemon's end of a worker's rings (DaemonChannel). The wheel's
-// smddp._engine (module.cc) binds only what smddp runs. Shared helpers: smddp/engine/binding.h.
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+// smddp._engine (module.cc) binds only what smddp runs, the frame codec included; what both share
+// (the error table, the argument checks) is smddp/engine/nb_binding.h. The stubs
+// (_engine_testing.pyi) are generated from these bindings (make stubs) and checked by regenerating.
+//
+// Memory: each bound object owns its engine object (NodeState, DaemonEnd: deleted with it) but a
+// Collective, which it shares (std::shared_ptr) with the NodeState whose table holds it.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
 #include <unistd.h>
 
 #include <cstdint>
 #include <cstring>
-#include <initializer_list>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <new>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "arena.h"
-#include "binding.h"
 #include "channel.h"
 #include "collective.h"
 #include "fdpass.h"
 #include "frame.h"
 #include "layout.h"
+#include "nb_binding.h"
 #include "node_state.h"
 #include "reduce.h"
 #include "reduce16.h"
 #include "ring.h"
 
+namespace nb = nanobind;
+using namespace nb::literals;
+
 namespace {
 
-using namespace smddp::py;
+using namespace smddp::bind;
 
-struct ModuleState {
-  Errors errors;              // first (binding.h): smddp.errors' classes, owned by the module
-  PyObject* collective_type;  // the Collective class
-  PyObject* node_state_type;  // the NodeState class
-  PyObject* daemon_channel_type;  // the DaemonChannel class
-};
+// Every argument from the wire or a layout refused if negative, as the engine's fields are unsigned.
+void non_negative(std::initializer_list<long long> values) {
+  for (long long v : values)
+    if (v < 0) raise_error(Err::kProtocol, "out of range: a negative offset, length, shard or size");
+}
 
-ModuleState* state(PyObject* module) { return static_cast<ModuleState*>(PyModule_GetState(module)); }
+// ------------------------------------------------------------------------------------- layouts
 
-// locate_reduce(count, itemsize, nshards, chunk_elems, shard, byte_offset, byte_length) -> (index, start, end)
-PyObject* py_locate_reduce(PyObject* module, PyObject* args) {
-  long long count = 0, itemsize = 0, nshards = 0, chunk_elems = 0, shard = 0, offset = 0, length = 0;
-  if (!PyArg_ParseTuple(args, "LLLLLLL", &count, &itemsize, &nshards, &chunk_elems, &shard, &offset, &length))
-    return nullptr;
-  if (!non_negative(module, {count, itemsize, nshards, chunk_elems, shard, offset, length})) return nullptr;
-  if (nshards > static_cast<long long>(UINT32_MAX)) return raise_protocol(module, "too many shards");
+std::tuple<std::uint64_t, std::uint64_t, std::uint64_t> locate_reduce(long long count, long long itemsize,
+                                                                      long long nshards, long long chunk_elems,
+                                                                      long long shard, long long byte_offset,
+                                                                      long long byte_length) {
+  non_negative({count, itemsize, nshards, chunk_elems, shard, byte_offset, byte_length});
+  if (nshards > static_cast<long long>(UINT32_MAX)) raise_error(Err::kProtocol, "too many shards");
   smddp::ChunkAt c;
   const std::string why = smddp::locate_reduce(
       static_cast<std::uint64_t>(count), static_cast<std::uint64_t>(itemsize), static_cast<std::uint32_t>(nshards),
-      static_cast<std::uint64_t>(chunk_elems), static_cast<std::uint64_t>(shard), static_cast<std::uint64_t>(offset),
-      static_cast<std::uint64_t>(length), &c);
-  if (!why.empty()) return raise_protocol(module, why);
-  return Py_BuildValue("(KKK)", static_cast<unsigned long long>(c.index),
-                       static_cast<unsigned long long>(c.elems.start), static_cast<unsigned long long>(c.elems.end));
+      static_cast<std::uint64_t>(chunk_elems), static_cast<std::uint64_t>(shard),
+      static_cast<std::uint64_t>(byte_offset), static_cast<std::uint64_t>(byte_length), &c);
+  if (!why.empty()) raise_error(Err::kProtocol, why);
+  return {c.index, c.elems.start, c.elems.end};
 }
 
-// shard_range(count, nshards, shard) -> (start, end)
-PyObject* py_shard_range(PyObject* module, PyObject* args) {
-  long long count = 0, nshards = 0, shard = 0;
-  if (!PyArg_ParseTuple(args, "LLL", &count, &nshards, &shard)) return nullptr;
-  if (!non_negative(module, {count, nshards, shard})) return nullptr;
+std::pair<std::uint64_t, std::uint64_t> shard_range(long long count, long long nshards, long long shard) {
+  non_negative({count, nshards, shard});
   if (nshards == 0 || nshards > static_cast<long long>(UINT32_MAX) || shard >= nshards)
-    return raise_protocol(module, "shard out of range");
+    raise_error(Err::kProtocol, "shard out of range");
   const smddp::Range r = smddp::shard_range(static_cast<std::uint64_t>(count), static_cast<std::uint32_t>(nshards),
                                             static_cast<std::uint32_t>(shard));
-  return Py_BuildValue("(KK)", static_cast<unsigned long long>(r.start), static_cast<unsigned long long>(r.end));
+  return {r.start, r.end};
 }
 
-// locate_block(start, end, chunk_bytes, byte_offset, byte_length) -> index
-PyObject* py_locate_block(PyObject* module, PyObject* args) {
-  long long start = 0, end = 0, chunk = 0, offset = 0, length = 0;
-  if (!PyArg_ParseTuple(args, "LLLLL", &start, &end, &chunk, &offset, &length)) return nullptr;
-  if (!non_negative(module, {start, end, chunk, offset, length})) return nullptr;
+std::uint64_t locate_block(long long start, long long end, long long chunk_bytes, long long byte_offset,
+                           long long byte_length) {
+  non_negative({start, end, chunk_bytes, byte_offset, byte_length});
   std::uint64_t index = 0;
   const std::string why = smddp::locate_block(
-      {static_cast<std::uint64_t>(start), static_cast<std::uint64_t>(end)}, static_cast<std::uint64_t>(chunk),
-      static_cast<std::uint64_t>(offset), static_cast<std::uint64_t>(length), &index);
-  if (!why.empty()) return raise_protocol(module, why);
-  return PyLong_FromUnsignedLongLong(index);
+      {static_cast<std::uint64_t>(start), static_cast<std::uint64_t>(end)}, static_cast<std::uint64_t>(chunk_bytes),
+      static_cast<std::uint64_t>(byte_offset), static_cast<std::uint64_t>(byte_length), &index);
+  if (!why.empty()) raise_error(Err::kProtocol, why);
+  return index;
 }
 
-constexpr Py_ssize_t kMaxInputs = 4096;
+// ------------------------------------------------------------------------------------- kernels
 
-// Owns the buffers a reduce16 call reads and writes; released in the destructor, with the GIL held.
+constexpr std::size_t kMaxInputs = 4096;
+
+// The buffers a kernel call reads and writes, held for the call (released with the GIL held).
 struct Views {
   std::vector<Py_buffer> views;
+  Views() = default;
+  Views(const Views&) = delete;
+  Views& operator=(const Views&) = delete;
   ~Views() {
     for (Py_buffer& v : views) PyBuffer_Release(&v);
   }
-  bool get(PyObject* obj, int flags) {
+  Py_buffer& get(nb::handle obj, int flags) {
     views.emplace_back();
-    if (PyObject_GetBuffer(obj, &views.back(), flags) == 0) return true;
-    views.pop_back();
-    return false;
-  }
-};
-
-// reduce16(kind, op, inputs, out, divisor[, portable]) -> block indices left unwritten (their result
-// holds a NaN): the block kernel alone, for its tests; reduce() is what the daemon runs.
-// kind: 0 float16, 1 bfloat16; op: 0 sum, 1 min, 2 max; divisor 0.0 for none. Inputs and out are
-// C-contiguous buffers of equally many 16-bit elements; out may alias an input element-wise.
-// portable: bfloat16 by the baseline's loops where the CPU would run the AVX2 ones.
-PyObject* py_reduce16(PyObject*, PyObject* args) {
-  int kind = 0, op = 0, portable = 0;
-  PyObject *inputs = nullptr, *out_obj = nullptr;
-  float divisor = 0.0f;
-  if (!PyArg_ParseTuple(args, "iiOOf|p", &kind, &op, &inputs, &out_obj, &divisor, &portable)) return nullptr;
-  if (kind != 0 && kind != 1) return PyErr_Format(PyExc_ValueError, "unknown kind %d", kind);
-  if (op < 0 || op > 2) return PyErr_Format(PyExc_ValueError, "unknown op %d", op);
-  if (kind == 0 && !smddp::have_f16c()) return PyErr_Format(PyExc_NotImplementedError, "float16 needs a CPU with F16C");
-  PyObject* seq = PySequence_Fast(inputs, "inputs must be a sequence");
-  if (seq == nullptr) return nullptr;
-  const Py_ssize_t k = PySequence_Size(seq);
-  PyObject* result = nullptr;
-  {
-    Views v;
-    std::vector<const std::uint16_t*> ptrs;
-    std::vector<std::size_t> nan_blocks;
-    if (k < 1 || k > kMaxInputs) {
-      PyErr_Format(PyExc_ValueError, "between 1 and %zd inputs, not %zd", kMaxInputs, k);
-    } else if (v.get(out_obj, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE)) {
-      const Py_ssize_t len = v.views[0].len;
-      bool ok = len % 2 == 0;
-      if (!ok) PyErr_SetString(PyExc_ValueError, "out holds an odd number of bytes");
-      for (Py_ssize_t j = 0; ok && j < k; j++) {
-        ok = v.get(fast_item(seq, j), PyBUF_C_CONTIGUOUS);
-        if (ok && v.views.back().len != len) {
-          PyErr_Format(PyExc_ValueError, "input %zd holds %zd bytes, out %zd", j, v.views.back().len, len);
-          ok = false;
-        }
-        if (ok) ptrs.push_back(static_cast<const std::uint16_t*>(v.views.back().buf));
-      }
-      if (ok) {
-        bool oom = false;
-        auto* out = static_cast<std::uint16_t*>(v.views[0].buf);
-        Py_BEGIN_ALLOW_THREADS
-        try {
-          smddp::reduce16(static_cast<smddp::Half>(kind), static_cast<smddp::Fold>(op), ptrs.data(),
-                          static_cast<std::size_t>(k), static_cast<std::size_t>(len / 2), out, divisor, &nan_blocks,
-                          portable != 0);
-        } catch (const std::bad_alloc&) {
-          oom = true;
-        }
-        Py_END_ALLOW_THREADS
-        if (oom) {
-          PyErr_NoMemory();
-        } else {
-          result = PyList_New(static_cast<Py_ssize_t>(nan_blocks.size()));
-          for (std::size_t i = 0; result != nullptr && i < nan_blocks.size(); i++) {
-            PyObject* b = PyLong_FromSize_t(nan_blocks[i]);
-            if (b == nullptr) {
-              Py_CLEAR(result);
-              break;
-            }
-            PyList_SetItem(result, static_cast<Py_ssize_t>(i), b);
-          }
-        }
-      }
+    if (PyObject_GetBuffer(obj.ptr(), &views.back(), flags) != 0) {
+      views.pop_back();
+      throw nb::python_error();
     }
+    return views.back();
   }
-  Py_DECREF(seq);
-  return result;
-}
-
-// reduce(dtype, op, inputs, out, divisor) -> None: the daemon's kernel (reduce_wire) for any wire
-// dtype and op. Inputs and out are C-contiguous buffers of equally many bytes, a multiple of the
-// itemsize; out may alias an input element-wise. divisor: 0 for none (a plain sum for an average).
-PyObject* py_reduce(PyObject*, PyObject* args) {
-  int dtype = 0, op = 0;
-  PyObject *inputs = nullptr, *out_obj = nullptr;
-  unsigned long long divisor = 0;
-  if (!PyArg_ParseTuple(args, "iiOOK", &dtype, &op, &inputs, &out_obj, &divisor)) return nullptr;
-  if (dtype < 0 || dtype > 255 || smddp::dtype_size(static_cast<std::uint8_t>(dtype)) == 0)
-    return PyErr_Format(PyExc_ValueError, "dtype %d is not a wire dtype", dtype);
-  if (op < 1 || op > 4) return PyErr_Format(PyExc_ValueError, "unknown op %d", op);
-  const std::size_t size = smddp::dtype_size(static_cast<std::uint8_t>(dtype));
-  PyObject* seq = PySequence_Fast(inputs, "inputs must be a sequence");
-  if (seq == nullptr) return nullptr;
-  const Py_ssize_t k = PySequence_Size(seq);
-  bool ok = false;
-  {
-    Views v;
+  // `out` (writable) and then each of `inputs`, every one holding out's bytes, a multiple of `item`.
+  std::vector<const void*> inputs_like_out(nb::handle inputs, nb::handle out, std::size_t item) {
+    nb::list seq = nb::list(inputs);
+    const std::size_t k = nb::len(seq);
+    if (k < 1 || k > kMaxInputs)
+      raise_error(Err::kValue, "between 1 and " + std::to_string(kMaxInputs) + " inputs, not " + std::to_string(k));
+    const Py_ssize_t len = get(out, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE).len;
+    if (len % static_cast<Py_ssize_t>(item) != 0)
+      raise_error(Err::kValue, item == 2 ? std::string("out holds an odd number of bytes")
+                                         : "out holds " + std::to_string(len) + " bytes, not whole elements of " +
+                                               std::to_string(item));
     std::vector<const void*> ptrs;
-    if (k < 1 || k > kMaxInputs) {
-      PyErr_Format(PyExc_ValueError, "between 1 and %zd inputs, not %zd", kMaxInputs, k);
-    } else if (v.get(out_obj, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE)) {
-      const Py_ssize_t len = v.views[0].len;
-      ok = len % static_cast<Py_ssize_t>(size) == 0;
-      if (!ok) PyErr_Format(PyExc_ValueError, "out holds %zd bytes, not whole elements of %zu", len, size);
-      for (Py_ssize_t j = 0; ok && j < k; j++) {
-        ok = v.get(fast_item(seq, j), PyBUF_C_CONTIGUOUS);
-        if (ok && v.views.back().len != len) {
-          PyErr_Format(PyExc_ValueError, "input %zd holds %zd bytes, out %zd", j, v.views.back().len, len);
-          ok = false;
-        }
-        if (ok) ptrs.push_back(v.views.back().buf);
-      }
-      if (ok) {
-        void* out = v.views[0].buf;
-        const std::size_t n = static_cast<std::size_t>(len) / size;
-        std::string why;
-        Py_BEGIN_ALLOW_THREADS
-        try {
-          why = smddp::reduce_wire(static_cast<std::uint8_t>(dtype), static_cast<std::uint8_t>(op), ptrs.data(),
-                                   static_cast<std::size_t>(k), n, out, divisor);
-        } catch (const std::bad_alloc&) {
-          why = "out of memory";
-        }
-        Py_END_ALLOW_THREADS
-        if (!why.empty()) {
-          PyErr_SetString(PyExc_ValueError, why.c_str());
-          ok = false;
-        }
-      }
+    for (std::size_t j = 0; j < k; j++) {
+      const Py_buffer& v = get(seq[j], PyBUF_C_CONTIGUOUS);
+      if (v.len != len)
+        raise_error(Err::kValue, "input " + std::to_string(j) + " holds " + std::to_string(v.len) + " bytes, out " +
+                                     std::to_string(len));
+      ptrs.push_back(v.buf);
     }
+    return ptrs;
   }
-  Py_DECREF(seq);
-  if (!ok) return nullptr;
-  Py_RETURN_NONE;
-}
-
-// ---------------------------------------------------------------------------------------- Collective
-
-// A Python object holding one smddp::Collective, shared with the NodeState whose table holds it
-// (made by Collective() or handed out by NodeState; the last holder deletes it). Its methods hold
-// the GIL throughout: each is a few comparisons, never a wait.
-struct CollectiveObject {
-  PyObject_HEAD
-  std::shared_ptr<smddp::Collective>* c;  // new'd with the object, deleted in tp_dealloc
 };
 
-
-smddp::Collective& coll(PyObject* self) { return **reinterpret_cast<CollectiveObject*>(self)->c; }
-
-// A new Python Collective sharing `c`.
-PyObject* wrap_collective(PyObject* module, const std::shared_ptr<smddp::Collective>& c) {
-  auto* type = reinterpret_cast<PyTypeObject*>(state(module)->collective_type);
-  PyObject* self = alloc_instance(type);
-  if (self == nullptr) return nullptr;
-  try {
-    reinterpret_cast<CollectiveObject*>(self)->c = new std::shared_ptr<smddp::Collective>(c);
-  } catch (const std::bad_alloc&) {
-    Py_DECREF(self);
-    return PyErr_NoMemory();
+// The block kernel alone, for its tests (reduce() is what the daemon runs): kind 0 float16, 1
+// bfloat16; op 0 sum, 1 min, 2 max; divisor 0.0 for none. Returns the block indices left unwritten
+// (their result holds a NaN). portable: bfloat16 by the baseline's loops where the CPU would run the
+// AVX2 ones.
+std::vector<std::size_t> reduce16(int kind, int op, nb::handle inputs, nb::handle out, float divisor, bool portable) {
+  if (kind != 0 && kind != 1) raise_error(Err::kValue, "unknown kind " + std::to_string(kind));
+  if (op < 0 || op > 2) raise_error(Err::kValue, "unknown op " + std::to_string(op));
+  if (kind == 0 && !smddp::have_f16c()) {
+    PyErr_SetString(PyExc_NotImplementedError, "float16 needs a CPU with F16C");
+    throw nb::python_error();
   }
-  return self;
+  Views v;
+  const std::vector<const void*> ptrs = v.inputs_like_out(inputs, out, 2);
+  std::vector<const std::uint16_t*> halves;
+  for (const void* p : ptrs) halves.push_back(static_cast<const std::uint16_t*>(p));
+  auto* dst = static_cast<std::uint16_t*>(v.views[0].buf);
+  const std::size_t n = static_cast<std::size_t>(v.views[0].len / 2);
+  std::vector<std::size_t> nan_blocks;
+  nb::gil_scoped_release unlocked;
+  smddp::reduce16(static_cast<smddp::Half>(kind), static_cast<smddp::Fold>(op), halves.data(), halves.size(), n, dst,
+                  divisor, &nan_blocks, portable);
+  return nan_blocks;
 }
 
-
-PyObject* chunk_tuple(const smddp::Chunk& c) {
-  return Py_BuildValue("(KKK)", static_cast<unsigned long long>(c.index), static_cast<unsigned long long>(c.start),
-                       static_cast<unsigned long long>(c.end));
+// The daemon's kernel (reduce_wire) for any wire dtype and op. Inputs and out hold equally many
+// bytes, a multiple of the itemsize; out may alias an input element-wise. divisor: 0 for none.
+void reduce(int dtype, int op, nb::handle inputs, nb::handle out, unsigned long long divisor) {
+  if (dtype < 0 || dtype > 255 || smddp::dtype_size(static_cast<std::uint8_t>(dtype)) == 0)
+    raise_error(Err::kValue, "dtype " + std::to_string(dtype) + " is not a wire dtype");
+  if (op < 1 || op > 4) raise_error(Err::kValue, "unknown op " + std::to_string(op));
+  const std::size_t size = smddp::dtype_size(static_cast<std::uint8_t>(dtype));
+  Views v;
+  const std::vector<const void*> ptrs = v.inputs_like_out(inputs, out, size);
+  void* dst = v.views[0].buf;
+  const std::size_t n = static_cast<std::size_t>(v.views[0].len) / size;
+  std::string why;
+  {
+    nb::gil_scoped_release unlocked;
+    why = smddp::reduce_wire(static_cast<std::uint8_t>(dtype), static_cast<std::uint8_t>(op), ptrs.data(), ptrs.size(),
+                             n, dst, divisor);
+  }
+  if (!why.empty()) raise_error(Err::kValue, why);
 }
 
+// ---------------------------------------------------------------------------------- Collective
 
-// Collective(who, seq, kind, itemsize, widened, count, has_op, root,
-//            node, nnodes, local_size, world, chunk_bytes, replicate_bytes)
-PyObject* collective_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
-  PyObject* who_obj = nullptr;
-  long long seq = 0, kind = 0, itemsize = 0, count = 0, root = 0, node = 0, nnodes = 0, local_size = 0, world = 0,
-            chunk_bytes = 0, replicate_bytes = 0;
-  int widened = 0, has_op = 0;
-  static const char* kw[] = {"who", "seq", "kind", "itemsize", "widened", "count", "has_op", "root", "node",
-                             "nnodes", "local_size", "world", "chunk_bytes", "replicate_bytes", nullptr};
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "ULLLpLpLLLLLLL", const_cast<char**>(kw), &who_obj, &seq, &kind,
-                                   &itemsize, &widened, &count, &has_op, &root, &node, &nnodes, &local_size, &world,
-                                   &chunk_bytes, &replicate_bytes))
-    return nullptr;
-  PyObject* module = PyType_GetModule(type);
-  if (!non_negative(module, {seq, kind, itemsize, count, root, node, nnodes, local_size, world, chunk_bytes,
-                             replicate_bytes}))
-    return nullptr;
+using Chunk3 = std::tuple<std::uint64_t, std::uint64_t, std::uint64_t>;                 // (index, start, end)
+using Chunk4 = std::tuple<std::uint32_t, std::uint64_t, std::uint64_t, std::uint64_t>;  // (shard, index, start, end)
+using CollectivePtr = std::shared_ptr<smddp::Collective>;
+
+Chunk3 chunk3(const smddp::Chunk& c) { return {c.index, c.start, c.end}; }
+Chunk4 chunk4(const smddp::Chunk& c) { return {c.shard, c.index, c.start, c.end}; }
+
+CollectivePtr collective_new(const std::string& who, long long seq, long long kind, long long itemsize, bool widened,
+                             long long count, bool has_op, long long root, long long node, long long nnodes,
+                             long long local_size, long long world, long long chunk_bytes, long long replicate_bytes) {
+  non_negative({seq, kind, itemsize, count, root, node, nnodes, local_size, world, chunk_bytes, replicate_bytes});
   for (long long v : {kind, itemsize, root, node, nnodes, local_size, world})
-    if (v > static_cast<long long>(UINT32_MAX)) return raise_protocol(module, "out of range: a field over 32 bits");
+    if (v > static_cast<long long>(UINT32_MAX)) raise_error(Err::kProtocol, "out of range: a field over 32 bits");
   smddp::Spec spec;
   spec.seq = static_cast<std::uint64_t>(seq);
   spec.kind = kind > 255 ? 0 : static_cast<std::uint8_t>(kind);
   spec.itemsize = static_cast<std::uint32_t>(itemsize);
-  spec.widened = widened != 0;
+  spec.widened = widened;
   spec.count = static_cast<std::uint64_t>(count);
-  spec.has_op = has_op != 0;
+  spec.has_op = has_op;
   spec.root = static_cast<std::uint32_t>(root);
   smddp::Topology topo;
   topo.node = static_cast<std::uint32_t>(node);
@@ -293,308 +208,71 @@ PyObject* collective_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   topo.world = static_cast<std::uint32_t>(world);
   topo.chunk_bytes = static_cast<std::uint64_t>(chunk_bytes);
   topo.replicate_bytes = static_cast<std::uint64_t>(replicate_bytes);
-  std::string who;
-  if (!text(who_obj, &who)) return nullptr;
   const std::string why = smddp::Collective::check(spec, topo);
-  if (!why.empty()) return raise_protocol(module, who + ": " + why);
-  PyObject* self = alloc_instance(type);
-  if (self == nullptr) return nullptr;
-  try {
-    reinterpret_cast<CollectiveObject*>(self)->c =
-        new std::shared_ptr<smddp::Collective>(std::make_shared<smddp::Collective>(spec, topo));
-  } catch (const std::bad_alloc&) {
-    Py_DECREF(self);
-    return PyErr_NoMemory();
-  }
-  return self;
+  if (!why.empty()) raise_error(Err::kProtocol, who + ": " + why);
+  return std::make_shared<smddp::Collective>(spec, topo);
 }
 
-
-constexpr void (*collective_dealloc)(PyObject*) = &dealloc_owner<CollectiveObject, &CollectiveObject::c>;
-
-// A Collective's step taken by (local_rank, who): the bool it answers, or ProtocolError naming why not.
-template <typename Step>
-PyObject* local_step(PyObject* self, PyObject* args, Step step) {
-  long long local = 0;
-  PyObject* who_obj = nullptr;
-  std::string who;
-  if (!PyArg_ParseTuple(args, "LU", &local, &who_obj) || !text(who_obj, &who)) return nullptr;
-  if (local < 0 || local > static_cast<long long>(UINT32_MAX)) return raise_from(self, who + " is not a local rank");
-  bool answer = false;
-  const std::string why = step(coll(self), static_cast<std::uint32_t>(local), who, &answer);
-  if (!why.empty()) return raise_from(self, why);
-  return PyBool_FromLong(answer ? 1 : 0);
+std::uint32_t local_of(long long local, const std::string& who) {
+  if (local < 0 || local > static_cast<long long>(UINT32_MAX)) raise_error(Err::kProtocol, who + " is not a local rank");
+  return static_cast<std::uint32_t>(local);
 }
 
-// submit(local_rank, who) -> whether every local rank has now submitted
-PyObject* collective_submit(PyObject* self, PyObject* args) {
-  return local_step(self, args, [](smddp::Collective& c, std::uint32_t local, const std::string& who, bool* all_in) {
-    return c.submit(local, who, all_in);
-  });
+// The sender of a data frame: from the wire, so checked before anything else.
+std::uint32_t from_node(long long from) {
+  if (from < 0 || from > static_cast<long long>(UINT32_MAX))
+    raise_error(Err::kProtocol, "out of range: node " + std::to_string(from));
+  return static_cast<std::uint32_t>(from);
 }
 
-// local_tasks() -> [(shard, index, start, end)]
-PyObject* collective_local_tasks(PyObject* self, PyObject*) {
-  std::vector<smddp::Chunk> tasks;
-  try {
-    tasks = coll(self).local_tasks();
-  } catch (const std::bad_alloc&) {
-    return PyErr_NoMemory();
-  }
-  PyObject* list = PyList_New(static_cast<Py_ssize_t>(tasks.size()));
-  for (std::size_t i = 0; list != nullptr && i < tasks.size(); i++) {
-    const smddp::Chunk& c = tasks[i];
-    PyObject* t = Py_BuildValue("(kKKK)", static_cast<unsigned long>(c.shard), static_cast<unsigned long long>(c.index),
-                                static_cast<unsigned long long>(c.start), static_cast<unsigned long long>(c.end));
-    if (t == nullptr) {
-      Py_CLEAR(list);
-      break;
-    }
-    PyList_SetItem(list, static_cast<Py_ssize_t>(i), t);
-  }
-  return list;
+void check(const std::string& why) {
+  if (!why.empty()) raise_error(Err::kProtocol, why);
 }
 
-// The (node, shard, offset, length) of a data frame: from the wire, so checked before anything else.
-bool frame_args(PyObject* self, long long from, const std::initializer_list<long long>& wire) {
-  if (from < 0 || from > static_cast<long long>(UINT32_MAX)) {
-    raise_from(self, "out of range: node " + std::to_string(from));
-    return false;
-  }
-  return non_negative(module_of(self), wire);
+// ----------------------------------------------------------------------------------- NodeState
+
+std::uint32_t index_arg(long long v, std::size_t limit, const char* what) {
+  if (v < 0 || static_cast<unsigned long long>(v) >= limit)
+    raise_error(Err::kProtocol, std::string(what) + " " + std::to_string(v) + " out of range");
+  return static_cast<std::uint32_t>(v);
 }
 
-// locate_partial(from, shard, offset, length, who, me) -> (index, start, end)
-PyObject* collective_locate_partial(PyObject* self, PyObject* args) {
-  long long from = 0, shard = 0, offset = 0, length = 0;
-  PyObject *who_obj = nullptr, *me_obj = nullptr;
-  std::string who, me;
-  if (!PyArg_ParseTuple(args, "LLLLUU", &from, &shard, &offset, &length, &who_obj, &me_obj) || !text(who_obj, &who) ||
-      !text(me_obj, &me) || !frame_args(self, from, {shard, offset, length}))
-    return nullptr;
-  smddp::Chunk c;
-  const std::string why =
-      coll(self).locate_partial(static_cast<std::uint32_t>(from), static_cast<std::uint64_t>(shard),
-                                static_cast<std::uint64_t>(offset), static_cast<std::uint64_t>(length), who, me, &c);
-  if (!why.empty()) return raise_from(self, why);
-  return chunk_tuple(c);
+std::uint32_t local_rank(const smddp::NodeState& s, long long local) {
+  return index_arg(local, s.rank_count(), "local rank");
 }
 
-// partial_arrived(index, from, who) -> whether every node's partial of that chunk is in
-PyObject* collective_partial_arrived(PyObject* self, PyObject* args) {
-  long long index = 0, from = 0;
-  PyObject* who_obj = nullptr;
-  std::string who;
-  if (!PyArg_ParseTuple(args, "LLU", &index, &from, &who_obj) || !text(who_obj, &who) ||
-      !frame_args(self, from, {index}))
-    return nullptr;
-  bool ready = false;
-  const std::string why =
-      coll(self).partial_arrived(static_cast<std::uint64_t>(index), static_cast<std::uint32_t>(from), who, &ready);
-  if (!why.empty()) return raise_from(self, why);
-  return PyBool_FromLong(ready ? 1 : 0);
+// The fingerprint arguments as a Spec.
+smddp::Spec spec_of(long long seq, long long kind, long long dtype, long long itemsize, bool widened, long long count,
+                    long long op, long long root) {
+  non_negative({seq, kind, dtype, itemsize, count, op, root});
+  if (kind > 255 || dtype > 255 || op > 255 || itemsize > static_cast<long long>(UINT32_MAX) ||
+      root > static_cast<long long>(UINT32_MAX))
+    raise_error(Err::kProtocol, "out of range: a fingerprint field");
+  smddp::Spec out;
+  out.seq = static_cast<std::uint64_t>(seq);
+  out.kind = static_cast<std::uint8_t>(kind);
+  out.dtype = static_cast<std::uint8_t>(dtype);
+  out.itemsize = static_cast<std::uint32_t>(itemsize);
+  out.widened = widened;
+  out.count = static_cast<std::uint64_t>(count);
+  out.op = static_cast<std::uint8_t>(op);
+  out.has_op = op != 0;
+  out.root = static_cast<std::uint32_t>(root);
+  return out;
 }
 
-// locate_result(from, shard, offset, length, who) -> (index, start, end), marked as arriving
-PyObject* collective_locate_result(PyObject* self, PyObject* args) {
-  long long from = 0, shard = 0, offset = 0, length = 0;
-  PyObject* who_obj = nullptr;
-  std::string who;
-  if (!PyArg_ParseTuple(args, "LLLLU", &from, &shard, &offset, &length, &who_obj) || !text(who_obj, &who) ||
-      !frame_args(self, from, {shard, offset, length}))
-    return nullptr;
-  smddp::Chunk c;
-  std::string why;
-  try {
-    why = coll(self).locate_result(static_cast<std::uint32_t>(from), static_cast<std::uint64_t>(shard),
-                                   static_cast<std::uint64_t>(offset), static_cast<std::uint64_t>(length), who, &c);
-  } catch (const std::bad_alloc&) {
-    return PyErr_NoMemory();
-  }
-  if (!why.empty()) return raise_from(self, why);
-  return chunk_tuple(c);
+void verdict(const smddp::Verdict& v) {
+  if (!v.ok()) raise_verdict(v);
 }
 
-// locate_block(from, offset, length, who) -> (index, start, end) in bytes, marked as arriving
-PyObject* collective_locate_block(PyObject* self, PyObject* args) {
-  long long from = 0, offset = 0, length = 0;
-  PyObject* who_obj = nullptr;
-  std::string who;
-  if (!PyArg_ParseTuple(args, "LLLU", &from, &offset, &length, &who_obj) || !text(who_obj, &who) ||
-      !frame_args(self, from, {offset, length}))
-    return nullptr;
-  smddp::Chunk c;
-  std::string why;
-  try {
-    why = coll(self).locate_block(static_cast<std::uint32_t>(from), static_cast<std::uint64_t>(offset),
-                                  static_cast<std::uint64_t>(length), who, &c);
-  } catch (const std::bad_alloc&) {
-    return PyErr_NoMemory();
-  }
-  if (!why.empty()) return raise_from(self, why);
-  return chunk_tuple(c);
-}
-
-// own_chunk(index) -> (shard, index, start, end) of what this node serves
-PyObject* collective_own_chunk(PyObject* self, PyObject* arg) {
-  const long long i = PyLong_AsLongLong(arg);
-  if (i == -1 && PyErr_Occurred()) return nullptr;
-  if (i < 0 || static_cast<unsigned long long>(i) >= coll(self).own_chunks())
-    return raise_from(self, "chunk " + std::to_string(i) + " is not one this node serves");
-  const smddp::Chunk c = coll(self).own_chunk(static_cast<std::uint64_t>(i));
-  return Py_BuildValue("(kKKK)", static_cast<unsigned long>(c.shard), static_cast<unsigned long long>(c.index),
-                       static_cast<unsigned long long>(c.start), static_cast<unsigned long long>(c.end));
-}
-
-PyObject* collective_chunk_completed(PyObject* self, PyObject*) {
-  return PyBool_FromLong(coll(self).chunk_completed() ? 1 : 0);
-}
-
-PyObject* collective_send_started(PyObject* self, PyObject*) {
-  coll(self).send_started();
-  Py_RETURN_NONE;
-}
-
-PyObject* collective_send_finished(PyObject* self, PyObject*) {
-  return PyBool_FromLong(coll(self).send_finished() ? 1 : 0);
-}
-
-// release(local_rank, who) -> whether the collective may now retire
-PyObject* collective_release(PyObject* self, PyObject* args) {
-  return local_step(self, args, [](smddp::Collective& c, std::uint32_t local, const std::string& who, bool* retire) {
-    return c.release(local, who, retire);
-  });
-}
-
-PyObject* collective_lacks_from(PyObject* self, PyObject* arg) {
-  const long long j = PyLong_AsLongLong(arg);
-  if (j == -1 && PyErr_Occurred()) return nullptr;
-  if (j < 0 || j > static_cast<long long>(UINT32_MAX)) return PyBool_FromLong(0);
-  return PyBool_FromLong(coll(self).lacks_from(static_cast<std::uint32_t>(j)) ? 1 : 0);
-}
-
-PyObject* collective_submitted_by(PyObject* self, PyObject* arg) {
-  const long long i = PyLong_AsLongLong(arg);
-  if (i == -1 && PyErr_Occurred()) return nullptr;
-  if (i < 0 || i > static_cast<long long>(UINT32_MAX)) return PyBool_FromLong(0);
-  return PyBool_FromLong(coll(self).submitted_by(static_cast<std::uint32_t>(i)) ? 1 : 0);
-}
-
-PyObject* collective_late_nodes(PyObject* self, PyObject*) {
-  const std::vector<std::uint32_t> late = coll(self).late_nodes();
-  PyObject* list = PyList_New(static_cast<Py_ssize_t>(late.size()));
-  for (std::size_t i = 0; list != nullptr && i < late.size(); i++) {
-    PyObject* v = PyLong_FromUnsignedLong(late[i]);
-    if (v == nullptr) {
-      Py_CLEAR(list);
-      break;
-    }
-    PyList_SetItem(list, static_cast<Py_ssize_t>(i), v);
-  }
-  return list;
-}
-
-PyObject* get_replicated(PyObject* self, void*) { return PyBool_FromLong(coll(self).replicated() ? 1 : 0); }
-PyObject* get_own_in_input(PyObject* self, void*) { return PyBool_FromLong(coll(self).own_in_input() ? 1 : 0); }
-PyObject* get_is_gather(PyObject* self, void*) { return PyBool_FromLong(coll(self).is_gather() ? 1 : 0); }
-PyObject* get_done(PyObject* self, void*) { return PyBool_FromLong(coll(self).done() ? 1 : 0); }
-PyObject* get_may_retire(PyObject* self, void*) { return PyBool_FromLong(coll(self).may_retire() ? 1 : 0); }
-PyObject* get_server_live(PyObject* self, void*) { return PyBool_FromLong(coll(self).server_live() ? 1 : 0); }
-PyObject* get_submitted(PyObject* self, void*) { return PyLong_FromUnsignedLong(coll(self).submitted()); }
-PyObject* get_server_rows(PyObject* self, void*) { return PyLong_FromUnsignedLong(coll(self).server_rows()); }
-PyObject* get_result_bytes(PyObject* self, void*) {
-  return PyLong_FromUnsignedLongLong(coll(self).result_bytes());
-}
-PyObject* get_own_range(PyObject* self, void*) {
-  const smddp::Range r = coll(self).own_range();
-  return Py_BuildValue("(KK)", static_cast<unsigned long long>(r.start), static_cast<unsigned long long>(r.end));
-}
-
-PyMethodDef kCollectiveMethods[] = {
-    {"submit", collective_submit, METH_VARARGS, "submit(local_rank, who) -> every local rank is in"},
-    {"local_tasks", collective_local_tasks, METH_NOARGS, "local_tasks() -> [(shard, index, start, end)]"},
-    {"locate_partial", collective_locate_partial, METH_VARARGS,
-     "locate_partial(from, shard, offset, length, who, me) -> (index, start, end)"},
-    {"partial_arrived", collective_partial_arrived, METH_VARARGS,
-     "partial_arrived(index, from, who) -> every node's partial of the chunk is in"},
-    {"locate_result", collective_locate_result, METH_VARARGS,
-     "locate_result(from, shard, offset, length, who) -> (index, start, end)"},
-    {"locate_block", collective_locate_block, METH_VARARGS,
-     "locate_block(from, offset, length, who) -> (index, start, end)"},
-    {"own_chunk", collective_own_chunk, METH_O, "own_chunk(index) -> (shard, index, start, end)"},
-    {"chunk_completed", collective_chunk_completed, METH_NOARGS, "chunk_completed() -> it just became done"},
-    {"send_started", collective_send_started, METH_NOARGS, "send_started()"},
-    {"send_finished", collective_send_finished, METH_NOARGS, "send_finished() -> it may now retire"},
-    {"release", collective_release, METH_VARARGS, "release(local_rank, who) -> it may now retire"},
-    {"lacks_from", collective_lacks_from, METH_O, "lacks_from(node) -> a frame from that node is still due"},
-    {"submitted_by", collective_submitted_by, METH_O, "submitted_by(local_rank) -> that rank submitted"},
-    {"late_nodes", collective_late_nodes, METH_NOARGS, "late_nodes() -> nodes whose part is missing"},
-    {nullptr, nullptr, 0, nullptr},
-};
-
-PyGetSetDef kCollectiveGetters[] = {
-    {"replicated", get_replicated, nullptr, "every node serves the whole buffer (one network step)", nullptr},
-    {"own_in_input", get_own_in_input, nullptr, "the one local input is the node partial as it is", nullptr},
-    {"is_gather", get_is_gather, nullptr, "a broadcast or all-gather", nullptr},
-    {"done", get_done, nullptr, "every chunk is complete", nullptr},
-    {"may_retire", get_may_retire, nullptr, "done, released by every local rank, every send left", nullptr},
-    {"server_live", get_server_live, nullptr, "its server rows are still in use", nullptr},
-    {"submitted", get_submitted, nullptr, "how many local ranks submitted", nullptr},
-    {"server_rows", get_server_rows, nullptr, "rows of own_range() held for every node's partial (0: none)",
-     nullptr},
-    {"result_bytes", get_result_bytes, nullptr, "bytes of the result every local rank reads", nullptr},
-    {"own_range", get_own_range, nullptr, "(start, end): the elements (or block bytes) this node serves", nullptr},
-    {nullptr, nullptr, nullptr, nullptr, nullptr},
-};
-
-PyType_Slot kCollectiveSlots[] = {
-    {Py_tp_new, reinterpret_cast<void*>(collective_new)},
-    {Py_tp_dealloc, reinterpret_cast<void*>(collective_dealloc)},
-    {Py_tp_methods, kCollectiveMethods},
-    {Py_tp_getset, kCollectiveGetters},
-    {Py_tp_doc, const_cast<char*>("One collective as a daemon sees it: the state machine without I/O "
-                                  "(smddp/engine/collective.h).")},
-    {0, nullptr},
-};
-
-PyType_Spec kCollectiveSpec = {
-    "smddp_rigs._engine_testing.Collective",
-    sizeof(CollectiveObject),
-    0,
-    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
-    kCollectiveSlots,
-};
-
-// ---------------------------------------------------------------------------------------- NodeState
-
-// A Python object holding the daemon's smddp::NodeState, which it owns alone. Methods hold the GIL
-// (the daemon calls them under its own lock); none waits.
-struct NodeStateObject {
-  PyObject_HEAD
-  smddp::NodeState* s;
-};
-
-smddp::NodeState& table(PyObject* self) { return *reinterpret_cast<NodeStateObject*>(self)->s; }
-
-
-
-// NodeState(node, nnodes, local_size, world, chunk_bytes, replicate_bytes, node_names, rank_names)
-PyObject* node_state_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
-  long long node = 0, nnodes = 0, local_size = 0, world = 0, chunk_bytes = 0, replicate_bytes = 0;
-  PyObject *node_names_obj = nullptr, *rank_names_obj = nullptr;
-  static const char* kw[] = {"node", "nnodes", "local_size", "world", "chunk_bytes", "replicate_bytes",
-                             "node_names", "rank_names", nullptr};
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "LLLLLLOO", const_cast<char**>(kw), &node, &nnodes, &local_size,
-                                   &world, &chunk_bytes, &replicate_bytes, &node_names_obj, &rank_names_obj))
-    return nullptr;
-  PyObject* module = PyType_GetModule(type);
-  if (!non_negative(module, {node, nnodes, local_size, world, chunk_bytes, replicate_bytes})) return nullptr;
+void node_state_init(smddp::NodeState* self, long long node, long long nnodes, long long local_size, long long world,
+                     long long chunk_bytes, long long replicate_bytes, std::vector<std::string> node_names,
+                     std::vector<std::string> rank_names) {
+  non_negative({node, nnodes, local_size, world, chunk_bytes, replicate_bytes});
   for (long long v : {node, nnodes, local_size, world})
-    if (v > static_cast<long long>(UINT32_MAX)) return raise_protocol(module, "out of range: a field over 32 bits");
+    if (v > static_cast<long long>(UINT32_MAX)) raise_error(Err::kProtocol, "out of range: a field over 32 bits");
   if (nnodes == 0 || local_size == 0 || node >= nnodes || world != nnodes * local_size || chunk_bytes == 0)
-    return raise_protocol(module, "an impossible job layout");
-  std::vector<std::string> node_names, rank_names;
-  if (!strings(node_names_obj, &node_names) || !strings(rank_names_obj, &rank_names)) return nullptr;
+    raise_error(Err::kProtocol, "an impossible job layout");
   smddp::Topology topo;
   topo.node = static_cast<std::uint32_t>(node);
   topo.nnodes = static_cast<std::uint32_t>(nnodes);
@@ -602,221 +280,10 @@ PyObject* node_state_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   topo.world = static_cast<std::uint32_t>(world);
   topo.chunk_bytes = static_cast<std::uint64_t>(chunk_bytes);
   topo.replicate_bytes = static_cast<std::uint64_t>(replicate_bytes);
-  PyObject* self = alloc_instance(type);
-  if (self == nullptr) return nullptr;
-  try {
-    reinterpret_cast<NodeStateObject*>(self)->s = new smddp::NodeState(topo, node_names, rank_names);
-  } catch (const std::bad_alloc&) {
-    Py_DECREF(self);
-    return PyErr_NoMemory();
-  }
-  return self;
+  new (self) smddp::NodeState(topo, std::move(node_names), std::move(rank_names));
 }
 
-constexpr void (*node_state_dealloc)(PyObject*) = &dealloc_owner<NodeStateObject, &NodeStateObject::s>;
-
-// A local rank or node index from Python, checked against the table's size.
-bool index_arg(PyObject* self, long long v, std::uint32_t limit, const char* what, std::uint32_t* out) {
-  if (v < 0 || v >= static_cast<long long>(limit)) {
-    raise_from(self, std::string(what) + " " + std::to_string(v) + " out of range");
-    return false;
-  }
-  *out = static_cast<std::uint32_t>(v);
-  return true;
-}
-
-// The fingerprint arguments (seq, kind, dtype, itemsize, widened, count, op, root) as a Spec.
-bool spec_args(PyObject* self, long long seq, long long kind, long long dtype, long long itemsize, int widened,
-               long long count, long long op, long long root, smddp::Spec* out) {
-  if (!non_negative(module_of(self), {seq, kind, dtype, itemsize, count, op, root})) return false;
-  if (kind > 255 || dtype > 255 || op > 255 || itemsize > static_cast<long long>(UINT32_MAX) ||
-      root > static_cast<long long>(UINT32_MAX)) {
-    raise_from(self, "out of range: a fingerprint field");
-    return false;
-  }
-  out->seq = static_cast<std::uint64_t>(seq);
-  out->kind = static_cast<std::uint8_t>(kind);
-  out->dtype = static_cast<std::uint8_t>(dtype);
-  out->itemsize = static_cast<std::uint32_t>(itemsize);
-  out->widened = widened != 0;
-  out->count = static_cast<std::uint64_t>(count);
-  out->op = static_cast<std::uint8_t>(op);
-  out->has_op = op != 0;
-  out->root = static_cast<std::uint32_t>(root);
-  return true;
-}
-
-std::uint32_t local_size_of(PyObject* self) { return static_cast<std::uint32_t>(table(self).rank_count()); }
-
-// name_rank(local, name)
-PyObject* node_state_name_rank(PyObject* self, PyObject* args) {
-  long long local = 0;
-  PyObject* name_obj = nullptr;
-  std::string name;
-  std::uint32_t i = 0;
-  if (!PyArg_ParseTuple(args, "LU", &local, &name_obj) || !text(name_obj, &name) ||
-      !index_arg(self, local, local_size_of(self), "local rank", &i))
-    return nullptr;
-  table(self).name_rank(i, name);
-  Py_RETURN_NONE;
-}
-
-// op_for(seq, kind, dtype, itemsize, widened, count, op, root, who) -> the new Collective, or None when
-// it existed (same fingerprint)
-PyObject* node_state_op_for(PyObject* self, PyObject* args) {
-  long long seq = 0, kind = 0, dtype = 0, itemsize = 0, count = 0, op = 0, root = 0;
-  int widened = 0;
-  PyObject* who_obj = nullptr;
-  std::string who;
-  smddp::Spec spec;
-  if (!PyArg_ParseTuple(args, "LLLLpLLLU", &seq, &kind, &dtype, &itemsize, &widened, &count, &op, &root, &who_obj) ||
-      !text(who_obj, &who) || !spec_args(self, seq, kind, dtype, itemsize, widened, count, op, root, &spec))
-    return nullptr;
-  std::shared_ptr<smddp::Collective> c;
-  bool created = false;
-  smddp::Verdict v;
-  try {
-    v = table(self).op_for(spec, who, &c, &created);
-  } catch (const std::bad_alloc&) {
-    return PyErr_NoMemory();
-  }
-  if (!v.ok()) return raise_verdict(self, v);
-  if (!created) Py_RETURN_NONE;
-  return wrap_collective(module_of(self), c);
-}
-
-// submit(local, seq, kind, dtype, itemsize, widened, count, op, root) -> (new Collective or None, all_in)
-PyObject* node_state_submit(PyObject* self, PyObject* args) {
-  long long local = 0, seq = 0, kind = 0, dtype = 0, itemsize = 0, count = 0, op = 0, root = 0;
-  int widened = 0;
-  std::uint32_t i = 0;
-  smddp::Spec spec;
-  if (!PyArg_ParseTuple(args, "LLLLLpLLL", &local, &seq, &kind, &dtype, &itemsize, &widened, &count, &op, &root) ||
-      !index_arg(self, local, local_size_of(self), "local rank", &i) ||
-      !spec_args(self, seq, kind, dtype, itemsize, widened, count, op, root, &spec))
-    return nullptr;
-  std::shared_ptr<smddp::Collective> c;
-  bool created = false, all_in = false;
-  smddp::Verdict v;
-  try {
-    v = table(self).submit(i, spec, &c, &created, &all_in);
-  } catch (const std::bad_alloc&) {
-    return PyErr_NoMemory();
-  }
-  if (!v.ok()) return raise_verdict(self, v);
-  PyObject* fresh = created ? wrap_collective(module_of(self), c) : Py_NewRef(Py_None);
-  if (fresh == nullptr) return nullptr;
-  return Py_BuildValue("(NO)", fresh, all_in ? Py_True : Py_False);
-}
-
-// release(local, seq) -> whether it left the table
-PyObject* node_state_release(PyObject* self, PyObject* args) {
-  long long local = 0, seq = 0;
-  std::uint32_t i = 0;
-  if (!PyArg_ParseTuple(args, "LL", &local, &seq) || !index_arg(self, local, local_size_of(self), "local rank", &i) ||
-      !non_negative(module_of(self), {seq}))
-    return nullptr;
-  bool retire = false;
-  const smddp::Verdict v = table(self).release(i, static_cast<std::uint64_t>(seq), &retire);
-  if (!v.ok()) return raise_verdict(self, v);
-  return PyBool_FromLong(retire ? 1 : 0);
-}
-
-// send_finished(seq) -> whether it left the table
-PyObject* node_state_send_finished(PyObject* self, PyObject* arg) {
-  const long long seq = PyLong_AsLongLong(arg);
-  if (seq == -1 && PyErr_Occurred()) return nullptr;
-  if (seq < 0) return PyBool_FromLong(0);
-  return PyBool_FromLong(table(self).send_finished(static_cast<std::uint64_t>(seq)) ? 1 : 0);
-}
-
-// rank_said_bye(local): raises when a collective still needed it
-PyObject* node_state_rank_said_bye(PyObject* self, PyObject* arg) {
-  const long long local = PyLong_AsLongLong(arg);
-  std::uint32_t i = 0;
-  if ((local == -1 && PyErr_Occurred()) || !index_arg(self, local, local_size_of(self), "local rank", &i))
-    return nullptr;
-  const smddp::Verdict v = table(self).rank_said_bye(i);
-  if (!v.ok()) return raise_verdict(self, v);
-  Py_RETURN_NONE;
-}
-
-// peer_said_bye(node): raises when a collective still waited for it
-PyObject* node_state_peer_said_bye(PyObject* self, PyObject* arg) {
-  const long long j = PyLong_AsLongLong(arg);
-  if ((j == -1 && PyErr_Occurred()) || !non_negative(module_of(self), {j})) return nullptr;
-  if (j > static_cast<long long>(UINT32_MAX)) return raise_from(self, "node out of range");
-  const smddp::Verdict v = table(self).peer_said_bye(static_cast<std::uint32_t>(j));
-  if (!v.ok()) return raise_verdict(self, v);
-  Py_RETURN_NONE;
-}
-
-// rank_left_early(local, joined, reason) -> whether it was recorded; raises when a collective waits
-PyObject* node_state_rank_left_early(PyObject* self, PyObject* args) {
-  long long local = 0;
-  int joined = 0;
-  PyObject* reason_obj = nullptr;
-  std::string reason;
-  std::uint32_t i = 0;
-  if (!PyArg_ParseTuple(args, "LpU", &local, &joined, &reason_obj) || !text(reason_obj, &reason) ||
-      !index_arg(self, local, local_size_of(self), "local rank", &i))
-    return nullptr;
-  bool recorded = false;
-  const smddp::Verdict v = table(self).rank_left_early(i, joined != 0, reason, &recorded);
-  if (!v.ok()) return raise_verdict(self, v);
-  return PyBool_FromLong(recorded ? 1 : 0);
-}
-
-PyObject* node_state_all_ranks_gone(PyObject* self, PyObject*) {
-  return PyBool_FromLong(table(self).all_ranks_gone() ? 1 : 0);
-}
-
-PyObject* node_state_left_early(PyObject* self, PyObject* arg) {
-  const long long local = PyLong_AsLongLong(arg);
-  std::uint32_t i = 0;
-  if ((local == -1 && PyErr_Occurred()) || !index_arg(self, local, local_size_of(self), "local rank", &i))
-    return nullptr;
-  return PyBool_FromLong(table(self).left_early(i) ? 1 : 0);
-}
-
-Py_ssize_t node_state_len(PyObject* self) { return static_cast<Py_ssize_t>(table(self).size()); }
-
-PyMethodDef kNodeStateMethods[] = {
-    {"name_rank", node_state_name_rank, METH_VARARGS, "name_rank(local, name): how the rank is named from now on"},
-    {"op_for", node_state_op_for, METH_VARARGS,
-     "op_for(seq, kind, dtype, itemsize, widened, count, op, root, who) -> new Collective, or None if it existed"},
-    {"submit", node_state_submit, METH_VARARGS,
-     "submit(local, seq, kind, dtype, itemsize, widened, count, op, root) -> (new Collective or None, all_in)"},
-    {"release", node_state_release, METH_VARARGS, "release(local, seq) -> it left the table"},
-    {"send_finished", node_state_send_finished, METH_O, "send_finished(seq) -> it left the table"},
-    {"rank_said_bye", node_state_rank_said_bye, METH_O, "rank_said_bye(local): raises if a collective needed it"},
-    {"peer_said_bye", node_state_peer_said_bye, METH_O, "peer_said_bye(node): raises if a collective waited for it"},
-    {"rank_left_early", node_state_rank_left_early, METH_VARARGS,
-     "rank_left_early(local, joined, reason) -> recorded; raises if a collective waits for it"},
-    {"all_ranks_gone", node_state_all_ranks_gone, METH_NOARGS, "every local rank said BYE or left early"},
-    {"left_early", node_state_left_early, METH_O, "left_early(local) -> its process ended without joining"},
-    {nullptr, nullptr, 0, nullptr},
-};
-
-PyType_Slot kNodeStateSlots[] = {
-    {Py_tp_new, reinterpret_cast<void*>(node_state_new)},
-    {Py_tp_dealloc, reinterpret_cast<void*>(node_state_dealloc)},
-    {Py_tp_methods, kNodeStateMethods},
-    {Py_sq_length, reinterpret_cast<void*>(node_state_len)},
-    {Py_tp_doc, const_cast<char*>("The daemon's collectives in flight and the job-wide rules around them "
-                                  "(smddp/engine/node_state.h).")},
-    {0, nullptr},
-};
-
-PyType_Spec kNodeStateSpec = {
-    "smddp_rigs._engine_testing.NodeState",
-    sizeof(NodeStateObject),
-    0,
-    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
-    kNodeStateSlots,
-};
-
-// ---------------------------------------------------------------------------------- DaemonChannel
+// -------------------------------------------------------------------------------- DaemonChannel
 
 // The daemon's end of a worker's channel (the plane holds the same two views and side socket for
 // each worker): what a stand-in daemon uses to read a real client's descriptors and answer them.
@@ -837,53 +304,35 @@ struct DaemonEnd {
   std::map<std::uint32_t, std::shared_ptr<smddp::Segment>> inputs;  // ATTACHed (under pop_mu)
 };
 
-struct DaemonChannelObject {
-  PyObject_HEAD
-  DaemonEnd* end;
-};
-
-DaemonEnd& end_of(PyObject* self) { return *reinterpret_cast<DaemonChannelObject*>(self)->end; }
-
-// DaemonChannel(fd, size, side): the channel segment a worker passed with CHANNEL (its fd, attached
-// read-write here) and the side socket's end that came with it (both taken over: closed on failure too)
-PyObject* daemon_channel_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
-  int fd = -1, side = -1;
-  long long size = 0;
-  static const char* kw[] = {"fd", "size", "side", nullptr};
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iLi", const_cast<char**>(kw), &fd, &size, &side)) return nullptr;
+// The channel segment a worker passed with CHANNEL (its fd, attached read-write here) and the side
+// socket's end that came with it: both taken over (closed on failure too).
+void daemon_channel_init(DaemonEnd* self, int fd, long long size, int side) {
   if (side < 0 || fd < 0 || size < static_cast<long long>(smddp::channel_bytes())) {
     if (fd >= 0) ::close(fd);
     if (side >= 0) ::close(side);
-    PyErr_Format(PyExc_ValueError, "DaemonChannel: two fds and a channel of at least %zu bytes", smddp::channel_bytes());
-    return nullptr;
+    raise_error(Err::kValue,
+                "DaemonChannel: two fds and a channel of at least " + std::to_string(smddp::channel_bytes()) + " bytes");
   }
   std::string why;
   std::shared_ptr<smddp::Segment> seg = smddp::Segment::attach(0, fd, static_cast<std::uint64_t>(size), true, &why);
-  PyObject* self = seg ? alloc_instance(type) : nullptr;
-  if (self == nullptr) {
+  if (!seg) {
     ::close(side);
-    return seg ? nullptr : raise_protocol(PyType_GetModule(type), "the channel: " + why);
+    raise_error(Err::kProtocol, "the channel: " + why);
   }
-  reinterpret_cast<DaemonChannelObject*>(self)->end = new DaemonEnd(std::move(seg), side);
-  return self;
+  new (self) DaemonEnd(std::move(seg), side);
 }
 
-constexpr void (*daemon_channel_dealloc)(PyObject*) = &dealloc_owner<DaemonChannelObject, &DaemonChannelObject::end>;
-
-// pop(timeout_s) -> the next 56-byte header of the submit ring, or None; an ATTACH is taken in
-// here (its fd off the side socket, the segment kept), as the plane does, and not returned
-PyObject* daemon_channel_pop(PyObject* self, PyObject* arg) {
-  const double timeout = PyFloat_AsDouble(arg);
-  if (timeout == -1.0 && PyErr_Occurred()) return nullptr;
+// The next 56-byte header of the submit ring, or None; an ATTACH is taken in here (its fd off the
+// side socket, the segment kept), as the plane does, and not returned.
+std::optional<nb::bytes> daemon_channel_pop(DaemonEnd& end, double timeout_s) {
   std::uint8_t slot[smddp::kSlotBytes];
   smddp::RingWait r;
   std::string why;
-  Py_BEGIN_ALLOW_THREADS
   {
-    DaemonEnd& end = end_of(self);
+    nb::gil_scoped_release unlocked;
     std::lock_guard<std::mutex> g(end.pop_mu);
     for (;;) {
-      r = end.submit.pop(slot, static_cast<std::int64_t>(timeout * 1e9), 0);
+      r = end.submit.pop(slot, static_cast<std::int64_t>(timeout_s * 1e9), 0);
       if (r == smddp::RingWait::kCorrupt) why = "the worker broke its submit ring: " + end.submit.why();
       smddp::Header h;
       if (r != smddp::RingWait::kReady || !smddp::decode_header(slot, smddp::kHeaderSize, &h).empty() ||
@@ -901,52 +350,36 @@ PyObject* daemon_channel_pop(PyObject* self, PyObject* arg) {
       end.inputs[h.shard] = std::move(seg);
     }
   }
-  Py_END_ALLOW_THREADS
-  if (r == smddp::RingWait::kTimeout) Py_RETURN_NONE;
-  if (r == smddp::RingWait::kCorrupt) return raise_from(self, why);
-  return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(slot), static_cast<Py_ssize_t>(smddp::kHeaderSize));
+  if (r == smddp::RingWait::kTimeout) return std::nullopt;
+  if (r == smddp::RingWait::kCorrupt) raise_error(Err::kProtocol, why);
+  return nb::bytes(reinterpret_cast<const char*>(slot), smddp::kHeaderSize);
 }
 
-// push(header, timeout_s): onto the done ring; TimeoutError when it stayed full
-PyObject* daemon_channel_push(PyObject* self, PyObject* args) {
-  Py_buffer view;
-  double timeout = 0;
-  if (!PyArg_ParseTuple(args, "y*d", &view, &timeout)) return nullptr;
-  if (view.len != static_cast<Py_ssize_t>(smddp::kHeaderSize)) {
-    PyBuffer_Release(&view);
-    PyErr_SetString(PyExc_ValueError, "a descriptor is one 56-byte header");
-    return nullptr;
-  }
+// Onto the done ring; TimeoutError when it stayed full.
+void daemon_channel_push(DaemonEnd& end, nb::handle header, double timeout_s) {
   std::uint8_t frame[smddp::kHeaderSize];
-  std::memcpy(frame, view.buf, smddp::kHeaderSize);
-  PyBuffer_Release(&view);
+  {
+    ReadView v(header);
+    if (v.size() != smddp::kHeaderSize) raise_error(Err::kValue, "a descriptor is one 56-byte header");
+    std::memcpy(frame, v.data(), smddp::kHeaderSize);
+  }
   smddp::RingWait r;
   std::string why;
-  Py_BEGIN_ALLOW_THREADS
   {
-    std::lock_guard<std::mutex> g(end_of(self).push_mu);
-    r = end_of(self).done.push(frame, smddp::kHeaderSize, static_cast<std::int64_t>(timeout * 1e9), 0);
-    if (r == smddp::RingWait::kCorrupt) why = end_of(self).done.why();
+    nb::gil_scoped_release unlocked;
+    std::lock_guard<std::mutex> g(end.push_mu);
+    r = end.done.push(frame, smddp::kHeaderSize, static_cast<std::int64_t>(timeout_s * 1e9), 0);
+    if (r == smddp::RingWait::kCorrupt) why = end.done.why();
   }
-  Py_END_ALLOW_THREADS
-  if (r == smddp::RingWait::kTimeout) {
-    PyErr_SetString(PyExc_TimeoutError, "the worker left its done ring full");
-    return nullptr;
-  }
-  if (r == smddp::RingWait::kCorrupt) return raise_from(self, "the worker broke its done ring: " + why);
-  Py_RETURN_NONE;
+  if (r == smddp::RingWait::kTimeout) raise_error(Err::kTimeout, "the worker left its done ring full");
+  if (r == smddp::RingWait::kCorrupt) raise_error(Err::kProtocol, "the worker broke its done ring: " + why);
 }
 
-// send_segment(fd, id, size, node, timeout_s): a result segment's fd (not taken over) on the side
-// socket, then its SEGMENT
-PyObject* daemon_channel_send_segment(PyObject* self, PyObject* args) {
-  int fd = -1;
-  long long id = 0, size = 0, node = 0;
-  double timeout = 0;
-  if (!PyArg_ParseTuple(args, "iLLLd", &fd, &id, &size, &node, &timeout) ||
-      !non_negative(module_of(self), {id, size, node}))
-    return nullptr;
-  if (id > static_cast<long long>(UINT32_MAX)) return raise_from(self, "a segment id out of range");
+// A result segment's fd (not taken over) on the side socket, then its SEGMENT.
+void daemon_channel_send_segment(DaemonEnd& end, int fd, long long id, long long size, long long node,
+                                 double timeout_s) {
+  non_negative({id, size, node});
+  if (id > static_cast<long long>(UINT32_MAX)) raise_error(Err::kProtocol, "a segment id out of range");
   smddp::Header h;
   h.type = smddp::Msg::kSegment;
   h.sender = static_cast<std::uint32_t>(node);
@@ -955,108 +388,245 @@ PyObject* daemon_channel_send_segment(PyObject* self, PyObject* args) {
   std::uint8_t frame[smddp::kHeaderSize];
   std::string why = smddp::encode_header(h, frame);
   smddp::RingWait r = smddp::RingWait::kCorrupt;
-  Py_BEGIN_ALLOW_THREADS
   {
-    DaemonEnd& end = end_of(self);
+    nb::gil_scoped_release unlocked;
     std::lock_guard<std::mutex> g(end.push_mu);
     bool gone = false;
-    if (why.empty()) why = smddp::send_fd(end.side, static_cast<std::uint32_t>(id), static_cast<std::uint64_t>(size), fd, &gone);
+    if (why.empty())
+      why = smddp::send_fd(end.side, static_cast<std::uint32_t>(id), static_cast<std::uint64_t>(size), fd, &gone);
     if (why.empty()) {
-      r = end.done.push(frame, smddp::kHeaderSize, static_cast<std::int64_t>(timeout * 1e9), 0);
+      r = end.done.push(frame, smddp::kHeaderSize, static_cast<std::int64_t>(timeout_s * 1e9), 0);
       if (r == smddp::RingWait::kCorrupt) why = "the worker broke its done ring: " + end.done.why();
     }
   }
-  Py_END_ALLOW_THREADS
-  if (r == smddp::RingWait::kTimeout) {
-    PyErr_SetString(PyExc_TimeoutError, "the worker left its done ring full");
-    return nullptr;
-  }
-  if (r != smddp::RingWait::kReady) return raise_from(self, why);
-  Py_RETURN_NONE;
+  if (r == smddp::RingWait::kTimeout) raise_error(Err::kTimeout, "the worker left its done ring full");
+  if (r != smddp::RingWait::kReady) raise_error(Err::kProtocol, why);
 }
-
-PyMethodDef kDaemonChannelMethods[] = {
-    {"pop", daemon_channel_pop, METH_O,
-     "pop(timeout_s) -> the next header of the submit ring (ATTACHes taken in on the way), or None"},
-    {"send_segment", daemon_channel_send_segment, METH_VARARGS,
-     "send_segment(fd, id, size, node, timeout_s): the fd on the side socket, then SEGMENT on the done ring"},
-    {"push", daemon_channel_push, METH_VARARGS, "push(header, timeout_s): onto the done ring"},
-    {nullptr, nullptr, 0, nullptr},
-};
-
-PyType_Slot kDaemonChannelSlots[] = {
-    {Py_tp_new, reinterpret_cast<void*>(daemon_channel_new)},
-    {Py_tp_dealloc, reinterpret_cast<void*>(daemon_channel_dealloc)},
-    {Py_tp_methods, kDaemonChannelMethods},
-    {Py_tp_doc, const_cast<char*>("The daemon's end of a worker's rings, for a stand-in daemon (smddp/engine/ring.h).")},
-    {0, nullptr},
-};
-
-PyType_Spec kDaemonChannelSpec = {
-    "smddp_rigs._engine_testing.DaemonChannel",
-    sizeof(DaemonChannelObject),
-    0,
-    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
-    kDaemonChannelSlots,
-};
-
-PyMethodDef kMethods[] = {
-    {"locate_reduce", py_locate_reduce, METH_VARARGS,
-     "locate_reduce(count, itemsize, nshards, chunk_elems, shard, byte_offset, byte_length) -> (index, start, end)"},
-    {"reduce16", py_reduce16, METH_VARARGS,
-     "reduce16(kind, op, inputs, out, divisor[, portable]) -> block indices (NaN) left for the caller"},
-    {"reduce", py_reduce, METH_VARARGS,
-     "reduce(dtype, op, inputs, out, divisor) -> None: the daemon's kernel, any wire dtype"},
-    {"shard_range", py_shard_range, METH_VARARGS, "shard_range(count, nshards, shard) -> (start, end)"},
-    {"locate_block", py_locate_block, METH_VARARGS,
-     "locate_block(start, end, chunk_bytes, byte_offset, byte_length) -> index"},
-    {nullptr, nullptr, 0, nullptr},
-};
-
-int exec_module(PyObject* module) {
-  if (load_errors(module) != 0) return -1;
-  ModuleState* st = state(module);
-  if (add_type(module, &kCollectiveSpec, "Collective", &st->collective_type) != 0 ||
-      add_type(module, &kNodeStateSpec, "NodeState", &st->node_state_type) != 0 ||
-      add_type(module, &kDaemonChannelSpec, "DaemonChannel", &st->daemon_channel_type) != 0)
-    return -1;
-  if (PyModule_AddIntConstant(module, "HEADER_SIZE", static_cast<long>(smddp::kHeaderSize)) != 0) return -1;
-  if (PyModule_AddIntConstant(module, "BLOCK", static_cast<long>(smddp::kReduceBlock)) != 0) return -1;
-  return 0;
-}
-
-int traverse(PyObject* module, visitproc visit, void* arg) {
-  if (int r = visit_errors(module, visit, arg)) return r;
-  Py_VISIT(state(module)->collective_type);
-  Py_VISIT(state(module)->node_state_type);
-  Py_VISIT(state(module)->daemon_channel_type);
-  return 0;
-}
-
-int clear(PyObject* module) {
-  clear_errors(module);
-  Py_CLEAR(state(module)->collective_type);
-  Py_CLEAR(state(module)->node_state_type);
-  Py_CLEAR(state(module)->daemon_channel_type);
-  return 0;
-}
-
-void free_module(void* module) { clear(static_cast<PyObject*>(module)); }
-
-PyModuleDef_Slot kSlots[] = {{Py_mod_exec, reinterpret_cast<void*>(exec_module)}, {0, nullptr}};
-
-PyModuleDef kModule = {
-    PyModuleDef_HEAD_INIT,
-    "smddp_rigs._engine_testing",
-    "The engine's parts as tests and rigs call them (never in smddp's wheel).",
-    sizeof(ModuleState),
-    kMethods,
-    kSlots,
-    traverse,
-    clear,
-    free_module,
-};
 
 }  // namespace
 
-PyMODINIT_FUNC PyInit__engine_testing() { return PyModuleDef_Init(&kModule); }
+NB_MODULE(_engine_testing, m) {
+  m.doc() = "The engine's parts as tests and rigs call them (never in smddp's wheel).";
+  load_errors();
+  nb::set_leak_warnings(false);  // (as smddp._engine: what lives at exit goes with the process)
+
+  m.attr("HEADER_SIZE") = smddp::kHeaderSize;
+  m.attr("BLOCK") = smddp::kReduceBlock;
+  m.def("shard_range", &shard_range, "count"_a, "nshards"_a, "shard"_a,
+        "(start, end): shard `shard` of `count` elements cut in `nshards` balanced shards.");
+  m.def("locate_reduce", &locate_reduce, "count"_a, "itemsize"_a, "nshards"_a, "chunk_elems"_a, "shard"_a,
+        "byte_offset"_a, "byte_length"_a, "(index, start, end) of the chunk a frame of a reduction carries.");
+  m.def("locate_block", &locate_block, "start"_a, "end"_a, "chunk_bytes"_a, "byte_offset"_a, "byte_length"_a,
+        "The index of the block a frame of a gather carries.");
+  m.def("reduce16", &reduce16, "kind"_a, "op"_a, "inputs"_a, "out"_a, "divisor"_a, "portable"_a = false,
+        nb::sig("def reduce16(kind: int, op: int, inputs: collections.abc.Sequence[typing.Any], out: typing.Any, "
+                "divisor: float, portable: bool = False) -> list[int]"),
+        "The 16-bit block kernel alone: the block indices (NaN) left for the caller.");
+  m.def("reduce", &reduce, "dtype"_a, "op"_a, "inputs"_a, "out"_a, "divisor"_a,
+        nb::sig("def reduce(dtype: int, op: int, inputs: collections.abc.Sequence[typing.Any], out: typing.Any, "
+                "divisor: int) -> None"),
+        "The daemon's kernel, any wire dtype.");
+
+  nb::class_<smddp::Collective>(m, "Collective",
+                                "One collective as a daemon sees it: the state machine without I/O "
+                                "(smddp/engine/collective.h).")
+      .def(nb::new_(&collective_new), "who"_a, "seq"_a, "kind"_a, "itemsize"_a, "widened"_a, "count"_a, "has_op"_a,
+           "root"_a, "node"_a, "nnodes"_a, "local_size"_a, "world"_a, "chunk_bytes"_a, "replicate_bytes"_a)
+      .def_prop_ro("replicated", &smddp::Collective::replicated, "every node serves the whole buffer (one network step)")
+      .def_prop_ro("own_in_input", &smddp::Collective::own_in_input, "the one local input is the node partial as it is")
+      .def_prop_ro("is_gather", &smddp::Collective::is_gather, "a broadcast or all-gather")
+      .def_prop_ro("done", &smddp::Collective::done, "every chunk is complete")
+      .def_prop_ro("may_retire", &smddp::Collective::may_retire, "done, released by every local rank, every send left")
+      .def_prop_ro("server_live", &smddp::Collective::server_live, "its server rows are still in use")
+      .def_prop_ro("submitted", &smddp::Collective::submitted, "how many local ranks submitted")
+      .def_prop_ro("server_rows", &smddp::Collective::server_rows,
+                   "rows of own_range() held for every node's partial (0: none)")
+      .def_prop_ro("result_bytes", &smddp::Collective::result_bytes, "bytes of the result every local rank reads")
+      .def_prop_ro(
+          "own_range",
+          [](const smddp::Collective& c) {
+            const smddp::Range r = c.own_range();
+            return std::make_pair(r.start, r.end);
+          },
+          "(start, end): the elements (or block bytes) this node serves")
+      .def(
+          "submit",
+          [](smddp::Collective& c, long long local_rank, const std::string& who) {
+            bool all_in = false;
+            check(c.submit(local_of(local_rank, who), who, &all_in));
+            return all_in;
+          },
+          "local_rank"_a, "who"_a, "Whether every local rank is in now.")
+      .def(
+          "local_tasks",
+          [](const smddp::Collective& c) {
+            std::vector<Chunk4> out;
+            for (const smddp::Chunk& t : c.local_tasks()) out.push_back(chunk4(t));
+            return out;
+          },
+          "[(shard, index, start, end)]: the chunks the local ranks' inputs reduce to.")
+      .def(
+          "own_chunk",
+          [](const smddp::Collective& c, long long index) {
+            if (index < 0 || static_cast<unsigned long long>(index) >= c.own_chunks())
+              raise_error(Err::kProtocol, "chunk " + std::to_string(index) + " is not one this node serves");
+            return chunk4(c.own_chunk(static_cast<std::uint64_t>(index)));
+          },
+          "index"_a, "(shard, index, start, end) of a chunk this node serves.")
+      .def(
+          "locate_partial",
+          [](const smddp::Collective& c, long long node, long long shard, long long offset, long long length,
+             const std::string& who, const std::string& me) {
+            const std::uint32_t from = from_node(node);
+            non_negative({shard, offset, length});
+            smddp::Chunk out;
+            check(c.locate_partial(from, static_cast<std::uint64_t>(shard), static_cast<std::uint64_t>(offset),
+                                   static_cast<std::uint64_t>(length), who, me, &out));
+            return chunk3(out);
+          },
+          "node"_a, "shard"_a, "offset"_a, "length"_a, "who"_a, "me"_a,
+          "(index, start, end) of the chunk a PARTIAL from `node` carries.")
+      .def(
+          "partial_arrived",
+          [](smddp::Collective& c, long long index, long long node, const std::string& who) {
+            const std::uint32_t from = from_node(node);
+            non_negative({index});
+            bool ready = false;
+            check(c.partial_arrived(static_cast<std::uint64_t>(index), from, who, &ready));
+            return ready;
+          },
+          "index"_a, "node"_a, "who"_a, "Whether every node's partial of the chunk is in.")
+      .def(
+          "locate_result",
+          [](smddp::Collective& c, long long node, long long shard, long long offset, long long length,
+             const std::string& who) {
+            const std::uint32_t from = from_node(node);
+            non_negative({shard, offset, length});
+            smddp::Chunk out;
+            check(c.locate_result(from, static_cast<std::uint64_t>(shard), static_cast<std::uint64_t>(offset),
+                                  static_cast<std::uint64_t>(length), who, &out));
+            return chunk3(out);
+          },
+          "node"_a, "shard"_a, "offset"_a, "length"_a, "who"_a, "(index, start, end), marked as arriving.")
+      .def(
+          "locate_block",
+          [](smddp::Collective& c, long long node, long long offset, long long length, const std::string& who) {
+            const std::uint32_t from = from_node(node);
+            non_negative({offset, length});
+            smddp::Chunk out;
+            check(c.locate_block(from, static_cast<std::uint64_t>(offset), static_cast<std::uint64_t>(length), who,
+                                 &out));
+            return chunk3(out);
+          },
+          "node"_a, "offset"_a, "length"_a, "who"_a, "(index, start, end) in bytes, marked as arriving.")
+      .def("chunk_completed", &smddp::Collective::chunk_completed, "Whether it just became done.")
+      .def("send_started", &smddp::Collective::send_started)
+      .def("send_finished", &smddp::Collective::send_finished, "Whether it may now retire.")
+      .def(
+          "release",
+          [](smddp::Collective& c, long long local_rank, const std::string& who) {
+            bool retire = false;
+            check(c.release(local_of(local_rank, who), who, &retire));
+            return retire;
+          },
+          "local_rank"_a, "who"_a, "Whether it may now retire.")
+      .def(
+          "lacks_from",
+          [](const smddp::Collective& c, long long node) {
+            return node >= 0 && node <= static_cast<long long>(UINT32_MAX) &&
+                   c.lacks_from(static_cast<std::uint32_t>(node));
+          },
+          "node"_a, "Whether a frame from that node is still due.")
+      .def(
+          "submitted_by",
+          [](const smddp::Collective& c, long long local_rank) {
+            return local_rank >= 0 && local_rank <= static_cast<long long>(UINT32_MAX) &&
+                   c.submitted_by(static_cast<std::uint32_t>(local_rank));
+          },
+          "local_rank"_a, "Whether that rank submitted.")
+      .def("late_nodes", &smddp::Collective::late_nodes, "The nodes whose part is missing.");
+
+  nb::class_<smddp::NodeState>(m, "NodeState",
+                               "The daemon's collectives in flight and the job-wide rules around them "
+                               "(smddp/engine/node_state.h). Verdicts raise smddp.errors: ProtocolError, "
+                               "CollectiveMismatchError or PeerLostError.")
+      .def("__init__", &node_state_init, "node"_a, "nnodes"_a, "local_size"_a, "world"_a, "chunk_bytes"_a,
+           "replicate_bytes"_a, "node_names"_a, "rank_names"_a)
+      .def("__len__", &smddp::NodeState::size)
+      .def(
+          "name_rank",
+          [](smddp::NodeState& s, long long local, const std::string& name) { s.name_rank(local_rank(s, local), name); },
+          "local"_a, "name"_a, "How the rank is named from now on.")
+      .def(
+          "op_for",
+          [](smddp::NodeState& s, long long seq, long long kind, long long dtype, long long itemsize, bool widened,
+             long long count, long long op, long long root, const std::string& who) -> CollectivePtr {
+            const smddp::Spec spec = spec_of(seq, kind, dtype, itemsize, widened, count, op, root);
+            CollectivePtr c;
+            bool created = false;
+            verdict(s.op_for(spec, who, &c, &created));
+            return created ? c : nullptr;
+          },
+          "seq"_a, "kind"_a, "dtype"_a, "itemsize"_a, "widened"_a, "count"_a, "op"_a, "root"_a, "who"_a,
+          "The new Collective, or None when it existed (with the same fingerprint).")
+      .def(
+          "submit",
+          [](smddp::NodeState& s, long long local, long long seq, long long kind, long long dtype, long long itemsize,
+             bool widened, long long count, long long op, long long root) {
+            const std::uint32_t i = local_rank(s, local);
+            const smddp::Spec spec = spec_of(seq, kind, dtype, itemsize, widened, count, op, root);
+            CollectivePtr c;
+            bool created = false, all_in = false;
+            verdict(s.submit(i, spec, &c, &created, &all_in));
+            return std::make_pair(created ? c : nullptr, all_in);
+          },
+          "local"_a, "seq"_a, "kind"_a, "dtype"_a, "itemsize"_a, "widened"_a, "count"_a, "op"_a, "root"_a,
+          "(the new Collective or None, whether every local rank is in).")
+      .def(
+          "release",
+          [](smddp::NodeState& s, long long local, long long seq) {
+            const std::uint32_t i = local_rank(s, local);
+            non_negative({seq});
+            bool retire = false;
+            verdict(s.release(i, static_cast<std::uint64_t>(seq), &retire));
+            return retire;
+          },
+          "local"_a, "seq"_a, "Whether it left the table.")
+      .def(
+          "send_finished",
+          [](smddp::NodeState& s, long long seq) { return seq >= 0 && s.send_finished(static_cast<std::uint64_t>(seq)); },
+          "seq"_a, "Whether it left the table.")
+      .def(
+          "rank_said_bye", [](smddp::NodeState& s, long long local) { verdict(s.rank_said_bye(local_rank(s, local))); },
+          "local"_a, "Raises when a collective still needed it.")
+      .def(
+          "peer_said_bye",
+          [](smddp::NodeState& s, long long node) {
+            non_negative({node});
+            if (node > static_cast<long long>(UINT32_MAX)) raise_error(Err::kProtocol, "node out of range");
+            verdict(s.peer_said_bye(static_cast<std::uint32_t>(node)));
+          },
+          "node"_a, "Raises when a collective still waited for it.")
+      .def(
+          "rank_left_early",
+          [](smddp::NodeState& s, long long local, bool joined, const std::string& reason) {
+            bool recorded = false;
+            verdict(s.rank_left_early(local_rank(s, local), joined, reason, &recorded));
+            return recorded;
+          },
+          "local"_a, "joined"_a, "reason"_a, "Whether it was recorded; raises when a collective waits for it.")
+      .def("all_ranks_gone", &smddp::NodeState::all_ranks_gone, "Every local rank said BYE or left early.")
+      .def(
+          "left_early", [](smddp::NodeState& s, long long local) { return s.left_early(local_rank(s, local)); },
+          "local"_a, "Whether its process ended without joining.");
+
+  nb::class_<DaemonEnd>(m, "DaemonChannel",
+                        "The daemon's end of a worker's rings, for a stand-in daemon (smddp/engine/ring.h).")
+      .def("__init__", &daemon_channel_init, "fd"_a, "size"_a, "side"_a)
+      .def("pop", &daemon_channel_pop, "timeout_s"_a,
+           "The next header of the submit ring (ATTACHes taken in on the way), or None.")
+      .def("push", &daemon_channel_push, "header"_a, "timeout_s"_a, nb::sig("def push(self, header: bytes, timeout_s: float) -> None"),
+           "Onto the done ring.")
+      .def("send_segment", &daemon_channel_send_segment, "fd"_a, "id"_a, "size"_a, "node"_a, "timeout_s"_a,
+           "The fd on the side socket, then SEGMENT on the done ring.");
+}

@@ -59,7 +59,10 @@ cxx=(g++ -std=c++17 -O1 -g -fno-omit-frame-pointer -fPIC -pthread -I"$include" -
 "${cxx[@]}" -Wall -Wextra -Wshadow -Werror -Ismddp/engine -c smddp/engine/module.cc -o "$out/$san-module.o"
 "${cxx[@]}" -fno-strict-aliasing -c "$nb_src/nb_combined.cpp" -o "$out/$san-nanobind.o"
 "${cxx[@]}" -shared "${core[@]}" "$out/$san-module.o" "$out/$san-nanobind.o" -o "$pkg/smddp/_engine$suffix"
-export PYTHONPATH=$pkg LD_PRELOAD=$runtime
+# libstdc++ preloaded with the runtime: the bindings throw C++ exceptions (nanobind's errors), and the
+# sanitizer's __cxa_throw interceptor finds the real one only in a library loaded when it starts (the
+# interpreter itself does not link libstdc++; without it the first throw fails the sanitizer's CHECK).
+export PYTHONPATH=$pkg LD_PRELOAD="$runtime $(g++ -print-file-name=libstdc++.so)"
 # Outside the checkout, so that its own smddp/ is not the one imported.
 (cd / && "$py" -c 'import smddp._engine as e, sys; sys.exit(0 if e.__file__.startswith(sys.argv[1]) else "not the sanitized engine: " + e.__file__)' "$pkg")
 exec "$py" -m pytest -q -p no:cacheprovider "$@"

@@ -248,13 +248,13 @@ def test_refused_collectives(kw, why):
 def test_negative_and_oversized_values_are_refused():
     with pytest.raises(ProtocolError):
         make(Kind.ALLREDUCE, -1)
-    with pytest.raises(OverflowError):
+    with pytest.raises(TypeError):  # beyond 64 bits: no binding takes it (nanobind names the types it takes)
         make(Kind.ALLREDUCE, 2**64)
     sm = make(Kind.ALLREDUCE, 10 * CHUNK)
     for args in [(-1, 0, 0, 4), (1, 0, -4, 4), (1, 0, 0, -4), (2**32, 0, 0, 4)]:
         with pytest.raises(ProtocolError):
             sm.locate_partial(*args, "node 1", "node 0")
-    with pytest.raises(OverflowError):
+    with pytest.raises(TypeError):  # beyond 64 bits: no binding takes it (nanobind names the types it takes)
         sm.locate_result(1, 1, 2**64, 4, "node 1")
 
 
