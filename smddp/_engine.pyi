@@ -32,6 +32,8 @@ class Slot:
     def segment(self) -> int:
         """its segment's id"""
 
+    __match_args__: tuple = ('segment', 'offset', 'nbytes')
+
     @property
     def offset(self) -> int:
         """its offset in that segment"""
@@ -46,14 +48,14 @@ class Slot:
 
     def __repr__(self) -> str: ...
 
-    __match_args__: tuple = ('segment', 'offset', 'nbytes')
-
 class Allocated:
     """A slot an arena gave (Arena.alloc, WorkerChannel.alloc)."""
 
     @property
     def segment(self) -> int:
         """its segment's id"""
+
+    __match_args__: tuple = ('segment', 'offset', 'fresh')
 
     @property
     def offset(self) -> int:
@@ -63,14 +65,14 @@ class Allocated:
     def fresh(self) -> Segment:
         """the segment made for it, or None"""
 
-    __match_args__: tuple = ('segment', 'offset', 'fresh')
-
 class PeerFrame:
     """A control frame from a peer daemon (next_event)."""
 
     @property
     def node(self) -> int:
         """the peer node that sent it"""
+
+    __match_args__: tuple = ('node', 'type', 'seq', 'aux', 'payload')
 
     @property
     def type(self) -> int:
@@ -88,8 +90,6 @@ class PeerFrame:
     def payload(self) -> bytes:
         """its payload, whole"""
 
-    __match_args__: tuple = ('node', 'type', 'seq', 'aux', 'payload')
-
 class PlaneFailure:
     """The plane's own failure, with its fault (next_event)."""
 
@@ -99,11 +99,11 @@ class PlaneFailure:
         what failed: 'protocol', 'mismatch' or 'peer_lost' (the smddp.errors class to raise)
         """
 
+    __match_args__: tuple = ('fault', 'why')
+
     @property
     def why(self) -> str:
         """the message every rank prints"""
-
-    __match_args__: tuple = ('fault', 'why')
 
 class PeerCounters:
     """One peer daemon's link as the plane counts it (peer_counters)."""
@@ -111,6 +111,8 @@ class PeerCounters:
     @property
     def node(self) -> int:
         """the peer node"""
+
+    __match_args__: tuple = ('node', 'up', 'bytes_in', 'bytes_out', 'queued')
 
     @property
     def up(self) -> bool:
@@ -128,14 +130,14 @@ class PeerCounters:
     def queued(self) -> int:
         """frames queued to it that have not left yet"""
 
-    __match_args__: tuple = ('node', 'up', 'bytes_in', 'bytes_out', 'queued')
-
 class Waiting:
     """A collective in flight and not done (waiting)."""
 
     @property
     def seq(self) -> int:
         """the collective's sequence number"""
+
+    __match_args__: tuple = ('seq', 'age_s', 'what', 'late', 'late_nodes')
 
     @property
     def age_s(self) -> float:
@@ -153,8 +155,6 @@ class Waiting:
     def late_nodes(self) -> list[int]:
         """the peer nodes whose part has not come"""
 
-    __match_args__: tuple = ('seq', 'age_s', 'what', 'late', 'late_nodes')
-
 class Completion:
     """
     Collectives completed here, summed by kind, dtype, size class and latency bucket (take_completions).
@@ -163,6 +163,8 @@ class Completion:
     @property
     def kind(self) -> int:
         """the collectives' kind (wire code)"""
+
+    __match_args__: tuple = ...
 
     @property
     def dtype(self) -> int:
@@ -188,14 +190,14 @@ class Completion:
     def seconds(self) -> float:
         """their latencies (first sight here to DONE), summed"""
 
-    __match_args__: tuple = ...
-
 class Trace:
     """A retired collective's phases (take_traces)."""
 
     @property
     def seq(self) -> int:
         """the collective's sequence number"""
+
+    __match_args__: tuple = ('seq', 'what', 'phases')
 
     @property
     def what(self) -> str:
@@ -205,14 +207,14 @@ class Trace:
     def phases(self) -> list[tuple[str, float, float]]:
         """[(phase name, start, end)] in wall-clock seconds"""
 
-    __match_args__: tuple = ('seq', 'what', 'phases')
-
 class PlaneCounters:
     """The plane's running totals (counters)."""
 
     @property
     def collectives(self) -> int:
         """collectives completed"""
+
+    __match_args__: tuple = ...
 
     @property
     def reduced_bytes(self) -> int:
@@ -222,14 +224,14 @@ class PlaneCounters:
     def reduce_seconds(self) -> float:
         """seconds the reductions took"""
 
-    __match_args__: tuple = ...
-
 class WorkerTrace:
     """A fast collective's phases on its worker (WorkerChannel.take_traces)."""
 
     @property
     def seq(self) -> int:
         """the collective's sequence number"""
+
+    __match_args__: tuple = ...
 
     @property
     def kind(self) -> int:
@@ -259,8 +261,6 @@ class WorkerTrace:
     def copied(self) -> float:
         """when its result was copied out"""
 
-    __match_args__: tuple = ...
-
 class Completed:
     """A collected collective the engine completed in a pop()."""
 
@@ -268,11 +268,11 @@ class Completed:
     def seq(self) -> int:
         """its sequence number"""
 
+    __match_args__: tuple = ('seq', 'at')
+
     @property
     def at(self) -> Slot | None:
         """a held (device) one's result: where it lies; None for a host one"""
-
-    __match_args__: tuple = ('seq', 'at')
 
 class Unmatched:
     """A DONE pop() had nobody for: the general way's, or the daemon's fault."""
@@ -302,6 +302,8 @@ class Ran:
     def end(self) -> RunEnd:
         """how it ended"""
 
+    __match_args__: tuple = ('end', 'seq', 'slot')
+
     @property
     def seq(self) -> int:
         """PARKED: its sequence number (0 otherwise)"""
@@ -309,8 +311,6 @@ class Ran:
     @property
     def slot(self) -> Slot | None:
         """PARKED: its input slot (None otherwise)"""
-
-    __match_args__: tuple = ('end', 'seq', 'slot')
 
 RAN_DONE: Ran = ...
 

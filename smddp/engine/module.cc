@@ -402,14 +402,14 @@ std::uint32_t node_arg(long long v) { return u32(v, Err::kValue, "node out of ra
 void plane_add_worker(Plane& p, long long local, long long rank, const std::string& name, nb::handle channel_obj,
                       int side) {
   if (side < 0) raise_error(Err::kValue, "add_worker: side is an fd");
-  SegmentPtr channel;
-  if (!nb::try_cast(channel_obj, channel)) channel = nullptr;
-  if (local < 0 || local > static_cast<long long>(UINT32_MAX) || rank < 0 || !channel) {
+  auto refuse = [side](Err err, const char* why) {
     ::close(side);
-    if (rank < 0) raise_error(Err::kProtocol, "out of range: a negative offset, length, shard or size");
-    if (!channel) raise_error(Err::kType, "expected an smddp._engine.Segment");
-    raise_error(Err::kValue, "local rank out of range");
-  }
+    raise_error(err, why);
+  };
+  if (local < 0 || local > static_cast<long long>(UINT32_MAX)) refuse(Err::kValue, "local rank out of range");
+  if (rank < 0) refuse(Err::kProtocol, "out of range: a negative offset, length, shard or size");
+  SegmentPtr channel;
+  if (!nb::try_cast(channel_obj, channel) || !channel) refuse(Err::kType, "expected an smddp._engine.Segment");
   std::string why;
   try {
     why = p.plane->add_worker(static_cast<std::uint32_t>(local), static_cast<std::uint32_t>(rank), name,
@@ -1032,6 +1032,8 @@ nb::handle g_ran_closed;
 // adopt(seq)). start() and finish() on one thread, the GIL released once. The rest as bind() gave it.
 nb::object channel_run(Channel& c, long long kind, nb::handle buf, long long count, long long dtype, long long op,
                        double timeout_s) {
+  // (the arena, not handle_type: unbind() lets go of what leads back to the client, and a blocking
+  // call needs none of that)
   if (!c.arena.is_valid()) raise_error(Err::kRuntime, "run: the channel is not bound (bind)");
   const std::int64_t wait_ns = timeout_ns(timeout_s, c.timeout_ns);
   smddp::Header h = submit_fields(kind, c.rank, count, dtype, op, 0);
@@ -1174,13 +1176,33 @@ std::vector<std::string> ofi_providers(const std::string& library) {
   return names;
 }
 
-// `cls.__match_args__`: `match` takes a record's fields by position, in this order.
+// A record's class: each field declared once, read-only, in order; its __match_args__ (what `match`
+// takes by position) are those fields as declared.
 template <typename T>
-void match_args(nb::class_<T>& cls, std::initializer_list<const char*> names) {
-  nb::list l;
-  for (const char* n : names) l.append(n);
-  cls.attr("__match_args__") = nb::steal(PySequence_Tuple(l.ptr()));
-}
+class Record {
+ public:
+  Record(nb::handle scope, const char* name, const char* doc) : cls_(scope, name, doc) {}
+  template <typename M>
+  Record& field(const char* name, M T::*member, const char* doc) {
+    cls_.def_ro(name, member, doc);
+    return named(name);
+  }
+  template <typename Get>
+  Record& prop(const char* name, Get&& get, const char* doc) {
+    cls_.def_prop_ro(name, std::forward<Get>(get), doc);
+    return named(name);
+  }
+  nb::class_<T>& cls() { return cls_; }
+
+ private:
+  Record& named(const char* name) {
+    names_.append(name);
+    cls_.attr("__match_args__") = nb::steal(PySequence_Tuple(names_.ptr()));
+    return *this;
+  }
+  nb::class_<T> cls_;
+  nb::list names_;
+};
 
 }  // namespace
 
@@ -1208,147 +1230,126 @@ NB_MODULE(_engine, m) {
   m.attr("MAX_IN_FLIGHT") = smddp::kMaxInFlight;
 
   // Records.
-  auto slot_cls = nb::class_<SlotRec>(m, "Slot", "Where a slot lies: nbytes at offset of segment segment.")
-                      .def(
-                          "__init__",
-                          [](SlotRec* self, long long segment, long long offset, long long nbytes) {
-                            new (self) SlotRec{u32(segment, Err::kValue, "a slot's segment is a u32"),
-                                               u64(offset, Err::kValue, "a slot's offset is non-negative"),
-                                               u64(nbytes, Err::kValue, "a slot's nbytes is non-negative")};
-                          },
-                          "segment"_a, "offset"_a, "nbytes"_a)
-                      .def_ro("segment", &SlotRec::segment, "its segment's id")
-                      .def_ro("offset", &SlotRec::offset, "its offset in that segment")
-                      .def_ro("nbytes", &SlotRec::nbytes, "its length")
-                      .def(
-                          "__eq__",
-                          [](const SlotRec& a, nb::handle other) {
-                            SlotRec* b = nullptr;
-                            return nb::try_cast(other, b) && b != nullptr && a.segment == b->segment &&
-                                   a.offset == b->offset && a.nbytes == b->nbytes;
-                          },
-                          nb::sig("def __eq__(self, other: object, /) -> bool"))
-                      .def("__hash__",
-                           [](const SlotRec& s) {
-                             return std::hash<std::uint64_t>()(s.offset * 1000003u + s.nbytes * 31u + s.segment);
-                           })
-                      .def("__repr__", [](const SlotRec& s) {
-                        return "Slot(segment=" + std::to_string(s.segment) + ", offset=" + std::to_string(s.offset) +
-                               ", nbytes=" + std::to_string(s.nbytes) + ")";
-                      });
-  match_args(slot_cls, {"segment", "offset", "nbytes"});
+  Record<SlotRec> slot_rec(m, "Slot", "Where a slot lies: nbytes at offset of segment segment.");
+  slot_rec.field("segment", &SlotRec::segment, "its segment's id")
+      .field("offset", &SlotRec::offset, "its offset in that segment")
+      .field("nbytes", &SlotRec::nbytes, "its length");
+  slot_rec.cls()
+      .def(
+          "__init__",
+          [](SlotRec* self, long long segment, long long offset, long long nbytes) {
+            new (self) SlotRec{u32(segment, Err::kValue, "a slot's segment is a u32"),
+                               u64(offset, Err::kValue, "a slot's offset is non-negative"),
+                               u64(nbytes, Err::kValue, "a slot's nbytes is non-negative")};
+          },
+          "segment"_a, "offset"_a, "nbytes"_a)
+      .def(
+          "__eq__",
+          [](const SlotRec& a, nb::handle other) {
+            SlotRec* b = nullptr;
+            return nb::try_cast(other, b) && b != nullptr && a.segment == b->segment && a.offset == b->offset &&
+                   a.nbytes == b->nbytes;
+          },
+          nb::sig("def __eq__(self, other: object, /) -> bool"))
+      .def("__hash__",
+           [](const SlotRec& s) { return std::hash<std::uint64_t>()(s.offset * 1000003u + s.nbytes * 31u + s.segment); })
+      .def("__repr__", [](const SlotRec& s) {
+        return "Slot(segment=" + std::to_string(s.segment) + ", offset=" + std::to_string(s.offset) +
+               ", nbytes=" + std::to_string(s.nbytes) + ")";
+      });
 
-  auto allocated = nb::class_<Allocated>(m, "Allocated", "A slot an arena gave (Arena.alloc, WorkerChannel.alloc).")
-                       .def_ro("segment", &Allocated::segment, "its segment's id")
-                       .def_ro("offset", &Allocated::offset, "its offset in that segment")
-                       .def_ro("fresh", &Allocated::fresh, "the segment made for it, or None");
-  match_args(allocated, {"segment", "offset", "fresh"});
+  Record<Allocated>(m, "Allocated", "A slot an arena gave (Arena.alloc, WorkerChannel.alloc).")
+      .field("segment", &Allocated::segment, "its segment's id")
+      .field("offset", &Allocated::offset, "its offset in that segment")
+      .field("fresh", &Allocated::fresh, "the segment made for it, or None");
 
-  auto peer_frame = nb::class_<PeerFrame>(m, "PeerFrame", "A control frame from a peer daemon (next_event).")
-                        .def_ro("node", &PeerFrame::node, "the peer node that sent it")
-                        .def_ro("type", &PeerFrame::type, "its message type (the wire code: STATUS, REPORT, ERROR or BYE)")
-                        .def_ro("seq", &PeerFrame::seq, "its header's seq")
-                        .def_ro("aux", &PeerFrame::aux, "its header's aux")
-                        .def_prop_ro(
-                            "payload", [](const PeerFrame& f) { return nb::bytes(f.payload.data(), f.payload.size()); },
-                            "its payload, whole");
-  match_args(peer_frame, {"node", "type", "seq", "aux", "payload"});
+  Record<PeerFrame>(m, "PeerFrame", "A control frame from a peer daemon (next_event).")
+      .field("node", &PeerFrame::node, "the peer node that sent it")
+      .field("type", &PeerFrame::type, "its message type (the wire code: STATUS, REPORT, ERROR or BYE)")
+      .field("seq", &PeerFrame::seq, "its header's seq")
+      .field("aux", &PeerFrame::aux, "its header's aux")
+      .prop(
+          "payload", [](const PeerFrame& f) { return nb::bytes(f.payload.data(), f.payload.size()); },
+          "its payload, whole");
 
-  auto failure =
-      nb::class_<PlaneFailure>(m, "PlaneFailure", "The plane's own failure, with its fault (next_event).")
-          .def_ro("fault", &PlaneFailure::fault,
-                  "what failed: 'protocol', 'mismatch' or 'peer_lost' (the smddp.errors class to raise)")
-          .def_ro("why", &PlaneFailure::why, "the message every rank prints");
-  match_args(failure, {"fault", "why"});
+  Record<PlaneFailure>(m, "PlaneFailure", "The plane's own failure, with its fault (next_event).")
+      .field("fault", &PlaneFailure::fault,
+             "what failed: 'protocol', 'mismatch' or 'peer_lost' (the smddp.errors class to raise)")
+      .field("why", &PlaneFailure::why, "the message every rank prints");
 
-  auto peer_counters =
-      nb::class_<smddp::PeerCounters>(m, "PeerCounters", "One peer daemon's link as the plane counts it (peer_counters).")
-          .def_ro("node", &smddp::PeerCounters::node, "the peer node")
-          .def_ro("up", &smddp::PeerCounters::up, "its link is handed over and not down")
-          .def_ro("bytes_in", &smddp::PeerCounters::bytes_in, "data frames' bytes received from it, headers included")
-          .def_ro("bytes_out", &smddp::PeerCounters::bytes_out, "data frames' bytes sent to it, headers included")
-          .def_ro("queued", &smddp::PeerCounters::queued, "frames queued to it that have not left yet");
-  match_args(peer_counters, {"node", "up", "bytes_in", "bytes_out", "queued"});
+  Record<smddp::PeerCounters>(m, "PeerCounters", "One peer daemon's link as the plane counts it (peer_counters).")
+      .field("node", &smddp::PeerCounters::node, "the peer node")
+      .field("up", &smddp::PeerCounters::up, "its link is handed over and not down")
+      .field("bytes_in", &smddp::PeerCounters::bytes_in, "data frames' bytes received from it, headers included")
+      .field("bytes_out", &smddp::PeerCounters::bytes_out, "data frames' bytes sent to it, headers included")
+      .field("queued", &smddp::PeerCounters::queued, "frames queued to it that have not left yet");
 
   using Waiting = smddp::LocalPlane::Waiting;
-  auto waiting = nb::class_<Waiting>(m, "Waiting", "A collective in flight and not done (waiting).")
-                     .def_ro("seq", &Waiting::seq, "the collective's sequence number")
-                     .def_ro("age_s", &Waiting::age_s, "seconds since this daemon first saw it")
-                     .def_ro("what", &Waiting::what, "its fingerprint as messages spell it")
-                     .def_ro("late", &Waiting::late, "the local ranks that have not submitted it")
-                     .def_ro("late_nodes", &Waiting::late_nodes, "the peer nodes whose part has not come");
-  match_args(waiting, {"seq", "age_s", "what", "late", "late_nodes"});
+  Record<Waiting>(m, "Waiting", "A collective in flight and not done (waiting).")
+      .field("seq", &Waiting::seq, "the collective's sequence number")
+      .field("age_s", &Waiting::age_s, "seconds since this daemon first saw it")
+      .field("what", &Waiting::what, "its fingerprint as messages spell it")
+      .field("late", &Waiting::late, "the local ranks that have not submitted it")
+      .field("late_nodes", &Waiting::late_nodes, "the peer nodes whose part has not come");
 
-  auto completion =
-      nb::class_<smddp::Completion>(
-          m, "Completion",
-          "Collectives completed here, summed by kind, dtype, size class and latency bucket (take_completions).")
-          .def_ro("kind", &smddp::Completion::kind, "the collectives' kind (wire code)")
-          .def_ro("dtype", &smddp::Completion::dtype, "their dtype (wire code)")
-          .def_ro("size_class", &smddp::Completion::size_class,
-                  "their size class: an index into PlaneConfig.size_limits (its length: larger than all)")
-          .def_ro("bucket", &smddp::Completion::bucket,
-                  "their latency bucket: an index into PlaneConfig.latency_buckets (its length: slower than all)")
-          .def_ro("completed", &smddp::Completion::count, "how many completed")
-          .def_ro("seconds", &smddp::Completion::seconds, "their latencies (first sight here to DONE), summed");
-  match_args(completion, {"kind", "dtype", "size_class", "bucket", "completed", "seconds"});
+  Record<smddp::Completion>(
+      m, "Completion",
+      "Collectives completed here, summed by kind, dtype, size class and latency bucket (take_completions).")
+      .field("kind", &smddp::Completion::kind, "the collectives' kind (wire code)")
+      .field("dtype", &smddp::Completion::dtype, "their dtype (wire code)")
+      .field("size_class", &smddp::Completion::size_class,
+             "their size class: an index into PlaneConfig.size_limits (its length: larger than all)")
+      .field("bucket", &smddp::Completion::bucket,
+             "their latency bucket: an index into PlaneConfig.latency_buckets (its length: slower than all)")
+      .field("completed", &smddp::Completion::count, "how many completed")
+      .field("seconds", &smddp::Completion::seconds, "their latencies (first sight here to DONE), summed");
 
-  auto trace = nb::class_<smddp::Trace>(m, "Trace", "A retired collective's phases (take_traces).")
-                   .def_ro("seq", &smddp::Trace::seq, "the collective's sequence number")
-                   .def_ro("what", &smddp::Trace::what, "its fingerprint as messages spell it")
-                   .def_prop_ro(
-                       "phases",
-                       [](const smddp::Trace& t) {
-                         std::vector<std::tuple<std::string, double, double>> out;
-                         out.reserve(t.phases.size());
-                         for (const auto& [phase, span] : t.phases)
-                           out.emplace_back(smddp::phase_name(phase), span.first, span.second);
-                         return out;
-                       },
-                       "[(phase name, start, end)] in wall-clock seconds");
-  match_args(trace, {"seq", "what", "phases"});
+  Record<smddp::Trace>(m, "Trace", "A retired collective's phases (take_traces).")
+      .field("seq", &smddp::Trace::seq, "the collective's sequence number")
+      .field("what", &smddp::Trace::what, "its fingerprint as messages spell it")
+      .prop(
+          "phases",
+          [](const smddp::Trace& t) {
+            std::vector<std::tuple<std::string, double, double>> out;
+            out.reserve(t.phases.size());
+            for (const auto& [phase, span] : t.phases) out.emplace_back(smddp::phase_name(phase), span.first, span.second);
+            return out;
+          },
+          "[(phase name, start, end)] in wall-clock seconds");
 
-  auto plane_counters =
-      nb::class_<smddp::PlaneCounters>(m, "PlaneCounters", "The plane's running totals (counters).")
-          .def_ro("collectives", &smddp::PlaneCounters::collectives, "collectives completed")
-          .def_ro("reduced_bytes", &smddp::PlaneCounters::reduced_bytes, "input bytes the reductions read")
-          .def_ro("reduce_seconds", &smddp::PlaneCounters::reduce_seconds, "seconds the reductions took");
-  match_args(plane_counters, {"collectives", "reduced_bytes", "reduce_seconds"});
+  Record<smddp::PlaneCounters>(m, "PlaneCounters", "The plane's running totals (counters).")
+      .field("collectives", &smddp::PlaneCounters::collectives, "collectives completed")
+      .field("reduced_bytes", &smddp::PlaneCounters::reduced_bytes, "input bytes the reductions read")
+      .field("reduce_seconds", &smddp::PlaneCounters::reduce_seconds, "seconds the reductions took");
 
-  auto worker_trace =
-      nb::class_<smddp::ChannelTrace>(m, "WorkerTrace", "A fast collective's phases on its worker (WorkerChannel.take_traces).")
-          .def_ro("seq", &smddp::ChannelTrace::seq, "the collective's sequence number")
-          .def_ro("kind", &smddp::ChannelTrace::kind, "its kind (wire code)")
-          .def_ro("dtype", &smddp::ChannelTrace::dtype, "its dtype (wire code)")
-          .def_ro("elements", &smddp::ChannelTrace::count, "its SUBMIT's count")
-          .def_ro("start", &smddp::ChannelTrace::start, "when its start began (wall-clock seconds): the copy in")
-          .def_ro("submitted", &smddp::ChannelTrace::submitted, "when its SUBMIT was on the ring")
-          .def_ro("done", &smddp::ChannelTrace::done, "when its DONE was taken up")
-          .def_ro("copied", &smddp::ChannelTrace::copied, "when its result was copied out");
-  match_args(worker_trace, {"seq", "kind", "dtype", "elements", "start", "submitted", "done", "copied"});
+  Record<smddp::ChannelTrace>(m, "WorkerTrace", "A fast collective's phases on its worker (WorkerChannel.take_traces).")
+      .field("seq", &smddp::ChannelTrace::seq, "the collective's sequence number")
+      .field("kind", &smddp::ChannelTrace::kind, "its kind (wire code)")
+      .field("dtype", &smddp::ChannelTrace::dtype, "its dtype (wire code)")
+      .field("elements", &smddp::ChannelTrace::count, "its SUBMIT's count")
+      .field("start", &smddp::ChannelTrace::start, "when its start began (wall-clock seconds): the copy in")
+      .field("submitted", &smddp::ChannelTrace::submitted, "when its SUBMIT was on the ring")
+      .field("done", &smddp::ChannelTrace::done, "when its DONE was taken up")
+      .field("copied", &smddp::ChannelTrace::copied, "when its result was copied out");
 
-  auto completed = nb::class_<Completed>(m, "Completed", "A collected collective the engine completed in a pop().")
-                       .def_ro("seq", &Completed::seq, "its sequence number")
-                       .def_ro("at", &Completed::at, "a held (device) one's result: where it lies; None for a host one");
-  match_args(completed, {"seq", "at"});
+  Record<Completed>(m, "Completed", "A collected collective the engine completed in a pop().")
+      .field("seq", &Completed::seq, "its sequence number")
+      .field("at", &Completed::at, "a held (device) one's result: where it lies; None for a host one");
 
-  auto unmatched =
-      nb::class_<Unmatched>(m, "Unmatched", "A DONE pop() had nobody for: the general way's, or the daemon's fault.")
-          .def_prop_ro(
-              "header", [](const Unmatched& u) { return nb::bytes(u.header.data(), u.header.size()); },
-              "its 56-byte header");
-  match_args(unmatched, {"header"});
+  Record<Unmatched>(m, "Unmatched", "A DONE pop() had nobody for: the general way's, or the daemon's fault.")
+      .prop(
+          "header", [](const Unmatched& u) { return nb::bytes(u.header.data(), u.header.size()); },
+          "its 56-byte header");
 
   nb::enum_<RunEnd>(m, "RunEnd", "How WorkerChannel.run() ended.")
       .value("DONE", RunEnd::kDone, "complete: its result is in place")
       .value("CLOSED", RunEnd::kClosed, "nothing done: starts are closed (shutting down); go the general way")
       .value("PARKED", RunEnd::kParked, "not complete in time: parked (resume, or adopt)");
 
-  auto ran = nb::class_<Ran>(m, "Ran", "What WorkerChannel.run() did.")
-                 .def_ro("end", &Ran::end, "how it ended")
-                 .def_ro("seq", &Ran::seq, "PARKED: its sequence number (0 otherwise)")
-                 .def_ro("slot", &Ran::slot, "PARKED: its input slot (None otherwise)");
-  match_args(ran, {"end", "seq", "slot"});
+  Record<Ran>(m, "Ran", "What WorkerChannel.run() did.")
+      .field("end", &Ran::end, "how it ended")
+      .field("seq", &Ran::seq, "PARKED: its sequence number (0 otherwise)")
+      .field("slot", &Ran::slot, "PARKED: its input slot (None otherwise)");
   m.attr("RAN_DONE") = nb::cast(Ran{RunEnd::kDone, 0, std::nullopt});
   m.attr("RAN_CLOSED") = nb::cast(Ran{RunEnd::kClosed, 0, std::nullopt});
   g_ran_done = m.attr("RAN_DONE");
