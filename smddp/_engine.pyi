@@ -2,6 +2,7 @@ import enum
 from typing import Any, TypeVar
 
 import smddp.daemon.config
+import smddp.proto.dtypes
 
 
 def decode_header(data: bytes | bytearray | memoryview) -> tuple[int, int, int, int, int, int, int, int, int, int, int, int]:
@@ -473,12 +474,12 @@ class Started:
         """its sequence number"""
 
     @property
-    def kind(self) -> Any:
-        """its kind, as begin() was given it"""
+    def kind(self) -> smddp.proto.dtypes.Kind:
+        """its kind (smddp.proto.dtypes.Kind)"""
 
     @property
-    def dtype(self) -> Any:
-        """its dtype, as begin() was given it"""
+    def dtype(self) -> smddp.proto.dtypes.DType:
+        """its dtype (smddp.proto.dtypes.DType)"""
 
     @property
     def count(self) -> int:
@@ -537,6 +538,11 @@ class WorkerChannel:
     def begin(self, kind: int, src: Any, count: int, dtype: int, op: int, root: int, dst: Any, src_offset: int, result_bytes: int, owner: Any, result: Any, keepalive: Any) -> Any:
         """
         A record of bind()'s handle_type, or None (starts are closed): an asynchronous fast collective's slot, copy-in and SUBMIT under the next seq.
+        """
+
+    def begin_allreduce(self, src: Any, dtype: int, count: int, op: int, result: Any, keep: Any, /) -> Any:
+        """
+        begin() of an all-reduce in place, in one piece: a record of bind()'s handle_type, or None.
         """
 
     def live(self) -> list:

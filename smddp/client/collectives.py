@@ -237,7 +237,7 @@ def _allreduce_array_async(c: Client, buf: np.ndarray, rop: ReduceOp) -> Handle 
     if dt is None:
         return None
     flat = buf if buf.ndim == 1 else buf.reshape(-1)
-    return c.start_async(Kind.ALLREDUCE, flat, dt, buf.size, rop, 0, flat, 0, flat.nbytes, None, buf, None)
+    return c.start_allreduce(flat, dt, buf.size, rop, buf, flat)
 
 
 def allreduce_async_at(
@@ -249,9 +249,7 @@ def allreduce_async_at(
     completes the collective, back to it (the engine keeps `owner` alive until then). The caller
     checked `count` (non-zero), `dtype` and that it goes whole (`whole`), as allreduce_now's callers
     do."""
-    return c.start_async(
-        Kind.ALLREDUCE, addr, dtype, count, rop, 0, addr, 0, count * dtype.itemsize, owner, result, owner
-    )
+    return c.start_allreduce(addr, dtype, count, rop, result, owner)
 
 
 def _parts_result(pv: PartsView) -> tuple[np.ndarray, np.ndarray]:

@@ -1007,6 +1007,25 @@ class Client:
             )  # fmt: skip
         except (TimeoutError, ProtocolError) as e:
             raise self._engine_failed(e) from None
+        return self._started(handle)
+
+    def start_allreduce(
+        self, src: np.ndarray | int, dtype: DType, count: int, op: ReduceOp, result: Any, keep: Any
+    ) -> EngineHandle:
+        """start_async of an all-reduce in place and in one piece, the one every training step starts:
+        `src` (1-D, C-contiguous, writable; or the address of `count` elements of `dtype`, whose
+        owner `keep` is) takes its result back; `keep` keeps that memory in place while the engine
+        may still copy into it. The engine's shortest start (WorkerChannel.begin_allreduce)."""
+        if self._closed or self._failure is not None:
+            self._check_open()
+        try:
+            handle: EngineHandle | None = self._channel.begin_allreduce(src, dtype, count, op, result, keep)
+        except (TimeoutError, ProtocolError) as e:
+            raise self._engine_failed(e) from None
+        return self._started(handle)
+
+    def _started(self, handle: EngineHandle | None) -> EngineHandle:
+        """What begin() or begin_allreduce() made, as start_async returns it."""
         if handle is None:  # starts closed: shut down meanwhile (or failed: _check_open says which)
             self._check_open()
             raise NotInitializedError("smddp has been shut down")

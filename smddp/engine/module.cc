@@ -753,8 +753,6 @@ struct Started {
   nb::object ctx;        // the channel's bind() ctx: the handle's client
   nb::object result;     // what wait() returns
   nb::object keepalive;  // dropped once finished
-  nb::object kind;       // as the caller gave them (smddp's enums)
-  nb::object dtype;
   smddp::Header submit;  // as pushed: seq, kind, dtype, count, sender (finish checks its DONE against it)
   smddp::Slot slot{smddp::kNoSegment, 0, 0};  // its input slot (kNoSegment: none)
   smddp::Delivery out;
@@ -787,8 +785,6 @@ int started_traverse(PyObject* self, visitproc visit, void* arg) {
   Py_VISIT(s->ctx.ptr());
   Py_VISIT(s->result.ptr());
   Py_VISIT(s->keepalive.ptr());
-  Py_VISIT(s->kind.ptr());
-  Py_VISIT(s->dtype.ptr());
   return 0;
 }
 
@@ -802,6 +798,12 @@ int started_clear(PyObject* self) {
   s->result.reset();
   s->keepalive.reset();
   return 0;
+}
+
+// smddp's enum (smddp.proto.dtypes `name`) of a record's wire code, for its kind and dtype: the
+// record keeps the codes its SUBMIT carries, and the enum is made only when asked (error messages).
+nb::object spec_enum(const char* name, std::uint8_t code) {
+  return nb::module_::import_("smddp.proto.dtypes").attr(name)(code);
 }
 
 PyType_Slot kStartedSlots[] = {
@@ -943,8 +945,7 @@ void started_complete(Started& s, bool failed) {
 // (shutdown waits for it; should that insert fail, for want of memory, the collective still runs:
 // only shutdown would not know it). Nothing here can fail.
 void fill_record(nb::handle channel_obj, Channel& c, nb::handle record, Started& s, const smddp::Header& h,
-                 const smddp::Slot& slot, const smddp::Delivery& out, nb::handle kind, nb::handle dtype,
-                 nb::handle result, nb::handle keepalive) {
+                 const smddp::Slot& slot, const smddp::Delivery& out, nb::handle result, nb::handle keepalive) {
   s.channel_obj = nb::borrow(channel_obj);
   s.channel = &c;
   s.arena_obj = c.arena;
@@ -952,8 +953,6 @@ void fill_record(nb::handle channel_obj, Channel& c, nb::handle record, Started&
   s.ctx = c.ctx;
   s.result = nb::borrow(result);
   s.keepalive = nb::borrow(keepalive);
-  s.kind = nb::borrow(kind);
-  s.dtype = nb::borrow(dtype);
   s.submit = h;
   s.slot = slot;
   s.out = out;
@@ -990,23 +989,14 @@ void channel_bind(Channel& c, nb::handle arena, long long rank, long long batch_
   c.spin_ns = spin_ns(spin_us);
 }
 
-// A record of bind()'s class, or None (held: starts are closed, shutting down): a slot of the bound
-// arena for `src` (Sources; none when it is empty), ATTACHed if new, `src` copied in and the SUBMIT
-// pushed under the channel's next sequence number (WorkerChannel::start, asynchronous); its result
-// goes to `dst` (delivery_arg) once something waits for it or collects it, and its wait returns
-// `result`. Nothing starts when the destination lies outside the result (ProtocolError).
-// TimeoutError when the ring stayed full, OSError when the arena cannot grow.
-nb::object channel_begin(ChannelSelf self, nb::handle kind, nb::handle src, long long count, nb::handle dtype,
-                         long long op, long long root, nb::handle dst, long long src_offset, long long result_bytes,
-                         nb::handle owner, nb::handle result, nb::handle keepalive) {
+// What begin() and begin_allreduce() share once their SUBMIT `h`, sources and delivery are known: a
+// record of bind()'s class, made before anything is pushed (once pushed, nothing may fail), the
+// collective started (WorkerChannel::start, asynchronous), and the record filled in; None when
+// starts are closed.
+nb::object start_record(ChannelSelf self, smddp::Header& h, const Sources& sources, const smddp::Delivery& out,
+                        nb::object keep, nb::handle result, nb::handle keepalive) {
   Channel& c = *self.p;
-  c.require_bound("begin");
-  const long long kind_v = integer(kind, "kind"), dtype_v = integer(dtype, "dtype");
-  smddp::Header h = submit_fields(kind_v, c.rank, count, dtype_v, op, root);
-  auto [out, keep] = delivery_arg(dst, src_offset, result_bytes, dtype_v, count, owner);
-  Sources sources;
-  sources.take(src, dtype_v, count, false);
-  auto [record, s] = new_record(c.handle_type);  // made first: once pushed, nothing may fail
+  auto [record, s] = new_record(c.handle_type);
   s->keep = std::move(keep);
   smddp::Slot slot;
   smddp::FastEnd end;
@@ -1017,8 +1007,47 @@ nb::object channel_begin(ChannelSelf self, nb::handle kind, nb::handle src, long
   }
   if (end == smddp::FastEnd::kHeld) return nb::none();
   if (end != smddp::FastEnd::kDone) raise_not_started(c, end);
-  fill_record(self.h, c, record, *s, h, slot, out, kind, dtype, result, keepalive);
+  fill_record(self.h, c, record, *s, h, slot, out, result, keepalive);
   return record;
+}
+
+// A record of bind()'s class, or None (held: starts are closed, shutting down): a slot of the bound
+// arena for `src` (Sources; none when it is empty), ATTACHed if new, `src` copied in and the SUBMIT
+// pushed under the channel's next sequence number (WorkerChannel::start, asynchronous); its result
+// goes to `dst` (delivery_arg) once something waits for it or collects it, and its wait returns
+// `result`. Nothing starts when the destination lies outside the result (ProtocolError).
+// TimeoutError when the ring stayed full, OSError when the arena cannot grow.
+nb::object channel_begin(ChannelSelf self, long long kind, nb::handle src, long long count, long long dtype,
+                         long long op, long long root, nb::handle dst, long long src_offset, long long result_bytes,
+                         nb::handle owner, nb::handle result, nb::handle keepalive) {
+  Channel& c = *self.p;
+  c.require_bound("begin");
+  smddp::Header h = submit_fields(kind, c.rank, count, dtype, op, root);
+  auto [out, keep] = delivery_arg(dst, src_offset, result_bytes, dtype, count, owner);
+  Sources sources;
+  sources.take(src, dtype, count, false);
+  return start_record(self, h, sources, out, std::move(keep), result, keepalive);
+}
+
+// begin() of the all-reduce every training step makes: `count` elements of `dtype` from `src` (a
+// writable buffer, or their address, whose owner `keep` is) and its result back in place, in one
+// piece. Its own call so that it is positional and never None (nanobind's simple dispatch: about 500
+// instructions a call fewer than begin's twelve arguments take); `keep` keeps the memory in place
+// until the engine's last copy into it, as begin()'s owner does.
+nb::object channel_begin_allreduce(ChannelSelf self, nb::handle src, long long dtype, long long count, long long op,
+                                   nb::handle result, nb::handle keep) {
+  Channel& c = *self.p;
+  c.require_bound("begin_allreduce");
+  smddp::Header h = submit_fields(static_cast<long long>(smddp::Kind::kAllreduce), c.rank, count, dtype, op, 0);
+  if (PyTuple_Check(src.ptr())) raise_error(Err::kType, "begin_allreduce: one buffer, its result in place");
+  Sources sources;
+  sources.take(src, dtype, count, true);
+  const smddp::Source& in = sources.sources.front();
+  if (in.nbytes != smddp::dtype_size(static_cast<std::uint8_t>(dtype)) * static_cast<std::uint64_t>(count))
+    raise_error(Err::kValue, "begin_allreduce: the buffer holds " + std::to_string(in.nbytes) + " bytes, not " +
+                                 std::to_string(count) + " elements of its dtype");
+  const smddp::Delivery out{const_cast<std::uint8_t*>(in.data), in.nbytes, 0, in.nbytes};
+  return start_record(self, h, sources, out, nb::borrow(keep), result, nb::none());
 }
 
 // The run()s that end DONE or CLOSED share one answer each (the module's RAN_DONE and RAN_CLOSED,
@@ -1070,11 +1099,10 @@ nb::object channel_run(Channel& c, long long kind, nb::handle buf, long long cou
 // the memory at its address; empty for a barrier), as begin()'s records are: a wait, or collect()
 // and the taker of its DONE, completes it in the engine. None when it is no longer the fast path's
 // (nothing then completes it here). Its phases stay the engine's (timeline).
-nb::object channel_resume(ChannelSelf self, long long seq, const SlotRec& slot, nb::handle kind, long long count,
-                          nb::handle dtype, long long op, nb::handle dst, nb::handle result) {
+nb::object channel_resume(ChannelSelf self, long long seq, const SlotRec& slot, long long kind_v, long long count,
+                          long long dtype_v, long long op, nb::handle dst, nb::handle result) {
   Channel& c = *self.p;
   c.require_bound("resume");
-  const long long kind_v = integer(kind, "kind"), dtype_v = integer(dtype, "dtype");
   smddp::Header h = submit_fields(kind_v, c.rank, count, dtype_v, op, 0);
   h.seq = u64(seq, Err::kValue, "resume: seq is non-negative");
   h.shard = slot.segment;
@@ -1085,8 +1113,7 @@ nb::object channel_resume(ChannelSelf self, long long seq, const SlotRec& slot, 
   auto [record, s] = new_record(c.handle_type);  // made first: once unblocked, nothing may fail
   s->keep = std::move(keep);
   if (!c.ch->unblock(h.seq)) return nb::none();
-  fill_record(self.h, c, record, *s, h, smddp::Slot{slot.segment, slot.offset, slot.nbytes}, out, kind, dtype, result,
-              nb::none());
+  fill_record(self.h, c, record, *s, h, smddp::Slot{slot.segment, slot.offset, slot.nbytes}, out, result, nb::none());
   return record;
 }
 
@@ -1096,12 +1123,11 @@ nb::object channel_resume(ChannelSelf self, long long seq, const SlotRec& slot, 
 // caller gives it (give()); its DONE is checked and its result located by whoever takes it (its
 // wait, or collect()'s taker), not copied or RELEASEd: the record's _arrived(segment, offset, nbytes)
 // does that (the device path). Its wait returns what _arrived returned.
-nb::object channel_reserve_record(ChannelSelf self, nb::handle kind, long long count, nb::handle dtype, long long op,
+nb::object channel_reserve_record(ChannelSelf self, long long kind_v, long long count, long long dtype_v, long long op,
                                   long long root, std::optional<SlotRec> slot, long long result_bytes,
                                   nb::handle result, nb::handle keepalive, nb::handle handle_type) {
   Channel& c = *self.p;
   c.require_bound("reserve_record");
-  const long long kind_v = integer(kind, "kind"), dtype_v = integer(dtype, "dtype");
   if (result_bytes < 0) raise_error(Err::kValue, "reserve_record: result_bytes is non-negative");
   smddp::Header h = submit_fields(kind_v, c.rank, count, dtype_v, op, root);
   const smddp::Slot in = slot ? smddp::Slot{slot->segment, slot->offset, slot->nbytes}
@@ -1115,7 +1141,7 @@ nb::object channel_reserve_record(ChannelSelf self, nb::handle kind, long long c
   smddp::Delivery out;
   out.result_bytes = static_cast<std::uint64_t>(result_bytes);
   out.hold = true;
-  fill_record(self.h, c, record, *s, h, in, out, kind, dtype, result, keepalive);
+  fill_record(self.h, c, record, *s, h, in, out, result, keepalive);
   return record;
 }
 
@@ -1489,11 +1515,11 @@ NB_MODULE(_engine, m) {
       .def_prop_ro(
           "seq", [](const Started& s) { return s.submit.seq; }, "its sequence number")
       .def_prop_ro(
-          "kind", [](const Started& s) { return s.kind.is_valid() ? s.kind : nb::none(); },
-          nb::sig("def kind(self) -> typing.Any"), "its kind, as begin() was given it")
+          "kind", [](const Started& s) { return spec_enum("Kind", s.submit.kind); },
+          nb::sig("def kind(self) -> smddp.proto.dtypes.Kind"), "its kind (smddp.proto.dtypes.Kind)")
       .def_prop_ro(
-          "dtype", [](const Started& s) { return s.dtype.is_valid() ? s.dtype : nb::none(); },
-          nb::sig("def dtype(self) -> typing.Any"), "its dtype, as begin() was given it")
+          "dtype", [](const Started& s) { return spec_enum("DType", s.submit.dtype); },
+          nb::sig("def dtype(self) -> smddp.proto.dtypes.DType"), "its dtype (smddp.proto.dtypes.DType)")
       .def_prop_ro(
           "count", [](const Started& s) { return s.submit.count; }, "its SUBMIT's count")
       .def_prop_ro(
@@ -1536,13 +1562,18 @@ NB_MODULE(_engine, m) {
            nb::sig("def bind(self, arena: Arena, rank: int, batch_bytes: int, timeout_s: float, spin_us: float, "
                    "handle_type: type[Started], ctx: typing.Any) -> None"),
            "What every begin() shares.")
-      .def("begin", &channel_begin, "kind"_a.none(), "src"_a.none(), "count"_a, "dtype"_a.none(), "op"_a, "root"_a, "dst"_a.none(), "src_offset"_a,
+      .def("begin", &channel_begin, "kind"_a, "src"_a.none(), "count"_a, "dtype"_a, "op"_a, "root"_a, "dst"_a.none(), "src_offset"_a,
            "result_bytes"_a, "owner"_a.none(), "result"_a.none(), "keepalive"_a.none(),
            nb::sig("def begin(self, kind: int, src: typing.Any, count: int, dtype: int, op: int, root: int, "
                    "dst: typing.Any, src_offset: int, result_bytes: int, owner: typing.Any, result: typing.Any, "
                    "keepalive: typing.Any) -> typing.Any"),
            "A record of bind()'s handle_type, or None (starts are closed): an asynchronous fast collective's "
            "slot, copy-in and SUBMIT under the next seq.")
+      // The all-reduce every training step starts: positional and never None, as run() is.
+      .def("begin_allreduce", &channel_begin_allreduce,
+           nb::sig("def begin_allreduce(self, src: typing.Any, dtype: int, count: int, op: int, result: typing.Any, "
+                   "keep: typing.Any, /) -> typing.Any"),
+           "begin() of an all-reduce in place, in one piece: a record of bind()'s handle_type, or None.")
       .def(
           "live",
           [](const Channel& c) -> nb::list {
@@ -1558,7 +1589,7 @@ NB_MODULE(_engine, m) {
            nb::sig("def run(self, kind: int, buf: typing.Any, count: int, dtype: int, op: int, "
                    "timeout_s: float, /) -> Ran"),
            "A blocking fast collective whole, its result in place.")
-      .def("reserve_record", &channel_reserve_record, "kind"_a.none(), "count"_a, "dtype"_a.none(), "op"_a, "root"_a, "slot"_a.none(),
+      .def("reserve_record", &channel_reserve_record, "kind"_a, "count"_a, "dtype"_a, "op"_a, "root"_a, "slot"_a.none(),
            "result_bytes"_a, "result"_a.none(), "keepalive"_a.none(), "handle_type"_a.none(),
            nb::sig("def reserve_record(self, kind: int, count: int, dtype: int, op: int, root: int, "
                    "slot: Slot | None, result_bytes: int, result: typing.Any, keepalive: typing.Any, "
@@ -1571,7 +1602,7 @@ NB_MODULE(_engine, m) {
       .def("alloc", &channel_alloc, "arena"_a, "nbytes"_a, "rank"_a, "timeout_s"_a, "spin_us"_a,
            "A slot, its segment ATTACHed first when new.")
       .def("adopt", &channel_adopt, "seq"_a, "A parked fast collective goes the general way: the DONE that came, or None.")
-      .def("resume", &channel_resume, "seq"_a, "slot"_a, "kind"_a.none(), "count"_a, "dtype"_a.none(), "op"_a, "dst"_a.none(), "result"_a.none(),
+      .def("resume", &channel_resume, "seq"_a, "slot"_a, "kind"_a, "count"_a, "dtype"_a, "op"_a, "dst"_a.none(), "result"_a.none(),
            nb::sig("def resume(self, seq: int, slot: Slot, kind: int, count: int, dtype: int, op: int, "
                    "dst: typing.Any, result: typing.Any) -> typing.Any"),
            "A parked blocking collective as an asynchronous one: its record, or None.")

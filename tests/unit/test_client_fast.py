@@ -528,6 +528,43 @@ def test_a_delivery_outside_its_result_is_refused_before_anything_is_started(pai
     assert client._arena.in_use == 0 and not daemon.pending()
 
 
+def test_the_in_place_all_reduce_start_refuses_a_buffer_its_count_does_not_fill(pair):
+    """begin_allreduce writes the result back over its source: a count that does not match the
+    buffer (which would copy past its end or leave part of it stale), a tuple of parts, a read-only
+    buffer and None are refused before anything is started, the buffer untouched."""
+    client, daemon = pair
+    ch = client._channel
+    buf = np.arange(8, dtype=np.float32)
+    for count in (7, 9):
+        with pytest.raises(ValueError, match="holds 32 bytes, not %d elements" % count):
+            ch.begin_allreduce(buf, DType.FLOAT32, count, ReduceOp.SUM, buf, buf)
+    with pytest.raises(TypeError, match="one buffer"):
+        ch.begin_allreduce((buf, buf), DType.FLOAT32, 16, ReduceOp.SUM, buf, buf)
+    ro = np.arange(8, dtype=np.float32)
+    ro.flags.writeable = False
+    with pytest.raises((BufferError, ValueError)):
+        ch.begin_allreduce(ro, DType.FLOAT32, 8, ReduceOp.SUM, ro, ro)
+    with pytest.raises(TypeError):
+        ch.begin_allreduce(buf, DType.FLOAT32, 8, ReduceOp.SUM, None, buf)
+    assert np.array_equal(buf, np.arange(8, dtype=np.float32))
+    assert client._arena.in_use == 0 and not daemon.pending()
+
+
+def test_the_in_place_all_reduce_start_is_the_engines_record(pair):
+    """Client.start_allreduce: the record's kind, dtype and count are its SUBMIT's, its result lands
+    in place, and wait() returns what it was given."""
+    client, daemon = pair
+    buf = np.full(16, 3, np.int32)
+    h = client.start_allreduce(buf, DType.INT32, 16, ReduceOp.SUM, "mine", buf)
+    assert isinstance(h, EngineHandle)
+    assert (h.kind, h.dtype, h.count) == (Kind.ALLREDUCE, DType.INT32, 16)
+    submit = until_submits(daemon, 1)[-1]
+    assert (submit.kind, submit.dtype, submit.count) == (Kind.ALLREDUCE, DType.INT32, 16)
+    daemon.done(submit, 7.0)
+    assert h.wait(timeout=5.0) == "mine"
+    assert np.array_equal(buf, np.full(16, 7, np.int32))
+
+
 @pytest.mark.parametrize("kind", ["allreduce", "broadcast"])
 def test_a_fused_buffers_parts_go_through_the_engine_unpacked(pair, kind):
     """allreduce_parts_async and broadcast_parts_async: the parts are copied into one slot by the
