@@ -536,7 +536,7 @@ def test_the_in_place_all_reduce_start_refuses_a_buffer_its_count_does_not_fill(
     ch = client._channel
     buf = np.arange(8, dtype=np.float32)
     for count in (7, 9):
-        with pytest.raises(ValueError, match="holds 32 bytes, not %d elements" % count):
+        with pytest.raises(ValueError, match=f"holds 32 bytes, not {count} elements"):
             ch.begin_allreduce(buf, DType.FLOAT32, count, ReduceOp.SUM, buf, buf)
     with pytest.raises(TypeError, match="one buffer"):
         ch.begin_allreduce((buf, buf), DType.FLOAT32, 16, ReduceOp.SUM, buf, buf)
