@@ -571,6 +571,10 @@ class Client:
         self._device: DeviceIO | None = None
         self._holding: dict[int, _Held] = {}  # seq -> a device SUBMIT waiting for its copy-in, in seq order
         self._held_cv = threading.Condition(self._lock)
+        # Device copy-ins being pinned and enqueued outside the lock (submit): shutdown waits for them
+        # before it waits for the copies themselves, and refuses new ones first (_closing).
+        self._copying_in = 0
+        self._closing = False
         self._submitter: threading.Thread | None = None
         self._tls = threading.local()  # .waited: inside waiting()
         # ATTACH, SUBMIT, RELEASE and BYE go on this channel's submit ring, SEGMENT and DONE come on
@@ -677,6 +681,10 @@ class Client:
         t = self.config.timeout_s if timeout is None else timeout
         deadline = time.monotonic() + t
         with self._lock:
+            # No device copy-in starts from now on, and the ones being enqueued (outside the lock) are
+            # waited for: every copy into smddp's memory is then known to copies_done below.
+            self._closing = True
+            self._held_cv.wait_for(lambda: self._copying_in == 0, max(0.0, deadline - time.monotonic()))
             pending: list[EngineHandle] = list(self._handles.values())
         known = {h.seq for h in pending}
         # The engine's collectives nobody waited for or collected are on no table but the channel's.
@@ -805,17 +813,35 @@ class Client:
         nbytes = count * dtype.itemsize
         lost: ConnectionClosed | None = None
         refused: TimeoutError | ProtocolError | None = None
+        src = device.src
+        slot = None
+        ready = None
         with self._lock:
             self._check_open()
-            slot = None
-            ready = None
-            src = device.src
+            if self._closing:
+                raise NotInitializedError("smddp is shutting down")
             if src is not None:
                 slot, lost = self._alloc_locked(nbytes)
-                if slot is not None:  # (else lost: failed below)
-                    ready = self._copy_in(device, src, slot)
+                if slot is not None:
+                    self._copying_in += 1
+        if slot is not None:
+            assert src is not None
+            # Outside the lock: pinning a new segment touches every page of it, and a copy from memory
+            # that could not be pinned blocks until the producer's kernels are done; the DONE thread
+            # needs the lock for every other collective's completion meanwhile.
+            try:
+                ready = self._copy_in(device, src, slot)
+            finally:
+                with self._lock:
+                    self._copying_in -= 1
+                    self._held_cv.notify_all()
+        with self._lock:
             handle: DeviceHandle | None = None
             if lost is None:
+                if self._closed or self._failure is not None:
+                    # (its copy-in may still run into the slot, so the slot stays taken: the arena
+                    # is not used again, and shutdown waits for the copy before it unmaps anything)
+                    self._check_open()
                 handle = self._channel.reserve_record(
                     kind, count, dtype, op or 0, root, slot,
                     _result_bytes(kind, nbytes, self.size), result, device.keepalive, DeviceHandle,

@@ -1045,6 +1045,62 @@ def test_device_submits_go_in_sequence_order_when_their_copy_ins_finish_the_othe
     rt.close()
 
 
+@pytest.mark.parametrize("slow", ["pinning", "pageable copy"])
+def test_a_slow_copy_in_holds_up_no_other_collectives_completion(pair, slow):
+    """Client.submit pins a new input segment (cudaHostRegister touches every page) and, where it
+    cannot be pinned, copies from pageable memory, which blocks until the producer's kernels are
+    done. Neither runs under the client's lock: while one is stuck there, another collective's DONE
+    is completed by the DONE thread (which takes the lock) and its callback runs; the stuck one then
+    goes on, its SUBMIT given and its result exact."""
+    from smddp_rigs.standin import StandinRuntime
+
+    from smddp.client.device.copies import DeviceIO
+    from smddp.errors import DeviceError
+
+    client, daemon = pair
+    rt = StandinRuntime()
+    client._device = DeviceIO(rt, client._device_failed)
+    registering = threading.Event()
+    let_go = threading.Event()
+    real = rt.register_host
+
+    def register(ptr: int, nbytes: int, readonly: bool = False) -> None:
+        if readonly:  # a result segment: as it is
+            return real(ptr, nbytes, readonly)
+        registering.set()
+        if slow == "pageable copy":
+            raise DeviceError("stand-in: this segment cannot be page-locked")
+        assert let_go.wait(20), "the test never let the registration end"
+        return real(ptr, nbytes, readonly)
+
+    rt.register_host = register  # type: ignore[method-assign]
+    # A host collective only a callback waits for: the DONE thread completes it, under the lock.
+    a = np.ones(16, np.float32)
+    ha = allreduce_async(client, a, ReduceOp.SUM)
+    ran = threading.Event()
+    ha.add_done_callback(lambda _h: ran.set())
+    (sa,) = [f for f in until_submits(daemon, 1) if f.type is MsgType.SUBMIT]
+    producer = rt.new_stream(0)
+    gate = rt.hold(producer)  # the producer's kernel: a pageable copy-in blocks until it ends
+    x = rt.asarray(np.ones(64, np.float32))
+    started = Call(lambda: allreduce_async(client, x, ReduceOp.SUM, stream=producer))
+    assert registering.wait(10), "the device collective never came to pin its segment"
+    daemon.done(sa, 6.0)
+    assert ran.wait(10), f"another collective's completion waited behind a {slow} under the lock"
+    assert started.result is None and started.error is None, "the copy-in was not stuck as the test meant"
+    let_go.set()
+    gate.set()
+    started.join()
+    hx = started.result
+    (sx,) = [f for f in until_submits(daemon, 1) if f.type is MsgType.SUBMIT]
+    daemon.done(sx, 2.0)
+    hx.synchronize(5.0)
+    assert np.array_equal(x.get(), np.full(64, 2.0, np.float32))
+    assert np.array_equal(a, np.full(16, 6.0, np.float32))
+    client.shutdown(timeout=2)
+    rt.close()
+
+
 @pytest.mark.parametrize("how", ["callback", "poll"])
 def test_a_device_collective_nobody_waits_for_is_completed_by_the_done_thread(pair, how):
     """A device all-reduce that only a callback (or a poll) waits for is on the channel's one table: the
