@@ -142,6 +142,7 @@ class StandinRuntime:
     """
 
     name = "standin"
+    library = "smddp_rigs"  # StandinArray plays CuPy's arrays: their current stream is current_stream()
 
     def __init__(self, devices: int = 1, copy_delay_s: float = 0.0, immediate: bool = False) -> None:
         self.devices = devices

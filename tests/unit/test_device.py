@@ -26,7 +26,7 @@ from smddp.client.device.buffers import (
     stream_handle,
 )
 from smddp.client.device.copies import DeviceIO, DevicePlan
-from smddp.client.device.runtime import load_runtime, runtime_names
+from smddp.client.device.runtime import STREAM_LEGACY, load_runtime, runtime_names
 from smddp.client.session import ClientConfig
 from smddp.errors import (
     ConfigError,
@@ -468,6 +468,54 @@ def test_copy_in_waits_for_the_producer_and_would_be_stale_without(rt):
         arena.close()
 
 
+class ForeignCai:
+    """A CUDA Array Interface v2 array of a library smddp does not know (JAX's, older numba's): it
+    names no stream, and it is not the runtime's own (library_of: "tests")."""
+
+    __smddp_device_runtime__ = "standin"
+
+    def __init__(self, arr: Any) -> None:
+        self._arr = arr
+
+    @property
+    def __smddp_standin__(self) -> StandinRuntime:
+        return self._arr.runtime
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        cai = dict(self._arr.__cuda_array_interface__)
+        cai["version"] = 2
+        del cai["stream"]
+        return cai
+
+
+def test_a_v2_buffer_of_another_library_is_ordered_against_the_legacy_stream_not_the_current_one(rt):
+    """A v2 buffer names no stream: one of a library smddp does not know was made on the legacy
+    default stream (or synchronised before its export). Its copy-in waits for the legacy stream's
+    work, not for the caller's current stream (CuPy's notion, unrelated to it): with the producer's
+    kernel held on the legacy stream and an idle current stream, the copy reads the kernel's bytes."""
+    io = _io(rt)
+    arena = Arena(1 << 20, "t")
+    try:
+        whole, slot = _segment(arena, 4000)
+        io.pin(("in", 0), whole, readonly=False)
+        idle = rt.new_stream()
+        x = rt.empty((1000,), np.float32)
+        gate = rt.hold(STREAM_LEGACY)
+        rt.launch(STREAM_LEGACY, lambda v: v.fill(2.5), x)
+        with rt.use(idle):
+            b = dataclass_device(read_cai(ForeignCai(x), "buf"))
+            before = io.mark(io.producer_stream(b, None), 0)
+        done = io.copy_in(b, slot, before)
+        gate.set()
+        io.host_wait(done)
+        assert (slot.view(np.float32) == 2.5).all(), "the copy-in did not wait for the legacy stream's kernel"
+        rt.synchronize()
+        io.close()
+    finally:
+        arena.close()
+
+
 def test_copy_out_is_ordered_before_the_consumer_and_would_be_stale_without(rt):
     io = _io(rt)
     result = pinned(rt, 400)
@@ -566,10 +614,14 @@ def test_producer_and_consumer_stream_resolution(rt):
     assert io.mark(None, 0) is None
     assert io.producer_stream(cai, None) == s  # the interface named it
     with rt.use(s):
-        assert io.producer_stream(v2, None) == s  # v2 names none: the current stream
-    plan = DevicePlan(0, None, None, [], None, "smddp")
+        assert io.producer_stream(v2, None) == s  # v2 names none: the runtime's own array, its current stream
+        foreign = dataclass_device(read_cai(ForeignCai(x), "buf"))
+        assert foreign.library == "tests"
+        assert io.producer_stream(foreign, None) == 1  # another library's: the legacy default stream
+    plan = DevicePlan(0, None, None, [], None, rt.library)
     with rt.use(s):
-        assert io.consumer_stream(plan) == s
+        assert io.consumer_stream(plan) == s  # the runtime's own arrays: its current stream
+        assert io.consumer_stream(DevicePlan(0, None, None, [], None, "jax")) == 1  # another's: legacy
     assert library_stream(rt, "numpy", 0) == 1
     io.close()
 

@@ -16,7 +16,7 @@ from smddp.client.device.dlpack import (
     check_contiguous,
     dl_tensor,
 )
-from smddp.client.device.runtime import DeviceRuntime
+from smddp.client.device.runtime import STREAM_LEGACY, DeviceRuntime
 from smddp.errors import InvalidArgumentError, UnsupportedBufferError
 from smddp.proto.dtypes import DType, dtype_from_numpy
 
@@ -214,9 +214,17 @@ def stream_handle(stream: Any) -> int:
 
 
 def library_stream(rt: DeviceRuntime, library: str, device: int) -> int:
-    """The calling thread's current stream of the library that made a buffer (torch keeps its own)."""
+    """The stream a buffer that names none (CUDA Array Interface v2, DLPack, a consumer at wait())
+    is ordered against: the calling thread's current stream of the library that made it, where smddp
+    knows that library's notion of one (torch keeps its own; the runtime's own library, CuPy, is the
+    runtime's current stream); else the legacy default stream. A library smddp does not know names
+    no current stream it could read, and its v2 buffers predate streams in the interface: their
+    producers worked on the legacy default stream, which every blocking stream is ordered with, or
+    synchronised before the export. CuPy's current stream would order against an unrelated stream."""
     if library == "torch":
         torch = sys.modules.get("torch")
         if torch is not None:
             return int(torch.cuda.current_stream(device).cuda_stream)
-    return rt.current_stream(device)
+    if library == getattr(rt, "library", None):  # (a registered runtime may not say)
+        return rt.current_stream(device)
+    return STREAM_LEGACY

@@ -26,6 +26,7 @@ class CupyRuntime:
     """
 
     name = "cupy"
+    library = "cupy"
 
     def __init__(self) -> None:
         try:

@@ -28,6 +28,9 @@ class DeviceRuntime(Protocol):
     """
 
     name: str
+    #: The top-level module of the arrays this runtime's library makes ("cupy"): a buffer of theirs
+    #: that names no stream was made on the runtime's current stream (library_stream).
+    library: str
 
     def device_count(self) -> int: ...
 
