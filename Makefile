@@ -19,7 +19,7 @@ CLIENT_PINS := 'deepspeed==0.19.8' 'transformers==5.23.0' 'accelerate==1.15.0' '
 
 # rigs/: the development rigs (simulated cluster, delay line, CUDA stand-in, benchmark targets),
 # a separate distribution so that smddp's own wheel never ships them.
-$(STAMP): pyproject.toml setup.py $(wildcard smddp/engine/*) rigs/pyproject.toml rigs/setup.py rigs/smddp_rigs/_engine_testing.cc Makefile
+$(STAMP): pyproject.toml setup.py $(wildcard smddp/engine/*) rigs/pyproject.toml rigs/setup.py rigs/smddp_rigs/_engine_testing.cc rigs/smddp_rigs/standin_cuda.cc Makefile
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[dev,torch,tensorflow]' -e rigs/ $(TORCH_PINS) $(TF_PINS) $(CLIENT_PINS)

@@ -64,6 +64,18 @@ if sys.platform.startswith("linux"):
             extra_compile_args=["-O2", "-Wall", "-Wextra", "-Werror", "-Wno-missing-field-initializers"],
         )
     )
+    # The stand-in CUDA driver (standin_cuda.cc): no Python module, a library of the driver API's
+    # entry points that the stand-in runtime drives through ctypes and the engine loads as it would
+    # load libcuda.so.1 (built as an extension so that it installs beside the rigs).
+    extensions.append(
+        Extension(
+            "smddp_rigs._standin_cuda",
+            ["smddp_rigs/standin_cuda.cc"],
+            language="c++",
+            extra_compile_args=["-std=c++17", "-O2", "-Wall", "-Wextra", "-Wshadow", "-Werror", "-pthread"],
+            extra_link_args=["-pthread"],
+        )
+    )
     extensions.append(
         Extension(
             "smddp_rigs._engine_testing",

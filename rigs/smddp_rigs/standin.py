@@ -1,13 +1,13 @@
-"""A stand-in CUDA runtime backed by numpy: in-order asynchronous streams (a thread each), events, pinned memory."""
+"""A stand-in CUDA runtime over the stand-in CUDA driver: numpy memory, the driver's in-order streams, events, pinned memory."""
 
 from __future__ import annotations
 
 import bisect
 import contextlib
 import ctypes
+import importlib.util
 import itertools
 import os
-import queue
 import threading
 import time
 import weakref
@@ -31,95 +31,129 @@ _DL_CODES = {dt: code for code, dt in DL_DTYPES.items()}
 _NUMPY_DL_CODES = {"i": 0, "u": 1, "f": 2, "c": 5, "b": 6}
 
 
-class _Mark:
-    """One record of an event: reached when the stream that holds it gets there. `captured`: recorded
-    into a CUDA graph under capture, where no host may wait for it (it is reached when the graph runs)."""
-
-    __slots__ = ("done", "error", "graph")
-
-    def __init__(self, graph: list[Any] | None = None) -> None:
-        self.done = threading.Event()
-        self.error: str | None = None
-        self.graph = graph  # the graph it was recorded into (None: recorded on a running stream)
-
-    @property
-    def captured(self) -> bool:
-        return self.graph is not None
-
-    def reach(self, error: str | None) -> None:
-        self.error = error
-        self.done.set()
-
-
-class StandinEvent:
-    """A stand-in cudaEvent_t: each record() replaces the point in a stream that waits refer to."""
-
-    def __init__(self, device: int) -> None:
-        self.device = device
-        self.mark: _Mark | None = None
-
-    @property
-    def done(self) -> bool:
-        return self.mark is None or self.mark.done.is_set()
-
-
-class _Stream:
-    """A stream: a thread that runs enqueued operations one at a time, in order."""
-
-    def __init__(self, handle: int, device: int, immediate: bool = False) -> None:
-        self.handle = handle
-        self.device = device
-        self.error: str | None = None  # sticky, as CUDA errors are: later copies and kernels are skipped
-        self._immediate = immediate
-        self._q: queue.SimpleQueue[tuple[Callable[[], None], bool] | None] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None  # none at all where every operation runs at once
-        # Under capture (begin_capture): what is put is recorded into this graph instead of run, as
-        # CUDA does on a capturing stream, until end_capture hands the graph back.
-        self.graph: list[tuple[Callable[[], None], bool]] | None = None
-        if not immediate:
-            self._thread = threading.Thread(target=self._run, name=f"standin-stream-{handle:#x}", daemon=True)
-            self._thread.start()
-
-    def put(self, op: Callable[[], None], always: bool = False) -> None:
-        """`always`: run even after an error (event records and waits, so that nothing hangs)."""
-        if self.graph is not None:
-            self.graph.append((op, always))
-        elif self._immediate:
-            self._step(op, always)
-        else:
-            self._q.put((op, always))
-
-    def _run(self) -> None:
-        while True:
-            item = self._q.get()
-            if item is None:
-                return
-            self._step(*item)
-
-    def _step(self, op: Callable[[], None], always: bool) -> None:
-        if self.error is not None and not always:
-            return
-        try:
-            op()
-        except Exception as e:
-            if self.error is None:
-                self.error = f"{type(e).__name__}: {e}"
-
-    def stop(self) -> None:
-        if self._thread is not None:
-            self._q.put(None)
-            self._thread.join(timeout=10.0)
-
-
 #: What CUDA says of a host wait on work under capture (cudaErrorStreamCaptureUnsupported).
 _CAPTURING = "stand-in device: operation not permitted when stream is capturing"
 
+# The stand-in driver's codes this module tells apart (smddp/engine/cuda_abi.h).
+_SUCCESS = 0
+_NOT_READY = 600
+_CAPTURE_UNSUPPORTED = 900
+_KERNEL_FAULT = 999  # CUDA_ERROR_UNKNOWN: what a Python kernel that raised fails its stream with
 
-def _not_captured(mark: _Mark) -> None:
-    """A host may not wait for, nor ask about, a record made under capture (CUDA refuses, and the
-    capture is invalidated): the record is reached only when the graph runs."""
-    if mark.captured and not mark.done.is_set():
-        raise DeviceError(_CAPTURING)
+_LIBRARY: ctypes.CDLL | None = None
+_LIBRARY_LOCK = threading.Lock()
+
+
+def driver_path() -> str:
+    """The stand-in CUDA driver (rigs/smddp_rigs/standin_cuda.cc, built with the rigs as
+    smddp_rigs._standin_cuda): the library this runtime drives, and the one the engine loads in
+    place of libcuda.so.1, so that both reach the same streams, events and memory. SMDDP_STANDIN_CUDA
+    names another build of it (the sanitized jobs' own)."""
+    given = os.environ.get("SMDDP_STANDIN_CUDA")
+    if given:
+        return given
+    spec = importlib.util.find_spec("smddp_rigs._standin_cuda")
+    if spec is None or spec.origin is None:
+        raise DeviceError(
+            "the stand-in CUDA driver smddp_rigs._standin_cuda is not built (pip install -e rigs/)"
+        )
+    return spec.origin
+
+
+def _lib() -> ctypes.CDLL:
+    """The stand-in driver, loaded and initialised once per process (as a process has one driver)."""
+    global _LIBRARY
+    with _LIBRARY_LOCK:
+        if _LIBRARY is None:
+            lib = ctypes.CDLL(driver_path())
+            c = ctypes
+            vp, u64, i64, sz = c.c_void_p, c.c_uint64, c.c_int64, c.c_size_t
+            sigs: dict[str, tuple[list[Any], Any]] = {
+                "cuInit": ([c.c_uint], c.c_int),
+                "cuDevicePrimaryCtxRetain": ([c.POINTER(vp), c.c_int], c.c_int),
+                "cuCtxSetCurrent": ([vp], c.c_int),
+                "cuStreamCreate": ([c.POINTER(vp), c.c_uint], c.c_int),
+                "cuStreamBeginCapture_v2": ([vp, c.c_int], c.c_int),
+                "cuStreamEndCapture": ([vp, c.POINTER(vp)], c.c_int),
+                "cuEventCreate": ([c.POINTER(vp), c.c_uint], c.c_int),
+                "cuEventDestroy_v2": ([vp], c.c_int),
+                "cuEventRecord": ([vp, vp], c.c_int),
+                "cuEventQuery": ([vp], c.c_int),
+                "cuEventSynchronize": ([vp], c.c_int),
+                "cuStreamWaitEvent": ([vp, vp, c.c_uint], c.c_int),
+                "cuMemcpyDtoHAsync_v2": ([vp, u64, sz, vp], c.c_int),
+                "cuMemcpyHtoDAsync_v2": ([u64, vp, sz, vp], c.c_int),
+                "cuMemHostRegister_v2": ([vp, sz, c.c_uint], c.c_int),
+                "cuMemHostUnregister": ([vp], c.c_int),
+                "cuLaunchHostFunc": ([vp, _HOST_FN, vp], c.c_int),
+                "smddp_standin_set_devices": ([c.c_int], c.c_int),
+                "smddp_standin_stream_config": ([vp, i64, c.c_int], c.c_int),
+                "smddp_standin_stream_release": ([vp], c.c_int),
+                "smddp_standin_map": ([u64, vp, sz, c.c_int], c.c_int),
+                "smddp_standin_unmap": ([u64], c.c_int),
+                "smddp_standin_fail_running": ([c.c_int, c.c_char_p], c.c_int),
+                "smddp_standin_event_failure": ([vp, c.c_char_p, sz], c.c_int),
+            }
+            for name, (args, res) in sigs.items():
+                fn = getattr(lib, name)
+                fn.argtypes, fn.restype = args, res
+            if lib.cuInit(0) != _SUCCESS:
+                raise DeviceError("the stand-in CUDA driver did not initialise")
+            _LIBRARY = lib
+        return _LIBRARY
+
+
+def _check(code: int, what: str) -> None:
+    if code != _SUCCESS:
+        raise DeviceError(f"stand-in device: {what} failed (CUDA error {code})")
+
+
+# Python kernels run as the driver's host functions (cuLaunchHostFunc), on its stream threads: one
+# callback for all, its data the key of the call in _CALLS.
+_CALLS: dict[int, Callable[[], None]] = {}
+_CALL_KEYS = itertools.count(1)
+_HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+
+def _run_call(key: int | None) -> None:
+    call = _CALLS.pop(key or 0, None)
+    if call is None:
+        return
+    try:
+        call()
+    except Exception as e:  # a faulting kernel: its stream fails, sticky, with these words
+        _lib().smddp_standin_fail_running(_KERNEL_FAULT, f"{type(e).__name__}: {e}".encode())
+
+
+_RUN_CALL = _HOST_FN(_run_call)
+
+
+class StandinEvent:
+    """A stand-in cudaEvent_t: the driver's event. Recorded under capture, it stands for the graph's
+    record (`captured`) until the graph runs, and no host may wait for it meanwhile."""
+
+    def __init__(self, device: int, handle: int) -> None:
+        self.device = device
+        self.handle = handle
+        self.captured: list[Any] | None = None
+        self._finalizer = weakref.finalize(self, _lib().cuEventDestroy_v2, handle)
+
+    @property
+    def done(self) -> bool:
+        if self.captured is not None:
+            return False
+        return int(_lib().cuEventQuery(self.handle)) != _NOT_READY
+
+
+class _Stream:
+    """A stream of the driver (its handle), and, under capture, the graph its work goes into instead."""
+
+    __slots__ = ("device", "graph", "handle")
+
+    def __init__(self, handle: int, device: int) -> None:
+        self.handle = handle
+        self.device = device
+        self.graph: list[Callable[[_Stream], None]] | None = None
 
 
 def make_runtime() -> StandinRuntime:
@@ -132,22 +166,32 @@ def make_runtime() -> StandinRuntime:
 
 
 class StandinRuntime:
-    """The test double of `CupyRuntime`: device memory is numpy memory reachable only through the runtime.
+    """The test double of `CupyRuntime`, over the stand-in CUDA driver (`driver_path()`): device memory
+    is numpy memory reachable only through the runtime (and the driver, at the same addresses).
 
-    Streams really are asynchronous: each is a thread that runs copies, kernels (`launch`), event
-    records and event waits in order, so a missing wait gives stale data, as on a GPU;
-    `copy_delay_s` makes every copy wait first, so that such a race is lost every time. Copies to
-    or from host memory that is not registered (`register_host`) block the caller until they are
-    done, as CUDA's copies from pageable memory do, and are counted in `stats`.
+    Streams really are asynchronous: each is a thread of the driver's that runs copies, kernels
+    (`launch`: Python functions, as the driver's host functions), event records and waits in order,
+    so a missing wait gives stale data, as on a GPU; `copy_delay_s` makes every copy wait first, so
+    that such a race is lost every time. Copies to or from host memory that is not registered
+    (`register_host`) block the caller until they are done, as CUDA's copies from pageable memory
+    do, and are counted in `stats`. The engine, handed the same driver, sees the same streams, events
+    and memory: what a real GPU's driver gives CuPy and the engine alike.
     """
 
     name = "standin"
     library = "smddp_rigs"  # StandinArray plays CuPy's arrays: their current stream is current_stream()
 
     def __init__(self, devices: int = 1, copy_delay_s: float = 0.0, immediate: bool = False) -> None:
+        lib = _lib()
+        _check(lib.smddp_standin_set_devices(devices), f"{devices} devices")
         self.devices = devices
+        self._contexts: list[int] = []
+        for d in range(devices):
+            ctx = ctypes.c_void_p()
+            _check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), d), "cuDevicePrimaryCtxRetain")
+            self._contexts.append(int(ctx.value or 0))
         self._joined: dict[int, list[_Stream]] = {}  # the streams each capture drew in (by its graph)
-        self.copy_delay_s = copy_delay_s
+        self._copy_delay_s = copy_delay_s
         # Every operation runs in the enqueuing thread at once (one order of the streams' work that a
         # GPU may take, with no thread hand-off): what is left of a device call's time is smddp's and
         # torch's own, which is what `immediate` is for. It orders everything, so an ordering bug
@@ -158,10 +202,9 @@ class StandinRuntime:
         self._closed = False
         self._streams: dict[int, _Stream] = {}
         self._defaults: dict[int, _Stream] = {}
-        self._handles = itertools.count(0x5000, 0x10)
         self._bases: list[int] = []
         self._allocs: dict[int, tuple[np.ndarray, int]] = {}  # base address -> (bytes, device)
-        self._next_addr = _DEVICE_BASE
+        self._next_addr = _next_base(1 << 40)  # this runtime's own range of addresses
         self._pinned: dict[int, tuple[int, bool]] = {}  # host address -> (bytes, read-only)
         self._tls = threading.local()
 
@@ -171,11 +214,34 @@ class StandinRuntime:
         return self.devices
 
     def describe(self, device: int) -> str:
-        return f"stand-in device {device} (numpy memory, stream threads; no GPU)"
+        return f"stand-in device {device} (numpy memory, the stand-in driver's stream threads; no GPU)"
 
     def _check_device(self, device: int) -> None:
         if not 0 <= device < self.devices:
             raise DeviceError(f"stand-in device: no device {device} (it has {self.devices})")
+
+    def _bind(self, device: int) -> None:
+        """Make `device`'s context current on the calling thread (the driver refuses a thread without one)."""
+        if getattr(self._tls, "bound", None) != (id(self), device):
+            _check(_lib().cuCtxSetCurrent(self._contexts[device]), "cuCtxSetCurrent")
+            self._tls.bound = (id(self), device)
+
+    @property
+    def copy_delay_s(self) -> float:
+        return self._copy_delay_s
+
+    @copy_delay_s.setter
+    def copy_delay_s(self, seconds: float) -> None:
+        self._copy_delay_s = seconds
+        with self._lock:
+            streams = [*self._defaults.values(), *self._streams.values()]
+        for s in streams:
+            self._configure(s)
+
+    def _configure(self, s: _Stream) -> None:
+        self._bind(s.device)
+        delay_us = int(self._copy_delay_s * 1e6)
+        _check(_lib().smddp_standin_stream_config(s.handle, delay_us, int(self.immediate)), "stream config")
 
     def _stream(self, handle: int, device: int) -> _Stream:
         with self._lock:
@@ -184,24 +250,34 @@ class StandinRuntime:
             if handle in (0, STREAM_LEGACY, STREAM_PER_THREAD):
                 self._check_device(device)
                 s = self._defaults.get(device)
+                fresh = s is None
                 if s is None:
-                    s = self._defaults[device] = _Stream(STREAM_LEGACY, device, self.immediate)
-                return s
-            s = self._streams.get(handle)
+                    s = self._defaults[device] = _Stream(STREAM_LEGACY, device)
+            else:
+                fresh = False
+                s = self._streams.get(handle)
         if s is None:
             raise DeviceError(f"stand-in device: {handle:#x} is not a stream of this runtime")
         if s.device != device:
             raise DeviceError(f"stand-in device: stream {handle:#x} is on device {s.device}, not {device}")
+        self._bind(device)
+        if fresh:
+            self._configure(s)  # the driver's legacy stream, with this runtime's settings
         return s
 
     def new_stream(self, device: int = 0) -> int:
         self._check_device(device)
-        handle = next(self._handles)
+        self._bind(device)
+        out = ctypes.c_void_p()
+        _check(_lib().cuStreamCreate(ctypes.byref(out), 1), "cuStreamCreate")
+        s = _Stream(int(out.value or 0), device)
+        self._configure(s)
         with self._lock:
             if self._closed:
+                _lib().smddp_standin_stream_release(s.handle)
                 raise DeviceError("stand-in device: the runtime is closed")
-            self._streams[handle] = _Stream(handle, device, self.immediate)
-        return handle
+            self._streams[s.handle] = s
+        return s.handle
 
     def current_stream(self, device: int = 0) -> int:
         stack = getattr(self._tls, "stack", None)
@@ -219,11 +295,34 @@ class StandinRuntime:
         finally:
             stack.pop()
 
+    def _issue(self, s: _Stream, op: Callable[[_Stream], None]) -> None:
+        """Put `op` (which enqueues its work on the stream it is given) on `s`, or, under capture,
+        into the graph instead."""
+        if s.graph is not None:
+            s.graph.append(op)
+        else:
+            op(s)
+
+    def _host(self, s: _Stream, call: Callable[[], None]) -> None:
+        """`call` on `s`'s thread, in stream order (cuLaunchHostFunc)."""
+        key = next(_CALL_KEYS)
+        _CALLS[key] = call
+        self._bind(s.device)
+        _check(_lib().cuLaunchHostFunc(s.handle, _RUN_CALL, key), "cuLaunchHostFunc")
+
+    def _failure(self, event: StandinEvent) -> str:
+        buf = ctypes.create_string_buffer(512)
+        code = _lib().smddp_standin_event_failure(event.handle, buf, 512)
+        return buf.value.decode(errors="replace") or f"CUDA error {code}"
+
     # -- events ----------------------------------------------------------------------------------
 
     def new_event(self, device: int = 0) -> StandinEvent:
         self._check_device(device)
-        return StandinEvent(device)
+        self._bind(device)
+        out = ctypes.c_void_p()
+        _check(_lib().cuEventCreate(ctypes.byref(out), 2), "cuEventCreate")
+        return StandinEvent(device, int(out.value or 0))
 
     def record(self, event: StandinEvent, stream: int, device: int = 0) -> None:
         s = self._stream(stream, device)
@@ -231,42 +330,48 @@ class StandinRuntime:
             raise DeviceError(
                 f"stand-in device: an event of device {event.device} recorded on device {s.device}"
             )
-        mark = _Mark(s.graph)
-        event.mark = mark
-        s.put(lambda: mark.reach(s.error), always=True)
+        if s.graph is not None:
+            event.captured = s.graph  # reached when the graph runs, not before
+
+        def rec(t: _Stream) -> None:
+            self._bind(t.device)
+            _check(_lib().cuEventRecord(event.handle, t.handle), "cuEventRecord")
+            event.captured = None
+
+        self._issue(s, rec)
 
     def wait_event(self, stream: int, event: StandinEvent, device: int = 0) -> None:
         s = self._stream(stream, device)
-        mark = event.mark
-        if mark is None:
-            return  # never recorded: nothing to wait for, as with cudaStreamWaitEvent
-        if mark.graph is not None and not mark.done.is_set() and s.graph is None:
+        if event.captured is not None and s.graph is None:
             # Waiting for a record made under capture draws this stream into the capture, as CUDA
             # does: what it is given from now on is recorded into that graph too, not run.
-            s.graph = mark.graph
+            s.graph = event.captured
             with self._lock:
-                self._joined.setdefault(id(mark.graph), []).append(s)
+                self._joined.setdefault(id(event.captured), []).append(s)
+            if s.handle != STREAM_LEGACY:
+                _lib().cuStreamBeginCapture_v2(s.handle, 0)  # (the driver's view, for the engine)
             return
 
-        def wait() -> None:
-            mark.done.wait()
-            if mark.error is not None and s.error is None:
-                s.error = mark.error
+        def wait(t: _Stream) -> None:
+            self._bind(t.device)
+            # (never recorded: nothing to wait for, as with cudaStreamWaitEvent; a failure of the
+            # producer's stream becomes this stream's)
+            _check(_lib().cuStreamWaitEvent(t.handle, event.handle, 0), "cuStreamWaitEvent")
 
-        s.put(wait, always=True)
+        self._issue(s, wait)
 
     def event_synchronize(self, event: StandinEvent) -> None:
-        mark = event.mark
-        if mark is None:
-            return
-        _not_captured(mark)
-        mark.done.wait()
-        if mark.error is not None:
-            raise DeviceError(f"stand-in device: {mark.error}")
+        if event.captured is not None:
+            raise DeviceError(_CAPTURING)
+        code = int(_lib().cuEventSynchronize(event.handle))
+        if code == _CAPTURE_UNSUPPORTED:
+            raise DeviceError(_CAPTURING)
+        if code != _SUCCESS:
+            raise DeviceError(f"stand-in device: {self._failure(event)}")
 
     def event_done(self, event: StandinEvent) -> bool:
-        if event.mark is not None:
-            _not_captured(event.mark)
+        if event.captured is not None:
+            raise DeviceError(_CAPTURING)
         return event.done
 
     # -- CUDA graphs: stream capture -------------------------------------------------------------
@@ -279,8 +384,9 @@ class StandinRuntime:
         if s.graph is not None:
             raise DeviceError(f"stand-in device: stream {stream:#x} is capturing already")
         s.graph = []
+        _check(_lib().cuStreamBeginCapture_v2(s.handle, 0), "cuStreamBeginCapture")
 
-    def end_capture(self, stream: int, device: int = 0) -> list[tuple[Callable[[], None], bool]]:
+    def end_capture(self, stream: int, device: int = 0) -> list[Callable[[_Stream], None]]:
         """cudaStreamEndCapture: the graph of what was enqueued meanwhile (launch_graph runs it). Streams
         the capture drew in (wait_event) leave it too; as CUDA says (cudaErrorStreamCaptureUnjoined),
         that is an error: their work was recorded into the graph instead of running."""
@@ -288,10 +394,16 @@ class StandinRuntime:
         graph, s.graph = s.graph, None
         if graph is None:
             raise DeviceError(f"stand-in device: stream {stream:#x} is not capturing")
+        lib = _lib()
+        ended = ctypes.c_void_p()
+        lib.cuStreamEndCapture(s.handle, ctypes.byref(ended))
         with self._lock:
             joined = self._joined.pop(id(graph), [])
         for j in joined:
             j.graph = None
+            if j.handle != STREAM_LEGACY:
+                self._bind(j.device)
+                lib.cuStreamEndCapture(j.handle, ctypes.byref(ended))
         if joined:
             names = ", ".join(f"{j.handle:#x}" for j in joined)
             raise DeviceError(
@@ -299,12 +411,10 @@ class StandinRuntime:
             )
         return graph
 
-    def launch_graph(
-        self, graph: list[tuple[Callable[[], None], bool]], stream: int, device: int = 0
-    ) -> None:
+    def launch_graph(self, graph: list[Callable[[_Stream], None]], stream: int, device: int = 0) -> None:
         s = self._stream(stream, device)
-        for op, always in graph:
-            s.put(op, always)
+        for op in graph:
+            self._issue(s, op)
 
     def is_capturing(self, stream: int, device: int = 0) -> bool:
         return self._stream(stream, device).graph is not None
@@ -329,12 +439,16 @@ class StandinRuntime:
             self._next_addr += _round_up(max(host.nbytes, 1), _ALIGN) + _GUARD
             self._allocs[base] = (host, device)
             bisect.insort(self._bases, base)
+        # The driver's copies (the engine's too) reach it through its address, as a GPU's would.
+        _check(_lib().smddp_standin_map(base, host.ctypes.data, max(host.nbytes, 1), device), "map")
         return base
 
     def _free(self, base: int) -> None:
         with self._lock:
-            if self._allocs.pop(base, None) is not None:
-                self._bases.remove(base)
+            if self._allocs.pop(base, None) is None:
+                return
+            self._bases.remove(base)
+        _lib().smddp_standin_unmap(base)
 
     def _resolve(self, ptr: int, nbytes: int) -> tuple[np.ndarray, int]:
         """The host bytes standing for device range [ptr, ptr+nbytes), and their device."""
@@ -413,6 +527,8 @@ class StandinRuntime:
                         "(cudaErrorHostMemoryAlreadyRegistered)"
                     )
             self._pinned[ptr] = (nbytes, readonly)
+        self._bind(0)
+        _check(_lib().cuMemHostRegister_v2(ptr, nbytes, 0x08 if readonly else 0), "cuMemHostRegister")
 
     def unregister_host(self, ptr: int) -> None:
         with self._lock:
@@ -420,6 +536,7 @@ class StandinRuntime:
                 raise DeviceError(
                     f"stand-in device: host address {ptr:#x} is not registered (cudaErrorHostMemoryNotRegistered)"
                 )
+        _lib().cuMemHostUnregister(ptr)
 
     def registered(self) -> dict[int, tuple[int, bool]]:
         """Host address -> (bytes, read-only) of every registered range (for tests)."""
@@ -446,13 +563,7 @@ class StandinRuntime:
         mem = self._device_range(src, nbytes, s)
         pinned = self._pinned_range(dst, nbytes, device_writes=True)
         self._count("d2h", pinned)
-
-        def copy() -> None:
-            if self.copy_delay_s:
-                time.sleep(self.copy_delay_s)
-            ctypes.memmove(dst, mem.ctypes.data, nbytes)
-
-        self._enqueue(s, copy, wait=not pinned)
+        self._copy(s, pinned, mem, lambda t: _lib().cuMemcpyDtoHAsync_v2(dst, src, nbytes, t.handle))
 
     def copy_h2d(self, dst: int, src: int, nbytes: int, stream: int, device: int = 0) -> None:
         s = self._stream(stream, device)
@@ -461,13 +572,30 @@ class StandinRuntime:
         mem = self._device_range(dst, nbytes, s)
         pinned = self._pinned_range(src, nbytes, device_writes=False)
         self._count("h2d", pinned)
+        self._copy(s, pinned, mem, lambda t: _lib().cuMemcpyHtoDAsync_v2(dst, src, nbytes, t.handle))
 
-        def copy() -> None:
-            if self.copy_delay_s:
-                time.sleep(self.copy_delay_s)
-            ctypes.memmove(mem.ctypes.data, src, nbytes)
+    def _copy(self, s: _Stream, pinned: bool, mem: np.ndarray, issue: Callable[[_Stream], int]) -> None:
+        """A copy the driver makes on `s`: asynchronous from pinned memory (the device bytes, `mem`,
+        kept alive until it has run), else blocking until it is done, as CUDA's pageable copies."""
+        if not pinned and s.graph is not None:
+            raise DeviceError(_CAPTURING)  # a copy the host waits for cannot be captured
 
-        self._enqueue(s, copy, wait=not pinned)
+        def op(t: _Stream) -> None:
+            self._bind(t.device)
+            code = int(issue(t))
+            if code != _SUCCESS:
+                ev = self.new_event(t.device)  # (the stream's failure, in words)
+                self.record(ev, t.handle, t.device)
+                self.event_synchronize(ev)
+                raise DeviceError(f"stand-in device: a copy failed (CUDA error {code})")
+            if pinned:
+
+                def keep(_held: np.ndarray = mem) -> None:
+                    """Runs after the copy: until then its closure holds the device bytes."""
+
+                self._host(t, keep)
+
+        self._issue(s, op)
 
     def _device_range(self, ptr: int, nbytes: int, s: _Stream) -> np.ndarray:
         mem, device = self._resolve(ptr, nbytes)
@@ -483,16 +611,15 @@ class StandinRuntime:
             self.stats["pinned" if pinned else "pageable"] += 1
 
     def _enqueue(self, s: _Stream, op: Callable[[], None], wait: bool) -> None:
-        """Enqueue `op`; with `wait`, return only once it ran (a copy from or to pageable memory)."""
+        """Enqueue `op` (a host function); with `wait`, return only once it ran (as a copy from or to
+        pageable memory)."""
         if wait and s.graph is not None:
             raise DeviceError(_CAPTURING)  # a copy the host waits for cannot be captured
-        s.put(op)
+        self._issue(s, lambda t: self._host(t, op))
         if wait:
-            mark = _Mark()
-            s.put(lambda: mark.reach(s.error), always=True)
-            mark.done.wait()
-            if mark.error is not None:
-                raise DeviceError(f"stand-in device: {mark.error}")
+            ev = self.new_event(s.device)
+            self.record(ev, s.handle, s.device)
+            self.event_synchronize(ev)
 
     def launch(self, stream: int, fn: Callable[..., None], *arrays: StandinArray, device: int = 0) -> None:
         """Run `fn(*host views of arrays)` on `stream`, in order: the stand-in's kernel launch."""
@@ -504,7 +631,7 @@ class StandinRuntime:
                 )
         with self._lock:
             self.stats["kernels"] += 1
-        s.put(lambda: fn(*[a._host_view() for a in arrays]))
+        self._issue(s, lambda t: self._host(t, lambda: fn(*[a._host_view() for a in arrays])))
 
     def sleep(self, stream: int, seconds: float, device: int = 0) -> None:
         """A kernel that keeps `stream` busy for `seconds` (a long compute kernel)."""
@@ -530,13 +657,28 @@ class StandinRuntime:
         return StandinStreams(self)
 
     def close(self) -> None:
+        """Lets go of this runtime's streams: each ends once what was put on it has run (the driver's
+        legacy streams are the process's, and stay)."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            streams = [*self._defaults.values(), *self._streams.values()]
+            streams = list(self._streams.values())
         for s in streams:
-            s.stop()
+            _lib().smddp_standin_stream_release(s.handle)
+
+
+_BASES_LOCK = threading.Lock()
+_BASES = [_DEVICE_BASE]
+
+
+def _next_base(span: int) -> int:
+    """A range of stand-in device addresses of its own for each runtime of the process: the driver
+    maps them all, so two runtimes' arrays must never share an address."""
+    with _BASES_LOCK:
+        base = _BASES[0]
+        _BASES[0] += span
+        return base
 
 
 class StandinArray:

@@ -3,20 +3,27 @@
 // that the engine's loader, its device calls and its progress thread run in CI, where no GPU is.
 //
 // What it models, because the engine's correctness depends on it:
-// - streams run their work in order on a thread each, asynchronously to the host; a stream's work
-//   after a failure is skipped and every later query of it says the error (sticky, as CUDA's);
-// - copies land late: each waits SMDDP_STANDIN_COPY_DELAY_US (or smddp_standin_set_copy_delay_us)
-//   before it moves a byte; a copy to or from pageable host memory blocks the caller until it is
+// - streams run their work in order on a thread each, asynchronously to the host (or, set
+//   immediate, in the enqueuing thread at once); a stream's work after a failure is skipped and
+//   every later event record on it reports the failure, with its words (sticky, as CUDA's); a
+//   stream that waits on a failed stream's event fails too (CUDA's sticky errors poison far more);
+// - copies land late: each waits SMDDP_STANDIN_COPY_DELAY_US (or the stream's own delay,
+//   smddp_standin_stream_config) before it moves a byte; a copy to or from pageable host memory blocks the caller until it is
 //   done (CUDA may stage or synchronise such copies; a caller can count on neither);
 // - events: each record replaces the point later waits and queries refer to; a stream that waits on
 //   an event holds its later work back until the event is reached;
 // - contexts: every call that needs one fails with CUDA_ERROR_INVALID_CONTEXT on a thread that has
 //   made none current (cuCtxSetCurrent), as the driver does on a fresh thread;
 // - several devices (SMDDP_STANDIN_DEVICES, default 1), each stream, event and allocation on one;
-// - device memory at addresses far above any host address (0xD000...), backed by host memory here;
-//   a copy naming a range outside every allocation fails (CUDA_ERROR_INVALID_VALUE);
+// - device memory at addresses far above any host address (cuMemAlloc's from 0xD800...), backed by
+//   host memory here, and ranges a caller maps itself (smddp_standin_map: the Python stand-in
+//   runtime's arrays, from 0xD000...); a copy naming a range outside every allocation fails
+//   (CUDA_ERROR_INVALID_VALUE), and so does a device-to-host copy into read-only registered memory;
+// - host functions (cuLaunchHostFunc) run in stream order; one may fail its stream
+//   (smddp_standin_fail_running), as a faulting kernel does;
 // - graph capture: work on a capturing stream is recorded, not run; host waits on captured work
-//   are refused (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+//   are refused (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED) (the Python stand-in keeps the graphs it
+//   replays itself, and tells this library which streams capture);
 // - holds (smddp_standin_hold): a kernel that runs until the test releases it, to order a test's
 //   steps without betting on durations.
 //
@@ -50,31 +57,38 @@ using Result = int;
 constexpr Result kSuccess = 0, kInvalidValue = 1, kNotInitialized = 3, kNoDevice = 100, kInvalidDevice = 101,
                  kInvalidContext = 201, kInvalidHandle = 400, kNotReady = 600, kIllegalAddress = 700,
                  kHostRegistered = 712, kHostNotRegistered = 713, kCaptureUnsupported = 900,
-                 kCaptureInvalidated = 901;
+                 kCaptureInvalidated = 901, kUnknown = 999;
 
-constexpr std::uint64_t kDeviceBase = 0xD000000000000000ULL;
+constexpr std::uint64_t kDeviceBase = 0xD800000000000000ULL;  // (0xD000...: mapped by callers)
 constexpr std::uint64_t kGuard = 1 << 20;  // address gap between allocations: an overrun lands on none
 constexpr unsigned char kUnset = 0xA5;     // fresh allocations hold this byte, as cuMemAlloc'd memory holds garbage
 
-// One record of an event: reached when its stream gets there, with the stream's error then.
+// A stream's sticky failure: the driver's code and what failed, in words.
+struct Failure {
+  Result code = kSuccess;
+  std::string text;
+  bool failed() const { return code != kSuccess; }
+};
+
+// One record of an event: reached when its stream gets there, with the stream's failure then.
 struct Mark {
   std::mutex mu;
   std::condition_variable cv;
   bool done = false;
   bool captured = false;  // recorded under capture: reached only when a graph runs, never here
-  Result error = kSuccess;
-  void reach(Result e) {
+  Failure failure;
+  void reach(const Failure& f) {
     {
       std::lock_guard<std::mutex> lock(mu);
       done = true;
-      error = e;
+      failure = f;
     }
     cv.notify_all();
   }
-  Result wait() {
+  Failure wait() {
     std::unique_lock<std::mutex> lock(mu);
     cv.wait(lock, [this] { return done; });
-    return error;
+    return failure;
   }
 };
 
@@ -83,12 +97,18 @@ struct Event {
   std::shared_ptr<Mark> mark;  // the last record (none: never recorded, which counts as reached)
 };
 
-// An operation on a stream: returns its error (kSuccess), given the stream's sticky error so far
-// (an operation that must run whatever came before, as a mark's reach, takes it; others are skipped).
+// An operation on a stream: what it runs, and what runs instead once the stream has failed (a
+// mark's reach, so that nothing waits for ever on a failed stream); `run` returns its failure.
 struct Op {
-  std::function<Result()> run;
-  std::function<void(Result)> always;  // runs instead of `run` once the stream has failed (marks)
+  std::function<Failure()> run;
+  std::function<void(const Failure&)> always;
 };
+
+struct Stream;
+// The stream whose operation the calling thread runs (a host function's, for smddp_standin_fail_running),
+// and the failure that operation reports.
+thread_local Stream* t_stream = nullptr;
+thread_local Failure* t_failure = nullptr;
 
 struct Stream {
   int device = 0;
@@ -97,43 +117,65 @@ struct Stream {
   std::deque<Op> queue;
   bool running = false;  // the thread is in an op
   bool closing = false;
-  Result error = kSuccess;  // sticky
+  bool detached = false;  // let go with work left: the thread ends once it has run it, and frees this
+  Failure failure;        // sticky
   bool capturing = false;
   std::size_t captured = 0;  // ops recorded into the graph under capture
+  std::atomic<std::int64_t> delay_us{-1};  // each copy's delay (-1: the process's)
+  bool immediate = false;  // every operation runs in the enqueuing thread, at once
+  std::mutex run_mu;       // (immediate) one operation at a time, in the order they came
   std::thread thread;
 
   void put(Op op) {
+    if (immediate) {
+      std::lock_guard<std::mutex> order(run_mu);
+      step(op);
+      return;
+    }
     {
       std::lock_guard<std::mutex> lock(mu);
       queue.push_back(std::move(op));
     }
     cv.notify_all();
   }
-  void loop() {
+  void step(Op& op) {
+    Failure failed;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      failed = failure;
+    }
+    if (failed.failed()) {
+      if (op.always) op.always(failed);
+      return;
+    }
+    if (!op.run) return;
+    Failure reported;
+    Stream* outer_stream = t_stream;
+    Failure* outer_failure = t_failure;
+    t_stream = this;
+    t_failure = &reported;
+    Failure f = op.run();
+    t_stream = outer_stream;
+    t_failure = outer_failure;
+    if (!f.failed()) f = reported;
+    if (f.failed()) {
+      std::lock_guard<std::mutex> lock(mu);
+      if (!failure.failed()) failure = f;
+    }
+  }
+  // Returns true once the stream is let go (detached) and empty: the caller frees it.
+  bool loop() {
     for (;;) {
       Op op;
       {
         std::unique_lock<std::mutex> lock(mu);
         cv.wait(lock, [this] { return closing || !queue.empty(); });
-        if (queue.empty()) return;
+        if (queue.empty()) return detached;
         op = std::move(queue.front());
         queue.pop_front();
         running = true;
       }
-      Result failed;
-      {
-        std::lock_guard<std::mutex> lock(mu);
-        failed = error;
-      }
-      if (failed != kSuccess) {
-        if (op.always) op.always(failed);
-      } else if (op.run) {
-        const Result r = op.run();
-        if (r != kSuccess) {
-          std::lock_guard<std::mutex> lock(mu);
-          error = r;
-        }
-      }
+      step(op);
       {
         std::lock_guard<std::mutex> lock(mu);
         running = false;
@@ -152,6 +194,7 @@ struct Alloc {
   int device;
   std::uint64_t nbytes;
   unsigned char* host;
+  bool owned;  // cuMemAlloc's (freed by cuMemFree); else a caller's mapping (smddp_standin_map)
 };
 
 struct Hold {
@@ -160,6 +203,8 @@ struct Hold {
   bool started = false;
   bool released = false;
 };
+
+constexpr int kMaxDevices = 64;
 
 struct State {
   std::mutex mu;
@@ -186,14 +231,18 @@ State& state() {
 // The device whose primary context the calling thread made current (-1: none).
 thread_local int t_device = -1;
 // The fake contexts' addresses: one byte each, per device, so that a CUcontext names its device.
-unsigned char g_contexts[64];
+unsigned char g_contexts[kMaxDevices];
 
 Result need_context() { return t_device < 0 ? kInvalidContext : kSuccess; }
+
+Failure ok() { return Failure{}; }
 
 Stream* start_stream(int device) {
   Stream* s = new Stream();
   s->device = device;
-  s->thread = std::thread([s] { s->loop(); });
+  s->thread = std::thread([s] {
+    if (s->loop()) delete s;  // let go (detached) and drained: nothing else holds it
+  });
   return s;
 }
 
@@ -204,9 +253,12 @@ Stream* stream_of(void* handle) {
   const auto h = reinterpret_cast<std::uintptr_t>(handle);
   std::lock_guard<std::mutex> lock(st.mu);
   if (h == 0 || h == 1 || h == 2) {
-    if (t_device < 0) return nullptr;
+    if (t_device < 0 || t_device >= st.devices) return nullptr;
     Stream*& d = st.defaults[static_cast<std::size_t>(t_device)];
-    if (d == nullptr) d = start_stream(t_device);
+    if (d == nullptr) {
+      d = start_stream(t_device);
+      d->delay_us = -1;
+    }
     return d;
   }
   auto* s = static_cast<Stream*>(handle);
@@ -233,20 +285,22 @@ unsigned char* device_range(std::uint64_t addr, std::size_t n, int* device) {
   return it->second.host + off;
 }
 
-// Whether host range [p, p + n) lies inside one registered range (writable, where the device writes it).
-bool pinned(const void* p, std::size_t n, bool device_writes) {
+// How host range [p, p + n) is registered: 0 not (pageable), 1 inside one registered range, -1 inside
+// a read-only one where the device would write it.
+int pinned(const void* p, std::size_t n, bool device_writes) {
   State& st = state();
   const auto a = reinterpret_cast<std::uintptr_t>(p);
   std::lock_guard<std::mutex> lock(st.mu);
   auto it = st.registered.upper_bound(a);
-  if (it == st.registered.begin()) return false;
+  if (it == st.registered.begin()) return 0;
   --it;
-  if (a - it->first > it->second.first || n > it->second.first - (a - it->first)) return false;
-  return !(device_writes && it->second.second);
+  if (a - it->first > it->second.first || n > it->second.first - (a - it->first)) return 0;
+  return device_writes && it->second.second ? -1 : 1;
 }
 
-void late() {
-  const std::int64_t us = state().copy_delay_us.load(std::memory_order_relaxed);
+void late(const Stream* s) {
+  std::int64_t us = s->delay_us.load(std::memory_order_relaxed);
+  if (us < 0) us = state().copy_delay_us.load(std::memory_order_relaxed);
   if (us > 0) std::this_thread::sleep_for(std::chrono::microseconds(us));
 }
 
@@ -267,29 +321,34 @@ bool is_capturing(Stream* s) {
   return s->capturing;
 }
 
+// Waits for what was put on `s` so far; the stream's failure then (kSuccess: none).
+Failure settle(Stream* s) {
+  auto mark = std::make_shared<Mark>();
+  s->put(Op{[mark] {
+              mark->reach(ok());
+              return ok();
+            },
+            [mark](const Failure& f) { mark->reach(f); }});
+  return mark->wait();
+}
+
 Result copy(Stream* s, unsigned char* dst, const unsigned char* src, std::size_t n, bool pinned_host) {
   if (n == 0) return kSuccess;
+  Op op{[s, dst, src, n] {
+          late(s);
+          std::memmove(dst, src, n);
+          return ok();
+        },
+        nullptr};
   if (pinned_host) {
     state().copies_pinned++;
-    enqueue(s, Op{[=] {
-                    late();
-                    std::memmove(dst, src, n);
-                    return kSuccess;
-                  },
-                  nullptr});
+    enqueue(s, std::move(op));
     return kSuccess;
   }
   state().copies_pageable++;
-  if (is_capturing(s)) return kCaptureUnsupported;  // pageable copies cannot be captured
-  auto mark = std::make_shared<Mark>();
-  s->put(Op{[=] {
-              late();
-              std::memmove(dst, src, n);
-              mark->reach(kSuccess);
-              return kSuccess;
-            },
-            [mark](Result e) { mark->reach(e); }});
-  return mark->wait();
+  if (is_capturing(s)) return kCaptureUnsupported;  // a copy the host waits for cannot be captured
+  s->put(std::move(op));
+  return settle(s).code;
 }
 
 }  // namespace
@@ -303,10 +362,10 @@ __attribute__((visibility("default"))) Result cuInit(unsigned flags) {
   if (!st.initialised) {
     const char* n = std::getenv("SMDDP_STANDIN_DEVICES");
     st.devices = n != nullptr ? std::atoi(n) : 1;
-    if (st.devices < 0 || st.devices > 64) st.devices = 0;
+    if (st.devices < 0 || st.devices > kMaxDevices) st.devices = 0;
     const char* d = std::getenv("SMDDP_STANDIN_COPY_DELAY_US");
     st.copy_delay_us = d != nullptr ? std::atoll(d) : 0;
-    st.defaults.assign(static_cast<std::size_t>(st.devices), nullptr);
+    st.defaults.assign(static_cast<std::size_t>(kMaxDevices), nullptr);
     st.initialised = true;
   }
   return st.devices == 0 ? kNoDevice : kSuccess;
@@ -359,7 +418,13 @@ __attribute__((visibility("default"))) Result cuCtxSetCurrent(void* ctx) {
     return kSuccess;
   }
   const auto* c = static_cast<unsigned char*>(ctx);
-  if (c < g_contexts || c >= g_contexts + state().devices) return kInvalidContext;
+  State& st = state();
+  int devices;
+  {
+    std::lock_guard<std::mutex> lock(st.mu);
+    devices = st.devices;
+  }
+  if (c < g_contexts || c >= g_contexts + devices) return kInvalidContext;
   t_device = static_cast<int>(c - g_contexts);
   return kSuccess;
 }
@@ -399,9 +464,7 @@ __attribute__((visibility("default"))) Result cuStreamSynchronize(void* handle) 
   Stream* s = stream_of(handle);
   if (s == nullptr) return kInvalidHandle;
   if (is_capturing(s)) return kCaptureUnsupported;
-  s->drain();
-  std::lock_guard<std::mutex> lock(s->mu);
-  return s->error;
+  return settle(s).code;
 }
 
 __attribute__((visibility("default"))) Result cuStreamIsCapturing(void* handle, int* status) {
@@ -478,10 +541,10 @@ __attribute__((visibility("default"))) Result cuEventRecord(void* event, void* s
     return kSuccess;
   }
   s->put(Op{[mark] {
-              mark->reach(kSuccess);
-              return kSuccess;
+              mark->reach(ok());
+              return ok();
             },
-            [mark](Result err) { mark->reach(err); }});
+            [mark](const Failure& f) { mark->reach(f); }});
   return kSuccess;
 }
 
@@ -497,7 +560,7 @@ __attribute__((visibility("default"))) Result cuEventQuery(void* event) {
   std::lock_guard<std::mutex> lock(mark->mu);
   if (mark->captured) return kCaptureUnsupported;
   if (!mark->done) return kNotReady;
-  return mark->error;
+  return mark->failure.code;
 }
 
 __attribute__((visibility("default"))) Result cuEventSynchronize(void* event) {
@@ -513,7 +576,7 @@ __attribute__((visibility("default"))) Result cuEventSynchronize(void* event) {
     std::lock_guard<std::mutex> lock(mark->mu);
     if (mark->captured) return kCaptureUnsupported;
   }
-  return mark->wait();
+  return mark->wait().code;
 }
 
 __attribute__((visibility("default"))) Result cuStreamWaitEvent(void* stream, void* event, unsigned flags) {
@@ -537,13 +600,9 @@ __attribute__((visibility("default"))) Result cuStreamWaitEvent(void* stream, vo
       return kSuccess;
     }
   }
-  enqueue(s, Op{[mark] {
-                  // An error of the producer's stream is not this stream's: CUDA orders, it does not
-                  // propagate failures across streams.
-                  mark->wait();
-                  return kSuccess;
-                },
-                nullptr});
+  // The producer's failure becomes this stream's: what follows the wait would read what the
+  // failed work never wrote.
+  enqueue(s, Op{[mark] { return mark->wait(); }, nullptr});
   return kSuccess;
 }
 
@@ -554,7 +613,9 @@ __attribute__((visibility("default"))) Result cuMemcpyDtoHAsync_v2(void* dst, st
   if (s == nullptr) return kInvalidHandle;
   unsigned char* from = device_range(src, n, nullptr);
   if (from == nullptr || (dst == nullptr && n > 0)) return kInvalidValue;
-  return copy(s, static_cast<unsigned char*>(dst), from, n, pinned(dst, n, true));
+  const int p = pinned(dst, n, true);
+  if (p < 0) return kInvalidValue;  // the device may not write read-only registered memory
+  return copy(s, static_cast<unsigned char*>(dst), from, n, p == 1);
 }
 
 __attribute__((visibility("default"))) Result cuMemcpyHtoDAsync_v2(std::uint64_t dst, const void* src, std::size_t n,
@@ -564,7 +625,7 @@ __attribute__((visibility("default"))) Result cuMemcpyHtoDAsync_v2(std::uint64_t
   if (s == nullptr) return kInvalidHandle;
   unsigned char* to = device_range(dst, n, nullptr);
   if (to == nullptr || (src == nullptr && n > 0)) return kInvalidValue;
-  return copy(s, to, static_cast<const unsigned char*>(src), n, pinned(src, n, false));
+  return copy(s, to, static_cast<const unsigned char*>(src), n, pinned(src, n, false) == 1);
 }
 
 __attribute__((visibility("default"))) Result cuMemHostRegister_v2(void* p, std::size_t n, unsigned flags) {
@@ -604,7 +665,7 @@ __attribute__((visibility("default"))) Result cuMemAlloc_v2(std::uint64_t* out, 
   std::lock_guard<std::mutex> lock(st.mu);
   const std::uint64_t addr = st.next_addr;
   st.next_addr += ((n + 255) / 256) * 256 + kGuard;
-  st.allocs[addr] = Alloc{t_device, n, host};
+  st.allocs[addr] = Alloc{t_device, n, host, true};
   *out = addr;
   return kSuccess;
 }
@@ -615,7 +676,7 @@ __attribute__((visibility("default"))) Result cuMemFree_v2(std::uint64_t addr) {
   {
     std::lock_guard<std::mutex> lock(st.mu);
     auto it = st.allocs.find(addr);
-    if (it == st.allocs.end()) return kInvalidValue;
+    if (it == st.allocs.end() || !it->second.owned) return kInvalidValue;
     host = it->second.host;
     st.allocs.erase(it);
   }
@@ -630,7 +691,7 @@ __attribute__((visibility("default"))) Result cuLaunchHostFunc(void* stream, voi
   if (s == nullptr) return kInvalidHandle;
   enqueue(s, Op{[fn, data] {
                   fn(data);
-                  return kSuccess;
+                  return ok();
                 },
                 nullptr});
   return kSuccess;
@@ -652,6 +713,7 @@ __attribute__((visibility("default"))) Result cuGetErrorName(Result r, const cha
     case kHostNotRegistered: *out = "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED"; break;
     case kCaptureUnsupported: *out = "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED"; break;
     case kCaptureInvalidated: *out = "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED"; break;
+    case kUnknown: *out = "CUDA_ERROR_UNKNOWN"; break;
     default: *out = nullptr; return kInvalidValue;
   }
   return kSuccess;
@@ -668,10 +730,103 @@ __attribute__((visibility("default"))) Result cuGetErrorString(Result r, const c
   return kSuccess;
 }
 
-// -- the stand-in's own controls, for tests -------------------------------------------------------
+// -- the stand-in's own controls, for tests and the Python stand-in runtime ----------------------
 
 __attribute__((visibility("default"))) void smddp_standin_set_copy_delay_us(std::int64_t us) {
   state().copy_delay_us = us;
+}
+
+// At least `n` devices from now on (the Python stand-in runtimes of one process may ask for more).
+__attribute__((visibility("default"))) Result smddp_standin_set_devices(int n) {
+  if (n < 1 || n > kMaxDevices) return kInvalidValue;
+  State& st = state();
+  std::lock_guard<std::mutex> lock(st.mu);
+  if (!st.initialised) return kNotInitialized;
+  if (n > st.devices) st.devices = n;
+  return kSuccess;
+}
+
+// A stream's own settings: each copy's delay (-1: the process's), and whether its operations run
+// in the enqueuing thread at once (set before anything is put on it).
+__attribute__((visibility("default"))) Result smddp_standin_stream_config(void* stream, std::int64_t delay_us,
+                                                                          int immediate) {
+  if (const Result r = need_context()) return r;
+  Stream* s = stream_of(stream);
+  if (s == nullptr) return kInvalidHandle;
+  s->delay_us = delay_us;
+  std::lock_guard<std::mutex> lock(s->mu);
+  s->immediate = immediate != 0;
+  return kSuccess;
+}
+
+// Lets `stream` go without waiting for its work (cuStreamDestroy waits): its thread ends, and
+// frees it, once what was put on it has run (a hold a test never let go ends at its limit).
+__attribute__((visibility("default"))) Result smddp_standin_stream_release(void* handle) {
+  State& st = state();
+  Stream* s = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(st.mu);
+    s = static_cast<Stream*>(handle);
+    if (st.streams.erase(s) == 0) return kInvalidHandle;
+  }
+  {
+    std::lock_guard<std::mutex> lock(s->mu);
+    s->closing = true;
+    s->detached = true;
+  }
+  s->thread.detach();
+  s->cv.notify_all();  // (after this the thread may free `s`)
+  return kSuccess;
+}
+
+// Device range [addr, addr + n) of `device` is `host`'s memory (the caller keeps it until unmapped).
+__attribute__((visibility("default"))) Result smddp_standin_map(std::uint64_t addr, void* host, std::size_t n,
+                                                                int device) {
+  if (host == nullptr || n == 0 || addr >= kDeviceBase || addr + n > kDeviceBase) return kInvalidValue;
+  State& st = state();
+  std::lock_guard<std::mutex> lock(st.mu);
+  auto it = st.allocs.lower_bound(addr);
+  if (it != st.allocs.end() && it->first < addr + n) return kInvalidValue;
+  if (it != st.allocs.begin() && std::prev(it)->first + std::prev(it)->second.nbytes > addr) return kInvalidValue;
+  st.allocs[addr] = Alloc{device, n, static_cast<unsigned char*>(host), false};
+  return kSuccess;
+}
+
+__attribute__((visibility("default"))) Result smddp_standin_unmap(std::uint64_t addr) {
+  State& st = state();
+  std::lock_guard<std::mutex> lock(st.mu);
+  auto it = st.allocs.find(addr);
+  if (it == st.allocs.end() || it->second.owned) return kInvalidValue;
+  st.allocs.erase(it);
+  return kSuccess;
+}
+
+// Called from a host function: the operation running fails its stream with `code` and `text`.
+__attribute__((visibility("default"))) Result smddp_standin_fail_running(Result code, const char* text) {
+  if (t_failure == nullptr || code == kSuccess) return kInvalidValue;
+  if (!t_failure->failed()) *t_failure = Failure{code, text != nullptr ? text : ""};
+  return kSuccess;
+}
+
+// The words of an event's failure (its last record's), copied into `out` (at most `n` bytes with
+// the terminating zero); returns its code (kSuccess: none, or not reached).
+__attribute__((visibility("default"))) Result smddp_standin_event_failure(void* event, char* out, std::size_t n) {
+  Event* e = event_of(event);
+  if (e == nullptr) return kInvalidHandle;
+  std::shared_ptr<Mark> mark;
+  {
+    std::lock_guard<std::mutex> lock(state().mu);
+    mark = e->mark;
+  }
+  if (n > 0) out[0] = '\0';
+  if (mark == nullptr) return kSuccess;
+  std::lock_guard<std::mutex> lock(mark->mu);
+  if (!mark->done) return kSuccess;
+  if (n > 0) {
+    std::strncpy(out, mark->failure.text.c_str(), n - 1);
+    out[n - 1] = '\0';
+  }
+  return mark->failure.code;
 }
 
 // A kernel on `stream` that runs until smddp_standin_release(id) (or `limit_ms` passes, so that a
@@ -693,7 +848,7 @@ __attribute__((visibility("default"))) std::uint64_t smddp_standin_hold(void* st
                   h->started = true;
                   h->cv.notify_all();
                   h->cv.wait_for(lock, std::chrono::milliseconds(limit_ms), [&] { return h->released; });
-                  return kSuccess;
+                  return ok();
                 },
                 nullptr});
   return id;
@@ -737,7 +892,7 @@ __attribute__((visibility("default"))) Result smddp_standin_fail(void* stream, R
   if (const Result r = need_context()) return r;
   Stream* s = stream_of(stream);
   if (s == nullptr) return kInvalidHandle;
-  enqueue(s, Op{[error] { return error; }, nullptr});
+  enqueue(s, Op{[error] { return Failure{error, "a kernel failed"}; }, nullptr});
   return kSuccess;
 }
 

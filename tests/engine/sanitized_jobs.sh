@@ -59,6 +59,11 @@ cxx=(g++ -std=c++17 -O1 -g -fno-omit-frame-pointer -fPIC -pthread -I"$include" -
 "${cxx[@]}" -Wall -Wextra -Wshadow -Werror -Ismddp/engine -c smddp/engine/module.cc -o "$out/$san-module.o"
 "${cxx[@]}" -fno-strict-aliasing -c "$nb_src/nb_combined.cpp" -o "$out/$san-nanobind.o"
 "${cxx[@]}" -shared "${core[@]}" "$out/$san-module.o" "$out/$san-nanobind.o" -o "$pkg/smddp/_engine$suffix"
+# The stand-in CUDA driver under the same sanitizer (the device jobs' runtime drives it through
+# ctypes): its stream threads and their locks are then the sanitizer's to see, as the engine's are.
+standin=$(cd "$out" && pwd)/$san-standin_cuda.so
+"${cxx[@]}" -Wall -Wextra -Wshadow -Werror -shared rigs/smddp_rigs/standin_cuda.cc -o "$standin"
+export SMDDP_STANDIN_CUDA=$standin
 # libstdc++ preloaded with the runtime: the bindings throw C++ exceptions (nanobind's errors), and the
 # sanitizer's __cxa_throw interceptor finds the real one only in a library loaded when it starts (the
 # interpreter itself does not link libstdc++; without it the first throw fails the sanitizer's CHECK).
