@@ -207,6 +207,9 @@ class StandinRuntime:
         self._next_addr = _next_base(1 << 40)  # this runtime's own range of addresses
         self._pinned: dict[int, tuple[int, bool]] = {}  # host address -> (bytes, read-only)
         self._tls = threading.local()
+        # The driver's registrations are the process's: this runtime's go with it (closed, or
+        # collected), as a process's go with it, so that a later runtime may register that memory.
+        self._unpin_all = weakref.finalize(self, _unregister_all, self._pinned)
 
     # -- devices and streams ---------------------------------------------------------------------
 
@@ -526,9 +529,9 @@ class StandinRuntime:
                         f"stand-in device: host range [{ptr:#x}, +{nbytes}) is already registered "
                         "(cudaErrorHostMemoryAlreadyRegistered)"
                     )
+            self._bind(0)
+            _check(_lib().cuMemHostRegister_v2(ptr, nbytes, 0x08 if readonly else 0), "cuMemHostRegister")
             self._pinned[ptr] = (nbytes, readonly)
-        self._bind(0)
-        _check(_lib().cuMemHostRegister_v2(ptr, nbytes, 0x08 if readonly else 0), "cuMemHostRegister")
 
     def unregister_host(self, ptr: int) -> None:
         with self._lock:
@@ -666,6 +669,14 @@ class StandinRuntime:
             streams = list(self._streams.values())
         for s in streams:
             _lib().smddp_standin_stream_release(s.handle)
+        self._unpin_all()
+
+
+def _unregister_all(pinned: dict[int, tuple[int, bool]]) -> None:
+    lib = _lib()
+    for ptr in list(pinned):
+        lib.cuMemHostUnregister(ptr)
+    pinned.clear()
 
 
 _BASES_LOCK = threading.Lock()

@@ -351,6 +351,25 @@ Result copy(Stream* s, unsigned char* dst, const unsigned char* src, std::size_t
   return settle(s).code;
 }
 
+// Takes the stream `handle` names off the table and tells its thread to end once what was put on
+// it has run (`detached`: and to free it then); nullptr when it names none.
+Stream* close_stream(void* handle, bool detached) {
+  State& st = state();
+  auto* s = static_cast<Stream*>(handle);
+  {
+    std::lock_guard<std::mutex> lock(st.mu);
+    if (st.streams.erase(s) == 0) return nullptr;
+  }
+  {
+    std::lock_guard<std::mutex> lock(s->mu);
+    s->closing = true;
+    s->detached = detached;
+  }
+  if (detached) s->thread.detach();
+  s->cv.notify_all();  // (detached, the thread may free `s` from here on)
+  return s;
+}
+
 }  // namespace
 
 extern "C" {
@@ -441,19 +460,9 @@ __attribute__((visibility("default"))) Result cuStreamCreate(void** out, unsigne
 }
 
 __attribute__((visibility("default"))) Result cuStreamDestroy_v2(void* handle) {
-  State& st = state();
-  Stream* s = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(st.mu);
-    s = static_cast<Stream*>(handle);
-    if (st.streams.erase(s) == 0) return kInvalidHandle;
-  }
   // As the driver: work already put runs to the end, then the stream goes.
-  {
-    std::lock_guard<std::mutex> lock(s->mu);
-    s->closing = true;
-  }
-  s->cv.notify_all();
+  Stream* s = close_stream(handle, false);
+  if (s == nullptr) return kInvalidHandle;
   s->thread.join();
   delete s;
   return kSuccess;
@@ -762,21 +771,7 @@ __attribute__((visibility("default"))) Result smddp_standin_stream_config(void* 
 // Lets `stream` go without waiting for its work (cuStreamDestroy waits): its thread ends, and
 // frees it, once what was put on it has run (a hold a test never let go ends at its limit).
 __attribute__((visibility("default"))) Result smddp_standin_stream_release(void* handle) {
-  State& st = state();
-  Stream* s = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(st.mu);
-    s = static_cast<Stream*>(handle);
-    if (st.streams.erase(s) == 0) return kInvalidHandle;
-  }
-  {
-    std::lock_guard<std::mutex> lock(s->mu);
-    s->closing = true;
-    s->detached = true;
-  }
-  s->thread.detach();
-  s->cv.notify_all();  // (after this the thread may free `s`)
-  return kSuccess;
+  return close_stream(handle, true) == nullptr ? kInvalidHandle : kSuccess;
 }
 
 // Device range [addr, addr + n) of `device` is `host`'s memory (the caller keeps it until unmapped).

@@ -468,25 +468,12 @@ def test_copy_in_waits_for_the_producer_and_would_be_stale_without(rt):
         arena.close()
 
 
-class ForeignCai:
+class ForeignCai(CaiOnly):
     """A CUDA Array Interface v2 array of a library smddp does not know (JAX's, older numba's): it
-    names no stream, and it is not the runtime's own (library_of: "tests")."""
-
-    __smddp_device_runtime__ = "standin"
+    names no stream, and it is not the runtime's own (library_of: "tests", this module's)."""
 
     def __init__(self, arr: Any) -> None:
-        self._arr = arr
-
-    @property
-    def __smddp_standin__(self) -> StandinRuntime:
-        return self._arr.runtime
-
-    @property
-    def __cuda_array_interface__(self) -> dict[str, Any]:
-        cai = dict(self._arr.__cuda_array_interface__)
-        cai["version"] = 2
-        del cai["stream"]
-        return cai
+        super().__init__(arr, version=2)
 
 
 def test_a_v2_buffer_of_another_library_is_ordered_against_the_legacy_stream_not_the_current_one(rt):
