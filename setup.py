@@ -110,6 +110,8 @@ extensions = [
             "smddp/engine/exchange.cc",
             "smddp/engine/worker_port.cc",
             "smddp/engine/local_plane.cc",
+            "smddp/engine/cuda_driver.cc",
+            "smddp/engine/device_watch.cc",
             "smddp/engine/module.cc",
             *NB_SOURCES,
         ],

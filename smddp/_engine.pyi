@@ -605,6 +605,36 @@ class WorkerChannel:
     def close_daemon_end(self) -> None:
         """The daemon's end of the side socket is closed here (once passed)."""
 
+class DeviceEngine:
+    """
+    The engine's device progress: held device SUBMITs given once their copy-ins land.
+    """
+
+    def __init__(self, channel: WorkerChannel, library: str, spin_us: float) -> None:
+        """
+        The CUDA driver `library` loaded (OSError naming why not), for `channel`'s records.
+        """
+
+    def give_when(self, record: Started, event: int, device: int) -> bool:
+        """
+        Give the record's SUBMIT once the CUevent is reached; False once stopped.
+        """
+
+    def failure(self) -> tuple[int, str] | None:
+        """
+        None, or (1: a copy-in failed, 2: the daemon's ring; why) for the first failure.
+        """
+
+    def pending(self) -> int:
+        """Watches not yet ended."""
+
+    @property
+    def driver_version(self) -> int:
+        """the driver's cuDriverGetVersion (1000 * major + 10 * minor)"""
+
+    def stop(self) -> None:
+        """End every watch: the SUBMITs not given yet are never given."""
+
 def ofi_providers(library: str) -> list[str]:
     """
     The providers of that libfabric with reliable-datagram tagged messages.

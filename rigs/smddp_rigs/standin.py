@@ -377,6 +377,12 @@ class StandinRuntime:
             raise DeviceError(_CAPTURING)
         return event.done
 
+    def driver_library(self) -> str:
+        return driver_path()
+
+    def event_handle(self, event: StandinEvent) -> int:
+        return event.handle
+
     # -- CUDA graphs: stream capture -------------------------------------------------------------
 
     def begin_capture(self, stream: int, device: int = 0) -> None:

@@ -575,6 +575,9 @@ class Client:
         # before it waits for the copies themselves, and refuses new ones first (_closing).
         self._copying_in = 0
         self._closing = False
+        # The engine's device progress (_device_engine_locked), for the runtime it was made for.
+        self._giver: _engine.DeviceEngine | None = None
+        self._giver_rt: Any = None
         self._submitter: threading.Thread | None = None
         self._tls = threading.local()  # .waited: inside waiting()
         # ATTACH, SUBMIT, RELEASE and BYE go on this channel's submit ring, SEGMENT and DONE come on
@@ -709,6 +712,9 @@ class Client:
             self._closed = True
             self._channel.close_starts()  # (BYE must be the last descriptor)
             self._held_cv.notify_all()
+        giver = self._giver
+        if giver is not None:
+            giver.stop()  # no SUBMIT is given after BYE (nor into a channel that is going)
         if self._submitter is not None:
             self._submitter.join(timeout=5.0)
         self._write_routed()  # the final counts, before BYE lets the daemon finish
@@ -878,14 +884,47 @@ class Client:
         return None
 
     def _hold(self, handle: DeviceHandle, ready: Any, sends: bool) -> None:
-        """(lock held) Hold `handle`'s SUBMIT until its copy-in (`ready`) is complete: sent by the
-        submitter thread, or by its caller's wait where `sends` (the caller waits at once)."""
+        """(lock held) Hold `handle`'s SUBMIT until its copy-in (`ready`) is complete: given by the
+        engine's device watch the moment the copy lands (no thread of this client's: DeviceEngine),
+        else sent by the submitter thread, or by its caller's wait where `sends` (the caller waits at
+        once)."""
+        engine = self._device_engine_locked()
+        if engine is not None:
+            assert self._device is not None  # (a device copy-in made `ready`)
+            handle._ready = ready  # the event stays alive until its watch has ended
+            if engine.give_when(handle, self._device.rt.event_handle(ready), handle._plan.device):
+                return
         self._holding[handle.seq] = _Held(ready, handle, time.monotonic())
         handle._held = True
         handle._sends = sends
         self._start_submitter()
         if not sends:
             self._held_cv.notify_all()
+
+    def _device_engine_locked(self) -> _engine.DeviceEngine | None:
+        """(lock held) The engine's device progress for this client's runtime, started on first use:
+        the runtime's CUDA driver (its driver_library()) loaded into the engine. None where it cannot
+        be (a runtime that names no driver, or one the engine cannot load: said once in the log):
+        the submitter thread gives held SUBMITs then."""
+        io = self._device
+        if io is None or self._closed:
+            return None
+        if self._giver is not None and self._giver_rt is io.rt:
+            return self._giver
+        if self._giver_rt is io.rt:
+            return None  # refused before
+        self._giver_rt = io.rt
+        library = getattr(io.rt, "driver_library", None)
+        if library is None:
+            return None
+        try:
+            self._giver = _engine.DeviceEngine(self._channel, library(), COPY_SPIN_S * 1e6)
+        except OSError as e:
+            log.warning(
+                "the engine cannot drive the device (%s): the submitter thread gives device SUBMITs", e
+            )
+            self._giver = None
+        return self._giver
 
     def device_allreduce_now(
         self, dev: DeviceBuffer, op: ReduceOp, stream: int, timeout: float | None
@@ -1404,6 +1443,14 @@ class Client:
                 got = channel.pop(0.5, 0.0)  # a wait (the engine's finish) takes the ring from us
                 if got is not None:
                     self._taken(got)
+                giver = self._giver
+                if giver is not None and self._failure is None:
+                    failed = giver.failure()  # a copy-in the engine watched failed, or the daemon's ring
+                    if failed is not None:
+                        kind, why = failed
+                        self._device_failed(
+                            DeviceError(f"rank {self.rank}: {why}") if kind == 1 else TransportError(why)
+                        )
         except SmddpError as e:
             self._distrust(e)
         except Exception as e:  # a bug; never leave waiters hanging

@@ -29,6 +29,7 @@
 #include <exception>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <new>
 #include <optional>
 #include <string>
@@ -40,6 +41,8 @@
 
 #include "arena.h"
 #include "channel.h"
+#include "cuda_driver.h"
+#include "device_watch.h"
 #include "fdpass.h"
 #include "frame.h"
 #include "local_plane.h"
@@ -1050,6 +1053,117 @@ nb::object channel_begin_allreduce(ChannelSelf self, nb::handle src, long long d
   return start_record(self, h, sources, out, nb::borrow(keep), result, nb::none());
 }
 
+// ------------------------------------------------------------------------------- DeviceEngine
+
+// The engine's half of a client's device path, for now its first step: the CUDA driver (loaded at
+// run time: libcuda.so.1, or the stand-in's) and a progress thread per device (DeviceWatch) that
+// gives each held device SUBMIT the moment its copy-in has landed, in whatever order the copies
+// land (the channel puts them on the ring in sequence order), with no Python and no thread of the
+// client's. A copy-in that failed, or a ring the daemon left full, is kept as the engine's failure
+// (failure(): the client's DONE thread looks, and fails the job with it).
+//
+// Memory: owns the driver and the watches; holds its channel (a reference) so that the channel
+// outlives every watch; stop() (and the end of the object) ends the watches first. The events are
+// the caller's: it keeps each alive until its watch has ended (the record holds it).
+struct DeviceEngine {
+  nb::object channel_obj;
+  Channel* channel = nullptr;
+  std::unique_ptr<smddp::cuda::Driver> driver;
+  std::int64_t spin_ns = 0;
+  std::mutex mu;  // the watches, the failure, stopped
+  std::map<int, std::unique_ptr<smddp::DeviceWatch>> watches;
+  int failure_kind = 0;  // 0: none; 1: a copy-in failed (the device's); 2: the daemon's ring
+  std::string failure;
+  bool stopped = false;
+
+  ~DeviceEngine() { stop(); }
+
+  void fail(int kind, std::string why) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (failure_kind == 0) {
+      failure_kind = kind;
+      failure = std::move(why);
+    }
+  }
+
+  smddp::DeviceWatch* watch_for(int device) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (stopped) return nullptr;
+    auto& w = watches[device];
+    if (!w) w = std::make_unique<smddp::DeviceWatch>(driver.get(), device, spin_ns);
+    return w.get();
+  }
+
+  void stop() {
+    std::map<int, std::unique_ptr<smddp::DeviceWatch>> all;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      stopped = true;
+      all.swap(watches);
+    }
+    for (auto& kv : all) kv.second->stop();  // (outside the lock: a watch's done takes it)
+  }
+};
+
+void device_engine_init(DeviceEngine* self, nb::handle channel, const std::string& library, double spin_us) {
+  Channel* c = nullptr;
+  if (!nb::try_cast<Channel*>(channel, c) || c == nullptr)
+    raise_error(Err::kType, "DeviceEngine: expected an smddp._engine.WorkerChannel");
+  std::string why;
+  std::unique_ptr<smddp::cuda::Driver> d;
+  {
+    nb::gil_scoped_release unlocked;  // (cuInit may take a while)
+    d = smddp::cuda::Driver::load(library, &why);
+  }
+  if (!d) raise_error(Err::kOS, why);
+  new (self) DeviceEngine();
+  self->channel_obj = nb::borrow(channel);
+  self->channel = c;
+  self->driver = std::move(d);
+  self->spin_ns = spin_ns(spin_us);
+}
+
+// Gives `record`'s SUBMIT once `event` (a CUevent, the copy-in's, recorded on `device`) is reached.
+// False once stopped (nothing will give it).
+bool device_engine_give_when(DeviceEngine& e, Started& s, std::uintptr_t event, long long device) {
+  if (s.channel != e.channel) raise_error(Err::kValue, "give_when: a record of another channel");
+  if (device < 0 || device > 1024) raise_error(Err::kValue, "give_when: no such device");
+  smddp::DeviceWatch* w = e.watch_for(static_cast<int>(device));
+  if (w == nullptr) return false;
+  smddp::WorkerChannel* ch = e.channel->ch.get();
+  const smddp::Header h = s.submit;
+  const std::int64_t timeout = s.timeout_ns, spin = s.spin_ns;
+  DeviceEngine* engine = &e;
+  return w->watch(reinterpret_cast<smddp::cuda::Event>(event), [engine, ch, h, timeout, spin](smddp::cuda::Result r) {
+    if (r == smddp::DeviceWatch::kStopped) return;
+    if (r != smddp::cuda::kSuccess) {
+      engine->fail(1, "the copy-in of collective #" + std::to_string(h.seq) +
+                          " failed: " + engine->driver->describe(r, "cuEventQuery"));
+      return;
+    }
+    bool backlog = false;
+    const smddp::RingWait got = ch->give(h, timeout, spin, &backlog);
+    if (backlog)
+      engine->fail(2, ch->backlog_why());
+    else if (got != smddp::RingWait::kReady)
+      engine->fail(2, "the SUBMIT of collective #" + std::to_string(h.seq) +
+                          " could not go: the daemon did not read this worker's ring (frozen or gone)");
+  });
+}
+
+std::optional<std::pair<int, std::string>> device_engine_failure(DeviceEngine& e) {
+  std::lock_guard<std::mutex> lock(e.mu);
+  if (e.failure_kind == 0) return std::nullopt;
+  return std::make_pair(e.failure_kind, e.failure);
+}
+
+std::size_t device_engine_pending(DeviceEngine& e) {
+  std::lock_guard<std::mutex> lock(e.mu);
+  std::size_t n = 0;
+  for (auto& kv : e.watches) n += kv.second->pending();
+  return n;
+}
+
 // The run()s that end DONE or CLOSED share one answer each (the module's RAN_DONE and RAN_CLOSED,
 // which hold them): the blocking call allocates nothing.
 nb::handle g_ran_done;
@@ -1632,6 +1746,25 @@ NB_MODULE(_engine, m) {
       .def(
           "close_daemon_end", [](Channel& c) { c.ch->close_daemon_end(); },
           "The daemon's end of the side socket is closed here (once passed).");
+
+  nb::class_<DeviceEngine>(m, "DeviceEngine", "The engine's device progress: held device SUBMITs given once their copy-ins land.")
+      .def("__init__", &device_engine_init, "channel"_a, "library"_a, "spin_us"_a,
+           nb::sig("def __init__(self, channel: WorkerChannel, library: str, spin_us: float) -> None"),
+           "The CUDA driver `library` loaded (OSError naming why not), for `channel`'s records.")
+      .def("give_when", &device_engine_give_when, "record"_a, "event"_a, "device"_a,
+           "Give the record's SUBMIT once the CUevent is reached; False once stopped.")
+      .def("failure", &device_engine_failure,
+           "None, or (1: a copy-in failed, 2: the daemon's ring; why) for the first failure.")
+      .def("pending", &device_engine_pending, "Watches not yet ended.")
+      .def_prop_ro(
+          "driver_version", [](const DeviceEngine& e) { return e.driver->version(); },
+          "the driver's cuDriverGetVersion (1000 * major + 10 * minor)")
+      .def(
+          "stop", [](DeviceEngine& e) {
+            nb::gil_scoped_release unlocked;
+            e.stop();
+          },
+          "End every watch: the SUBMITs not given yet are never given.");
 
   m.def("ofi_providers", &ofi_providers, "library"_a,
         "The providers of that libfabric with reliable-datagram tagged messages.");

@@ -1011,9 +1011,10 @@ def test_reserved_submits_given_last_first_go_on_the_ring_in_order(pair):
 
 def test_device_submits_go_in_sequence_order_when_their_copy_ins_finish_the_other_way(pair):
     """Two device collectives on two devices of the stand-in: the first's copy-in waits behind a slow
-    kernel on its device, the second's (a blocking call, whose own wait gives its SUBMIT) is done at
-    once. The second's SUBMIT is given first and waits in the channel; the daemon sees them in
-    sequence order once the first's copy-in lands, and both results reach their devices."""
+    kernel on its device (its SUBMIT the engine's device watch gives once it lands: no thread of the
+    client's), the second's (a blocking call, whose own wait gives its SUBMIT) is done at once. The
+    second's SUBMIT is given first and waits in the channel; the daemon sees them in sequence order
+    once the first's copy-in lands, and both results reach their devices."""
     from smddp_rigs.standin import StandinRuntime
 
     from smddp.client.device.copies import DeviceIO
@@ -1021,17 +1022,27 @@ def test_device_submits_go_in_sequence_order_when_their_copy_ins_finish_the_othe
     client, daemon = pair
     rt = StandinRuntime(devices=2)
     client._device = DeviceIO(rt, client._device_failed)
+    gave: list[int] = []
+    give = client._give_locked
+
+    def spy(handle: Any) -> Any:
+        gave.append(handle.seq)
+        return give(handle)
+
+    client._give_locked = spy  # type: ignore[method-assign]
     slow = rt.new_stream(0)
     x0 = rt.asarray(np.ones(64, np.float32), device=0)
     x1 = rt.asarray(np.ones(32, np.float32), device=1)
     gate = rt.hold(slow, device=0)  # a slow kernel ahead of the first's copy-in, until let go below
     first = allreduce_async(client, x0, ReduceOp.SUM, stream=slow)
+    assert client._giver is not None and client._giver.pending() == 1, "the engine does not watch its copy-in"
+    assert client._submitter is None, "a thread of the client's holds a device SUBMIT"
     second = Call(lambda: collectives.allreduce(client, x1, ReduceOp.SUM, 5.0))
     deadline = time.monotonic() + 5
-    while 2 in client._holding:
+    while 2 not in gave:
         assert time.monotonic() < deadline, "the blocking call did not give its SUBMIT"
         time.sleep(0.002)
-    assert 1 in client._holding and not daemon.pending(), "the second SUBMIT went ahead of the first"
+    assert client._giver.pending() == 1 and not daemon.pending(), "the second SUBMIT went ahead of the first"
     gate.set()
     s1, s2 = [f for f in until_submits(daemon, 2) if f.type is MsgType.SUBMIT]
     assert [(s.seq, s.count) for s in (s1, s2)] == [(1, 64), (2, 32)]
@@ -1098,6 +1109,37 @@ def test_a_slow_copy_in_holds_up_no_other_collectives_completion(pair, slow):
     assert np.array_equal(x.get(), np.full(64, 2.0, np.float32))
     assert np.array_equal(a, np.full(16, 6.0, np.float32))
     client.shutdown(timeout=2)
+    rt.close()
+
+
+def test_a_copy_in_that_fails_on_the_device_fails_the_client_naming_it(pair):
+    """The engine's device watch gives a held SUBMIT once its copy-in lands; a copy-in that fails on
+    the device (the producer's kernel faulted: the copy stream that waited for it fails too) is never
+    given: the engine keeps the failure, the client's DONE thread fails the job with it, and the
+    collective's wait raises it, naming the collective and the driver's error, in bounded time."""
+    from smddp_rigs.standin import StandinRuntime
+
+    from smddp.client.device.copies import DeviceIO
+
+    client, daemon = pair
+    rt = StandinRuntime()
+    client._device = DeviceIO(rt, client._device_failed)
+    producer = rt.new_stream()
+    x = rt.asarray(np.ones(64, np.float32))
+    gate = rt.hold(producer)
+
+    def fault(v: np.ndarray) -> None:
+        raise ValueError("kernel fault")
+
+    rt.launch(producer, fault, x)
+    h = allreduce_async(client, x, ReduceOp.SUM, stream=producer)
+    assert client._giver is not None and client._giver.pending() == 1
+    gate.set()
+    with pytest.raises(
+        CollectiveError, match=r"the copy-in of collective #1 failed: cuEventQuery: CUDA_ERROR_UNKNOWN"
+    ):
+        h.wait(30.0)
+    assert not daemon.pending(), "a failed copy-in's SUBMIT went"
     rt.close()
 
 

@@ -104,6 +104,12 @@ class CupyRuntime:
     def event_done(self, event: Any) -> bool:
         return bool(event.done)
 
+    def driver_library(self) -> str:
+        return "libcuda.so.1"  # (the one the GPU's kernel module goes with; CuPy's runtime uses it)
+
+    def event_handle(self, event: Any) -> int:
+        return int(event.ptr)  # a cudaEvent_t is the driver's CUevent
+
     def is_capturing(self, stream: int, device: int) -> bool:
         # cudaStreamIsCapturing may be asked under capture; the legacy stream is never capturing.
         if stream in (0, 1):  # the default and legacy (cudaStreamLegacy) streams

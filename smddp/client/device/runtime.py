@@ -91,6 +91,15 @@ class DeviceRuntime(Protocol):
         """
         ...
 
+    def driver_library(self) -> str:
+        """The CUDA driver library this runtime's streams and events belong to (libcuda.so.1 on a
+        GPU): the engine loads it too, and reaches the same streams and events through it."""
+        ...
+
+    def event_handle(self, event: Any) -> int:
+        """The driver's handle (CUevent) of one of this runtime's events."""
+        ...
+
     def close(self) -> None: ...
 
 
