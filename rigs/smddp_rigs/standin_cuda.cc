@@ -265,11 +265,15 @@ Stream* stream_of(void* handle) {
   return st.streams.count(s) ? s : nullptr;
 }
 
-Event* event_of(void* handle) {
+// The last record of the event `handle` names (nullptr: never recorded), the event looked up and its
+// record read under one lock, since another thread's cuEventDestroy frees the Event; *known says
+// whether `handle` names one.
+std::shared_ptr<Mark> last_mark(void* handle, bool* known) {
   State& st = state();
   std::lock_guard<std::mutex> lock(st.mu);
   auto* e = static_cast<Event*>(handle);
-  return st.events.count(e) ? e : nullptr;
+  *known = st.events.count(e) != 0;
+  return *known ? e->mark : nullptr;
 }
 
 // The host memory behind device range [addr, addr + n), or nullptr when it lies outside every allocation.
@@ -535,13 +539,15 @@ __attribute__((visibility("default"))) Result cuEventDestroy_v2(void* handle) {
 
 __attribute__((visibility("default"))) Result cuEventRecord(void* event, void* stream) {
   if (const Result r = need_context()) return r;
-  Event* e = event_of(event);
   Stream* s = stream_of(stream);
-  if (e == nullptr || s == nullptr) return kInvalidHandle;
-  if (e->device != s->device) return kInvalidHandle;
+  if (s == nullptr) return kInvalidHandle;
   auto mark = std::make_shared<Mark>();
   {
-    std::lock_guard<std::mutex> lock(state().mu);
+    // (looked up and written under one lock: another thread's cuEventDestroy frees the Event)
+    State& st = state();
+    std::lock_guard<std::mutex> lock(st.mu);
+    auto* e = static_cast<Event*>(event);
+    if (st.events.count(e) == 0 || e->device != s->device) return kInvalidHandle;
     e->mark = mark;
   }
   if (is_capturing(s)) {
@@ -558,13 +564,9 @@ __attribute__((visibility("default"))) Result cuEventRecord(void* event, void* s
 }
 
 __attribute__((visibility("default"))) Result cuEventQuery(void* event) {
-  Event* e = event_of(event);
-  if (e == nullptr) return kInvalidHandle;
-  std::shared_ptr<Mark> mark;
-  {
-    std::lock_guard<std::mutex> lock(state().mu);
-    mark = e->mark;
-  }
+  bool known = false;
+  const std::shared_ptr<Mark> mark = last_mark(event, &known);
+  if (!known) return kInvalidHandle;
   if (mark == nullptr) return kSuccess;
   std::lock_guard<std::mutex> lock(mark->mu);
   if (mark->captured) return kCaptureUnsupported;
@@ -573,13 +575,9 @@ __attribute__((visibility("default"))) Result cuEventQuery(void* event) {
 }
 
 __attribute__((visibility("default"))) Result cuEventSynchronize(void* event) {
-  Event* e = event_of(event);
-  if (e == nullptr) return kInvalidHandle;
-  std::shared_ptr<Mark> mark;
-  {
-    std::lock_guard<std::mutex> lock(state().mu);
-    mark = e->mark;
-  }
+  bool known = false;
+  const std::shared_ptr<Mark> mark = last_mark(event, &known);
+  if (!known) return kInvalidHandle;
   if (mark == nullptr) return kSuccess;
   {
     std::lock_guard<std::mutex> lock(mark->mu);
@@ -592,13 +590,9 @@ __attribute__((visibility("default"))) Result cuStreamWaitEvent(void* stream, vo
   if (flags != 0) return kInvalidValue;
   if (const Result r = need_context()) return r;
   Stream* s = stream_of(stream);
-  Event* e = event_of(event);
-  if (s == nullptr || e == nullptr) return kInvalidHandle;
-  std::shared_ptr<Mark> mark;
-  {
-    std::lock_guard<std::mutex> lock(state().mu);
-    mark = e->mark;
-  }
+  bool known = false;
+  const std::shared_ptr<Mark> mark = last_mark(event, &known);
+  if (s == nullptr || !known) return kInvalidHandle;
   if (mark == nullptr) return kSuccess;
   {
     std::lock_guard<std::mutex> lock(mark->mu);
@@ -806,13 +800,9 @@ __attribute__((visibility("default"))) Result smddp_standin_fail_running(Result 
 // The words of an event's failure (its last record's), copied into `out` (at most `n` bytes with
 // the terminating zero); returns its code (kSuccess: none, or not reached).
 __attribute__((visibility("default"))) Result smddp_standin_event_failure(void* event, char* out, std::size_t n) {
-  Event* e = event_of(event);
-  if (e == nullptr) return kInvalidHandle;
-  std::shared_ptr<Mark> mark;
-  {
-    std::lock_guard<std::mutex> lock(state().mu);
-    mark = e->mark;
-  }
+  bool known = false;
+  const std::shared_ptr<Mark> mark = last_mark(event, &known);
+  if (!known) return kInvalidHandle;
   if (n > 0) out[0] = '\0';
   if (mark == nullptr) return kSuccess;
   std::lock_guard<std::mutex> lock(mark->mu);
