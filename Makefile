@@ -81,7 +81,7 @@ ENGINE_CORE := smddp/engine/frame.cc smddp/engine/layout.cc smddp/engine/reduce1
   smddp/engine/node_state.cc smddp/engine/arena.cc smddp/engine/fdpass.cc \
   smddp/engine/tcp_fabric.cc smddp/engine/ofi_fabric.cc smddp/engine/ofi_wire.cc smddp/engine/ring.cc smddp/engine/channel.cc \
   smddp/engine/executor.cc smddp/engine/exchange.cc smddp/engine/worker_port.cc smddp/engine/local_plane.cc \
-  smddp/engine/cuda_driver.cc smddp/engine/device_watch.cc
+  smddp/engine/cuda_driver.cc smddp/engine/device_watch.cc smddp/engine/device_path.cc
 # Each driver's own bounded run under ASan+UBSan and under TSan (the coverage-guided libFuzzer runs of
 # engine-fuzz go deeper; `make fuzz` longer still).
 FUZZ_SECONDS ?= 4

@@ -112,6 +112,7 @@ extensions = [
             "smddp/engine/local_plane.cc",
             "smddp/engine/cuda_driver.cc",
             "smddp/engine/device_watch.cc",
+            "smddp/engine/device_path.cc",
             "smddp/engine/module.cc",
             *NB_SOURCES,
         ],

@@ -1,3 +1,4 @@
+from collections.abc import Sequence
 import enum
 from typing import Any, TypeVar
 
@@ -269,11 +270,11 @@ class Completed:
     def seq(self) -> int:
         """its sequence number"""
 
-    __match_args__: tuple = ('seq', 'at')
+    __match_args__: tuple = ('seq', 'error')
 
     @property
-    def at(self) -> Slot | None:
-        """a held (device) one's result: where it lies; None for a host one"""
+    def error(self) -> str | None:
+        """a device one's copy back that could not be enqueued: why; else None"""
 
 class Unmatched:
     """A DONE pop() had nobody for: the general way's, or the daemon's fault."""
@@ -469,6 +470,17 @@ class Started:
     def _complete(self, failed: bool) -> None:
         """Finished other than by its own wait."""
 
+    def _device_order(self, stream: int) -> None:
+        """A device record's: `stream`'s later work waits for its copy back."""
+
+    def _device_done(self) -> bool:
+        """A device record's: whether its copy back has landed."""
+
+    def _device_synchronize(self, timeout_s: float) -> bool:
+        """
+        A device record's: wait for its copy back to land; whether it did in time.
+        """
+
     @property
     def seq(self) -> int:
         """its sequence number"""
@@ -607,7 +619,7 @@ class WorkerChannel:
 
 class DeviceEngine:
     """
-    The engine's device progress: held device SUBMITs given once their copy-ins land.
+    A client's device path in the engine: held SUBMITs given once their copy-ins land, results copied back and RELEASEd.
     """
 
     def __init__(self, channel: WorkerChannel, library: str, spin_us: float) -> None:
@@ -620,20 +632,37 @@ class DeviceEngine:
         Give the record's SUBMIT once the CUevent is reached; False once stopped.
         """
 
+    def deliver_to(self, record: Started, device: int, stream: int, before: int, done: int, parts: Sequence[tuple[int, int, int]], hold: Any) -> None:
+        """
+        The record's result goes to the device at its DONE: (address, offset, bytes) parts on `stream`, after CUevent `before`, then CUevent `done` recorded (0: none, the engine's own); `hold` kept until they land.
+        """
+
     def failure(self) -> tuple[int, str] | None:
         """
-        None, or (1: a copy-in failed, 2: the daemon's ring; why) for the first failure.
+        None, or (1: a device copy failed, 2: the daemon's ring; why) for the first failure.
         """
 
     def pending(self) -> int:
-        """Watches not yet ended."""
+        """Watches not yet ended: copies in and back in flight."""
+
+    def reap(self) -> list[str]:
+        """
+        Let go of what landed copies held; what the engine would log since the last call.
+        """
+
+    def settle(self, timeout_s: float) -> bool:
+        """
+        Wait for every copy in and back in flight to end; whether they did in time.
+        """
 
     @property
     def driver_version(self) -> int:
         """the driver's cuDriverGetVersion (1000 * major + 10 * minor)"""
 
-    def stop(self) -> None:
-        """End every watch: the SUBMITs not given yet are never given."""
+    def stop(self, unpin: bool) -> None:
+        """
+        End every watch (nothing is given or RELEASEd from now on); unpin: and let go of the result segments' page-locking (only once nothing copies from them).
+        """
 
 def ofi_providers(library: str) -> list[str]:
     """

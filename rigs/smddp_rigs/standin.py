@@ -93,6 +93,9 @@ def _lib() -> ctypes.CDLL:
                 "smddp_standin_unmap": ([u64], c.c_int),
                 "smddp_standin_fail_running": ([c.c_int, c.c_char_p], c.c_int),
                 "smddp_standin_event_failure": ([vp, c.c_char_p, sz], c.c_int),
+                "smddp_standin_copy_counts": ([c.POINTER(u64)], None),
+                "smddp_standin_trace": ([c.c_int], None),
+                "smddp_standin_trace_take": ([c.POINTER(c.c_int), c.POINTER(c.c_size_t), sz], sz),
             }
             for name, (args, res) in sigs.items():
                 fn = getattr(lib, name)
@@ -101,6 +104,13 @@ def _lib() -> ctypes.CDLL:
                 raise DeviceError("the stand-in CUDA driver did not initialise")
             _LIBRARY = lib
         return _LIBRARY
+
+
+def _copy_counts() -> tuple[int, ...]:
+    """The driver's copies since the process began: device to host, host to device, pinned, pageable."""
+    out = (ctypes.c_uint64 * 4)()
+    _lib().smddp_standin_copy_counts(out)
+    return tuple(out)
 
 
 def _check(code: int, what: str) -> None:
@@ -174,8 +184,10 @@ class StandinRuntime:
     so a missing wait gives stale data, as on a GPU; `copy_delay_s` makes every copy wait first, so
     that such a race is lost every time. Copies to or from host memory that is not registered
     (`register_host`) block the caller until they are done, as CUDA's copies from pageable memory
-    do, and are counted in `stats`. The engine, handed the same driver, sees the same streams, events
-    and memory: what a real GPU's driver gives CuPy and the engine alike.
+    do. `stats` counts copies by direction and by kind (pinned, pageable) as the driver made them,
+    this runtime's and the engine's alike, since this runtime began (the driver's counts are the
+    process's), and the kernels launched here. The engine, handed the same driver, sees the same
+    streams, events and memory: what a real GPU's driver gives CuPy and the engine alike.
     """
 
     name = "standin"
@@ -197,7 +209,8 @@ class StandinRuntime:
         # torch's own, which is what `immediate` is for. It orders everything, so an ordering bug
         # never shows: never for the ordering tests.
         self.immediate = immediate
-        self.stats = {"d2h": 0, "h2d": 0, "pinned": 0, "pageable": 0, "kernels": 0}
+        self._kernels = 0
+        self._copies_at = _copy_counts()  # the driver's counts when this runtime began
         self._lock = threading.Lock()
         self._closed = False
         self._streams: dict[int, _Stream] = {}
@@ -571,7 +584,6 @@ class StandinRuntime:
             return
         mem = self._device_range(src, nbytes, s)
         pinned = self._pinned_range(dst, nbytes, device_writes=True)
-        self._count("d2h", pinned)
         self._copy(s, pinned, mem, lambda t: _lib().cuMemcpyDtoHAsync_v2(dst, src, nbytes, t.handle))
 
     def copy_h2d(self, dst: int, src: int, nbytes: int, stream: int, device: int = 0) -> None:
@@ -580,7 +592,6 @@ class StandinRuntime:
             return
         mem = self._device_range(dst, nbytes, s)
         pinned = self._pinned_range(src, nbytes, device_writes=False)
-        self._count("h2d", pinned)
         self._copy(s, pinned, mem, lambda t: _lib().cuMemcpyHtoDAsync_v2(dst, src, nbytes, t.handle))
 
     def _copy(self, s: _Stream, pinned: bool, mem: np.ndarray, issue: Callable[[_Stream], int]) -> None:
@@ -614,10 +625,32 @@ class StandinRuntime:
             )
         return mem
 
-    def _count(self, kind: str, pinned: bool) -> None:
-        with self._lock:
-            self.stats[kind] += 1
-            self.stats["pinned" if pinned else "pageable"] += 1
+    @contextlib.contextmanager
+    def traced(self) -> Iterator[list[tuple[str, int]]]:
+        """The driver's copies and waits inside the block, whoever made them (this runtime, the engine):
+        ("copy_d2h" | "copy_h2d" | "wait_event", the stream handle as passed), in call order, in the
+        list yielded, filled at the block's end (the trace is the process's: one block at a time)."""
+        lib = _lib()
+        got: list[tuple[str, int]] = []
+        lib.smddp_standin_trace(1)
+        try:
+            yield got
+        finally:
+            lib.smddp_standin_trace(0)
+            n = lib.smddp_standin_trace_take(None, None, 0)
+            what = (ctypes.c_int * max(n, 1))()
+            streams = (ctypes.c_size_t * max(n, 1))()
+            lib.smddp_standin_trace_take(what, streams, n)
+            names = ("copy_d2h", "copy_h2d", "wait_event")
+            got.extend((names[what[i]], int(streams[i])) for i in range(n))
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Copies the driver made since this runtime began ("d2h", "h2d", "pinned", "pageable"), and
+        "kernels" launched here."""
+        now = _copy_counts()
+        names = ("d2h", "h2d", "pinned", "pageable")
+        return {**{n: now[i] - self._copies_at[i] for i, n in enumerate(names)}, "kernels": self._kernels}
 
     def _enqueue(self, s: _Stream, op: Callable[[], None], wait: bool) -> None:
         """Enqueue `op` (a host function); with `wait`, return only once it ran (as a copy from or to
@@ -639,7 +672,7 @@ class StandinRuntime:
                     f"stand-in device: a kernel on device {s.device} given memory of {a.device_id}"
                 )
         with self._lock:
-            self.stats["kernels"] += 1
+            self._kernels += 1
         self._issue(s, lambda t: self._host(t, lambda: fn(*[a._host_view() for a in arrays])))
 
     def sleep(self, stream: int, seconds: float, device: int = 0) -> None:

@@ -221,6 +221,12 @@ struct State {
   std::uint64_t next_hold = 1;
   std::atomic<std::uint64_t> copies_pinned{0};
   std::atomic<std::uint64_t> copies_pageable{0};
+  std::atomic<std::uint64_t> copies_d2h{0};
+  std::atomic<std::uint64_t> copies_h2d{0};
+  // The calls a test watches (smddp_standin_trace): (what, the stream handle as passed), in call order.
+  std::mutex trace_mu;
+  bool tracing = false;
+  std::vector<std::pair<int, std::uintptr_t>> trace;
 };
 
 State& state() {
@@ -234,6 +240,15 @@ thread_local int t_device = -1;
 unsigned char g_contexts[kMaxDevices];
 
 Result need_context() { return t_device < 0 ? kInvalidContext : kSuccess; }
+
+// What the trace names: a copy device to host, host to device, a stream's wait for an event.
+constexpr int kTraceD2H = 0, kTraceH2D = 1, kTraceWait = 2;
+State& state();
+void traced(int what, void* stream) {
+  State& st = state();
+  std::lock_guard<std::mutex> lock(st.trace_mu);
+  if (st.tracing) st.trace.emplace_back(what, reinterpret_cast<std::uintptr_t>(stream));
+}
 
 Failure ok() { return Failure{}; }
 
@@ -336,8 +351,9 @@ Failure settle(Stream* s) {
   return mark->wait();
 }
 
-Result copy(Stream* s, unsigned char* dst, const unsigned char* src, std::size_t n, bool pinned_host) {
+Result copy(Stream* s, unsigned char* dst, const unsigned char* src, std::size_t n, bool pinned_host, bool to_host) {
   if (n == 0) return kSuccess;
+  (to_host ? state().copies_d2h : state().copies_h2d)++;
   Op op{[s, dst, src, n] {
           late(s);
           std::memmove(dst, src, n);
@@ -433,6 +449,12 @@ __attribute__((visibility("default"))) Result cuDevicePrimaryCtxRelease_v2(int d
   State& st = state();
   std::lock_guard<std::mutex> lock(st.mu);
   return dev < 0 || dev >= st.devices ? kInvalidDevice : kSuccess;
+}
+
+__attribute__((visibility("default"))) Result cuCtxGetCurrent(void** ctx) {
+  if (ctx == nullptr) return kInvalidValue;
+  *ctx = t_device < 0 ? nullptr : static_cast<void*>(g_contexts + t_device);
+  return kSuccess;
 }
 
 __attribute__((visibility("default"))) Result cuCtxSetCurrent(void* ctx) {
@@ -589,6 +611,7 @@ __attribute__((visibility("default"))) Result cuEventSynchronize(void* event) {
 __attribute__((visibility("default"))) Result cuStreamWaitEvent(void* stream, void* event, unsigned flags) {
   if (flags != 0) return kInvalidValue;
   if (const Result r = need_context()) return r;
+  traced(kTraceWait, stream);
   Stream* s = stream_of(stream);
   bool known = false;
   const std::shared_ptr<Mark> mark = last_mark(event, &known);
@@ -612,23 +635,25 @@ __attribute__((visibility("default"))) Result cuStreamWaitEvent(void* stream, vo
 __attribute__((visibility("default"))) Result cuMemcpyDtoHAsync_v2(void* dst, std::uint64_t src, std::size_t n,
                                                                    void* stream) {
   if (const Result r = need_context()) return r;
+  traced(kTraceD2H, stream);
   Stream* s = stream_of(stream);
   if (s == nullptr) return kInvalidHandle;
   unsigned char* from = device_range(src, n, nullptr);
   if (from == nullptr || (dst == nullptr && n > 0)) return kInvalidValue;
   const int p = pinned(dst, n, true);
   if (p < 0) return kInvalidValue;  // the device may not write read-only registered memory
-  return copy(s, static_cast<unsigned char*>(dst), from, n, p == 1);
+  return copy(s, static_cast<unsigned char*>(dst), from, n, p == 1, true);
 }
 
 __attribute__((visibility("default"))) Result cuMemcpyHtoDAsync_v2(std::uint64_t dst, const void* src, std::size_t n,
                                                                    void* stream) {
   if (const Result r = need_context()) return r;
+  traced(kTraceH2D, stream);
   Stream* s = stream_of(stream);
   if (s == nullptr) return kInvalidHandle;
   unsigned char* to = device_range(dst, n, nullptr);
   if (to == nullptr || (src == nullptr && n > 0)) return kInvalidValue;
-  return copy(s, to, static_cast<const unsigned char*>(src), n, pinned(src, n, false) == 1);
+  return copy(s, to, static_cast<const unsigned char*>(src), n, pinned(src, n, false) == 1, false);
 }
 
 __attribute__((visibility("default"))) Result cuMemHostRegister_v2(void* p, std::size_t n, unsigned flags) {
@@ -886,6 +911,36 @@ __attribute__((visibility("default"))) void smddp_standin_copies(std::uint64_t* 
                                                                  std::uint64_t* pageable_copies) {
   *pinned_copies = state().copies_pinned.load();
   *pageable_copies = state().copies_pageable.load();
+}
+
+// The trace of copies and waits, whoever calls (the Python stand-in runtime, the engine): `on` starts
+// it afresh, off stops it; take copies up to `n` entries (what, stream) into `what` and `streams` and
+// returns how many it holds (more than `n`: some were not copied).
+__attribute__((visibility("default"))) void smddp_standin_trace(int on) {
+  State& st = state();
+  std::lock_guard<std::mutex> lock(st.trace_mu);
+  st.tracing = on != 0;
+  if (on != 0) st.trace.clear();
+}
+
+__attribute__((visibility("default"))) std::size_t smddp_standin_trace_take(int* what, std::uintptr_t* streams,
+                                                                           std::size_t n) {
+  State& st = state();
+  std::lock_guard<std::mutex> lock(st.trace_mu);
+  for (std::size_t i = 0; i < n && i < st.trace.size(); i++) {
+    what[i] = st.trace[i].first;
+    streams[i] = st.trace[i].second;
+  }
+  return st.trace.size();
+}
+
+// The same by direction, whoever enqueued them (the Python stand-in runtime, the engine): device to
+// host, host to device, pinned, pageable, into `out[4]`.
+__attribute__((visibility("default"))) void smddp_standin_copy_counts(std::uint64_t* out) {
+  out[0] = state().copies_d2h.load();
+  out[1] = state().copies_h2d.load();
+  out[2] = state().copies_pinned.load();
+  out[3] = state().copies_pageable.load();
 }
 
 }  // extern "C"

@@ -33,7 +33,6 @@ from smddp.bench.flags import parse_list, parse_sizes
 from smddp.client.device.buffers import DeviceBuffer
 from smddp.client.device.copies import DeviceIO
 from smddp.client.device.runtime import DeviceRuntime, load_runtime
-from smddp.errors import SmddpError
 from smddp.proto.dtypes import DType
 from smddp.transport.shm import Arena
 
@@ -113,8 +112,7 @@ def _copy_row(
 def copy_bench(runtime: str, sizes: tuple[int, ...], repeats: int) -> dict[str, Any]:
     """Copy throughput (GB/s) of plain page-locked copies and of the client's arena path, per size."""
     rt = load_runtime(runtime)
-    errors: list[SmddpError] = []
-    io = DeviceIO(rt, errors.append)
+    io = DeviceIO(rt)
     arena = Arena(max(sizes), "smddp-bench-gpu")
     dev = 0
     try:
@@ -124,7 +122,6 @@ def copy_bench(runtime: str, sizes: tuple[int, ...], repeats: int) -> dict[str, 
         return {
             "device": rt.describe(dev),
             "rows": rows,
-            "errors": [str(e) for e in errors],
             "pageable": pageable,
         }
     finally:

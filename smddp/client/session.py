@@ -54,7 +54,7 @@ from smddp.trace import span
 from smddp.transport.auth import client_handshake
 from smddp.transport.bootstrap import Membership, Placement, default_socket_dir, job_dir, join_job
 from smddp.transport.conn import Connection, ConnectionClosed
-from smddp.transport.shm import Arena, Segment, Slot
+from smddp.transport.shm import Arena, Slot
 
 # What a rank sends on the engine's path that sends no data (a barrier, a broadcast's other ranks), and
 # what one that takes nothing back (a barrier, a broadcast's root) takes: no slot, nothing copied.
@@ -62,20 +62,17 @@ NO_DATA = np.empty(0, np.uint8)
 # run()'s two answers that carry nothing (the engine returns these very objects).
 _RAN_DONE = _engine.RAN_DONE
 _RAN_CLOSED = _engine.RAN_CLOSED
-# Results up to this many bytes in all may wait for the next descriptor to be RELEASEd (Client._release).
+# Host results up to this many bytes in all may wait for the next descriptor to be RELEASEd (the
+# engine's: WorkerChannel.release).
 RELEASE_BATCH_BYTES = 256 << 10
 # How long a wait on the engine's rings spins before it sleeps on the ring's futex: long enough to
 # catch a small collective's DONE without a sleep and a wake-up; the spin yields the core between
 # looks, so the daemon's threads and the other workers still run (see PLANE_SPIN_US in the daemon).
 # The fast path's wait stops spinning for a while when its spins keep missing (WorkerChannel::finish).
 RING_SPIN_US = 200.0
-# A held-back SUBMIT whose collective is waited for at once (Client.waiting) is sent by that wait, not
-# by the submitter thread; should no wait come for it (the caller raised in between), the submitter
-# thread sends it after this long.
-WAITED_GRACE_S = 0.002
-# How a wait that sends its own SUBMIT watches the copy-in's event: polls that yield the core for this
-# long (a 4 MiB copy at 20 GB/s takes about 200 us), then sleeps of this long (never past the wait's
-# deadline, as an event synchronize would be).
+# How a copy-in's event is watched (by a blocking call that sends its own SUBMIT, and by the engine's
+# device watch): polls that yield the core for this long (a 4 MiB copy at 20 GB/s takes about 200
+# us), then sleeps of this long (never past the wait's deadline, as an event synchronize would be).
 COPY_SPIN_S = 0.001
 COPY_POLL_SLEEP_S = 0.0002
 log = logging.getLogger("smddp.client")
@@ -378,77 +375,48 @@ class EngineHandle(_EngineBase):
 class DeviceHandle(EngineHandle):
     """A collective of device buffers (Client.submit): the engine's record of it, as for a host one
     (WorkerChannel.reserve_record: its sequence number, its DONE checked and its result located by
-    whoever takes it, on the channel's one table), with the device's part in Python: the copy of its
-    data into its slot before its SUBMIT goes (held until that copy is complete: Client._send_held,
-    then give()), and the copy of its result to the device (_arrived, run by whoever takes its DONE),
-    whose completion RELEASEs the result (Client._copy_out).
+    whoever takes it, on the channel's one table), and its way through the device, the engine's too
+    (DeviceEngine): its SUBMIT given the moment the copy of its data into its slot lands (give_when),
+    its result copied back to the device by whoever takes its DONE and RELEASEd once that copy has
+    landed (deliver_to).
 
     wait() blocks the host only until the result has reached this node and its copy to the device
     is enqueued; that copy is ordered before later work on the caller's stream by an event the
     stream waits on (docs/gpu.md)."""
 
     _plan: DevicePlan  # set by Client.submit
-    _held = False  # its SUBMIT is held back, waiting for its copy-in (Client._send_held)
-    _ready: Any = None  # its copy-in's event, where its caller watches it (Client.submit's hold=False)
-    _sends = False  # held, and sent by its wait rather than the submitter thread (Client.waiting)
+    _ready: Any = None  # its copy-in's event (the runtime's), alive until its watch has ended
 
     def wait(self, timeout: float | None = None, stream: Any = None) -> Any:
         t = self._default_timeout_s if timeout is None else timeout
-        c = self._client
-        if self._held and self._sends:
-            # Its caller waits for it at once: this wait sends its SUBMIT (False: not in time, or the
-            # client failed; the submitter thread takes it, and the engine's wait says why).
-            t0 = time.monotonic()
-            c._send_held(self, t0 + t)
-            t = max(0.0, t - (time.monotonic() - t0))
         result = _engine.Started.wait(self, t)
         plan = self._plan
-        if plan.done is not None:
-            io = c._device
-            assert io is not None  # (its copy-out made plan.done)
-            consumer = io.consumer_stream(plan) if stream is None else stream_handle(stream)
-            if consumer != plan.inline:  # the copy-out ran on that stream itself: in order already
-                io.stream_wait(consumer, plan.done, plan.device)
+        consumer = plan.consumer if stream is None else stream_handle(stream)
+        if consumer is None:
+            io = self._client._device
+            assert io is not None  # (a device plan made it)
+            consumer = io.consumer_stream(plan)
+        if consumer != plan.inline:  # the copy back ran on that stream itself: in order already
+            self._device_order(consumer)
         return result
 
-    def _drop(self) -> None:
-        self._plan.dropped = True  # (before any taker can meet its DONE: only collected ones are taken)
-        EngineHandle._drop(self)
-
     def synchronize(self, timeout: float | None = None) -> Any:
-        result = self.wait(timeout)
-        plan, io = self._plan, self._client._device
-        if plan.done is not None and io is not None:
-            io.host_wait(plan.done)
+        t = self._default_timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + t
+        result = self.wait(t)
+        if not self._device_synchronize(max(0.0, deadline - time.monotonic())):
+            raise CollectiveTimeoutError.waiting(
+                t, f"collective #{self.seq}'s copy to the device (behind the work queued before it)"
+            )
         return result
 
     def done(self) -> bool:
         if not EngineHandle.done(self):
             return False
-        plan, io = self._plan, self._client._device
-        if plan.done is None or self._error is not None or io is None:
-            return True
-        return bool(io.rt.event_done(plan.done))
-
-    def _arrived(self, segment: int, offset: int, nbytes: int) -> Any:
-        """Its result is the `nbytes` at `offset` of result segment `segment` (the engine checked that
-        range against the segment): its copy to
-        the device enqueued, the RELEASE to follow that copy (Client._copy_out). Run by whoever took
-        its DONE, before the record is finished; returns what its wait returns. A copy that fails
-        fails the job (and this collective with it)."""
-        c = self._client
         try:
-            seg = c._result_segment(segment)
-            if seg is None:
-                raise ProtocolError(f"collective #{self.seq}'s result segment {segment} is not in the table")
-            c._copy_out(self._plan, seg, seg.view(offset, nbytes), self.seq)
-        except SmddpError as e:
-            c._device_failed(e)
-        except Exception as e:
-            c._device_failed(
-                DeviceError(f"the copy of collective #{self.seq}'s result to the device failed: {e!r}")
-            )
-        return self._value
+            return self._error is not None or self._device_done()
+        except DeviceError:
+            return True  # its copy back failed: the client fails with it (the DONE thread)
 
 
 def when_all(handles: Sequence[Handle], fn: Callable[[], None]) -> None:
@@ -523,18 +491,6 @@ class PipelinedHandle(Handle):
         return self._result
 
 
-@dataclass
-class _Held:
-    """A device collective's SUBMIT, held back until its copy-in is complete. Its sequence number is
-    reserved: the channel puts it on the ring in its place, whenever it is given (and keeps every
-    SUBMIT after it waiting in the channel until then)."""
-
-    ready: Any  # the copy-in's event
-    handle: DeviceHandle  # its _sends: its caller waits for it at once and sends it (Client.waiting)
-    since: float = 0.0  # when it was held (time.monotonic), for WAITED_GRACE_S
-    claimed: bool = False  # a thread waits for its copy-in, to send it (Client._send_held)
-
-
 class Client:
     """One worker's session with its node daemon. Build it with `Client.connect()`."""
 
@@ -556,11 +512,10 @@ class Client:
         self.node = membership.node
         self._conn = conn
         # Sequence numbers are the channel's, and so is their order on the ring (a SUBMIT given before
-        # one reserved ahead of it waits there); this lock guards the handle table and the held SUBMITs.
+        # one reserved ahead of it waits there); this lock guards the handle table.
         self._lock = threading.Lock()
         # seq -> a collected collective (callbacks or polls wait for it: the DONE thread completes it)
         self._handles: dict[int, EngineHandle] = {}
-        self._results: dict[int, Segment] = {}
         self._arena = Arena(config.arena_bytes, f"smddp-rank{self.rank}")
         self._failure: SmddpError | None = None
         self._wrapper: WrapperPipe | None = None  # smddp-launch's wrapper listens here (set by connect)
@@ -569,16 +524,13 @@ class Client:
         # The device path, built when the first device buffer arrives (a CPU-only job never builds it).
         self._device_lock = threading.Lock()
         self._device: DeviceIO | None = None
-        self._holding: dict[int, _Held] = {}  # seq -> a device SUBMIT waiting for its copy-in, in seq order
-        self._held_cv = threading.Condition(self._lock)
+        # The engine's device path (DeviceEngine), made with the device machinery, for its runtime's driver.
+        self._device_engine: _engine.DeviceEngine | None = None
+        self._held_cv = threading.Condition(self._lock)  # _copying_in went down
         # Device copy-ins being pinned and enqueued outside the lock (submit): shutdown waits for them
         # before it waits for the copies themselves, and refuses new ones first (_closing).
         self._copying_in = 0
         self._closing = False
-        # The engine's device progress (_device_engine_locked), for the runtime it was made for.
-        self._giver: _engine.DeviceEngine | None = None
-        self._giver_rt: Any = None
-        self._submitter: threading.Thread | None = None
         self._tls = threading.local()  # .waited: inside waiting()
         # ATTACH, SUBMIT, RELEASE and BYE go on this channel's submit ring, SEGMENT and DONE come on
         # its done ring, the fds of ATTACH and SEGMENT on its side socket (docs/protocol.md, CHANNEL);
@@ -700,23 +652,23 @@ class Client:
         while self._channel.blocking() and time.monotonic() < deadline:  # another thread's blocking call
             time.sleep(0.001)
         unfinished = [h.seq for h in pending if not h.finished] + sorted(self._channel.blocking())
-        device = self._device
+        device, engine = self._device, self._device_engine
         copying = False  # a device copy into or out of smddp's memory still running at the bound
-        if device is not None:
-            # RELEASE goes once a result's copy to the device is done: let those leave before BYE.
-            device.drain(max(0.0, deadline - time.monotonic()))
-            # And every copy touching smddp's memory must have ended before it is unpinned and
-            # unmapped, the in-line ones on callers' streams too (behind the callers' own kernels).
-            copying = not device.copies_done(max(0.0, deadline - time.monotonic()))
+        if device is not None and engine is not None:
+            # A RELEASE goes once its result's copy to the device has landed (the engine's watch):
+            # let those leave before BYE. And every copy touching smddp's memory must have ended
+            # before it is unpinned and unmapped, the in-line ones on callers' streams too (behind
+            # the callers' own kernels).
+            copying = not engine.settle(max(0.0, deadline - time.monotonic()))
+            copying = not device.copies_done(max(0.0, deadline - time.monotonic())) or copying
         with self._lock:
             self._closed = True
             self._channel.close_starts()  # (BYE must be the last descriptor)
             self._held_cv.notify_all()
-        giver = self._giver
-        if giver is not None:
-            giver.stop()  # no SUBMIT is given after BYE (nor into a channel that is going)
-        if self._submitter is not None:
-            self._submitter.join(timeout=5.0)
+        if engine is not None:
+            engine.stop(
+                False
+            )  # no SUBMIT given nor RELEASE sent after BYE (nor into a channel that is going)
         self._write_routed()  # the final counts, before BYE lets the daemon finish
         if self._failure is None and not unfinished and not copying:
             try:
@@ -740,13 +692,13 @@ class Client:
             )  # fmt: skip
         else:
             if device is not None:
-                # Unpin before anything unmaps the segments; the runtime goes last.
+                # Unpin before anything unmaps the segments (the engine's result segments, then the
+                # client's input ones); the runtime goes last.
+                if engine is not None:
+                    engine.stop(True)
                 device.close()
                 device.rt.close()
             self._arena.close()
-            for seg in self._results.values():
-                seg.close()
-            self._results.clear()
         if self._wrapper is not None:
             self._wrapper.close()
         if copying:
@@ -787,16 +739,6 @@ class Client:
             self._arena.adopt(got.fresh)
         return Slot(got.segment, got.offset, nbytes), None
 
-    def _result_segment(self, seg_id: int) -> Segment | None:
-        """Result segment `seg_id`, as the channel took it in from its SEGMENT (None: never sent)."""
-        seg = self._results.get(seg_id)
-        if seg is None:
-            native = self._channel.result(seg_id)
-            if native is None:
-                return None
-            seg = self._results.setdefault(seg_id, Segment(native))
-        return seg
-
     def submit(
         self,
         kind: Kind,
@@ -810,18 +752,20 @@ class Client:
     ) -> DeviceHandle:
         """A collective of device buffers, the engine's record (DeviceHandle) under the channel's next
         sequence number: the copy of `device.src` into a shared slot (an asynchronous device-to-host
-        copy), and its SUBMIT, held until that copy is complete (given by the submitter thread, or by
-        the wait of a caller that waits at once; the channel keeps every later SUBMIT behind it). Its
-        result goes back to the device (DeviceHandle._arrived), and its wait returns `result`. A plan
-        with no `src` (a broadcast's receiver) sends no data. Host collectives are start_async's.
-        `hold` False: a SUBMIT that waits for its copy-in is neither held nor given; the caller
-        watches the copy (the handle's `_ready`) and gives it (device_allreduce_now)."""
+        copy), and its SUBMIT, given by the engine the moment that copy lands (DeviceEngine.give_when;
+        the channel keeps every later SUBMIT behind it meanwhile). Its result goes back to the device
+        as the plan says, enqueued by whoever takes its DONE (DeviceEngine.deliver_to), and its wait
+        returns `result`. A plan with no `src` (a broadcast's receiver) sends no data. Host
+        collectives are start_async's. `hold` False: a SUBMIT that waits for its copy-in is not handed
+        to the engine; the caller watches the copy (the handle's `_ready`) and gives it
+        (device_allreduce_now)."""
         nbytes = count * dtype.itemsize
         lost: ConnectionClosed | None = None
         refused: TimeoutError | ProtocolError | None = None
         src = device.src
         slot = None
         ready = None
+        engine = self._device_path()
         with self._lock:
             self._check_open()
             if self._closing:
@@ -853,13 +797,12 @@ class Client:
                     _result_bytes(kind, nbytes, self.size), result, device.keepalive, DeviceHandle,
                 )  # fmt: skip
                 handle._plan = device
+                self._deliver_to(engine, handle, device)
                 if ready is None:
                     refused = self._give_locked(handle)
                 elif hold:
-                    # This one waits for its copy-in (the channel keeps later SUBMITs behind it). One whose
-                    # caller waits for it at once is sent by that wait: the submitter thread is not woken
-                    # for it (_send_held).
-                    self._hold(handle, ready, self._waited())
+                    # This one waits for its copy-in (the channel keeps later SUBMITs behind it).
+                    self._hold(engine, handle, ready)
                 else:
                     handle._ready = ready
         if lost is not None:  # (no slot was taken: _alloc_locked gives none with a loss)
@@ -883,48 +826,44 @@ class Client:
             return e
         return None
 
-    def _hold(self, handle: DeviceHandle, ready: Any, sends: bool) -> None:
-        """(lock held) Hold `handle`'s SUBMIT until its copy-in (`ready`) is complete: given by the
-        engine's device watch the moment the copy lands (no thread of this client's: DeviceEngine),
-        else sent by the submitter thread, or by its caller's wait where `sends` (the caller waits at
-        once)."""
-        engine = self._device_engine_locked()
-        if engine is not None:
-            assert self._device is not None  # (a device copy-in made `ready`)
-            handle._ready = ready  # the event stays alive until its watch has ended
-            if engine.give_when(handle, self._device.rt.event_handle(ready), handle._plan.device):
-                return
-        self._holding[handle.seq] = _Held(ready, handle, time.monotonic())
-        handle._held = True
-        handle._sends = sends
-        self._start_submitter()
-        if not sends:
-            self._held_cv.notify_all()
-
-    def _device_engine_locked(self) -> _engine.DeviceEngine | None:
-        """(lock held) The engine's device progress for this client's runtime, started on first use:
-        the runtime's CUDA driver (its driver_library()) loaded into the engine. None where it cannot
-        be (a runtime that names no driver, or one the engine cannot load: said once in the log):
-        the submitter thread gives held SUBMITs then."""
-        io = self._device
-        if io is None or self._closed:
-            return None
-        if self._giver is not None and self._giver_rt is io.rt:
-            return self._giver
-        if self._giver_rt is io.rt:
-            return None  # refused before
-        self._giver_rt = io.rt
-        library = getattr(io.rt, "driver_library", None)
-        if library is None:
-            return None
-        try:
-            self._giver = _engine.DeviceEngine(self._channel, library(), COPY_SPIN_S * 1e6)
-        except OSError as e:
+    def _hold(self, engine: _engine.DeviceEngine, handle: DeviceHandle, ready: Any) -> None:
+        """(lock held) `handle`'s SUBMIT goes once its copy-in (`ready`) is complete: given by the
+        engine's device watch the moment the copy lands (no thread of this client's)."""
+        assert self._device is not None  # (a device copy-in made `ready`)
+        handle._ready = ready  # the event stays alive until its watch has ended
+        if not engine.give_when(handle, self._device.rt.event_handle(ready), handle._plan.device):
+            # Stopped: shutdown has begun, and its wait for this one ends with the shutdown's.
             log.warning(
-                "the engine cannot drive the device (%s): the submitter thread gives device SUBMITs", e
+                "rank %d: collective #%d started as smddp shut down: it never goes", self.rank, handle.seq
             )
-            self._giver = None
-        return self._giver
+
+    def _deliver_to(self, engine: _engine.DeviceEngine, handle: DeviceHandle, plan: DevicePlan) -> None:
+        """(lock held) Where `handle`'s result goes once its DONE is taken: each output's bytes to its
+        device buffer, on the caller's stream in line, or else on the device's copy-back lane after
+        the caller's stream at the call (`before`); the engine copies and RELEASEs (DeviceEngine)."""
+        io = self._device
+        assert io is not None
+        rt = io.rt
+        if plan.inline is not None:
+            stream, before = plan.inline, 0
+        else:
+            stream = io.lane(plan.device).h2d
+            before = 0 if plan.before is None else rt.event_handle(plan.before)
+        done = 0 if plan.done is None else rt.event_handle(plan.done)
+        parts = [(dst.ptr, off, n) for dst, off, n in plan.outputs]
+        # What the copies need alive until they land: the destinations (and their owners), the events.
+        hold = (plan.keepalive, plan.outputs, plan.before, plan.done)
+        engine.deliver_to(handle, plan.device, stream, before, done, parts, hold)
+
+    def _device_path(self) -> _engine.DeviceEngine:
+        """The engine's device path for this client's runtime (its driver_library() loaded into the
+        engine), made with the device machinery (_device_io)."""
+        self._device_io()
+        engine = self._device_engine
+        if engine is None:
+            self._check_open()
+            raise NotInitializedError("smddp is shutting down")
+        return engine
 
     def device_allreduce_now(
         self, dev: DeviceBuffer, op: ReduceOp, stream: int, timeout: float | None
@@ -932,21 +871,22 @@ class Client:
         """A blocking all-reduce of device buffer `dev` in place, in one piece, for a caller that waits
         for it at once on `stream` (the stream its work on `dev` is queued on): the copy to the host
         in line on `stream`, this thread waiting for it and sending the SUBMIT, taking the DONE and
-        enqueuing the copy back in line on `stream` too. Returns the event after that copy: the
-        caller's later work on `stream` is ordered after it already. The same record, copies and
-        RELEASE as submit() and DeviceHandle.wait(), without their hand-offs: nothing is held for
-        another thread, and no thread but the releaser's (the RELEASE once the copy back is done) is
-        woken (issue 28: a 4 KiB call's Python there was most of its time beyond the copies).
+        enqueuing the copy back in line on `stream` too (the engine, in this wait). Returns the event
+        after that copy (the runtime's): the caller's later work on `stream` is ordered after it
+        already. The same record, copies and RELEASE as submit() and DeviceHandle.wait(), without
+        their hand-offs: nothing is handed to another thread but the RELEASE, which the engine's
+        device watch sends once the copy back has landed (issue 28: a 4 KiB call's Python there was
+        most of its time beyond the copies).
 
-        Raises as a wait does. A copy-in not complete within `timeout` leaves the collective to the
-        submitter thread (its SUBMIT sent once the copy lands, its result copied back on `stream` when
-        it comes) and raises CollectiveTimeoutError: it is still in flight."""
+        Raises as a wait does. A copy-in not complete within `timeout` leaves its SUBMIT to the
+        engine (given once the copy lands); the wait times out then, and its result is dropped."""
         t = self.config.timeout_s if timeout is None else timeout
         deadline = time.monotonic() + t
         _refuse_capture(self._device_io().rt, dev.device, stream)
         plan = DevicePlan(
             dev.device, dev, None, [(dev, 0, dev.nbytes)], stream, dev.library, dev.keepalive, inline=stream
         )
+        plan.done = self._device_io().rt.new_event(dev.device)
         handle = self.submit(Kind.ALLREDUCE, dev.dtype, dev.count, op, 0, None, plan, hold=False)
         ready = handle._ready
         error: SmddpError | None = None
@@ -960,15 +900,16 @@ class Client:
             self._device_failed(error)  # (the record is the channel's live one: the failure finishes it)
             copied = True
         refused: TimeoutError | ProtocolError | None = None
+        engine = self._device_path() if not copied else None
         with self._lock:
-            if copied:
+            if engine is None:
                 refused = self._give_locked(handle)
             else:
-                self._hold(handle, ready, False)  # the submitter thread sends it once its copy lands
+                self._hold(engine, handle, ready)  # the engine gives it once its copy lands
         if refused is not None:
             raise self._give_failed(refused) from None
         try:
-            # Its DONE's taker (this wait, mostly) runs _arrived: the copy back.
+            # Its DONE's taker (this wait, mostly) enqueues the copy back (the engine: deliver_to).
             _engine.Started.wait(handle, max(0.0, deadline - time.monotonic()))
         except CollectiveTimeoutError:
             # Nobody waits for it again, and its caller is told it failed: it completes (whichever thread
@@ -1171,12 +1112,26 @@ class Client:
         return self._device_io().rt
 
     def _device_io(self) -> DeviceIO:
+        """The device machinery, built on first use: the runtime, and the engine's device path over the
+        runtime's CUDA driver (DeviceUnavailableError naming why, where the engine cannot load it)."""
         with self._device_lock:
             if self._device is None:
                 self._check_open()
-                rt = load_runtime(self.config.device_runtime)
-                self._device = DeviceIO(rt, self._device_failed)
+                self._start_device(load_runtime(self.config.device_runtime))
+            assert self._device is not None
             return self._device
+
+    def _start_device(self, rt: DeviceRuntime) -> None:
+        """(_device_lock held, or before any device collective) The device machinery over runtime `rt`."""
+        try:
+            engine = _engine.DeviceEngine(self._channel, rt.driver_library(), COPY_SPIN_S * 1e6)
+        except OSError as e:
+            rt.close()
+            raise DeviceUnavailableError(
+                f"the device runtime {rt.name!r} names a CUDA driver the engine cannot load: {e}"
+            ) from None
+        self._device_engine = engine
+        self._device = DeviceIO(rt)
 
     def device_buffer(self, buf: Any, what: str, writable: bool) -> DeviceBuffer | None:
         """`buf` as device memory (None for host memory), checked against the runtime before anything is
@@ -1275,18 +1230,11 @@ class Client:
         self._fail(err if isinstance(err, CollectiveError) else CollectiveError(f"rank {self.rank}: {err}"))
         self._conn.close()
 
-    def _start_submitter(self) -> None:
-        if self._submitter is None:
-            self._submitter = threading.Thread(
-                target=self._submit_loop, name="smddp-client-submitter", daemon=True
-            )
-            self._submitter.start()
-
     @contextlib.contextmanager
     def waiting(self) -> Iterator[None]:
-        """Collectives submitted by this thread inside the block are waited for by it at once: a
-        device one's SUBMIT, held back for its copy-in, is sent by that wait (_send_held), and no other
-        thread is woken for it (the blocking calls, and torch's calls without async_op)."""
+        """Collectives submitted by this thread inside the block are waited for by it at once (the
+        blocking calls, and torch's calls without async_op): a device one's copies may run in line
+        on the caller's stream (device_plan)."""
         tls = self._tls
         outer = getattr(tls, "waited", False)
         tls.waited = True
@@ -1298,85 +1246,6 @@ class Client:
     def _waited(self) -> bool:
         """Whether this thread is inside waiting(): what it starts, it waits for at once."""
         return bool(getattr(self._tls, "waited", False))
-
-    def _submit_loop(self) -> None:
-        self._send_held(None)
-
-    def _send_held(self, until: DeviceHandle | None, deadline: float = float("inf")) -> bool:
-        """Send held SUBMITs, each once its copy-in is complete, in whatever order those complete (the
-        channel puts them on the ring in sequence order); one thread waits for each (`claimed`).
-
-        The submitter thread runs this for good (`until` None; it returns once the client closes with
-        nothing held), taking the held SUBMITs from the first. A thread about to wait for `until`
-        runs it until that one's SUBMIT has gone (True), or `deadline` passes or the client fails
-        (False: the submitter thread takes it then). A held SUBMIT that its caller waits for
-        (waiting()) is the submitter thread's only once WAITED_GRACE_S has passed with nobody
-        sending it.
-        """
-        while True:
-            with self._lock:
-                while True:
-                    if until is not None:
-                        if not until._held:
-                            return True
-                        left = deadline - time.monotonic()
-                        if left <= 0 or self._failure is not None or self._closed:
-                            self._held_cv.notify_all()  # the submitter thread takes it from here
-                            return False
-                        item = self._holding.get(until.seq)
-                        if item is not None and not item.claimed:
-                            break
-                        self._held_cv.wait(left)  # the submitter thread is sending it
-                        continue
-                    item, grace = self._next_held()
-                    if item is not None:
-                        break
-                    if not self._holding and self._closed:
-                        return True
-                    self._held_cv.wait(grace)
-                item.claimed = True
-            error: SmddpError | None = None
-            handle = item.handle
-            try:
-                assert self._device is not None  # a device copy-in made it
-                if until is None:
-                    self._device.host_wait(item.ready)
-                elif not self._copied(item.ready, deadline):
-                    with self._lock:
-                        item.claimed = False
-                        self._held_cv.notify_all()  # not in time: the submitter thread takes it
-                    return False
-            except SmddpError as e:
-                error = e
-            except Exception as e:
-                error = DeviceError(f"the copy-in of collective #{handle.seq} failed: {e!r}")
-            refused: TimeoutError | ProtocolError | None = None
-            with self._lock:
-                del self._holding[handle.seq]
-                handle._held = False
-                self._held_cv.notify_all()
-                if error is None:
-                    refused = self._give_locked(handle)
-            if error is not None:
-                self._device_failed(error)
-            elif refused is not None:
-                self._give_failed(refused)
-
-    def _next_held(self) -> tuple[_Held | None, float | None]:
-        """(lock held) The first held SUBMIT the submitter thread may take now; else how long until one
-        waited for by its caller is the submitter's (None: nothing to take until something changes)."""
-        now = time.monotonic()
-        grace: float | None = None
-        for item in self._holding.values():
-            if item.claimed:
-                continue
-            if not item.handle._sends:
-                return item, None
-            left = item.since + WAITED_GRACE_S - now
-            if left <= 0:
-                return item, None
-            grace = left if grace is None else min(grace, left)
-        return None, grace
 
     def _copied(self, event: Any, deadline: float) -> bool:
         """Whether a copy-in's `event` is reached before `deadline`: polled (yielding the core for up to
@@ -1443,10 +1312,12 @@ class Client:
                 got = channel.pop(0.5, 0.0)  # a wait (the engine's finish) takes the ring from us
                 if got is not None:
                     self._taken(got)
-                giver = self._giver
-                if giver is not None and self._failure is None:
-                    failed = giver.failure()  # a copy-in the engine watched failed, or the daemon's ring
-                    if failed is not None:
+                engine = self._device_engine
+                if engine is not None:
+                    for note in engine.reap():  # (and what landed copies back held goes)
+                        log.warning("rank %d: %s", self.rank, note)
+                    failed = engine.failure() if self._failure is None else None
+                    if failed is not None:  # a device copy the engine watched failed, or the daemon's ring
                         kind, why = failed
                         self._device_failed(
                             DeviceError(f"rank {self.rank}: {why}") if kind == 1 else TransportError(why)
@@ -1467,48 +1338,29 @@ class Client:
         (a device one's with where its result lies). A DONE itself (Unmatched) never comes here but for a
         collective this rank does not have (the daemon's fault)."""
         match got:
-            case _engine.Completed(seq, at):
-                self._on_engine_done(seq, at)
+            case _engine.Completed(seq, error):
+                self._on_engine_done(seq, error)
             case _engine.Unmatched(header):
                 seq = decode_header(header).seq
                 raise ProtocolError(f"DONE for collective #{seq} does not match anything this rank submitted")
 
-    def _on_engine_done(self, seq: int, at: Slot | None = None) -> None:
+    def _on_engine_done(self, seq: int, error: str | None = None) -> None:
         """A collected collective completed by the engine in a pop (a host one's result in place and its
-        RELEASE held or sent; a device one's located at `at`, copied on here): its input slot goes back
-        and its handle finishes here (callbacks included)."""
+        RELEASE held or sent; a device one's copy back enqueued, or `error`, why it could not be): its
+        input slot goes back and its handle finishes here (callbacks included)."""
         with self._lock:
             handle = self._handles.pop(seq, None)
         if handle is None and (self._failure is not None or self._closed):
             return  # the failure finished it meanwhile (its memory is the channel's to keep until now)
         if not isinstance(handle, EngineHandle):
             raise ProtocolError(f"the engine completed collective #{seq}, which this rank did not collect")
-        if at is not None:
-            assert isinstance(handle, DeviceHandle)  # (only its records hold their result)
-            handle._arrived(at.segment, at.offset, at.nbytes)
-            if handle.finished:
-                return  # its copy-out failed the job, and it with it
         if handle._slot is not None:
             self._arena.free(handle._slot)
+        if error is not None:
+            self._device_failed(DeviceError(error))
+            handle._finish(error=self._failure)
+            return
         handle._finish(handle._value)
-
-    def _release(self, seq: int) -> None:
-        """Tell the daemon a device result's slot is free (its copy to the device is done): at once, with
-        any RELEASE the channel holds back before it (the engine holds a small host result's, to go just
-        ahead of the next SUBMIT, up to RELEASE_BATCH_BYTES)."""
-        try:
-            self._channel.release(
-                self.rank,
-                seq,
-                -1,
-                RELEASE_BATCH_BYTES,
-                self.config.timeout_s,
-                RING_SPIN_US,
-            )
-        except TimeoutError:
-            raise ConnectionClosed(
-                f"the daemon did not read this worker's ring for {self.config.timeout_s:g}s (frozen or gone)"
-            ) from None
 
     def _send_frames(self, parts: list[bytes], timeout: float) -> None:
         """SUBMIT and BYE headers onto the submit ring, in order (the channel sends held RELEASEs first)."""
@@ -1519,26 +1371,6 @@ class Client:
                 raise ConnectionClosed(
                     f"the daemon did not read this worker's ring for {timeout:g}s (frozen or gone)"
                 ) from None
-
-    def _copy_out(self, plan: DevicePlan, seg: Segment, view: np.ndarray, seq: int) -> None:
-        """Enqueue the result's copy to the device; RELEASE the result slot only once that copy is done
-        (at once for a dropped result: nothing is copied)."""
-        if plan.dropped:
-            if not self._closed and self._failure is None:
-                self._release(seq)
-            return
-        io = self._device
-        assert io is not None
-        io.pin(("out", seg.id), seg.array, readonly=True)
-        parts = [(dst, view[off : off + n]) for dst, off, n in plan.outputs]
-        plan.done = io.copy_out(plan.device, parts, plan.before, plan.inline)
-
-        def release() -> None:
-            if not self._closed and self._failure is None:
-                self._release(seq)
-
-        # The releaser holds the buffers too, so their memory cannot be reused while the copy runs.
-        io.after(plan.done, release, (plan.keepalive, plan.outputs))
 
     def _spans(self, seq: int, kind: Kind, dtype: DType, count: int, times: tuple[float, ...]) -> None:
         """One collective's phases on this rank as Chrome trace events: copy in, in flight, copy out."""

@@ -871,6 +871,10 @@ RingWait WorkerChannel::deliver(const Header& h, const Header& submit, const Del
   if (out.hold) {
     // A device collective's: its caller copies the result to the device and RELEASEs it after that copy.
     *at = Located{true, h.shard, h.offset, out.result_bytes};
+    if (out.sink) {
+      at->sunk = true;
+      out.sink->arrived(submit, p, *at, seg, &at->why);
+    }
     if (t_done != 0) traced(submit, h.seq, t_done, wall());
     return RingWait::kReady;
   }

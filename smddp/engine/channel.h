@@ -168,6 +168,20 @@ inline bool stream_in_ready(const StreamShared& b, std::uint64_t seq, std::uint6
   return n >= end;
 }
 
+struct Located;
+
+// Where a held delivery's result goes on from the channel (the device path's copy back,
+// device_path.h): told where the result lies by whichever taker checked its DONE, on that taker's
+// thread with none of the channel's locks held, before its collective completes. It sends the
+// RELEASE itself, once it has read the result. `result` is the result's first byte, in `seg` (held by
+// the caller for the call); *why set: it could not go on (the caller's collective fails with it).
+class HeldSink {
+ public:
+  virtual ~HeldSink() = default;
+  virtual void arrived(const Header& submit, const std::uint8_t* result, const Located& at,
+                       const std::shared_ptr<Segment>& seg, std::string* why) = 0;
+};
+
 // Where a fast collective's result goes, for every kind alike: `nbytes` from `src_offset` of its
 // result (`result_bytes` in all: the range the DONE names, and what its RELEASE gives back) to `dst`.
 // An all-reduce takes its whole result back into its input; an all-gather the world's blocks into
@@ -181,6 +195,9 @@ struct Delivery {
   // (Located), nothing is copied here and no RELEASE goes: the caller copies the result to the
   // device and RELEASEs it (release(..., -1, ...)) once that copy is done.
   bool hold = false;
+  // A held delivery's way on (its record's, set before its SUBMIT goes): told where the result lies
+  // (Located::sunk), it copies and RELEASEs. None: the caller of the wait or pop that located it does.
+  std::shared_ptr<HeldSink> sink = nullptr;
 };
 
 // Where a held delivery's result lies: `nbytes` (its result_bytes) from `offset` of result segment
@@ -190,6 +207,8 @@ struct Located {
   std::uint32_t segment = 0;
   std::uint64_t offset = 0;
   std::uint64_t nbytes = 0;
+  bool sunk = false;  // its Delivery's sink was told (and `why` says why it could not go on, if it could not)
+  std::string why = std::string();
 };
 
 // One piece of what a fast collective sends: `nbytes` at `data` (the caller's memory).

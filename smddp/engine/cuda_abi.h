@@ -52,6 +52,7 @@ constexpr std::uintptr_t kStreamPerThread = 0x2;
 
 constexpr unsigned kStreamNonBlocking = 0x1;      // CU_STREAM_NON_BLOCKING
 constexpr unsigned kEventDisableTiming = 0x2;     // CU_EVENT_DISABLE_TIMING
+constexpr unsigned kHostRegisterPortable = 0x01;  // CU_MEMHOSTREGISTER_PORTABLE
 constexpr unsigned kHostRegisterReadOnly = 0x08;  // CU_MEMHOSTREGISTER_READ_ONLY
 constexpr int kPointerDeviceOrdinal = 9;          // CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
 constexpr int kCaptureNone = 0;                   // CU_STREAM_CAPTURE_STATUS_NONE
@@ -67,6 +68,7 @@ struct Api {
   Result (*primary_retain)(Context* ctx, DeviceId device);                       // cuDevicePrimaryCtxRetain
   Result (*primary_release)(DeviceId device);                                    // cuDevicePrimaryCtxRelease_v2
   Result (*ctx_set_current)(Context ctx);                                        // cuCtxSetCurrent
+  Result (*ctx_get_current)(Context* ctx);                                       // cuCtxGetCurrent
   Result (*stream_create)(Stream* stream, unsigned flags);                       // cuStreamCreate
   Result (*stream_destroy)(Stream stream);                                       // cuStreamDestroy_v2
   Result (*stream_wait_event)(Stream stream, Event event, unsigned flags);       // cuStreamWaitEvent

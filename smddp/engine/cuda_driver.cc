@@ -28,6 +28,7 @@ std::string resolve_all(void* lib, Api* a) {
   resolve(lib, "cuDevicePrimaryCtxRetain", &a->primary_retain, &missing);
   resolve(lib, "cuDevicePrimaryCtxRelease_v2", &a->primary_release, &missing);
   resolve(lib, "cuCtxSetCurrent", &a->ctx_set_current, &missing);
+  resolve(lib, "cuCtxGetCurrent", &a->ctx_get_current, &missing);
   resolve(lib, "cuStreamCreate", &a->stream_create, &missing);
   resolve(lib, "cuStreamDestroy_v2", &a->stream_destroy, &missing);
   resolve(lib, "cuStreamWaitEvent", &a->stream_wait_event, &missing);
@@ -101,6 +102,16 @@ Result Driver::bind(int device) {
     }
   }
   return api_.ctx_set_current(ctx);
+}
+
+Bound::Bound(Driver& d, int device) : d_(d) {
+  result_ = d_.api().ctx_get_current(&was_);
+  if (result_ == kSuccess) result_ = d_.bind(device);
+  restore_ = true;
+}
+
+Bound::~Bound() {
+  if (restore_) (void)d_.api().ctx_set_current(was_);
 }
 
 std::string Driver::describe(Result r, const char* call) const {

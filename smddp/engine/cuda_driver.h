@@ -54,5 +54,23 @@ class Driver {
   std::vector<Context> contexts_;  // per device: retained, or nullptr
 };
 
+// `device`'s primary context current for a scope, and the thread's own one current again after it:
+// for the engine's calls on a caller's thread (a wait that takes a DONE, a finalizer), whose current
+// context is the caller's affair. result(): kSuccess, or why the context could not be made current.
+class Bound {
+ public:
+  Bound(Driver& d, int device);
+  ~Bound();
+  Bound(const Bound&) = delete;
+  Bound& operator=(const Bound&) = delete;
+  Result result() const { return result_; }
+
+ private:
+  Driver& d_;
+  Context was_ = nullptr;
+  Result result_ = kSuccess;
+  bool restore_ = false;
+};
+
 }  // namespace cuda
 }  // namespace smddp

@@ -42,6 +42,7 @@
 #include "arena.h"
 #include "channel.h"
 #include "cuda_driver.h"
+#include "device_path.h"
 #include "device_watch.h"
 #include "fdpass.h"
 #include "frame.h"
@@ -142,7 +143,7 @@ struct PlaneFailure {
 // What WorkerChannel.pop() took off the done ring, when it took something.
 struct Completed {  // a collected collective the engine completed in that pop
   std::uint64_t seq = 0;
-  std::optional<SlotRec> at;  // a held (device) one's result: where it lies
+  std::optional<std::string> error;  // a device one's copy back that could not be enqueued: why
 };
 struct Unmatched {  // a DONE the channel had nobody for (the general way's, or the daemon's fault)
   std::string header;
@@ -582,8 +583,8 @@ void channel_push(Channel& c, nb::bytes header, double timeout_s, double spin_us
 }
 
 // The next header of the done ring (Unmatched: the background taker's, channel.h), a collected
-// collective the engine completed in this pop (Completed, with where a held one's result lies: the
-// caller copies it on, and RELEASEs it), or None.
+// collective the engine completed in this pop (Completed; a device one's result on its way back to
+// the device, or why it could not go), or None.
 nb::object channel_pop(Channel& c, double timeout_s, double spin_us) {
   std::uint8_t slot[smddp::kSlotBytes];
   smddp::RingWait r;
@@ -600,7 +601,7 @@ nb::object channel_pop(Channel& c, double timeout_s, double spin_us) {
     (void)smddp::decode_header(slot, smddp::kHeaderSize, &h);
     c.unkeep(h.seq);
     Completed out{h.seq, std::nullopt};
-    if (at.held) out.at = SlotRec{at.segment, at.offset, at.nbytes};
+    if (!at.why.empty()) out.error = at.why;
     return nb::cast(std::move(out));
   }
   return nb::cast(Unmatched{std::string(reinterpret_cast<const char*>(slot), smddp::kHeaderSize)});
@@ -765,6 +766,10 @@ struct Started {
   bool finished = false;   // complete: its result is in place, or it failed (`failed`)
   bool failed = false;     // finished by the job's failure (_complete(True)): its wait raises (_settle)
   bool collected = false;  // collect() was asked: a wait that completes it runs _completed() (callbacks)
+  // A device collective's way back (DeviceEngine.deliver_to): the channel's sink for its result, and
+  // the DeviceEngine it belongs to (held, so that the engine outlives it).
+  std::shared_ptr<smddp::DeviceOut> device;
+  nb::object device_engine;
 
   // Finished: out of the channel's live table (and its `keep`, where it was collected), and what the
   // caller kept until then let go.
@@ -788,6 +793,7 @@ int started_traverse(PyObject* self, visitproc visit, void* arg) {
   Py_VISIT(s->ctx.ptr());
   Py_VISIT(s->result.ptr());
   Py_VISIT(s->keepalive.ptr());
+  Py_VISIT(s->device_engine.ptr());
   return 0;
 }
 
@@ -848,6 +854,14 @@ nb::object refusal(const Started& s, smddp::FastEnd end) {
   return nb::borrow(error_class(Err::kProtocol))(s.channel->ch->why());
 }
 
+// A held record's DONE was taken (by its wait, or a pop): its sink was told, as deliver_to set it
+// before its SUBMIT went (give, give_when refuse one without); what the sink could not do fails the
+// client (its _device_failed), which finishes every record of its, this one too.
+void device_arrived(const Started& s, const smddp::Located& at) {
+  if (!at.why.empty() && s.ctx.is_valid())
+    s.ctx.attr("_device_failed")(nb::borrow(error_class(Err::kDevice))(at.why));
+}
+
 nb::object finished_result(StartedSelf self, nb::handle stream) {
   if (self.p->failed) return settle(self.h, Py_True, 0.0, 0.0, stream);
   return self.p->result.is_valid() ? self.p->result : nb::none();
@@ -871,12 +885,12 @@ nb::object started_wait(StartedSelf self, std::optional<double> timeout, nb::han
     took_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
   }
   if (end == smddp::FastEnd::kDone) {
-    // A held collective's result is in place on the host (a device one's, at `at`): the handle's
-    // _arrived(segment, offset, nbytes) copies it on to the device (its RELEASE goes once that copy
-    // is done) and returns what its wait returns. Before the record is finished, so that nobody sees
-    // it complete before its copy-out is under way.
-    if (at.held) s.result = self.h.attr("_arrived")(at.segment, at.offset, at.nbytes);
-    if (!s.finished) {  // (the handle's copy-out may have failed the job, and it with it)
+    // A device collective's result has gone on to the device (its record's DeviceOut enqueued the
+    // copy back in finish(), before the record is finished, so that nobody sees it complete before
+    // that copy is under way; its RELEASE follows the copy). One that could not be enqueued fails
+    // the client, and this record with it.
+    if (at.held) device_arrived(s, at);
+    if (!s.finished) {  // (a copy back that could not go failed the job, and it with it)
       s.retire();
       if (s.collected) self.h.attr("_completed")();  // callbacks wait for it: the handle runs them
     }
@@ -899,8 +913,9 @@ nb::object started_wait(StartedSelf self, std::optional<double> timeout, nb::han
 std::optional<bool> started_collect(Started& s, bool drop) {
   if (s.finished) return std::nullopt;
   if (drop) {
-    s.out.dst = nullptr;  // a held (device) delivery copies nothing here anyway: its _arrived decides
+    s.out.dst = nullptr;  // (a held (device) delivery copies nothing here: its DeviceOut drops it)
     s.out.nbytes = 0;
+    if (s.device) s.device->drop();
     s.result = nb::none();  // what wait() returns: nobody's now
   }
   s.collected = true;  // (under the GIL, as a wait's check of it once finish() returned)
@@ -923,6 +938,7 @@ std::optional<bool> started_collect(Started& s, bool drop) {
 // the collectives before it had no result in time (WorkerChannel::make_room); ProtocolError when the
 // channel refused it (given twice, a broken ring).
 void started_give(Started& s, std::optional<double> timeout) {
+  if (s.out.hold && !s.out.sink) raise_error(Err::kRuntime, "give: the record has no way back yet (deliver_to)");
   const std::int64_t wait_ns = timeout_ns(timeout, s.timeout_ns);
   smddp::RingWait r;
   bool backlog = false;
@@ -1055,113 +1071,172 @@ nb::object channel_begin_allreduce(ChannelSelf self, nb::handle src, long long d
 
 // ------------------------------------------------------------------------------- DeviceEngine
 
-// The engine's half of a client's device path, for now its first step: the CUDA driver (loaded at
-// run time: libcuda.so.1, or the stand-in's) and a progress thread per device (DeviceWatch) that
-// gives each held device SUBMIT the moment its copy-in has landed, in whatever order the copies
-// land (the channel puts them on the ring in sequence order), with no Python and no thread of the
-// client's. A copy-in that failed, or a ring the daemon left full, is kept as the engine's failure
-// (failure(): the client's DONE thread looks, and fails the job with it).
+// A client's device path in the engine (device_path.h): the CUDA driver (loaded at run time:
+// libcuda.so.1, or the stand-in's), a progress thread per device that gives each held device SUBMIT
+// the moment its copy-in has landed, and each device record's way back (deliver_to): its result
+// copied to the device by whichever thread takes its DONE, and RELEASEd once that copy has landed.
+// A copy that failed, or a ring the daemon left full, is kept as the engine's failure (failure():
+// the client's DONE thread looks, and fails the job with it).
 //
-// Memory: owns the driver and the watches; holds its channel (a reference) so that the channel
-// outlives every watch; stop() (and the end of the object) ends the watches first. The events are
-// the caller's: it keeps each alive until its watch has ended (the record holds it).
+// Memory: owns the path; holds its channel (a reference) so that the channel outlives every watch,
+// and, by token, what keeps each copy back's destination alive (`holds`, let go of under the GIL
+// once the path says it landed: reap). stop() (and the end of the object) ends the watches first.
+// The events are the caller's: it keeps each alive until its watch has ended (the record holds it).
 struct DeviceEngine {
   nb::object channel_obj;
   Channel* channel = nullptr;
-  std::unique_ptr<smddp::cuda::Driver> driver;
-  std::int64_t spin_ns = 0;
-  std::mutex mu;  // the watches, the failure, stopped
-  std::map<int, std::unique_ptr<smddp::DeviceWatch>> watches;
-  int failure_kind = 0;  // 0: none; 1: a copy-in failed (the device's); 2: the daemon's ring
-  std::string failure;
-  bool stopped = false;
+  std::unique_ptr<smddp::DevicePath> path;
+  nb::dict holds;  // token -> what a copy back's destinations need kept alive until it lands
+  std::uint64_t next_token = 1;
 
-  ~DeviceEngine() { stop(); }
-
-  void fail(int kind, std::string why) {
-    std::lock_guard<std::mutex> lock(mu);
-    if (failure_kind == 0) {
-      failure_kind = kind;
-      failure = std::move(why);
-    }
+  ~DeviceEngine() {
+    if (path) path->stop(false);
   }
 
-  smddp::DeviceWatch* watch_for(int device) {
-    std::lock_guard<std::mutex> lock(mu);
-    if (stopped) return nullptr;
-    auto& w = watches[device];
-    if (!w) w = std::make_unique<smddp::DeviceWatch>(driver.get(), device, spin_ns);
-    return w.get();
+  // Lets go of what the copies back that landed held (GIL held).
+  void reap() {
+    for (std::uint64_t t : path->take_landed()) Channel::discard(holds, t);
   }
+};
 
-  void stop() {
-    std::map<int, std::unique_ptr<smddp::DeviceWatch>> all;
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      stopped = true;
-      all.swap(watches);
-    }
-    for (auto& kv : all) kv.second->stop();  // (outside the lock: a watch's done takes it)
-  }
+int device_engine_traverse(PyObject* self, visitproc visit, void* arg) {
+  Py_VISIT(Py_TYPE(self));
+  if (!nb::inst_ready(self)) return 0;
+  DeviceEngine* e = nb::inst_ptr<DeviceEngine>(self);
+  Py_VISIT(e->channel_obj.ptr());
+  Py_VISIT(e->holds.ptr());
+  return 0;
+}
+
+int device_engine_clear(PyObject* self) {
+  if (!nb::inst_ready(self)) return 0;
+  nb::inst_ptr<DeviceEngine>(self)->holds.clear();
+  return 0;
+}
+
+PyType_Slot kDeviceEngineSlots[] = {
+    {Py_tp_traverse, reinterpret_cast<void*>(device_engine_traverse)},
+    {Py_tp_clear, reinterpret_cast<void*>(device_engine_clear)},
+    {0, nullptr},
 };
 
 void device_engine_init(DeviceEngine* self, nb::handle channel, const std::string& library, double spin_us) {
   Channel* c = nullptr;
   if (!nb::try_cast<Channel*>(channel, c) || c == nullptr)
     raise_error(Err::kType, "DeviceEngine: expected an smddp._engine.WorkerChannel");
+  c->require_bound("DeviceEngine");
   std::string why;
-  std::unique_ptr<smddp::cuda::Driver> d;
+  std::unique_ptr<smddp::DevicePath> p;
   {
     nb::gil_scoped_release unlocked;  // (cuInit may take a while)
-    d = smddp::cuda::Driver::load(library, &why);
+    p = smddp::DevicePath::load(library, c->ch.get(), c->batch, c->timeout_ns, c->spin_ns, spin_ns(spin_us), &why);
   }
-  if (!d) raise_error(Err::kOS, why);
+  if (!p) raise_error(Err::kOS, why);
   new (self) DeviceEngine();
   self->channel_obj = nb::borrow(channel);
   self->channel = c;
-  self->driver = std::move(d);
-  self->spin_ns = spin_ns(spin_us);
+  self->path = std::move(p);
+}
+
+void require_device(long long device) {
+  if (device < 0 || device > 1024) raise_error(Err::kValue, "no such device");
 }
 
 // Gives `record`'s SUBMIT once `event` (a CUevent, the copy-in's, recorded on `device`) is reached.
 // False once stopped (nothing will give it).
 bool device_engine_give_when(DeviceEngine& e, Started& s, std::uintptr_t event, long long device) {
   if (s.channel != e.channel) raise_error(Err::kValue, "give_when: a record of another channel");
-  if (device < 0 || device > 1024) raise_error(Err::kValue, "give_when: no such device");
-  smddp::DeviceWatch* w = e.watch_for(static_cast<int>(device));
-  if (w == nullptr) return false;
-  smddp::WorkerChannel* ch = e.channel->ch.get();
-  const smddp::Header h = s.submit;
-  const std::int64_t timeout = s.timeout_ns, spin = s.spin_ns;
-  DeviceEngine* engine = &e;
-  return w->watch(reinterpret_cast<smddp::cuda::Event>(event), [engine, ch, h, timeout, spin](smddp::cuda::Result r) {
-    if (r == smddp::DeviceWatch::kStopped) return;
-    if (r != smddp::cuda::kSuccess) {
-      engine->fail(1, "the copy-in of collective #" + std::to_string(h.seq) +
-                          " failed: " + engine->driver->describe(r, "cuEventQuery"));
-      return;
-    }
-    bool backlog = false;
-    const smddp::RingWait got = ch->give(h, timeout, spin, &backlog);
-    if (backlog)
-      engine->fail(2, ch->backlog_why());
-    else if (got != smddp::RingWait::kReady)
-      engine->fail(2, "the SUBMIT of collective #" + std::to_string(h.seq) +
-                          " could not go: the daemon did not read this worker's ring (frozen or gone)");
-  });
+  if (!s.out.sink) raise_error(Err::kRuntime, "give_when: the record has no way back yet (deliver_to)");
+  require_device(device);
+  return e.path->give_when(s.submit, reinterpret_cast<smddp::cuda::Event>(event), static_cast<int>(device),
+                           s.timeout_ns, s.spin_ns);
+}
+
+// `record`'s result goes back to the device: each (address, offset, bytes) of `parts` from its result
+// to device memory, on `stream` of `device`, after the CUevent `before` (0: none), by whoever takes
+// its DONE, and the CUevent `done` recorded after them (0: an event of the engine's own); `hold`
+// (which keeps the destinations, and those events, alive) is kept until the copies have landed.
+// Before its SUBMIT is given.
+void device_engine_deliver_to(nb::handle self, DeviceEngine& e, StartedSelf rec, long long device,
+                              std::uintptr_t stream, std::uintptr_t before, std::uintptr_t done,
+                              const std::vector<std::tuple<std::uint64_t, std::uint64_t, std::uint64_t>>& parts,
+                              nb::handle hold) {
+  Started& s = *rec.p;
+  if (s.channel != e.channel) raise_error(Err::kValue, "deliver_to: a record of another channel");
+  if (!s.out.hold || s.out.sink) raise_error(Err::kValue, "deliver_to: a held record (reserve_record), once");
+  require_device(device);
+  std::vector<smddp::DeviceOut::Part> ps;
+  ps.reserve(parts.size());
+  for (const auto& [dst, offset, nbytes] : parts) {
+    if (offset > s.out.result_bytes || nbytes > s.out.result_bytes - offset)
+      raise_error(Err::kValue, "deliver_to: a part outside the record's result");
+    ps.push_back(smddp::DeviceOut::Part{dst, offset, nbytes});
+  }
+  e.reap();
+  const std::uint64_t token = e.next_token++;
+  e.holds[nb::int_(token)] = nb::borrow(hold);
+  auto out = std::make_shared<smddp::DeviceOut>(e.path.get(), static_cast<int>(device), stream,
+                                                reinterpret_cast<smddp::cuda::Event>(before),
+                                                reinterpret_cast<smddp::cuda::Event>(done), std::move(ps), token);
+  s.device = out;
+  s.device_engine = nb::borrow(self);
+  s.out.sink = std::move(out);
 }
 
 std::optional<std::pair<int, std::string>> device_engine_failure(DeviceEngine& e) {
-  std::lock_guard<std::mutex> lock(e.mu);
-  if (e.failure_kind == 0) return std::nullopt;
-  return std::make_pair(e.failure_kind, e.failure);
+  auto [kind, why] = e.path->failure();
+  if (kind == 0) return std::nullopt;
+  return std::make_pair(kind, why);
 }
 
-std::size_t device_engine_pending(DeviceEngine& e) {
-  std::lock_guard<std::mutex> lock(e.mu);
-  std::size_t n = 0;
-  for (auto& kv : e.watches) n += kv.second->pending();
-  return n;
+// The driver's error of a device record's call, raised as smddp.errors.DeviceError.
+void raise_device(DeviceEngine& e, smddp::cuda::Result r, const char* call, const Started& s) {
+  raise_error(Err::kDevice, "collective #" + std::to_string(s.submit.seq) + ": " + e.path->driver().describe(r, call));
+}
+
+// The device record's copy back, from Python (DeviceHandle): `record`'s DeviceOut, refused for one without.
+smddp::DeviceOut& device_out(const Started& s) {
+  if (!s.device) raise_error(Err::kRuntime, "not a device record (deliver_to)");
+  return *s.device;
+}
+
+DeviceEngine& engine_of(const Started& s) { return nb::cast<DeviceEngine&>(s.device_engine); }
+
+// A finished device record's result is on its way to the device (or landed): `stream`'s later work
+// waits for it (nothing to do on the stream its copies ran on). DeviceError when the driver refuses.
+void started_device_order(const Started& s, std::uintptr_t stream) {
+  smddp::DeviceOut& out = device_out(s);
+  const smddp::cuda::Result r = out.order(stream);
+  if (r != smddp::cuda::kSuccess) raise_device(engine_of(s), r, "cuStreamWaitEvent", s);
+}
+
+// Whether its copy back has landed (True too for one that copied nothing); DeviceError for one that failed.
+bool started_device_done(const Started& s) {
+  smddp::DeviceOut& out = device_out(s);
+  const smddp::cuda::Result r = out.query();
+  if (r == smddp::cuda::kNotReady) return false;
+  if (r != smddp::cuda::kSuccess) raise_device(engine_of(s), r, "cuEventQuery", s);
+  return true;
+}
+
+// Waits (GIL released) up to `timeout_s` for its copy back to land: polled, yielding the core at
+// first and then in short sleeps, so that the wait keeps its timeout. Whether it landed in time.
+bool started_device_synchronize(const Started& s, double timeout_s) {
+  smddp::DeviceOut& out = device_out(s);
+  smddp::cuda::Result r;
+  {
+    nb::gil_scoped_release unlocked;
+    const auto t0 = std::chrono::steady_clock::now();
+    const auto deadline = t0 + std::chrono::nanoseconds(seconds_ns(timeout_s));
+    while ((r = out.query()) == smddp::cuda::kNotReady) {
+      const auto now = std::chrono::steady_clock::now();
+      if (now >= deadline) break;
+      smddp::stream_pause(t0, s.spin_ns);
+    }
+  }
+  if (r == smddp::cuda::kNotReady) return false;
+  if (r != smddp::cuda::kSuccess) raise_device(engine_of(s), r, "cuEventQuery", s);
+  return true;
 }
 
 // The run()s that end DONE or CLOSED share one answer each (the module's RAN_DONE and RAN_CLOSED,
@@ -1235,8 +1310,8 @@ nb::object channel_resume(ChannelSelf self, long long seq, const SlotRec& slot, 
 // `slot` itself, or none (None: a broadcast's receiver, or nothing to send), under the channel's next
 // sequence number (WorkerChannel::reserve_fast): the engine's from now on. Its SUBMIT goes when the
 // caller gives it (give()); its DONE is checked and its result located by whoever takes it (its
-// wait, or collect()'s taker), not copied or RELEASEd: the record's _arrived(segment, offset, nbytes)
-// does that (the device path). Its wait returns what _arrived returned.
+// wait, or collect()'s taker), and handed to its way back (DeviceEngine.deliver_to, set before its
+// SUBMIT may go: the device path's copy back and RELEASE). Its wait returns `result`.
 nb::object channel_reserve_record(ChannelSelf self, long long kind_v, long long count, long long dtype_v, long long op,
                                   long long root, std::optional<SlotRec> slot, long long result_bytes,
                                   nb::handle result, nb::handle keepalive, nb::handle handle_type) {
@@ -1474,7 +1549,7 @@ NB_MODULE(_engine, m) {
 
   Record<Completed>(m, "Completed", "A collected collective the engine completed in a pop().")
       .field("seq", &Completed::seq, "its sequence number")
-      .field("at", &Completed::at, "a held (device) one's result: where it lies; None for a host one");
+      .field("error", &Completed::error, "a device one's copy back that could not be enqueued: why; else None");
 
   Record<Unmatched>(m, "Unmatched", "A DONE pop() had nobody for: the general way's, or the daemon's fault.")
       .prop(
@@ -1626,6 +1701,11 @@ NB_MODULE(_engine, m) {
            "drop: its result goes nowhere.")
       .def("give", &started_give, "timeout_s"_a = nb::none(), "A reserved record's SUBMIT goes, in its place on the ring.")
       .def("_complete", &started_complete, "failed"_a, "Finished other than by its own wait.")
+      .def("_device_order", &started_device_order, "stream"_a,
+           "A device record's: `stream`'s later work waits for its copy back.")
+      .def("_device_done", &started_device_done, "A device record's: whether its copy back has landed.")
+      .def("_device_synchronize", &started_device_synchronize, "timeout_s"_a,
+           "A device record's: wait for its copy back to land; whether it did in time.")
       .def_prop_ro(
           "seq", [](const Started& s) { return s.submit.seq; }, "its sequence number")
       .def_prop_ro(
@@ -1708,7 +1788,7 @@ NB_MODULE(_engine, m) {
            nb::sig("def reserve_record(self, kind: int, count: int, dtype: int, op: int, root: int, "
                    "slot: Slot | None, result_bytes: int, result: typing.Any, keepalive: typing.Any, "
                    "handle_type: type[_S]) -> _S"),
-           "A record whose SUBMIT goes with give() and whose result its _arrived() takes on.")
+           "A record whose SUBMIT goes with give() and whose result its way back (DeviceEngine.deliver_to) takes on.")
       .def(
           "close_starts", [](Channel& c) { c.ch->close_starts(); }, "No fast collective starts from now on.")
       .def(
@@ -1747,24 +1827,71 @@ NB_MODULE(_engine, m) {
           "close_daemon_end", [](Channel& c) { c.ch->close_daemon_end(); },
           "The daemon's end of the side socket is closed here (once passed).");
 
-  nb::class_<DeviceEngine>(m, "DeviceEngine", "The engine's device progress: held device SUBMITs given once their copy-ins land.")
+  nb::class_<DeviceEngine>(m, "DeviceEngine", nb::type_slots(kDeviceEngineSlots),
+                           "A client's device path in the engine: held SUBMITs given once their copy-ins land, "
+                           "results copied back and RELEASEd.")
       .def("__init__", &device_engine_init, "channel"_a, "library"_a, "spin_us"_a,
            nb::sig("def __init__(self, channel: WorkerChannel, library: str, spin_us: float) -> None"),
            "The CUDA driver `library` loaded (OSError naming why not), for `channel`'s records.")
       .def("give_when", &device_engine_give_when, "record"_a, "event"_a, "device"_a,
            "Give the record's SUBMIT once the CUevent is reached; False once stopped.")
+      .def(
+          "deliver_to",
+          [](nb::handle self, StartedSelf rec, long long device, std::uintptr_t stream, std::uintptr_t before,
+             std::uintptr_t done, const std::vector<std::tuple<std::uint64_t, std::uint64_t, std::uint64_t>>& parts,
+             nb::handle hold) {
+            device_engine_deliver_to(self, nb::cast<DeviceEngine&>(self), rec, device, stream, before, done, parts,
+                                     hold);
+          },
+          "record"_a, "device"_a, "stream"_a, "before"_a, "done"_a, "parts"_a, "hold"_a.none(),
+          nb::sig("def deliver_to(self, record: Started, device: int, stream: int, before: int, done: int, "
+                  "parts: collections.abc.Sequence[tuple[int, int, int]], hold: typing.Any) -> None"),
+          "The record's result goes to the device at its DONE: (address, offset, bytes) parts on `stream`, "
+          "after CUevent `before`, then CUevent `done` recorded (0: none, the engine's own); `hold` kept "
+          "until they land.")
       .def("failure", &device_engine_failure,
-           "None, or (1: a copy-in failed, 2: the daemon's ring; why) for the first failure.")
-      .def("pending", &device_engine_pending, "Watches not yet ended.")
+           "None, or (1: a device copy failed, 2: the daemon's ring; why) for the first failure.")
+      .def(
+          "pending",
+          [](DeviceEngine& e) {
+            e.reap();
+            return e.path->pending();
+          },
+          "Watches not yet ended: copies in and back in flight.")
+      .def(
+          "reap",
+          [](DeviceEngine& e) {
+            e.reap();
+            return e.path->take_notes();
+          },
+          "Let go of what landed copies held; what the engine would log since the last call.")
+      .def(
+          "settle",
+          [](DeviceEngine& e, double timeout_s) {
+            bool all;
+            {
+              nb::gil_scoped_release unlocked;
+              all = e.path->settle(seconds_ns(timeout_s));
+            }
+            e.reap();
+            return all;
+          },
+          "timeout_s"_a, "Wait for every copy in and back in flight to end; whether they did in time.")
       .def_prop_ro(
-          "driver_version", [](const DeviceEngine& e) { return e.driver->version(); },
+          "driver_version", [](DeviceEngine& e) { return e.path->driver().version(); },
           "the driver's cuDriverGetVersion (1000 * major + 10 * minor)")
       .def(
-          "stop", [](DeviceEngine& e) {
-            nb::gil_scoped_release unlocked;
-            e.stop();
+          "stop",
+          [](DeviceEngine& e, bool unpin) {
+            {
+              nb::gil_scoped_release unlocked;
+              e.path->stop(unpin);
+            }
+            e.reap();
           },
-          "End every watch: the SUBMITs not given yet are never given.");
+          "unpin"_a,
+          "End every watch (nothing is given or RELEASEd from now on); unpin: and let go of the result "
+          "segments' page-locking (only once nothing copies from them).");
 
   m.def("ofi_providers", &ofi_providers, "library"_a,
         "The providers of that libfabric with reliable-datagram tagged messages.");

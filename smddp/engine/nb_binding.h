@@ -35,6 +35,7 @@ enum class Err {
   kValue,              // ValueError
   kType,               // TypeError
   kRuntime,            // RuntimeError: a call out of order (a channel not bound)
+  kDevice,             // smddp.errors.DeviceError: the CUDA driver refused a call, or a copy failed
 };
 
 struct Raised : std::exception {
@@ -46,9 +47,9 @@ struct Raised : std::exception {
 
 [[noreturn]] inline void raise_error(Err err, std::string why) { throw Raised(err, std::move(why)); }
 
-// smddp.errors' four classes, imported once at module init and held for the life of the process
+// smddp.errors' five classes, imported once at module init and held for the life of the process
 // (strong references, never given back: a translator may run until the interpreter is gone).
-inline PyObject* g_smddp_errors[4] = {nullptr, nullptr, nullptr, nullptr};
+inline PyObject* g_smddp_errors[5] = {nullptr, nullptr, nullptr, nullptr, nullptr};
 
 inline PyObject* error_class(Err e) {
   switch (e) {
@@ -61,6 +62,7 @@ inline PyObject* error_class(Err e) {
     case Err::kValue: return PyExc_ValueError;
     case Err::kType: return PyExc_TypeError;
     case Err::kRuntime: return PyExc_RuntimeError;
+    case Err::kDevice: return g_smddp_errors[4];
   }
   return PyExc_RuntimeError;
 }
@@ -77,8 +79,9 @@ inline void translate(const std::exception_ptr& p, void*) {
 
 inline void load_errors() {
   nb::module_ errors = nb::module_::import_("smddp.errors");
-  const char* names[4] = {"ProtocolError", "CollectiveMismatchError", "PeerLostError", "CollectiveTimeoutError"};
-  for (int i = 0; i < 4; i++) g_smddp_errors[i] = nb::object(errors.attr(names[i])).release().ptr();
+  const char* names[5] = {"ProtocolError", "CollectiveMismatchError", "PeerLostError", "CollectiveTimeoutError",
+                          "DeviceError"};
+  for (int i = 0; i < 5; i++) g_smddp_errors[i] = nb::object(errors.attr(names[i])).release().ptr();
   nb::register_exception_translator(translate);
 }
 

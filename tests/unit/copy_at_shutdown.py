@@ -14,7 +14,6 @@ import numpy as np
 from smddp_rigs.standin import StandinRuntime
 
 from smddp.client import collectives
-from smddp.client.device.copies import DeviceIO
 from smddp.errors import CollectiveTimeoutError, DeviceError
 from smddp.proto import ReduceOp
 from tests.unit.lonely import lonely_client
@@ -25,7 +24,7 @@ def main() -> int:
     client, theirs = lonely_client()
     daemon = ScriptedDaemon(theirs)
     rt = StandinRuntime()
-    client._device = DeviceIO(rt, client._device_failed)
+    client._start_device(rt)
     s = rt.new_stream(0)
     x = rt.asarray(np.ones(1 << 16, np.float32))
     gate = rt.hold(s)  # the caller's kernel, still running

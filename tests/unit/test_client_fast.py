@@ -20,6 +20,7 @@ import pytest
 from smddp import _engine
 from smddp.client import collectives
 from smddp.client.collectives import allreduce_async
+from smddp.client.device.runtime import STREAM_LEGACY
 from smddp.client.session import NO_DATA, Client, EngineHandle
 from smddp.errors import (
     CollectiveError,
@@ -216,11 +217,9 @@ def test_a_done_that_lies_about_a_device_collective_fails_the_client_naming_why(
     thread (collected) takes it: nothing is copied to the device from a range it refused."""
     from smddp_rigs.standin import StandinRuntime
 
-    from smddp.client.device.copies import DeviceIO
-
     client, daemon = pair
     rt = StandinRuntime()
-    client._device = DeviceIO(rt, client._device_failed)
+    client._start_device(rt)
     x = rt.asarray(np.zeros(1024, np.float32))
     h = allreduce_async(client, x, ReduceOp.SUM)
     if not waited:
@@ -720,11 +719,19 @@ def test_an_address_destination_is_refused_without_its_owner(pair):
 
 
 def reserved_barrier(client: Client) -> EngineHandle:
-    """A barrier reserved as a device collective's is (Client.submit): the engine's record, its SUBMIT
-    to go with give()."""
-    return client._channel.reserve_record(
+    """A barrier reserved as a device collective's is (Client.submit): the engine's record, with its
+    way back through the engine's device path (nothing to copy; its RELEASE once its DONE is taken),
+    its SUBMIT to go with give()."""
+    from smddp_rigs.standin import StandinRuntime
+
+    if client._device_engine is None:
+        client._start_device(StandinRuntime())
+    assert client._device_engine is not None
+    record = client._channel.reserve_record(
         Kind.BARRIER, 0, DType.UINT8, 0, 0, None, 0, None, None, EngineHandle
     )  # fmt: skip
+    client._device_engine.deliver_to(record, 0, STREAM_LEGACY, 0, 0, [], None)
+    return record
 
 
 def test_fast_calls_behind_a_reserved_general_submit_wait_in_the_engine_and_follow_it(pair):
@@ -1017,11 +1024,9 @@ def test_device_submits_go_in_sequence_order_when_their_copy_ins_finish_the_othe
     once the first's copy-in lands, and both results reach their devices."""
     from smddp_rigs.standin import StandinRuntime
 
-    from smddp.client.device.copies import DeviceIO
-
     client, daemon = pair
     rt = StandinRuntime(devices=2)
-    client._device = DeviceIO(rt, client._device_failed)
+    client._start_device(rt)
     gave: list[int] = []
     give = client._give_locked
 
@@ -1035,14 +1040,21 @@ def test_device_submits_go_in_sequence_order_when_their_copy_ins_finish_the_othe
     x1 = rt.asarray(np.ones(32, np.float32), device=1)
     gate = rt.hold(slow, device=0)  # a slow kernel ahead of the first's copy-in, until let go below
     first = allreduce_async(client, x0, ReduceOp.SUM, stream=slow)
-    assert client._giver is not None and client._giver.pending() == 1, "the engine does not watch its copy-in"
-    assert client._submitter is None, "a thread of the client's holds a device SUBMIT"
+    assert client._device_engine is not None and client._device_engine.pending() == 1, (
+        "the engine does not watch its copy-in"
+    )
+    mine = {t.name for t in threading.enumerate() if t.name.startswith("smddp-")}
+    assert mine <= {"smddp-client-done", "smddp-client-reader"}, (
+        f"a thread of the client's holds a device SUBMIT: {mine}"
+    )
     second = Call(lambda: collectives.allreduce(client, x1, ReduceOp.SUM, 5.0))
     deadline = time.monotonic() + 5
     while 2 not in gave:
         assert time.monotonic() < deadline, "the blocking call did not give its SUBMIT"
         time.sleep(0.002)
-    assert client._giver.pending() == 1 and not daemon.pending(), "the second SUBMIT went ahead of the first"
+    assert client._device_engine.pending() == 1 and not daemon.pending(), (
+        "the second SUBMIT went ahead of the first"
+    )
     gate.set()
     s1, s2 = [f for f in until_submits(daemon, 2) if f.type is MsgType.SUBMIT]
     assert [(s.seq, s.count) for s in (s1, s2)] == [(1, 64), (2, 32)]
@@ -1065,12 +1077,11 @@ def test_a_slow_copy_in_holds_up_no_other_collectives_completion(pair, slow):
     goes on, its SUBMIT given and its result exact."""
     from smddp_rigs.standin import StandinRuntime
 
-    from smddp.client.device.copies import DeviceIO
     from smddp.errors import DeviceError
 
     client, daemon = pair
     rt = StandinRuntime()
-    client._device = DeviceIO(rt, client._device_failed)
+    client._start_device(rt)
     registering = threading.Event()
     let_go = threading.Event()
     real = rt.register_host
@@ -1119,11 +1130,9 @@ def test_a_copy_in_that_fails_on_the_device_fails_the_client_naming_it(pair):
     collective's wait raises it, naming the collective and the driver's error, in bounded time."""
     from smddp_rigs.standin import StandinRuntime
 
-    from smddp.client.device.copies import DeviceIO
-
     client, daemon = pair
     rt = StandinRuntime()
-    client._device = DeviceIO(rt, client._device_failed)
+    client._start_device(rt)
     producer = rt.new_stream()
     x = rt.asarray(np.ones(64, np.float32))
     gate = rt.hold(producer)
@@ -1133,13 +1142,97 @@ def test_a_copy_in_that_fails_on_the_device_fails_the_client_naming_it(pair):
 
     rt.launch(producer, fault, x)
     h = allreduce_async(client, x, ReduceOp.SUM, stream=producer)
-    assert client._giver is not None and client._giver.pending() == 1
+    assert client._device_engine is not None and client._device_engine.pending() == 1
     gate.set()
     with pytest.raises(
         CollectiveError, match=r"the copy-in of collective #1 failed: cuEventQuery: CUDA_ERROR_UNKNOWN"
     ):
         h.wait(30.0)
     assert not daemon.pending(), "a failed copy-in's SUBMIT went"
+    rt.close()
+
+
+def test_a_device_results_release_waits_for_its_copy_back_and_its_buffer_is_held_until_then(pair):
+    """The engine enqueues a device result's copy back when its DONE is taken, and RELEASEs the result
+    slot only once that copy has landed (its device watch): until then the daemon may not reuse a slot
+    the copy still reads, and the destination stays alive though its caller let go of it. The copy
+    back is held behind a kernel on its lane here, so the order is the test's, not the clock's."""
+    from smddp_rigs.standin import StandinRuntime
+
+    client, daemon = pair
+    rt = StandinRuntime()
+    client._start_device(rt)
+    x = rt.asarray(np.ones(64, np.float32))
+    h = allreduce_async(client, x, ReduceOp.SUM)
+    io, engine = client._device, client._device_engine
+    assert io is not None and engine is not None
+    gate = rt.hold(io.lane(0).h2d)  # the copy back, on its lane, waits behind this
+    (s,) = [f for f in until_submits(daemon, 1) if f.type is MsgType.SUBMIT]
+    daemon.done(s, 3.0)
+    h.wait(5.0)  # its copy back is enqueued, not landed
+    assert not h.done(), "the copy back landed through a held lane"
+    assert not daemon.pending(), "a device result was RELEASEd before its copy back landed"
+    held = weakref.ref(x)
+    del x, h
+    gc.collect()
+    assert held() is not None, "the destination of a copy still running was let go"
+    gate.set()
+    (r,) = daemon.frames(1)
+    assert (r.type, r.seq) == (MsgType.RELEASE, s.seq)
+    deadline = time.monotonic() + 10
+    while (
+        held() is not None
+    ):  # let go of once landed (the engine's reap, on the next call or the DONE thread)
+        assert time.monotonic() < deadline, "the destination was never let go"
+        engine.reap()
+        gc.collect()
+        time.sleep(0.01)
+    client.shutdown(timeout=2)
+    rt.close()
+
+
+@pytest.mark.parametrize("where", ["on the device", "enqueuing"])
+def test_a_copy_back_that_fails_fails_the_client_naming_it_and_is_never_released(pair, where):
+    """A copy back that fails on the device (a kernel faulted on its lane before it: sticky) is seen by
+    the engine's watch, which keeps the failure; the client's DONE thread fails the job with it. One
+    the driver refuses to enqueue (its destination is no longer device memory) fails the wait that
+    took its DONE at once. Either way it names the collective and the driver's error, and its
+    result is never RELEASEd."""
+    from smddp_rigs.standin import StandinRuntime, _lib
+
+    client, daemon = pair
+    rt = StandinRuntime()
+    client._start_device(rt)
+    x = rt.asarray(np.ones(64, np.float32))
+    h = allreduce_async(client, x, ReduceOp.SUM)
+    io = client._device
+    assert io is not None
+    (s,) = [f for f in until_submits(daemon, 1) if f.type is MsgType.SUBMIT]
+    if where == "on the device":
+
+        def fault() -> None:
+            raise ValueError("kernel fault")
+
+        rt.launch(io.lane(0).h2d, fault)
+        daemon.done(s, 3.0)
+        # Enqueued: the failure shows once the device reaches it. (Ordered on a stream of the test's
+        # own, which fails with it: the driver's legacy stream is the process's.)
+        h.wait(5.0, stream=rt.new_stream())
+        deadline = time.monotonic() + 10
+        while client._failure is None:
+            assert time.monotonic() < deadline, "the client never failed"
+            time.sleep(0.01)
+        match = r"the copy of collective #1's result to cuda:0 failed: cuEventQuery: CUDA_ERROR_UNKNOWN"
+        with pytest.raises(CollectiveError, match=match):
+            client._check_open()
+    else:
+        rt.synchronize()
+        _lib().smddp_standin_unmap(x.ptr)  # x's device memory is gone (its owner's doing, not ours)
+        daemon.done(s, 3.0)
+        match = r"collective #1's result to cuda:0 could not be enqueued: cuMemcpyHtoDAsync: CUDA_ERROR_INVALID_VALUE"
+        with pytest.raises(CollectiveError, match=match):
+            h.wait(5.0)
+    assert not daemon.pending(), "a failed copy back's result was RELEASEd"
     rt.close()
 
 
@@ -1151,13 +1244,12 @@ def test_a_device_collective_nobody_waits_for_is_completed_by_the_done_thread(pa
     the device, the result's RELEASE goes only once that copy is done, and no DONE reaches Python."""
     from smddp_rigs.standin import StandinRuntime
 
-    from smddp.client.device.copies import DeviceIO
     from smddp.client.session import DeviceHandle
 
     client, daemon = pair
     python = general_way(client)
     rt = StandinRuntime(copy_delay_s=1.0)  # every copy lands 1 s after it is due: room for a loaded host
-    client._device = DeviceIO(rt, client._device_failed)
+    client._start_device(rt)
     x = rt.asarray(np.ones(256, np.float32))
     h = allreduce_async(client, x, ReduceOp.SUM)
     assert isinstance(h, DeviceHandle) and client._channel.live() == [h]
@@ -1217,42 +1309,30 @@ def test_a_device_collective_waited_for_at_once_copies_in_line_on_the_callers_st
     event on the caller's stream. Both wait for a slow kernel queued ahead of them, and both land."""
     from smddp_rigs.standin import StandinRuntime
 
-    from smddp.client.device.copies import DeviceIO
-
     client, daemon = pair
     rt = StandinRuntime()
-    client._device = DeviceIO(rt, client._device_failed)
-    copies: list[tuple[str, int]] = []
-    waits: list[int] = []
-    for name in ("copy_d2h", "copy_h2d"):
-        real = getattr(rt, name)
-
-        def spy(dst: int, src: int, n: int, stream: int, device: int, real=real, name=name) -> None:
-            copies.append((name, stream))
-            real(dst, src, n, stream, device)
-
-        setattr(rt, name, spy)
-    wait_event = rt.wait_event
-    rt.wait_event = lambda stream, ev, device: (waits.append(stream), wait_event(stream, ev, device))[1]
+    client._start_device(rt)
     current = rt.current_stream(0)
     x = rt.asarray(np.ones(16, np.float32))
     for blocking in (True, False):
-        copies.clear()
-        waits.clear()
         ended: list[bool] = []
         gate = rt.hold(current)  # the caller's work, queued ahead of the collective, let go in 0.2 s
         rt.launch(current, lambda ended=ended: ended.append(True))
         threading.Timer(0.2, gate.set).start()
-        if blocking:
-            call = Call(lambda: collectives.allreduce(client, x, ReduceOp.SUM, 5.0))
-        else:
-            h = allreduce_async(client, x)
-            call = Call(lambda h=h: h.synchronize(5.0))
-        (s,) = [f for f in until_submits(daemon, 1) if f.type is MsgType.SUBMIT]
-        assert ended, "the SUBMIT went before the caller's queued work was done"
-        daemon.done(s, 4.0 if blocking else 16.0)
-        call.join()
-        streams = {name: stream for name, stream in copies}
+        # The driver's own record of every copy and wait, the engine's (the copy back, the consumer's
+        # wait for it) as well as the client's.
+        with rt.traced() as trace:
+            if blocking:
+                call = Call(lambda: collectives.allreduce(client, x, ReduceOp.SUM, 5.0))
+            else:
+                h = allreduce_async(client, x)
+                call = Call(lambda h=h: h.synchronize(5.0))
+            (s,) = [f for f in until_submits(daemon, 1) if f.type is MsgType.SUBMIT]
+            assert ended, "the SUBMIT went before the caller's queued work was done"
+            daemon.done(s, 4.0 if blocking else 16.0)
+            call.join()
+        streams = {name: stream for name, stream in trace if name != "wait_event"}
+        waits = [stream for name, stream in trace if name == "wait_event"]
         lane = client._device.lane(0)
         exported = lane.d2h  # the DLPack export makes its consumer stream wait for the producer's
         if blocking:
@@ -1297,11 +1377,9 @@ def test_a_blocking_call_on_another_stream_than_its_dlpack_producers_waits_for_b
     lanes, not in line on the named stream alone."""
     from smddp_rigs.standin import StandinRuntime
 
-    from smddp.client.device.copies import DeviceIO
-
     client, daemon = pair
     rt = StandinRuntime()
-    client._device = DeviceIO(rt, client._device_failed)
+    client._start_device(rt)
     current, other = rt.current_stream(0), rt.new_stream(0)
     x = rt.asarray(np.zeros(16, np.float32))
     # The producer's kernel on the current stream: a while, then the values the call must send.
@@ -1329,12 +1407,11 @@ def test_a_device_collective_under_graph_capture_is_refused_at_once(pair, how):
     ended, the next collective is #1 and goes through."""
     from smddp_rigs.standin import StandinRuntime
 
-    from smddp.client.device.copies import DeviceIO
     from smddp.errors import GraphCaptureError
 
     client, daemon = pair
     rt = StandinRuntime()
-    client._device = DeviceIO(rt, client._device_failed)
+    client._start_device(rt)
     x = rt.asarray(np.ones(16, np.float32))
     current = rt.new_stream(0)  # what torch.cuda.graph() captures on: a stream of its own
     rt.begin_capture(current)

@@ -188,7 +188,7 @@ def cupy_rt(monkeypatch):
 
 def test_copies_in_and_out_through_pinned_arena_memory(cupy_rt):
     rt, sr, calls = cupy_rt
-    io = DeviceIO(rt, lambda e: None)
+    io = DeviceIO(rt)
     assert rt.device_count() == 1 and rt.describe(0) == "Fake CUDA device"
     src = sr.asarray(np.arange(256, dtype=np.float32))
     seg = np.zeros(4096, np.uint8)

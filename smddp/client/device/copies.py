@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import collections
 import logging
-import queue
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,7 +42,9 @@ class DevicePlan:
     consumer: int | None  # the stream wait() orders the result before (None: decided at wait())
     library: str  # for the current stream at wait() when `consumer` is None
     keepalive: Any = None
-    done: Any = field(default=None)  # the event recorded after the copy-out
+    # An event of the runtime's for the engine to record after the copy back (None: the engine's own),
+    # for a caller that hands it on (Client.device_allreduce_now).
+    done: Any = field(default=None)
     # A collective its caller waits for at once (Client.waiting), in one piece: both copies run on
     # the caller's stream itself, in line, as a bare copy round trip would (None: on the lanes,
     # ordered by `before`). The caller is blocked until the result is back, so nothing of its own
@@ -52,37 +52,28 @@ class DevicePlan:
     # one stream for another's event costs a turn of the GPU (issue 28: 4 KiB took 2.2-2.6x a bare
     # copy round trip on the lanes).
     inline: int | None = None
-    # Its caller was told it failed (a blocking call that timed out): its result is never copied to
-    # the device (Client._copy_out), only RELEASEd, so that nothing writes the caller's memory after.
-    dropped: bool = False
 
 
 class DeviceIO:
-    """One client's device machinery. Threads: its own releaser; the client's submitter and reader call in.
+    """One client's device machinery in Python: its streams, its input segments' page-locking, and the
+    copies into them. No thread of its own: the copies back to the device and what follows them are
+    the engine's (DeviceEngine), which also page-locks the result segments.
 
-    The host blocks only in these places: `host_wait` (the client's submitter thread, until a
-    copy-in is complete; the releaser thread, until a copy-out is complete), pinning a segment the
-    first time it is used, and copies to or from memory that could not be pinned.
+    The host blocks only in these places: pinning a segment the first time it is used, copies to or
+    from memory that could not be pinned, and `host_wait`.
     """
 
-    def __init__(self, rt: DeviceRuntime, on_error: Callable[[SmddpError], None]) -> None:
+    def __init__(self, rt: DeviceRuntime) -> None:
         self.rt = rt
-        self._on_error = on_error
         self._lock = threading.Lock()
         self._lanes: dict[int, Lane] = {}
         self._pinned: dict[tuple[str, int], int | None] = {}  # key -> registered address, None: not pinnable
         self._pinning: dict[tuple[str, int], threading.Event] = {}  # being registered: set once done
-        self._after: queue.SimpleQueue[tuple[Any, Callable[[], None], Any] | None] = queue.SimpleQueue()
-        self._pending = 0
-        self._idle = threading.Condition(self._lock)
-        # The event after every copy into or out of smddp's memory, oldest first (done ones dropped
-        # from the front as new ones come): shutdown waits for them all, on the callers' streams too
-        # (the in-line copies), before anything is unpinned or unmapped (copies_done).
+        # The event after every copy into smddp's memory (and out of it, copy_out's), oldest first
+        # (done ones dropped from the front as new ones come): shutdown waits for them all, on the
+        # callers' streams too (the in-line copies), before anything is unpinned or unmapped
+        # (copies_done).
         self._copies: collections.deque[Any] = collections.deque()
-        self._releaser = threading.Thread(
-            target=self._release_loop, name="smddp-device-releaser", daemon=True
-        )
-        self._releaser.start()
 
     # -- streams and pinned memory ---------------------------------------------------------------
 
@@ -101,8 +92,8 @@ class DeviceIO:
         """Page-lock `array` (a whole arena segment) once, so copies to and from it are asynchronous DMA.
 
         The registration (which touches every page of the segment) runs outside this object's lock,
-        which the releaser and every copy's bookkeeping take: a second caller for the same segment
-        waits for the first's registration, nobody else waits at all."""
+        which every copy's bookkeeping takes: a second caller for the same segment waits for the
+        first's registration, nobody else waits at all."""
         with self._lock:
             if key in self._pinned:
                 return
@@ -230,44 +221,8 @@ class DeviceIO:
     def stream_wait(self, stream: int, event: Any, device: int) -> None:
         self.rt.wait_event(stream, event, device)
 
-    # -- work after a copy-out -------------------------------------------------------------------
-
-    def after(self, event: Any, then: Callable[[], None], keepalive: Any) -> None:
-        """Run `then` on the releaser thread once `event` is reached, holding `keepalive` until then."""
-        with self._lock:
-            self._pending += 1
-        self._after.put((event, then, keepalive))
-
-    def _release_loop(self) -> None:
-        while True:
-            item = self._after.get()
-            if item is None:
-                return
-            event, then, _keepalive = item
-            try:
-                self.host_wait(event)
-                then()
-            except SmddpError as e:
-                self._on_error(e)
-            except Exception as e:  # a bug: fail the job rather than hang it
-                log.exception("smddp device releaser crashed")
-                self._on_error(DeviceError(f"internal error after a device copy: {e!r}"))
-            finally:
-                del item, event, then, _keepalive
-                with self._lock:
-                    self._pending -= 1
-                    self._idle.notify_all()
-
-    def drain(self, timeout: float) -> bool:
-        """Wait until every queued `after` has run; False if `timeout` ran out first."""
-        with self._lock:
-            return self._idle.wait_for(lambda: self._pending == 0, timeout)
-
-    def close(self, timeout: float = 10.0) -> None:
-        """Finish queued work, wait for the copy streams, unpin every segment (before anything unmaps it)."""
-        self.drain(timeout)
-        self._after.put(None)
-        self._releaser.join(timeout=timeout)
+    def close(self) -> None:
+        """Wait for the copy streams, unpin every segment (before anything unmaps it)."""
         with self._lock:
             lanes = list(self._lanes.values())
             pinned = list(self._pinned.keys())

@@ -1,0 +1,286 @@
+// The engine's device path (device_path.h).
+#include "device_path.h"
+
+#include <chrono>
+#include <thread>
+#include <utility>
+
+namespace smddp {
+
+namespace {
+
+std::string num(std::uint64_t v) { return std::to_string(v); }
+
+}  // namespace
+
+// ------------------------------------------------------------------------------------ DeviceOut
+
+DeviceOut::DeviceOut(DevicePath* path, int device, std::uintptr_t stream, cuda::Event before, cuda::Event done,
+                     std::vector<Part> parts, std::uint64_t token)
+    : path_(path),
+      device_(device),
+      stream_(stream),
+      before_(before),
+      given_(done),
+      parts_(std::move(parts)),
+      token_(token) {}
+
+DeviceOut::~DeviceOut() {
+  cuda::Event done = done_.load(std::memory_order_acquire);
+  if (done == nullptr || done == given_) return;
+  // (on whichever thread lets go last: the watch's, or a caller's dropping its record)
+  cuda::Bound bound(path_->driver(), device_);
+  if (bound.result() == cuda::kSuccess) (void)path_->driver().api().event_destroy(done);
+}
+
+void DeviceOut::arrived(const Header& submit, const std::uint8_t* result, const Located& at,
+                        const std::shared_ptr<Segment>& seg, std::string* why) {
+  if (dropped_.load(std::memory_order_acquire)) {
+    // Nothing goes to the caller's memory: the result slot goes back at once.
+    path_->release(submit);
+    path_->landed(token_);
+    return;
+  }
+  const std::string what = "the copy of collective #" + num(submit.seq) + "'s result to cuda:" +
+                           std::to_string(device_) + " could not be enqueued: ";
+  for (const Part& p : parts_) {
+    if (p.offset > at.nbytes || p.nbytes > at.nbytes - p.offset) {
+      *why = what + "a destination outside its result";
+      return;
+    }
+  }
+  path_->pin(seg, device_);
+  cuda::Driver& d = path_->driver();
+  const cuda::Api& api = d.api();
+  cuda::Bound bound(d, device_);
+  if (bound.result() != cuda::kSuccess) {
+    *why = what + d.describe(bound.result(), "cuCtxSetCurrent");
+    return;
+  }
+  const cuda::Stream stream = cuda::stream_of(stream_);
+  cuda::Result r = cuda::kSuccess;
+  const char* call = "cuStreamWaitEvent";
+  if (before_ != nullptr) r = api.stream_wait_event(stream, before_, 0);
+  for (std::size_t i = 0; r == cuda::kSuccess && i < parts_.size(); i++) {
+    call = "cuMemcpyHtoDAsync";
+    if (parts_[i].nbytes > 0) r = api.memcpy_h2d(parts_[i].dst, result + parts_[i].offset, parts_[i].nbytes, stream);
+  }
+  cuda::Event done = given_;
+  if (r == cuda::kSuccess && done == nullptr) {
+    call = "cuEventCreate";
+    r = api.event_create(&done, cuda::kEventDisableTiming);
+  }
+  if (r == cuda::kSuccess) {
+    call = "cuEventRecord";
+    r = api.event_record(done, stream);
+    if (r != cuda::kSuccess && done != given_) (void)api.event_destroy(done);
+  }
+  if (r != cuda::kSuccess) {
+    *why = what + d.describe(r, call);
+    return;
+  }
+  done_.store(done, std::memory_order_release);
+  std::shared_ptr<DeviceOut> self = shared_from_this();
+  DeviceWatch* w = path_->watch_for(device_);
+  const Header h = submit;
+  if (w == nullptr || !w->watch(done, [self, h](cuda::Result got) { self->path_->copied(self, h, got); })) {
+    // Stopped (the client is shutting down): nothing is RELEASEd after its BYE.
+    return;
+  }
+}
+
+cuda::Result DeviceOut::order(std::uintptr_t stream) {
+  cuda::Event done = done_.load(std::memory_order_acquire);
+  if (done == nullptr || stream == stream_) return cuda::kSuccess;
+  cuda::Bound bound(path_->driver(), device_);
+  if (bound.result() != cuda::kSuccess) return bound.result();
+  return path_->driver().api().stream_wait_event(cuda::stream_of(stream), done, 0);
+}
+
+cuda::Result DeviceOut::query() {
+  cuda::Event done = done_.load(std::memory_order_acquire);
+  if (done == nullptr) return cuda::kSuccess;
+  return path_->driver().api().event_query(done);
+}
+
+cuda::Result DeviceOut::synchronize() {
+  cuda::Event done = done_.load(std::memory_order_acquire);
+  if (done == nullptr) return cuda::kSuccess;
+  cuda::Bound bound(path_->driver(), device_);
+  if (bound.result() != cuda::kSuccess) return bound.result();
+  return path_->driver().api().event_synchronize(done);
+}
+
+// ----------------------------------------------------------------------------------- DevicePath
+
+std::unique_ptr<DevicePath> DevicePath::load(const std::string& library, WorkerChannel* channel,
+                                             std::uint64_t batch_bytes, std::int64_t timeout_ns,
+                                             std::int64_t spin_ns, std::int64_t watch_spin_ns, std::string* why) {
+  std::unique_ptr<cuda::Driver> d = cuda::Driver::load(library, why);
+  if (!d) return nullptr;
+  std::unique_ptr<DevicePath> p(new DevicePath());
+  p->driver_ = std::move(d);
+  p->channel_ = channel;
+  p->batch_bytes_ = batch_bytes;
+  p->timeout_ns_ = timeout_ns;
+  p->spin_ns_ = spin_ns;
+  p->watch_spin_ns_ = watch_spin_ns;
+  return p;
+}
+
+DevicePath::~DevicePath() { stop(false); }
+
+DeviceWatch* DevicePath::watch_for(int device) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (stopped_) return nullptr;
+  auto& w = watches_[device];
+  if (!w) w = std::make_unique<DeviceWatch>(driver_.get(), device, watch_spin_ns_);
+  return w.get();
+}
+
+bool DevicePath::give_when(const Header& submit, cuda::Event ready, int device, std::int64_t timeout_ns,
+                           std::int64_t spin_ns) {
+  DeviceWatch* w = watch_for(device);
+  if (w == nullptr) return false;
+  WorkerChannel* ch = channel_;
+  const Header h = submit;
+  return w->watch(ready, [this, ch, h, timeout_ns, spin_ns](cuda::Result r) {
+    if (r == DeviceWatch::kStopped) return;
+    if (r != cuda::kSuccess) {
+      fail(1, "the copy-in of collective #" + num(h.seq) + " failed: " + driver_->describe(r, "cuEventQuery"));
+      return;
+    }
+    bool backlog = false;
+    const RingWait got = ch->give(h, timeout_ns, spin_ns, &backlog);
+    if (backlog)
+      fail(2, ch->backlog_why());
+    else if (got != RingWait::kReady)
+      fail(2, "the SUBMIT of collective #" + num(h.seq) +
+                  " could not go: the daemon did not read this worker's ring (frozen or gone)");
+  });
+}
+
+void DevicePath::fail(int kind, std::string why) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (failure_kind_ == 0) {
+    failure_kind_ = kind;
+    failure_ = std::move(why);
+  }
+}
+
+std::pair<int, std::string> DevicePath::failure() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return {failure_kind_, failure_};
+}
+
+std::vector<std::uint64_t> DevicePath::take_landed() {
+  std::vector<std::uint64_t> out;
+  std::lock_guard<std::mutex> lock(mu_);
+  out.swap(landed_);
+  return out;
+}
+
+std::vector<std::string> DevicePath::take_notes() {
+  std::vector<std::string> out;
+  std::lock_guard<std::mutex> lock(mu_);
+  out.swap(notes_);
+  return out;
+}
+
+std::size_t DevicePath::pending() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::size_t n = 0;
+  for (auto& kv : watches_) n += kv.second->pending();
+  return n;
+}
+
+bool DevicePath::settle(std::int64_t timeout_ns) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::nanoseconds(timeout_ns);
+  for (;;) {
+    if (pending() == 0) return true;
+    if (std::chrono::steady_clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+}
+
+void DevicePath::stop(bool unpin) {
+  std::map<int, std::unique_ptr<DeviceWatch>> all;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopped_ = true;
+    all.swap(watches_);
+  }
+  for (auto& kv : all) kv.second->stop();  // (outside the lock: a watch's work takes it)
+  all.clear();
+  if (!unpin) return;
+  std::map<std::uint32_t, Pinned> pins;
+  {
+    std::lock_guard<std::mutex> pin_lock(pin_mu_);
+    std::lock_guard<std::mutex> lock(mu_);
+    pins.swap(pinned_);
+  }
+  for (auto& kv : pins) {
+    if (!kv.second.registered) continue;
+    cuda::Bound bound(*driver_, kv.second.device);
+    if (bound.result() == cuda::kSuccess) (void)driver_->api().host_unregister(kv.second.seg->base());
+  }
+}
+
+void DevicePath::pin(const std::shared_ptr<Segment>& seg, int device) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopped_ || pinned_.count(seg->id()) != 0) return;
+  }
+  // Outside mu_: registering touches every page of the segment, and copies from segments pinned
+  // already (other takers, the watches' RELEASEs) go on meanwhile.
+  std::lock_guard<std::mutex> pin_lock(pin_mu_);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopped_ || pinned_.count(seg->id()) != 0) return;
+  }
+  Pinned p{seg, device, false};
+  std::string note;
+  if (seg->size() > 0) {
+    cuda::Bound bound(*driver_, device);
+    cuda::Result r = bound.result();
+    if (r == cuda::kSuccess)
+      r = driver_->api().host_register(seg->base(), seg->size(),
+                                       cuda::kHostRegisterPortable | cuda::kHostRegisterReadOnly);
+    p.registered = r == cuda::kSuccess;
+    if (!p.registered)
+      note = "could not page-lock result segment " + num(seg->id()) + " (" + num(seg->size()) +
+             " bytes): " + driver_->describe(r, "cuMemHostRegister") +
+             "; copies from it are staged by the driver and block the thread that enqueues them";
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  pinned_[seg->id()] = std::move(p);
+  if (!note.empty()) notes_.push_back(std::move(note));
+}
+
+void DevicePath::copied(const std::shared_ptr<DeviceOut>& out, const Header& submit, cuda::Result r) {
+  if (r == DeviceWatch::kStopped) return;
+  if (r != cuda::kSuccess) {
+    fail(1, "the copy of collective #" + num(submit.seq) + "'s result to cuda:" + std::to_string(out->device()) +
+                " failed: " + driver_->describe(r, "cuEventQuery"));
+  } else {
+    release(submit);
+  }
+  landed(out->token_);
+}
+
+void DevicePath::release(const Header& submit) {
+  if (channel_->aborted()) return;  // the job failed, or the client is closing: no RELEASE matters now
+  const RingWait r = channel_->release(submit.sender, submit.seq, -1, batch_bytes_, timeout_ns_, spin_ns_);
+  if (r == RingWait::kReady) return;
+  fail(2, r == RingWait::kTimeout
+              ? "the RELEASE of collective #" + num(submit.seq) +
+                    " could not go: the daemon did not read this worker's ring (frozen or gone)"
+              : channel_->why());
+}
+
+void DevicePath::landed(std::uint64_t token) {
+  std::lock_guard<std::mutex> lock(mu_);
+  landed_.push_back(token);
+}
+
+}  // namespace smddp

@@ -1,0 +1,157 @@
+// The engine's device path: a device collective's steps that wait on the GPU, with no Python and no
+// thread of the client's.
+//
+// - give_when: a held SUBMIT goes the moment its copy-in's event is reached (DeviceWatch), in
+//   whatever order the copies land (the channel puts them on the ring in sequence order);
+// - DeviceOut, the channel's HeldSink for a device record: the moment its DONE is taken, on the
+//   taker's thread (the wait, or the client's DONE thread), the result's copy back is enqueued on
+//   the collective's stream (after the event it must wait for), the event its consumers wait on is
+//   recorded after it, and its RELEASE goes from the watch thread once that event is reached, so the
+//   daemon never reuses a result slot a copy still reads;
+// - the result segments are page-locked here, each once (portable, read-only), so that the copies
+//   back are DMA, and let go at stop() once nothing copies from them.
+// A copy that fails on the device, a copy back that cannot be enqueued, or a RELEASE that cannot go
+// is kept as the path's failure (failure()): the client fails the job with it.
+//
+// Threads: every call from any thread; the watches' work on their threads. Engine code only: it never
+// touches a Python object (the binding holds what keeps a copy's destination alive, by its token,
+// and lets go of the tokens take_landed() gives back). Memory: a DevicePath owns the driver, the
+// watches and the page-locked segments' registrations (holding each segment, so it stays mapped);
+// the channel is the caller's and outlives it. A DeviceOut owns its `done` event; the path outlives
+// every DeviceOut (the binding's records hold the path's owner).
+//
+// A DeviceOut owns the event it made for `done` (or none: the caller's, given); the caller keeps
+// `before`, a given `done` and the destinations alive until the copies have landed.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "channel.h"
+#include "cuda_driver.h"
+#include "device_watch.h"
+
+namespace smddp {
+
+class DevicePath;
+
+// One device collective's way back to the device.
+class DeviceOut : public HeldSink, public std::enable_shared_from_this<DeviceOut> {
+ public:
+  // `nbytes` of the result from `offset` go to device address `dst`.
+  struct Part {
+    cuda::DevicePtr dst = 0;
+    std::uint64_t offset = 0;
+    std::uint64_t nbytes = 0;
+  };
+  // The copies run on `stream` of `device`, after `before` (nullptr: nothing), and `done` is recorded
+  // after them (nullptr: an event of its own, made then); the caller keeps both alive until the
+  // copies have landed (`token` names what it keeps alive until then).
+  DeviceOut(DevicePath* path, int device, std::uintptr_t stream, cuda::Event before, cuda::Event done,
+            std::vector<Part> parts, std::uint64_t token);
+  ~DeviceOut() override;
+  DeviceOut(const DeviceOut&) = delete;
+  DeviceOut& operator=(const DeviceOut&) = delete;
+
+  void arrived(const Header& submit, const std::uint8_t* result, const Located& at,
+               const std::shared_ptr<Segment>& seg, std::string* why) override;
+  // Its caller was told it failed (a wait that timed out): nothing is copied from now on, and its
+  // RELEASE goes as soon as its DONE is taken.
+  void drop() { dropped_.store(true, std::memory_order_release); }
+
+  // After arrived(): `stream`'s later work waits for the copy back (nothing to do when the copies ran
+  // on that stream, or nothing was copied); the driver's error, if any.
+  cuda::Result order(std::uintptr_t stream);
+  // kSuccess once the copy back has landed (or nothing was copied), kNotReady before, or its failure.
+  cuda::Result query();
+  // Blocks until the copy back has landed; kSuccess or its failure.
+  cuda::Result synchronize();
+  int device() const { return device_; }
+
+ private:
+  friend class DevicePath;
+  DevicePath* path_;
+  const int device_;
+  const std::uintptr_t stream_;
+  const cuda::Event before_;
+  const cuda::Event given_;  // the caller's `done`, or nullptr
+  const std::vector<Part> parts_;
+  const std::uint64_t token_;
+  std::atomic<bool> dropped_{false};
+  // Written once by arrived() (the DONE's taker), before its collective completes; read after that.
+  // Its own (destroyed with it) unless it is given_.
+  std::atomic<cuda::Event> done_{nullptr};
+};
+
+class DevicePath {
+ public:
+  // The driver `library` loaded (Driver::load); the RELEASEs go on `channel` with the job's
+  // `batch_bytes`, `timeout_ns` and `spin_ns`; the watches spin `watch_spin_ns`. nullptr with *why.
+  static std::unique_ptr<DevicePath> load(const std::string& library, WorkerChannel* channel,
+                                          std::uint64_t batch_bytes, std::int64_t timeout_ns, std::int64_t spin_ns,
+                                          std::int64_t watch_spin_ns, std::string* why);
+  ~DevicePath();  // stop(false)
+  DevicePath(const DevicePath&) = delete;
+  DevicePath& operator=(const DevicePath&) = delete;
+
+  cuda::Driver& driver() { return *driver_; }
+
+  // Gives `submit` (a reserve_fast() number's) once `ready` (recorded on `device`) is reached; its
+  // ring wait takes `timeout_ns` and `spin_ns`. False once stopped (nothing will give it).
+  bool give_when(const Header& submit, cuda::Event ready, int device, std::int64_t timeout_ns,
+                 std::int64_t spin_ns);
+
+  // The first failure (kind 1: the device's, a copy; kind 2: the daemon's ring), or kind 0.
+  std::pair<int, std::string> failure();
+  // Tokens of copies back that have landed (or were dropped) since the last call.
+  std::vector<std::uint64_t> take_landed();
+  // What the path would say in the log (a segment it could not page-lock), since the last call.
+  std::vector<std::string> take_notes();
+  // Watches not yet ended: copies in and back in flight.
+  std::size_t pending();
+  // Waits up to `timeout_ns` for pending() to reach 0; whether it did.
+  bool settle(std::int64_t timeout_ns);
+  // Ends the watches (those pending end unseen: nothing is given or RELEASEd from now on); `unpin`:
+  // and lets go of the page-locked segments (only once nothing copies from them). Idempotent.
+  void stop(bool unpin);
+
+ private:
+  friend class DeviceOut;
+  DevicePath() = default;
+  DeviceWatch* watch_for(int device);
+  void fail(int kind, std::string why);
+  // Result segment `seg` page-locked (each once; one that cannot be is copied from as it is, noted).
+  void pin(const std::shared_ptr<Segment>& seg, int device);
+  // `out`'s copy back reached (or failed, or the watch was stopped: r).
+  void copied(const std::shared_ptr<DeviceOut>& out, const Header& submit, cuda::Result r);
+  void release(const Header& submit);
+  void landed(std::uint64_t token);
+
+  std::unique_ptr<cuda::Driver> driver_;
+  WorkerChannel* channel_ = nullptr;
+  std::uint64_t batch_bytes_ = 0;
+  std::int64_t timeout_ns_ = 0;
+  std::int64_t spin_ns_ = 0;
+  std::int64_t watch_spin_ns_ = 0;
+  std::mutex mu_;  // everything below
+  std::map<int, std::unique_ptr<DeviceWatch>> watches_;
+  int failure_kind_ = 0;
+  std::string failure_;
+  bool stopped_ = false;
+  std::vector<std::uint64_t> landed_;
+  std::vector<std::string> notes_;
+  struct Pinned {
+    std::shared_ptr<Segment> seg;  // kept mapped while registered
+    int device = 0;                // whose context registered it
+    bool registered = false;       // false: it could not be (copied from as it is)
+  };
+  std::map<std::uint32_t, Pinned> pinned_;  // result segment id -> its registration
+  std::mutex pin_mu_;                       // one registration at a time (taken before mu_, never inside it)
+};
+
+}  // namespace smddp
