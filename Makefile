@@ -180,8 +180,11 @@ fuzz:
 # (the rings, 64 MiB cases included), the sharded path on 3 nodes and pipelined pieces on 2 (the
 # fabric; without the 64 MiB cases, which TSan's shadow memory cannot hold 6 times on this machine),
 # pipelined pieces on 2 nodes over the ofi fabric (libfabric's tcp provider), bad arguments and a mismatch failing every rank, an authenticated worker's garbage on its ring,
-# and a worker killed in the middle of a collective.
+# a worker killed in the middle of a collective, and every collective on stand-in device buffers
+# (the engine's device path: its watch threads, the copies back from the DONE's takers, against the
+# stand-in driver built with the same sanitizer).
 SAN_JOBS := 'tests/multiprocess/test_collectives.py::test_every_collective_bit_exact[W4-N1]' \
+  'tests/gpu/test_standin.py::test_every_collective_on_device_buffers[W2-N1-dlpack]' \
   'tests/multiprocess/test_collectives.py::test_both_reduce_paths_bit_exact[W3-N3-never-replicated]' \
   'tests/multiprocess/test_collectives.py::test_both_reduce_paths_bit_exact[W4-N2-pipelined-16KiB-pieces]' \
   'tests/multiprocess/test_ofi.py::test_both_reduce_paths_over_ofi[pipelined-16KiB-pieces]' \
@@ -192,10 +195,13 @@ SAN_JOBS := 'tests/multiprocess/test_collectives.py::test_every_collective_bit_e
   "tests/faults/test_rogue.py::test_invalid_frame_from_an_authenticated_worker[an attach without its fd]" \
   tests/faults/test_faults.py::test_worker_killed_mid_collective
 # Under TSan (5-15x slower) the jobs whose threads meet: the rings and the fabric with pipelined
-# pieces on 2 nodes over TCP, and a worker killed in the middle of a collective (the ofi fabric's
-# threads are TSan's in engine-sanitize's test_ofi_fabric).
+# pieces on 2 nodes over TCP, a worker killed in the middle of a collective (the ofi fabric's
+# threads are TSan's in engine-sanitize's test_ofi_fabric), and the device path: every collective
+# on stand-in device buffers, and 600 device and host collectives in flight at once.
 SAN_JOBS_TSAN := 'tests/multiprocess/test_collectives.py::test_both_reduce_paths_bit_exact[W4-N2-pipelined-16KiB-pieces]' \
-  tests/faults/test_faults.py::test_worker_killed_mid_collective
+  tests/faults/test_faults.py::test_worker_killed_mid_collective \
+  'tests/gpu/test_standin.py::test_every_collective_on_device_buffers[W2-N1-dlpack]' \
+  tests/gpu/test_standin.py::test_six_hundred_device_and_host_collectives_in_flight
 # What CI leaves out (make engine-sanitize-jobs-long): the rogue frames that only a decoder refuses
 # (the fuzzers' ground), and the ofi job under TSan.
 SAN_JOBS_MORE := "tests/faults/test_rogue.py::test_invalid_frame_from_an_authenticated_worker[another rank's name]" \

@@ -459,6 +459,9 @@ class Started:
     def wait(self, timeout: float | None = None, stream: Any = None) -> Any:
         """Its result once in place (else the handle's _settle says what)."""
 
+    def _wait(self, timeout_s: float, /) -> Any:
+        """wait(timeout_s), for smddp's own callers."""
+
     def collect(self, drop: bool = False) -> bool | None:
         """
         None (finished already) or whether the channel took it: whoever takes its DONE completes it; drop: its result goes nowhere.
@@ -568,7 +571,7 @@ class WorkerChannel:
 
     def reserve_record(self, kind: int, count: int, dtype: int, op: int, root: int, slot: Slot | None, result_bytes: int, result: Any, keepalive: Any, handle_type: type[_S]) -> _S:
         """
-        A record whose SUBMIT goes with give() and whose result its _arrived() takes on.
+        A record whose SUBMIT goes with give() and whose result its way back (DeviceEngine.deliver_to) takes on.
         """
 
     def close_starts(self) -> None:

@@ -380,13 +380,14 @@ Stream* close_stream(void* handle, bool detached) {
     std::lock_guard<std::mutex> lock(st.mu);
     if (st.streams.erase(s) == 0) return nullptr;
   }
-  {
-    std::lock_guard<std::mutex> lock(s->mu);
-    s->closing = true;
-    s->detached = detached;
-  }
+  // All under its lock: once it is let go, a detached thread frees `s` as soon as it sees `closing`,
+  // so nothing here may touch `s` after the lock (its cv, its thread) -- a TSan job caught the
+  // cv's notify racing its destruction.
+  std::lock_guard<std::mutex> lock(s->mu);
+  s->closing = true;
+  s->detached = detached;
   if (detached) s->thread.detach();
-  s->cv.notify_all();  // (detached, the thread may free `s` from here on)
+  s->cv.notify_all();
   return s;
 }
 

@@ -220,6 +220,12 @@ class Handle(metaclass=abc.ABCMeta):  # noqa: B024 (abstract for its registered 
         """wait(), then block the host until a device result is in device memory (any stream may read it)."""
         return self.wait(timeout)
 
+    def _wait(self, timeout_s: float) -> Any:
+        """wait(timeout_s), for smddp's own callers, with no stream ordered: an engine record's is the
+        engine's (`Started._wait`: positional, so nanobind's cheapest dispatch), a device handle's
+        included (its wait() orders the stream after it)."""
+        return self.wait(timeout_s)
+
     def _drop(self) -> None:
         """Its caller was told it failed (a blocking call that timed out): it completes all the same
         (the other ranks need it), but its result goes nowhere from now on."""
@@ -389,7 +395,7 @@ class DeviceHandle(EngineHandle):
 
     def wait(self, timeout: float | None = None, stream: Any = None) -> Any:
         t = self._default_timeout_s if timeout is None else timeout
-        result = _engine.Started.wait(self, t)
+        result = self._wait(t)
         plan = self._plan
         consumer = plan.consumer if stream is None else stream_handle(stream)
         if consumer is None:
@@ -646,7 +652,7 @@ class Client:
         pending += [h for h in self._channel.live() if h.seq not in known]
         for h in pending:
             try:  # nothing takes an unwaited one's DONE: its wait does (the engine's: no stream to order)
-                _engine.Started.wait(h, max(0.0, deadline - time.monotonic()))
+                h._wait(max(0.0, deadline - time.monotonic()))
             except SmddpError:
                 pass  # failed or not in time: said below
         while self._channel.blocking() and time.monotonic() < deadline:  # another thread's blocking call
@@ -910,7 +916,7 @@ class Client:
             raise self._give_failed(refused) from None
         try:
             # Its DONE's taker (this wait, mostly) enqueues the copy back (the engine: deliver_to).
-            _engine.Started.wait(handle, max(0.0, deadline - time.monotonic()))
+            handle._wait(max(0.0, deadline - time.monotonic()))
         except CollectiveTimeoutError:
             # Nobody waits for it again, and its caller is told it failed: it completes (whichever thread
             # takes its DONE RELEASEs it), but its result is never copied back into the caller's tensor.

@@ -379,6 +379,13 @@ WorkerChannel::Route WorkerChannel::route(const Descriptor& d) {
   if (h.type == Msg::kSegment) return take_segment(h) ? Route::kKept : Route::kBroken;
   if (h.type != Msg::kDone) return Route::kGeneral;
   dones_taken_.fetch_add(1, std::memory_order_release);
+  // A DONE comes only for a SUBMIT this worker pushed (the daemon read it first, in its own process):
+  // reading the pushes' count with acquire orders whatever came before that push on its thread (a
+  // device copy-in's landing, seen by the device watch that gave it) before what this taker does
+  // with the DONE (the copy back into the same memory). The daemon's order, made visible in this
+  // process, to the C++ memory model and to TSan alike: a TSan job caught the copy back "racing"
+  // the copy-in once the watch thread, which holds no GIL, gave the SUBMIT.
+  (void)submits_pushed_.load(std::memory_order_acquire);
   auto it = fast_.find(h.seq);
   if (it == fast_.end() || it->second.came) return Route::kGeneral;
   Fast& f = it->second;

@@ -1696,6 +1696,13 @@ NB_MODULE(_engine, m) {
       .def("wait", &started_wait, "timeout"_a = nb::none(), "stream"_a.none() = nb::none(),
            nb::sig("def wait(self, timeout: float | None = None, stream: typing.Any = None) -> typing.Any"),
            "Its result once in place (else the handle's _settle says what).")
+      // smddp's own waits (a device handle's, shutdown's, torch's host Works): positional and never
+      // None, so that nanobind takes its simple dispatch (wait()'s keywords and defaults take the
+      // general one, about 440 instructions a call more).
+      .def(
+          "_wait",
+          [](StartedSelf self, double timeout_s) { return started_wait(self, timeout_s, nb::none()); },
+          nb::sig("def _wait(self, timeout_s: float, /) -> typing.Any"), "wait(timeout_s), for smddp's own callers.")
       .def("collect", &started_collect, "drop"_a = false,
            "None (finished already) or whether the channel took it: whoever takes its DONE completes it; "
            "drop: its result goes nowhere.")

@@ -219,7 +219,7 @@ class SmddpWork(dist.Work):
         ring here), then complete the Work here: nothing else is woken for a Work that is waited for."""
         for h in self._handles:
             try:
-                h.wait(max(0.0, deadline - time.monotonic()))
+                h._wait(max(0.0, deadline - time.monotonic()))
             except CollectiveTimeoutError:
                 return  # not in time: still in flight, and the wait below says so
             except SmddpError as e:
@@ -557,7 +557,7 @@ class _Device:
     ) -> None:
         """In the completer thread: wait for the handles, run `finish`, complete the Work."""
         for h in handles:
-            h.wait(work._timeout.total_seconds())
+            h._wait(work._timeout.total_seconds())
         if finish is not None:
             finish()
         work._complete(None)
