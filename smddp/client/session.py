@@ -397,11 +397,12 @@ class DeviceHandle(EngineHandle):
         t = self._default_timeout_s if timeout is None else timeout
         result = self._wait(t)
         plan = self._plan
-        consumer = plan.consumer if stream is None else stream_handle(stream)
-        if consumer is None:
+        if stream is None:
             io = self._client._device
             assert io is not None  # (a device plan made it)
             consumer = io.consumer_stream(plan)
+        else:
+            consumer = stream_handle(stream)
         if consumer != plan.inline:  # the copy back ran on that stream itself: in order already
             self._device_order(consumer)
         return result
