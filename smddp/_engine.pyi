@@ -620,6 +620,21 @@ class WorkerChannel:
     def close_daemon_end(self) -> None:
         """The daemon's end of the side socket is closed here (once passed)."""
 
+class CopyIn:
+    """
+    A device collective's copy into its input slot, enqueued by the engine (DeviceEngine.copy_in).
+    """
+
+    def done(self) -> bool:
+        """
+        Whether the copy has landed; DeviceError for one that failed on the device.
+        """
+
+    def wait(self, timeout_s: float) -> bool:
+        """
+        Wait (polled, GIL released) up to `timeout_s` for the copy to land; whether it did. DeviceError for one that failed on the device.
+        """
+
 class DeviceEngine:
     """
     A client's device path in the engine: held SUBMITs given once their copy-ins land, results copied back and RELEASEd.
@@ -630,9 +645,14 @@ class DeviceEngine:
         The CUDA driver `library` loaded (OSError naming why not), for `channel`'s records.
         """
 
-    def give_when(self, record: Started, event: int, device: int) -> bool:
+    def copy_in(self, arena: Arena, segment: int, offset: int, nbytes: int, device: int, src: int, stream: int, before: int) -> CopyIn:
         """
-        Give the record's SUBMIT once the CUevent is reached; False once stopped.
+        Enqueue the copy of `nbytes` from device address `src` into the arena's slot (segment, offset) on `stream`, after CUevent `before` (0: none); the segment page-locked once. DeviceError if refused.
+        """
+
+    def give_when(self, record: Started, copy: CopyIn) -> bool:
+        """
+        Give the record's SUBMIT once its copy-in has landed; False once stopped.
         """
 
     def deliver_to(self, record: Started, device: int, stream: int, before: int, done: int, parts: Sequence[tuple[int, int, int]], hold: Any) -> None:

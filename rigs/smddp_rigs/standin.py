@@ -95,6 +95,11 @@ def _lib() -> ctypes.CDLL:
                 "smddp_standin_event_failure": ([vp, c.c_char_p, sz], c.c_int),
                 "smddp_standin_copy_counts": ([c.POINTER(u64)], None),
                 "smddp_standin_trace": ([c.c_int], None),
+                "smddp_standin_register_mode": ([c.c_int], c.c_int),
+                "smddp_standin_registered": (
+                    [c.POINTER(c.c_size_t), c.POINTER(c.c_size_t), c.POINTER(c.c_int), sz],
+                    sz,
+                ),
                 "smddp_standin_trace_take": ([c.POINTER(c.c_int), c.POINTER(c.c_size_t), sz], sz),
             }
             for name, (args, res) in sigs.items():
@@ -564,6 +569,29 @@ class StandinRuntime:
         """Host address -> (bytes, read-only) of every registered range (for tests)."""
         with self._lock:
             return dict(self._pinned)
+
+    def driver_registered(self) -> dict[int, tuple[int, bool]]:
+        """Host address -> (bytes, read-only) of every range the driver has registered, whoever asked
+        (the engine's page-locked segments too): what registered() says of this runtime's own."""
+        lib = _lib()
+        while True:
+            n = lib.smddp_standin_registered(None, None, None, 0)
+            addrs, sizes, ro = (ctypes.c_size_t * n)(), (ctypes.c_size_t * n)(), (ctypes.c_int * n)()
+            if lib.smddp_standin_registered(addrs, sizes, ro, n) == n:
+                return {int(addrs[i]): (int(sizes[i]), bool(ro[i])) for i in range(n)}
+
+    @contextlib.contextmanager
+    def registrations(self, mode: str) -> Iterator[Callable[[], int]]:
+        """Inside: the driver's registrations of memory the device may write (an input segment's, not
+        a read-only result segment's) are `held` (each waits until the block ends) or `refused`
+        (CUDA_ERROR_NOT_PERMITTED, as a driver that cannot page-lock them). Yields how many wait held
+        now. Whoever registers, the engine included."""
+        lib = _lib()
+        lib.smddp_standin_register_mode({"held": 1, "refused": 2}[mode])
+        try:
+            yield lambda: int(lib.smddp_standin_register_mode(-1))
+        finally:
+            lib.smddp_standin_register_mode(0)
 
     def _pinned_range(self, ptr: int, nbytes: int, device_writes: bool) -> bool:
         with self._lock:

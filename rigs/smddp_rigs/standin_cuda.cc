@@ -57,7 +57,7 @@ using Result = int;
 constexpr Result kSuccess = 0, kInvalidValue = 1, kNotInitialized = 3, kNoDevice = 100, kInvalidDevice = 101,
                  kInvalidContext = 201, kInvalidHandle = 400, kNotReady = 600, kIllegalAddress = 700,
                  kHostRegistered = 712, kHostNotRegistered = 713, kCaptureUnsupported = 900,
-                 kCaptureInvalidated = 901, kUnknown = 999;
+                 kCaptureInvalidated = 901, kNotPermitted = 800, kUnknown = 999;
 
 constexpr std::uint64_t kDeviceBase = 0xD800000000000000ULL;  // (0xD000...: mapped by callers)
 constexpr std::uint64_t kGuard = 1 << 20;  // address gap between allocations: an overrun lands on none
@@ -217,6 +217,12 @@ struct State {
   std::map<std::uint64_t, Alloc> allocs;  // by device address
   std::uint64_t next_addr = kDeviceBase;
   std::map<std::uintptr_t, std::pair<std::size_t, bool>> registered;  // host address -> (bytes, read-only)
+  // What becomes of a registration of memory the device may write (smddp_standin_register_mode):
+  // 0 as asked; 1 it waits (register_cv, `register_waiting` counting) until the mode is set again;
+  // 2 it is refused, as a driver that cannot page-lock that memory refuses it.
+  int register_mode = 0;
+  int register_waiting = 0;
+  std::condition_variable register_cv;
   std::map<std::uint64_t, std::shared_ptr<Hold>> holds;
   std::uint64_t next_hold = 1;
   std::atomic<std::uint64_t> copies_pinned{0};
@@ -662,7 +668,15 @@ __attribute__((visibility("default"))) Result cuMemHostRegister_v2(void* p, std:
   if (const Result r = need_context()) return r;
   State& st = state();
   const auto a = reinterpret_cast<std::uintptr_t>(p);
-  std::lock_guard<std::mutex> lock(st.mu);
+  std::unique_lock<std::mutex> lock(st.mu);
+  if ((flags & 0x08) == 0) {
+    if (st.register_mode == 1) {
+      st.register_waiting++;
+      st.register_cv.wait(lock, [&st] { return st.register_mode != 1; });
+      st.register_waiting--;
+    }
+    if (st.register_mode == 2) return kNotPermitted;
+  }
   auto it = st.registered.lower_bound(a);
   if (it != st.registered.end() && it->first < a + n) return kHostRegistered;
   if (it != st.registered.begin() && std::prev(it)->first + std::prev(it)->second.first > a) return kHostRegistered;
@@ -742,6 +756,7 @@ __attribute__((visibility("default"))) Result cuGetErrorName(Result r, const cha
     case kHostNotRegistered: *out = "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED"; break;
     case kCaptureUnsupported: *out = "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED"; break;
     case kCaptureInvalidated: *out = "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED"; break;
+    case kNotPermitted: *out = "CUDA_ERROR_NOT_PERMITTED"; break;
     case kUnknown: *out = "CUDA_ERROR_UNKNOWN"; break;
     default: *out = nullptr; return kInvalidValue;
   }
@@ -763,6 +778,37 @@ __attribute__((visibility("default"))) Result cuGetErrorString(Result r, const c
 
 __attribute__((visibility("default"))) void smddp_standin_set_copy_delay_us(std::int64_t us) {
   state().copy_delay_us = us;
+}
+
+// Registrations of memory the device may write (cuMemHostRegister without READ_ONLY) from now on:
+// 0 as asked, 1 held until the mode is set again (those held go on then), 2 refused
+// (CUDA_ERROR_NOT_PERMITTED). Returns how many wait held at the moment of the call.
+__attribute__((visibility("default"))) int smddp_standin_register_mode(int mode) {
+  State& st = state();
+  std::lock_guard<std::mutex> lock(st.mu);
+  if (mode >= 0) {
+    st.register_mode = mode;
+    st.register_cv.notify_all();
+  }
+  return st.register_waiting;
+}
+
+// The driver's registered host ranges (every caller's: the engine's and the runtime's), at most `n`
+// of them into `addrs` / `sizes` / `readonly`; returns how many there are.
+__attribute__((visibility("default"))) std::size_t smddp_standin_registered(std::uintptr_t* addrs, std::size_t* sizes,
+                                                                            int* readonly, std::size_t n) {
+  State& st = state();
+  std::lock_guard<std::mutex> lock(st.mu);
+  std::size_t i = 0;
+  for (const auto& kv : st.registered) {
+    if (i < n) {
+      addrs[i] = kv.first;
+      sizes[i] = kv.second.first;
+      readonly[i] = kv.second.second ? 1 : 0;
+    }
+    i++;
+  }
+  return st.registered.size();
 }
 
 // At least `n` devices from now on (the Python stand-in runtimes of one process may ask for more).

@@ -70,11 +70,10 @@ RELEASE_BATCH_BYTES = 256 << 10
 # looks, so the daemon's threads and the other workers still run (see PLANE_SPIN_US in the daemon).
 # The fast path's wait stops spinning for a while when its spins keep missing (WorkerChannel::finish).
 RING_SPIN_US = 200.0
-# How a copy-in's event is watched (by a blocking call that sends its own SUBMIT, and by the engine's
-# device watch): polls that yield the core for this long (a 4 MiB copy at 20 GB/s takes about 200
-# us), then sleeps of this long (never past the wait's deadline, as an event synchronize would be).
+# How a copy-in's event is watched (by a blocking call that sends its own SUBMIT, CopyIn.wait, and by
+# the engine's device watch): polls that yield the core for this long (a 4 MiB copy at 20 GB/s takes
+# about 200 us), then short naps (never past the wait's deadline, as an event synchronize would be).
 COPY_SPIN_S = 0.001
-COPY_POLL_SLEEP_S = 0.0002
 log = logging.getLogger("smddp.client")
 
 
@@ -391,7 +390,7 @@ class DeviceHandle(EngineHandle):
     stream waits on (docs/gpu.md)."""
 
     _plan: DevicePlan  # set by Client.submit
-    _ready: Any = None  # its copy-in's event (the runtime's), alive until its watch has ended
+    _ready: _engine.CopyIn | None = None  # its copy-in (the engine's), for a blocking call's own wait
 
     def wait(self, timeout: float | None = None, stream: Any = None) -> Any:
         t = self._default_timeout_s if timeout is None else timeout
@@ -783,11 +782,11 @@ class Client:
                     self._copying_in += 1
         if slot is not None:
             assert src is not None
-            # Outside the lock: pinning a new segment touches every page of it, and a copy from memory
+            # Outside the lock: pinning a new segment touches every page of it, and a copy into memory
             # that could not be pinned blocks until the producer's kernels are done; the DONE thread
             # needs the lock for every other collective's completion meanwhile.
             try:
-                ready = self._copy_in(device, src, slot)
+                ready = self._copy_in(engine, device, src, slot)
             finally:
                 with self._lock:
                     self._copying_in -= 1
@@ -833,12 +832,10 @@ class Client:
             return e
         return None
 
-    def _hold(self, engine: _engine.DeviceEngine, handle: DeviceHandle, ready: Any) -> None:
+    def _hold(self, engine: _engine.DeviceEngine, handle: DeviceHandle, ready: _engine.CopyIn) -> None:
         """(lock held) `handle`'s SUBMIT goes once its copy-in (`ready`) is complete: given by the
         engine's device watch the moment the copy lands (no thread of this client's)."""
-        assert self._device is not None  # (a device copy-in made `ready`)
-        handle._ready = ready  # the event stays alive until its watch has ended
-        if not engine.give_when(handle, self._device.rt.event_handle(ready), handle._plan.device):
+        if not engine.give_when(handle, ready):
             # Stopped: shutdown has begun, and its wait for this one ends with the shutdown's.
             log.warning(
                 "rank %d: collective #%d started as smddp shut down: it never goes", self.rank, handle.seq
@@ -896,13 +893,13 @@ class Client:
         plan.done = self._device_io().rt.new_event(dev.device)
         handle = self.submit(Kind.ALLREDUCE, dev.dtype, dev.count, op, 0, None, plan, hold=False)
         ready = handle._ready
+        assert ready is not None  # (an all-reduce's plan has a source)
         error: SmddpError | None = None
         try:
-            copied = self._copied(ready, deadline)
+            # Polled by the engine, GIL released: yielding the core at first, then in short naps.
+            copied = ready.wait(max(0.0, deadline - time.monotonic()))
         except SmddpError as e:
-            error = e
-        except Exception as e:
-            error = DeviceError(f"the copy-in of collective #{handle.seq} failed: {e!r}")
+            error = DeviceError(f"the copy-in of collective #{handle.seq} failed: {e}")
         if error is not None:
             self._device_failed(error)  # (the record is the channel's live one: the failure finishes it)
             copied = True
@@ -1217,14 +1214,25 @@ class Client:
         that waits for it at once (_in_line), `explicit` being the `stream=` it passed."""
         return _in_line(self._device_io().producer_stream(like, explicit), explicit, like.via == "dlpack")
 
-    def _copy_in(self, plan: DevicePlan, src: DeviceBuffer, slot: Slot) -> Any:
-        """Enqueue the copy of `src` into `slot` (lock held); on failure free the slot and raise."""
+    def _copy_in(
+        self, engine: _engine.DeviceEngine, plan: DevicePlan, src: DeviceBuffer, slot: Slot
+    ) -> _engine.CopyIn:
+        """Enqueue the copy of `src` into `slot`: the engine's (DeviceEngine.copy_in, which page-locks
+        the slot's segment the first time), on the caller's stream in line or else on the device's
+        copy-in lane after the caller's stream at the call (`before`). On failure free the slot and
+        raise (a copy the driver refused wrote nothing the slot's next user would see: it was never
+        enqueued)."""
         io = self._device
         assert io is not None
-        seg = self._arena.segment(slot.segment)
+        if plan.inline is not None:
+            stream, before = plan.inline, 0
+        else:
+            stream = io.lane(src.device).d2h
+            before = 0 if plan.before is None else io.rt.event_handle(plan.before)
         try:
-            io.pin(("in", seg.id), seg.array, readonly=False)
-            return io.copy_in(src, self._arena.view(slot), plan.before, plan.inline)
+            return engine.copy_in(
+                self._arena.native, slot.segment, slot.offset, src.nbytes, src.device, src.ptr, stream, before
+            )
         except BaseException:
             self._arena.free(slot)
             raise
@@ -1253,28 +1261,6 @@ class Client:
     def _waited(self) -> bool:
         """Whether this thread is inside waiting(): what it starts, it waits for at once."""
         return bool(getattr(self._tls, "waited", False))
-
-    def _copied(self, event: Any, deadline: float) -> bool:
-        """Whether a copy-in's `event` is reached before `deadline`: polled (yielding the core for up to
-        COPY_SPIN_S, then in short sleeps) rather than synchronized, so that the wait keeps its timeout."""
-        assert self._device is not None
-        done = self._device.rt.event_done
-        if done(event):
-            return True
-        spin_until = time.monotonic() + COPY_SPIN_S
-        while not done(event):
-            now = time.monotonic()
-            if now >= deadline:
-                return False
-            if now < spin_until:
-                # sched_yield, GIL released: back at once on an idle core. Not time.sleep(0), which is a
-                # timed sleep on Linux (clock_nanosleep) and lasts the timer slack, 50 us and more: 81 us
-                # a call on this host against 0.6 us, and on an H200's host a polled 4 KiB copy took 64
-                # us where an event synchronize took 26 (bench-results/gpu-profile/2026-11-28).
-                os.sched_yield()
-            else:
-                time.sleep(min(COPY_POLL_SLEEP_S, deadline - now))
-        return True
 
     # ------------------------------------------------------------------ the reader thread
 

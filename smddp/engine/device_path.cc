@@ -18,6 +18,7 @@ std::string num(std::uint64_t v) { return std::to_string(v); }
 DeviceOut::DeviceOut(DevicePath* path, int device, std::uintptr_t stream, cuda::Event before, cuda::Event done,
                      std::vector<Part> parts, std::uint64_t token)
     : path_(path),
+      driver_(path->shared_driver()),
       device_(device),
       stream_(stream),
       before_(before),
@@ -29,8 +30,8 @@ DeviceOut::~DeviceOut() {
   cuda::Event done = done_.load(std::memory_order_acquire);
   if (done == nullptr || done == given_) return;
   // (on whichever thread lets go last: the watch's, or a caller's dropping its record)
-  cuda::Bound bound(path_->driver(), device_);
-  if (bound.result() == cuda::kSuccess) (void)path_->driver().api().event_destroy(done);
+  cuda::Bound bound(*driver_, device_);
+  if (bound.result() == cuda::kSuccess) (void)driver_->api().event_destroy(done);
 }
 
 void DeviceOut::arrived(const Header& submit, const std::uint8_t* result, const Located& at,
@@ -49,7 +50,7 @@ void DeviceOut::arrived(const Header& submit, const std::uint8_t* result, const 
       return;
     }
   }
-  path_->pin(seg, device_);
+  path_->pin(seg, device_, false);
   cuda::Driver& d = path_->driver();
   const cuda::Api& api = d.api();
   cuda::Bound bound(d, device_);
@@ -92,23 +93,46 @@ void DeviceOut::arrived(const Header& submit, const std::uint8_t* result, const 
 cuda::Result DeviceOut::order(std::uintptr_t stream) {
   cuda::Event done = done_.load(std::memory_order_acquire);
   if (done == nullptr || stream == stream_) return cuda::kSuccess;
-  cuda::Bound bound(path_->driver(), device_);
+  cuda::Bound bound(*driver_, device_);
   if (bound.result() != cuda::kSuccess) return bound.result();
-  return path_->driver().api().stream_wait_event(cuda::stream_of(stream), done, 0);
+  return driver_->api().stream_wait_event(cuda::stream_of(stream), done, 0);
 }
 
 cuda::Result DeviceOut::query() {
   cuda::Event done = done_.load(std::memory_order_acquire);
   if (done == nullptr) return cuda::kSuccess;
-  return path_->driver().api().event_query(done);
+  return driver_->api().event_query(done);
 }
 
 cuda::Result DeviceOut::synchronize() {
   cuda::Event done = done_.load(std::memory_order_acquire);
   if (done == nullptr) return cuda::kSuccess;
-  cuda::Bound bound(path_->driver(), device_);
+  cuda::Bound bound(*driver_, device_);
   if (bound.result() != cuda::kSuccess) return bound.result();
-  return path_->driver().api().event_synchronize(done);
+  return driver_->api().event_synchronize(done);
+}
+
+// ------------------------------------------------------------------------------------- DeviceIn
+
+DeviceIn::DeviceIn(std::shared_ptr<cuda::Driver> driver, int device, cuda::Event copied, std::shared_ptr<Segment> seg)
+    : driver_(std::move(driver)), device_(device), copied_(copied), seg_(std::move(seg)) {}
+
+DeviceIn::~DeviceIn() {
+  cuda::Bound bound(*driver_, device_);
+  if (bound.result() == cuda::kSuccess) (void)driver_->api().event_destroy(copied_);
+}
+
+cuda::Result DeviceIn::query() { return driver_->api().event_query(copied_); }
+
+cuda::Result DeviceIn::wait(std::int64_t timeout_ns, std::int64_t spin_ns) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto deadline = t0 + std::chrono::nanoseconds(timeout_ns);
+  cuda::Result r;
+  while ((r = query()) == cuda::kNotReady) {
+    if (std::chrono::steady_clock::now() >= deadline) break;
+    stream_pause(t0, spin_ns);
+  }
+  return r;
 }
 
 // ----------------------------------------------------------------------------------- DevicePath
@@ -138,13 +162,76 @@ DeviceWatch* DevicePath::watch_for(int device) {
   return w.get();
 }
 
-bool DevicePath::give_when(const Header& submit, cuda::Event ready, int device, std::int64_t timeout_ns,
+std::shared_ptr<DeviceIn> DevicePath::copy_in(int device, std::uintptr_t stream, cuda::Event before,
+                                              const std::shared_ptr<Segment>& seg, std::uint64_t offset,
+                                              cuda::DevicePtr src, std::uint64_t nbytes, std::string* why) {
+  const std::string what = "the copy of " + num(nbytes) + " bytes from cuda:" + std::to_string(device) +
+                           " into the input slot could not be enqueued: ";
+  if (offset > seg->size() || nbytes > seg->size() - offset) {
+    *why = what + "the slot is outside its segment";
+    return nullptr;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopped_) {
+      *why = what + "the device path is stopped (shutting down)";
+      return nullptr;
+    }
+  }
+  pin(seg, device, true);
+  cuda::Driver& d = *driver_;
+  const cuda::Api& api = d.api();
+  cuda::Bound bound(d, device);
+  if (bound.result() != cuda::kSuccess) {
+    *why = what + d.describe(bound.result(), "cuCtxSetCurrent");
+    return nullptr;
+  }
+  const cuda::Stream s = cuda::stream_of(stream);
+  cuda::Result r = cuda::kSuccess;
+  const char* call = "cuStreamWaitEvent";
+  if (before != nullptr) r = api.stream_wait_event(s, before, 0);
+  if (r == cuda::kSuccess && nbytes > 0) {
+    call = "cuMemcpyDtoHAsync";
+    r = api.memcpy_d2h(seg->base() + offset, src, nbytes, s);
+  }
+  cuda::Event copied = nullptr;
+  if (r == cuda::kSuccess) {
+    call = "cuEventCreate";
+    r = api.event_create(&copied, cuda::kEventDisableTiming);
+  }
+  if (r == cuda::kSuccess) {
+    call = "cuEventRecord";
+    r = api.event_record(copied, s);
+    if (r != cuda::kSuccess) (void)api.event_destroy(copied);
+  }
+  if (r != cuda::kSuccess) {
+    *why = what + d.describe(r, call);
+    return nullptr;
+  }
+  auto in = std::make_shared<DeviceIn>(driver_, device, copied, seg);
+  std::vector<std::shared_ptr<DeviceIn>> gone;  // (let go of outside the lock: their events are destroyed)
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    // Those seen landed go (oldest first: they mostly land in order), so the list stays short.
+    std::size_t n = 0;
+    while (n < ins_.size() && ins_[n]->query() != cuda::kNotReady) n++;
+    gone.assign(ins_.begin(), ins_.begin() + static_cast<std::ptrdiff_t>(n));
+    ins_.erase(ins_.begin(), ins_.begin() + static_cast<std::ptrdiff_t>(n));
+    ins_.push_back(in);
+  }
+  return in;
+}
+
+bool DevicePath::give_when(const Header& submit, std::shared_ptr<DeviceIn> in, std::int64_t timeout_ns,
                            std::int64_t spin_ns) {
-  DeviceWatch* w = watch_for(device);
+  DeviceWatch* w = watch_for(in->device());
   if (w == nullptr) return false;
   WorkerChannel* ch = channel_;
   const Header h = submit;
-  return w->watch(ready, [this, ch, h, timeout_ns, spin_ns](cuda::Result r) {
+  const cuda::Event ready = in->event();
+  in->watched_.store(true, std::memory_order_release);
+  // (the watch holds `in`, and so its event, until it has ended)
+  const bool watched = w->watch(ready, [this, ch, h, timeout_ns, spin_ns, in](cuda::Result r) {
     if (r == DeviceWatch::kStopped) return;
     if (r != cuda::kSuccess) {
       fail(1, "the copy-in of collective #" + num(h.seq) + " failed: " + driver_->describe(r, "cuEventQuery"));
@@ -158,6 +245,8 @@ bool DevicePath::give_when(const Header& submit, cuda::Event ready, int device, 
       fail(2, "the SUBMIT of collective #" + num(h.seq) +
                   " could not go: the daemon did not read this worker's ring (frozen or gone)");
   });
+  if (!watched) in->watched_.store(false, std::memory_order_release);
+  return watched;
 }
 
 void DevicePath::fail(int kind, std::string why) {
@@ -188,9 +277,15 @@ std::vector<std::string> DevicePath::take_notes() {
 }
 
 std::size_t DevicePath::pending() {
+  std::vector<std::shared_ptr<DeviceIn>> gone;  // (let go of outside the lock)
   std::lock_guard<std::mutex> lock(mu_);
   std::size_t n = 0;
   for (auto& kv : watches_) n += kv.second->pending();
+  std::vector<std::shared_ptr<DeviceIn>> left;
+  for (auto& in : ins_) (in->query() == cuda::kNotReady ? left : gone).push_back(std::move(in));
+  ins_.swap(left);
+  for (const auto& in : ins_)
+    if (!in->watched_.load(std::memory_order_acquire)) n++;  // (a watched one is its watch's)
   return n;
 }
 
@@ -213,12 +308,15 @@ void DevicePath::stop(bool unpin) {
   for (auto& kv : all) kv.second->stop();  // (outside the lock: a watch's work takes it)
   all.clear();
   if (!unpin) return;
-  std::map<std::uint32_t, Pinned> pins;
+  std::map<std::pair<bool, std::uint32_t>, Pinned> pins;
+  std::vector<std::shared_ptr<DeviceIn>> ins;
   {
     std::lock_guard<std::mutex> pin_lock(pin_mu_);
     std::lock_guard<std::mutex> lock(mu_);
     pins.swap(pinned_);
+    ins.swap(ins_);
   }
+  ins.clear();
   for (auto& kv : pins) {
     if (!kv.second.registered) continue;
     cuda::Bound bound(*driver_, kv.second.device);
@@ -226,17 +324,18 @@ void DevicePath::stop(bool unpin) {
   }
 }
 
-void DevicePath::pin(const std::shared_ptr<Segment>& seg, int device) {
+void DevicePath::pin(const std::shared_ptr<Segment>& seg, int device, bool input) {
+  const std::pair<bool, std::uint32_t> key{input, seg->id()};
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (stopped_ || pinned_.count(seg->id()) != 0) return;
+    if (stopped_ || pinned_.count(key) != 0) return;
   }
-  // Outside mu_: registering touches every page of the segment, and copies from segments pinned
-  // already (other takers, the watches' RELEASEs) go on meanwhile.
+  // Outside mu_: registering touches every page of the segment, and copies to and from segments
+  // pinned already (other takers, the watches' RELEASEs) go on meanwhile.
   std::lock_guard<std::mutex> pin_lock(pin_mu_);
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (stopped_ || pinned_.count(seg->id()) != 0) return;
+    if (stopped_ || pinned_.count(key) != 0) return;
   }
   Pinned p{seg, device, false};
   std::string note;
@@ -245,15 +344,16 @@ void DevicePath::pin(const std::shared_ptr<Segment>& seg, int device) {
     cuda::Result r = bound.result();
     if (r == cuda::kSuccess)
       r = driver_->api().host_register(seg->base(), seg->size(),
-                                       cuda::kHostRegisterPortable | cuda::kHostRegisterReadOnly);
+                                       cuda::kHostRegisterPortable | (input ? 0u : cuda::kHostRegisterReadOnly));
     p.registered = r == cuda::kSuccess;
     if (!p.registered)
-      note = "could not page-lock result segment " + num(seg->id()) + " (" + num(seg->size()) +
-             " bytes): " + driver_->describe(r, "cuMemHostRegister") +
-             "; copies from it are staged by the driver and block the thread that enqueues them";
+      note = std::string("could not page-lock ") + (input ? "input" : "result") + " segment " + num(seg->id()) +
+             " (" + num(seg->size()) + " bytes): " + driver_->describe(r, "cuMemHostRegister") +
+             "; copies " + (input ? "to" : "from") +
+             " it are staged by the driver and block the thread that enqueues them";
   }
   std::lock_guard<std::mutex> lock(mu_);
-  pinned_[seg->id()] = std::move(p);
+  pinned_[key] = std::move(p);
   if (!note.empty()) notes_.push_back(std::move(note));
 }
 

@@ -1,6 +1,9 @@
 // The engine's device path: a device collective's steps that wait on the GPU, with no Python and no
 // thread of the client's.
 //
+// - copy_in (a DeviceIn): a device collective's data copied into its input slot, on the stream the
+//   client names (in line on the caller's, or its device's copy-in lane after the caller's event),
+//   the event after it the engine's own, the input segment page-locked here once (portable);
 // - give_when: a held SUBMIT goes the moment its copy-in's event is reached (DeviceWatch), in
 //   whatever order the copies land (the channel puts them on the ring in sequence order);
 // - DeviceOut, the channel's HeldSink for a device record: the moment its DONE is taken, on the
@@ -8,8 +11,8 @@
 //   the collective's stream (after the event it must wait for), the event its consumers wait on is
 //   recorded after it, and its RELEASE goes from the watch thread once that event is reached, so the
 //   daemon never reuses a result slot a copy still reads;
-// - the result segments are page-locked here, each once (portable, read-only), so that the copies
-//   back are DMA, and let go at stop() once nothing copies from them.
+// - the input and result segments are page-locked here, each once (portable; a result segment
+//   read-only), so that the copies are DMA, and let go at stop() once nothing copies to or from them.
 // A copy that fails on the device, a copy back that cannot be enqueued, or a RELEASE that cannot go
 // is kept as the path's failure (failure()): the client fails the job with it.
 //
@@ -17,8 +20,11 @@
 // touches a Python object (the binding holds what keeps a copy's destination alive, by its token,
 // and lets go of the tokens take_landed() gives back). Memory: a DevicePath owns the driver, the
 // watches and the page-locked segments' registrations (holding each segment, so it stays mapped);
-// the channel is the caller's and outlives it. A DeviceOut owns its `done` event; the path outlives
-// every DeviceOut (the binding's records hold the path's owner).
+// the channel is the caller's and outlives it. A DeviceOut owns its `done` event, a DeviceIn its
+// `copied` event and a hold on its segment (mapped while the copy may write it); both share the
+// driver (their ends destroy their events through it, whenever those come: after the path's too).
+// The path outlives a DeviceOut's work (the binding's records hold the path's owner), and keeps each
+// DeviceIn until it has seen its copy land (settle() waits for those too).
 //
 // A DeviceOut owns the event it made for `done` (or none: the caller's, given); the caller keeps
 // `before`, a given `done` and the destinations alive until the copies have landed.
@@ -75,7 +81,8 @@ class DeviceOut : public HeldSink, public std::enable_shared_from_this<DeviceOut
 
  private:
   friend class DevicePath;
-  DevicePath* path_;
+  DevicePath* path_;  // (alive while it copies and RELEASEs: its record holds the path's owner)
+  const std::shared_ptr<cuda::Driver> driver_;  // (for its end, which may come after the path's)
   const int device_;
   const std::uintptr_t stream_;
   const cuda::Event before_;
@@ -86,6 +93,33 @@ class DeviceOut : public HeldSink, public std::enable_shared_from_this<DeviceOut
   // Written once by arrived() (the DONE's taker), before its collective completes; read after that.
   // Its own (destroyed with it) unless it is given_.
   std::atomic<cuda::Event> done_{nullptr};
+};
+
+// One device collective's copy into its input slot, enqueued by DevicePath::copy_in.
+class DeviceIn {
+ public:
+  // (the driver is shared: a DeviceIn may end after its path, its Python owner let go of last)
+  DeviceIn(std::shared_ptr<cuda::Driver> driver, int device, cuda::Event copied, std::shared_ptr<Segment> seg);
+  ~DeviceIn();
+  DeviceIn(const DeviceIn&) = delete;
+  DeviceIn& operator=(const DeviceIn&) = delete;
+
+  // kSuccess once the copy has landed, kNotReady before, or its failure.
+  cuda::Result query();
+  // Polls until the copy has landed or `timeout_ns` has passed, yielding the core for `spin_ns` and
+  // then in short sleeps (so that the caller keeps its timeout): query()'s last answer.
+  cuda::Result wait(std::int64_t timeout_ns, std::int64_t spin_ns);
+  cuda::Event event() const { return copied_; }
+  int device() const { return device_; }
+  cuda::Driver& driver() const { return *driver_; }
+
+ private:
+  friend class DevicePath;
+  std::atomic<bool> watched_{false};  // give_when's watch has it (pending() counts that watch instead)
+  const std::shared_ptr<cuda::Driver> driver_;
+  const int device_;
+  const cuda::Event copied_;
+  const std::shared_ptr<Segment> seg_;
 };
 
 class DevicePath {
@@ -100,10 +134,21 @@ class DevicePath {
   DevicePath& operator=(const DevicePath&) = delete;
 
   cuda::Driver& driver() { return *driver_; }
+  // The driver, for what must reach it after the path has gone (a DeviceIn's or DeviceOut's end).
+  const std::shared_ptr<cuda::Driver>& shared_driver() const { return driver_; }
 
-  // Gives `submit` (a reserve_fast() number's) once `ready` (recorded on `device`) is reached; its
-  // ring wait takes `timeout_ns` and `spin_ns`. False once stopped (nothing will give it).
-  bool give_when(const Header& submit, cuda::Event ready, int device, std::int64_t timeout_ns,
+  // Enqueues the copy of `nbytes` from device address `src` into `seg` at `offset` (checked against
+  // the segment), on `stream` of `device` after `before` (nullptr: nothing), and an event of its own
+  // recorded after it; `seg` page-locked first (once; one that cannot be is copied into as it is,
+  // the driver then blocking this thread until the copy is done, and noted). nullptr with *why (the
+  // driver's refusal, or a stopped path): nothing is left to land then but what the driver took.
+  std::shared_ptr<DeviceIn> copy_in(int device, std::uintptr_t stream, cuda::Event before,
+                                    const std::shared_ptr<Segment>& seg, std::uint64_t offset,
+                                    cuda::DevicePtr src, std::uint64_t nbytes, std::string* why);
+
+  // Gives `submit` (a reserve_fast() number's) once `in`'s copy has landed; its ring wait takes
+  // `timeout_ns` and `spin_ns`. False once stopped (nothing will give it).
+  bool give_when(const Header& submit, std::shared_ptr<DeviceIn> in, std::int64_t timeout_ns,
                  std::int64_t spin_ns);
 
   // The first failure (kind 1: the device's, a copy; kind 2: the daemon's ring), or kind 0.
@@ -112,7 +157,7 @@ class DevicePath {
   std::vector<std::uint64_t> take_landed();
   // What the path would say in the log (a segment it could not page-lock), since the last call.
   std::vector<std::string> take_notes();
-  // Watches not yet ended: copies in and back in flight.
+  // Watches not yet ended and copies in not yet seen landed: copies in and back in flight.
   std::size_t pending();
   // Waits up to `timeout_ns` for pending() to reach 0; whether it did.
   bool settle(std::int64_t timeout_ns);
@@ -122,17 +167,19 @@ class DevicePath {
 
  private:
   friend class DeviceOut;
+  friend class DeviceIn;
   DevicePath() = default;
   DeviceWatch* watch_for(int device);
   void fail(int kind, std::string why);
-  // Result segment `seg` page-locked (each once; one that cannot be is copied from as it is, noted).
-  void pin(const std::shared_ptr<Segment>& seg, int device);
+  // `seg` page-locked (each once; one that cannot be is copied to or from as it is, noted): an input
+  // segment (the device writes it) or a result segment (read-only).
+  void pin(const std::shared_ptr<Segment>& seg, int device, bool input);
   // `out`'s copy back reached (or failed, or the watch was stopped: r).
   void copied(const std::shared_ptr<DeviceOut>& out, const Header& submit, cuda::Result r);
   void release(const Header& submit);
   void landed(std::uint64_t token);
 
-  std::unique_ptr<cuda::Driver> driver_;
+  std::shared_ptr<cuda::Driver> driver_;
   WorkerChannel* channel_ = nullptr;
   std::uint64_t batch_bytes_ = 0;
   std::int64_t timeout_ns_ = 0;
@@ -150,7 +197,8 @@ class DevicePath {
     int device = 0;                // whose context registered it
     bool registered = false;       // false: it could not be (copied from as it is)
   };
-  std::map<std::uint32_t, Pinned> pinned_;  // result segment id -> its registration
+  std::map<std::pair<bool, std::uint32_t>, Pinned> pinned_;  // (input?, segment id) -> its registration
+  std::vector<std::shared_ptr<DeviceIn>> ins_;               // copies in not yet seen landed
   std::mutex pin_mu_;                       // one registration at a time (taken before mu_, never inside it)
 };
 

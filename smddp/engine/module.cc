@@ -1086,6 +1086,7 @@ struct DeviceEngine {
   nb::object channel_obj;
   Channel* channel = nullptr;
   std::unique_ptr<smddp::DevicePath> path;
+  std::int64_t spin_ns = 0;  // how long a wait for a copy-in yields the core before it naps
   nb::dict holds;  // token -> what a copy back's destinations need kept alive until it lands
   std::uint64_t next_token = 1;
 
@@ -1120,6 +1121,10 @@ PyType_Slot kDeviceEngineSlots[] = {
     {0, nullptr},
 };
 
+void require_device(long long device) {
+  if (device < 0 || device > 1024) raise_error(Err::kValue, "no such device");
+}
+
 void device_engine_init(DeviceEngine* self, nb::handle channel, const std::string& library, double spin_us) {
   Channel* c = nullptr;
   if (!nb::try_cast<Channel*>(channel, c) || c == nullptr)
@@ -1136,20 +1141,89 @@ void device_engine_init(DeviceEngine* self, nb::handle channel, const std::strin
   self->channel_obj = nb::borrow(channel);
   self->channel = c;
   self->path = std::move(p);
+  self->spin_ns = spin_ns(spin_us);
 }
 
-void require_device(long long device) {
-  if (device < 0 || device > 1024) raise_error(Err::kValue, "no such device");
+// A device collective's copy into its input slot (DeviceEngine.copy_in): the engine's DeviceIn, and
+// the DeviceEngine it belongs to (held, so that the path outlives it).
+struct CopyIn {
+  std::shared_ptr<smddp::DeviceIn> in;
+  nb::object engine;
+};
+
+int copy_in_traverse(PyObject* self, visitproc visit, void* arg) {
+  Py_VISIT(Py_TYPE(self));
+  if (!nb::inst_ready(self)) return 0;
+  Py_VISIT(nb::inst_ptr<CopyIn>(self)->engine.ptr());
+  return 0;
 }
 
-// Gives `record`'s SUBMIT once `event` (a CUevent, the copy-in's, recorded on `device`) is reached.
-// False once stopped (nothing will give it).
-bool device_engine_give_when(DeviceEngine& e, Started& s, std::uintptr_t event, long long device) {
+// (A DeviceIn shares the engine's driver, so it may end after the engine: the collector may let go
+// of either first.)
+int copy_in_clear(PyObject* self) {
+  if (!nb::inst_ready(self)) return 0;
+  nb::inst_ptr<CopyIn>(self)->engine = nb::object();
+  return 0;
+}
+
+PyType_Slot kCopyInSlots[] = {
+    {Py_tp_traverse, reinterpret_cast<void*>(copy_in_traverse)},
+    {Py_tp_clear, reinterpret_cast<void*>(copy_in_clear)},
+    {0, nullptr},
+};
+
+// Enqueues the copy of `nbytes` from device address `src` into `arena`'s segment `segment` at
+// `offset`, on `stream` of `device` after the CUevent `before` (0: none); the input segment
+// page-locked first, once (GIL released: registering touches every page, and a copy into memory
+// that could not be page-locked blocks until the producer's work is done). DeviceError naming the
+// driver's refusal; ValueError for a slot outside its segment or a segment the arena lacks.
+CopyIn device_engine_copy_in(nb::handle self, DeviceEngine& e, smddp::Arena& arena, long long segment,
+                             long long offset, long long nbytes, long long device, std::uint64_t src,
+                             std::uintptr_t stream, std::uintptr_t before) {
+  require_device(device);
+  if (offset < 0 || nbytes < 0) raise_error(Err::kValue, "copy_in: a negative offset or size");
+  SegmentPtr seg = arena_segment(arena, segment);
+  if (!seg) raise_error(Err::kValue, "copy_in: the arena has no segment " + std::to_string(segment));
+  std::string why;
+  std::shared_ptr<smddp::DeviceIn> in;
+  {
+    nb::gil_scoped_release unlocked;
+    in = e.path->copy_in(static_cast<int>(device), stream, reinterpret_cast<smddp::cuda::Event>(before), seg,
+                         static_cast<std::uint64_t>(offset), src, static_cast<std::uint64_t>(nbytes), &why);
+  }
+  if (!in) raise_error(why.find("outside its segment") != std::string::npos ? Err::kValue : Err::kDevice, why);
+  return CopyIn{std::move(in), nb::borrow(self)};
+}
+
+// Whether its copy has landed; DeviceError for one that failed on the device.
+bool copy_in_done(CopyIn& c) {
+  const smddp::cuda::Result r = c.in->query();
+  if (r == smddp::cuda::kNotReady) return false;
+  if (r != smddp::cuda::kSuccess) raise_error(Err::kDevice, c.in->driver().describe(r, "cuEventQuery"));
+  return true;
+}
+
+// Waits (GIL released) up to `timeout_s` for its copy to land, polled (the core yielded for the
+// engine's spin, then short naps: the wait keeps its timeout); whether it landed in time.
+bool copy_in_wait(CopyIn& c, double timeout_s) {
+  if (!c.engine.is_valid()) raise_error(Err::kRuntime, "a copy-in whose engine was let go of");
+  DeviceEngine& e = nb::cast<DeviceEngine&>(c.engine);
+  smddp::cuda::Result r;
+  {
+    nb::gil_scoped_release unlocked;
+    r = c.in->wait(seconds_ns(timeout_s), e.spin_ns);
+  }
+  if (r == smddp::cuda::kNotReady) return false;
+  if (r != smddp::cuda::kSuccess) raise_error(Err::kDevice, c.in->driver().describe(r, "cuEventQuery"));
+  return true;
+}
+
+// Gives `record`'s SUBMIT once `copy`'s copy-in has landed. False once stopped (nothing will give it).
+bool device_engine_give_when(DeviceEngine& e, Started& s, CopyIn& copy) {
   if (s.channel != e.channel) raise_error(Err::kValue, "give_when: a record of another channel");
   if (!s.out.sink) raise_error(Err::kRuntime, "give_when: the record has no way back yet (deliver_to)");
-  require_device(device);
-  return e.path->give_when(s.submit, reinterpret_cast<smddp::cuda::Event>(event), static_cast<int>(device),
-                           s.timeout_ns, s.spin_ns);
+  if (!copy.engine.is(nb::find(&e))) raise_error(Err::kValue, "give_when: a copy-in of another engine (or let go of)");
+  return e.path->give_when(s.submit, copy.in, s.timeout_ns, s.spin_ns);
 }
 
 // `record`'s result goes back to the device: each (address, offset, bytes) of `parts` from its result
@@ -1834,14 +1908,33 @@ NB_MODULE(_engine, m) {
           "close_daemon_end", [](Channel& c) { c.ch->close_daemon_end(); },
           "The daemon's end of the side socket is closed here (once passed).");
 
+  nb::class_<CopyIn>(m, "CopyIn", nb::type_slots(kCopyInSlots),
+                     "A device collective's copy into its input slot, enqueued by the engine (DeviceEngine.copy_in).")
+      .def("done", &copy_in_done, "Whether the copy has landed; DeviceError for one that failed on the device.")
+      .def("wait", &copy_in_wait, "timeout_s"_a,
+           "Wait (polled, GIL released) up to `timeout_s` for the copy to land; whether it did. DeviceError "
+           "for one that failed on the device.");
+
   nb::class_<DeviceEngine>(m, "DeviceEngine", nb::type_slots(kDeviceEngineSlots),
                            "A client's device path in the engine: held SUBMITs given once their copy-ins land, "
                            "results copied back and RELEASEd.")
       .def("__init__", &device_engine_init, "channel"_a, "library"_a, "spin_us"_a,
            nb::sig("def __init__(self, channel: WorkerChannel, library: str, spin_us: float) -> None"),
            "The CUDA driver `library` loaded (OSError naming why not), for `channel`'s records.")
-      .def("give_when", &device_engine_give_when, "record"_a, "event"_a, "device"_a,
-           "Give the record's SUBMIT once the CUevent is reached; False once stopped.")
+      .def(
+          "copy_in",
+          [](nb::handle self, smddp::Arena& arena, long long segment, long long offset, long long nbytes,
+             long long device, std::uint64_t src, std::uintptr_t stream, std::uintptr_t before) {
+            return device_engine_copy_in(self, nb::cast<DeviceEngine&>(self), arena, segment, offset, nbytes, device,
+                                         src, stream, before);
+          },
+          "arena"_a, "segment"_a, "offset"_a, "nbytes"_a, "device"_a, "src"_a, "stream"_a, "before"_a,
+          nb::sig("def copy_in(self, arena: Arena, segment: int, offset: int, nbytes: int, device: int, src: int, "
+                  "stream: int, before: int) -> CopyIn"),
+          "Enqueue the copy of `nbytes` from device address `src` into the arena's slot (segment, offset) on "
+          "`stream`, after CUevent `before` (0: none); the segment page-locked once. DeviceError if refused.")
+      .def("give_when", &device_engine_give_when, "record"_a, "copy"_a,
+           "Give the record's SUBMIT once its copy-in has landed; False once stopped.")
       .def(
           "deliver_to",
           [](nb::handle self, StartedSelf rec, long long device, std::uintptr_t stream, std::uintptr_t before,

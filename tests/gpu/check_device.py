@@ -51,7 +51,7 @@ class StandinDev:
         return (arr._arr if isinstance(arr, self._cai) else arr).get()
 
     def stats(self) -> dict[str, Any]:
-        return {"stats": dict(self.rt.stats), "registered": len(self.rt.registered())}
+        return {"stats": dict(self.rt.stats), "registered": len(self.rt.driver_registered())}
 
 
 class CupyDev:
@@ -329,7 +329,7 @@ def main() -> int:
         rt = smddp.client().device_runtime()
         result.update(late_copy(rank, world, args.late_copy))
         smddp.shutdown()
-        result["registered"] = len(rt.registered())  # every segment unpinned
+        result["registered"] = len(rt.driver_registered())  # every segment unpinned, the engine's too
         with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
             json.dump(result, f)
         return 0

@@ -12,10 +12,10 @@ Every rank, each call after a barrier, medians in microseconds:
   device-to-host copy waited for by the client's poll of its event, by an event synchronize), all
   ranks at once;
 - steps: the blocking torch call's steps, timed in every call by wrapping the client's methods
-  (torch's dispatch and the backend's checks until smddp is reached; the copy-in enqueued and the
-  record reserved; the copy-in seen complete; the SUBMIT on the ring; the DONE taken; the copy-out
-  enqueued; smddp's return; the call's return; the synchronize), the median of each step's time
-  from the one before, every rank;
+  (torch's dispatch and the backend's checks until smddp is reached; the record reserved and the
+  copy-in enqueued; the copy-in seen complete; the SUBMIT given, or held for the engine; the DONE
+  taken and the copy back enqueued, both by the engine in the wait; smddp's return; the call's
+  return; the synchronize), the median of each step's time from the one before, every rank;
 - rank 0's profile of the torch calls (cProfile: the Python and the waits, by function; on Python
   3.12 it sees every thread's calls, and inflates small ones).
 
@@ -53,14 +53,18 @@ def _median_us(fn: Callable[[], None], n: int) -> float:
 
 
 # The blocking call's steps, in the order they happen: (name, what is wrapped, at its entry or exit).
-# (`dist.all_reduce(x)` of one tensor in one piece: Client.device_allreduce_now, no Work.)
+# (`dist.all_reduce(x)` of one tensor in one piece: Client.device_allreduce_now, no Work.) A step may
+# be reached by either of two methods (the SUBMIT given at once, or held for the engine to give once
+# its copy lands): both are marked under one name, the first reached counting.
 STEPS = (
     ("reached smddp", "smddp.client.session:Client.device_allreduce_now", "entry"),
-    ("copy-in enqueued", "smddp.client.session:Client._reserve_device", "exit"),
-    ("copy-in seen", "smddp.client.session:Client._copied", "exit"),
-    ("SUBMIT sent", "smddp.client.session:DeviceHandle.give", "exit"),
-    ("DONE taken", "smddp.client.session:DeviceHandle._arrived", "entry"),
-    ("copy-out enqueued", "smddp.client.session:DeviceHandle._arrived", "exit"),
+    ("record reserved, copy-in enqueued", "smddp.client.session:Client.submit", "exit"),
+    # (seen by the engine's CopyIn.wait, a native method; its caller then gives the SUBMIT at once)
+    ("copy-in seen", "smddp.client.session:Client._give_locked", "entry"),
+    ("copy-in seen", "smddp.client.session:Client._hold", "entry"),
+    ("SUBMIT given", "smddp.client.session:Client._give_locked", "exit"),
+    ("SUBMIT given", "smddp.client.session:Client._hold", "exit"),
+    ("DONE taken, copy back enqueued", "smddp.client.session:DeviceHandle._wait", "exit"),
     ("smddp returned", "smddp.client.session:Client.device_allreduce_now", "exit"),
 )
 
@@ -88,7 +92,8 @@ def _mark_steps(marks: dict[str, float]) -> Callable[[], None]:
                 if _when == "exit":
                     marks.setdefault(_name, time.perf_counter())
 
-        # Two steps may wrap one method (_arrived's entry and exit): the later wrapper holds the earlier.
+        # Two steps may wrap one method (device_allreduce_now's entry and exit): the later wrapper holds
+        # the earlier.
         setattr(owner, attr, wrapped)
         undo.append((owner, attr, real))
 
@@ -217,27 +222,29 @@ def main() -> int:
         src = int(x.data_ptr())
 
         client = smddp.client()
+        engine = client._device_path()
+        slot, _fresh = client._arena.alloc(dst.nbytes)
 
-        def d2h_poll() -> None:  # polled as a blocking call polls its copy-in (Client._copied)
-            rt.copy_d2h(int(dst.ctypes.data), src, dst.nbytes, s, dev.index)
-            rt.record(e, s, dev.index)
-            client._copied(e, time.monotonic() + 10.0)
+        def d2h_poll() -> None:  # the engine's copy-in, polled as a blocking call polls it (CopyIn.wait)
+            a = client._arena.native
+            engine.copy_in(a, slot.segment, slot.offset, dst.nbytes, dev.index, src, s, 0).wait(10.0)
 
         def d2h_sync() -> None:
             rt.copy_d2h(int(dst.ctypes.data), src, dst.nbytes, s, dev.index)
             rt.record(e, s, dev.index)
             rt.event_synchronize(e)
 
-        parts["4 KiB D2H, event polled"] = _median_us(d2h_poll, 500)
+        parts["4 KiB D2H, the engine's copy-in polled"] = _median_us(d2h_poll, 500)
         parts["4 KiB D2H, event synchronize"] = _median_us(d2h_sync, 500)
         rt.unregister_host(int(dst.ctypes.data))
+        client._arena.free(slot)
     result["parts_us"] = parts
     smddp.barrier()
 
     # The blocking torch call's steps, every rank, every call.
     marks: dict[str, float] = {}
     restore = _mark_steps(marks)
-    names = [*(n for n, _w, _e in STEPS), "returned", "synchronized"]
+    names = [*dict.fromkeys(n for n, _w, _e in STEPS), "returned", "synchronized"]
     gaps: dict[str, list[float]] = {n: [] for n in names}
     for _ in range(args.rounds):
         smddp.barrier()

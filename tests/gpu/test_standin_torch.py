@@ -147,6 +147,38 @@ def test_the_stand_in_catches_a_future_completed_before_the_copies(tmp_path: Pat
     assert not [row for row in rows if row["path"] == "wait" and row["wrong"]]
 
 
+def test_the_small_call_profile_runs_and_sees_every_step(tmp_path: Path, clean_host: None) -> None:
+    """tests/gpu/profile_small.py, which a lent GPU runs (on_gpu.sh quick, profile), on the stand-in:
+    every client method it hooks still exists, and every call of the blocking torch all-reduce
+    reaches each step in order (a step renamed or moved away fails here, not on the GPU's lease,
+    where it failed on 2026-12-04)."""
+    rounds = 20
+    script = str(REPO / "tests" / "gpu" / "profile_small.py")
+    args = [
+        WRAPPER,
+        str(tmp_path),
+        script,
+        "--device",
+        "standin",
+        "--rounds",
+        str(rounds),
+        "--out",
+        str(tmp_path),
+    ]
+    launch(2, 1, args)
+    device_route_taken(tmp_path, 2)
+    for r in range(2):
+        d = json.loads((tmp_path / f"profile-{r}.json").read_text())
+        assert d["steps_counted"] == rounds, d
+        assert all(v is not None and v >= 0 for v in d["steps_us"].values()), d["steps_us"]
+        assert "SUBMIT given" in d["steps_us"] and set(d["calls_us"]) == {
+            "torch",
+            "torch-async",
+            "host",
+            "copy",
+        }
+
+
 def _ddp_results(out: Path) -> list[dict[str, Any]]:
     return [torch.load(out / f"rank{r}.pt") for r in range(2)]
 

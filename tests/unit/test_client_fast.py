@@ -1069,33 +1069,17 @@ def test_device_submits_go_in_sequence_order_when_their_copy_ins_finish_the_othe
 
 
 @pytest.mark.parametrize("slow", ["pinning", "pageable copy"])
-def test_a_slow_copy_in_holds_up_no_other_collectives_completion(pair, slow):
-    """Client.submit pins a new input segment (cudaHostRegister touches every page) and, where it
-    cannot be pinned, copies from pageable memory, which blocks until the producer's kernels are
-    done. Neither runs under the client's lock: while one is stuck there, another collective's DONE
-    is completed by the DONE thread (which takes the lock) and its callback runs; the stuck one then
-    goes on, its SUBMIT given and its result exact."""
+def test_a_slow_copy_in_holds_up_no_other_collectives_completion(pair, slow, caplog):
+    """The engine pins a new input segment (cuMemHostRegister touches every page) and, where it
+    cannot be pinned, copies into pageable memory, which blocks until the producer's kernels are
+    done. Neither runs under the client's lock (nor with the GIL held): while one is stuck there,
+    another collective's DONE is completed by the DONE thread (which takes the lock) and its
+    callback runs; the stuck one then goes on, its SUBMIT given and its result exact."""
     from smddp_rigs.standin import StandinRuntime
-
-    from smddp.errors import DeviceError
 
     client, daemon = pair
     rt = StandinRuntime()
     client._start_device(rt)
-    registering = threading.Event()
-    let_go = threading.Event()
-    real = rt.register_host
-
-    def register(ptr: int, nbytes: int, readonly: bool = False) -> None:
-        if readonly:  # a result segment: as it is
-            return real(ptr, nbytes, readonly)
-        registering.set()
-        if slow == "pageable copy":
-            raise DeviceError("stand-in: this segment cannot be page-locked")
-        assert let_go.wait(20), "the test never let the registration end"
-        return real(ptr, nbytes, readonly)
-
-    rt.register_host = register  # type: ignore[method-assign]
     # A host collective only a callback waits for: the DONE thread completes it, under the lock.
     a = np.ones(16, np.float32)
     ha = allreduce_async(client, a, ReduceOp.SUM)
@@ -1105,12 +1089,20 @@ def test_a_slow_copy_in_holds_up_no_other_collectives_completion(pair, slow):
     producer = rt.new_stream(0)
     gate = rt.hold(producer)  # the producer's kernel: a pageable copy-in blocks until it ends
     x = rt.asarray(np.ones(64, np.float32))
-    started = Call(lambda: allreduce_async(client, x, ReduceOp.SUM, stream=producer))
-    assert registering.wait(10), "the device collective never came to pin its segment"
-    daemon.done(sa, 6.0)
-    assert ran.wait(10), f"another collective's completion waited behind a {slow} under the lock"
-    assert started.result is None and started.error is None, "the copy-in was not stuck as the test meant"
-    let_go.set()
+    with rt.registrations("held" if slow == "pinning" else "refused") as waiting:
+        started = Call(lambda: allreduce_async(client, x, ReduceOp.SUM, stream=producer))
+        deadline = time.monotonic() + 10
+        if slow == "pinning":
+            while waiting() == 0:
+                assert time.monotonic() < deadline, "the device collective never came to pin its segment"
+                time.sleep(0.002)
+        else:
+            while rt.stats["pageable"] == 0 and started.result is None and started.error is None:
+                assert time.monotonic() < deadline, "the device collective never came to copy"
+                time.sleep(0.002)
+        daemon.done(sa, 6.0)
+        assert ran.wait(10), f"another collective's completion waited behind a {slow} under the lock"
+        assert started.result is None and started.error is None, "the copy-in was not stuck as the test meant"
     gate.set()
     started.join()
     hx = started.result
@@ -1119,7 +1111,52 @@ def test_a_slow_copy_in_holds_up_no_other_collectives_completion(pair, slow):
     hx.synchronize(5.0)
     assert np.array_equal(x.get(), np.full(64, 2.0, np.float32))
     assert np.array_equal(a, np.full(16, 6.0, np.float32))
+    if slow == "pageable copy":
+        assert rt.stats["pageable"] >= 1
     client.shutdown(timeout=2)
+    if slow == "pageable copy":  # (the engine's note, logged by whichever thread reaped it)
+        said = [r.getMessage() for r in caplog.records]
+        assert any(
+            "could not page-lock input segment" in m and "CUDA_ERROR_NOT_PERMITTED" in m for m in said
+        ), said
+    assert rt.driver_registered() == {}, "a segment the engine page-locked was left registered"
+    rt.close()
+
+
+def test_a_copy_in_the_engine_enqueues_is_polled_with_its_deadline_kept(pair):
+    """A blocking call waits for its copy-in itself (CopyIn.wait, GIL released): a copy held behind
+    the producer's kernel is not reported landed, the wait returns at its deadline, and once the
+    kernel ends it lands and the wait says so; the engine counts it pending until then."""
+    from smddp_rigs.standin import StandinRuntime
+
+    client, _daemon = pair
+    rt = StandinRuntime()
+    client._start_device(rt)
+    engine = client._device_path()
+    producer = rt.new_stream(0)
+    x = rt.asarray(np.full(64, 3.0, np.float32))
+    slot, _fresh = client._arena.alloc(256)
+    gate = rt.hold(producer)
+    copy = engine.copy_in(client._arena.native, slot.segment, slot.offset, 256, 0, x.ptr, producer, 0)
+    assert not copy.done() and engine.pending() == 1
+    t = time.monotonic()
+    assert not copy.wait(0.05), "a copy held behind a kernel was seen landed"
+    assert time.monotonic() - t < 5.0
+    gate.set()
+    assert copy.wait(10.0) and copy.done() and engine.pending() == 0
+    assert np.array_equal(client._arena.view(slot).view(np.float32), np.full(64, 3.0, np.float32))
+    size = client._arena.segment(slot.segment).array.nbytes
+    with pytest.raises(ValueError, match="outside its segment"):
+        engine.copy_in(client._arena.native, slot.segment, size - 128, 256, 0, x.ptr, producer, 0)
+    client._arena.free(slot)
+    client.shutdown(timeout=2)
+    # A CopyIn in a reference cycle with its engine, collected: the engine outlives the copy's end
+    # (which destroys its event through the engine's driver), whatever order the collector picks.
+    cycle: list[Any] = [copy, engine]
+    cycle.append(cycle)
+    client._device_engine = None
+    del copy, engine, cycle
+    gc.collect()
     rt.close()
 
 

@@ -7,7 +7,6 @@ import importlib.util
 import sys
 import threading
 import time
-import types
 import weakref
 from typing import Any
 
@@ -16,7 +15,6 @@ import numpy as np
 import pytest
 from smddp_rigs.standin import CaiOnly, StandinRuntime
 
-from smddp.client import session
 from smddp.client.device.buffers import (
     DeviceBuffer,
     device_kind,
@@ -619,51 +617,6 @@ def test_a_torch_tensor_described_is_what_its_dlpack_export_says():
             assert d.keepalive is t and d.result_dtype == wire.storage
     with pytest.raises(UnsupportedCollectiveError, match="non-contiguous"):
         streams.buf(torch.zeros(4, 4).t())
-
-
-class _PolledEvent:
-    """An event the device reaches at the `after`-th query (a copy-in still landing when polled)."""
-
-    def __init__(self, after: int) -> None:
-        self.after = after
-        self.queries = 0
-
-
-def _poller(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, list[str]]:
-    """Client._copied's `self`: a client whose runtime answers _PolledEvent's queries; and the record
-    of how it waited between them (sched_yield or sleep)."""
-    waits: list[str] = []
-
-    def done(ev: _PolledEvent) -> bool:
-        ev.queries += 1
-        return ev.queries > ev.after
-
-    monkeypatch.setattr(session.os, "sched_yield", lambda: waits.append("yield"))
-    monkeypatch.setattr(session.time, "sleep", lambda s: waits.append(f"sleep {s:g}"))
-    rt = types.SimpleNamespace(event_done=done)
-    return types.SimpleNamespace(_device=types.SimpleNamespace(rt=rt)), waits
-
-
-def test_a_polled_copy_in_yields_the_core_and_never_takes_a_timed_sleep_at_first(monkeypatch):
-    # time.sleep(0) is a timed sleep on Linux (clock_nanosleep): it lasts the timer slack, 50 us and
-    # more, so a copy-in that landed just after a look was seen one slack late (on an H200's host a
-    # polled 4 KiB copy took 64 us where an event synchronize took 26). The poll yields instead.
-    fake, waits = _poller(monkeypatch)
-    ev = _PolledEvent(after=50)
-    assert session.Client._copied(fake, ev, time.monotonic() + 10.0)
-    assert waits == ["yield"] * 49 and ev.queries == 51  # (the first look waits for nothing)
-    fake, waits = _poller(monkeypatch)
-    assert session.Client._copied(fake, _PolledEvent(after=0), time.monotonic() + 10.0)
-    assert waits == []
-
-
-def test_a_copy_in_still_landing_after_the_spin_is_slept_for_and_its_deadline_kept(monkeypatch):
-    fake, waits = _poller(monkeypatch)
-    monkeypatch.setattr(session, "COPY_SPIN_S", 0.0)  # past the spin at once: short sleeps from here
-    assert session.Client._copied(fake, _PolledEvent(after=3), time.monotonic() + 10.0)
-    assert waits == [f"sleep {session.COPY_POLL_SLEEP_S:g}"] * 2
-    fake, waits = _poller(monkeypatch)
-    assert not session.Client._copied(fake, _PolledEvent(after=10**9), time.monotonic() - 1.0)
 
 
 def test_a_slow_pinning_holds_up_no_copy(rt):
