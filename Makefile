@@ -183,8 +183,14 @@ fuzz:
 # a worker killed in the middle of a collective, and every collective on stand-in device buffers
 # (the engine's device path: its watch threads, the copies back from the DONE's takers, against the
 # stand-in driver built with the same sanitizer).
+# The engine's copy-ins, in process (a few seconds): polled with its deadline, collected in a cycle
+# with its engine, held behind a slow pinning or a pageable copy, landing out of order on two devices.
+SAN_COPY_INS := tests/unit/test_client_fast.py::test_a_copy_in_the_engine_enqueues_is_polled_with_its_deadline_kept \
+  tests/unit/test_client_fast.py::test_a_slow_copy_in_holds_up_no_other_collectives_completion \
+  tests/unit/test_client_fast.py::test_device_submits_go_in_sequence_order_when_their_copy_ins_finish_the_other_way
 SAN_JOBS := 'tests/multiprocess/test_collectives.py::test_every_collective_bit_exact[W4-N1]' \
   'tests/gpu/test_standin.py::test_every_collective_on_device_buffers[W2-N1-dlpack]' \
+  $(SAN_COPY_INS) \
   'tests/multiprocess/test_collectives.py::test_both_reduce_paths_bit_exact[W3-N3-never-replicated]' \
   'tests/multiprocess/test_collectives.py::test_both_reduce_paths_bit_exact[W4-N2-pipelined-16KiB-pieces]' \
   'tests/multiprocess/test_ofi.py::test_both_reduce_paths_over_ofi[pipelined-16KiB-pieces]' \
@@ -199,6 +205,7 @@ SAN_JOBS := 'tests/multiprocess/test_collectives.py::test_every_collective_bit_e
 # threads are TSan's in engine-sanitize's test_ofi_fabric), and the device path: every collective
 # on stand-in device buffers, and 600 device and host collectives in flight at once.
 SAN_JOBS_TSAN := 'tests/multiprocess/test_collectives.py::test_both_reduce_paths_bit_exact[W4-N2-pipelined-16KiB-pieces]' \
+  $(SAN_COPY_INS) \
   tests/faults/test_faults.py::test_worker_killed_mid_collective \
   'tests/gpu/test_standin.py::test_every_collective_on_device_buffers[W2-N1-dlpack]' \
   tests/gpu/test_standin.py::test_six_hundred_device_and_host_collectives_in_flight
