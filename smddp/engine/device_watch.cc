@@ -115,8 +115,15 @@ void DeviceWatch::run() {
       looking_ = 0;
       return;
     }
-    wake_.wait_for(lock, std::chrono::nanoseconds(nap), [this] { return stopping_ || !pending_.empty(); });
-    nap = nap * 2 > kMaxNapNs ? kMaxNapNs : nap * 2;
+    if (wake_.wait_for(lock, std::chrono::nanoseconds(nap), [this] { return stopping_ || !pending_.empty(); })) {
+      // A new watch (a copy just enqueued, which lands within microseconds for a small one): spin
+      // again from here, as after a wait on an empty list, rather than go on napping in the steps
+      // the older watches grew (up to kMaxNapNs late for each new one).
+      last_seen = now_ns();
+      nap = 1'000;
+    } else {
+      nap = nap * 2 > kMaxNapNs ? kMaxNapNs : nap * 2;
+    }
   }
 }
 

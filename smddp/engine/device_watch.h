@@ -6,7 +6,7 @@
 // once the event's last record is reached, or failed. Events are polled, not waited on one by one,
 // so a late copy never holds up a later one that landed. The thread spins for `spin_ns` after the
 // last thing it saw complete, yielding the core between looks (as the rings' consumers do), then
-// sleeps in growing steps up to kMaxNap; a new watch wakes it at once.
+// sleeps in growing steps up to kMaxNap; a new watch wakes it at once, and it spins again from there.
 //
 // Threads: watch() from any thread; `done` runs on the watch thread, never under its lock, and may
 // call watch(). Engine code only: it never touches a Python object. Memory: the DeviceWatch owns its

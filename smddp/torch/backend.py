@@ -87,12 +87,14 @@ class SmddpWork(dist.Work):
     chained with `then`, so a failure is raised inside the callback and torch records it as the
     future's error, a real C++ exception rather than a value.
 
-    Host Works complete where they are consumed. A Work that is waited for is completed by the
-    waiting thread itself (its handles' waits take their DONEs off the ring, the engine's all-reduce
-    copies its result out there): no other thread is woken for it. Only once something needs it to
+    Works complete where they are consumed. A Work that is waited for is completed by the waiting
+    thread itself (its handles' waits take their DONEs off the ring, the engine's all-reduce copies
+    its result out there; a device Work's results are ordered before that thread's current stream,
+    as its blocking calls' are): no other thread is woken for it. Only once something needs it to
     complete on its own (`get_future()`, `is_completed()` and the other polls, or the Work being
-    dropped unwaited) are its handles' callbacks armed, and the client's DONE thread completes it
-    (and the watchdog fails it at its timeout).
+    dropped unwaited) is it armed: a host Work's handles' callbacks, and the client's DONE thread
+    completes it (and the watchdog fails it at its timeout); a device Work goes to the completer
+    thread, which finishes it on its route's side stream.
     """
 
     # Class defaults, each set on a Work only when it applies (a host Work is made on every
@@ -107,6 +109,10 @@ class SmddpWork(dist.Work):
     # Host Works: the copy back into non-contiguous tensors, run by whoever completes the Work.
     _finish: Callable[[], None] | None = None
     _armed = False  # host Works: the handles' callbacks complete it (_arm)
+    # Device Works not yet handed to anyone: (handles, finish, touched), taken once, by a waiter
+    # (_drive_device, in its own thread) or by whatever needs the Work to complete on its own (the
+    # completer thread: _arm).
+    _job: tuple[list[smddp.Handle], Callable[[], None] | None, list[torch.Tensor]] | None = None
     _value: Any = None  # what the base future holds once complete
     # Made only when asked for (get_future): a device-aware future's set_result alone took 34 us on an
     # H200's host (its then() chain besides), and a Work only waited for (torch's blocking calls)
@@ -190,6 +196,8 @@ class SmddpWork(dist.Work):
         deadline = time.monotonic() + t.total_seconds()
         if self._handles and not self._done.is_set():
             self._drive(deadline)
+        elif self._job is not None:
+            self._drive_device(deadline)
         if not self._done.wait(max(0.0, deadline - time.monotonic())):
             timed_out = CollectiveTimeoutError.waiting(t.total_seconds(), self.name)
             self._time_out(timed_out)
@@ -227,10 +235,37 @@ class SmddpWork(dist.Work):
                 return
         self._complete(None, finish=self._finish)
 
+    def _take_job(self) -> tuple[list[smddp.Handle], Callable[[], None] | None, list[torch.Tensor]] | None:
+        """A device Work's job, for the one caller that takes it (a waiter, or _arm); None once taken."""
+        with self._lock:
+            job, self._job = self._job, None
+        return job
+
+    def _drive_device(self, deadline: float) -> None:
+        """Device Works: completed in the waiting thread, its current stream ordered after the results'
+        copies (the route's complete_here, as for a blocking call): no completer thread is woken, no
+        side stream switched to. A collective not in time within the wait's own timeout fails the
+        Work as the watchdog would (its results dropped: _time_out)."""
+        job = self._take_job()
+        if job is None:
+            return  # the completer has it (armed meanwhile), or another waiter: the wait below waits
+        handles, finish, touched = job
+        try:
+            self._device.complete_here(self, handles, finish, touched, max(0.0, deadline - time.monotonic()))
+        except CollectiveTimeoutError as e:
+            self._time_out(e)
+        except BaseException as e:
+            self._complete(e)
+
     def _arm(self) -> None:
-        """Host Works: from now on the Work completes on its own (the handles' callbacks, in the thread
-        that finishes the last; the watchdog at the timeout), for consumers that do not wait: a
-        future's callbacks, DDP's reducer, a poll of is_completed()."""
+        """From now on the Work completes on its own, for consumers that do not wait: a future's
+        callbacks, DDP's reducer, a poll of is_completed(). Host Works: the handles' callbacks, in
+        the thread that finishes the last; the watchdog at the timeout. Device Works: the completer."""
+        if self._job is not None:
+            job = self._take_job()
+            if job is not None:
+                _get_completer().put(self, *job)
+            return
         with self._lock:
             if self._armed or self._completing or not self._handles:
                 return
@@ -248,6 +283,14 @@ class SmddpWork(dist.Work):
             try:
                 _complete_on_done(None, self._handles, self._finish)
             except Exception:  # the interpreter is ending, or the client is gone: nothing is left to take
+                pass
+        elif self._job is not None:
+            # A device Work nobody waited for: the engine copies its results back and RELEASEs them
+            # whatever happens here; the completer still orders the caching allocator's reuse of its
+            # tensors after those copies (record_stream), as for a Work that was waited for.
+            try:
+                self._arm()
+            except Exception:
                 pass
 
     def get_future(self) -> Future[Any]:
@@ -506,7 +549,8 @@ def _queue_work(
         if not handles:
             work._complete(None, finish=finish)
     else:
-        _get_completer().put(work, handles, finish, touched)
+        # Completed where it is consumed: by its waiter, or by the completer once armed (SmddpWork).
+        work._job = (handles, finish, touched or [])
 
 
 def _complete_here(
@@ -554,10 +598,12 @@ class _Device:
         handles: list[smddp.Handle],
         finish: Callable[[], None] | None,
         touched: list[torch.Tensor],
+        timeout_s: float | None = None,
     ) -> None:
         """In the completer thread: wait for the handles, run `finish`, complete the Work."""
+        deadline = time.monotonic() + (work._timeout.total_seconds() if timeout_s is None else timeout_s)
         for h in handles:
-            h._wait(work._timeout.total_seconds())
+            h._wait(max(0.0, deadline - time.monotonic()))
         if finish is not None:
             finish()
         work._complete(None)
@@ -706,15 +752,17 @@ class CudaStreams:
 class _DeviceRoute(_Device):
     """Device tensors: handed to smddp on the caller's current stream; each Work finished on a side stream.
 
-    The completer makes the side stream wait for each result's copy to the device, runs the copy-
+    A Work that something needs to complete on its own (a future, a poll: SmddpWork._arm) goes to
+    the completer, which makes the side stream wait for each result's copy to the device, runs the copy-
     backs (`finish`) on it, records an event, and completes the Work's device-aware future (if one
     was asked for) with the Work's tensors while the side stream is current: the future records its
     own event there, and DDP's reducer, `future.wait()` and `then` callbacks order their streams
     after it. A future completed with a value that holds no device tensor records no event at all
     (torch's rule), and its readers would race the copies. `Work.wait()` orders the caller's stream
     after the Work's event. Nothing waits on the caller's stream but smddp's own copy-in stream,
-    except for a Work the caller waits for at once (`complete_here`): its stream waits for the
-    result's copies itself, as the wait that follows would make it.
+    except for a Work the caller waits for (`complete_here`, at once or by Work.wait() before anything
+    armed it): that thread's current stream waits for the result's copies itself, as the wait would
+    make it, and the copy-backs run there.
     """
 
     def __init__(self, streams: DeviceStreams) -> None:
@@ -736,11 +784,13 @@ class _DeviceRoute(_Device):
         handles: list[smddp.Handle],
         finish: Callable[[], None] | None,
         touched: list[torch.Tensor],
+        timeout_s: float | None = None,
     ) -> None:
         s, side = self.streams, self.side
+        deadline = time.monotonic() + (work._timeout.total_seconds() if timeout_s is None else timeout_s)
         with s.on(side):
             for h in handles:
-                h.wait(work._timeout.total_seconds(), stream=s.handle(side))
+                h.wait(max(0.0, deadline - time.monotonic()), stream=s.handle(side))
             if finish is not None:
                 s.launch(side, finish)
             for t in touched:
@@ -759,15 +809,18 @@ class _DeviceRoute(_Device):
         handles: list[smddp.Handle],
         finish: Callable[[], None] | None,
         touched: list[torch.Tensor],
+        timeout_s: float | None = None,
     ) -> None:
-        """In the caller's thread, which waits for the Work at once (torch's blocking calls): the
-        caller's stream waits for the results' copies itself, and the copy-backs run on it, so that no
-        side stream is switched to (about 19 us each way on an H200's host)."""
+        """In the caller's thread, which waits for the Work (at once: torch's blocking calls; or later:
+        Work.wait()): the caller's stream waits for the results' copies itself, and the copy-backs run
+        on it, so that no side stream is switched to (about 19 us each way on an H200's host).
+        `timeout_s`: the wait's (None: the Work's)."""
         s = self.streams
         cur = s.current()
         handle = s.handle(cur)
+        deadline = time.monotonic() + (work._timeout.total_seconds() if timeout_s is None else timeout_s)
         for h in handles:
-            h.wait(work._timeout.total_seconds(), stream=handle)
+            h.wait(max(0.0, deadline - time.monotonic()), stream=handle)
         if finish is not None:
             s.launch(cur, finish)
         for t in touched:

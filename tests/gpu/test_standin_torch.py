@@ -208,3 +208,20 @@ def test_ddp_at_realistic_sizes_matches_gloo_bit_for_bit(tmp_path: Path, clean_h
                     assert torch.equal(t, gloo[r][mode][kind][name]), (mode, r, kind, name)
             assert dev[r][mode]["losses"] == gloo[r][mode]["losses"], mode
         assert _max_diff(broken[0][mode], broken[1][mode]) > 0, mode
+
+
+def test_a_waited_device_work_is_completed_by_its_waiter(tmp_path: Path, clean_host: None) -> None:
+    """`dist.all_reduce(x, async_op=True).wait()` on the device route, one and four in flight (waited
+    for last first): completed in the waiting thread, so the completer thread is never started;
+    a future asked for, a poll and a Work dropped unwaited start it, and every result is exact."""
+    script = str(Path(__file__).parent / "check_waited_works.py")
+    launch(2, 1, [WRAPPER, str(tmp_path), script, "--out", str(tmp_path)], SMDDP_STANDIN_DELAY_MS=LATE_MS)
+    device_route_taken(tmp_path, 2)
+    for r in range(2):
+        d = json.loads((tmp_path / f"waited-{r}.json").read_text())
+        assert d["completer_after_waits"] is False, "a waited device Work woke the completer thread"
+        assert d["completer_after_future"] is True, d
+        assert all(
+            d[k]
+            for k in ("waited_exact", "future_exact", "polled_exact", "after_dropped_exact", "dropped_exact")
+        ), d
