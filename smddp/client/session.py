@@ -643,7 +643,7 @@ class Client:
         deadline = time.monotonic() + t
         with self._lock:
             # No device copy-in starts from now on, and the ones being enqueued (outside the lock) are
-            # waited for: every copy into smddp's memory is then known to copies_done below.
+            # waited for: every copy into smddp's memory is then known to the engine (settle below).
             self._closing = True
             self._held_cv.wait_for(lambda: self._copying_in == 0, max(0.0, deadline - time.monotonic()))
             pending: list[EngineHandle] = list(self._handles.values())

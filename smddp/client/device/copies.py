@@ -55,9 +55,11 @@ class DevicePlan:
 
 
 class DeviceIO:
-    """One client's device machinery in Python: its streams, its input segments' page-locking, and the
-    copies into them. No thread of its own: the copies back to the device and what follows them are
-    the engine's (DeviceEngine), which also page-locks the result segments.
+    """One client's device machinery in Python: its streams (the lanes) and their ordering. No thread of
+    its own: a collective's copies in and back and what follows them are the engine's (DeviceEngine),
+    which also page-locks the input and result segments. `pin`, `copy_in` and `copy_out` are the same
+    copies made from Python, for what measures them bare (smddp.bench.gpu, the unit tests of the
+    runtimes), tracked for `copies_done` as the engine tracks its own.
 
     The host blocks only in these places: pinning a segment the first time it is used, copies to or
     from memory that could not be pinned, and `host_wait`.
