@@ -1220,8 +1220,8 @@ class Client:
         """Enqueue the copy of `src` into `slot`: the engine's (DeviceEngine.copy_in, which page-locks
         the slot's segment the first time), on the caller's stream in line or else on the device's
         copy-in lane after the caller's stream at the call (`before`). On failure free the slot and
-        raise (a copy the driver refused wrote nothing the slot's next user would see: it was never
-        enqueued)."""
+        raise (nothing still writes into it: the engine enqueued no copy, or waited for the one it did
+        before it said it failed)."""
         io = self._device
         assert io is not None
         if plan.inline is not None:

@@ -187,24 +187,29 @@ std::shared_ptr<DeviceIn> DevicePath::copy_in(int device, std::uintptr_t stream,
     return nullptr;
   }
   const cuda::Stream s = cuda::stream_of(stream);
-  cuda::Result r = cuda::kSuccess;
-  const char* call = "cuStreamWaitEvent";
-  if (before != nullptr) r = api.stream_wait_event(s, before, 0);
+  // The event first: once the copy is enqueued, nothing may fail that leaves it untracked (the
+  // caller frees the slot on an error, and a copy still landing would write another's data).
+  cuda::Event copied = nullptr;
+  const char* call = "cuEventCreate";
+  cuda::Result r = api.event_create(&copied, cuda::kEventDisableTiming);
+  if (r == cuda::kSuccess && before != nullptr) {
+    call = "cuStreamWaitEvent";
+    r = api.stream_wait_event(s, before, 0);
+  }
+  bool enqueued = false;
   if (r == cuda::kSuccess && nbytes > 0) {
     call = "cuMemcpyDtoHAsync";
     r = api.memcpy_d2h(seg->base() + offset, src, nbytes, s);
-  }
-  cuda::Event copied = nullptr;
-  if (r == cuda::kSuccess) {
-    call = "cuEventCreate";
-    r = api.event_create(&copied, cuda::kEventDisableTiming);
+    enqueued = r == cuda::kSuccess;
   }
   if (r == cuda::kSuccess) {
     call = "cuEventRecord";
     r = api.event_record(copied, s);
-    if (r != cuda::kSuccess) (void)api.event_destroy(copied);
+    // Its end is not known to any event: wait for the stream itself before the slot is let go of.
+    if (r != cuda::kSuccess && enqueued) (void)api.stream_synchronize(s);
   }
   if (r != cuda::kSuccess) {
+    if (copied != nullptr) (void)api.event_destroy(copied);
     *why = what + d.describe(r, call);
     return nullptr;
   }

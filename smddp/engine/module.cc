@@ -1184,6 +1184,9 @@ CopyIn device_engine_copy_in(nb::handle self, DeviceEngine& e, smddp::Arena& are
   if (offset < 0 || nbytes < 0) raise_error(Err::kValue, "copy_in: a negative offset or size");
   SegmentPtr seg = arena_segment(arena, segment);
   if (!seg) raise_error(Err::kValue, "copy_in: the arena has no segment " + std::to_string(segment));
+  if (static_cast<std::uint64_t>(offset) > seg->size() ||
+      static_cast<std::uint64_t>(nbytes) > seg->size() - static_cast<std::uint64_t>(offset))
+    raise_error(Err::kValue, "copy_in: the slot is outside its segment");
   std::string why;
   std::shared_ptr<smddp::DeviceIn> in;
   {
@@ -1191,7 +1194,7 @@ CopyIn device_engine_copy_in(nb::handle self, DeviceEngine& e, smddp::Arena& are
     in = e.path->copy_in(static_cast<int>(device), stream, reinterpret_cast<smddp::cuda::Event>(before), seg,
                          static_cast<std::uint64_t>(offset), src, static_cast<std::uint64_t>(nbytes), &why);
   }
-  if (!in) raise_error(why.find("outside its segment") != std::string::npos ? Err::kValue : Err::kDevice, why);
+  if (!in) raise_error(Err::kDevice, why);
   return CopyIn{std::move(in), nb::borrow(self)};
 }
 
