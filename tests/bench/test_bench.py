@@ -394,7 +394,7 @@ def test_gpu_section_reads_a_lent_gpus_results(tmp_path):
     assert "| 2 | 0 of 480 | 0 of 480 | 0 of 480 | 0 of 480 | 0 of 480 |" in text
     assert "| 4 | 0 of 960 |" in text
     assert "a kernel of 447 ms alone took 400, 400, 400 ms" in text
-    assert "This run: smddp at 78c45a3" in text  # the newest run's notes, before its tables
+    assert "This run: smddp at 16db982" in text  # the newest run's notes, before its tables
     for title in (
         "### Device buffers through the client",
         "### torch.distributed on CUDA tensors",
@@ -403,10 +403,12 @@ def test_gpu_section_reads_a_lent_gpus_results(tmp_path):
         assert title in text
     # The newest run's two DDP tables, then the earlier runs' (bench-results/gpu/<date>/), newest
     # first: each one's notes, its settings, its consumer checks, its two DDP tables.
-    assert text.count("smddp / gloo: **") == 6
+    assert text.count("smddp / gloo: **") == 8
+    third = text.index("### An earlier run: 2026-11-28")
     second = text.index("### An earlier run: 2026-11-27")
     first = text.index("### An earlier run: 2026-11-26")
-    assert text.index("### Stock DDP on CUDA") < second < first
+    assert text.index("### Stock DDP on CUDA") < third < second < first
+    assert "This run: smddp at 78c45a3" in text[third:second]
     assert "Settings: --threads 2, device buffers whole" in text[second:first]
     assert "| 2 | 0 of 480 |" in text[second:first]  # its own consumer checks
     assert "on smddp at 124c217" in text[first:] and "a kernel of 427 ms alone" in text[first:]
