@@ -217,11 +217,7 @@ std::shared_ptr<DeviceIn> DevicePath::copy_in(int device, std::uintptr_t stream,
   std::vector<std::shared_ptr<DeviceIn>> gone;  // (let go of outside the lock: their events are destroyed)
   {
     std::lock_guard<std::mutex> lock(mu_);
-    // Those seen landed go (oldest first: they mostly land in order), so the list stays short.
-    std::size_t n = 0;
-    while (n < ins_.size() && ins_[n]->query() != cuda::kNotReady) n++;
-    gone.assign(ins_.begin(), ins_.begin() + static_cast<std::ptrdiff_t>(n));
-    ins_.erase(ins_.begin(), ins_.begin() + static_cast<std::ptrdiff_t>(n));
+    drop_landed_locked(&gone);  // (so the list stays short)
     ins_.push_back(in);
   }
   return in;
@@ -281,14 +277,18 @@ std::vector<std::string> DevicePath::take_notes() {
   return out;
 }
 
+void DevicePath::drop_landed_locked(std::vector<std::shared_ptr<DeviceIn>>* gone) {
+  std::vector<std::shared_ptr<DeviceIn>> left;
+  for (auto& in : ins_) (in->query() == cuda::kNotReady ? left : *gone).push_back(std::move(in));
+  ins_.swap(left);
+}
+
 std::size_t DevicePath::pending() {
   std::vector<std::shared_ptr<DeviceIn>> gone;  // (let go of outside the lock)
   std::lock_guard<std::mutex> lock(mu_);
   std::size_t n = 0;
   for (auto& kv : watches_) n += kv.second->pending();
-  std::vector<std::shared_ptr<DeviceIn>> left;
-  for (auto& in : ins_) (in->query() == cuda::kNotReady ? left : gone).push_back(std::move(in));
-  ins_.swap(left);
+  drop_landed_locked(&gone);
   for (const auto& in : ins_)
     if (!in->watched_.load(std::memory_order_acquire)) n++;  // (a watched one is its watch's)
   return n;

@@ -171,6 +171,9 @@ class DevicePath {
   DevicePath() = default;
   DeviceWatch* watch_for(int device);
   void fail(int kind, std::string why);
+  // (mu_ held) The copies in seen landed (or failed) leave ins_, into *gone: the caller lets go of
+  // them once the lock is let go (their ends destroy their events).
+  void drop_landed_locked(std::vector<std::shared_ptr<DeviceIn>>* gone);
   // `seg` page-locked (each once; one that cannot be is copied to or from as it is, noted): an input
   // segment (the device writes it) or a result segment (read-only).
   void pin(const std::shared_ptr<Segment>& seg, int device, bool input);

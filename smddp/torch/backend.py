@@ -79,6 +79,15 @@ def _nothing() -> None:
     pass
 
 
+# A device Work's completion, until someone takes it: its handles, its copy-back, the tensors it touches.
+_DeviceJob = tuple[list[smddp.Handle], Callable[[], None] | None, list[torch.Tensor]]
+
+
+def _deadline(work: SmddpWork, timeout_s: float | None) -> float:
+    """When a completion of `work` gives up: `timeout_s` from now (a wait's), else the Work's timeout."""
+    return time.monotonic() + (work._timeout.total_seconds() if timeout_s is None else timeout_s)
+
+
 class SmddpWork(dist.Work):
     """An in-flight smddp collective as a torch Work.
 
@@ -112,7 +121,7 @@ class SmddpWork(dist.Work):
     # Device Works not yet handed to anyone: (handles, finish, touched), taken once, by a waiter
     # (_drive_device, in its own thread) or by whatever needs the Work to complete on its own (the
     # completer thread: _arm).
-    _job: tuple[list[smddp.Handle], Callable[[], None] | None, list[torch.Tensor]] | None = None
+    _job: _DeviceJob | None = None
     _value: Any = None  # what the base future holds once complete
     # Made only when asked for (get_future): a device-aware future's set_result alone took 34 us on an
     # H200's host (its then() chain besides), and a Work only waited for (torch's blocking calls)
@@ -235,7 +244,7 @@ class SmddpWork(dist.Work):
                 return
         self._complete(None, finish=self._finish)
 
-    def _take_job(self) -> tuple[list[smddp.Handle], Callable[[], None] | None, list[torch.Tensor]] | None:
+    def _take_job(self) -> _DeviceJob | None:
         """A device Work's job, for the one caller that takes it (a waiter, or _arm); None once taken."""
         with self._lock:
             job, self._job = self._job, None
@@ -601,7 +610,7 @@ class _Device:
         timeout_s: float | None = None,
     ) -> None:
         """In the completer thread: wait for the handles, run `finish`, complete the Work."""
-        deadline = time.monotonic() + (work._timeout.total_seconds() if timeout_s is None else timeout_s)
+        deadline = _deadline(work, timeout_s)
         for h in handles:
             h._wait(max(0.0, deadline - time.monotonic()))
         if finish is not None:
@@ -787,7 +796,7 @@ class _DeviceRoute(_Device):
         timeout_s: float | None = None,
     ) -> None:
         s, side = self.streams, self.side
-        deadline = time.monotonic() + (work._timeout.total_seconds() if timeout_s is None else timeout_s)
+        deadline = _deadline(work, timeout_s)
         with s.on(side):
             for h in handles:
                 h.wait(max(0.0, deadline - time.monotonic()), stream=s.handle(side))
@@ -818,7 +827,7 @@ class _DeviceRoute(_Device):
         s = self.streams
         cur = s.current()
         handle = s.handle(cur)
-        deadline = time.monotonic() + (work._timeout.total_seconds() if timeout_s is None else timeout_s)
+        deadline = _deadline(work, timeout_s)
         for h in handles:
             h.wait(max(0.0, deadline - time.monotonic()), stream=handle)
         if finish is not None:

@@ -213,7 +213,8 @@ def test_ddp_at_realistic_sizes_matches_gloo_bit_for_bit(tmp_path: Path, clean_h
 def test_a_waited_device_work_is_completed_by_its_waiter(tmp_path: Path, clean_host: None) -> None:
     """`dist.all_reduce(x, async_op=True).wait()` on the device route, one and four in flight (waited
     for last first): completed in the waiting thread, so the completer thread is never started;
-    a future asked for, a poll and a Work dropped unwaited start it, and every result is exact."""
+    a future asked for and a poll start it, and every result is exact, a Work dropped unwaited's
+    too."""
     script = str(Path(__file__).parent / "check_waited_works.py")
     launch(2, 1, [WRAPPER, str(tmp_path), script, "--out", str(tmp_path)], SMDDP_STANDIN_DELAY_MS=LATE_MS)
     device_route_taken(tmp_path, 2)
