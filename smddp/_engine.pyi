@@ -19,7 +19,7 @@ def encode_header(type: int, flags: int, dtype: int, op: int, kind: int, sender:
 def has_f16c() -> bool:
     """Whether float16 can be reduced here (x86-64 with AVX2 and F16C)."""
 
-CHANNEL_BYTES: int = 33472
+CHANNEL_BYTES: int = 33536
 
 SLOT_ALIGN: int = 64
 
@@ -131,6 +131,33 @@ class PeerCounters:
     @property
     def queued(self) -> int:
         """frames queued to it that have not left yet"""
+
+class WorkerDeviceCounts:
+    """
+    One local worker's copies between its devices and smddp's memory, as its engine counts them (device_counts): shown, never trusted.
+    """
+
+    @property
+    def rank(self) -> int:
+        """the worker's rank"""
+
+    __match_args__: tuple = ...
+
+    @property
+    def d2h_bytes(self) -> int:
+        """bytes copied device to host (into input slots)"""
+
+    @property
+    def h2d_bytes(self) -> int:
+        """bytes copied host to device (results back)"""
+
+    @property
+    def d2h_copies(self) -> int:
+        """copies device to host"""
+
+    @property
+    def h2d_copies(self) -> int:
+        """copies host to device"""
 
 class Waiting:
     """A collective in flight and not done (waiting)."""
@@ -439,6 +466,11 @@ class LocalPlane:
     def peer_counters(self) -> list[PeerCounters]:
         """Each peer daemon's link."""
 
+    def device_counts(self) -> list[WorkerDeviceCounts]:
+        """
+        Each local worker's device copies (its channel's counts), by local rank.
+        """
+
     def take_traces(self) -> list[Trace]:
         """The retired collectives' phases."""
 
@@ -635,6 +667,15 @@ class CopyIn:
         Wait (polled, GIL released) up to `timeout_s` for the copy to land; whether it did. DeviceError for one that failed on the device.
         """
 
+class Mark:
+    """
+    A point of a caller's stream (DeviceEngine.mark): the event a collective's copies wait for.
+    """
+
+    @property
+    def device(self) -> int:
+        """the device whose stream it was recorded on"""
+
 class DeviceEngine:
     """
     A client's device path in the engine: held SUBMITs given once their copy-ins land, results copied back and RELEASEd.
@@ -645,9 +686,19 @@ class DeviceEngine:
         The CUDA driver `library` loaded (OSError naming why not), for `channel`'s records.
         """
 
-    def copy_in(self, arena: Arena, segment: int, offset: int, nbytes: int, device: int, src: int, stream: int, before: int) -> CopyIn:
+    def capturing(self, device: int, stream: int) -> bool:
         """
-        Enqueue the copy of `nbytes` from device address `src` into the arena's slot (segment, offset) on `stream`, after CUevent `before` (0: none); the segment page-locked once. DeviceError if refused.
+        Whether `stream` of `device` is capturing a CUDA graph (active or invalidated); DeviceError if the driver refuses to say.
+        """
+
+    def mark(self, device: int, stream: int) -> Mark:
+        """
+        An event recorded now on `stream` of `device` (a caller's): what a collective's copies wait for. DeviceError if refused.
+        """
+
+    def copy_in(self, arena: Arena, segment: int, offset: int, nbytes: int, device: int, src: int, stream: int, before: Mark | None) -> CopyIn:
+        """
+        Enqueue the copy of `nbytes` from device address `src` into the arena's slot (segment, offset) on `stream`, after `before` (None: nothing); the segment page-locked once. DeviceError if refused.
         """
 
     def give_when(self, record: Started, copy: CopyIn) -> bool:
@@ -655,9 +706,9 @@ class DeviceEngine:
         Give the record's SUBMIT once its copy-in has landed; False once stopped.
         """
 
-    def deliver_to(self, record: Started, device: int, stream: int, before: int, done: int, parts: Sequence[tuple[int, int, int]], hold: Any) -> None:
+    def deliver_to(self, record: Started, device: int, stream: int, before: Mark | None, parts: Sequence[tuple[int, int, int]], hold: Any) -> None:
         """
-        The record's result goes to the device at its DONE: (address, offset, bytes) parts on `stream`, after CUevent `before`, then CUevent `done` recorded (0: none, the engine's own); `hold` kept until they land.
+        The record's result goes to the device at its DONE: (address, offset, bytes) parts on `stream`, after `before` (None: nothing), then an event of the engine's recorded; `hold` kept until they land.
         """
 
     def failure(self) -> tuple[int, str] | None:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import importlib
 import os
 import secrets
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -65,6 +67,16 @@ def leftovers(jobs: list[str]) -> list[str]:
             if any(f"SMDDP_JOB_ID={j}".encode() in env for j in jobs):
                 found.append(f"process {pid} {args[:160]}")
     return found
+
+
+@pytest.fixture
+def own_runtime_dir(monkeypatch):
+    """A private XDG_RUNTIME_DIR: the jobs `smddp status` finds are this test's only, whatever else
+    runs on the machine (short, for the 108-byte limit of a unix socket's path)."""
+    path = tempfile.mkdtemp(prefix="smddp-st-", dir="/tmp")
+    monkeypatch.setenv("XDG_RUNTIME_DIR", path)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

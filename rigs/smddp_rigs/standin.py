@@ -443,9 +443,6 @@ class StandinRuntime:
         for op in graph:
             self._issue(s, op)
 
-    def is_capturing(self, stream: int, device: int = 0) -> bool:
-        return self._stream(stream, device).graph is not None
-
     def stream_synchronize(self, stream: int, device: int = 0) -> None:
         ev = self.new_event(device)
         self.record(ev, stream, device)

@@ -92,6 +92,11 @@ class StandinStreams:
         after the copies leaves the host racing them, as CUDA would leave the caller's kernels)."""
         self.rt.event_synchronize(event)
 
+    def follow_copy(self, record: Any) -> None:
+        """follow() for smddp's device record whose copy back ran in line on the current stream: the
+        host waits for that copy (its synchronize), and only for it."""
+        record.synchronize()
+
     def query(self, event: Any) -> bool:
         return self.rt.event_done(event)
 

@@ -847,17 +847,13 @@ class Client:
         the caller's stream at the call (`before`); the engine copies and RELEASEs (DeviceEngine)."""
         io = self._device
         assert io is not None
-        rt = io.rt
         if plan.inline is not None:
-            stream, before = plan.inline, 0
+            stream, before = plan.inline, None
         else:
-            stream = io.lane(plan.device).h2d
-            before = 0 if plan.before is None else rt.event_handle(plan.before)
-        done = 0 if plan.done is None else rt.event_handle(plan.done)
+            stream, before = io.lane(plan.device).h2d, plan.before
         parts = [(dst.ptr, off, n) for dst, off, n in plan.outputs]
-        # What the copies need alive until they land: the destinations (and their owners), the events.
-        hold = (plan.keepalive, plan.outputs, plan.before, plan.done)
-        engine.deliver_to(handle, plan.device, stream, before, done, parts, hold)
+        # What the copies need alive until they land: the destinations (and their owners).
+        engine.deliver_to(handle, plan.device, stream, before, parts, (plan.keepalive, plan.outputs))
 
     def _device_path(self) -> _engine.DeviceEngine:
         """The engine's device path for this client's runtime (its driver_library() loaded into the
@@ -871,13 +867,13 @@ class Client:
 
     def device_allreduce_now(
         self, dev: DeviceBuffer, op: ReduceOp, stream: int, timeout: float | None
-    ) -> Any:
+    ) -> DeviceHandle:
         """A blocking all-reduce of device buffer `dev` in place, in one piece, for a caller that waits
         for it at once on `stream` (the stream its work on `dev` is queued on): the copy to the host
         in line on `stream`, this thread waiting for it and sending the SUBMIT, taking the DONE and
-        enqueuing the copy back in line on `stream` too (the engine, in this wait). Returns the event
-        after that copy (the runtime's): the caller's later work on `stream` is ordered after it
-        already. The same record, copies and RELEASE as submit() and DeviceHandle.wait(), without
+        enqueuing the copy back in line on `stream` too (the engine, in this wait). Returns its
+        record, complete: the caller's later work on `stream` is ordered after its copy back already
+        (a host that reads the buffer next waits for that copy: its synchronize()). The same record, copies and RELEASE as submit() and DeviceHandle.wait(), without
         their hand-offs: nothing is handed to another thread but the RELEASE, which the engine's
         device watch sends once the copy back has landed (issue 28: a 4 KiB call's Python there was
         most of its time beyond the copies).
@@ -886,11 +882,10 @@ class Client:
         engine (given once the copy lands); the wait times out then, and its result is dropped."""
         t = self.config.timeout_s if timeout is None else timeout
         deadline = time.monotonic() + t
-        _refuse_capture(self._device_io().rt, dev.device, stream)
+        _refuse_capture(self._device_path(), dev.device, stream)
         plan = DevicePlan(
             dev.device, dev, None, [(dev, 0, dev.nbytes)], stream, dev.library, dev.keepalive, inline=stream
         )
-        plan.done = self._device_io().rt.new_event(dev.device)
         handle = self.submit(Kind.ALLREDUCE, dev.dtype, dev.count, op, 0, None, plan, hold=False)
         ready = handle._ready
         assert ready is not None  # (an all-reduce's plan has a source)
@@ -922,7 +917,7 @@ class Client:
             raise CollectiveTimeoutError.waiting(
                 t, f"collective #{handle.seq} (allreduce, {dev.dtype.label}, count={dev.count})"
             ) from None
-        return plan.done
+        return handle
 
     def allreduce_now(
         self,
@@ -1152,7 +1147,7 @@ class Client:
             if via == "dlpack":
                 # The export records an event on its library's current stream for our lane to wait on:
                 # under capture that would draw the lane into the graph, so it is refused first.
-                _refuse_capture(io.rt, device, library_stream(io.rt, library_of(buf), device))
+                _refuse_capture(self._device_path(), device, library_stream(io.rt, library_of(buf), device))
                 view = read_dlpack(buf, what, device, io.lane(device).d2h)
             else:
                 view = read_cai(buf, what)
@@ -1197,7 +1192,8 @@ class Client:
             exported = exported or b.via == "dlpack"
         consumer = explicit if explicit is not None else (like.stream if like.stream_given else None)
         producer = io.producer_stream(like, explicit)
-        _refuse_capture(io.rt, like.device, producer, consumer)
+        engine = self._device_path()
+        _refuse_capture(engine, like.device, producer, consumer)
         here = _in_line(producer, explicit, exported) if inline and self._waited() else None
         if here is not None:
             # Waited for at once (Client.waiting): the copies run on the caller's stream, in line,
@@ -1206,7 +1202,8 @@ class Client:
                 like.device, src, None, outputs, here if consumer is None else consumer, like.library,
                 keepalive, inline=here,
             )  # fmt: skip
-        before = io.mark(producer, like.device)
+        # The point of the producer's stream the copies wait for: recorded there by the engine.
+        before = None if producer is None else engine.mark(like.device, producer)
         return DevicePlan(like.device, src, before, outputs, consumer, like.library, keepalive)
 
     def in_line(self, like: DeviceBuffer, explicit: int | None) -> int | None:
@@ -1225,10 +1222,9 @@ class Client:
         io = self._device
         assert io is not None
         if plan.inline is not None:
-            stream, before = plan.inline, 0
+            stream, before = plan.inline, None
         else:
-            stream = io.lane(src.device).d2h
-            before = 0 if plan.before is None else io.rt.event_handle(plan.before)
+            stream, before = io.lane(src.device).d2h, plan.before
         try:
             return engine.copy_in(
                 self._arena.native, slot.segment, slot.offset, src.nbytes, src.device, src.ptr, stream, before
@@ -1413,14 +1409,14 @@ class Client:
             self._wrapper.infra(str(err))
 
 
-def _refuse_capture(rt: DeviceRuntime, device: int, *streams: int | None) -> None:
+def _refuse_capture(engine: _engine.DeviceEngine, device: int, *streams: int | None) -> None:
     """GraphCaptureError, before anything is enqueued or sent, where a device collective's stream is
     capturing a CUDA graph: its copies are waited for by the host (the sums are the daemons'), which
     a capture cannot hold, and under capture they would be recorded and never run, so its SUBMIT
     would wait for a copy that never comes. Issue it outside the captured region (before or after
     the graph's launch)."""
     for s in streams:
-        if s is not None and rt.is_capturing(s, device):
+        if s is not None and engine.capturing(device, s):
             raise GraphCaptureError(
                 f"a device collective on stream {s:#x} of cuda:{device}, which is capturing a CUDA graph: "
                 "smddp's collectives cannot be captured (their copies are waited for by the host); issue "

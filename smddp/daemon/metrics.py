@@ -43,6 +43,15 @@ class DaemonCollector:
         )
         reduced.add_metric([node], snap["reduce_bytes"])
         yield reduced
+        copies = CounterMetricFamily(
+            "smddp_device_copy_bytes",
+            "Bytes each local rank copied between its device and smddp's memory (d2h: in, h2d: back)",
+            labels=["node", "rank", "direction"],
+        )
+        for c in d.device_counts():
+            copies.add_metric([node, str(c["rank"]), "d2h"], c["d2h_bytes"])
+            copies.add_metric([node, str(c["rank"]), "h2d"], c["h2d_bytes"])
+        yield copies
         busy = CounterMetricFamily(
             "smddp_reduce_seconds", "Seconds spent in reduction kernels", labels=["node"]
         )

@@ -679,6 +679,21 @@ class NodeDaemon:
             **counters,
         }
 
+    def device_counts(self) -> list[dict[str, int]]:
+        """Each local worker's copies between its devices and smddp's memory, as its engine counts
+        them in its channel (only those that made any): shown, never trusted."""
+        return [
+            {
+                "rank": c.rank,
+                "d2h_bytes": c.d2h_bytes,
+                "h2d_bytes": c.h2d_bytes,
+                "d2h_copies": c.d2h_copies,
+                "h2d_copies": c.h2d_copies,
+            }
+            for c in self.plane.device_counts()
+            if c.d2h_copies or c.h2d_copies
+        ]
+
     def local_report(self) -> dict:
         """What `smddp status` shows for this daemon (JSON-ready)."""
         self.count_plane()
@@ -701,6 +716,7 @@ class NodeDaemon:
         d = self.job.daemons[self.node]
         return {
             "routed": self._routed_counts(),
+            "devices": self.device_counts(),
             "node": self.node,
             "host": d.host,
             "pid": os.getpid(),

@@ -30,7 +30,7 @@ std::string num(std::uint64_t v) { return std::to_string(v); }
 
 }  // namespace
 
-std::size_t channel_bytes() { return stream_offset() + sizeof(StreamShared); }
+std::size_t channel_bytes() { return counts_offset() + sizeof(DeviceCounts); }
 
 WorkerChannel::WorkerChannel(std::shared_ptr<Segment> seg, int side, int daemon_end)
     : seg_(std::move(seg)),
@@ -38,6 +38,7 @@ WorkerChannel::WorkerChannel(std::shared_ptr<Segment> seg, int side, int daemon_
       done_(seg_->base() + done_ring_offset(), kChannelSlots, true),
       // Zeroed (value-initialized): no collective is #0, so nothing streams or is published yet.
       stream_block_(new (seg_->base() + stream_offset()) StreamShared{}),
+      counts_(new (seg_->base() + counts_offset()) DeviceCounts{}),
       side_(side),
       daemon_end_(daemon_end) {}
 

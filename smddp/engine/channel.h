@@ -127,6 +127,21 @@ struct alignas(64) StreamShared {
   std::atomic<std::uint64_t> out_offset;
   std::atomic<std::uint64_t> out_bytes;
 };
+// The device counts (docs/protocol.md, CHANNEL), after the stream block: what the worker's engine
+// copied between its devices and smddp's memory, so that `smddp status` and the metrics show each
+// rank's PCIe traffic (issue 57: S a rank on the host path, S/G once the node sums on the GPUs).
+// The worker adds with relaxed order (counts, not a protocol: nothing waits on them); the daemon
+// only reads and shows them, trusting nothing of them.
+struct alignas(64) DeviceCounts {
+  std::atomic<std::uint64_t> d2h_bytes;   // device to host: copies into input slots
+  std::atomic<std::uint64_t> h2d_bytes;   // host to device: results copied back
+  std::atomic<std::uint64_t> d2h_copies;  // how many copies of each (one a collective, or a piece)
+  std::atomic<std::uint64_t> h2d_copies;
+};
+inline std::size_t counts_offset() { return stream_offset() + sizeof(StreamShared); }
+inline DeviceCounts* device_counts(std::uint8_t* channel_base) {
+  return reinterpret_cast<DeviceCounts*>(channel_base + counts_offset());
+}
 constexpr std::uint64_t kStreamBusy = UINT64_MAX;  // out_seq while the daemon rewrites the block
 constexpr std::uint64_t kStreamAll = UINT64_MAX;   // in_bytes: every byte is in place
 // All-reduces of at least this many bytes stream on one node (both sides read this one constant).
@@ -381,6 +396,14 @@ class WorkerChannel {
   std::uint64_t streamed_out() const { return streamed_out_.load(std::memory_order_relaxed); }
   std::uint64_t streamed_in() const { return streamed_in_.load(std::memory_order_relaxed); }
 
+  // The device counts (DeviceCounts, in the channel for the daemon to show): a copy of `nbytes`
+  // between a device and smddp's memory, device to host (`to_host`) or back. Any thread.
+  void count_device(bool to_host, std::uint64_t nbytes) {
+    (to_host ? counts_->d2h_bytes : counts_->h2d_bytes).fetch_add(nbytes, std::memory_order_relaxed);
+    (to_host ? counts_->d2h_copies : counts_->h2d_copies).fetch_add(1, std::memory_order_relaxed);
+  }
+  const DeviceCounts& device_counts() const { return *counts_; }
+
   // The timeline: while on, every fast collective that completes here leaves its phases
   // (ChannelTrace) until take_traces().
   void set_trace(bool on) { trace_.store(on, std::memory_order_relaxed); }
@@ -512,6 +535,7 @@ class WorkerChannel {
   std::atomic<bool> stream_{false};
   std::mutex stream_mu_;  // one streaming copy-in at a time (in_seq/in_bytes have one writer); taken before push_mu_
   StreamShared* stream_block_;  // in seg_
+  DeviceCounts* counts_;        // in seg_
   std::atomic<std::uint64_t> streamed_out_{0};
   std::atomic<std::uint64_t> streamed_in_{0};
   // The timeline (set_trace): start() notes when each collective started and was pushed, deliver()

@@ -13,22 +13,31 @@ std::string num(std::uint64_t v) { return std::to_string(v); }
 
 }  // namespace
 
+// ----------------------------------------------------------------------------------- DeviceMark
+
+DeviceMark::DeviceMark(std::shared_ptr<cuda::Driver> driver, int device, cuda::Event event)
+    : driver_(std::move(driver)), device_(device), event_(event) {}
+
+DeviceMark::~DeviceMark() {
+  cuda::Bound bound(*driver_, device_);
+  if (bound.result() == cuda::kSuccess) (void)driver_->api().event_destroy(event_);
+}
+
 // ------------------------------------------------------------------------------------ DeviceOut
 
-DeviceOut::DeviceOut(DevicePath* path, int device, std::uintptr_t stream, cuda::Event before, cuda::Event done,
+DeviceOut::DeviceOut(DevicePath* path, int device, std::uintptr_t stream, std::shared_ptr<DeviceMark> before,
                      std::vector<Part> parts, std::uint64_t token)
     : path_(path),
       driver_(path->shared_driver()),
       device_(device),
       stream_(stream),
-      before_(before),
-      given_(done),
+      before_(std::move(before)),
       parts_(std::move(parts)),
       token_(token) {}
 
 DeviceOut::~DeviceOut() {
   cuda::Event done = done_.load(std::memory_order_acquire);
-  if (done == nullptr || done == given_) return;
+  if (done == nullptr) return;
   // (on whichever thread lets go last: the watch's, or a caller's dropping its record)
   cuda::Bound bound(*driver_, device_);
   if (bound.result() == cuda::kSuccess) (void)driver_->api().event_destroy(done);
@@ -61,26 +70,29 @@ void DeviceOut::arrived(const Header& submit, const std::uint8_t* result, const 
   const cuda::Stream stream = cuda::stream_of(stream_);
   cuda::Result r = cuda::kSuccess;
   const char* call = "cuStreamWaitEvent";
-  if (before_ != nullptr) r = api.stream_wait_event(stream, before_, 0);
+  if (before_ != nullptr) r = api.stream_wait_event(stream, before_->event(), 0);
   for (std::size_t i = 0; r == cuda::kSuccess && i < parts_.size(); i++) {
     call = "cuMemcpyHtoDAsync";
     if (parts_[i].nbytes > 0) r = api.memcpy_h2d(parts_[i].dst, result + parts_[i].offset, parts_[i].nbytes, stream);
   }
-  cuda::Event done = given_;
-  if (r == cuda::kSuccess && done == nullptr) {
+  cuda::Event done = nullptr;
+  if (r == cuda::kSuccess) {
     call = "cuEventCreate";
     r = api.event_create(&done, cuda::kEventDisableTiming);
   }
   if (r == cuda::kSuccess) {
     call = "cuEventRecord";
     r = api.event_record(done, stream);
-    if (r != cuda::kSuccess && done != given_) (void)api.event_destroy(done);
+    if (r != cuda::kSuccess) (void)api.event_destroy(done);
   }
   if (r != cuda::kSuccess) {
     *why = what + d.describe(r, call);
     return;
   }
   done_.store(done, std::memory_order_release);
+  std::uint64_t copied = 0;
+  for (const Part& p : parts_) copied += p.nbytes;
+  if (copied > 0) path_->channel_->count_device(false, copied);
   std::shared_ptr<DeviceOut> self = shared_from_this();
   DeviceWatch* w = path_->watch_for(device_);
   const Header h = submit;
@@ -162,7 +174,41 @@ DeviceWatch* DevicePath::watch_for(int device) {
   return w.get();
 }
 
-std::shared_ptr<DeviceIn> DevicePath::copy_in(int device, std::uintptr_t stream, cuda::Event before,
+std::shared_ptr<DeviceMark> DevicePath::mark(int device, std::uintptr_t stream, std::string* why) {
+  cuda::Driver& d = *driver_;
+  const cuda::Api& api = d.api();
+  cuda::Bound bound(d, device);
+  if (bound.result() != cuda::kSuccess) {
+    *why = "cuda:" + std::to_string(device) + ": " + d.describe(bound.result(), "cuCtxSetCurrent");
+    return nullptr;
+  }
+  cuda::Event ev = nullptr;
+  const char* call = "cuEventCreate";
+  cuda::Result r = api.event_create(&ev, cuda::kEventDisableTiming);
+  if (r == cuda::kSuccess) {
+    call = "cuEventRecord";
+    r = api.event_record(ev, cuda::stream_of(stream));
+    if (r != cuda::kSuccess) (void)api.event_destroy(ev);
+  }
+  if (r != cuda::kSuccess) {
+    *why = "an event on the caller's stream of cuda:" + std::to_string(device) + ": " + d.describe(r, call);
+    return nullptr;
+  }
+  return std::make_shared<DeviceMark>(driver_, device, ev);
+}
+
+cuda::Result DevicePath::capturing(int device, std::uintptr_t stream, bool* yes) {
+  *yes = false;
+  if (stream == 0 || stream == 1) return cuda::kSuccess;  // (the default and the legacy stream)
+  cuda::Bound bound(*driver_, device);
+  if (bound.result() != cuda::kSuccess) return bound.result();
+  int status = cuda::kCaptureNone;
+  const cuda::Result r = driver_->api().stream_is_capturing(cuda::stream_of(stream), &status);
+  if (r == cuda::kSuccess) *yes = status != cuda::kCaptureNone;
+  return r;
+}
+
+std::shared_ptr<DeviceIn> DevicePath::copy_in(int device, std::uintptr_t stream, const DeviceMark* before,
                                               const std::shared_ptr<Segment>& seg, std::uint64_t offset,
                                               cuda::DevicePtr src, std::uint64_t nbytes, std::string* why) {
   const std::string what = "the copy of " + num(nbytes) + " bytes from cuda:" + std::to_string(device) +
@@ -194,7 +240,7 @@ std::shared_ptr<DeviceIn> DevicePath::copy_in(int device, std::uintptr_t stream,
   cuda::Result r = api.event_create(&copied, cuda::kEventDisableTiming);
   if (r == cuda::kSuccess && before != nullptr) {
     call = "cuStreamWaitEvent";
-    r = api.stream_wait_event(s, before, 0);
+    r = api.stream_wait_event(s, before->event(), 0);
   }
   bool enqueued = false;
   if (r == cuda::kSuccess && nbytes > 0) {
@@ -213,6 +259,7 @@ std::shared_ptr<DeviceIn> DevicePath::copy_in(int device, std::uintptr_t stream,
     *why = what + d.describe(r, call);
     return nullptr;
   }
+  if (enqueued) channel_->count_device(true, nbytes);
   auto in = std::make_shared<DeviceIn>(driver_, device, copied, seg);
   std::vector<std::shared_ptr<DeviceIn>> gone;  // (let go of outside the lock: their events are destroyed)
   {

@@ -26,8 +26,9 @@
 // The path outlives a DeviceOut's work (the binding's records hold the path's owner), and keeps each
 // DeviceIn until it has seen its copy land (settle() waits for those too).
 //
-// A DeviceOut owns the event it made for `done` (or none: the caller's, given); the caller keeps
-// `before`, a given `done` and the destinations alive until the copies have landed.
+// A DeviceOut owns the event it made for `done` and shares `before` (a DeviceMark) with whoever else
+// waits for it (the collective's copy-in, its other pieces); the caller keeps the destinations alive
+// until the copies have landed.
 #pragma once
 
 #include <atomic>
@@ -46,6 +47,24 @@ namespace smddp {
 
 class DevicePath;
 
+// A point of a caller's stream (DevicePath::mark): the event the engine recorded there at a
+// collective's call, which its copies in and back wait for (the caller's work on its buffers queued
+// before it). Owns the event (destroyed at its end, through the shared driver, whenever that comes).
+class DeviceMark {
+ public:
+  DeviceMark(std::shared_ptr<cuda::Driver> driver, int device, cuda::Event event);
+  ~DeviceMark();
+  DeviceMark(const DeviceMark&) = delete;
+  DeviceMark& operator=(const DeviceMark&) = delete;
+  cuda::Event event() const { return event_; }
+  int device() const { return device_; }
+
+ private:
+  const std::shared_ptr<cuda::Driver> driver_;
+  const int device_;
+  const cuda::Event event_;
+};
+
 // One device collective's way back to the device.
 class DeviceOut : public HeldSink, public std::enable_shared_from_this<DeviceOut> {
  public:
@@ -55,10 +74,10 @@ class DeviceOut : public HeldSink, public std::enable_shared_from_this<DeviceOut
     std::uint64_t offset = 0;
     std::uint64_t nbytes = 0;
   };
-  // The copies run on `stream` of `device`, after `before` (nullptr: nothing), and `done` is recorded
-  // after them (nullptr: an event of its own, made then); the caller keeps both alive until the
-  // copies have landed (`token` names what it keeps alive until then).
-  DeviceOut(DevicePath* path, int device, std::uintptr_t stream, cuda::Event before, cuda::Event done,
+  // The copies run on `stream` of `device`, after `before` (nullptr: nothing; held until the copies
+  // are enqueued), and an event of its own is recorded after them; the caller keeps the destinations
+  // alive until the copies have landed (`token` names what it keeps alive until then).
+  DeviceOut(DevicePath* path, int device, std::uintptr_t stream, std::shared_ptr<DeviceMark> before,
             std::vector<Part> parts, std::uint64_t token);
   ~DeviceOut() override;
   DeviceOut(const DeviceOut&) = delete;
@@ -85,13 +104,12 @@ class DeviceOut : public HeldSink, public std::enable_shared_from_this<DeviceOut
   const std::shared_ptr<cuda::Driver> driver_;  // (for its end, which may come after the path's)
   const int device_;
   const std::uintptr_t stream_;
-  const cuda::Event before_;
-  const cuda::Event given_;  // the caller's `done`, or nullptr
+  const std::shared_ptr<DeviceMark> before_;
   const std::vector<Part> parts_;
   const std::uint64_t token_;
   std::atomic<bool> dropped_{false};
   // Written once by arrived() (the DONE's taker), before its collective completes; read after that.
-  // Its own (destroyed with it) unless it is given_.
+  // Its own (destroyed with it).
   std::atomic<cuda::Event> done_{nullptr};
 };
 
@@ -137,12 +155,20 @@ class DevicePath {
   // The driver, for what must reach it after the path has gone (a DeviceIn's or DeviceOut's end).
   const std::shared_ptr<cuda::Driver>& shared_driver() const { return driver_; }
 
+  // An event recorded now on `stream` of `device` (the caller's, at a collective's call): what its
+  // copies wait for. nullptr with *why (the driver's refusal).
+  std::shared_ptr<DeviceMark> mark(int device, std::uintptr_t stream, std::string* why);
+  // Whether `stream` of `device` is capturing a CUDA graph (active, or invalidated: either way nothing
+  // of a collective's may go on it) into *yes; kSuccess or the driver's refusal. The default and
+  // legacy streams are never asked (they cannot capture).
+  cuda::Result capturing(int device, std::uintptr_t stream, bool* yes);
+
   // Enqueues the copy of `nbytes` from device address `src` into `seg` at `offset` (checked against
   // the segment), on `stream` of `device` after `before` (nullptr: nothing), and an event of its own
   // recorded after it; `seg` page-locked first (once; one that cannot be is copied into as it is,
   // the driver then blocking this thread until the copy is done, and noted). nullptr with *why (the
   // driver's refusal, or a stopped path): nothing is left to land then but what the driver took.
-  std::shared_ptr<DeviceIn> copy_in(int device, std::uintptr_t stream, cuda::Event before,
+  std::shared_ptr<DeviceIn> copy_in(int device, std::uintptr_t stream, const DeviceMark* before,
                                     const std::shared_ptr<Segment>& seg, std::uint64_t offset,
                                     cuda::DevicePtr src, std::uint64_t nbytes, std::string* why);
 

@@ -959,6 +959,21 @@ std::vector<PeerCounters> LocalPlane::peer_counters() {
   return exchange_ ? exchange_->peer_counters() : std::vector<PeerCounters>{};
 }
 
+std::vector<WorkerDeviceCounts> LocalPlane::device_counts() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<WorkerDeviceCounts> out;
+  for (const auto& port : ports_) {
+    if (!port) continue;
+    // (the worker writes them, each on its own: relaxed reads of four counters, no snapshot promised)
+    const DeviceCounts& c = *smddp::device_counts(port->channel->base());
+    out.push_back(WorkerDeviceCounts{port->rank, c.d2h_bytes.load(std::memory_order_relaxed),
+                                     c.h2d_bytes.load(std::memory_order_relaxed),
+                                     c.d2h_copies.load(std::memory_order_relaxed),
+                                     c.h2d_copies.load(std::memory_order_relaxed)});
+  }
+  return out;
+}
+
 std::vector<Trace> LocalPlane::take_traces() {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<Trace> out;

@@ -121,6 +121,16 @@ struct Completion {
   double seconds = 0;  // their latencies, from first sight here to DONE, summed
 };
 
+// One local worker's device copies as its engine counts them in its channel (DeviceCounts, channel.h):
+// shown by `smddp status` and the metrics, never trusted for anything else.
+struct WorkerDeviceCounts {
+  std::uint32_t rank = 0;
+  std::uint64_t d2h_bytes = 0;
+  std::uint64_t h2d_bytes = 0;
+  std::uint64_t d2h_copies = 0;
+  std::uint64_t h2d_copies = 0;
+};
+
 struct PlaneCounters {
   std::uint64_t collectives = 0;
   std::uint64_t reduced_bytes = 0;  // input bytes the reductions read
@@ -153,6 +163,8 @@ class LocalPlane final : private Exchange::Owner {
   // Wait up to timeout_ns for every control frame to leave (or its link to go down): true if they did.
   bool flush(std::int64_t timeout_ns);
   std::vector<PeerCounters> peer_counters();
+  // Each worker that joined (left ones too: their channels stay mapped), by local rank.
+  std::vector<WorkerDeviceCounts> device_counts();
   // The fabric to the other daemons as it describes itself, and its counters ("" and zeros: one node).
   std::string fabric_describe();
   FabricCounters fabric_counters();

@@ -1144,6 +1144,32 @@ void device_engine_init(DeviceEngine* self, nb::handle channel, const std::strin
   self->spin_ns = spin_ns(spin_us);
 }
 
+// A point of a caller's stream (DeviceEngine.mark): the event the engine recorded there, which a
+// collective's copies wait for. Owns it through the engine's DeviceMark (which shares the driver, so
+// it may end after the engine).
+struct Mark {
+  std::shared_ptr<smddp::DeviceMark> mark;
+};
+
+// An event recorded now on `stream` of `device` (DeviceError naming the driver's refusal).
+Mark device_engine_mark(DeviceEngine& e, long long device, std::uintptr_t stream) {
+  require_device(device);
+  std::string why;
+  std::shared_ptr<smddp::DeviceMark> m = e.path->mark(static_cast<int>(device), stream, &why);
+  if (!m) raise_error(Err::kDevice, why);
+  return Mark{std::move(m)};
+}
+
+// Whether `stream` of `device` is capturing a CUDA graph (DeviceError naming the driver's refusal).
+bool device_engine_capturing(DeviceEngine& e, long long device, std::uintptr_t stream) {
+  require_device(device);
+  bool yes = false;
+  const smddp::cuda::Result r = e.path->capturing(static_cast<int>(device), stream, &yes);
+  if (r != smddp::cuda::kSuccess)
+    raise_error(Err::kDevice, "cuda:" + std::to_string(device) + ": " + e.path->driver().describe(r, "cuStreamIsCapturing"));
+  return yes;
+}
+
 // A device collective's copy into its input slot (DeviceEngine.copy_in): the engine's DeviceIn, and
 // the DeviceEngine it belongs to (held, so that the path outlives it).
 struct CopyIn {
@@ -1173,15 +1199,16 @@ PyType_Slot kCopyInSlots[] = {
 };
 
 // Enqueues the copy of `nbytes` from device address `src` into `arena`'s segment `segment` at
-// `offset`, on `stream` of `device` after the CUevent `before` (0: none); the input segment
+// `offset`, on `stream` of `device` after `before` (None: nothing); the input segment
 // page-locked first, once (GIL released: registering touches every page, and a copy into memory
 // that could not be page-locked blocks until the producer's work is done). DeviceError naming the
 // driver's refusal; ValueError for a slot outside its segment or a segment the arena lacks.
 CopyIn device_engine_copy_in(nb::handle self, DeviceEngine& e, smddp::Arena& arena, long long segment,
                              long long offset, long long nbytes, long long device, std::uint64_t src,
-                             std::uintptr_t stream, std::uintptr_t before) {
+                             std::uintptr_t stream, const Mark* before) {
   require_device(device);
   if (offset < 0 || nbytes < 0) raise_error(Err::kValue, "copy_in: a negative offset or size");
+  if (before != nullptr && before->mark->device() != device) raise_error(Err::kValue, "copy_in: a mark of another device");
   SegmentPtr seg = arena_segment(arena, segment);
   if (!seg) raise_error(Err::kValue, "copy_in: the arena has no segment " + std::to_string(segment));
   if (static_cast<std::uint64_t>(offset) > seg->size() ||
@@ -1191,7 +1218,7 @@ CopyIn device_engine_copy_in(nb::handle self, DeviceEngine& e, smddp::Arena& are
   std::shared_ptr<smddp::DeviceIn> in;
   {
     nb::gil_scoped_release unlocked;
-    in = e.path->copy_in(static_cast<int>(device), stream, reinterpret_cast<smddp::cuda::Event>(before), seg,
+    in = e.path->copy_in(static_cast<int>(device), stream, before != nullptr ? before->mark.get() : nullptr, seg,
                          static_cast<std::uint64_t>(offset), src, static_cast<std::uint64_t>(nbytes), &why);
   }
   if (!in) raise_error(Err::kDevice, why);
@@ -1230,18 +1257,18 @@ bool device_engine_give_when(DeviceEngine& e, Started& s, CopyIn& copy) {
 }
 
 // `record`'s result goes back to the device: each (address, offset, bytes) of `parts` from its result
-// to device memory, on `stream` of `device`, after the CUevent `before` (0: none), by whoever takes
-// its DONE, and the CUevent `done` recorded after them (0: an event of the engine's own); `hold`
-// (which keeps the destinations, and those events, alive) is kept until the copies have landed.
-// Before its SUBMIT is given.
+// to device memory, on `stream` of `device`, after `before` (None: nothing), by whoever takes its
+// DONE, and an event of the engine's own recorded after them; `hold` (which keeps the destinations
+// alive) is kept until the copies have landed. Before its SUBMIT is given.
 void device_engine_deliver_to(nb::handle self, DeviceEngine& e, StartedSelf rec, long long device,
-                              std::uintptr_t stream, std::uintptr_t before, std::uintptr_t done,
+                              std::uintptr_t stream, const Mark* before,
                               const std::vector<std::tuple<std::uint64_t, std::uint64_t, std::uint64_t>>& parts,
                               nb::handle hold) {
   Started& s = *rec.p;
   if (s.channel != e.channel) raise_error(Err::kValue, "deliver_to: a record of another channel");
   if (!s.out.hold || s.out.sink) raise_error(Err::kValue, "deliver_to: a held record (reserve_record), once");
   require_device(device);
+  if (before != nullptr && before->mark->device() != device) raise_error(Err::kValue, "deliver_to: a mark of another device");
   std::vector<smddp::DeviceOut::Part> ps;
   ps.reserve(parts.size());
   for (const auto& [dst, offset, nbytes] : parts) {
@@ -1253,8 +1280,7 @@ void device_engine_deliver_to(nb::handle self, DeviceEngine& e, StartedSelf rec,
   const std::uint64_t token = e.next_token++;
   e.holds[nb::int_(token)] = nb::borrow(hold);
   auto out = std::make_shared<smddp::DeviceOut>(e.path.get(), static_cast<int>(device), stream,
-                                                reinterpret_cast<smddp::cuda::Event>(before),
-                                                reinterpret_cast<smddp::cuda::Event>(done), std::move(ps), token);
+                                                before != nullptr ? before->mark : nullptr, std::move(ps), token);
   s.device = out;
   s.device_engine = nb::borrow(self);
   s.out.sink = std::move(out);
@@ -1576,6 +1602,16 @@ NB_MODULE(_engine, m) {
       .field("bytes_out", &smddp::PeerCounters::bytes_out, "data frames' bytes sent to it, headers included")
       .field("queued", &smddp::PeerCounters::queued, "frames queued to it that have not left yet");
 
+  using WDC = smddp::WorkerDeviceCounts;
+  Record<WDC>(m, "WorkerDeviceCounts",
+              "One local worker's copies between its devices and smddp's memory, as its engine counts them "
+              "(device_counts): shown, never trusted.")
+      .field("rank", &WDC::rank, "the worker's rank")
+      .field("d2h_bytes", &WDC::d2h_bytes, "bytes copied device to host (into input slots)")
+      .field("h2d_bytes", &WDC::h2d_bytes, "bytes copied host to device (results back)")
+      .field("d2h_copies", &WDC::d2h_copies, "copies device to host")
+      .field("h2d_copies", &WDC::h2d_copies, "copies host to device");
+
   using Waiting = smddp::LocalPlane::Waiting;
   Record<Waiting>(m, "Waiting", "A collective in flight and not done (waiting).")
       .field("seq", &Waiting::seq, "the collective's sequence number")
@@ -1749,6 +1785,9 @@ NB_MODULE(_engine, m) {
       .def(
           "peer_counters", [](Plane& p) { return p.plane->peer_counters(); }, "Each peer daemon's link.")
       .def(
+          "device_counts", [](Plane& p) { return p.plane->device_counts(); },
+          "Each local worker's device copies (its channel's counts), by local rank.")
+      .def(
           "take_traces", [](Plane& p) { return p.plane->take_traces(); }, "The retired collectives' phases.")
       .def(
           "queued_tasks",
@@ -1918,40 +1957,48 @@ NB_MODULE(_engine, m) {
            "Wait (polled, GIL released) up to `timeout_s` for the copy to land; whether it did. DeviceError "
            "for one that failed on the device.");
 
+  nb::class_<Mark>(m, "Mark",
+                   "A point of a caller's stream (DeviceEngine.mark): the event a collective's copies wait for.")
+      .def_prop_ro(
+          "device", [](const Mark& k) { return k.mark->device(); }, "the device whose stream it was recorded on");
+
   nb::class_<DeviceEngine>(m, "DeviceEngine", nb::type_slots(kDeviceEngineSlots),
                            "A client's device path in the engine: held SUBMITs given once their copy-ins land, "
                            "results copied back and RELEASEd.")
       .def("__init__", &device_engine_init, "channel"_a, "library"_a, "spin_us"_a,
            nb::sig("def __init__(self, channel: WorkerChannel, library: str, spin_us: float) -> None"),
            "The CUDA driver `library` loaded (OSError naming why not), for `channel`'s records.")
+      .def("capturing", &device_engine_capturing, "device"_a, "stream"_a,
+           "Whether `stream` of `device` is capturing a CUDA graph (active or invalidated); DeviceError if the "
+           "driver refuses to say.")
+      .def("mark", &device_engine_mark, "device"_a, "stream"_a,
+           "An event recorded now on `stream` of `device` (a caller's): what a collective's copies wait for. "
+           "DeviceError if refused.")
       .def(
           "copy_in",
           [](nb::handle self, smddp::Arena& arena, long long segment, long long offset, long long nbytes,
-             long long device, std::uint64_t src, std::uintptr_t stream, std::uintptr_t before) {
+             long long device, std::uint64_t src, std::uintptr_t stream, const Mark* before) {
             return device_engine_copy_in(self, nb::cast<DeviceEngine&>(self), arena, segment, offset, nbytes, device,
                                          src, stream, before);
           },
-          "arena"_a, "segment"_a, "offset"_a, "nbytes"_a, "device"_a, "src"_a, "stream"_a, "before"_a,
+          "arena"_a, "segment"_a, "offset"_a, "nbytes"_a, "device"_a, "src"_a, "stream"_a, "before"_a.none(),
           nb::sig("def copy_in(self, arena: Arena, segment: int, offset: int, nbytes: int, device: int, src: int, "
-                  "stream: int, before: int) -> CopyIn"),
+                  "stream: int, before: Mark | None) -> CopyIn"),
           "Enqueue the copy of `nbytes` from device address `src` into the arena's slot (segment, offset) on "
-          "`stream`, after CUevent `before` (0: none); the segment page-locked once. DeviceError if refused.")
+          "`stream`, after `before` (None: nothing); the segment page-locked once. DeviceError if refused.")
       .def("give_when", &device_engine_give_when, "record"_a, "copy"_a,
            "Give the record's SUBMIT once its copy-in has landed; False once stopped.")
       .def(
           "deliver_to",
-          [](nb::handle self, StartedSelf rec, long long device, std::uintptr_t stream, std::uintptr_t before,
-             std::uintptr_t done, const std::vector<std::tuple<std::uint64_t, std::uint64_t, std::uint64_t>>& parts,
-             nb::handle hold) {
-            device_engine_deliver_to(self, nb::cast<DeviceEngine&>(self), rec, device, stream, before, done, parts,
-                                     hold);
+          [](nb::handle self, StartedSelf rec, long long device, std::uintptr_t stream, const Mark* before,
+             const std::vector<std::tuple<std::uint64_t, std::uint64_t, std::uint64_t>>& parts, nb::handle hold) {
+            device_engine_deliver_to(self, nb::cast<DeviceEngine&>(self), rec, device, stream, before, parts, hold);
           },
-          "record"_a, "device"_a, "stream"_a, "before"_a, "done"_a, "parts"_a, "hold"_a.none(),
-          nb::sig("def deliver_to(self, record: Started, device: int, stream: int, before: int, done: int, "
+          "record"_a, "device"_a, "stream"_a, "before"_a.none(), "parts"_a, "hold"_a.none(),
+          nb::sig("def deliver_to(self, record: Started, device: int, stream: int, before: Mark | None, "
                   "parts: collections.abc.Sequence[tuple[int, int, int]], hold: typing.Any) -> None"),
           "The record's result goes to the device at its DONE: (address, offset, bytes) parts on `stream`, "
-          "after CUevent `before`, then CUevent `done` recorded (0: none, the engine's own); `hold` kept "
-          "until they land.")
+          "after `before` (None: nothing), then an event of the engine's recorded; `hold` kept until they land.")
       .def("failure", &device_engine_failure,
            "None, or (1: a device copy failed, 2: the daemon's ring; why) for the first failure.")
       .def(

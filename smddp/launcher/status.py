@@ -188,6 +188,14 @@ def render_report(r: dict) -> str:
             "calls smddp routed to the side group (all ranks): "
             + ", ".join(f"{k} x{v}" for k, v in sorted(routed.items())),
         ]
+    devices = sorted((c for d in r["daemons"] for c in d.get("devices", [])), key=lambda c: c["rank"])
+    if devices:
+        out += ["", "device copies (each rank, between its GPU and host memory):"]
+        out += [
+            f"  rank {c['rank']}: to host {_size(c['d2h_bytes'])} in {c['d2h_copies']}, "
+            f"back {_size(c['h2d_bytes'])} in {c['h2d_copies']}"
+            for c in devices
+        ]
     fabrics = [(d["node"], d["fabric"]) for d in r["daemons"] if d.get("fabric")]
     if fabrics and r["nnodes"] > 1:
         out += ["", "fabric between the daemons:"]

@@ -687,6 +687,11 @@ class DeviceStreams(Protocol):
         caller's kernels, queued on that stream."""
         ...
 
+    def follow_copy(self, record: Any) -> None:
+        """follow() for a device record of smddp's whose copy back ran in line on the calling thread's
+        current stream (Client.device_allreduce_now): nothing on a GPU either."""
+        ...
+
     def query(self, event: Any) -> bool:
         """The device has reached `event` (never blocks)."""
         ...
@@ -749,6 +754,9 @@ class CudaStreams:
         stream.wait_event(event)
 
     def follow(self, event: Any) -> None:
+        pass
+
+    def follow_copy(self, record: Any) -> None:
         pass
 
     def query(self, event: Any) -> bool:
@@ -1268,7 +1276,7 @@ class ProcessGroupSmddp(dist.ProcessGroup):
         s = device.streams
         dev = c.device_buffer(s.buf(t), "all_reduce", writable=True)
         assert dev is not None  # (a described tensor is device memory)
-        s.follow(c.device_allreduce_now(dev, op, s.current_handle(), self._seconds_of(opts)))
+        s.follow_copy(c.device_allreduce_now(dev, op, s.current_handle(), self._seconds_of(opts)))
         return True
 
     def _allreduce_now(self, ts: list[torch.Tensor], op: smddp.ReduceOp, opts: Any, result: Any) -> dist.Work:

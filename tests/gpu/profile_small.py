@@ -227,7 +227,7 @@ def main() -> int:
 
         def d2h_poll() -> None:  # the engine's copy-in, polled as a blocking call polls it (CopyIn.wait)
             a = client._arena.native
-            engine.copy_in(a, slot.segment, slot.offset, dst.nbytes, dev.index, src, s, 0).wait(10.0)
+            engine.copy_in(a, slot.segment, slot.offset, dst.nbytes, dev.index, src, s, None).wait(10.0)
 
         def d2h_sync() -> None:
             rt.copy_d2h(int(dst.ctypes.data), src, dst.nbytes, s, dev.index)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -137,3 +138,86 @@ def test_a_blocking_call_whose_copy_in_is_late_times_out_and_is_never_written_af
     for d in (first, second):
         assert d["again"] == [3.0] * 8 and d["host"] == [3.0] * 4, d
         assert d["registered"] == 0
+
+
+def test_the_daemons_show_each_ranks_device_copies(tmp_path: Path, own_runtime_dir: str, clean_host: None):
+    """Each rank's engine counts what it copies between its device and smddp's memory, and the daemons
+    show it (`smddp status --json`, the table, the Prometheus metrics: issue 57's S a rank, to become
+    S/G): on 2 nodes of 2 ranks, the bytes each direction equal what the cases copy, worked out here
+    from the cases alone (check_counts.CASES); the broadcast's root sends and takes nothing back, the
+    others take it without sending; an all-gather takes back W times what it sends."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.gpu.check_counts import CASES
+    from tests.observability.test_observability import free_port, smddp_status, wait_for_job
+
+    world, nodes = 4, 2
+    port = free_port()
+    env = job_env(SMDDP_STANDIN_DELAY_MS="0")
+    cmd = [str(BIN / "smddp-launch"), "-np", str(world), "--local-nodes", str(nodes)]
+    cmd += [
+        "--metrics-port",
+        str(port),
+        "--",
+        sys.executable,
+        str(HERE / "check_counts.py"),
+        "--out",
+        str(tmp_path),
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env
+    )
+    try:
+        wait_for_job(proc, env["SMDDP_JOB_ID"])
+        deadline = time.monotonic() + 120
+        while len(list(tmp_path.glob("ready-*.json"))) < world:
+            assert proc.poll() is None and time.monotonic() < deadline, "the ranks did not finish their cases"
+            time.sleep(0.05)
+        status = json.loads(smddp_status("--job", env["SMDDP_JOB_ID"], "--json").stdout)
+        table = smddp_status("--job", env["SMDDP_JOB_ID"]).stdout
+        scraped = []
+        for node in range(nodes):
+            with urllib.request.urlopen(f"http://127.0.0.1:{port + node}/metrics", timeout=10) as r:
+                scraped += [
+                    s
+                    for f in text_string_to_metric_families(r.read().decode())
+                    for s in f.samples
+                    if s.name == "smddp_device_copy_bytes_total"
+                ]
+    finally:
+        (tmp_path / "go").touch()
+        out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, out[-3000:]
+    want: dict[int, dict[str, int]] = {}
+    for rank in range(world):
+        d2h = h2d = d2h_n = h2d_n = 0
+        for kind, n in CASES:
+            nbytes = 4 * n
+            sends = kind != "broadcast" or rank == 0
+            takes = (
+                nbytes * world if kind == "allgather" else 0 if kind == "broadcast" and rank == 0 else nbytes
+            )
+            d2h, d2h_n = d2h + (nbytes if sends else 0), d2h_n + sends
+            h2d, h2d_n = h2d + takes, h2d_n + (takes > 0)
+        want[rank] = {
+            "rank": rank,
+            "d2h_bytes": d2h,
+            "h2d_bytes": h2d,
+            "d2h_copies": d2h_n,
+            "h2d_copies": h2d_n,
+        }
+    shown = {c["rank"]: c for d in status["daemons"] for c in d["devices"]}
+    assert shown == want
+    for d in status["daemons"]:  # each daemon shows its own node's ranks (2 a node, by rank order)
+        assert sorted(c["rank"] for c in d["devices"]) == [2 * d["node"], 2 * d["node"] + 1]
+    assert "device copies" in table
+    for rank in range(world):
+        assert f"rank {rank}: to host" in table
+    metric = {(s.labels["rank"], s.labels["direction"]): s.value for s in scraped}
+    assert metric == {
+        (str(r), direction): float(want[r][f"{direction}_bytes"])
+        for r in range(world)
+        for direction in ("d2h", "h2d")
+    }

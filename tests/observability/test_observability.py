@@ -7,7 +7,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.parse
 import urllib.request
@@ -49,16 +48,6 @@ def wait_for_job(proc: subprocess.Popen, job: str, timeout: float = 60, last_nod
 
 def free_port() -> int:
     return service_port()  # never one the kernel may hand a daemon's listener meanwhile
-
-
-@pytest.fixture
-def own_runtime_dir(monkeypatch):
-    """A private XDG_RUNTIME_DIR: the jobs `smddp status` finds are this test's only, whatever else
-    runs on the machine (short, for the 108-byte limit of a unix socket's path)."""
-    path = tempfile.mkdtemp(prefix="smddp-st-", dir="/tmp")
-    monkeypatch.setenv("XDG_RUNTIME_DIR", path)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def test_status_of_a_running_multi_node_job(own_runtime_dir, clean_host):

@@ -730,7 +730,7 @@ def reserved_barrier(client: Client) -> EngineHandle:
     record = client._channel.reserve_record(
         Kind.BARRIER, 0, DType.UINT8, 0, 0, None, 0, None, None, EngineHandle
     )  # fmt: skip
-    client._device_engine.deliver_to(record, 0, STREAM_LEGACY, 0, 0, [], None)
+    client._device_engine.deliver_to(record, 0, STREAM_LEGACY, None, [], None)
     return record
 
 
@@ -1137,7 +1137,7 @@ def test_a_copy_in_the_engine_enqueues_is_polled_with_its_deadline_kept(pair):
     x = rt.asarray(np.full(64, 3.0, np.float32))
     slot, _fresh = client._arena.alloc(256)
     gate = rt.hold(producer)
-    copy = engine.copy_in(client._arena.native, slot.segment, slot.offset, 256, 0, x.ptr, producer, 0)
+    copy = engine.copy_in(client._arena.native, slot.segment, slot.offset, 256, 0, x.ptr, producer, None)
     assert not copy.done() and engine.pending() == 1
     assert not copy.wait(0.05), "a copy held behind a kernel was seen landed"  # (and it returned)
     gate.set()
@@ -1145,7 +1145,7 @@ def test_a_copy_in_the_engine_enqueues_is_polled_with_its_deadline_kept(pair):
     assert np.array_equal(client._arena.view(slot).view(np.float32), np.full(64, 3.0, np.float32))
     size = client._arena.segment(slot.segment).array.nbytes
     with pytest.raises(ValueError, match="outside its segment"):
-        engine.copy_in(client._arena.native, slot.segment, size - 128, 256, 0, x.ptr, producer, 0)
+        engine.copy_in(client._arena.native, slot.segment, size - 128, 256, 0, x.ptr, producer, None)
     client._arena.free(slot)
     client.shutdown(timeout=2)
     # A CopyIn in a reference cycle with its engine, collected: the engine outlives the copy's end
@@ -1377,6 +1377,71 @@ def test_a_device_collective_waited_for_at_once_copies_in_line_on_the_callers_st
             assert streams == {"copy_d2h": lane.d2h, "copy_h2d": lane.h2d}
             assert sorted(waits) == sorted([exported, lane.d2h, lane.h2d, current])
     assert np.array_equal(x.get(), np.full(16, 16.0, np.float32))
+    client.shutdown(timeout=2)
+    rt.close()
+
+
+# What a device runtime does that touches CUDA: none of it may run per collective (issue 56).
+RUNTIME_CALLS = (
+    "current_stream", "new_stream", "new_event", "record", "wait_event", "event_synchronize", "event_done",
+    "register_host", "unregister_host", "copy_d2h", "copy_h2d", "event_handle",
+    "pointer_device",
+)  # fmt: skip
+
+
+def test_a_device_collective_makes_no_call_of_the_python_runtime(pair, monkeypatch):
+    """Python starts a device collective and wraps its completion; every CUDA call in between is the
+    engine's (issue 56): the capture check, the point of the caller's stream its copies wait for
+    (DeviceEngine.mark), the copies, their events and the waits for them. Once a first collective has
+    made the lanes and page-locked the segments, neither a blocking all-reduce nor an asynchronous one
+    (waited for on the caller's stream, then synchronized) nor a broadcast calls the device runtime:
+    a buffer as a front end describes it (smddp.torch's tensors), on the stream it names."""
+    from smddp_rigs.standin import StandinRuntime
+
+    from smddp.client.collectives import broadcast_async
+    from smddp.client.device.buffers import described
+
+    client, daemon = pair
+    rt = StandinRuntime()
+    client._start_device(rt)
+    cur = rt.new_stream(0)
+    x = rt.asarray(np.ones(64, np.float32))
+    dev = described(x.ptr, DType.FLOAT32, (64,), 0, rt.library, x)
+
+    def blocking(value: float) -> None:
+        call = Call(lambda: collectives.allreduce(client, dev, ReduceOp.SUM, 5.0, stream=cur))
+        (s,) = [f for f in until_submits(daemon, 1) if f.type is MsgType.SUBMIT]
+        daemon.done(s, value)
+        call.join()
+
+    def asynchronous(value: float) -> None:
+        h = allreduce_async(client, dev, ReduceOp.SUM, stream=cur)
+        (s,) = [f for f in until_submits(daemon, 1) if f.type is MsgType.SUBMIT]
+        daemon.done(s, value)
+        h.wait(5.0, stream=cur)
+        h.synchronize(5.0)
+
+    def broadcast(value: float) -> None:
+        h = broadcast_async(client, dev, 0, stream=cur)
+        (s,) = [f for f in until_submits(daemon, 1) if f.type is MsgType.SUBMIT]
+        daemon.done(s, value)
+        h.synchronize(5.0)
+
+    blocking(2.0)  # the lanes, the page-locked segments: once
+    asynchronous(3.0)
+    calls: list[str] = []
+    for name in RUNTIME_CALLS:
+        real = getattr(rt, name)
+        monkeypatch.setattr(rt, name, lambda *a, _n=name, _f=real, **k: (calls.append(_n), _f(*a, **k))[1])
+    # (the broadcast's root sends its buffer and takes nothing back: it keeps 5)
+    for what, run, value, held in (("a blocking device all-reduce", blocking, 4.0, 4.0),
+                                   ("an asynchronous device all-reduce", asynchronous, 5.0, 5.0),
+                                   ("a device broadcast", broadcast, 6.0, 5.0)):  # fmt: skip
+        run(value)
+        assert calls == [], f"{what} called the runtime: {calls}"
+        assert np.array_equal(x.get(), np.full(64, held, np.float32))  # (the test's read calls it)
+        calls.clear()
+    monkeypatch.undo()
     client.shutdown(timeout=2)
     rt.close()
 

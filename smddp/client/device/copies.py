@@ -6,7 +6,7 @@ import collections
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -37,14 +37,13 @@ class DevicePlan:
 
     device: int
     src: DeviceBuffer | None  # copied into the input slot (None: this rank sends no data)
-    before: Any  # event on the caller's stream at the call: copies in and out wait for it (None: no wait)
+    # The engine's event on the caller's stream at the call (DeviceEngine.mark): copies in and out
+    # wait for it (None: no wait).
+    before: Any
     outputs: list[tuple[DeviceBuffer, int, int]]  # (destination, byte offset in the result, bytes)
     consumer: int | None  # the stream wait() orders the result before (None: decided at wait())
     library: str  # for the current stream at wait() when `consumer` is None
     keepalive: Any = None
-    # An event of the runtime's for the engine to record after the copy back (None: the engine's own),
-    # for a caller that hands it on (Client.device_allreduce_now).
-    done: Any = field(default=None)
     # A collective its caller waits for at once (Client.waiting), in one piece: both copies run on
     # the caller's stream itself, in line, as a bare copy round trip would (None: on the lanes,
     # ordered by `before`). The caller is blocked until the result is back, so nothing of its own
@@ -140,7 +139,8 @@ class DeviceIO:
         return library_stream(self.rt, buf.library, buf.device)
 
     def mark(self, stream: int | None, device: int) -> Any:
-        """An event at the current end of `stream` (None: nothing to wait for)."""
+        """An event of the runtime's at the current end of `stream` (None: nothing to wait for), for
+        the bare copies below; a collective's is the engine's (DeviceEngine.mark)."""
         if stream is None:
             return None
         ev = self.rt.new_event(device)

@@ -110,14 +110,6 @@ class CupyRuntime:
     def event_handle(self, event: Any) -> int:
         return int(event.ptr)  # a cudaEvent_t is the driver's CUevent
 
-    def is_capturing(self, stream: int, device: int) -> bool:
-        # cudaStreamIsCapturing may be asked under capture; the legacy stream is never capturing.
-        if stream in (0, 1):  # the default and legacy (cudaStreamLegacy) streams
-            return False
-        with self._device(device):
-            status = self._call("cudaStreamIsCapturing", self._rt.streamIsCapturing, stream)
-        return int(status) != 0  # active, or invalidated: either way nothing of ours may be captured
-
     def register_host(self, ptr: int, nbytes: int, readonly: bool) -> None:
         flags = HOST_REGISTER_PORTABLE | (HOST_REGISTER_READ_ONLY if readonly else 0)
         self._call("cudaHostRegister", self._rt.hostRegister, ptr, nbytes, flags)

@@ -64,11 +64,6 @@ class DeviceRuntime(Protocol):
 
     def event_done(self, event: Any) -> bool: ...
 
-    def is_capturing(self, stream: int, device: int) -> bool:
-        """Whether `stream` is capturing a CUDA graph (cudaStreamIsCapturing): work enqueued there is
-        recorded, not run, and no host may wait for it."""
-        ...
-
     def register_host(self, ptr: int, nbytes: int, readonly: bool) -> None:
         """Page-lock host memory so that copies to and from it are asynchronous DMA."""
         ...
