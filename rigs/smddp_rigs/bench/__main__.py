@@ -1,4 +1,4 @@
-"""`python -m smddp_rigs.bench {targets,model,kernels,benchmarks}`: the runs behind BENCHMARKS.md (make bench)."""
+"""`python -m smddp_rigs.bench {targets,model,node-model,kernels,benchmarks}`: the runs behind BENCHMARKS.md (make bench)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,13 @@ def _parser() -> argparse.ArgumentParser:
     k = sub.add_parser("kernels", help="the reduction kernels on one thread: the engine's against numpy")
     k.add_argument("--rounds", type=int, default=7)
     k.add_argument("--out", default="bench-results")
+    nm = sub.add_parser(
+        "node-model",
+        help="one DDP step's averaging on nodes of 8 GPUs: host path, GPU step, NCCL ring (on paper)",
+    )
+    nm.add_argument(
+        "--gpu-json", default="bench-results/gpu/gpu.json", help="a lent GPU's smddp-bench gpu run"
+    )
     r = sub.add_parser("benchmarks", help="write BENCHMARKS.md from the targets, model and sweep JSON")
     r.add_argument("--targets", default="bench-results/targets.json")
     r.add_argument("--model", default="bench-results/model.json")
@@ -60,6 +67,10 @@ def main(argv: list[str] | None = None) -> int:
                     source=a.source, size=parse_size(a.size), check=a.check, outdir=a.out, repeats=a.repeats
                 )
             )
+        elif a.cmd == "node-model":
+            from smddp_rigs.bench.node_model import main as node_model
+
+            print(node_model(a.gpu_json or None))
         elif a.cmd == "kernels":
             from smddp_rigs.bench.kernels import KernelsConfig, run_kernels
 
