@@ -24,6 +24,7 @@ $(STAMP): pyproject.toml setup.py $(wildcard smddp/engine/*) rigs/pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[dev,torch,tensorflow]' -e rigs/ $(TORCH_PINS) $(TF_PINS) $(CLIENT_PINS)
 	touch $(STAMP)
+	@echo "make: set up at $$(date +%T)"
 
 setup: $(STAMP)
 
@@ -59,10 +60,14 @@ multiprocess: $(STAMP)
 .PHONY: checks
 checks: $(STAMP)
 	$(MAKE) -j$(JOBS) --output-sync=target lint typecheck engine-sanitize-build engine-fuzz-build
-	$(MAKE) engine-sanitize engine-fuzz engine-sanitize-jobs
+	@# The fuzz drivers and the engine's tests (engine-sanitize) beside libFuzzer's runs (engine-fuzz):
+	@# each is one process at a time, each target's output kept together.
+	$(MAKE) -j2 --output-sync=target engine-sanitize engine-fuzz
+	$(MAKE) engine-sanitize-jobs
+	@echo "make: checks done at $$(date +%T)"
 
 test: checks
-	$(BIN)/pytest -q -ra -m "not long" tests
+	$(BIN)/pytest -q -ra -m "not long" --durations=30 tests
 
 # The combinations CI leaves out (marked `long`: more topologies, providers and front-end layouts of
 # what CI runs in its representative ones); about 10 minutes here.

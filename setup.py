@@ -11,7 +11,9 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 # Warnings are errors in the engine: what the compiler doubts, the wire will find.
-ENGINE_FLAGS = ["-std=c++17", "-O3", "-Wall", "-Wextra", "-Wshadow", "-Werror", "-fvisibility=hidden"]
+# -g0: no debug information (Python's CFLAGS bring -g): the engine shipped is 1.8 MB instead of 22, and
+# builds about a quarter faster; the sanitized builds (Makefile) keep theirs.
+ENGINE_FLAGS = ["-std=c++17", "-O3", "-g0", "-Wall", "-Wextra", "-Wshadow", "-Werror", "-fvisibility=hidden"]
 # The C++ runtime goes into the extension itself: the wheel then needs only glibc's old symbols
 # (auditwheel tags it manylinux), not the libstdc++ of the machine that built it.
 LINK_FLAGS = ["-static-libstdc++", "-static-libgcc"]
@@ -35,7 +37,7 @@ NB_INCLUDE, NB_SOURCES = _nanobind()
 NB_ROOT = os.path.dirname(NB_INCLUDE)
 # nanobind's sources are its own, not held to the engine's warnings: compiled with its flags (its
 # CMake build's: no strict aliasing, compact assertions), and its headers seen as system headers.
-NB_FLAGS = ["-std=c++17", "-O3", "-fvisibility=hidden", "-fno-strict-aliasing", "-DNB_COMPACT_ASSERTIONS",
+NB_FLAGS = ["-std=c++17", "-O3", "-g0", "-fvisibility=hidden", "-fno-strict-aliasing", "-DNB_COMPACT_ASSERTIONS",
             "-isystem", NB_INCLUDE]  # fmt: skip
 
 
