@@ -192,7 +192,7 @@ fuzz:
 # with its engine, held behind a slow pinning or a pageable copy, landing out of order on two devices.
 SAN_COPY_INS := tests/unit/test_client_fast.py::test_a_copy_in_the_engine_enqueues_is_polled_with_its_deadline_kept \
   tests/unit/test_client_fast.py::test_a_slow_copy_in_holds_up_no_other_collectives_completion \
-  tests/unit/test_client_fast.py::test_device_submits_go_in_sequence_order_when_their_copy_ins_finish_the_other_way
+  tests/unit/test_client_fast.py::test_device_submits_go_as_their_copy_ins_land_the_other_way_round
 SAN_JOBS := 'tests/multiprocess/test_collectives.py::test_every_collective_bit_exact[W4-N1]' \
   'tests/gpu/test_standin.py::test_every_collective_on_device_buffers[W2-N1-dlpack]' \
   $(SAN_COPY_INS) \
@@ -202,7 +202,7 @@ SAN_JOBS := 'tests/multiprocess/test_collectives.py::test_every_collective_bit_e
   tests/multiprocess/test_launch.py::test_bad_arguments_refused_and_mismatch_fails_every_rank \
   "tests/faults/test_rogue.py::test_invalid_frame_from_an_authenticated_worker[out of bounds]" \
   "tests/faults/test_rogue.py::test_invalid_frame_from_an_authenticated_worker[unknown segment]" \
-  "tests/faults/test_rogue.py::test_invalid_frame_from_an_authenticated_worker[skipped sequence number]" \
+  "tests/faults/test_rogue.py::test_invalid_frame_from_an_authenticated_worker[a number past the window]" \
   "tests/faults/test_rogue.py::test_invalid_frame_from_an_authenticated_worker[an attach without its fd]" \
   tests/faults/test_faults.py::test_worker_killed_mid_collective
 # Under TSan (5-15x slower) the jobs whose threads meet: the rings and the fabric with pipelined

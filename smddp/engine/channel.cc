@@ -188,23 +188,31 @@ std::uint64_t WorkerChannel::queued_starts() {
 RingWait WorkerChannel::submit_locked(std::uint64_t seq, const std::uint8_t* frame, std::int64_t timeout_ns,
                                       std::int64_t spin_ns) {
   reserved_.erase(seq);  // (a fast one was never reserved)
-  if (!reserved_.empty() && *reserved_.begin() < seq) {
-    // A SUBMIT before it is reserved and not given yet (a device copy-in still running): it waits here.
+  if (!in_window_locked(seq)) {
+    // A SUBMIT at least the window before it is reserved and not given yet (a device copy-in still
+    // running): the daemon would refuse it, so it waits here.
     std::array<std::uint8_t, kHeaderSize> f{};
     std::memcpy(f.data(), frame, kHeaderSize);
     queued_.emplace(seq, f);
     return RingWait::kReady;
   }
-  // Nothing before it waits (queued ones all follow a reserved one): it goes, then those queued
-  // after it, up to the next one still reserved.
+  // Within the window: it goes, then those queued that the window takes now.
   const RingWait r = push_locked(frame, timeout_ns, spin_ns);
   if (r != RingWait::kReady) return r;
   submits_pushed_.fetch_add(1, std::memory_order_release);
   return drain_locked(timeout_ns, spin_ns);
 }
 
+bool WorkerChannel::in_window_locked(std::uint64_t seq) const {
+  std::uint64_t low = seq;
+  if (!reserved_.empty() && *reserved_.begin() < low) low = *reserved_.begin();
+  if (!queued_.empty() && queued_.begin()->first < low) low = queued_.begin()->first;
+  return seq - low < kSubmitWindow;
+}
+
 RingWait WorkerChannel::drain_locked(std::int64_t timeout_ns, std::int64_t spin_ns) {
-  while (!queued_.empty() && (reserved_.empty() || queued_.begin()->first < *reserved_.begin())) {
+  // (The lowest queued first: if the window does not take it, it takes none after it.)
+  while (!queued_.empty() && in_window_locked(queued_.begin()->first)) {
     const auto it = queued_.begin();
     const RingWait r = push_locked(it->second.data(), timeout_ns, spin_ns);
     if (r != RingWait::kReady) return r;
@@ -331,7 +339,7 @@ RingWait WorkerChannel::try_push(const std::uint8_t* header) {
     std::unique_lock<std::mutex> lock(push_mu_, std::try_to_lock);
     // Only a push that goes on the ring alone: one that waits for, or carries, queued SUBMITs is
     // push()'s, which has a timeout for their room.
-    if (lock.owns_lock() && queued_.empty() && (!submit || reserved_.empty() || *reserved_.begin() >= h.seq)) {
+    if (lock.owns_lock() && queued_.empty() && (!submit || in_window_locked(h.seq))) {
       // (Not past kMaxInFlight: that wait is push()'s, which takes DONEs meanwhile.)
       if (!submit || in_flight() < kMaxInFlight) r = push_locked(header, 0, 0);
       if (submit && r == RingWait::kReady) {
@@ -633,8 +641,8 @@ FastEnd WorkerChannel::start(Arena& arena, const Source* src, std::size_t n, Hea
           stream_block_->in_ring.store(slot->nbytes, std::memory_order_release);
           stream_block_->in_seq.store(submit->seq, std::memory_order_release);
         }
-        // Behind a reserved SUBMIT not on the ring yet (a device copy-in still running) it waits
-        // here, and goes the moment the last reserved one before it does (submit_locked).
+        // It goes at once unless it is the window past a reserved SUBMIT not on the ring yet (a
+        // device copy-in still running): then it waits here until the window takes it (submit_locked).
         const RingWait r = submit_locked(submit->seq, frame.data(), timeout_ns, spin_ns);
         if (r == RingWait::kReady) {
           if (queued_.count(submit->seq)) queued_starts_++;

@@ -8,10 +8,14 @@
 // SEGMENT before the first DONE that names it, so neither side ever waits for a segment. The
 // daemon's side is the plane's WorkerPort (worker_port.h).
 //
-// Sequence numbers are the channel's, handed out in ring order (reserve for the general way; start
-// takes the next as it pushes, or as it queues behind reserved ones not on the ring yet), and so are
-// input slots (alloc: a new segment's ATTACH under the same push lock as the slot, ahead of any
-// SUBMIT that names it): no caller's lock orders the ring.
+// Sequence numbers are the channel's, handed out in call order (reserve for the general way, and
+// reserve_fast for a device collective, whose SUBMIT is given once its copy lands; start takes the
+// next as it pushes). A SUBMIT goes on the ring as soon as it is given, out of sequence order, as
+// long as it is less than kSubmitWindow past the lowest number not on the ring yet (the daemon's
+// rule, docs/protocol.md): a host collective started after a device one whose copy-in is still
+// running does not wait for it. One further on waits in the channel until the window has moved up
+// to it. Input slots are the channel's too (alloc: a new segment's ATTACH under the same push lock
+// as the slot, ahead of any SUBMIT that names it): no caller's lock orders the ring.
 //
 // Every collective the client starts is the fast path's, on one table (`fast_`), and the done
 // ring has two kinds of takers, one popping at a time:
@@ -302,7 +306,7 @@ class WorkerChannel {
   // a SUBMIT that is not such a number's, was given already, or does not encode.
   // *backlog (if given) is set when it timed out waiting for earlier collectives' DONEs (make_room).
   RingWait give(const Header& submit, std::int64_t timeout_ns, std::int64_t spin_ns, bool* backlog = nullptr);
-  // How many fast starts waited behind a reserved SUBMIT so far.
+  // How many fast starts waited in the channel so far (kSubmitWindow past a reserved SUBMIT).
   std::uint64_t queued_starts();
   // No fast collective starts from now on (start() answers kHeld): the client is shutting down,
   // and its BYE must be the last descriptor.
@@ -466,13 +470,16 @@ class WorkerChannel {
   RingWait attach_locked(const Segment& seg, std::uint32_t rank, std::int64_t timeout_ns, std::int64_t spin_ns);
   RingWait alloc_locked(Arena& arena, std::uint64_t nbytes, std::uint32_t rank, std::int64_t timeout_ns,
                         std::int64_t spin_ns, Slot* slot, std::shared_ptr<Segment>* fresh, std::string* arena_why);
-  // With push_mu_ held: SUBMIT `seq` (`frame`) given, reserved no more. It goes on the ring now if no
-  // SUBMIT before it is still reserved (and those queued after it, up to the next one reserved,
+  // With push_mu_ held: SUBMIT `seq` (`frame`) given, reserved no more. It goes on the ring now if
+  // it is within the window (in_window_locked; and then those queued that the window now takes
   // follow it), else it waits in queued_.
   RingWait submit_locked(std::uint64_t seq, const std::uint8_t* frame, std::int64_t timeout_ns, std::int64_t spin_ns);
-  // With push_mu_ held: the queued SUBMITs before the first one still reserved go, in order.
+  // With push_mu_ held: the queued SUBMITs the window takes go, in order.
   RingWait drain_locked(std::int64_t timeout_ns, std::int64_t spin_ns);
-  // SUBMITs given while a reserved one before them was not: seq -> frame, pushed in seq order.
+  // With push_mu_ held: whether SUBMIT `seq` is less than kSubmitWindow past the lowest number not
+  // on the ring yet (reserved and not given, or queued here; `seq` itself counts as not on it).
+  bool in_window_locked(std::uint64_t seq) const;
+  // SUBMITs given past the window: seq -> frame, pushed in seq order as the window moves up.
   std::map<std::uint64_t, std::array<std::uint8_t, kHeaderSize>> queued_;
   std::uint64_t queued_starts_ = 0;  // how many ever waited there (queued_starts())
   std::atomic<std::uint64_t> submits_pushed_{0};  // SUBMITs on the ring so far (written with push_mu_ held)

@@ -37,6 +37,7 @@ NodeState::NodeState(const Topology& topo, std::vector<std::string> node_names, 
   rank_names_.resize(topo.local_size);
   senders_ = rank_names_;
   next_seq_.assign(topo.local_size, 1);  // sequence numbers start at 1 (docs/protocol.md)
+  ahead_.assign(topo.local_size, {});
   said_bye_.assign(topo.local_size, false);
   left_early_.assign(topo.local_size, std::string());
   peer_bye_.assign(topo.nnodes, false);
@@ -92,10 +93,23 @@ Verdict NodeState::submit(std::uint32_t local, const Spec& spec, std::shared_ptr
   if (local >= topo_.local_size) return fail(Fault::kProtocol, "local rank " + std::to_string(local) + " out of range");
   const std::string& who = senders_[local];
   if (said_bye_[local]) return fail(Fault::kProtocol, who + " submitted collective #" + std::to_string(spec.seq) + " after BYE");
-  if (spec.seq != next_seq_[local])
+  const std::uint64_t next = next_seq_[local];
+  if (spec.seq < next || ahead_[local].count(spec.seq))
+    return fail(Fault::kProtocol, who + " submitted collective #" + std::to_string(spec.seq) + " twice");
+  if (spec.seq - next >= kSubmitWindow)
     return fail(Fault::kProtocol, who + " submitted collective #" + std::to_string(spec.seq) + ", expected #" +
-                                      std::to_string(next_seq_[local]));
-  next_seq_[local]++;
+                                      std::to_string(next) + " to #" + std::to_string(next + kSubmitWindow - 1));
+  if (spec.seq == next) {
+    std::uint64_t n = next + 1;
+    std::set<std::uint64_t>& ahead = ahead_[local];
+    while (!ahead.empty() && *ahead.begin() == n) {
+      ahead.erase(ahead.begin());
+      n++;
+    }
+    next_seq_[local] = n;
+  } else {
+    ahead_[local].insert(spec.seq);
+  }
   std::shared_ptr<Collective> c;
   Verdict v = op_for(spec, who, &c, created);
   if (!v.ok()) return v;
@@ -128,6 +142,10 @@ bool NodeState::send_finished(std::uint64_t seq) {
 Verdict NodeState::rank_said_bye(std::uint32_t local) {
   if (local >= topo_.local_size) return fail(Fault::kProtocol, "local rank " + std::to_string(local) + " out of range");
   said_bye_[local] = true;
+  if (!ahead_[local].empty())
+    return fail(Fault::kProtocol, senders_[local] + " said BYE without submitting collective #" +
+                                      std::to_string(next_seq_[local]) + ", though it submitted #" +
+                                      std::to_string(*ahead_[local].rbegin()));
   // The lowest sequence number first: the collective the rank skipped or stopped before.
   for (const auto& [seq, op] : ops_)
     if (!op.c->done() && !op.c->submitted_by(local))

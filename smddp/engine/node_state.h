@@ -3,7 +3,9 @@
 //
 // A collective is created at its first sight, from a local rank's SUBMIT or a peer's frame; every
 // later sight must carry the same fingerprint (kind, dtype, count, reduce op, root), or the job has
-// a mismatch, named with who called what. Each local rank submits in sequence order. A rank or node
+// a mismatch, named with who called what. Each local rank submits every sequence number once, each
+// less than kSubmitWindow past the lowest it has not submitted yet (a device collective's SUBMIT goes
+// when its copy lands, and later ones need not wait for it), and none missing at its BYE. A rank or node
 // that said BYE, or a rank whose process ended without joining, fails every collective that still
 // needs it, at once, instead of leaving the others to wait for their timeout. Verdicts name the
 // fault and say why in the words every rank then prints; the driver turns them into smddp.errors.
@@ -14,6 +16,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -44,7 +47,8 @@ class NodeState {
 
   // The collective `spec` names, seen from `who`: found (same fingerprint), or created (*created).
   Verdict op_for(const Spec& spec, const std::string& who, std::shared_ptr<Collective>* out, bool* created);
-  // Local rank `local` submitted `spec`: in sequence order, then op_for and the collective's submit.
+  // Local rank `local` submitted `spec`: a number it has not submitted, within its window (above),
+  // then op_for and the collective's submit.
   Verdict submit(std::uint32_t local, const Spec& spec, std::shared_ptr<Collective>* out, bool* created,
                  bool* all_in);
   // Local rank `local` copied the result of `seq` out; *retire: it left the table (free its memory).
@@ -52,7 +56,8 @@ class NodeState {
   // A frame of `seq` left for a peer; returns whether it left the table (free its memory).
   bool send_finished(std::uint64_t seq);
 
-  // Local rank `local` said BYE: a collective still waiting for its input fails (a mismatch).
+  // Local rank `local` said BYE: a number it skipped is a protocol error; a collective still waiting
+  // for its input fails (a mismatch).
   Verdict rank_said_bye(std::uint32_t local);
   // Every rank of peer node `j` said BYE (its daemon's BYE): a collective still waiting for a frame
   // from it fails (a mismatch).
@@ -81,7 +86,8 @@ class NodeState {
   std::vector<std::string> node_names_;
   std::vector<std::string> rank_names_;
   std::vector<std::string> senders_;  // local rank i as its frames name it (name_rank)
-  std::vector<std::uint64_t> next_seq_;  // local rank i submits next_seq_[i] next
+  std::vector<std::uint64_t> next_seq_;  // the lowest number local rank i has not submitted
+  std::vector<std::set<std::uint64_t>> ahead_;  // those above it that it has (fewer than kSubmitWindow)
   std::vector<bool> said_bye_;
   std::vector<std::string> left_early_;  // why local rank i is gone without joining ("" if not)
   std::vector<bool> peer_bye_;

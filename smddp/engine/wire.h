@@ -30,6 +30,7 @@ inline constexpr std::size_t kOffCount = 48;
 inline constexpr std::uint64_t kMaxControlPayload = 65536;
 inline constexpr std::uint64_t kMaxReportPayload = 1048576;
 inline constexpr std::uint64_t kMaxDataPayload = 268435456ull;
+inline constexpr std::uint64_t kSubmitWindow = 128;
 
 enum class Msg : std::uint8_t {
   kChallenge = 1,

@@ -46,6 +46,10 @@ MAX_CONTROL_PAYLOAD = 64 * 1024
 MAX_REPORT_PAYLOAD = 1 << 20
 # A data frame never carries more than one pipelining chunk; this is the hard ceiling.
 MAX_DATA_PAYLOAD = 256 * 1024 * 1024
+# A worker's SUBMITs may reach its daemon out of sequence order, each at most this far past the
+# lowest it has not sent yet: a device collective's goes once its copy to the host lands, and the
+# collectives after it do not wait for it (docs/protocol.md, "Sequence numbers").
+SUBMIT_WINDOW = 128
 
 
 class MsgType(enum.IntEnum):

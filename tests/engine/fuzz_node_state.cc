@@ -6,6 +6,7 @@
 // not yet dropped.
 #include <cstdio>
 #include <map>
+#include <set>
 #include <memory>
 
 #include "fuzz.h"
@@ -43,7 +44,10 @@ bool round(fuzz::Rng& r, std::uint64_t seed) {
   t.replicate_bytes = r.pick(1 << 14);
   smddp::NodeState table(t, {"node 0", "node 1"}, {"rank 0"});  // fewer names than nodes and ranks: padded
   std::map<std::uint64_t, std::shared_ptr<smddp::Collective>> live;  // what the table should hold
+  // Each rank's numbers as the table should take them: every one once, within the window above the
+  // lowest it has not submitted (next), none after its BYE.
   std::vector<std::uint64_t> next(t.local_size, 1);
+  std::vector<std::set<std::uint64_t>> ahead(t.local_size);
   std::vector<bool> bye(t.local_size, false);
   for (int step = 0; step < 96; step++) {
     const std::uint32_t local = static_cast<std::uint32_t>(r.pick(t.local_size + 1));
@@ -56,10 +60,16 @@ bool round(fuzz::Rng& r, std::uint64_t seed) {
       case 0:
       case 1: {
         const smddp::Spec s = random_spec(r, local < t.local_size && r.next() % 2 ? next[local] : seq);
-        const bool expected_order = local < t.local_size && s.seq == next[local] && !bye[local];
+        const bool in_window = local < t.local_size && !bye[local] && s.seq >= next[local] &&
+                               s.seq - next[local] < smddp::kSubmitWindow && !ahead[local].count(s.seq);
         v = table.submit(local, s, &c, &created, &flag);
-        if (local < t.local_size && s.seq == next[local] && !bye[local]) next[local]++;
-        if (v.ok() && !expected_order) return fail("a submit out of order was accepted", seed);
+        if (in_window) {  // (taken as submitted before anything else is checked)
+          ahead[local].insert(s.seq);
+          while (ahead[local].count(next[local])) ahead[local].erase(next[local]++);
+        }
+        if (v.ok() && !in_window) return fail("a submit outside its window, or twice, was accepted", seed);
+        if (!v.ok() && in_window && v.why.find("twice") != std::string::npos)
+          return fail("a submit within its window was refused as a second one", seed);
         break;
       }
       case 2:

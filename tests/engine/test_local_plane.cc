@@ -536,8 +536,9 @@ void shared_channel() {
         heads[b] = h;
         check(smddp::encode_header(h, frames[b].data()).empty(), "encode");
       }
-      // Given last first: the channel puts them on the ring in sequence order (the plane fails a
-      // rank whose SUBMITs come out of order), the fast thread's starts meanwhile behind them.
+      // Given last first: the channel puts each on the ring as it is given, out of sequence order
+      // within the window the plane takes them in (it fails a rank whose SUBMIT is past it, or sent
+      // twice), the fast thread's starts meanwhile too (those past the window wait in the channel).
       for (int b = kBatch - 1; b >= 0; b--) {
         const smddp::RingWait r = held ? ch->give(heads[b], 10 * kSecond, 0)
                                        : ch->push(frames[b].data(), 10 * kSecond, 0);
@@ -614,7 +615,7 @@ void shared_channel() {
   for (std::uint32_t i = 0; i < kWorkers; i++) check(arenas[i]->in_use() == kept[i].size() * 1216, "fast slots freed");
   std::uint64_t queued = 0;
   for (std::uint32_t i = 0; i < kWorkers; i++) queued += rig.channels[i]->queued_starts();
-  std::printf("shared_channel: %llu fast starts waited behind a reserved SUBMIT\n",
+  std::printf("shared_channel: %llu fast starts waited in the channel, past the window\n",
               static_cast<unsigned long long>(queued));
   rig.plane.close();
 }

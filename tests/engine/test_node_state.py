@@ -10,6 +10,7 @@ from smddp_rigs import _engine_testing
 
 from smddp.errors import CollectiveMismatchError, PeerLostError, ProtocolError
 from smddp.proto.dtypes import DType, Kind, ReduceOp
+from smddp.proto.frames import SUBMIT_WINDOW
 
 
 def describe(kind: Kind, dtype: DType, count: int, op: ReduceOp | None, root: int) -> str:
@@ -66,13 +67,40 @@ def test_first_sight_creates_and_every_rank_joins_it():
     assert t.op_for(*spec(2), "node 1") is None
 
 
-def test_sequence_order_per_rank():
+def test_each_rank_submits_each_number_once_within_its_window():
+    """A rank's SUBMITs may come out of order (a device collective's goes once its copy lands, and the
+    ones after it do not wait), each number once, less than the window past the lowest it has not
+    sent: one further on, or one sent again, is a protocol error naming the rank and the number."""
+    w = SUBMIT_WINDOW  # (the engine's kSubmitWindow is generated from it: wire.h)
     t = table()
-    with pytest.raises(ProtocolError, match=r"rank 0 \(pid 100\) submitted collective #2, expected #1"):
-        t.submit(0, *spec(2))
-    t.submit(0, *spec(1))
-    with pytest.raises(ProtocolError, match="submitted collective #1, expected #2"):
+    with pytest.raises(
+        ProtocolError, match=rf"rank 0 \(pid 100\) submitted collective #{w + 1}, expected #1 to #{w}"
+    ):
+        t.submit(0, *spec(w + 1))
+    t = table()
+    t.submit(0, *spec(3))  # ahead of #1 and #2, within the window
+    t.submit(0, *spec(w))  # the window's far end
+    with pytest.raises(ProtocolError, match=r"rank 0 \(pid 100\) submitted collective #3 twice"):
+        t.submit(0, *spec(3))
+    t = table()
+    for seq in (2, 1, 3):
+        t.submit(0, *spec(seq))
+    with pytest.raises(ProtocolError, match="submitted collective #1 twice"):
         t.submit(0, *spec(1))
+    t.submit(0, *spec(3 + w))  # #1 to #3 are in: the window starts at #4 now
+    with pytest.raises(ProtocolError, match=rf"submitted collective #{4 + w}, expected #4 to #{3 + w}"):
+        t.submit(0, *spec(4 + w))
+
+
+def test_a_rank_that_said_bye_with_a_number_missing_is_a_protocol_error():
+    t = table()
+    t.submit(0, *spec(1))
+    t.submit(0, *spec(3))
+    with pytest.raises(
+        ProtocolError,
+        match=r"rank 0 \(pid 100\) said BYE without submitting collective #2, though it submitted #3",
+    ):
+        t.rank_said_bye(0)
 
 
 @pytest.mark.parametrize(

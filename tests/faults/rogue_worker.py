@@ -11,6 +11,7 @@ import numpy as np
 
 import smddp
 from smddp.proto import DType, Header, Kind, MsgType, ReduceOp
+from smddp.proto.frames import SUBMIT_WINDOW
 
 ROGUE_FRAMES = {
     # a slot far outside the segment it names: must never be read or written
@@ -36,10 +37,11 @@ ROGUE_FRAMES = {
         op=ReduceOp.SUM,
         kind=Kind.ALLREDUCE,
     ),
-    "skipped sequence number": lambda rank: Header(
+    # a SUBMIT further on than the window its daemon takes them in (docs/protocol.md)
+    "a number past the window": lambda rank: Header(
         MsgType.SUBMIT,
         sender=rank,
-        seq=9,
+        seq=SUBMIT_WINDOW + 9,
         shard=0,
         offset=0,
         count=10,

@@ -15,7 +15,7 @@ WORKER = str(Path(__file__).parent / "rogue_worker.py")
 FRAMES = [
     "out of bounds",
     "unknown segment",
-    "skipped sequence number",
+    "a number past the window",
     "an attach without its fd",
     "another rank's name",
     "release of nothing",
