@@ -873,10 +873,11 @@ class Client:
         in line on `stream`, this thread waiting for it and sending the SUBMIT, taking the DONE and
         enqueuing the copy back in line on `stream` too (the engine, in this wait). Returns its
         record, complete: the caller's later work on `stream` is ordered after its copy back already
-        (a host that reads the buffer next waits for that copy: its synchronize()). The same record, copies and RELEASE as submit() and DeviceHandle.wait(), without
-        their hand-offs: nothing is handed to another thread but the RELEASE, which the engine's
-        device watch sends once the copy back has landed (issue 28: a 4 KiB call's Python there was
-        most of its time beyond the copies).
+        (a host that reads the buffer next waits for that copy: its synchronize()). The same record,
+        copies and RELEASE as submit() and DeviceHandle.wait(), without their hand-offs: nothing is
+        handed to another thread but the RELEASE, which the engine's device watch sends once the copy
+        back has landed (issue 28: a 4 KiB call's Python there was most of its time beyond the
+        copies).
 
         Raises as a wait does. A copy-in not complete within `timeout` leaves its SUBMIT to the
         engine (given once the copy lands); the wait times out then, and its result is dropped."""

@@ -406,7 +406,6 @@ class WorkerChannel {
     (to_host ? counts_->d2h_bytes : counts_->h2d_bytes).fetch_add(nbytes, std::memory_order_relaxed);
     (to_host ? counts_->d2h_copies : counts_->h2d_copies).fetch_add(1, std::memory_order_relaxed);
   }
-  const DeviceCounts& device_counts() const { return *counts_; }
 
   // The timeline: while on, every fast collective that completes here leaves its phases
   // (ChannelTrace) until take_traces().

@@ -11,6 +11,25 @@ namespace {
 
 std::string num(std::uint64_t v) { return std::to_string(v); }
 
+// Destroys an event the engine owns, on whichever thread lets go of its owner last (a watch's, a
+// collector's), with `device`'s context current for the call.
+void destroy_event(cuda::Driver& d, int device, cuda::Event ev) {
+  cuda::Bound bound(d, device);
+  if (bound.result() == cuda::kSuccess) (void)d.api().event_destroy(ev);
+}
+
+// A new event recorded on `stream` (the current context's) into *ev; on failure none is left and
+// *call names the driver call that failed.
+cuda::Result record_new_event(const cuda::Api& api, cuda::Stream stream, cuda::Event* ev, const char** call) {
+  *call = "cuEventCreate";
+  cuda::Result r = api.event_create(ev, cuda::kEventDisableTiming);
+  if (r != cuda::kSuccess) return r;
+  *call = "cuEventRecord";
+  r = api.event_record(*ev, stream);
+  if (r != cuda::kSuccess) (void)api.event_destroy(*ev);
+  return r;
+}
+
 }  // namespace
 
 // ----------------------------------------------------------------------------------- DeviceMark
@@ -18,10 +37,7 @@ std::string num(std::uint64_t v) { return std::to_string(v); }
 DeviceMark::DeviceMark(std::shared_ptr<cuda::Driver> driver, int device, cuda::Event event)
     : driver_(std::move(driver)), device_(device), event_(event) {}
 
-DeviceMark::~DeviceMark() {
-  cuda::Bound bound(*driver_, device_);
-  if (bound.result() == cuda::kSuccess) (void)driver_->api().event_destroy(event_);
-}
+DeviceMark::~DeviceMark() { destroy_event(*driver_, device_, event_); }
 
 // ------------------------------------------------------------------------------------ DeviceOut
 
@@ -37,10 +53,7 @@ DeviceOut::DeviceOut(DevicePath* path, int device, std::uintptr_t stream, std::s
 
 DeviceOut::~DeviceOut() {
   cuda::Event done = done_.load(std::memory_order_acquire);
-  if (done == nullptr) return;
-  // (on whichever thread lets go last: the watch's, or a caller's dropping its record)
-  cuda::Bound bound(*driver_, device_);
-  if (bound.result() == cuda::kSuccess) (void)driver_->api().event_destroy(done);
+  if (done != nullptr) destroy_event(*driver_, device_, done);
 }
 
 void DeviceOut::arrived(const Header& submit, const std::uint8_t* result, const Located& at,
@@ -76,15 +89,7 @@ void DeviceOut::arrived(const Header& submit, const std::uint8_t* result, const 
     if (parts_[i].nbytes > 0) r = api.memcpy_h2d(parts_[i].dst, result + parts_[i].offset, parts_[i].nbytes, stream);
   }
   cuda::Event done = nullptr;
-  if (r == cuda::kSuccess) {
-    call = "cuEventCreate";
-    r = api.event_create(&done, cuda::kEventDisableTiming);
-  }
-  if (r == cuda::kSuccess) {
-    call = "cuEventRecord";
-    r = api.event_record(done, stream);
-    if (r != cuda::kSuccess) (void)api.event_destroy(done);
-  }
+  if (r == cuda::kSuccess) r = record_new_event(api, stream, &done, &call);
   if (r != cuda::kSuccess) {
     *why = what + d.describe(r, call);
     return;
@@ -129,10 +134,7 @@ cuda::Result DeviceOut::synchronize() {
 DeviceIn::DeviceIn(std::shared_ptr<cuda::Driver> driver, int device, cuda::Event copied, std::shared_ptr<Segment> seg)
     : driver_(std::move(driver)), device_(device), copied_(copied), seg_(std::move(seg)) {}
 
-DeviceIn::~DeviceIn() {
-  cuda::Bound bound(*driver_, device_);
-  if (bound.result() == cuda::kSuccess) (void)driver_->api().event_destroy(copied_);
-}
+DeviceIn::~DeviceIn() { destroy_event(*driver_, device_, copied_); }
 
 cuda::Result DeviceIn::query() { return driver_->api().event_query(copied_); }
 
@@ -183,13 +185,8 @@ std::shared_ptr<DeviceMark> DevicePath::mark(int device, std::uintptr_t stream, 
     return nullptr;
   }
   cuda::Event ev = nullptr;
-  const char* call = "cuEventCreate";
-  cuda::Result r = api.event_create(&ev, cuda::kEventDisableTiming);
-  if (r == cuda::kSuccess) {
-    call = "cuEventRecord";
-    r = api.event_record(ev, cuda::stream_of(stream));
-    if (r != cuda::kSuccess) (void)api.event_destroy(ev);
-  }
+  const char* call = nullptr;
+  const cuda::Result r = record_new_event(api, cuda::stream_of(stream), &ev, &call);
   if (r != cuda::kSuccess) {
     *why = "an event on the caller's stream of cuda:" + std::to_string(device) + ": " + d.describe(r, call);
     return nullptr;

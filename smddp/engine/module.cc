@@ -1160,6 +1160,14 @@ Mark device_engine_mark(DeviceEngine& e, long long device, std::uintptr_t stream
   return Mark{std::move(m)};
 }
 
+// The engine's mark `before` is (None: nullptr), refused (ValueError) when it is another device's:
+// `what`'s copies on `device` could not wait for it.
+std::shared_ptr<smddp::DeviceMark> mark_on(const Mark* before, long long device, const char* what) {
+  if (before == nullptr) return nullptr;
+  if (before->mark->device() != device) raise_error(Err::kValue, std::string(what) + ": a mark of another device");
+  return before->mark;
+}
+
 // Whether `stream` of `device` is capturing a CUDA graph (DeviceError naming the driver's refusal).
 bool device_engine_capturing(DeviceEngine& e, long long device, std::uintptr_t stream) {
   require_device(device);
@@ -1208,7 +1216,7 @@ CopyIn device_engine_copy_in(nb::handle self, DeviceEngine& e, smddp::Arena& are
                              std::uintptr_t stream, const Mark* before) {
   require_device(device);
   if (offset < 0 || nbytes < 0) raise_error(Err::kValue, "copy_in: a negative offset or size");
-  if (before != nullptr && before->mark->device() != device) raise_error(Err::kValue, "copy_in: a mark of another device");
+  const std::shared_ptr<smddp::DeviceMark> mark = mark_on(before, device, "copy_in");
   SegmentPtr seg = arena_segment(arena, segment);
   if (!seg) raise_error(Err::kValue, "copy_in: the arena has no segment " + std::to_string(segment));
   if (static_cast<std::uint64_t>(offset) > seg->size() ||
@@ -1218,7 +1226,7 @@ CopyIn device_engine_copy_in(nb::handle self, DeviceEngine& e, smddp::Arena& are
   std::shared_ptr<smddp::DeviceIn> in;
   {
     nb::gil_scoped_release unlocked;
-    in = e.path->copy_in(static_cast<int>(device), stream, before != nullptr ? before->mark.get() : nullptr, seg,
+    in = e.path->copy_in(static_cast<int>(device), stream, mark.get(), seg,
                          static_cast<std::uint64_t>(offset), src, static_cast<std::uint64_t>(nbytes), &why);
   }
   if (!in) raise_error(Err::kDevice, why);
@@ -1268,7 +1276,7 @@ void device_engine_deliver_to(nb::handle self, DeviceEngine& e, StartedSelf rec,
   if (s.channel != e.channel) raise_error(Err::kValue, "deliver_to: a record of another channel");
   if (!s.out.hold || s.out.sink) raise_error(Err::kValue, "deliver_to: a held record (reserve_record), once");
   require_device(device);
-  if (before != nullptr && before->mark->device() != device) raise_error(Err::kValue, "deliver_to: a mark of another device");
+  std::shared_ptr<smddp::DeviceMark> mark = mark_on(before, device, "deliver_to");
   std::vector<smddp::DeviceOut::Part> ps;
   ps.reserve(parts.size());
   for (const auto& [dst, offset, nbytes] : parts) {
@@ -1280,7 +1288,7 @@ void device_engine_deliver_to(nb::handle self, DeviceEngine& e, StartedSelf rec,
   const std::uint64_t token = e.next_token++;
   e.holds[nb::int_(token)] = nb::borrow(hold);
   auto out = std::make_shared<smddp::DeviceOut>(e.path.get(), static_cast<int>(device), stream,
-                                                before != nullptr ? before->mark : nullptr, std::move(ps), token);
+                                                std::move(mark), std::move(ps), token);
   s.device = out;
   s.device_engine = nb::borrow(self);
   s.out.sink = std::move(out);

@@ -99,16 +99,12 @@ Verdict NodeState::submit(std::uint32_t local, const Spec& spec, std::shared_ptr
   if (spec.seq - next >= kSubmitWindow)
     return fail(Fault::kProtocol, who + " submitted collective #" + std::to_string(spec.seq) + ", expected #" +
                                       std::to_string(next) + " to #" + std::to_string(next + kSubmitWindow - 1));
-  if (spec.seq == next) {
-    std::uint64_t n = next + 1;
-    std::set<std::uint64_t>& ahead = ahead_[local];
-    while (!ahead.empty() && *ahead.begin() == n) {
-      ahead.erase(ahead.begin());
-      n++;
-    }
-    next_seq_[local] = n;
-  } else {
-    ahead_[local].insert(spec.seq);
+  // Taken; the lowest not submitted moves up past every number now in.
+  std::set<std::uint64_t>& ahead = ahead_[local];
+  ahead.insert(spec.seq);
+  while (!ahead.empty() && *ahead.begin() == next_seq_[local]) {
+    ahead.erase(ahead.begin());
+    next_seq_[local]++;
   }
   std::shared_ptr<Collective> c;
   Verdict v = op_for(spec, who, &c, created);
