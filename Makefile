@@ -86,7 +86,7 @@ ENGINE_CORE := smddp/engine/frame.cc smddp/engine/layout.cc smddp/engine/reduce1
   smddp/engine/node_state.cc smddp/engine/arena.cc smddp/engine/fdpass.cc \
   smddp/engine/tcp_fabric.cc smddp/engine/ofi_fabric.cc smddp/engine/ofi_wire.cc smddp/engine/ring.cc smddp/engine/channel.cc \
   smddp/engine/executor.cc smddp/engine/exchange.cc smddp/engine/worker_port.cc smddp/engine/local_plane.cc \
-  smddp/engine/cuda_driver.cc smddp/engine/device_watch.cc smddp/engine/device_path.cc
+  smddp/engine/cuda_driver.cc smddp/engine/device_watch.cc smddp/engine/device_path.cc smddp/engine/device_step.cc
 # Each driver's own bounded run under ASan+UBSan and under TSan (the coverage-guided libFuzzer runs of
 # engine-fuzz go deeper; `make fuzz` longer still).
 FUZZ_SECONDS ?= 4
@@ -111,10 +111,10 @@ SAN_BINS := $(foreach b,$(FUZZERS) $(ENGINE_TESTS),$(SAN_DIR)/$(b)-asan $(SAN_DI
 # The stand-in CUDA driver (rigs/smddp_rigs/standin_cuda.cc), built with each sanitizer, so that its
 # stream threads are watched as the engine's are; test_device_watch loads it (SMDDP_STANDIN_CUDA).
 STANDIN_CUDA := $(SAN_DIR)/libstandin_cuda-asan.so $(SAN_DIR)/libstandin_cuda-tsan.so
-$(SAN_DIR)/libstandin_cuda-asan.so: rigs/smddp_rigs/standin_cuda.cc Makefile
+$(SAN_DIR)/libstandin_cuda-asan.so: rigs/smddp_rigs/standin_cuda.cc smddp/engine/fold_args.h Makefile
 	@mkdir -p $(@D)
 	g++ $(SAN_FLAGS) $(SAN_ASAN) -shared $< -o $@
-$(SAN_DIR)/libstandin_cuda-tsan.so: rigs/smddp_rigs/standin_cuda.cc Makefile
+$(SAN_DIR)/libstandin_cuda-tsan.so: rigs/smddp_rigs/standin_cuda.cc smddp/engine/fold_args.h Makefile
 	@mkdir -p $(@D)
 	g++ $(SAN_FLAGS) $(SAN_TSAN) -shared $< -o $@
 $(SAN_DIR)/%-asan: tests/engine/%.cc $(ASAN_OBJS) $(wildcard tests/engine/*.h)
@@ -204,7 +204,9 @@ SAN_JOBS := 'tests/multiprocess/test_collectives.py::test_every_collective_bit_e
   "tests/faults/test_rogue.py::test_invalid_frame_from_an_authenticated_worker[unknown segment]" \
   "tests/faults/test_rogue.py::test_invalid_frame_from_an_authenticated_worker[a number past the window]" \
   "tests/faults/test_rogue.py::test_invalid_frame_from_an_authenticated_worker[an attach without its fd]" \
-  tests/faults/test_faults.py::test_worker_killed_mid_collective
+  tests/faults/test_faults.py::test_worker_killed_mid_collective \
+  'tests/gpu/test_step.py::test_the_node_all_reduce_is_the_host_paths_bits[4-devices]' \
+  tests/gpu/test_step.py::test_an_interprocess_event_holds_another_process_s_stream_until_reached
 # Under TSan (5-15x slower) the jobs whose threads meet: the rings and the fabric with pipelined
 # pieces on 2 nodes over TCP, a worker killed in the middle of a collective (the ofi fabric's
 # threads are TSan's in engine-sanitize's test_ofi_fabric), and the device path: every collective
@@ -213,7 +215,8 @@ SAN_JOBS_TSAN := 'tests/multiprocess/test_collectives.py::test_both_reduce_paths
   $(SAN_COPY_INS) \
   tests/faults/test_faults.py::test_worker_killed_mid_collective \
   'tests/gpu/test_standin.py::test_every_collective_on_device_buffers[W2-N1-dlpack]' \
-  tests/gpu/test_standin.py::test_six_hundred_device_and_host_collectives_in_flight
+  tests/gpu/test_standin.py::test_six_hundred_device_and_host_collectives_in_flight \
+  'tests/gpu/test_step.py::test_the_node_all_reduce_is_the_host_paths_bits[2-devices]'
 # What CI leaves out (make engine-sanitize-jobs-long): the rogue frames that only a decoder refuses
 # (the fuzzers' ground), and the ofi job under TSan.
 SAN_JOBS_MORE := "tests/faults/test_rogue.py::test_invalid_frame_from_an_authenticated_worker[another rank's name]" \
@@ -260,6 +263,13 @@ wheels: $(STAMP)
 .PHONY: wire-header
 wire-header: $(STAMP)
 	$(BIN)/python -m smddp_rigs.wire_header
+
+# The GPU step's kernels (smddp/engine/kernels.cu) built to PTX into kernels_ptx.h, which the engine
+# embeds: neither its build nor an install needs a CUDA toolkit (tests/unit/test_kernels_ptx.py fails
+# when the header is stale).
+.PHONY: ptx
+ptx: $(STAMP)
+	$(BIN)/python -m smddp_rigs.kernels_ptx
 
 # smddp/_engine.pyi and rigs/smddp_rigs/_engine_testing.pyi, the engine's stubs, generated from its bindings (nanobind's stubgen, at the version
 # the build pins); tests/unit/test_engine_faces.py regenerates them and fails while the committed

@@ -115,6 +115,7 @@ extensions = [
             "smddp/engine/cuda_driver.cc",
             "smddp/engine/device_watch.cc",
             "smddp/engine/device_path.cc",
+            "smddp/engine/device_step.cc",
             "smddp/engine/module.cc",
             *NB_SOURCES,
         ],

@@ -71,6 +71,8 @@ if sys.platform.startswith("linux"):
         Extension(
             "smddp_rigs._standin_cuda",
             ["smddp_rigs/standin_cuda.cc"],
+            include_dirs=[ENGINE],  # fold_args.h: the kernels' argument layout
+            depends=[f"{ENGINE}/fold_args.h"],
             language="c++",
             extra_compile_args=["-std=c++17", "-O2", "-Wall", "-Wextra", "-Wshadow", "-Werror", "-pthread"],
             extra_link_args=["-pthread"],

@@ -738,6 +738,56 @@ class DeviceEngine:
         End every watch (nothing is given or RELEASEd from now on); unpin: and let go of the result segments' page-locking (only once nothing copies from them).
         """
 
+class StepDone:
+    """A node collective's end on the device (DeviceStep.allreduce)."""
+
+    def done(self) -> bool:
+        """Whether it has ended; DeviceError for one that failed on the device."""
+
+    def wait(self, timeout_s: float) -> bool:
+        """
+        Wait (polled, GIL released) up to `timeout_s` for its end; whether it came. DeviceError for a failure.
+        """
+
+    def order(self, stream: int) -> None:
+        """`stream`'s later work waits for its end (on the device)."""
+
+class DeviceStep:
+    """
+    One rank's GPU step: the node's ranks sum on their GPUs through each other's staging memory (smddp/engine/device_step.h).
+    """
+
+    def __init__(self, library: str, device: int, local_rank: int, local_size: int, slot_bytes: int) -> None:
+        """
+        The CUDA driver `library`; staging memory of two slots of `slot_bytes` on `device`, lanes and kernels. DeviceError naming why not.
+        """
+
+    def card(self) -> bytes:
+        """What the node's other ranks need to open this rank's staging memory."""
+
+    def join(self, cards: Sequence[bytes]) -> None:
+        """
+        Every local rank's card, in local-rank order: the others' staging memory opened; DeviceError why not.
+        """
+
+    def allreduce(self, buf: int, n: int, dtype: int, op: int, divisor: int, stream: int | None) -> StepDone:
+        """
+        Enqueue the node's all-reduce of `n` elements at device address `buf` (in place), after the work already on `stream` (None: the buffer is ready now); an average divided by `divisor`.
+        """
+
+    def close(self, timeout_s: float) -> bool:
+        """
+        Wait up to `timeout_s` for its lanes and its peers' reads of its slots to end, then let go of its memory, lanes and kernels: whether it could (else they stay until the process ends).
+        """
+
+    @property
+    def pieces(self) -> int:
+        """pieces enqueued so far"""
+
+    @property
+    def slot_bytes(self) -> int:
+        """bytes of each slot"""
+
 def ofi_providers(library: str) -> list[str]:
     """
     The providers of that libfabric with reliable-datagram tagged messages.

@@ -25,17 +25,41 @@
 //   are refused (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED) (the Python stand-in keeps the graphs it
 //   replays itself, and tells this library which streams capture);
 // - holds (smddp_standin_hold): a kernel that runs until the test releases it, to order a test's
-//   steps without betting on durations.
+//   steps without betting on durations;
+// - memory shared across processes: cuMemAlloc's memory is a memfd, an IPC memory handle names it
+//   (the exporter's pid and fd, reached through /proc: only where that process is visible), and
+//   cuIpcOpenMemHandle maps it at an address of its own, counted per process; a process's own handle
+//   is refused, and one of another device where peer access cannot be had (SMDDP_STANDIN_PEER=0);
+// - events shared across processes (CU_EVENT_INTERPROCESS): a shared page counts the records made
+//   and reached, so a wait (cuStreamWaitEvent, in any process) holds its stream back until the
+//   records made before the wait was called are reached, and no longer; a recording stream's failure
+//   fails the waiters;
+// - device-to-device copies (peer copies through unified addresses: cuMemcpyDtoDAsync), late as
+//   every copy;
+// - stream memory operations (cuStreamWriteValue32, cuStreamWaitValue32) on device words, shared
+//   across processes through IPC memory: the ordering of one process's stream after another's, with
+//   no host between;
+// - kernels: cuModuleLoadData takes PTX text (refusing a .version past SMDDP_STANDIN_PTX_MAX), and
+//   an entry that has a native body here by its name (the engine's folds, kernels.cu) runs in stream
+//   order, late, reading only its device's memory or memory opened through IPC (else it fails its
+//   stream with CUDA_ERROR_ILLEGAL_ADDRESS, as a fault does).
 //
 // Not modelled: the legacy default stream's implicit synchronisation with other blocking streams
-// (the engine only ever creates non-blocking ones), timing events, peer access.
+// (the engine only ever creates non-blocking ones), timing events, cuCtxEnablePeerAccess (peer
+// memory is reached only through IPC here), interprocess events under graph capture.
 //
 // Memory: the state is one process-wide object that is never destroyed (stream threads may still be
 // parked when the process exits); allocations are freed by cuMemFree, streams joined by
 // cuStreamDestroy once their work has run.
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
+#include <cmath>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -48,8 +72,12 @@
 #include <memory>
 #include <mutex>
 #include <set>
+#include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
+
+#include "fold_args.h"
 
 namespace {
 
@@ -57,7 +85,8 @@ using Result = int;
 constexpr Result kSuccess = 0, kInvalidValue = 1, kNotInitialized = 3, kNoDevice = 100, kInvalidDevice = 101,
                  kInvalidContext = 201, kInvalidHandle = 400, kNotReady = 600, kIllegalAddress = 700,
                  kHostRegistered = 712, kHostNotRegistered = 713, kCaptureUnsupported = 900,
-                 kCaptureInvalidated = 901, kNotPermitted = 800, kUnknown = 999;
+                 kCaptureInvalidated = 901, kNotPermitted = 800, kUnknown = 999, kInvalidImage = 200,
+                 kPeerUnsupported = 217, kUnsupportedPtx = 222, kNotFound = 500, kLaunchFailed = 719;
 
 constexpr std::uint64_t kDeviceBase = 0xD800000000000000ULL;  // (0xD000...: mapped by callers)
 constexpr std::uint64_t kGuard = 1 << 20;  // address gap between allocations: an overrun lands on none
@@ -92,9 +121,32 @@ struct Mark {
   }
 };
 
+// An interprocess event's state, in a page of shared memory (a memfd) that every process which has
+// the event maps: how many records were made, how many reached, and a producer's failure. A record
+// counts up at the call; its stream reaching it writes `reached`. A wait or query refers to the
+// records made when it is called (so a cross-process wait must come after the record, in host
+// order: what CUDA's IPC events ask of their users too).
+struct IpcPage {
+  std::atomic<std::uint64_t> recorded;
+  std::atomic<std::uint64_t> reached;
+  std::atomic<std::int32_t> failure;  // a recording stream's failure code (0: none)
+  std::atomic<std::int32_t> owner;    // the creating process
+};
+static_assert(std::atomic<std::uint64_t>::is_always_lock_free, "shared atomics must be address-free");
+
+struct IpcShared {
+  IpcPage* page = nullptr;
+  int fd = -1;  // the creator's memfd (what a handle names; -1 in a process that opened it)
+  ~IpcShared() {
+    if (page != nullptr) munmap(page, 4096);
+    if (fd >= 0) close(fd);
+  }
+};
+
 struct Event {
   int device;
   std::shared_ptr<Mark> mark;  // the last record (none: never recorded, which counts as reached)
+  std::shared_ptr<IpcShared> ipc;  // an interprocess event's shared page (nullptr: a process-local one)
 };
 
 // An operation on a stream: what it runs, and what runs instead once the stream has failed (a
@@ -190,11 +242,49 @@ struct Stream {
   }
 };
 
+// How an allocation came to be.
+enum class From { kAlloc, kMapped, kOpened };
+
 struct Alloc {
   int device;
   std::uint64_t nbytes;
   unsigned char* host;
-  bool owned;  // cuMemAlloc's (freed by cuMemFree); else a caller's mapping (smddp_standin_map)
+  bool owned;  // cuMemAlloc's (freed by cuMemFree); else a caller's mapping or an opened IPC handle
+  From from = From::kMapped;
+  int fd = -1;                // kAlloc: the memfd behind it (what an IPC handle names)
+  std::uint64_t serial = 0;   // kAlloc: this process's number for it; kOpened: the exporter's
+  std::int32_t pid = 0;       // kOpened: the exporter
+  int opens = 0;              // kOpened: cuIpcOpenMemHandle calls not yet closed
+  std::size_t map_len = 0;    // the mmap'd length (kAlloc, kOpened)
+};
+
+// What a CUipcMemHandle / CUipcEventHandle (64 opaque bytes) holds here: a memfd of the exporting
+// process, reached through /proc (so, as CUDA's, only where that process is visible and ours).
+struct IpcWire {
+  std::uint32_t magic;  // kIpcMagic
+  std::uint32_t kind;   // 1 memory, 2 event
+  std::int32_t pid;
+  std::int32_t fd;
+  std::uint64_t nbytes;
+  std::uint64_t serial;
+  std::int32_t device;
+};
+constexpr std::uint32_t kIpcMagic = 0x53444950;  // "SDIP"
+struct IpcHandle {
+  char reserved[64];
+};
+static_assert(sizeof(IpcWire) <= sizeof(IpcHandle), "an IPC handle holds 64 bytes");
+
+// A loaded module: the entry points its PTX declares.
+struct Module {
+  std::set<std::string> entries;
+};
+// A kernel: its native body (what the stand-in runs for the PTX entry of that name) and the bytes of
+// its one by-value argument.
+struct Function {
+  std::string name;
+  std::size_t arg_bytes;
+  Result (*body)(const void* args, int device, std::string* why);
 };
 
 struct Hold {
@@ -216,6 +306,11 @@ struct State {
   std::set<Event*> events;
   std::map<std::uint64_t, Alloc> allocs;  // by device address
   std::uint64_t next_addr = kDeviceBase;
+  std::uint64_t next_serial = 1;
+  std::set<Module*> modules;
+  std::set<Function*> functions;
+  std::atomic<std::uint64_t> copies_d2d{0};
+  std::atomic<std::uint64_t> kernels{0};
   std::map<std::uintptr_t, std::pair<std::size_t, bool>> registered;  // host address -> (bytes, read-only)
   // What becomes of a registration of memory the device may write (smddp_standin_register_mode):
   // 0 as asked; 1 it waits (register_cv, `register_waiting` counting) until the mode is set again;
@@ -397,6 +492,219 @@ Stream* close_stream(void* handle, bool detached) {
   return s;
 }
 
+constexpr unsigned kEventDisableTiming = 0x2, kEventInterprocess = 0x4;
+
+std::shared_ptr<IpcShared> make_ipc_page() {
+  const int fd = memfd_create("smddp-standin-event", MFD_CLOEXEC);
+  if (fd < 0) return nullptr;
+  void* page = ftruncate(fd, 4096) == 0 ? mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
+  if (page == MAP_FAILED) {
+    close(fd);
+    return nullptr;
+  }
+  auto ipc = std::make_shared<IpcShared>();
+  ipc->fd = fd;
+  ipc->page = new (page) IpcPage{};
+  ipc->page->owner.store(static_cast<std::int32_t>(getpid()));
+  return ipc;
+}
+
+// An interprocess event's state at `target` records: kSuccess reached, kNotReady not yet, a
+// recording stream's failure, or kUnknown once the process that made it has gone with it unreached
+// (a GPU would wait for ever; the stand-in ends the wait so that a test's process can end).
+Result ipc_state(const IpcShared& ipc, std::uint64_t target) {
+  if (ipc.page->reached.load(std::memory_order_acquire) >= target) return kSuccess;
+  if (const std::int32_t f = ipc.page->failure.load(std::memory_order_acquire)) return f;
+  const pid_t owner = ipc.page->owner.load();
+  if (kill(owner, 0) != 0 && errno == ESRCH) return kUnknown;
+  return kNotReady;
+}
+
+Result ipc_wait(const IpcShared& ipc, std::uint64_t target) {
+  for (;;) {
+    const Result r = ipc_state(ipc, target);
+    if (r != kNotReady) return r;
+    std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
+}
+
+// The event `handle` names' shared page, looked up under the table's lock (nullptr: not an
+// interprocess event); *known whether it names one at all.
+std::shared_ptr<IpcShared> ipc_of(void* handle, bool* known) {
+  State& st = state();
+  std::lock_guard<std::mutex> lock(st.mu);
+  auto* e = static_cast<Event*>(handle);
+  *known = st.events.count(e) != 0;
+  return *known ? e->ipc : nullptr;
+}
+
+// -- the kernels' native bodies: what the stand-in runs for a PTX entry of the same name ----------
+
+// The host memory behind device range [addr, addr + n) as a kernel on `device` reaches it: its own
+// device's memory, or another's opened through an IPC handle (CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
+// nullptr, with *why, where a GPU would fault.
+unsigned char* kernel_reach(std::uint64_t addr, std::uint64_t n, int device, std::string* why) {
+  State& st = state();
+  std::lock_guard<std::mutex> lock(st.mu);
+  auto it = st.allocs.upper_bound(addr);
+  if (it != st.allocs.begin()) {
+    --it;
+    const Alloc& a = it->second;
+    const std::uint64_t off = addr - it->first;
+    if (off <= a.nbytes && n <= a.nbytes - off) {
+      if (a.device == device || a.from == From::kOpened) return a.host + off;
+      *why = "a kernel on device " + std::to_string(device) + " read device " + std::to_string(a.device) +
+             "'s memory without peer access";
+      return nullptr;
+    }
+  }
+  *why = "a kernel reached outside every allocation";
+  return nullptr;
+}
+
+float half_in(std::uint16_t h) {
+  // Exact: every float16 is a float32 (numpy's widening); NaNs keep their payload.
+  const std::uint32_t sign = static_cast<std::uint32_t>(h >> 15) << 31;
+  const int exp = (h >> 10) & 0x1F;
+  const std::uint32_t man = h & 0x3FF;
+  float f;
+  if (exp == 0x1F) {
+    std::uint32_t u = sign | 0x7F800000u | (man << 13);
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+  f = exp == 0 ? std::ldexp(static_cast<float>(man), -24) : std::ldexp(static_cast<float>(man | 0x400), exp - 25);
+  return sign ? -f : f;
+}
+
+std::uint16_t half_out(float f) {
+  // Round to nearest even through the hardware's own conversion (x86's F16C, or GCC's soft one);
+  // a NaN keeps its top payload bits, quieted.
+  std::uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u)
+    return static_cast<std::uint16_t>(((u >> 16) & 0x8000u) | 0x7E00u | ((u >> 13) & 0x3FFu));
+  const _Float16 h = static_cast<_Float16>(f);
+  std::uint16_t out;
+  std::memcpy(&out, &h, 2);
+  return out;
+}
+
+float bf16_in(std::uint16_t h) {
+  const std::uint32_t u = static_cast<std::uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+std::uint16_t bf16_out(float f) {
+  std::uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if (f != f) return static_cast<std::uint16_t>((u >> 16) | 0x40u);
+  const std::uint32_t lsb = (u >> 16) & 1u;
+  return static_cast<std::uint16_t>((u + 0x7FFFu + lsb) >> 16);
+}
+
+// One element's fold in the accumulator type (x86's own arithmetic: the CPU's NaN rules are the
+// ones the kernels copy), then its average.
+template <class A>
+A fold_values(const A* v, std::uint32_t k, std::uint32_t op, std::uint64_t divisor) {
+  A acc = v[0];
+  for (std::uint32_t j = 1; j < k; j++) {
+    const A b = v[j];
+    if constexpr (std::is_floating_point_v<A>) {
+      if (acc != acc) {
+        // (a NaN first operand stays; for a sum, quieted below where it is written)
+        continue;
+      }
+    }
+    if (op <= 2) {
+      if constexpr (std::is_integral_v<A>) {
+        using U = std::make_unsigned_t<A>;
+        acc = static_cast<A>(static_cast<U>(static_cast<U>(acc) + static_cast<U>(b)));
+      } else {
+        acc = acc + b;
+      }
+    } else if (op == 3) {
+      acc = (acc < b) ? acc : b;
+    } else {
+      acc = (acc > b) ? acc : b;
+    }
+  }
+  if (divisor != 0) {
+    if constexpr (std::is_floating_point_v<A>) {
+      acc = acc / static_cast<A>(divisor);
+    } else if constexpr (std::is_signed_v<A>) {
+      acc = static_cast<A>(static_cast<std::int64_t>(acc) / static_cast<std::int64_t>(divisor));
+    } else {
+      acc = static_cast<A>(static_cast<std::uint64_t>(acc) / divisor);
+    }
+  }
+  return acc;
+}
+
+template <class A>
+A quieted(A x) {
+  if constexpr (std::is_same_v<A, float>) {
+    std::uint32_t u;
+    std::memcpy(&u, &x, 4);
+    if (x != x) u |= 0x00400000u;
+    std::memcpy(&x, &u, 4);
+  } else if constexpr (std::is_same_v<A, double>) {
+    std::uint64_t u;
+    std::memcpy(&u, &x, 8);
+    if (x != x) u |= 0x0008000000000000ull;
+    std::memcpy(&x, &u, 8);
+  }
+  return x;
+}
+
+// T: the stored type; A: the accumulator; in/out: widen and narrow.
+template <class T, class A, A (*In)(T), T (*Out)(A)>
+Result fold_body(const void* raw, int device, std::string* why) {
+  FoldArgs a;
+  std::memcpy(&a, raw, sizeof a);
+  if (a.k < 1 || a.k > SMDDP_MAX_FOLD_INPUTS || a.op < 1 || a.op > 4) {
+    *why = "a fold kernel was given bad arguments";
+    return kIllegalAddress;
+  }
+  const std::uint64_t bytes = a.n * sizeof(T);
+  auto* out = reinterpret_cast<T*>(kernel_reach(a.dst, bytes, device, why));
+  if (out == nullptr) return kIllegalAddress;
+  std::vector<const T*> in(a.k);
+  for (std::uint32_t j = 0; j < a.k; j++) {
+    in[j] = reinterpret_cast<const T*>(kernel_reach(a.src[j], bytes, device, why));
+    if (in[j] == nullptr) return kIllegalAddress;
+  }
+  std::vector<A> v(a.k);
+  for (std::uint64_t i = 0; i < a.n; i++) {
+    for (std::uint32_t j = 0; j < a.k; j++) v[j] = In(in[j][i]);
+    // A sum's NaN is quieted; min/max keep a NaN as it is (the 16-bit narrowing quiets any).
+    const A r = fold_values<A>(v.data(), a.k, a.op, a.divisor);
+    out[i] = Out(a.op <= 2 ? quieted(r) : r);
+  }
+  return kSuccess;
+}
+
+template <class T>
+T same(T x) {
+  return x;
+}
+
+struct Body {
+  const char* name;
+  Result (*body)(const void*, int, std::string*);
+};
+const Body kBodies[] = {
+    {"smddp_fold_uint8", fold_body<std::uint8_t, std::uint8_t, same<std::uint8_t>, same<std::uint8_t>>},
+    {"smddp_fold_int32", fold_body<std::int32_t, std::int32_t, same<std::int32_t>, same<std::int32_t>>},
+    {"smddp_fold_int64", fold_body<std::int64_t, std::int64_t, same<std::int64_t>, same<std::int64_t>>},
+    {"smddp_fold_float16", fold_body<std::uint16_t, float, half_in, half_out>},
+    {"smddp_fold_bfloat16", fold_body<std::uint16_t, float, bf16_in, bf16_out>},
+    {"smddp_fold_float32", fold_body<float, float, same<float>, same<float>>},
+    {"smddp_fold_float64", fold_body<double, double, same<double>, same<double>>},
+};
+
 }  // namespace
 
 extern "C" {
@@ -544,10 +852,52 @@ __attribute__((visibility("default"))) Result cuStreamEndCapture(void* handle, v
   return kSuccess;
 }
 
-__attribute__((visibility("default"))) Result cuEventCreate(void** out, unsigned /*flags*/) {
+__attribute__((visibility("default"))) Result cuEventCreate(void** out, unsigned flags) {
   if (out == nullptr) return kInvalidValue;
   if (const Result r = need_context()) return r;
-  auto* e = new Event{t_device, nullptr};
+  std::shared_ptr<IpcShared> ipc;
+  if ((flags & kEventInterprocess) != 0) {
+    if ((flags & kEventDisableTiming) == 0) return kInvalidValue;  // as CUDA: interprocess needs no timing
+    ipc = make_ipc_page();
+    if (ipc == nullptr) return 2;  // CUDA_ERROR_OUT_OF_MEMORY
+  }
+  auto* e = new Event{t_device, nullptr, ipc};
+  State& st = state();
+  std::lock_guard<std::mutex> lock(st.mu);
+  st.events.insert(e);
+  *out = e;
+  return kSuccess;
+}
+
+__attribute__((visibility("default"))) Result cuIpcGetEventHandle(IpcHandle* out, void* event) {
+  if (out == nullptr) return kInvalidValue;
+  State& st = state();
+  std::lock_guard<std::mutex> lock(st.mu);
+  auto* e = static_cast<Event*>(event);
+  if (st.events.count(e) == 0) return kInvalidHandle;
+  if (e->ipc == nullptr || e->ipc->fd < 0) return kInvalidValue;  // not made interprocess here
+  IpcWire w{kIpcMagic, 2, e->ipc->page->owner.load(), e->ipc->fd, 4096, 0, e->device};
+  std::memset(out, 0, sizeof *out);
+  std::memcpy(out, &w, sizeof w);
+  return kSuccess;
+}
+
+__attribute__((visibility("default"))) Result cuIpcOpenEventHandle(void** out, IpcHandle handle) {
+  if (out == nullptr) return kInvalidValue;
+  if (const Result r = need_context()) return r;
+  IpcWire w{};
+  std::memcpy(&w, &handle, sizeof w);
+  if (w.magic != kIpcMagic || w.kind != 2) return kInvalidValue;
+  if (w.pid == static_cast<std::int32_t>(getpid())) return kInvalidContext;
+  const std::string path = "/proc/" + std::to_string(w.pid) + "/fd/" + std::to_string(w.fd);
+  const int fd = open(path.c_str(), O_RDWR | O_CLOEXEC);
+  if (fd < 0) return kInvalidHandle;
+  void* page = mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (page == MAP_FAILED) return kInvalidHandle;
+  auto ipc = std::make_shared<IpcShared>();
+  ipc->page = static_cast<IpcPage*>(page);
+  auto* e = new Event{w.device, nullptr, ipc};
   State& st = state();
   std::lock_guard<std::mutex> lock(st.mu);
   st.events.insert(e);
@@ -570,6 +920,19 @@ __attribute__((visibility("default"))) Result cuEventRecord(void* event, void* s
   if (const Result r = need_context()) return r;
   Stream* s = stream_of(stream);
   if (s == nullptr) return kInvalidHandle;
+  bool known = false;
+  if (std::shared_ptr<IpcShared> ipc = ipc_of(event, &known)) {
+    if (is_capturing(s)) return kCaptureUnsupported;  // (not modelled: IPC events under capture)
+    const std::uint64_t seq = ipc->page->recorded.fetch_add(1) + 1;
+    s->put(Op{[ipc, seq] {
+                std::uint64_t r = ipc->page->reached.load();
+                while (r < seq && !ipc->page->reached.compare_exchange_weak(r, seq)) {
+                }
+                return ok();
+              },
+              [ipc](const Failure& f) { ipc->page->failure.store(f.code); }});
+    return kSuccess;
+  }
   auto mark = std::make_shared<Mark>();
   {
     // (looked up and written under one lock: another thread's cuEventDestroy frees the Event)
@@ -594,6 +957,7 @@ __attribute__((visibility("default"))) Result cuEventRecord(void* event, void* s
 
 __attribute__((visibility("default"))) Result cuEventQuery(void* event) {
   bool known = false;
+  if (std::shared_ptr<IpcShared> ipc = ipc_of(event, &known)) return ipc_state(*ipc, ipc->page->recorded.load());
   const std::shared_ptr<Mark> mark = last_mark(event, &known);
   if (!known) return kInvalidHandle;
   if (mark == nullptr) return kSuccess;
@@ -605,6 +969,7 @@ __attribute__((visibility("default"))) Result cuEventQuery(void* event) {
 
 __attribute__((visibility("default"))) Result cuEventSynchronize(void* event) {
   bool known = false;
+  if (std::shared_ptr<IpcShared> ipc = ipc_of(event, &known)) return ipc_wait(*ipc, ipc->page->recorded.load());
   const std::shared_ptr<Mark> mark = last_mark(event, &known);
   if (!known) return kInvalidHandle;
   if (mark == nullptr) return kSuccess;
@@ -621,6 +986,18 @@ __attribute__((visibility("default"))) Result cuStreamWaitEvent(void* stream, vo
   traced(kTraceWait, stream);
   Stream* s = stream_of(stream);
   bool known = false;
+  if (std::shared_ptr<IpcShared> ipc = ipc_of(event, &known)) {
+    if (s == nullptr) return kInvalidHandle;
+    // The records made by now, in whichever process: the stream holds back until they are reached.
+    const std::uint64_t target = ipc->page->recorded.load();
+    if (ipc->page->reached.load() >= target) return kSuccess;
+    enqueue(s, Op{[ipc, target] {
+                    const Result r = ipc_wait(*ipc, target);
+                    return r == kSuccess ? ok() : Failure{r, "the interprocess event's work failed"};
+                  },
+                  nullptr});
+    return kSuccess;
+  }
   const std::shared_ptr<Mark> mark = last_mark(event, &known);
   if (s == nullptr || !known) return kInvalidHandle;
   if (mark == nullptr) return kSuccess;
@@ -701,29 +1078,318 @@ __attribute__((visibility("default"))) Result cuPointerGetAttribute(void* data, 
 __attribute__((visibility("default"))) Result cuMemAlloc_v2(std::uint64_t* out, std::size_t n) {
   if (out == nullptr || n == 0) return kInvalidValue;
   if (const Result r = need_context()) return r;
-  auto* host = static_cast<unsigned char*>(std::malloc(n));
-  if (host == nullptr) return 2;  // CUDA_ERROR_OUT_OF_MEMORY
+  // Shared memory (a memfd), so that another process can map it through an IPC handle.
+  const std::size_t len = ((n + 4095) / 4096) * 4096;
+  const int fd = memfd_create("smddp-standin-device", MFD_CLOEXEC);
+  if (fd < 0) return 2;  // CUDA_ERROR_OUT_OF_MEMORY
+  void* host = ftruncate(fd, static_cast<off_t>(len)) == 0
+                   ? mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+                   : MAP_FAILED;
+  if (host == MAP_FAILED) {
+    close(fd);
+    return 2;
+  }
   std::memset(host, kUnset, n);
   State& st = state();
   std::lock_guard<std::mutex> lock(st.mu);
   const std::uint64_t addr = st.next_addr;
   st.next_addr += ((n + 255) / 256) * 256 + kGuard;
-  st.allocs[addr] = Alloc{t_device, n, host, true};
+  Alloc a{t_device, n, static_cast<unsigned char*>(host), true};
+  a.from = From::kAlloc;
+  a.fd = fd;
+  a.serial = st.next_serial++;
+  a.map_len = len;
+  st.allocs[addr] = a;
   *out = addr;
   return kSuccess;
 }
 
 __attribute__((visibility("default"))) Result cuMemFree_v2(std::uint64_t addr) {
   State& st = state();
-  unsigned char* host = nullptr;
+  Alloc a{};
   {
     std::lock_guard<std::mutex> lock(st.mu);
     auto it = st.allocs.find(addr);
     if (it == st.allocs.end() || !it->second.owned) return kInvalidValue;
-    host = it->second.host;
+    a = it->second;
     st.allocs.erase(it);
   }
-  std::free(host);
+  // (another process that opened it keeps its own mapping, as CUDA keeps the memory until then)
+  munmap(a.host, a.map_len);
+  close(a.fd);
+  return kSuccess;
+}
+
+__attribute__((visibility("default"))) Result cuIpcGetMemHandle(IpcHandle* out, std::uint64_t addr) {
+  if (out == nullptr) return kInvalidValue;
+  if (const Result r = need_context()) return r;
+  State& st = state();
+  std::lock_guard<std::mutex> lock(st.mu);
+  auto it = st.allocs.find(addr);  // the base of an allocation, as CUDA asks
+  if (it == st.allocs.end() || it->second.from != From::kAlloc) return kInvalidValue;
+  IpcWire w{kIpcMagic, 1, static_cast<std::int32_t>(getpid()), it->second.fd, it->second.nbytes, it->second.serial,
+            it->second.device};
+  std::memset(out, 0, sizeof *out);
+  std::memcpy(out, &w, sizeof w);
+  return kSuccess;
+}
+
+__attribute__((visibility("default"))) Result cuDeviceCanAccessPeer(int* can, int device, int peer) {
+  if (can == nullptr) return kInvalidValue;
+  State& st = state();
+  std::lock_guard<std::mutex> lock(st.mu);
+  if (!st.initialised) return kNotInitialized;
+  if (device < 0 || device >= st.devices || peer < 0 || peer >= st.devices) return kInvalidDevice;
+  const char* refuse = std::getenv("SMDDP_STANDIN_PEER");
+  // A device is not its own peer (CUDA answers 0); SMDDP_STANDIN_PEER=0: no pair may (as PCIe
+  // switches or a hypervisor refuse).
+  *can = device != peer && !(refuse != nullptr && std::strcmp(refuse, "0") == 0) ? 1 : 0;
+  return kSuccess;
+}
+
+// flags: CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS (1) or 0. A handle of this process's own memory is
+// refused, as CUDA refuses it; so is one of another device where peer access cannot be had.
+__attribute__((visibility("default"))) Result cuIpcOpenMemHandle_v2(std::uint64_t* out, IpcHandle handle,
+                                                                    unsigned flags) {
+  if (out == nullptr || flags > 1) return kInvalidValue;
+  if (const Result r = need_context()) return r;
+  IpcWire w{};
+  std::memcpy(&w, &handle, sizeof w);
+  if (w.magic != kIpcMagic || w.kind != 1 || w.nbytes == 0) return kInvalidValue;
+  if (w.pid == static_cast<std::int32_t>(getpid())) return kInvalidContext;
+  if (w.device != t_device) {
+    int can = 0;
+    if (cuDeviceCanAccessPeer(&can, t_device, w.device) != kSuccess) return kInvalidDevice;
+    if (can == 0) return kPeerUnsupported;
+  }
+  State& st = state();
+  {
+    std::lock_guard<std::mutex> lock(st.mu);
+    for (auto& kv : st.allocs) {
+      Alloc& a = kv.second;
+      if (a.from == From::kOpened && a.pid == w.pid && a.serial == w.serial) {
+        a.opens++;  // opened again: the same address, counted (as CUDA since 11)
+        *out = kv.first;
+        return kSuccess;
+      }
+    }
+  }
+  const std::string path = "/proc/" + std::to_string(w.pid) + "/fd/" + std::to_string(w.fd);
+  const int fd = open(path.c_str(), O_RDWR | O_CLOEXEC);
+  if (fd < 0) return kInvalidHandle;  // the process is gone, or not visible from here
+  const std::size_t len = ((w.nbytes + 4095) / 4096) * 4096;
+  struct stat sb {};
+  void* host = fstat(fd, &sb) == 0 && static_cast<std::uint64_t>(sb.st_size) >= len
+                   ? mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+                   : MAP_FAILED;
+  close(fd);
+  if (host == MAP_FAILED) return kInvalidHandle;
+  std::lock_guard<std::mutex> lock(st.mu);
+  const std::uint64_t addr = st.next_addr;
+  st.next_addr += ((w.nbytes + 255) / 256) * 256 + kGuard;
+  Alloc a{w.device, w.nbytes, static_cast<unsigned char*>(host), false};
+  a.from = From::kOpened;
+  a.serial = w.serial;
+  a.pid = w.pid;
+  a.opens = 1;
+  a.map_len = len;
+  st.allocs[addr] = a;
+  *out = addr;
+  return kSuccess;
+}
+
+__attribute__((visibility("default"))) Result cuIpcCloseMemHandle(std::uint64_t addr) {
+  State& st = state();
+  Alloc a{};
+  {
+    std::lock_guard<std::mutex> lock(st.mu);
+    auto it = st.allocs.find(addr);
+    if (it == st.allocs.end() || it->second.from != From::kOpened) return kInvalidValue;
+    if (--it->second.opens > 0) return kSuccess;
+    a = it->second;
+    st.allocs.erase(it);
+  }
+  munmap(a.host, a.map_len);
+  return kSuccess;
+}
+
+__attribute__((visibility("default"))) Result cuMemcpyDtoDAsync_v2(std::uint64_t dst, std::uint64_t src,
+                                                                   std::size_t n, void* stream) {
+  if (const Result r = need_context()) return r;
+  Stream* s = stream_of(stream);
+  if (s == nullptr) return kInvalidHandle;
+  // Any two device ranges, of any devices (unified addressing; the driver stages what peers cannot
+  // reach): a copy engine's work, late as every copy here.
+  unsigned char* to = device_range(dst, n, nullptr);
+  unsigned char* from = device_range(src, n, nullptr);
+  if (to == nullptr || from == nullptr) return kInvalidValue;
+  if (n == 0) return kSuccess;
+  state().copies_d2d++;
+  enqueue(s, Op{[s, to, from, n] {
+                  late(s);
+                  std::memmove(to, from, n);
+                  return ok();
+                },
+                nullptr});
+  return kSuccess;
+}
+
+// `n` 32-bit words of device memory set to `value`, in stream order.
+__attribute__((visibility("default"))) Result cuMemsetD32Async(std::uint64_t dst, unsigned value, std::size_t n,
+                                                               void* stream) {
+  if (const Result r = need_context()) return r;
+  Stream* s = stream_of(stream);
+  if (s == nullptr) return kInvalidHandle;
+  if (dst % 4 != 0 || n > (std::uint64_t{1} << 60)) return kInvalidValue;
+  std::string why;
+  auto* to = reinterpret_cast<std::uint32_t*>(kernel_reach(dst, n * 4, s->device, &why));
+  if (to == nullptr) return kInvalidValue;
+  enqueue(s, Op{[to, value, n] {
+                  for (std::size_t i = 0; i < n; i++) __atomic_store_n(to + i, value, __ATOMIC_RELAXED);
+                  return ok();
+                },
+                nullptr});
+  return kSuccess;
+}
+
+// Stream memory operations on a 32-bit word of device memory (the device's own or opened through
+// IPC): the write lands in stream order after the stream's earlier work (with the fence CUDA's
+// default gives); the wait holds the stream back until the word satisfies it (flags: 0 GEQ, a cyclic
+// (int32_t)(*addr - value) >= 0; 1 EQ; 2 AND; 3 NOR; CU_STREAM_WAIT_VALUE_FLUSH accepted). A wait
+// never satisfied fails its stream after SMDDP_STANDIN_WAIT_LIMIT_MS (60 s unless set) where a GPU
+// would wait for ever, so that a test's process can end.
+__attribute__((visibility("default"))) Result cuStreamWriteValue32_v2(void* stream, std::uint64_t addr,
+                                                                      std::uint32_t value, unsigned flags) {
+  if (const Result r = need_context()) return r;
+  Stream* s = stream_of(stream);
+  if (s == nullptr) return kInvalidHandle;
+  if (flags > 1 || addr % 4 != 0) return kInvalidValue;
+  std::string why;
+  auto* word = reinterpret_cast<std::uint32_t*>(kernel_reach(addr, 4, s->device, &why));
+  if (word == nullptr) return kInvalidValue;
+  enqueue(s, Op{[word, value] {
+                  __atomic_store_n(word, value, __ATOMIC_RELEASE);
+                  return ok();
+                },
+                nullptr});
+  return kSuccess;
+}
+
+__attribute__((visibility("default"))) Result cuStreamWaitValue32_v2(void* stream, std::uint64_t addr,
+                                                                     std::uint32_t value, unsigned flags) {
+  if (const Result r = need_context()) return r;
+  Stream* s = stream_of(stream);
+  if (s == nullptr) return kInvalidHandle;
+  const unsigned how = flags & ~(1u << 30);
+  if (how > 3 || addr % 4 != 0) return kInvalidValue;
+  std::string why;
+  auto* word = reinterpret_cast<const std::uint32_t*>(kernel_reach(addr, 4, s->device, &why));
+  if (word == nullptr) return kInvalidValue;
+  const char* limit_env = std::getenv("SMDDP_STANDIN_WAIT_LIMIT_MS");
+  const std::int64_t limit_ms = limit_env != nullptr ? std::atoll(limit_env) : 60000;
+  enqueue(s, Op{[word, value, how, limit_ms] {
+                  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(limit_ms);
+                  for (;;) {
+                    const std::uint32_t w = __atomic_load_n(word, __ATOMIC_ACQUIRE);
+                    const bool met = how == 0   ? static_cast<std::int32_t>(w - value) >= 0
+                                     : how == 1 ? w == value
+                                     : how == 2 ? (w & value) != 0
+                                                : ~(w | value) != 0;
+                    if (met) return ok();
+                    if (std::chrono::steady_clock::now() > until)
+                      return Failure{kLaunchFailed, "a stream memory wait was never satisfied (the stand-in's limit)"};
+                    std::this_thread::sleep_for(std::chrono::microseconds(20));
+                  }
+                },
+                nullptr});
+  return kSuccess;
+}
+
+// PTX text: its entry points are what it declares (".entry name("); a .version past what this
+// driver takes (SMDDP_STANDIN_PTX_MAX, "9.0" unless set: a CUDA 13.0 driver's) is refused, as an
+// older driver refuses a newer toolkit's PTX.
+__attribute__((visibility("default"))) Result cuModuleLoadData(void** out, const void* image) {
+  if (out == nullptr || image == nullptr) return kInvalidValue;
+  if (const Result r = need_context()) return r;
+  const std::string text(static_cast<const char*>(image));
+  const std::size_t v = text.find(".version ");
+  if (v == std::string::npos || text.find(".target ") == std::string::npos) return kInvalidImage;
+  const double version = std::atof(text.c_str() + v + 9);
+  const char* max = std::getenv("SMDDP_STANDIN_PTX_MAX");
+  if (version > (max != nullptr ? std::atof(max) : 9.0) + 1e-9) return kUnsupportedPtx;
+  auto* m = new Module();
+  for (std::size_t at = text.find(".entry "); at != std::string::npos; at = text.find(".entry ", at + 7)) {
+    const std::size_t b = at + 7, e = text.find('(', b);
+    if (e == std::string::npos) break;
+    std::string name = text.substr(b, e - b);
+    while (!name.empty() && name.back() == ' ') name.pop_back();
+    m->entries.insert(name);
+  }
+  State& st = state();
+  std::lock_guard<std::mutex> lock(st.mu);
+  st.modules.insert(m);
+  *out = m;
+  return kSuccess;
+}
+
+__attribute__((visibility("default"))) Result cuModuleUnload(void* module) {
+  State& st = state();
+  auto* m = static_cast<Module*>(module);
+  std::lock_guard<std::mutex> lock(st.mu);
+  if (st.modules.erase(m) == 0) return kInvalidHandle;
+  delete m;  // (its functions stay in the table: a launch of one after this is the caller's bug)
+  return kSuccess;
+}
+
+// An entry of `module` that has a native body here; CUDA_ERROR_NOT_FOUND for any other.
+__attribute__((visibility("default"))) Result cuModuleGetFunction(void** out, void* module, const char* name) {
+  if (out == nullptr || name == nullptr) return kInvalidValue;
+  State& st = state();
+  std::lock_guard<std::mutex> lock(st.mu);
+  auto* m = static_cast<Module*>(module);
+  if (st.modules.count(m) == 0) return kInvalidHandle;
+  if (m->entries.count(name) == 0) return kNotFound;
+  for (const Body& b : kBodies) {
+    if (std::strcmp(b.name, name) == 0) {
+      auto* f = new Function{name, sizeof(FoldArgs), b.body};
+      st.functions.insert(f);
+      *out = f;
+      return kSuccess;
+    }
+  }
+  return kNotFound;
+}
+
+// The arguments are copied at the call (as CUDA's are); the body runs in stream order, late as a
+// copy (it reads what the stream's earlier work and waits delivered), on the stream's device. A body
+// that reaches where it may not fails the stream (CUDA_ERROR_ILLEGAL_ADDRESS, sticky).
+__attribute__((visibility("default"))) Result cuLaunchKernel(void* function, unsigned gx, unsigned gy, unsigned gz,
+                                                             unsigned bx, unsigned by, unsigned bz, unsigned shared,
+                                                             void* stream, void** params, void** extra) {
+  if (const Result r = need_context()) return r;
+  Stream* s = stream_of(stream);
+  if (s == nullptr) return kInvalidHandle;
+  auto* f = static_cast<Function*>(function);
+  {
+    State& st = state();
+    std::lock_guard<std::mutex> lock(st.mu);
+    if (st.functions.count(f) == 0) return kInvalidHandle;
+  }
+  if (gx == 0 || gy == 0 || gz == 0 || bx == 0 || by == 0 || bz == 0 || bx * by * bz > 1024 || shared > 48 * 1024 ||
+      extra != nullptr || params == nullptr || params[0] == nullptr)
+    return kInvalidValue;
+  auto args = std::make_shared<std::vector<unsigned char>>(f->arg_bytes);
+  std::memcpy(args->data(), params[0], f->arg_bytes);
+  const auto body = f->body;
+  const int device = s->device;
+  state().kernels++;
+  enqueue(s, Op{[s, args, body, device] {
+                  late(s);
+                  std::string why;
+                  const Result r = body(args->data(), device, &why);
+                  return r == kSuccess ? ok() : Failure{r, why};
+                },
+                nullptr});
   return kSuccess;
 }
 
@@ -757,6 +1423,11 @@ __attribute__((visibility("default"))) Result cuGetErrorName(Result r, const cha
     case kCaptureUnsupported: *out = "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED"; break;
     case kCaptureInvalidated: *out = "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED"; break;
     case kNotPermitted: *out = "CUDA_ERROR_NOT_PERMITTED"; break;
+    case kInvalidImage: *out = "CUDA_ERROR_INVALID_IMAGE"; break;
+    case kPeerUnsupported: *out = "CUDA_ERROR_PEER_ACCESS_UNSUPPORTED"; break;
+    case kUnsupportedPtx: *out = "CUDA_ERROR_UNSUPPORTED_PTX_VERSION"; break;
+    case kNotFound: *out = "CUDA_ERROR_NOT_FOUND"; break;
+    case kLaunchFailed: *out = "CUDA_ERROR_LAUNCH_FAILED"; break;
     case kUnknown: *out = "CUDA_ERROR_UNKNOWN"; break;
     default: *out = nullptr; return kInvalidValue;
   }
@@ -857,7 +1528,7 @@ __attribute__((visibility("default"))) Result smddp_standin_unmap(std::uint64_t 
   State& st = state();
   std::lock_guard<std::mutex> lock(st.mu);
   auto it = st.allocs.find(addr);
-  if (it == st.allocs.end() || it->second.owned) return kInvalidValue;
+  if (it == st.allocs.end() || it->second.from != From::kMapped) return kInvalidValue;
   st.allocs.erase(it);
   return kSuccess;
 }
@@ -988,6 +1659,13 @@ __attribute__((visibility("default"))) void smddp_standin_copy_counts(std::uint6
   out[1] = state().copies_h2d.load();
   out[2] = state().copies_pinned.load();
   out[3] = state().copies_pageable.load();
+}
+
+// Device-to-device copies (peer copies included) and kernels launched since the process began, into
+// `out[2]`.
+__attribute__((visibility("default"))) void smddp_standin_device_counts(std::uint64_t* out) {
+  out[0] = state().copies_d2d.load();
+  out[1] = state().kernels.load();
 }
 
 }  // extern "C"

@@ -36,13 +36,20 @@ struct ContextSt;  // CUctx_st
 struct StreamSt;   // CUstream_st
 struct EventSt;    // CUevent_st
 struct GraphSt;    // CUgraph_st
+struct ModuleSt;   // CUmod_st
+struct FuncSt;     // CUfunc_st
 using Context = ContextSt*;          // CUcontext
+using Module = ModuleSt*;            // CUmodule
+using Function = FuncSt*;            // CUfunction
 using Stream = StreamSt*;            // CUstream
 using Event = EventSt*;              // CUevent
 using Graph = GraphSt*;              // CUgraph
 using DevicePtr = std::uint64_t;     // CUdeviceptr (unsigned long long on LP64)
 using DeviceId = int;                // CUdevice
 using HostFn = void (*)(void* data);  // CUhostFn
+struct IpcMemHandle {                 // CUipcMemHandle: 64 opaque bytes, passed by value
+  char reserved[64];
+};
 
 // The special stream handles (cuda.h's CU_STREAM_LEGACY, CU_STREAM_PER_THREAD; also what the CUDA
 // Array Interface and DLPack use for them). 0 is the default stream, legacy unless compiled otherwise.
@@ -58,6 +65,9 @@ constexpr int kPointerDeviceOrdinal = 9;          // CU_POINTER_ATTRIBUTE_DEVICE
 constexpr int kCaptureNone = 0;                   // CU_STREAM_CAPTURE_STATUS_NONE
 constexpr int kCaptureActive = 1;                 // CU_STREAM_CAPTURE_STATUS_ACTIVE
 constexpr int kCaptureModeGlobal = 0;             // CU_STREAM_CAPTURE_MODE_GLOBAL
+constexpr unsigned kIpcLazyPeerAccess = 0x1;      // CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+constexpr unsigned kWaitValueGeq = 0x0;           // CU_STREAM_WAIT_VALUE_GEQ (cyclic: (int32_t)(*p - v) >= 0)
+constexpr unsigned kWriteValueDefault = 0x0;      // CU_STREAM_WRITE_VALUE_DEFAULT (a fence before the write)
 
 // Every entry point the engine resolves, with the symbol it is exported as.
 struct Api {
@@ -86,6 +96,27 @@ struct Api {
   Result (*pointer_attribute)(void* data, int attribute, DevicePtr ptr);         // cuPointerGetAttribute
   Result (*error_name)(Result r, const char** name);                             // cuGetErrorName
   Result (*error_string)(Result r, const char** text);                           // cuGetErrorString
+};
+
+// The GPU step's entry points (device_step.h): resolved where the driver has them, each nullptr where
+// it does not (a driver older than CUDA 11.7 lacks the _v2 stream memory operations), so that their
+// absence turns the GPU step off, with the names in its reason, and nothing else.
+struct StepApi {
+  Result (*mem_alloc)(DevicePtr* p, std::size_t n);                              // cuMemAlloc_v2
+  Result (*mem_free)(DevicePtr p);                                               // cuMemFree_v2
+  Result (*memset_d32)(DevicePtr p, unsigned value, std::size_t n, Stream stream);  // cuMemsetD32Async
+  Result (*memcpy_d2d)(DevicePtr dst, DevicePtr src, std::size_t n, Stream stream);  // cuMemcpyDtoDAsync_v2
+  Result (*can_access_peer)(int* can, DeviceId device, DeviceId peer);           // cuDeviceCanAccessPeer
+  Result (*ipc_get_mem_handle)(IpcMemHandle* handle, DevicePtr p);               // cuIpcGetMemHandle
+  Result (*ipc_open_mem_handle)(DevicePtr* p, IpcMemHandle handle, unsigned flags);  // cuIpcOpenMemHandle_v2
+  Result (*ipc_close_mem_handle)(DevicePtr p);                                   // cuIpcCloseMemHandle
+  Result (*write_value32)(Stream stream, DevicePtr p, std::uint32_t v, unsigned flags);  // cuStreamWriteValue32_v2
+  Result (*wait_value32)(Stream stream, DevicePtr p, std::uint32_t v, unsigned flags);   // cuStreamWaitValue32_v2
+  Result (*module_load_data)(Module* m, const void* image);                     // cuModuleLoadData
+  Result (*module_unload)(Module m);                                             // cuModuleUnload
+  Result (*module_get_function)(Function* f, Module m, const char* name);       // cuModuleGetFunction
+  Result (*launch_kernel)(Function f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                          unsigned shared, Stream stream, void** params, void** extra);  // cuLaunchKernel
 };
 
 }  // namespace cuda

@@ -49,6 +49,25 @@ std::string resolve_all(void* lib, Api* a) {
   return missing;
 }
 
+std::string resolve_step(void* lib, StepApi* a) {
+  std::string missing;
+  resolve(lib, "cuMemAlloc_v2", &a->mem_alloc, &missing);
+  resolve(lib, "cuMemFree_v2", &a->mem_free, &missing);
+  resolve(lib, "cuMemsetD32Async", &a->memset_d32, &missing);
+  resolve(lib, "cuMemcpyDtoDAsync_v2", &a->memcpy_d2d, &missing);
+  resolve(lib, "cuDeviceCanAccessPeer", &a->can_access_peer, &missing);
+  resolve(lib, "cuIpcGetMemHandle", &a->ipc_get_mem_handle, &missing);
+  resolve(lib, "cuIpcOpenMemHandle_v2", &a->ipc_open_mem_handle, &missing);
+  resolve(lib, "cuIpcCloseMemHandle", &a->ipc_close_mem_handle, &missing);
+  resolve(lib, "cuStreamWriteValue32_v2", &a->write_value32, &missing);
+  resolve(lib, "cuStreamWaitValue32_v2", &a->wait_value32, &missing);
+  resolve(lib, "cuModuleLoadData", &a->module_load_data, &missing);
+  resolve(lib, "cuModuleUnload", &a->module_unload, &missing);
+  resolve(lib, "cuModuleGetFunction", &a->module_get_function, &missing);
+  resolve(lib, "cuLaunchKernel", &a->launch_kernel, &missing);
+  return missing;
+}
+
 }  // namespace
 
 std::unique_ptr<Driver> Driver::load(const std::string& library, std::string* why) {
@@ -66,6 +85,7 @@ std::unique_ptr<Driver> Driver::load(const std::string& library, std::string* wh
     *why = library + " is not a CUDA driver: it lacks " + missing;
     return nullptr;
   }
+  d->step_missing_ = resolve_step(lib, &d->step_);
   Result r = d->api_.init(0);
   if (r != kSuccess) {
     *why = library + ": " + d->describe(r, "cuInit");

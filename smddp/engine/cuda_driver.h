@@ -31,6 +31,9 @@ class Driver {
   Driver& operator=(const Driver&) = delete;
 
   const Api& api() const { return api_; }
+  // The GPU step's entry points; step_missing(): those the driver lacks ("": it has them all).
+  const StepApi& step() const { return step_; }
+  const std::string& step_missing() const { return step_missing_; }
   const std::string& library() const { return library_; }
   int version() const { return version_; }  // cuDriverGetVersion: 1000 * major + 10 * minor
   int device_count() const { return devices_; }
@@ -48,6 +51,8 @@ class Driver {
   void* lib_ = nullptr;
   std::string library_;
   Api api_{};
+  StepApi step_{};
+  std::string step_missing_;
   int version_ = 0;
   int devices_ = 0;
   std::mutex mu_;

@@ -34,6 +34,7 @@
 #include <optional>
 #include <string>
 #include <system_error>
+#include <thread>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -43,6 +44,7 @@
 #include "channel.h"
 #include "cuda_driver.h"
 #include "device_path.h"
+#include "device_step.h"
 #include "device_watch.h"
 #include "fdpass.h"
 #include "frame.h"
@@ -1300,6 +1302,106 @@ std::optional<std::pair<int, std::string>> device_engine_failure(DeviceEngine& e
   return std::make_pair(kind, why);
 }
 
+// The GPU step of one rank (smddp/engine/device_step.h), on a driver of its own (the library the
+// client's DeviceEngine loaded: a process has one driver, whoever resolves its entry points). Its
+// calls come from one thread at a time (the client's collective calls).
+struct Step {
+  std::unique_ptr<smddp::DeviceStep> step;
+};
+
+// A node collective's end on the device (DeviceStep.allreduce): owns the engine's StepWork.
+struct StepDone {
+  std::shared_ptr<smddp::StepWork> work;
+};
+
+void step_init(Step* self, const std::string& library, long long device, long long local_rank, long long local_size,
+               long long slot_bytes) {
+  require_device(device);
+  if (local_rank < 0 || local_size < 1 || local_size > 1024 || slot_bytes < 0)
+    raise_error(Err::kValue, "DeviceStep: a negative rank or size");
+  std::string why;
+  std::unique_ptr<smddp::DeviceStep> st;
+  {
+    nb::gil_scoped_release unlocked;
+    std::shared_ptr<smddp::cuda::Driver> d = smddp::cuda::Driver::load(library, &why);
+    if (d)
+      st = smddp::DeviceStep::create(std::move(d), static_cast<int>(device), static_cast<std::uint32_t>(local_rank),
+                                     static_cast<std::uint32_t>(local_size), static_cast<std::uint64_t>(slot_bytes),
+                                     &why);
+  }
+  if (!st) raise_error(Err::kDevice, why);
+  new (self) Step();
+  self->step = std::move(st);
+}
+
+nb::bytes step_card(Step& s) {
+  const std::string c = s.step->card();
+  if (c.empty()) raise_error(Err::kDevice, "the GPU step's staging memory has no IPC handle (cuIpcGetMemHandle)");
+  return nb::bytes(c.data(), c.size());
+}
+
+void step_join(Step& s, const std::vector<nb::bytes>& cards) {
+  std::vector<std::string> cs;
+  cs.reserve(cards.size());
+  for (const nb::bytes& b : cards) cs.emplace_back(b.c_str(), b.size());
+  std::string why;
+  bool ok;
+  {
+    nb::gil_scoped_release unlocked;
+    ok = s.step->join(cs, &why);
+  }
+  if (!ok) raise_error(Err::kDevice, why);
+}
+
+StepDone step_allreduce(Step& s, std::uint64_t buf, long long n, long long dtype, long long op, long long divisor,
+                        std::optional<std::uintptr_t> stream) {
+  if (n < 0 || dtype < 0 || dtype > 255 || op < 0 || op > 255 || divisor < 0)
+    raise_error(Err::kValue, "allreduce: a negative count, or a code out of range");
+  std::string why;
+  std::shared_ptr<smddp::StepWork> w;
+  {
+    nb::gil_scoped_release unlocked;
+    w = s.step->allreduce(buf, static_cast<std::uint64_t>(n), static_cast<std::uint8_t>(dtype),
+                          static_cast<std::uint8_t>(op), static_cast<std::uint64_t>(divisor), stream.has_value(),
+                          stream.value_or(0), &why);
+  }
+  if (!w) raise_error(Err::kDevice, why);
+  return StepDone{std::move(w)};
+}
+
+bool step_done_query(StepDone& d) {
+  const smddp::cuda::Result r = d.work->query();
+  if (r == smddp::cuda::kNotReady) return false;
+  if (r != smddp::cuda::kSuccess) raise_error(Err::kDevice, "the GPU step: " + d.work->driver().describe(r, "cuEventQuery"));
+  return true;
+}
+
+// Polls (GIL released) up to `timeout_s` for the collective's end: the core yielded at first, then
+// short naps, so the wait keeps its timeout (an event a GPU never reaches is never synchronised on).
+bool step_done_wait(StepDone& d, double timeout_s) {
+  smddp::cuda::Result r;
+  {
+    nb::gil_scoped_release unlocked;
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::nanoseconds(seconds_ns(timeout_s));
+    int polls = 0;
+    for (;;) {
+      r = d.work->query();
+      if (r != smddp::cuda::kNotReady || std::chrono::steady_clock::now() >= deadline) break;
+      if (++polls < 200) std::this_thread::yield();
+      else std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+  if (r == smddp::cuda::kNotReady) return false;
+  if (r != smddp::cuda::kSuccess) raise_error(Err::kDevice, "the GPU step: " + d.work->driver().describe(r, "cuEventQuery"));
+  return true;
+}
+
+void step_done_order(StepDone& d, std::uintptr_t stream) {
+  const smddp::cuda::Result r = d.work->order(stream);
+  if (r != smddp::cuda::kSuccess)
+    raise_error(Err::kDevice, "the GPU step: " + d.work->driver().describe(r, "cuStreamWaitEvent"));
+}
+
 // The driver's error of a device record's call, raised as smddp.errors.DeviceError.
 void raise_device(DeviceEngine& e, smddp::cuda::Result r, const char* call, const Started& s) {
   raise_error(Err::kDevice, "collective #" + std::to_string(s.submit.seq) + ": " + e.path->driver().describe(r, call));
@@ -2050,6 +2152,40 @@ NB_MODULE(_engine, m) {
           "unpin"_a,
           "End every watch (nothing is given or RELEASEd from now on); unpin: and let go of the result "
           "segments' page-locking (only once nothing copies from them).");
+
+  nb::class_<StepDone>(m, "StepDone", "A node collective's end on the device (DeviceStep.allreduce).")
+      .def("done", &step_done_query, "Whether it has ended; DeviceError for one that failed on the device.")
+      .def("wait", &step_done_wait, "timeout_s"_a,
+           "Wait (polled, GIL released) up to `timeout_s` for its end; whether it came. DeviceError for a failure.")
+      .def("order", &step_done_order, "stream"_a, "`stream`'s later work waits for its end (on the device).");
+
+  nb::class_<Step>(m, "DeviceStep",
+                   "One rank's GPU step: the node's ranks sum on their GPUs through each other's staging memory "
+                   "(smddp/engine/device_step.h).")
+      .def("__init__", &step_init, "library"_a, "device"_a, "local_rank"_a, "local_size"_a, "slot_bytes"_a,
+           nb::sig("def __init__(self, library: str, device: int, local_rank: int, local_size: int, "
+                   "slot_bytes: int) -> None"),
+           "The CUDA driver `library`; staging memory of two slots of `slot_bytes` on `device`, lanes and "
+           "kernels. DeviceError naming why not.")
+      .def("card", &step_card, "What the node's other ranks need to open this rank's staging memory.")
+      .def("join", &step_join, "cards"_a,
+           "Every local rank's card, in local-rank order: the others' staging memory opened; DeviceError why not.")
+      .def("allreduce", &step_allreduce, "buf"_a, "n"_a, "dtype"_a, "op"_a, "divisor"_a, "stream"_a.none(),
+           "Enqueue the node's all-reduce of `n` elements at device address `buf` (in place), after the work "
+           "already on `stream` (None: the buffer is ready now); an average divided by `divisor`.")
+      .def(
+          "close",
+          [](Step& s, double timeout_s) {
+            nb::gil_scoped_release unlocked;
+            return s.step->close(seconds_ns(timeout_s));
+          },
+          "timeout_s"_a,
+          "Wait up to `timeout_s` for its lanes and its peers' reads of its slots to end, then let go of its "
+          "memory, lanes and kernels: whether it could (else they stay until the process ends).")
+      .def_prop_ro(
+          "pieces", [](Step& s) { return s.step->pieces(); }, "pieces enqueued so far")
+      .def_prop_ro(
+          "slot_bytes", [](Step& s) { return s.step->slot_bytes(); }, "bytes of each slot");
 
   m.def("ofi_providers", &ofi_providers, "library"_a,
         "The providers of that libfabric with reliable-datagram tagged messages.");

@@ -62,7 +62,7 @@ cxx=(g++ -std=c++17 -O1 -g -fno-omit-frame-pointer -fPIC -pthread -I"$include" -
 # The stand-in CUDA driver under the same sanitizer (the device jobs' runtime drives it through
 # ctypes): its stream threads and their locks are then the sanitizer's to see, as the engine's are.
 standin=$(cd "$out" && pwd)/$san-standin_cuda.so
-"${cxx[@]}" -Wall -Wextra -Wshadow -Werror -shared rigs/smddp_rigs/standin_cuda.cc -o "$standin"
+"${cxx[@]}" -Wall -Wextra -Wshadow -Werror -Ismddp/engine -shared rigs/smddp_rigs/standin_cuda.cc -o "$standin"
 export SMDDP_STANDIN_CUDA=$standin
 # libstdc++ preloaded with the runtime: the bindings throw C++ exceptions (nanobind's errors), and the
 # sanitizer's __cxa_throw interceptor finds the real one only in a library loaded when it starts (the

@@ -1,0 +1,428 @@
+// The GPU step (device_step.h).
+#include "device_step.h"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <thread>
+#include <utility>
+
+#include "kernels_ptx.h"
+#include "reduce.h"
+#include "wire.h"
+
+namespace smddp {
+
+namespace {
+
+constexpr std::uint32_t kCardMagic = 0x53445043;  // "SDPC"
+constexpr std::uint32_t kCardVersion = 1;
+constexpr int kInReady = 0, kDone = 1, kOutReady = 2;  // the flags, by their line in the header
+constexpr unsigned kThreads = 256;
+constexpr std::uint64_t kMaxBlocks = 4096;
+
+struct Card {
+  std::uint32_t magic;
+  std::uint32_t version;
+  std::uint32_t local_rank;
+  std::uint32_t local_size;
+  std::int32_t device;
+  std::int32_t pid;
+  std::uint64_t slot_bytes;
+  std::uint32_t slots;
+  std::uint32_t reserved;
+  cuda::IpcMemHandle handle;
+};
+static_assert(sizeof(Card) <= DeviceStep::kCardBytes, "a card fits its bytes");
+
+// The fold kernel of each wire dtype (kernels.cu).
+const char* kernel_name(std::uint8_t dtype) {
+  switch (static_cast<DType>(dtype)) {
+    case DType::kUint8: return "smddp_fold_uint8";
+    case DType::kInt32: return "smddp_fold_int32";
+    case DType::kInt64: return "smddp_fold_int64";
+    case DType::kFloat16: return "smddp_fold_float16";
+    case DType::kBfloat16: return "smddp_fold_bfloat16";
+    case DType::kFloat32: return "smddp_fold_float32";
+    case DType::kFloat64: return "smddp_fold_float64";
+  }
+  return nullptr;
+}
+
+std::string num(std::uint64_t v) { return std::to_string(v); }
+
+}  // namespace
+
+// ------------------------------------------------------------------------------------- StepWork
+
+StepWork::StepWork(std::shared_ptr<cuda::Driver> driver, int device, cuda::Event done)
+    : driver_(std::move(driver)), device_(device), done_(done) {}
+
+StepWork::~StepWork() {
+  cuda::Bound bound(*driver_, device_);
+  if (bound.result() == cuda::kSuccess) (void)driver_->api().event_destroy(done_);
+}
+
+cuda::Result StepWork::order(std::uintptr_t stream) {
+  cuda::Bound bound(*driver_, device_);
+  if (bound.result() != cuda::kSuccess) return bound.result();
+  return driver_->api().stream_wait_event(cuda::stream_of(stream), done_, 0);
+}
+
+cuda::Result StepWork::query() { return driver_->api().event_query(done_); }
+
+// ----------------------------------------------------------------------------------- DeviceStep
+
+std::unique_ptr<DeviceStep> DeviceStep::create(std::shared_ptr<cuda::Driver> driver, int device,
+                                               std::uint32_t local_rank, std::uint32_t local_size,
+                                               std::uint64_t slot_bytes, std::string* why) {
+  if (!driver->step_missing().empty()) {
+    *why = "the CUDA driver lacks " + driver->step_missing();
+    return nullptr;
+  }
+  if (local_size < 1 || local_size > kMaxRanks || local_rank >= local_size) {
+    *why = "the GPU step takes 1 to " + num(kMaxRanks) + " ranks a node (this node has " + num(local_size) + ")";
+    return nullptr;
+  }
+  if (slot_bytes < 4096 || slot_bytes % 512 != 0) {
+    *why = "the GPU step's slots are a multiple of 512 bytes, at least 4096";
+    return nullptr;
+  }
+  std::unique_ptr<DeviceStep> s(new DeviceStep());
+  s->driver_ = std::move(driver);
+  s->device_ = device;
+  s->rank_ = local_rank;
+  s->size_ = local_size;
+  s->slot_bytes_ = slot_bytes;
+  cuda::Driver& d = *s->driver_;
+  const cuda::StepApi& step = d.step();
+  cuda::Bound bound(d, device);
+  const std::string where = "cuda:" + std::to_string(device) + ": ";
+  if (bound.result() != cuda::kSuccess) {
+    *why = where + d.describe(bound.result(), "cuCtxSetCurrent");
+    return nullptr;
+  }
+  cuda::Result r = step.module_load_data(&s->module_, kKernelsPtx);
+  if (r != cuda::kSuccess) {
+    s->module_ = nullptr;
+    *why = where + "the GPU step's kernels (PTX 9.0, CUDA 13) were refused: " + d.describe(r, "cuModuleLoadData");
+    return nullptr;
+  }
+  for (std::uint8_t code = 0; code < 8; code++) {
+    const char* name = kernel_name(code);
+    if (name == nullptr) continue;
+    r = step.module_get_function(&s->fold_[code], s->module_, name);
+    if (r != cuda::kSuccess) {
+      *why = where + std::string(name) + ": " + d.describe(r, "cuModuleGetFunction");
+      return nullptr;
+    }
+  }
+  const char* call = "cuStreamCreate";
+  r = d.api().stream_create(&s->in_lane_, cuda::kStreamNonBlocking);
+  if (r == cuda::kSuccess) r = d.api().stream_create(&s->gather_lane_, cuda::kStreamNonBlocking);
+  if (r == cuda::kSuccess) {
+    call = "cuMemAlloc";
+    r = step.mem_alloc(&s->stage_, kHeader + kSlots * slot_bytes);
+  }
+  if (r != cuda::kSuccess) {
+    s->stage_ = 0;
+    *why = where + d.describe(r, call);
+    return nullptr;
+  }
+  // The flags start at 0 (no piece): zeroed before the card can be given (the lane synchronised).
+  call = "cuMemsetD32Async";
+  r = step.memset_d32(s->stage_, 0, kHeader / 4, s->in_lane_);
+  if (r == cuda::kSuccess) {
+    call = "cuStreamSynchronize";
+    r = d.api().stream_synchronize(s->in_lane_);
+  }
+  if (r != cuda::kSuccess) {
+    *why = where + d.describe(r, call);
+    return nullptr;
+  }
+  s->stages_.assign(local_size, 0);
+  s->opened_.assign(local_size, false);
+  s->stages_[local_rank] = s->stage_;
+  return s;
+}
+
+DeviceStep::~DeviceStep() { (void)close(0); }
+
+bool DeviceStep::close(std::int64_t timeout_ns) {
+  if (closed_) return true;
+  cuda::Driver& d = *driver_;
+  const cuda::Api& api = d.api();
+  cuda::Bound bound(d, device_);
+  if (bound.result() != cuda::kSuccess) return false;
+  if (in_lane_ != nullptr && gather_lane_ != nullptr) {
+    // The last point of each lane, the in lane's after every rank's done has reached this rank's
+    // last piece (so no peer still reads its slots); polled, never synchronised on (a lane whose
+    // peer is gone never ends).
+    cuda::Result r = cuda::kSuccess;
+    const std::uint64_t last = next_piece_ - 1;
+    for (std::uint32_t j = 0; r == cuda::kSuccess && joined_ && last > 0 && j < size_; j++)
+      r = d.step().wait_value32(in_lane_, flag(j, kDone), static_cast<std::uint32_t>(last), cuda::kWaitValueGeq);
+    cuda::Event ends[2] = {nullptr, nullptr};
+    const cuda::Stream lanes[2] = {in_lane_, gather_lane_};
+    for (int i = 0; r == cuda::kSuccess && i < 2; i++) {
+      r = api.event_create(&ends[i], cuda::kEventDisableTiming);
+      if (r == cuda::kSuccess) r = api.event_record(ends[i], lanes[i]);
+    }
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::nanoseconds(timeout_ns);
+    bool idle = r == cuda::kSuccess;
+    for (int i = 0; idle && i < 2; i++) {
+      for (;;) {
+        const cuda::Result q = api.event_query(ends[i]);
+        if (q != cuda::kNotReady) {
+          idle = true;  // (reached, or failed: either way nothing more runs there)
+          break;
+        }
+        if (std::chrono::steady_clock::now() >= deadline) {
+          idle = false;
+          break;
+        }
+        std::this_thread::sleep_for(std::chrono::microseconds(100));
+      }
+    }
+    for (cuda::Event e : ends)
+      if (e != nullptr) (void)api.event_destroy(e);
+    if (!idle) return false;
+  }
+  release();
+  closed_ = true;
+  return true;
+}
+
+void DeviceStep::release() {
+  cuda::Driver& d = *driver_;
+  if (in_lane_ != nullptr) (void)d.api().stream_destroy(in_lane_);
+  if (gather_lane_ != nullptr) (void)d.api().stream_destroy(gather_lane_);
+  in_lane_ = gather_lane_ = nullptr;
+  for (std::size_t j = 0; j < stages_.size(); j++)
+    if (opened_[j]) (void)d.step().ipc_close_mem_handle(stages_[j]);
+  opened_.assign(opened_.size(), false);
+  if (stage_ != 0) (void)d.step().mem_free(stage_);
+  stage_ = 0;
+  if (module_ != nullptr) (void)d.step().module_unload(module_);
+  module_ = nullptr;
+}
+
+std::string DeviceStep::card() const {
+  Card c{};
+  c.magic = kCardMagic;
+  c.version = kCardVersion;
+  c.local_rank = rank_;
+  c.local_size = size_;
+  c.device = device_;
+  c.pid = static_cast<std::int32_t>(getpid());
+  c.slot_bytes = slot_bytes_;
+  c.slots = kSlots;
+  {
+    cuda::Bound bound(*driver_, device_);
+    if (bound.result() != cuda::kSuccess ||
+        driver_->step().ipc_get_mem_handle(&c.handle, stage_) != cuda::kSuccess)
+      return std::string();  // (join() refuses an empty card, naming it)
+  }
+  std::string out(kCardBytes, '\0');
+  std::memcpy(out.data(), &c, sizeof c);
+  return out;
+}
+
+bool DeviceStep::join(const std::vector<std::string>& cards, std::string* why) {
+  if (joined_) {
+    *why = "the GPU step has joined its node already";
+    return false;
+  }
+  if (cards.size() != size_) {
+    *why = "the GPU step was given " + num(cards.size()) + " cards for a node of " + num(size_) + " ranks";
+    return false;
+  }
+  cuda::Driver& d = *driver_;
+  cuda::Bound bound(d, device_);
+  if (bound.result() != cuda::kSuccess) {
+    *why = d.describe(bound.result(), "cuCtxSetCurrent");
+    return false;
+  }
+  for (std::uint32_t j = 0; j < size_; j++) {
+    Card c{};
+    if (cards[j].size() != kCardBytes) {
+      *why = "local rank " + num(j) + "'s GPU step card is not one (" + num(cards[j].size()) + " bytes)";
+      return false;
+    }
+    std::memcpy(&c, cards[j].data(), sizeof c);
+    if (c.magic != kCardMagic || c.version != kCardVersion || c.local_rank != j || c.local_size != size_ ||
+        c.slot_bytes != slot_bytes_ || c.slots != kSlots) {
+      *why = "local rank " + num(j) + "'s GPU step card does not match this rank's (another layout, or out of place)";
+      return false;
+    }
+    if (j == rank_) continue;
+    if (c.device != device_) {
+      int can = 0;
+      const cuda::Result r = d.step().can_access_peer(&can, device_, c.device);
+      if (r != cuda::kSuccess || can == 0) {
+        *why = "cuda:" + std::to_string(device_) + " cannot reach local rank " + num(j) + "'s cuda:" +
+               std::to_string(c.device) + " (no peer access)";
+        return false;
+      }
+    }
+    cuda::DevicePtr p = 0;
+    const cuda::Result r = d.step().ipc_open_mem_handle(&p, c.handle, cuda::kIpcLazyPeerAccess);
+    if (r != cuda::kSuccess) {
+      *why = "local rank " + num(j) + "'s staging memory (pid " + std::to_string(c.pid) + ", cuda:" +
+             std::to_string(c.device) + ") could not be opened: " + d.describe(r, "cuIpcOpenMemHandle");
+      return false;
+    }
+    stages_[j] = p;
+    opened_[j] = true;
+  }
+  joined_ = true;
+  return true;
+}
+
+cuda::DevicePtr DeviceStep::slot(std::uint32_t rank, std::uint64_t piece) const {
+  return stages_[rank] + kHeader + (piece % kSlots) * slot_bytes_;
+}
+
+cuda::DevicePtr DeviceStep::flag(std::uint32_t rank, int which) const {
+  return stages_[rank] + static_cast<std::uint64_t>(which) * 128;
+}
+
+bool DeviceStep::broken(std::string* why) {
+  if (failure_.empty()) return false;
+  *why = failure_;
+  return true;
+}
+
+void DeviceStep::fail(std::string why) {
+  if (failure_.empty()) failure_ = "the GPU step is broken by an earlier failure: " + why;
+}
+
+std::shared_ptr<StepWork> DeviceStep::allreduce(cuda::DevicePtr buf, std::uint64_t n, std::uint8_t dtype,
+                                                std::uint8_t op, std::uint64_t divisor, bool after,
+                                                std::uintptr_t stream, std::string* why) {
+  if (broken(why)) return nullptr;
+  if (closed_) {
+    *why = "the GPU step is closed";
+    return nullptr;
+  }
+  if (!joined_) {
+    *why = "the GPU step has not joined its node";
+    return nullptr;
+  }
+  const std::size_t isz = dtype_size(dtype);
+  if (dtype >= 8 || fold_[dtype] == nullptr || isz == 0) {
+    *why = "the GPU step has no kernel for dtype " + num(dtype);
+    return nullptr;
+  }
+  if (op < static_cast<std::uint8_t>(ReduceOp::kSum) || op > static_cast<std::uint8_t>(ReduceOp::kMax)) {
+    *why = "the GPU step has no reduction op " + num(op);
+    return nullptr;
+  }
+  cuda::Driver& d = *driver_;
+  const cuda::Api& api = d.api();
+  const cuda::StepApi& step = d.step();
+  cuda::Bound bound(d, device_);
+  if (bound.result() != cuda::kSuccess) {
+    *why = d.describe(bound.result(), "cuCtxSetCurrent");
+    return nullptr;
+  }
+  const std::uint64_t per_piece = slot_bytes_ / isz;  // elements
+  const std::uint32_t g = size_, me = rank_;
+  // Both lanes after the caller's work so far (the buffer's producer): an event of our own on its
+  // stream, let go of once the waits are enqueued (the driver keeps what they wait for).
+  const char* call = "cuEventCreate";
+  cuda::Event before = nullptr;
+  cuda::Result r = after ? api.event_create(&before, cuda::kEventDisableTiming) : cuda::kSuccess;
+  if (r == cuda::kSuccess && after) {
+    call = "cuEventRecord";
+    r = api.event_record(before, cuda::stream_of(stream));
+    if (r == cuda::kSuccess) {
+      call = "cuStreamWaitEvent";
+      r = api.stream_wait_event(in_lane_, before, 0);
+      if (r == cuda::kSuccess) r = api.stream_wait_event(gather_lane_, before, 0);
+    }
+    (void)api.event_destroy(before);
+  }
+  // Anything enqueued so far is harmless to leave if this fails (no flag written); once a flag is
+  // written, a failure leaves the node's flags out of step for good: fail() breaks the step.
+  bool wrote = false;
+  for (std::uint64_t start = 0; r == cuda::kSuccess && (start < n || (n == 0 && start == 0)); start += per_piece) {
+    const std::uint64_t m = n - start < per_piece ? n - start : per_piece;
+    const std::uint64_t q = next_piece_;
+    const auto q32 = static_cast<std::uint32_t>(q);
+    const cuda::DevicePtr piece = buf + start * isz;
+    if (q > kSlots) {
+      call = "cuStreamWaitValue32";
+      for (std::uint32_t j = 0; r == cuda::kSuccess && j < g; j++)
+        r = step.wait_value32(in_lane_, flag(j, kDone), static_cast<std::uint32_t>(q - kSlots), cuda::kWaitValueGeq);
+    }
+    if (r == cuda::kSuccess && m > 0) {
+      call = "cuMemcpyDtoDAsync";
+      r = step.memcpy_d2d(slot(me, q), piece, m * isz, in_lane_);
+    }
+    if (r == cuda::kSuccess) {
+      call = "cuStreamWriteValue32";
+      wrote = true;
+      r = step.write_value32(in_lane_, flag(me, kInReady), q32, cuda::kWriteValueDefault);
+    }
+    for (std::uint32_t j = 0; r == cuda::kSuccess && j < g; j++) {
+      if (j == me) continue;
+      call = "cuStreamWaitValue32";
+      r = step.wait_value32(in_lane_, flag(j, kInReady), q32, cuda::kWaitValueGeq);
+    }
+    const std::uint64_t lo = m * me / g, hi = m * (me + 1) / g;
+    if (r == cuda::kSuccess && hi > lo) {
+      FoldArgs a{};
+      a.dst = slot(me, q) + lo * isz;
+      a.n = hi - lo;
+      for (std::uint32_t j = 0; j < g; j++) a.src[j] = slot(j, q) + lo * isz;
+      a.k = g;
+      a.op = op;
+      a.divisor = op == static_cast<std::uint8_t>(ReduceOp::kAvg) ? divisor : 0;
+      const std::uint64_t blocks64 = (a.n + kThreads - 1) / kThreads;
+      const auto blocks = static_cast<unsigned>(blocks64 < kMaxBlocks ? blocks64 : kMaxBlocks);
+      void* params[] = {&a};
+      call = "cuLaunchKernel";
+      r = step.launch_kernel(fold_[dtype], blocks, 1, 1, kThreads, 1, 1, 0, in_lane_, params, nullptr);
+    }
+    if (r == cuda::kSuccess) {
+      call = "cuStreamWriteValue32";
+      r = step.write_value32(in_lane_, flag(me, kOutReady), q32, cuda::kWriteValueDefault);
+    }
+    for (std::uint32_t j = 0; r == cuda::kSuccess && j < g; j++) {
+      call = "cuStreamWaitValue32";
+      r = step.wait_value32(gather_lane_, flag(j, kOutReady), q32, cuda::kWaitValueGeq);
+    }
+    for (std::uint32_t j = 0; r == cuda::kSuccess && j < g; j++) {
+      const std::uint64_t jlo = m * j / g, jhi = m * (j + 1) / g;
+      if (jhi == jlo) continue;
+      call = "cuMemcpyDtoDAsync";
+      r = step.memcpy_d2d(piece + jlo * isz, slot(j, q) + jlo * isz, (jhi - jlo) * isz, gather_lane_);
+    }
+    if (r == cuda::kSuccess) {
+      call = "cuStreamWriteValue32";
+      r = step.write_value32(gather_lane_, flag(me, kDone), q32, cuda::kWriteValueDefault);
+    }
+    next_piece_++;
+    if (n == 0) break;
+  }
+  cuda::Event done = nullptr;
+  if (r == cuda::kSuccess) {
+    call = "cuEventCreate";
+    r = api.event_create(&done, cuda::kEventDisableTiming);
+    if (r == cuda::kSuccess) {
+      call = "cuEventRecord";
+      r = api.event_record(done, gather_lane_);
+      if (r != cuda::kSuccess) (void)api.event_destroy(done);
+    }
+  }
+  if (r != cuda::kSuccess) {
+    *why = "cuda:" + std::to_string(device_) + ": the GPU step's all-reduce could not be enqueued: " + d.describe(r, call);
+    if (wrote) fail(*why);
+    return nullptr;
+  }
+  return std::make_shared<StepWork>(driver_, device_, done);
+}
+
+}  // namespace smddp

@@ -1,0 +1,136 @@
+// The GPU step (docs/gpu.md, "Nodes with several GPUs"): a node's ranks sum a collective's device
+// buffers on their GPUs, through each other's staging memory, with no host in between.
+//
+// Each rank owns one staging allocation on its device, shared once with the node's other ranks
+// (CUDA IPC: its card carries the handle), laid out as a header of three 32-bit flags, each on its
+// own 128-byte line, then kSlots slots of slot_bytes:
+//   in_ready   the last piece whose input sits in this rank's slot;
+//   out_ready  the last piece whose slice this rank has reduced (and, across nodes, brought back);
+//   done       the last piece this rank has finished reading from every rank's slots.
+// A collective's buffer goes in pieces of at most slot_bytes, numbered 1, 2, ... in call order (the
+// node's ranks call the same collectives in the same order, as every collective asks), piece q in
+// slot q % kSlots. Local rank r's piece q, with slice j of a piece being elements
+// [m*j/G, m*(j+1)/G) of its m:
+//   in lane:  wait every rank's done >= q - kSlots (nobody still reads the slot); copy the piece into
+//             the slot; write in_ready = q; wait every rank's in_ready >= q; fold slice r of the G
+//             slots, in local-rank order, into this rank's slot (in place: only this rank reads slice
+//             r of the slots); write out_ready = q;
+//   gather lane: wait every rank's out_ready >= q; copy slice j of rank j's slot into the buffer, for
+//             every j (copy engines, no SM); write done = q.
+// The flags are written and waited on by the GPUs' streams (stream memory operations), so nothing
+// of the node's ordering goes through a host, and a call enqueues everything at once; the gather lane
+// is the in lane's own successor only through the flags, so that a piece's gather never holds back
+// the next piece's copy and fold (two slots: a piece's fold overlaps the last one's gather).
+//
+// Bits: the fold is the daemon's (kernels.cu): what the host path computes for the same buffers on
+// one node, bit for bit.
+//
+// Threads: one caller at a time (the client's collective calls are serialised per rank: the order of
+// calls is the pieces' numbering); StepWork from any thread. Memory: a DeviceStep owns its staging
+// allocation, its two streams, the kernels' module and the peers' mappings (closed at its end, after
+// its lanes have drained); a StepWork owns its event and shares the driver.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cuda_driver.h"
+#include "fold_args.h"
+
+namespace smddp {
+
+// A node collective's end on the device: the event recorded on the gather lane after its last
+// piece.
+class StepWork {
+ public:
+  StepWork(std::shared_ptr<cuda::Driver> driver, int device, cuda::Event done);
+  ~StepWork();
+  StepWork(const StepWork&) = delete;
+  StepWork& operator=(const StepWork&) = delete;
+  // `stream`'s later work waits for it; the driver's error, if any.
+  cuda::Result order(std::uintptr_t stream);
+  // kSuccess once done, kNotReady before, or its failure.
+  cuda::Result query();
+  cuda::Driver& driver() const { return *driver_; }
+
+ private:
+  const std::shared_ptr<cuda::Driver> driver_;
+  const int device_;
+  const cuda::Event done_;
+};
+
+class DeviceStep {
+ public:
+  static constexpr std::uint32_t kSlots = 2;
+  static constexpr std::uint64_t kHeader = 512;  // the flags' lines, before the slots
+  static constexpr std::uint32_t kMaxRanks = SMDDP_MAX_FOLD_INPUTS;
+  static constexpr std::size_t kCardBytes = 128;
+
+  // Local rank `local_rank` of `local_size` on `device`: its staging memory allocated and zeroed, its
+  // lanes and kernels loaded. nullptr with *why: the driver lacks an entry point (named), refuses
+  // the kernels' PTX, or an allocation.
+  static std::unique_ptr<DeviceStep> create(std::shared_ptr<cuda::Driver> driver, int device,
+                                            std::uint32_t local_rank, std::uint32_t local_size,
+                                            std::uint64_t slot_bytes, std::string* why);
+  ~DeviceStep();
+  DeviceStep(const DeviceStep&) = delete;
+  DeviceStep& operator=(const DeviceStep&) = delete;
+
+  // What the node's other ranks need to reach this rank's staging memory (kCardBytes).
+  std::string card() const;
+  // Every rank's card, in local-rank order (this rank's own among them): the others' staging memory
+  // opened (their devices must reach this one's: the same device, or peers). False with *why (a card
+  // that is not one, of another layout, or that the driver will not open).
+  bool join(const std::vector<std::string>& cards, std::string* why);
+
+  // All-reduce of `n` elements of wire dtype `dtype` at device address `buf` (in place) across the
+  // node's ranks, with wire op `op` (an average divided by `divisor`), after the work already on
+  // `stream` where `after` (the caller's: an event of the step's own recorded there; else the buffer
+  // is ready now, as its producer said): every piece enqueued, nothing waited for here. nullptr with *why (a refused call, a
+  // dtype or op that has no kernel, or a step broken by an earlier failure: every later call is
+  // refused, since the node's flags are then past repair).
+  std::shared_ptr<StepWork> allreduce(cuda::DevicePtr buf, std::uint64_t n, std::uint8_t dtype, std::uint8_t op,
+                                      std::uint64_t divisor, bool after, std::uintptr_t stream, std::string* why);
+
+  // Waits up to `timeout_ns` for the lanes to finish and for every other rank to have finished
+  // reading this rank's slots (their done flags reach this rank's last piece), then lets go of
+  // everything: true. False where that did not come in time: nothing is let go of then (a lane may
+  // still wait for a peer, and freeing memory a peer still reads, or synchronising a lane that never
+  // ends, would be worse than leaving it to the process's end). Idempotent once true.
+  bool close(std::int64_t timeout_ns);
+
+  std::uint64_t slot_bytes() const { return slot_bytes_; }
+  std::uint32_t local_rank() const { return rank_; }
+  std::uint32_t local_size() const { return size_; }
+  int device() const { return device_; }
+  std::uint64_t pieces() const { return next_piece_ - 1; }
+
+ private:
+  DeviceStep() = default;
+  cuda::DevicePtr slot(std::uint32_t rank, std::uint64_t piece) const;
+  cuda::DevicePtr flag(std::uint32_t rank, int which) const;
+  bool broken(std::string* why);
+  void fail(std::string why);
+
+  std::shared_ptr<cuda::Driver> driver_;
+  int device_ = 0;
+  std::uint32_t rank_ = 0;
+  std::uint32_t size_ = 1;
+  std::uint64_t slot_bytes_ = 0;
+  cuda::DevicePtr stage_ = 0;  // its own
+  std::vector<cuda::DevicePtr> stages_;  // every rank's, in local-rank order (its own among them)
+  std::vector<bool> opened_;             // which of them it opened (closed at its end)
+  cuda::Stream in_lane_ = nullptr;
+  cuda::Stream gather_lane_ = nullptr;
+  cuda::Module module_ = nullptr;
+  cuda::Function fold_[8] = {};  // by wire dtype code
+  std::uint64_t next_piece_ = 1;
+  void release();
+  bool joined_ = false;
+  bool closed_ = false;
+  std::string failure_;
+};
+
+}  // namespace smddp
