@@ -762,6 +762,12 @@ class DeviceStep:
         The CUDA driver `library`; staging memory of two slots of `slot_bytes` on `device`, lanes and kernels. DeviceError naming why not.
         """
 
+    max_ranks: int = ...
+    """the most ranks of a node it takes"""
+
+    card_bytes: int = ...
+    """the bytes of a card"""
+
     def card(self) -> bytes:
         """What the node's other ranks need to open this rank's staging memory."""
 

@@ -258,6 +258,18 @@ SETTINGS: tuple[Setting, ...] = (
         env="SMDDP_PIPELINE_KB",
     ),
     S(
+        "node_reduce",
+        str,
+        "host",
+        "where a node's ranks sum device buffers: gpu (on the GPUs, through each other's memory), host "
+        "(copied to the host and summed by the daemon's CPU, no SM used) or auto (gpu where the node's "
+        "devices can reach each other, else host); every rank must use the same value",
+        ("--node-reduce",),
+        (LAUNCH, WORKER),
+        env="SMDDP_NODE_REDUCE",
+        choices=("auto", "gpu", "host"),
+    ),
+    S(
         "device_runtime",
         str,
         "auto",

@@ -10,6 +10,7 @@ import numpy as np
 
 from smddp.client.buffers import BufferView, PartsView, as_buffer, as_parts
 from smddp.client.device.buffers import DeviceBuffer, stream_handle
+from smddp.client.device.step import start as start_step
 from smddp.client.session import NO_DATA, Client, Handle, PipelinedHandle, check_op
 from smddp.errors import CollectiveTimeoutError, InvalidArgumentError, UnsupportedBufferError
 from smddp.proto.dtypes import DType, Kind, ReduceOp, dtype_from_numpy
@@ -128,9 +129,13 @@ def _in_pieces(
 
 
 def _allreduce_device(c: Client, dev: DeviceBuffer, rop: ReduceOp, stream: Any, result: Any) -> Handle:
-    """All-reduce device buffer `dev` in place: in one piece, or in pieces (_piece_bytes) that all wait
+    """All-reduce device buffer `dev` in place: on the node's GPUs where the job's device all-reduces
+    take the GPU step (Client.node_step); else in one piece, or in pieces (_piece_bytes) that all wait
     for the same point of the caller's stream, so that the copy of one to the host, the network steps
     of another and the copy of a third back to the device overlap."""
+    step = c.node_step(dev)
+    if step is not None:
+        return start_step(c, step, dev, rop, stream, result)  # type: ignore[return-value]  # (a Handle by registration)
     # In pieces, copies in and out overlap on the lanes' two streams: in line only when whole.
     one = whole(c, dev.nbytes)
     plan = c.device_plan(dev, [(dev, 0, dev.nbytes)], stream, dev, dev.keepalive, inline=one)

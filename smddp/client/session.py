@@ -30,6 +30,9 @@ from smddp.client.device.buffers import (
 )
 from smddp.client.device.copies import DeviceIO, DevicePlan
 from smddp.client.device.runtime import DeviceRuntime, check_runtime_name, load_runtime
+from smddp.client.device.step import UNDECIDED, NodeStep, StepHandle
+from smddp.client.device.step import decide as decide_step
+from smddp.client.device.step import start as start_step
 from smddp.errors import (
     CollectiveError,
     CollectiveTimeoutError,
@@ -95,6 +98,7 @@ class ClientConfig:
     log_level: str = default("log_level")
     job_id_hex: str = default("job_id")
     device_runtime: str = default("device_runtime")
+    node_reduce: str = default("node_reduce")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> ClientConfig:
@@ -110,6 +114,7 @@ class ClientConfig:
             log_level=v["log_level"],
             job_id_hex=v["job_id"],
             device_runtime=check_runtime_name(v["device_runtime"]),
+            node_reduce=v["node_reduce"],
         )
 
 
@@ -453,6 +458,7 @@ def _call_back(fn: Callable[[Handle], None], handle: Handle) -> None:
 
 
 Handle.register(EngineHandle)  # (DeviceHandle with it)
+Handle.register(StepHandle)
 
 
 class PipelinedHandle(Handle):
@@ -532,6 +538,10 @@ class Client:
         self._device: DeviceIO | None = None
         # The engine's device path (DeviceEngine), made with the device machinery, for its runtime's driver.
         self._device_engine: _engine.DeviceEngine | None = None
+        # The GPU step (node_reduce): decided by every rank together at the first device all-reduce.
+        self._node_step: NodeStep | None = None
+        self._node_step_decided = False
+        self.node_reduce_why = UNDECIDED  # why device all-reduces go through the host ("" where they do not)
         self._held_cv = threading.Condition(self._lock)  # _copying_in went down
         # Device copy-ins being pinned and enqueued outside the lock (submit): shutdown waits for them
         # before it waits for the copies themselves, and refuses new ones first (_closing).
@@ -667,6 +677,10 @@ class Client:
             # the callers' own kernels).
             copying = not engine.settle(max(0.0, deadline - time.monotonic()))
             copying = not device.copies_done(max(0.0, deadline - time.monotonic())) or copying
+        if self._node_step is not None and not self._node_step.close(max(0.0, deadline - time.monotonic())):
+            # Its lanes (or a peer's reads of its slots) did not end: its memory stays until the
+            # process ends, and the job fails, as for a copy that did not end.
+            copying = True
         with self._lock:
             self._closed = True
             self._channel.close_starts()  # (BYE must be the last descriptor)
@@ -867,7 +881,7 @@ class Client:
 
     def device_allreduce_now(
         self, dev: DeviceBuffer, op: ReduceOp, stream: int, timeout: float | None
-    ) -> DeviceHandle:
+    ) -> DeviceHandle | StepHandle:
         """A blocking all-reduce of device buffer `dev` in place, in one piece, for a caller that waits
         for it at once on `stream` (the stream its work on `dev` is queued on): the copy to the host
         in line on `stream`, this thread waiting for it and sending the SUBMIT, taking the DONE and
@@ -880,8 +894,20 @@ class Client:
         copies).
 
         Raises as a wait does. A copy-in not complete within `timeout` leaves its SUBMIT to the
-        engine (given once the copy lands); the wait times out then, and its result is dropped."""
+        engine (given once the copy lands); the wait times out then, and its result is dropped.
+
+        Where the job's device all-reduces take the GPU step (node_step), it goes there instead, and
+        its StepHandle, complete and ordered before `stream`'s later work, is returned."""
         t = self.config.timeout_s if timeout is None else timeout
+        step = self.node_step(dev)
+        if step is not None:
+            h = start_step(self, step, dev, op, stream, None)
+            try:
+                h.wait(t)
+            except CollectiveTimeoutError:
+                h._drop()
+                raise
+            return h
         deadline = time.monotonic() + t
         _refuse_capture(self._device_path(), dev.device, stream)
         plan = DevicePlan(
@@ -1206,6 +1232,27 @@ class Client:
         # The point of the producer's stream the copies wait for: recorded there by the engine.
         before = None if producer is None else engine.mark(like.device, producer)
         return DevicePlan(like.device, src, before, outputs, consumer, like.library, keepalive)
+
+    def node_step(self, dev: DeviceBuffer) -> NodeStep | None:
+        """The GPU step this job's device all-reduces take (node_reduce), or None: the host path.
+        Decided at the first device all-reduce, by every rank together (step.decide: a collective,
+        which every rank reaches at that all-reduce)."""
+        if self.config.node_reduce == "host":
+            return None
+        if not self._node_step_decided:
+            self._node_step, self.node_reduce_why = decide_step(self, dev)
+            self._node_step_decided = True
+        step = self._node_step
+        if step is not None and dev.device != step.device:
+            raise UnsupportedBufferError(
+                f"the node's GPU step runs on cuda:{step.device}; this buffer is on cuda:{dev.device} "
+                "(every device all-reduce of a rank goes through one device)"
+            )
+        return step
+
+    def refuse_capture(self, device: int, *streams: int | None) -> None:
+        """GraphCaptureError where one of `streams` of `device` is capturing a CUDA graph (_refuse_capture)."""
+        _refuse_capture(self._device_path(), device, *streams)
 
     def in_line(self, like: DeviceBuffer, explicit: int | None) -> int | None:
         """The stream on which the copies of a collective of `like` alone may run in line for a caller

@@ -2167,6 +2167,10 @@ NB_MODULE(_engine, m) {
                    "slot_bytes: int) -> None"),
            "The CUDA driver `library`; staging memory of two slots of `slot_bytes` on `device`, lanes and "
            "kernels. DeviceError naming why not.")
+      .def_prop_ro_static(
+          "max_ranks", [](nb::handle) { return smddp::DeviceStep::kMaxRanks; }, "the most ranks of a node it takes")
+      .def_prop_ro_static(
+          "card_bytes", [](nb::handle) { return smddp::DeviceStep::kCardBytes; }, "the bytes of a card")
       .def("card", &step_card, "What the node's other ranks need to open this rank's staging memory.")
       .def("join", &step_join, "cards"_a,
            "Every local rank's card, in local-rank order: the others' staging memory opened; DeviceError why not.")

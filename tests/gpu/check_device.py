@@ -409,6 +409,13 @@ def main() -> int:
     result["records"] = records
     result["skipped"] = skipped
     result["runtime"] = smddp.client().device_runtime().name
+    # Whether device all-reduces took the GPU step (node_reduce), and how many did.
+    result["node_reduce_why"] = smddp.client().node_reduce_why
+    step = smddp.client()._node_step
+    result["step_count"] = 0 if step is None else step.count
+    result["device_allreduces"] = sum(
+        1 for r in records if r["case"]["kind"] == "allreduce" and r.get("device", True)
+    )
     smddp.shutdown()
     result.update(dev.stats())  # after shutdown: every segment must have been unpinned
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:

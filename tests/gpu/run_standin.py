@@ -2,7 +2,8 @@
 
 Usage: run_standin.py STATS_DIR SCRIPT [ARGS...]. The script runs unchanged; the wrapper only sets
 SMDDP_DEVICE_RUNTIME=standin (every torch tensor then goes the device route) and afterwards writes
-the runtime's copy and kernel counts, so the test can tell that the route was taken.
+the runtime's copy and kernel counts, so the test can tell that the route was taken, and how many
+all-reduces the GPU step took (node_reduce).
 """
 
 from __future__ import annotations
@@ -45,9 +46,19 @@ def main() -> int:
         code = e.code
     import smddp
 
-    rt = smddp.client().device_runtime()
+    c = smddp.client()
+    rt = c.device_runtime()
+    step = c._node_step  # the GPU step (node_reduce), where the job's device all-reduces took it
     with open(os.path.join(stats_dir, f"stats{smddp.rank()}.json"), "w") as f:
-        json.dump({"runtime": rt.name, "stats": dict(rt.stats)}, f)
+        json.dump(
+            {
+                "runtime": rt.name,
+                "stats": dict(rt.stats),
+                "step_count": 0 if step is None else step.count,
+                "node_reduce_why": c.node_reduce_why,
+            },
+            f,
+        )
     return int(code or 0) if isinstance(code, int) or code is None else 1
 
 

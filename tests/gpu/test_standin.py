@@ -88,6 +88,43 @@ def test_every_collective_on_device_buffers(
             assert "int32 differs" in e["out_dtype"]
 
 
+@pytest.mark.parametrize(("world", "via"), [(2, "dlpack"), (4, "cai")], ids=["W2-dlpack", "W4-cai"])
+def test_every_collective_on_device_buffers_with_the_gpu_step(
+    world: int, via: str, tmp_path: Path, clean_host: None
+):
+    """node_reduce gpu on one node: every device all-reduce sums on the (stand-in) GPUs through the
+    ranks' shared staging memory, the other collectives go through the host as before; every result
+    bit for bit as the host path's (the same reference), on every rank."""
+    args = [SCRIPT, "--out", str(tmp_path), "--nnodes", "1", "--array", via, "--delay-ms", "1"]
+    proc = launch(world, 1, args, SMDDP_NODE_REDUCE="gpu")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    runs = results(tmp_path, world)
+    check_records([d["records"] for d in runs], inflight=24)
+    for d in runs:
+        assert d["node_reduce_why"] == "", d["node_reduce_why"]
+        assert d["step_count"] == d["device_allreduces"] > 50, d
+        assert d["registered"] == 0
+
+
+def test_node_reduce_gpu_that_cannot_be_had_fails_every_rank_naming_why(tmp_path: Path, clean_host: None):
+    """node_reduce gpu where the step cannot run (the driver refuses its kernels' PTX): every rank fails
+    at its first device all-reduce, naming why; auto takes the host path instead, saying why in the
+    log, and every result is right."""
+    args = [SCRIPT, "--out", str(tmp_path), "--nnodes", "1", "--array", "dlpack"]
+    proc = launch(2, 1, args, SMDDP_NODE_REDUCE="gpu", SMDDP_STANDIN_PTX_MAX="8.0")
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert "node_reduce gpu: the node's ranks cannot sum on their GPUs" in out, out[-3000:]
+    assert "CUDA_ERROR_UNSUPPORTED_PTX_VERSION" in out, out[-3000:]
+    proc = launch(2, 1, args, SMDDP_NODE_REDUCE="auto", SMDDP_STANDIN_PTX_MAX="8.0")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "device all-reduces go through the host (node_reduce auto)" in proc.stdout + proc.stderr
+    runs = results(tmp_path, 2)
+    check_records([d["records"] for d in runs], inflight=24)
+    for d in runs:
+        assert "CUDA_ERROR_UNSUPPORTED_PTX_VERSION" in d["node_reduce_why"] and d["step_count"] == 0
+
+
 def test_device_buffer_without_a_runtime_is_a_clear_error(tmp_path: Path, clean_host: None):
     """A CUDA buffer on a machine whose runtime (CuPy by default) is not there: refused, nothing sent."""
     proc = launch(

@@ -44,6 +44,13 @@ def device_route_taken(stats_dir: Path, world: int) -> None:
         assert st["pageable"] == 0, st
 
 
+def step_taken(stats_dir: Path, world: int) -> None:
+    """Every rank's device all-reduces summed on the (stand-in) GPUs: the GPU step took them."""
+    for r in range(world):
+        d = json.loads((stats_dir / f"stats{r}.json").read_text())
+        assert d["node_reduce_why"] == "" and d["step_count"] > 0, d
+
+
 @pytest.mark.parametrize(("world", "nodes"), [(2, 1), (4, 2)], ids=["W2-N1", "W4-N2"])
 def test_every_collective_on_the_device_route(
     world: int, nodes: int, tmp_path: Path, clean_host: None
@@ -109,16 +116,18 @@ KINDS = "allreduce,broadcast,allgather,reduce_scatter"
 
 
 @pytest.mark.parametrize(
-    ("world", "nodes", "sizes"),
-    # 16 MiB: two pieces of the default 8 MiB pipeline, each copied late by the stand-in.
-    # CI runs the job of two nodes (its 16 MiB goes as pipelined pieces); the one-node job is `long`.
+    ("world", "nodes", "sizes", "node_reduce"),
+    # 16 MiB: two pieces of the default 8 MiB pipeline, each copied late by the stand-in; on the GPU
+    # step, two pieces of its 8 MiB slots. CI runs the job of two nodes (its 16 MiB goes as
+    # pipelined pieces) and the one-node job on the GPU step; the one-node job on the host is `long`.
     [
-        pytest.param(2, 1, "262144,4194304,16777216", id="W2-N1", marks=pytest.mark.long),
-        pytest.param(4, 2, "262144,16777216", id="W4-N2"),
+        pytest.param(2, 1, "262144,4194304,16777216", "host", id="W2-N1", marks=pytest.mark.long),
+        pytest.param(4, 2, "262144,16777216", "host", id="W4-N2"),
+        pytest.param(2, 1, "262144,16777216", "gpu", id="W2-N1-gpu-step"),
     ],
 )
 def test_every_consumer_of_a_work_sees_its_result(
-    world: int, nodes: int, sizes: str, tmp_path: Path, clean_host: None
+    world: int, nodes: int, sizes: str, node_reduce: str, tmp_path: Path, clean_host: None
 ) -> None:
     """`wait()`, `get_future().wait()`, the future's value, `then()` callbacks and chains, and the
     blocking call (completed in the caller's thread, not by the completer), and a blocking Work's
@@ -126,7 +135,12 @@ def test_every_consumer_of_a_work_sees_its_result(
     element the consumer reads is the exact result, for every collective that writes a tensor, at
     every size, one and four in flight."""
     args = [WRAPPER, str(tmp_path), ORDERING, "--out", str(tmp_path), "--device", "standin"]
-    launch(world, nodes, [*args, "--sizes", sizes, "--kinds", KINDS], SMDDP_STANDIN_DELAY_MS=LATE_MS)
+    launch(
+        world, nodes, [*args, "--sizes", sizes, "--kinds", KINDS], SMDDP_STANDIN_DELAY_MS=LATE_MS,
+        SMDDP_NODE_REDUCE=node_reduce,
+    )  # fmt: skip
+    if node_reduce == "gpu":
+        step_taken(tmp_path, world)
     rows = ordering_rows(tmp_path, world)
     from tests.gpu.check_ordering import PATHS
 
@@ -191,22 +205,28 @@ def test_ddp_at_realistic_sizes_matches_gloo_bit_for_bit(tmp_path: Path, clean_h
     """Stock DDP on 25.2 M parameters over the device route: every rank holds gloo's bits (2 ranks:
     both sum the same two addends). With the bug of issue 28 put back, the replicas drift apart, as
     they did on the GPU: the stand-in sees it."""
-    runs = {name: tmp_path / name for name in ("gloo", "device", "broken")}
+    runs = {name: tmp_path / name for name in ("gloo", "device", "step", "broken")}
     for d in runs.values():
         d.mkdir()
     launch(2, 1, [DDP_GPU, "--out", str(runs["gloo"]), "--device", "cpu", "--backend", "gloo", *BIG_DDP])
-    for name, env in (("device", {}), ("broken", {"SMDDP_STANDIN_BREAK": "future-without-tensors"})):
+    for name, env in (
+        ("device", {}),
+        ("step", {"SMDDP_NODE_REDUCE": "gpu"}),  # the buckets summed on the (stand-in) GPUs
+        ("broken", {"SMDDP_STANDIN_BREAK": "future-without-tensors"}),
+    ):
         args = [WRAPPER, str(runs[name]), DDP_GPU, "--out", str(runs[name]), "--device", "cpu", *BIG_DDP]
         launch(2, 1, args, SMDDP_STANDIN_DELAY_MS=LATE_MS, **env)
     device_route_taken(runs["device"], 2)
-    gloo, dev, broken = (_ddp_results(runs[n]) for n in ("gloo", "device", "broken"))
+    step_taken(runs["step"], 2)
+    gloo, dev, step, broken = (_ddp_results(runs[n]) for n in ("gloo", "device", "step", "broken"))
     assert len(gloo[0]) == 4 and sum(t.numel() for t in gloo[0]["default:25"]["params"].values()) > 25_000_000
     for mode in gloo[0]:
         for r in range(2):
-            for kind in ("params", "grads"):
-                for name, t in dev[r][mode][kind].items():
-                    assert torch.equal(t, gloo[r][mode][kind][name]), (mode, r, kind, name)
-            assert dev[r][mode]["losses"] == gloo[r][mode]["losses"], mode
+            for got in (dev, step):
+                for kind in ("params", "grads"):
+                    for name, t in got[r][mode][kind].items():
+                        assert torch.equal(t, gloo[r][mode][kind][name]), (mode, r, kind, name)
+                assert got[r][mode]["losses"] == gloo[r][mode]["losses"], mode
         assert _max_diff(broken[0][mode], broken[1][mode]) > 0, mode
 
 

@@ -19,7 +19,9 @@ def test_the_committed_ptx_is_what_nvcc_makes_of_the_source() -> None:
             pytest.fail("nvcc is not on CI's PATH: the kernels' PTX cannot be checked")
         pytest.skip("no nvcc here")
     committed = (ROOT / kernels_ptx.PATH).read_text()
-    assert committed == kernels_ptx.header(kernels_ptx.ptx(nvcc, ROOT)), "kernels_ptx.h is stale: run `make ptx`"
+    assert committed == kernels_ptx.header(kernels_ptx.ptx(nvcc, ROOT)), (
+        "kernels_ptx.h is stale: run `make ptx`"
+    )
 
 
 def test_every_wire_dtype_has_its_fold_entry() -> None:
