@@ -601,9 +601,9 @@ class WorkerChannel:
     def run(self, kind: int, buf: Any, count: int, dtype: int, op: int, timeout_s: float, /) -> Ran:
         """A blocking fast collective whole, its result in place."""
 
-    def reserve_record(self, kind: int, count: int, dtype: int, op: int, root: int, slot: Slot | None, result_bytes: int, result: Any, keepalive: Any, handle_type: type[_S]) -> _S:
+    def reserve_record(self, kind: int, count: int, dtype: int, op: int, root: int, slot: Slot | None, result_bytes: int, result: Any, keepalive: Any, handle_type: type[_S], node_summed: bool = False) -> _S:
         """
-        A record whose SUBMIT goes with give() and whose result its way back (DeviceEngine.deliver_to) takes on.
+        A record whose SUBMIT goes with give() and whose result its way back (DeviceEngine.deliver_to) takes on; node_summed: its SUBMIT says the node's ranks summed it on their GPUs (each slot holds its slice).
         """
 
     def close_starts(self) -> None:
@@ -706,9 +706,9 @@ class DeviceEngine:
         Give the record's SUBMIT once its copy-in has landed; False once stopped.
         """
 
-    def deliver_to(self, record: Started, device: int, stream: int, before: Mark | None, parts: Sequence[tuple[int, int, int]], hold: Any) -> None:
+    def deliver_to(self, record: Started, device: int, stream: int, before: Mark | None, parts: Sequence[tuple[int, int, int]], hold: Any, then: tuple[int, int] | None = None) -> None:
         """
-        The record's result goes to the device at its DONE: (address, offset, bytes) parts on `stream`, after `before` (None: nothing), then an event of the engine's recorded; `hold` kept until they land.
+        The record's result goes to the device at its DONE: (address, offset, bytes) parts on `stream`, after `before` (None: nothing), then (`then`: (address, value)) a 32-bit device word written, then an event of the engine's recorded; `hold` kept until they land.
         """
 
     def failure(self) -> tuple[int, str] | None:
@@ -785,6 +785,18 @@ class DeviceStep:
         """
         Wait up to `timeout_s` for its lanes and its peers' reads of its slots to end, then let go of its memory, lanes and kernels: whether it could (else they stay until the process ends).
         """
+
+    def allreduce_across(self, engine: object, arena: Arena, slots: Sequence[tuple[int, int]], buf: int, n: int, dtype: int, op: int, stream: int | None) -> tuple[StepDone, list[CopyIn], list[tuple[int, int, int, int, int, int]]]:
+        """
+        Across nodes: enqueue the node's partial of each piece, its slice copied to the host into its slot (segment, offset) by the engine's device path; (end, copy-ins, (number, count, slice address, slice offset, slice bytes, out_ready address) per piece).
+        """
+
+    def piece_counts(self, n: int, itemsize: int) -> list[int]:
+        """The elements of each piece a buffer of `n` elements goes in."""
+
+    @property
+    def back_lane(self) -> int:
+        """the stream its slices' results come back on (across nodes)"""
 
     @property
     def pieces(self) -> int:

@@ -572,16 +572,19 @@ NB_MODULE(_engine_testing, m) {
       .def(
           "submit",
           [](smddp::NodeState& s, long long local, long long seq, long long kind, long long dtype, long long itemsize,
-             bool widened, long long count, long long op, long long root) {
+             bool widened, long long count, long long op, long long root, bool node_summed) {
             const std::uint32_t i = local_rank(s, local);
-            const smddp::Spec spec = spec_of(seq, kind, dtype, itemsize, widened, count, op, root);
+            smddp::Spec spec = spec_of(seq, kind, dtype, itemsize, widened, count, op, root);
+            spec.node_summed = node_summed;
             CollectivePtr c;
             bool created = false, all_in = false;
             verdict(s.submit(i, spec, &c, &created, &all_in));
             return std::make_pair(created ? c : nullptr, all_in);
           },
           "local"_a, "seq"_a, "kind"_a, "dtype"_a, "itemsize"_a, "widened"_a, "count"_a, "op"_a, "root"_a,
-          "(the new Collective or None, whether every local rank is in).")
+          "node_summed"_a = false,
+          "(the new Collective or None, whether every local rank is in); node_summed: the SUBMIT's "
+          "kSubmitNodeSummed.")
       .def(
           "release",
           [](smddp::NodeState& s, long long local, long long seq) {

@@ -132,8 +132,10 @@ class NodeState:
         The new Collective, or None when it existed (with the same fingerprint).
         """
 
-    def submit(self, local: int, seq: int, kind: int, dtype: int, itemsize: int, widened: bool, count: int, op: int, root: int) -> tuple[Collective, bool]:
-        """(the new Collective or None, whether every local rank is in)."""
+    def submit(self, local: int, seq: int, kind: int, dtype: int, itemsize: int, widened: bool, count: int, op: int, root: int, node_summed: bool = False) -> tuple[Collective, bool]:
+        """
+        (the new Collective or None, whether every local rank is in); node_summed: the SUBMIT's kSubmitNodeSummed.
+        """
 
     def release(self, local: int, seq: int) -> bool:
         """Whether it left the table."""

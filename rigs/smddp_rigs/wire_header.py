@@ -15,9 +15,11 @@ from smddp.proto.frames import (
     MAX_CONTROL_PAYLOAD,
     MAX_DATA_PAYLOAD,
     MAX_REPORT_PAYLOAD,
+    SUBMIT_NODE_SUMMED,
     SUBMIT_WINDOW,
     VERSION,
     MsgType,
+    allowed_flags,
     payload_limit,
 )
 
@@ -47,7 +49,7 @@ def render() -> str:
         f"inline constexpr std::size_t kOff{f.capitalize()} = {at};" for f, at in HEADER_OFFSETS.items()
     ]
     msgs = {
-        int(t): f'{{"{t.name}", {payload_limit(t)}u, {"true" if t in FINGERPRINTED else "false"}}}'
+        int(t): f'{{"{t.name}", {payload_limit(t)}u, {"true" if t in FINGERPRINTED else "false"}, {allowed_flags(t)}u}}'
         for t in MsgType
     }
     dtypes = {
@@ -76,6 +78,8 @@ def render() -> str:
         f"inline constexpr std::uint64_t kMaxReportPayload = {MAX_REPORT_PAYLOAD};",
         f"inline constexpr std::uint64_t kMaxDataPayload = {MAX_DATA_PAYLOAD}ull;",
         f"inline constexpr std::uint64_t kSubmitWindow = {SUBMIT_WINDOW};",
+        "// SUBMIT's flag: the node's ranks summed it on their GPUs; each slot holds its rank's slice.",
+        f"inline constexpr std::uint16_t kSubmitNodeSummed = {SUBMIT_NODE_SUMMED};",
         "",
         *_enum("Msg", ((t.name, int(t)) for t in MsgType)),
         *_enum("DType", ((d.name, int(d)) for d in DType)),
@@ -86,6 +90,7 @@ def render() -> str:
         "  const char* name;           // nullptr: no message has this code",
         "  std::uint64_t max_payload;  // bytes",
         "  bool fingerprinted;         // carries a collective's kind, dtype, op and count",
+        "  std::uint16_t flags;        // the flag bits it may carry",
         "};",
         "struct DTypeInfo {",
         "  const char* label;  // nullptr: no dtype has this code",
@@ -93,7 +98,7 @@ def render() -> str:
         "  bool widened;  // a 16-bit float, summed in float32",
         "};",
         "",
-        *_table("MsgInfo", "kMsgInfo", msgs, "{nullptr, 0, false}"),
+        *_table("MsgInfo", "kMsgInfo", msgs, "{nullptr, 0, false, 0u}"),
         *_table("DTypeInfo", "kDTypeInfo", dtypes, "{nullptr, 0, false}"),
         *_table("const char*", "kReduceOpLabel", ops, "nullptr"),
         *_table("const char*", "kKindLabel", kinds, "nullptr"),

@@ -835,6 +835,64 @@ class Client:
         assert handle is not None
         return handle
 
+    def submit_step_pieces(
+        self, step: NodeStep, dev: DeviceBuffer, op: ReduceOp, producer: int | None
+    ) -> _engine.StepDone:
+        """Across nodes, the GPU step's all-reduce of device buffer `dev` (step.start): a slot for each
+        of its pieces, the node's partial of each piece enqueued with this rank's slice copied into its
+        slot (DeviceStep.allreduce_across, on the step's in lane), and a record for each piece whose
+        SUBMIT says the node summed it (each slot holds its rank's slice) and goes once its copy lands;
+        its result's slice comes back on the step's back lane at its DONE, followed by the slice's
+        out_ready (the node's gather lanes wait for every rank's). Collected, so that the DONE thread
+        takes each DONE: nobody waits for the pieces but through the step's end, which is returned."""
+        engine = self._device_path()
+        isz = dev.dtype.itemsize
+        counts = step.step.piece_counts(dev.count, isz)
+        aux = len(counts) if len(counts) > 1 else 0  # (as pipelined pieces name their number)
+        slots: list[Slot] = []
+        lost: ConnectionClosed | None = None
+        with self._lock:
+            self._check_open()
+            if self._closing:
+                raise NotInitializedError("smddp is shutting down")
+            for m in counts:
+                slot, lost = self._alloc_locked(m * isz)
+                if slot is None:
+                    break
+                slots.append(slot)
+            self._copying_in += 1
+        try:
+            if lost is not None:
+                self._fail(_daemon_lost(f"rank {self.rank}: lost the node daemon: {lost}"))
+                assert self._failure is not None
+                raise fresh(self._failure) from None
+            done, copies, pieces = step.start_across(
+                engine, self._arena.native, [(sl.segment, sl.offset) for sl in slots], dev, op, producer
+            )
+        finally:
+            with self._lock:
+                self._copying_in -= 1
+                self._held_cv.notify_all()
+        handles: list[DeviceHandle] = []
+        with self._lock:
+            self._check_open()
+            for slot, copy, (number, count, slice_at, offset, nbytes, out_ready) in zip(
+                slots, copies, pieces, strict=True
+            ):
+                handle = self._channel.reserve_record(
+                    Kind.ALLREDUCE, count, dev.dtype, op, aux, slot, count * isz, None, None, DeviceHandle,
+                    node_summed=True,
+                )  # fmt: skip
+                engine.deliver_to(
+                    handle, dev.device, step.step.back_lane, None, [(slice_at, offset, nbytes)], None,
+                    (out_ready, number & 0xFFFFFFFF),
+                )  # fmt: skip
+                self._hold(engine, handle, copy)
+                handles.append(handle)
+        for h in handles:
+            h._collect()
+        return done
+
     def _give_locked(self, handle: DeviceHandle) -> TimeoutError | ProtocolError | None:
         """(lock held) Give `handle`'s SUBMIT, unless the client failed or closed (its wait then says
         so); the channel's refusal, for the caller to raise once the lock is let go (_give_failed)."""

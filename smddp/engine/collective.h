@@ -39,6 +39,10 @@ struct Spec {
   std::uint32_t root = 0;     // broadcast: the root rank; all-reduce: the caller's piece count
   std::uint8_t dtype = 0;     // the wire's dtype code (fingerprint and messages; itemsize is what counts)
   std::uint8_t op = 0;        // the wire's reduce op code, 0 when has_op is false
+  // A SUBMIT's kSubmitNodeSummed: each local input holds only its rank's slice of the node's sum
+  // (summed on the GPUs). Not part of the fingerprint (a peer's frames never say it): the node's own
+  // ranks must agree on it (Collective::note_node_summed).
+  bool node_summed = false;
 };
 
 // One unit of work or of transfer: for reductions an element range of shard `shard`, for gathers a
@@ -63,6 +67,13 @@ class Collective {
   bool same_fingerprint(const Spec& other) const;
   bool is_gather() const { return gather_; }
   bool replicated() const { return replicated_; }
+  // Every local rank's SUBMIT says alike whether the node summed it on its GPUs: the first says it
+  // for all; false when `v` says otherwise. node_summed(): what they said.
+  bool note_node_summed(bool v) {
+    if (node_summed_ < 0) node_summed_ = v ? 1 : 0;
+    return node_summed_ == (v ? 1 : 0);
+  }
+  bool node_summed() const { return node_summed_ == 1; }
   // One worker on this node and a type reduced in place: its input is the node partial as it is, so
   // the sharded path sends it from the worker's memory instead of reducing it into a copy.
   bool own_in_input() const { return own_in_input_; }
@@ -135,6 +146,7 @@ class Collective {
   bool gather_ = false;
   bool replicated_ = false;
   bool own_in_input_ = false;
+  std::int8_t node_summed_ = -1;  // -1: no local SUBMIT yet
   std::uint32_t nshards_ = 1;        // reduction layout: shards
   std::uint64_t chunk_elems_ = 1;    // reduction layout: elements per chunk
   std::vector<Range> blocks_;        // gather layout: node j's block, bytes

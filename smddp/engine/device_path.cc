@@ -42,14 +42,15 @@ DeviceMark::~DeviceMark() { destroy_event(*driver_, device_, event_); }
 // ------------------------------------------------------------------------------------ DeviceOut
 
 DeviceOut::DeviceOut(DevicePath* path, int device, std::uintptr_t stream, std::shared_ptr<DeviceMark> before,
-                     std::vector<Part> parts, std::uint64_t token)
+                     std::vector<Part> parts, std::uint64_t token, Then then)
     : path_(path),
       driver_(path->shared_driver()),
       device_(device),
       stream_(stream),
       before_(std::move(before)),
       parts_(std::move(parts)),
-      token_(token) {}
+      token_(token),
+      then_(then) {}
 
 DeviceOut::~DeviceOut() {
   cuda::Event done = done_.load(std::memory_order_acquire);
@@ -87,6 +88,12 @@ void DeviceOut::arrived(const Header& submit, const std::uint8_t* result, const 
   for (std::size_t i = 0; r == cuda::kSuccess && i < parts_.size(); i++) {
     call = "cuMemcpyHtoDAsync";
     if (parts_[i].nbytes > 0) r = api.memcpy_h2d(parts_[i].dst, result + parts_[i].offset, parts_[i].nbytes, stream);
+  }
+  if (r == cuda::kSuccess && then_.addr != 0) {
+    call = "cuStreamWriteValue32";
+    r = d.step().write_value32 == nullptr
+            ? cuda::kInvalidValue
+            : d.step().write_value32(stream, then_.addr, then_.value, cuda::kWriteValueDefault);
   }
   cuda::Event done = nullptr;
   if (r == cuda::kSuccess) r = record_new_event(api, stream, &done, &call);

@@ -74,11 +74,17 @@ class DeviceOut : public HeldSink, public std::enable_shared_from_this<DeviceOut
     std::uint64_t offset = 0;
     std::uint64_t nbytes = 0;
   };
+  // A 32-bit device word written on the copies' stream after them (addr 0: none): the GPU step's
+  // out_ready, which its node's gather lanes wait for (device_step.h).
+  struct Then {
+    cuda::DevicePtr addr = 0;
+    std::uint32_t value = 0;
+  };
   // The copies run on `stream` of `device`, after `before` (nullptr: nothing; held until the copies
   // are enqueued), and an event of its own is recorded after them; the caller keeps the destinations
   // alive until the copies have landed (`token` names what it keeps alive until then).
   DeviceOut(DevicePath* path, int device, std::uintptr_t stream, std::shared_ptr<DeviceMark> before,
-            std::vector<Part> parts, std::uint64_t token);
+            std::vector<Part> parts, std::uint64_t token, Then then);
   ~DeviceOut() override;
   DeviceOut(const DeviceOut&) = delete;
   DeviceOut& operator=(const DeviceOut&) = delete;
@@ -107,6 +113,7 @@ class DeviceOut : public HeldSink, public std::enable_shared_from_this<DeviceOut
   const std::shared_ptr<DeviceMark> before_;
   const std::vector<Part> parts_;
   const std::uint64_t token_;
+  const Then then_;
   std::atomic<bool> dropped_{false};
   // Written once by arrived() (the DONE's taker), before its collective completes; read after that.
   // Its own (destroyed with it).

@@ -121,6 +121,7 @@ std::unique_ptr<DeviceStep> DeviceStep::create(std::shared_ptr<cuda::Driver> dri
   const char* call = "cuStreamCreate";
   r = d.api().stream_create(&s->in_lane_, cuda::kStreamNonBlocking);
   if (r == cuda::kSuccess) r = d.api().stream_create(&s->gather_lane_, cuda::kStreamNonBlocking);
+  if (r == cuda::kSuccess) r = d.api().stream_create(&s->back_lane_, cuda::kStreamNonBlocking);
   if (r == cuda::kSuccess) {
     call = "cuMemAlloc";
     r = step.mem_alloc(&s->stage_, kHeader + kSlots * slot_bytes);
@@ -155,7 +156,7 @@ bool DeviceStep::close(std::int64_t timeout_ns) {
   const cuda::Api& api = d.api();
   cuda::Bound bound(d, device_);
   if (bound.result() != cuda::kSuccess) return false;
-  if (in_lane_ != nullptr && gather_lane_ != nullptr) {
+  if (in_lane_ != nullptr && gather_lane_ != nullptr && back_lane_ != nullptr) {
     // The last point of each lane, the in lane's after every rank's done has reached this rank's
     // last piece (so no peer still reads its slots); polled, never synchronised on (a lane whose
     // peer is gone never ends).
@@ -163,15 +164,15 @@ bool DeviceStep::close(std::int64_t timeout_ns) {
     const std::uint64_t last = next_piece_ - 1;
     for (std::uint32_t j = 0; r == cuda::kSuccess && joined_ && last > 0 && j < size_; j++)
       r = d.step().wait_value32(in_lane_, flag(j, kDone), static_cast<std::uint32_t>(last), cuda::kWaitValueGeq);
-    cuda::Event ends[2] = {nullptr, nullptr};
-    const cuda::Stream lanes[2] = {in_lane_, gather_lane_};
-    for (int i = 0; r == cuda::kSuccess && i < 2; i++) {
+    cuda::Event ends[3] = {nullptr, nullptr, nullptr};
+    const cuda::Stream lanes[3] = {in_lane_, gather_lane_, back_lane_};
+    for (int i = 0; r == cuda::kSuccess && i < 3; i++) {
       r = api.event_create(&ends[i], cuda::kEventDisableTiming);
       if (r == cuda::kSuccess) r = api.event_record(ends[i], lanes[i]);
     }
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::nanoseconds(timeout_ns);
     bool idle = r == cuda::kSuccess;
-    for (int i = 0; idle && i < 2; i++) {
+    for (int i = 0; idle && i < 3; i++) {
       for (;;) {
         const cuda::Result q = api.event_query(ends[i]);
         if (q != cuda::kNotReady) {
@@ -198,7 +199,8 @@ void DeviceStep::release() {
   cuda::Driver& d = *driver_;
   if (in_lane_ != nullptr) (void)d.api().stream_destroy(in_lane_);
   if (gather_lane_ != nullptr) (void)d.api().stream_destroy(gather_lane_);
-  in_lane_ = gather_lane_ = nullptr;
+  if (back_lane_ != nullptr) (void)d.api().stream_destroy(back_lane_);
+  in_lane_ = gather_lane_ = back_lane_ = nullptr;
   for (std::size_t j = 0; j < stages_.size(); j++)
     if (opened_[j]) (void)d.step().ipc_close_mem_handle(stages_[j]);
   opened_.assign(opened_.size(), false);
@@ -298,9 +300,34 @@ void DeviceStep::fail(std::string why) {
   if (failure_.empty()) failure_ = "the GPU step is broken by an earlier failure: " + why;
 }
 
+std::vector<std::uint64_t> DeviceStep::piece_counts(std::uint64_t n, std::size_t itemsize) const {
+  std::vector<std::uint64_t> out;
+  const std::uint64_t per = itemsize == 0 ? 0 : slot_bytes_ / itemsize;
+  if (per == 0) return out;
+  for (std::uint64_t start = 0; start < n || (n == 0 && out.empty()); start += per) {
+    out.push_back(n - start < per ? n - start : per);
+    if (n == 0) break;
+  }
+  return out;
+}
+
 std::shared_ptr<StepWork> DeviceStep::allreduce(cuda::DevicePtr buf, std::uint64_t n, std::uint8_t dtype,
                                                 std::uint8_t op, std::uint64_t divisor, bool after,
                                                 std::uintptr_t stream, std::string* why) {
+  return enqueue(buf, n, dtype, op, divisor, after, stream, nullptr, nullptr, why);
+}
+
+std::shared_ptr<StepWork> DeviceStep::allreduce_across(cuda::DevicePtr buf, std::uint64_t n, std::uint8_t dtype,
+                                                       std::uint8_t op, bool after, std::uintptr_t stream,
+                                                       const Send& send, std::vector<Piece>* pieces,
+                                                       std::string* why) {
+  return enqueue(buf, n, dtype, op, 0, after, stream, &send, pieces, why);
+}
+
+std::shared_ptr<StepWork> DeviceStep::enqueue(cuda::DevicePtr buf, std::uint64_t n, std::uint8_t dtype,
+                                              std::uint8_t op, std::uint64_t divisor, bool after,
+                                              std::uintptr_t stream, const Send* send, std::vector<Piece>* pieces,
+                                              std::string* why) {
   if (broken(why)) return nullptr;
   if (closed_) {
     *why = "the GPU step is closed";
@@ -379,16 +406,27 @@ std::shared_ptr<StepWork> DeviceStep::allreduce(cuda::DevicePtr buf, std::uint64
       for (std::uint32_t j = 0; j < g; j++) a.src[j] = slot(j, q) + lo * isz;
       a.k = g;
       a.op = op;
-      a.divisor = op == static_cast<std::uint8_t>(ReduceOp::kAvg) ? divisor : 0;
+      a.divisor = op == static_cast<std::uint8_t>(ReduceOp::kAvg) && send == nullptr ? divisor : 0;
       const std::uint64_t blocks64 = (a.n + kThreads - 1) / kThreads;
       const auto blocks = static_cast<unsigned>(blocks64 < kMaxBlocks ? blocks64 : kMaxBlocks);
       void* params[] = {&a};
       call = "cuLaunchKernel";
       r = step.launch_kernel(fold_[dtype], blocks, 1, 1, kThreads, 1, 1, 0, in_lane_, params, nullptr);
     }
-    if (r == cuda::kSuccess) {
+    if (r == cuda::kSuccess && send == nullptr) {
       call = "cuStreamWriteValue32";
       r = step.write_value32(in_lane_, flag(me, kOutReady), q32, cuda::kWriteValueDefault);
+    } else if (r == cuda::kSuccess) {
+      // Across nodes: this rank's slice of the node's partial goes to the host from here, in lane
+      // order; its result comes back on the back lane, then out_ready (the caller's).
+      const Piece p{q, m, slot(me, q) + lo * isz, lo * isz, (hi - lo) * isz, flag(me, kOutReady)};
+      std::string w;
+      if (!(*send)(p, in_lane_, &w)) {
+        *why = "cuda:" + std::to_string(device_) + ": the GPU step's piece " + num(q) + " could not go: " + w;
+        fail(*why);
+        return nullptr;
+      }
+      if (pieces != nullptr) pieces->push_back(p);
     }
     for (std::uint32_t j = 0; r == cuda::kSuccess && j < g; j++) {
       call = "cuStreamWaitValue32";

@@ -32,6 +32,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -94,6 +95,32 @@ class DeviceStep {
   std::shared_ptr<StepWork> allreduce(cuda::DevicePtr buf, std::uint64_t n, std::uint8_t dtype, std::uint8_t op,
                                       std::uint64_t divisor, bool after, std::uintptr_t stream, std::string* why);
 
+  // Across nodes: the same, but each piece's fold leaves this rank's slice of the node's partial (an
+  // average's sum: the daemons divide) in its slot, and `send` is called right after it is enqueued,
+  // with the slice (its device address and bytes, and its byte offset in the piece) and the in lane,
+  // to enqueue its copy to the host there (before the next piece's work: a later piece's waits must
+  // never hold it back). The slice's reduced result is the caller's to bring back into the same place
+  // and to follow with out_ready = the piece's number (Piece) on the back lane; the gather lane waits
+  // for every rank's as before. *pieces gets each piece's part. nullptr with *why as allreduce's,
+  // or `send`'s refusal (the step is broken then).
+  struct Piece {
+    std::uint64_t number = 0;      // the piece's number (what out_ready is set to once its slice is back)
+    std::uint64_t count = 0;       // its elements
+    cuda::DevicePtr slice = 0;     // this rank's slice of it, in its slot
+    std::uint64_t offset = 0;      // the slice's byte offset in the piece
+    std::uint64_t nbytes = 0;      // the slice's bytes
+    cuda::DevicePtr out_ready = 0;  // this rank's out_ready flag
+  };
+  using Send = std::function<bool(const Piece& piece, cuda::Stream lane, std::string* why)>;
+  std::shared_ptr<StepWork> allreduce_across(cuda::DevicePtr buf, std::uint64_t n, std::uint8_t dtype,
+                                             std::uint8_t op, bool after, std::uintptr_t stream, const Send& send,
+                                             std::vector<Piece>* pieces, std::string* why);
+  // The elements of each piece a buffer of `n` elements of `itemsize` bytes goes in (a function of
+  // n alone: every rank cuts alike).
+  std::vector<std::uint64_t> piece_counts(std::uint64_t n, std::size_t itemsize) const;
+  // The stream a slice's way back runs on (the caller's copies and out_ready writes, across nodes).
+  cuda::Stream back_lane() const { return back_lane_; }
+
   // Waits up to `timeout_ns` for the lanes to finish and for every other rank to have finished
   // reading this rank's slots (their done flags reach this rank's last piece), then lets go of
   // everything: true. False where that did not come in time: nothing is let go of then (a lane may
@@ -109,6 +136,9 @@ class DeviceStep {
 
  private:
   DeviceStep() = default;
+  std::shared_ptr<StepWork> enqueue(cuda::DevicePtr buf, std::uint64_t n, std::uint8_t dtype, std::uint8_t op,
+                                    std::uint64_t divisor, bool after, std::uintptr_t stream, const Send* send,
+                                    std::vector<Piece>* pieces, std::string* why);
   cuda::DevicePtr slot(std::uint32_t rank, std::uint64_t piece) const;
   cuda::DevicePtr flag(std::uint32_t rank, int which) const;
   bool broken(std::string* why);
@@ -124,6 +154,7 @@ class DeviceStep {
   std::vector<bool> opened_;             // which of them it opened (closed at its end)
   cuda::Stream in_lane_ = nullptr;
   cuda::Stream gather_lane_ = nullptr;
+  cuda::Stream back_lane_ = nullptr;  // across nodes: the slices' way back (the caller enqueues there)
   cuda::Module module_ = nullptr;
   cuda::Function fold_[8] = {};  // by wire dtype code
   std::uint64_t next_piece_ = 1;

@@ -48,7 +48,7 @@ std::string decode_header(const std::uint8_t* data, std::size_t n, Header* out) 
   h.length = load_le<std::uint64_t>(data + kOffLength);
   h.count = load_le<std::uint64_t>(data + kOffCount);
   const std::string who(info->name);
-  if (data[kOffReserved] != 0 || h.flags != 0)
+  if (data[kOffReserved] != 0 || (h.flags & ~info->flags) != 0)
     return who + ": reserved bits set (flags=" + num(h.flags) + ", reserved=" + num(data[kOffReserved]) + ")";
   if (h.seq > kMaxU63 || h.offset > kMaxU63 || h.count > kMaxU63) return who + ": seq/offset/count beyond 2**63";
   const std::uint64_t limit = info->max_payload;
@@ -71,7 +71,7 @@ std::string encode_header(const Header& h, std::uint8_t out[kHeaderSize]) {
   const std::string who = std::string("cannot encode ") + info->name;
   if (h.seq > kMaxU63 || h.offset > kMaxU63 || h.count > kMaxU63) return who + ": seq/offset/count beyond 2**63";
   if (h.length > info->max_payload) return who + ": payload length " + num(h.length) + " exceeds the limit";
-  if (h.flags != 0) return who + ": no flags are defined in version " + num(kVersion);
+  if ((h.flags & ~info->flags) != 0) return who + ": flags " + num(h.flags) + " are not defined for it";
   if (info->fingerprinted) {
     if (!known_dtype(h.dtype) || !known_kind(h.kind)) return who + " without its dtype and kind";
     if (h.op != 0 && !known_op(h.op)) return who + ": unknown reduce op " + num(h.op);

@@ -48,6 +48,7 @@ bool spec_of(const Header& h, Spec* spec) {
   spec->op = h.op;
   spec->has_op = h.op != 0;
   spec->root = h.aux;
+  spec->node_summed = h.type == Msg::kSubmit && (h.flags & kSubmitNodeSummed) != 0;
   return true;
 }
 
@@ -458,6 +459,24 @@ bool LocalPlane::fold(const Op& op, const std::vector<const void*>& in, std::uin
   return true;
 }
 
+bool LocalPlane::local_fold(const Op& op, const std::vector<const void*>& in, std::uint64_t first, std::uint64_t n,
+                            std::uint8_t* out, bool partial) {
+  if (!op.c->node_summed()) return fold(op, in, n, out, partial);
+  // Summed on the node's GPUs (kSubmitNodeSummed): each element of [first, first + n) is taken from
+  // the rank whose slice holds it, slice i being [m*i/k, m*(i+1)/k) of the m elements (in 128 bits:
+  // m*i may pass 2**64). NodeState allows it only across nodes, where `out` is a node partial.
+  const std::uint64_t m = op.spec.count, k = in.size(), isz = op.spec.itemsize;
+  for (std::uint64_t i = 0; i < k; i++) {
+    const auto s = static_cast<std::uint64_t>(static_cast<unsigned __int128>(m) * i / k);
+    const auto e = static_cast<std::uint64_t>(static_cast<unsigned __int128>(m) * (i + 1) / k);
+    const std::uint64_t lo = first > s ? first : s, hi = first + n < e ? first + n : e;
+    if (lo < hi)
+      std::memmove(out + (lo - first) * isz, static_cast<const std::uint8_t*>(in[i]) + (lo - first) * isz,
+                   (hi - lo) * isz);
+  }
+  return true;
+}
+
 bool LocalPlane::run_local(const std::shared_ptr<Op>& op, const Chunk& t) {
   Op& o = *op;
   const Spec& s = o.spec;
@@ -501,7 +520,7 @@ bool LocalPlane::run_local(const std::shared_ptr<Op>& op, const Chunk& t) {
   const double w0 = cfg_.trace ? wall() : 0;
   if (!several) {
     if (o.streams && !inputs_in(o, off + len)) return false;
-    if (!fold(o, in, n, o.out + off, false)) return false;
+    if (!local_fold(o, in, t.start, n, o.out + off, false)) return false;
     if (cfg_.trace) phase(o, kLocalReduce, w0, wall());
     return chunk_done(op, &t);
   }
@@ -509,7 +528,7 @@ bool LocalPlane::run_local(const std::shared_ptr<Op>& op, const Chunk& t) {
     // Our partial is our own server input and goes to every peer from there; that row stays until
     // the collective retires, after these sends have left.
     std::uint8_t* dest = o.rows + me * o.row_bytes + off;
-    if (!fold(o, in, n, dest, true)) return false;
+    if (!local_fold(o, in, t.start, n, dest, true)) return false;
     if (cfg_.trace) phase(o, kLocalReduce, w0, wall());
     if (!send_all(op, Msg::kPartial, 0, off, dest, len)) return false;
     partial_in(op, t.index, me);
@@ -518,7 +537,7 @@ bool LocalPlane::run_local(const std::shared_ptr<Op>& op, const Chunk& t) {
   if (t.shard == me) {
     if (!o.c->own_in_input()) {
       const std::uint64_t lo = (t.start - o.c->own_range().start) * isz;
-      if (!fold(o, in, n, o.rows + me * o.row_bytes + lo, true)) return false;
+      if (!local_fold(o, in, t.start, n, o.rows + me * o.row_bytes + lo, true)) return false;
       if (cfg_.trace) phase(o, kLocalReduce, w0, wall());
     }
     partial_in(op, t.index, me);
@@ -532,7 +551,7 @@ bool LocalPlane::run_local(const std::shared_ptr<Op>& op, const Chunk& t) {
   }
   // The partial goes out from the result region: the result of this chunk only comes back after the
   // server has it, so nothing overwrites it before the send is done.
-  if (!fold(o, in, n, o.out + off, true)) return false;
+  if (!local_fold(o, in, t.start, n, o.out + off, true)) return false;
   if (cfg_.trace) phase(o, kLocalReduce, w0, wall());
   if (!send_data(op, t.shard, Msg::kPartial, t.shard, off, o.out + off, len)) return false;
   if (is_kind(s, Kind::kReduceScatter)) return chunk_done(op);  // no RESULT comes back for another's shard

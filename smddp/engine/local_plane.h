@@ -232,6 +232,10 @@ class LocalPlane final : private Exchange::Owner {
   bool run_local(const std::shared_ptr<Op>& op, const Chunk& chunk);
   bool run_server(const std::shared_ptr<Op>& op, const Chunk& chunk);
   bool fold(const Op& op, const std::vector<const void*>& in, std::uint64_t n, std::uint8_t* out, bool partial);
+  // A node's local step over elements [first, first + n): fold(), or, for a collective its ranks
+  // summed on their GPUs, each element copied from its slice's owner.
+  bool local_fold(const Op& op, const std::vector<const void*>& in, std::uint64_t first, std::uint64_t n,
+                  std::uint8_t* out, bool partial);
   void partial_in(const std::shared_ptr<Op>& op, std::uint64_t index, std::uint32_t from);
   // A chunk is complete (`t`: one node's local reduction of it, whose result may be published).
   bool chunk_done(const std::shared_ptr<Op>& op, const Chunk* t = nullptr);

@@ -1273,7 +1273,7 @@ bool device_engine_give_when(DeviceEngine& e, Started& s, CopyIn& copy) {
 void device_engine_deliver_to(nb::handle self, DeviceEngine& e, StartedSelf rec, long long device,
                               std::uintptr_t stream, const Mark* before,
                               const std::vector<std::tuple<std::uint64_t, std::uint64_t, std::uint64_t>>& parts,
-                              nb::handle hold) {
+                              nb::handle hold, std::optional<std::pair<std::uint64_t, std::uint32_t>> then) {
   Started& s = *rec.p;
   if (s.channel != e.channel) raise_error(Err::kValue, "deliver_to: a record of another channel");
   if (!s.out.hold || s.out.sink) raise_error(Err::kValue, "deliver_to: a held record (reserve_record), once");
@@ -1289,8 +1289,10 @@ void device_engine_deliver_to(nb::handle self, DeviceEngine& e, StartedSelf rec,
   e.reap();
   const std::uint64_t token = e.next_token++;
   e.holds[nb::int_(token)] = nb::borrow(hold);
+  smddp::DeviceOut::Then after;
+  if (then) after = smddp::DeviceOut::Then{then->first, then->second};
   auto out = std::make_shared<smddp::DeviceOut>(e.path.get(), static_cast<int>(device), stream,
-                                                std::move(mark), std::move(ps), token);
+                                                std::move(mark), std::move(ps), token, after);
   s.device = out;
   s.device_engine = nb::borrow(self);
   s.out.sink = std::move(out);
@@ -1367,6 +1369,66 @@ StepDone step_allreduce(Step& s, std::uint64_t buf, long long n, long long dtype
   }
   if (!w) raise_error(Err::kDevice, why);
   return StepDone{std::move(w)};
+}
+
+// Across nodes (DeviceStep::allreduce_across): each piece's slice copied to the host by `engine`'s
+// device path into `arena`'s slot (segment, offset) of that piece, at the slice's place in it, on the
+// step's in lane. Returns its end, each piece's copy-in (for give_when) and each piece's
+// (number, count, slice address, slice offset, slice bytes, out_ready address).
+using PieceRec = std::tuple<std::uint64_t, std::uint64_t, std::uint64_t, std::uint64_t, std::uint64_t, std::uint64_t>;
+std::tuple<StepDone, std::vector<CopyIn>, std::vector<PieceRec>> step_allreduce_across(
+    Step& s, nb::handle engine_obj, smddp::Arena& arena, const std::vector<std::pair<long long, long long>>& slots,
+    std::uint64_t buf, long long n, long long dtype, long long op, std::optional<std::uintptr_t> stream) {
+  DeviceEngine* e = nullptr;
+  if (!nb::try_cast<DeviceEngine*>(engine_obj, e) || e == nullptr)
+    raise_error(Err::kType, "allreduce_across: expected an smddp._engine.DeviceEngine");
+  if (n < 0 || dtype < 0 || dtype > 255 || op < 0 || op > 255)
+    raise_error(Err::kValue, "allreduce_across: a negative count, or a code out of range");
+  const std::size_t isz = smddp::dtype_size(static_cast<std::uint8_t>(dtype));
+  if (isz == 0) raise_error(Err::kValue, "allreduce_across: no such dtype");
+  const std::vector<std::uint64_t> counts = s.step->piece_counts(static_cast<std::uint64_t>(n), isz);
+  if (slots.size() != counts.size())
+    raise_error(Err::kValue, "allreduce_across: " + std::to_string(slots.size()) + " slots for " +
+                                 std::to_string(counts.size()) + " pieces");
+  std::vector<SegmentPtr> segs;
+  for (std::size_t i = 0; i < slots.size(); i++) {
+    SegmentPtr seg = arena_segment(arena, slots[i].first);
+    if (!seg) raise_error(Err::kValue, "allreduce_across: the arena has no segment " + std::to_string(slots[i].first));
+    const std::uint64_t need = counts[i] * isz;
+    if (slots[i].second < 0 || static_cast<std::uint64_t>(slots[i].second) > seg->size() ||
+        need > seg->size() - static_cast<std::uint64_t>(slots[i].second))
+      raise_error(Err::kValue, "allreduce_across: a slot outside its segment");
+    segs.push_back(std::move(seg));
+  }
+  std::vector<std::shared_ptr<smddp::DeviceIn>> ins;
+  std::vector<smddp::DeviceStep::Piece> pieces;
+  std::string why;
+  std::shared_ptr<smddp::StepWork> w;
+  {
+    nb::gil_scoped_release unlocked;
+    std::size_t i = 0;
+    const int device = s.step->device();
+    smddp::DevicePath* path = e->path.get();
+    const smddp::DeviceStep::Send send = [&](const smddp::DeviceStep::Piece& p, smddp::cuda::Stream lane,
+                                             std::string* w2) {
+      std::shared_ptr<smddp::DeviceIn> in =
+          path->copy_in(device, reinterpret_cast<std::uintptr_t>(lane), nullptr, segs[i],
+                        static_cast<std::uint64_t>(slots[i].second) + p.offset, p.slice, p.nbytes, w2);
+      i++;
+      if (!in) return false;
+      ins.push_back(std::move(in));
+      return true;
+    };
+    w = s.step->allreduce_across(buf, static_cast<std::uint64_t>(n), static_cast<std::uint8_t>(dtype),
+                                 static_cast<std::uint8_t>(op), stream.has_value(), stream.value_or(0), send, &pieces,
+                                 &why);
+  }
+  if (!w) raise_error(Err::kDevice, why);
+  std::vector<CopyIn> copies;
+  for (auto& in : ins) copies.push_back(CopyIn{std::move(in), nb::borrow(engine_obj)});
+  std::vector<PieceRec> recs;
+  for (const auto& p : pieces) recs.emplace_back(p.number, p.count, p.slice, p.offset, p.nbytes, p.out_ready);
+  return {StepDone{std::move(w)}, std::move(copies), std::move(recs)};
 }
 
 bool step_done_query(StepDone& d) {
@@ -1527,11 +1589,12 @@ nb::object channel_resume(ChannelSelf self, long long seq, const SlotRec& slot, 
 // SUBMIT may go: the device path's copy back and RELEASE). Its wait returns `result`.
 nb::object channel_reserve_record(ChannelSelf self, long long kind_v, long long count, long long dtype_v, long long op,
                                   long long root, std::optional<SlotRec> slot, long long result_bytes,
-                                  nb::handle result, nb::handle keepalive, nb::handle handle_type) {
+                                  nb::handle result, nb::handle keepalive, nb::handle handle_type, bool node_summed) {
   Channel& c = *self.p;
   c.require_bound("reserve_record");
   if (result_bytes < 0) raise_error(Err::kValue, "reserve_record: result_bytes is non-negative");
   smddp::Header h = submit_fields(kind_v, c.rank, count, dtype_v, op, root);
+  if (node_summed) h.flags = smddp::kSubmitNodeSummed;
   const smddp::Slot in = slot ? smddp::Slot{slot->segment, slot->offset, slot->nbytes}
                               : smddp::Slot{smddp::kNoSegment, 0, 0};
   if (!is_record_type(handle_type))
@@ -2017,11 +2080,12 @@ NB_MODULE(_engine, m) {
                    "timeout_s: float, /) -> Ran"),
            "A blocking fast collective whole, its result in place.")
       .def("reserve_record", &channel_reserve_record, "kind"_a, "count"_a, "dtype"_a, "op"_a, "root"_a, "slot"_a.none(),
-           "result_bytes"_a, "result"_a.none(), "keepalive"_a.none(), "handle_type"_a.none(),
+           "result_bytes"_a, "result"_a.none(), "keepalive"_a.none(), "handle_type"_a.none(), "node_summed"_a = false,
            nb::sig("def reserve_record(self, kind: int, count: int, dtype: int, op: int, root: int, "
                    "slot: Slot | None, result_bytes: int, result: typing.Any, keepalive: typing.Any, "
-                   "handle_type: type[_S]) -> _S"),
-           "A record whose SUBMIT goes with give() and whose result its way back (DeviceEngine.deliver_to) takes on.")
+                   "handle_type: type[_S], node_summed: bool = False) -> _S"),
+           "A record whose SUBMIT goes with give() and whose result its way back (DeviceEngine.deliver_to) takes on; "
+           "node_summed: its SUBMIT says the node's ranks summed it on their GPUs (each slot holds its slice).")
       .def(
           "close_starts", [](Channel& c) { c.ch->close_starts(); }, "No fast collective starts from now on.")
       .def(
@@ -2101,14 +2165,18 @@ NB_MODULE(_engine, m) {
       .def(
           "deliver_to",
           [](nb::handle self, StartedSelf rec, long long device, std::uintptr_t stream, const Mark* before,
-             const std::vector<std::tuple<std::uint64_t, std::uint64_t, std::uint64_t>>& parts, nb::handle hold) {
-            device_engine_deliver_to(self, nb::cast<DeviceEngine&>(self), rec, device, stream, before, parts, hold);
+             const std::vector<std::tuple<std::uint64_t, std::uint64_t, std::uint64_t>>& parts, nb::handle hold,
+             std::optional<std::pair<std::uint64_t, std::uint32_t>> then) {
+            device_engine_deliver_to(self, nb::cast<DeviceEngine&>(self), rec, device, stream, before, parts, hold,
+                                     then);
           },
-          "record"_a, "device"_a, "stream"_a, "before"_a.none(), "parts"_a, "hold"_a.none(),
+          "record"_a, "device"_a, "stream"_a, "before"_a.none(), "parts"_a, "hold"_a.none(), "then"_a = nb::none(),
           nb::sig("def deliver_to(self, record: Started, device: int, stream: int, before: Mark | None, "
-                  "parts: collections.abc.Sequence[tuple[int, int, int]], hold: typing.Any) -> None"),
+                  "parts: collections.abc.Sequence[tuple[int, int, int]], hold: typing.Any, "
+                  "then: tuple[int, int] | None = None) -> None"),
           "The record's result goes to the device at its DONE: (address, offset, bytes) parts on `stream`, "
-          "after `before` (None: nothing), then an event of the engine's recorded; `hold` kept until they land.")
+          "after `before` (None: nothing), then (`then`: (address, value)) a 32-bit device word written, then an "
+          "event of the engine's recorded; `hold` kept until they land.")
       .def("failure", &device_engine_failure,
            "None, or (1: a device copy failed, 2: the daemon's ring; why) for the first failure.")
       .def(
@@ -2186,6 +2254,21 @@ NB_MODULE(_engine, m) {
           "timeout_s"_a,
           "Wait up to `timeout_s` for its lanes and its peers' reads of its slots to end, then let go of its "
           "memory, lanes and kernels: whether it could (else they stay until the process ends).")
+      .def("allreduce_across", &step_allreduce_across, "engine"_a, "arena"_a, "slots"_a, "buf"_a, "n"_a, "dtype"_a,
+           "op"_a, "stream"_a.none(),
+           "Across nodes: enqueue the node's partial of each piece, its slice copied to the host into its slot "
+           "(segment, offset) by the engine's device path; (end, copy-ins, (number, count, slice address, slice "
+           "offset, slice bytes, out_ready address) per piece).")
+      .def(
+          "piece_counts",
+          [](Step& s, long long n, long long itemsize) {
+            if (n < 0 || itemsize <= 0) raise_error(Err::kValue, "piece_counts: a negative count or size");
+            return s.step->piece_counts(static_cast<std::uint64_t>(n), static_cast<std::size_t>(itemsize));
+          },
+          "n"_a, "itemsize"_a, "The elements of each piece a buffer of `n` elements goes in.")
+      .def_prop_ro(
+          "back_lane", [](Step& s) { return reinterpret_cast<std::uintptr_t>(s.step->back_lane()); },
+          "the stream its slices' results come back on (across nodes)")
       .def_prop_ro(
           "pieces", [](Step& s) { return s.step->pieces(); }, "pieces enqueued so far")
       .def_prop_ro(

@@ -31,6 +31,8 @@ inline constexpr std::uint64_t kMaxControlPayload = 65536;
 inline constexpr std::uint64_t kMaxReportPayload = 1048576;
 inline constexpr std::uint64_t kMaxDataPayload = 268435456ull;
 inline constexpr std::uint64_t kSubmitWindow = 128;
+// SUBMIT's flag: the node's ranks summed it on their GPUs; each slot holds its rank's slice.
+inline constexpr std::uint16_t kSubmitNodeSummed = 1;
 
 enum class Msg : std::uint8_t {
   kChallenge = 1,
@@ -79,6 +81,7 @@ struct MsgInfo {
   const char* name;           // nullptr: no message has this code
   std::uint64_t max_payload;  // bytes
   bool fingerprinted;         // carries a collective's kind, dtype, op and count
+  std::uint16_t flags;        // the flag bits it may carry
 };
 struct DTypeInfo {
   const char* label;  // nullptr: no dtype has this code
@@ -87,51 +90,51 @@ struct DTypeInfo {
 };
 
 inline constexpr MsgInfo kMsgInfo[45] = {
-    {nullptr, 0, false},  // 0
-    {"CHALLENGE", 65536u, false},  // 1
-    {"HELLO", 65536u, false},  // 2
-    {"WELCOME", 65536u, false},  // 3
-    {nullptr, 0, false},  // 4
-    {nullptr, 0, false},  // 5
-    {nullptr, 0, false},  // 6
-    {nullptr, 0, false},  // 7
-    {nullptr, 0, false},  // 8
-    {nullptr, 0, false},  // 9
-    {"ATTACH", 0u, false},  // 10
-    {"SUBMIT", 0u, true},  // 11
-    {"RELEASE", 0u, false},  // 12
-    {"CHANNEL", 0u, false},  // 13
-    {nullptr, 0, false},  // 14
-    {nullptr, 0, false},  // 15
-    {nullptr, 0, false},  // 16
-    {nullptr, 0, false},  // 17
-    {nullptr, 0, false},  // 18
-    {nullptr, 0, false},  // 19
-    {"SEGMENT", 0u, false},  // 20
-    {"DONE", 0u, true},  // 21
-    {nullptr, 0, false},  // 22
-    {nullptr, 0, false},  // 23
-    {nullptr, 0, false},  // 24
-    {nullptr, 0, false},  // 25
-    {nullptr, 0, false},  // 26
-    {nullptr, 0, false},  // 27
-    {nullptr, 0, false},  // 28
-    {nullptr, 0, false},  // 29
-    {"PARTIAL", 268435456u, true},  // 30
-    {"RESULT", 268435456u, true},  // 31
-    {"BLOCK", 268435456u, true},  // 32
-    {"HEARTBEAT", 0u, false},  // 33
-    {nullptr, 0, false},  // 34
-    {nullptr, 0, false},  // 35
-    {nullptr, 0, false},  // 36
-    {nullptr, 0, false},  // 37
-    {nullptr, 0, false},  // 38
-    {nullptr, 0, false},  // 39
-    {"ERROR", 65536u, false},  // 40
-    {"BYE", 0u, false},  // 41
-    {"STATUS", 0u, false},  // 42
-    {"REPORT", 1048576u, false},  // 43
-    {"EXITED", 0u, false},  // 44
+    {nullptr, 0, false, 0u},  // 0
+    {"CHALLENGE", 65536u, false, 0u},  // 1
+    {"HELLO", 65536u, false, 0u},  // 2
+    {"WELCOME", 65536u, false, 0u},  // 3
+    {nullptr, 0, false, 0u},  // 4
+    {nullptr, 0, false, 0u},  // 5
+    {nullptr, 0, false, 0u},  // 6
+    {nullptr, 0, false, 0u},  // 7
+    {nullptr, 0, false, 0u},  // 8
+    {nullptr, 0, false, 0u},  // 9
+    {"ATTACH", 0u, false, 0u},  // 10
+    {"SUBMIT", 0u, true, 1u},  // 11
+    {"RELEASE", 0u, false, 0u},  // 12
+    {"CHANNEL", 0u, false, 0u},  // 13
+    {nullptr, 0, false, 0u},  // 14
+    {nullptr, 0, false, 0u},  // 15
+    {nullptr, 0, false, 0u},  // 16
+    {nullptr, 0, false, 0u},  // 17
+    {nullptr, 0, false, 0u},  // 18
+    {nullptr, 0, false, 0u},  // 19
+    {"SEGMENT", 0u, false, 0u},  // 20
+    {"DONE", 0u, true, 0u},  // 21
+    {nullptr, 0, false, 0u},  // 22
+    {nullptr, 0, false, 0u},  // 23
+    {nullptr, 0, false, 0u},  // 24
+    {nullptr, 0, false, 0u},  // 25
+    {nullptr, 0, false, 0u},  // 26
+    {nullptr, 0, false, 0u},  // 27
+    {nullptr, 0, false, 0u},  // 28
+    {nullptr, 0, false, 0u},  // 29
+    {"PARTIAL", 268435456u, true, 0u},  // 30
+    {"RESULT", 268435456u, true, 0u},  // 31
+    {"BLOCK", 268435456u, true, 0u},  // 32
+    {"HEARTBEAT", 0u, false, 0u},  // 33
+    {nullptr, 0, false, 0u},  // 34
+    {nullptr, 0, false, 0u},  // 35
+    {nullptr, 0, false, 0u},  // 36
+    {nullptr, 0, false, 0u},  // 37
+    {nullptr, 0, false, 0u},  // 38
+    {nullptr, 0, false, 0u},  // 39
+    {"ERROR", 65536u, false, 0u},  // 40
+    {"BYE", 0u, false, 0u},  // 41
+    {"STATUS", 0u, false, 0u},  // 42
+    {"REPORT", 1048576u, false, 0u},  // 43
+    {"EXITED", 0u, false, 0u},  // 44
 };
 inline constexpr DTypeInfo kDTypeInfo[8] = {
     {nullptr, 0, false},  // 0

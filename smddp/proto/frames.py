@@ -50,6 +50,13 @@ MAX_DATA_PAYLOAD = 256 * 1024 * 1024
 # lowest it has not sent yet: a device collective's goes once its copy to the host lands, and the
 # collectives after it do not wait for it (docs/protocol.md, "Sequence numbers").
 SUBMIT_WINDOW = 128
+# A SUBMIT's flag: the node's ranks summed this all-reduce on their GPUs (the GPU step, docs/gpu.md),
+# and each rank's slot holds only its slice of the node's sum, at its place in the buffer (slice l of
+# G: elements [count*l//G, count*(l+1)//G)); the daemon takes each element from its slice's owner
+# instead of folding the node's inputs. Every rank of a node sets it alike for a collective.
+SUBMIT_NODE_SUMMED = 0x0001
+# The flag bits each message may carry (none: any set bit is refused as reserved).
+FLAGS = {"SUBMIT": SUBMIT_NODE_SUMMED}
 
 
 class MsgType(enum.IntEnum):
@@ -179,6 +186,11 @@ def decode_header(data: bytes | bytearray | memoryview) -> Header:
         kind=_KINDS[kind] if fingerprinted else None,
         flags=flags,
     )
+
+
+def allowed_flags(t: MsgType) -> int:
+    """The flag bits a message of type `t` may carry."""
+    return FLAGS.get(t.name, 0)
 
 
 def payload_limit(t: MsgType) -> int:

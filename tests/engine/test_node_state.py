@@ -245,3 +245,27 @@ def test_messages_describe_a_collective_as_the_daemon_always_has(kind, dtype, co
         f"collective #1 mismatch: node 1 called {describe(kind, dtype, count, op, root)} "
         f"but node 1 called {describe(kind, dtype, count + 1, op, root)}"
     )
+
+
+def test_a_node_summed_submit_must_be_said_alike_by_the_nodes_ranks():
+    """kSubmitNodeSummed (the GPU step across nodes): the node's ranks say it alike, or it is a mismatch
+    naming who; only an all-reduce of a job of several nodes may say it."""
+    t = table()
+    t.submit(0, *spec(1), node_summed=True)
+    with pytest.raises(
+        CollectiveMismatchError, match=r"#1 mismatch: rank 1 \(pid 101\) did not sum it on the node's GPUs"
+    ):
+        t.submit(1, *spec(1), node_summed=False)
+    t = table()
+    t.submit(0, *spec(1))
+    with pytest.raises(
+        CollectiveMismatchError, match="summed it on the node's GPUs, other ranks of its node did not"
+    ):
+        t.submit(1, *spec(1), node_summed=True)
+    t = table()
+    t.submit(0, *spec(1), node_summed=True)
+    assert t.submit(1, *spec(1), node_summed=True)[1]  # alike: every local rank is in
+    with pytest.raises(ProtocolError, match="only an all-reduce of a job of several nodes"):
+        table().submit(0, *spec(1, kind=Kind.BROADCAST, op=0), node_summed=True)
+    with pytest.raises(ProtocolError, match="only an all-reduce of a job of several nodes"):
+        table(nnodes=1).submit(0, *spec(1), node_summed=True)

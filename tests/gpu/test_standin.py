@@ -88,15 +88,20 @@ def test_every_collective_on_device_buffers(
             assert "int32 differs" in e["out_dtype"]
 
 
-@pytest.mark.parametrize(("world", "via"), [(2, "dlpack"), (4, "cai")], ids=["W2-dlpack", "W4-cai"])
+@pytest.mark.parametrize(
+    ("world", "nodes", "via"),
+    [(2, 1, "dlpack"), (4, 1, "cai"), (4, 2, "dlpack")],
+    ids=["W2-N1", "W4-N1", "W4-N2"],
+)
 def test_every_collective_on_device_buffers_with_the_gpu_step(
-    world: int, via: str, tmp_path: Path, clean_host: None
+    world: int, nodes: int, via: str, tmp_path: Path, clean_host: None
 ):
-    """node_reduce gpu on one node: every device all-reduce sums on the (stand-in) GPUs through the
-    ranks' shared staging memory, the other collectives go through the host as before; every result
-    bit for bit as the host path's (the same reference), on every rank."""
-    args = [SCRIPT, "--out", str(tmp_path), "--nnodes", "1", "--array", via, "--delay-ms", "1"]
-    proc = launch(world, 1, args, SMDDP_NODE_REDUCE="gpu")
+    """node_reduce gpu: every device all-reduce sums on the (stand-in) GPUs through the node's ranks'
+    shared staging memory (across nodes: each rank's slice of its node's sum goes to the daemons and
+    its result comes back, then the node gathers), the other collectives go through the host as
+    before; every result bit for bit as the host path's (the same reference), on every rank."""
+    args = [SCRIPT, "--out", str(tmp_path), "--nnodes", str(nodes), "--array", via, "--delay-ms", "1"]
+    proc = launch(world, nodes, args, SMDDP_NODE_REDUCE="gpu")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     runs = results(tmp_path, world)
     check_records([d["records"] for d in runs], inflight=24)
@@ -177,12 +182,16 @@ def test_a_blocking_call_whose_copy_in_is_late_times_out_and_is_never_written_af
         assert d["registered"] == 0
 
 
-def test_the_daemons_show_each_ranks_device_copies(tmp_path: Path, own_runtime_dir: str, clean_host: None):
+@pytest.mark.parametrize("node_reduce", ["host", "gpu"])
+def test_the_daemons_show_each_ranks_device_copies(
+    tmp_path: Path, own_runtime_dir: str, clean_host: None, node_reduce: str
+):
     """Each rank's engine counts what it copies between its device and smddp's memory, and the daemons
-    show it (`smddp status --json`, the table, the Prometheus metrics: issue 57's S a rank, to become
-    S/G): on 2 nodes of 2 ranks, the bytes each direction equal what the cases copy, worked out here
-    from the cases alone (check_counts.CASES); the broadcast's root sends and takes nothing back, the
-    others take it without sending; an all-gather takes back W times what it sends."""
+    show it (`smddp status --json`, the table, the Prometheus metrics: issue 57's S a rank on the host
+    path, S/G on the GPU step): on 2 nodes of 2 ranks, the bytes each direction equal what the cases
+    copy, worked out here from the cases alone (check_counts.CASES); the broadcast's root sends and
+    takes nothing back, the others take it without sending; an all-gather takes back W times what it
+    sends; with node_reduce gpu an all-reduce sends and takes back only the rank's slice of it."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
@@ -192,7 +201,7 @@ def test_the_daemons_show_each_ranks_device_copies(tmp_path: Path, own_runtime_d
 
     world, nodes = 4, 2
     port = free_port()
-    env = job_env(SMDDP_STANDIN_DELAY_MS="0")
+    env = job_env(SMDDP_STANDIN_DELAY_MS="0", SMDDP_NODE_REDUCE=node_reduce)
     cmd = [str(BIN / "smddp-launch"), "-np", str(world), "--local-nodes", str(nodes)]
     cmd += [
         "--metrics-port",
@@ -232,6 +241,9 @@ def test_the_daemons_show_each_ranks_device_copies(tmp_path: Path, own_runtime_d
         d2h = h2d = d2h_n = h2d_n = 0
         for kind, n in CASES:
             nbytes = 4 * n
+            if node_reduce == "gpu" and kind.startswith("allreduce"):
+                g, local = world // nodes, rank % (world // nodes)
+                nbytes = 4 * (n * (local + 1) // g - n * local // g)  # its slice of the node's sum
             sends = kind != "broadcast" or rank == 0
             takes = (
                 nbytes * world if kind == "allgather" else 0 if kind == "broadcast" and rank == 0 else nbytes

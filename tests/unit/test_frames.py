@@ -15,7 +15,9 @@ from smddp.proto.frames import (
     MAX_CONTROL_PAYLOAD,
     MAX_DATA_PAYLOAD,
     MAX_REPORT_PAYLOAD,
+    SUBMIT_NODE_SUMMED,
     VERSION,
+    allowed_flags,
     error_frame,
 )
 
@@ -208,10 +210,19 @@ def test_unknown_type(mtype):
 @pytest.mark.parametrize(
     "t", [MsgType.BYE, MsgType.HELLO, MsgType.PARTIAL, MsgType.SUBMIT], ids=lambda t: t.name
 )
-@pytest.mark.parametrize("field,value", [("flags", 1), ("flags", 0x8000), ("reserved", 1), ("reserved", 255)])
+@pytest.mark.parametrize("field,value", [("flags", 2), ("flags", 0x8000), ("reserved", 1), ("reserved", 255)])
 def test_reserved_or_flags_set(t, field, value):
     with pytest.raises(ProtocolError, match="reserved"):
         decode_header(valid_raw(t, **{field: value}))
+
+
+def test_only_submit_may_say_its_node_summed_on_the_gpus():
+    """SUBMIT_NODE_SUMMED is SUBMIT's one flag: it round-trips there and is refused on any other."""
+    h = decode_header(valid_raw(MsgType.SUBMIT, flags=SUBMIT_NODE_SUMMED))
+    assert h.flags == SUBMIT_NODE_SUMMED and encode_header(h) == valid_raw(MsgType.SUBMIT, flags=SUBMIT_NODE_SUMMED)
+    for t in (MsgType.DONE, MsgType.PARTIAL, MsgType.BYE):
+        with pytest.raises(ProtocolError, match="reserved"):
+            decode_header(valid_raw(t, flags=SUBMIT_NODE_SUMMED))
 
 
 @pytest.mark.parametrize("t", FINGERPRINTED, ids=lambda t: t.name)
@@ -273,7 +284,7 @@ def broken(draw) -> tuple[Header, str, bytes, str]:
         "magic": (st.binary(min_size=4, max_size=4).filter(lambda b: b != MAGIC), "bad magic"),
         "version": (st.integers(0, 255).filter(lambda v: v != VERSION), "protocol version"),
         "mtype": (st.integers(0, 255).filter(lambda v: v not in _values(MsgType)), "unknown message type"),
-        "flags": (st.integers(1, 2**16 - 1), "reserved bits set"),
+        "flags": (st.integers(1, 2**16 - 1).filter(lambda v: v & ~allowed_flags(t) != 0), "reserved bits set"),
         "reserved": (st.integers(1, 255), "reserved bits set"),
         "seq": (st.integers(2**63, 2**64 - 1), r"beyond 2\*\*63"),
         "offset": (st.integers(2**63, 2**64 - 1), r"beyond 2\*\*63"),

@@ -66,6 +66,30 @@ class NodeStep:
             number = self.count
         return StepHandle(self, done, number, dev.dtype, dev.count, result, consumer, consumer_of)
 
+    def start_across(
+        self, engine: _engine.DeviceEngine, arena: Any, slots: list[tuple[int, int]], dev: DeviceBuffer,
+        op: ReduceOp, producer: int | None,
+    ) -> tuple[_engine.StepDone, list[_engine.CopyIn], list[tuple[int, int, int, int, int, int]]]:  # fmt: skip
+        """Across nodes (Client.submit_step_pieces): the node's partial of each piece of `dev`, each
+        rank's slice copied into its slot there by `engine`'s device path."""
+        with self._lock:
+            while self._alive and _ended(self._alive[0][0]):
+                self._alive.popleft()
+            done, copies, pieces = self.step.allreduce_across(
+                engine, arena, slots, dev.ptr, dev.count, int(dev.dtype), int(op), producer
+            )
+            self._alive.append((done, dev.keepalive))
+            return done, copies, pieces
+
+    def handle(
+        self, done: _engine.StepDone, dev: DeviceBuffer, consumer: int | None, consumer_of: Callable[[], int],
+        result: Any,
+    ) -> StepHandle:  # fmt: skip
+        with self._lock:
+            self.count += 1
+            number = self.count
+        return StepHandle(self, done, number, dev.dtype, dev.count, result, consumer, consumer_of)
+
     def watch(self, h: StepHandle) -> None:
         """`h` completed by the completer thread (its callbacks run there), in start order."""
         with self._lock:
@@ -208,9 +232,7 @@ def decide(c: Client, dev: DeviceBuffer) -> tuple[NodeStep | None, str]:
     (None, why not). With `node_reduce` gpu, a step that cannot be had raises DeviceError instead."""
     mode = c.config.node_reduce
     why = ""
-    if c.job.nnodes > 1:
-        why = "the GPU step takes one node's jobs so far (this job has several)"
-    elif c.local_size > _engine.DeviceStep.max_ranks:
+    if c.local_size > _engine.DeviceStep.max_ranks:
         why = f"the GPU step takes up to {_engine.DeviceStep.max_ranks} ranks a node (this node has {c.local_size})"
     step: _engine.DeviceStep | None = None
     if not why:  # (what every rank knows alike needs no exchange)
@@ -262,4 +284,8 @@ def start(c: Client, step: NodeStep, dev: DeviceBuffer, op: ReduceOp, stream: An
     def consumer_of() -> int:
         return library_stream(io.rt, dev.library, dev.device)
 
-    return step.allreduce(dev, op, c.size, producer, consumer, consumer_of, result)
+    if c.job.nnodes == 1:
+        return step.allreduce(dev, op, c.size, producer, consumer, consumer_of, result)
+    # Across nodes: each rank's slice of the node's partial goes to the daemons, and comes back.
+    done = c.submit_step_pieces(step, dev, op, producer)
+    return step.handle(done, dev, consumer, consumer_of, result)
