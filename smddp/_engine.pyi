@@ -159,6 +159,12 @@ class WorkerDeviceCounts:
     def h2d_copies(self) -> int:
         """copies host to device"""
 
+    @property
+    def node_reduce(self) -> int:
+        """
+        where its device all-reduces are summed: 0 not decided, 1 host, 2 the GPU step, 3 host (the step could not be had)
+        """
+
 class Waiting:
     """A collective in flight and not done (waiting)."""
 
@@ -628,6 +634,11 @@ class WorkerChannel:
     def set_trace(self, on: bool) -> None:
         """Keep each fast collective's phases (take_traces), or stop."""
 
+    def set_node_reduce(self, code: int) -> None:
+        """
+        Where this worker's device all-reduces are summed (0 not decided, 1 host, 2 the GPU step, 3 host after the step could not be had), for its daemon to show.
+        """
+
     def set_stream(self, on: bool) -> None:
         """
         Large all-reduces stream through the channel's stream block (a job of one node).
@@ -788,7 +799,7 @@ class DeviceStep:
 
     def allreduce_across(self, engine: object, arena: Arena, slots: Sequence[tuple[int, int]], buf: int, n: int, dtype: int, op: int, stream: int | None) -> tuple[StepDone, list[CopyIn], list[tuple[int, int, int, int, int, int]]]:
         """
-        Across nodes: enqueue the node's partial of each piece, its slice copied to the host into its slot (segment, offset) by the engine's device path; (end, copy-ins, (number, count, slice address, slice offset, slice bytes, out_ready address) per piece).
+        Across nodes: enqueue the node's partial of each piece, its slice copied to the host into its slot (segment, offset: the slice alone) by the engine's device path; (end, copy-ins, (number, count, slice address, slice offset in the piece, slice bytes, out_ready address) per piece).
         """
 
     def piece_counts(self, n: int, itemsize: int) -> list[int]:

@@ -49,7 +49,9 @@ def render() -> str:
         f"inline constexpr std::size_t kOff{f.capitalize()} = {at};" for f, at in HEADER_OFFSETS.items()
     ]
     msgs = {
-        int(t): f'{{"{t.name}", {payload_limit(t)}u, {"true" if t in FINGERPRINTED else "false"}, {allowed_flags(t)}u}}'
+        int(
+            t
+        ): f'{{"{t.name}", {payload_limit(t)}u, {"true" if t in FINGERPRINTED else "false"}, {allowed_flags(t)}u}}'
         for t in MsgType
     }
     dtypes = {

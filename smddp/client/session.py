@@ -839,8 +839,9 @@ class Client:
         self, step: NodeStep, dev: DeviceBuffer, op: ReduceOp, producer: int | None
     ) -> _engine.StepDone:
         """Across nodes, the GPU step's all-reduce of device buffer `dev` (step.start): a slot for each
-        of its pieces, the node's partial of each piece enqueued with this rank's slice copied into its
-        slot (DeviceStep.allreduce_across, on the step's in lane), and a record for each piece whose
+        of its pieces (of this rank's slice's size), the node's partial of each piece enqueued with this
+        rank's slice copied into its slot (DeviceStep.allreduce_across, on the step's in lane), and a
+        record for each piece whose
         SUBMIT says the node summed it (each slot holds its rank's slice) and goes once its copy lands;
         its result's slice comes back on the step's back lane at its DONE, followed by the slice's
         out_ready (the node's gather lanes wait for every rank's). Collected, so that the DONE thread
@@ -855,8 +856,10 @@ class Client:
             self._check_open()
             if self._closing:
                 raise NotInitializedError("smddp is shutting down")
+            g, me = self.local_size, self.local_rank
             for m in counts:
-                slot, lost = self._alloc_locked(m * isz)
+                # The slot holds this rank's slice alone (SUBMIT_NODE_SUMMED): elements [m*me//g, m*(me+1)//g).
+                slot, lost = self._alloc_locked((m * (me + 1) // g - m * me // g) * isz)
                 if slot is None:
                     break
                 slots.append(slot)
@@ -1296,10 +1299,15 @@ class Client:
         Decided at the first device all-reduce, by every rank together (step.decide: a collective,
         which every rank reaches at that all-reduce)."""
         if self.config.node_reduce == "host":
+            if not self._node_step_decided:
+                self._channel.set_node_reduce(1)  # (its daemon shows it)
+                self._node_step_decided = True
+                self.node_reduce_why = "node_reduce host"
             return None
         if not self._node_step_decided:
             self._node_step, self.node_reduce_why = decide_step(self, dev)
             self._node_step_decided = True
+            self._channel.set_node_reduce(2 if self._node_step is not None else 3)
         step = self._node_step
         if step is not None and dev.device != step.device:
             raise UnsupportedBufferError(

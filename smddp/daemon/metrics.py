@@ -49,8 +49,8 @@ class DaemonCollector:
             labels=["node", "rank", "direction"],
         )
         for c in d.device_counts():
-            copies.add_metric([node, str(c["rank"]), "d2h"], c["d2h_bytes"])
-            copies.add_metric([node, str(c["rank"]), "h2d"], c["h2d_bytes"])
+            copies.add_metric([node, str(c["rank"]), "d2h"], float(c["d2h_bytes"]))
+            copies.add_metric([node, str(c["rank"]), "h2d"], float(c["h2d_bytes"]))
         yield copies
         busy = CounterMetricFamily(
             "smddp_reduce_seconds", "Seconds spent in reduction kernels", labels=["node"]

@@ -28,7 +28,7 @@ from smddp.errors import (
 )
 from smddp.proto import handshake as hs
 from smddp.proto.failure import exit_status_of, failure_frame, infra_of, infra_status, read_failure
-from smddp.proto.frames import HEADER_SIZE, Header, MsgType, Role, error_frame
+from smddp.proto.frames import HEADER_SIZE, NODE_REDUCE_LABELS, Header, MsgType, Role, error_frame
 from smddp.proto.messages import (
     Bye,
     Channel,
@@ -679,9 +679,10 @@ class NodeDaemon:
             **counters,
         }
 
-    def device_counts(self) -> list[dict[str, int]]:
+    def device_counts(self) -> list[dict[str, int | str]]:
         """Each local worker's copies between its devices and smddp's memory, as its engine counts
-        them in its channel (only those that made any): shown, never trusted."""
+        them in its channel, and where its device all-reduces are summed (node_reduce; only workers
+        that made a copy or took the GPU step): shown, never trusted."""
         return [
             {
                 "rank": c.rank,
@@ -689,9 +690,10 @@ class NodeDaemon:
                 "h2d_bytes": c.h2d_bytes,
                 "d2h_copies": c.d2h_copies,
                 "h2d_copies": c.h2d_copies,
+                "node_reduce": NODE_REDUCE_LABELS[c.node_reduce],
             }
             for c in self.plane.device_counts()
-            if c.d2h_copies or c.h2d_copies
+            if c.d2h_copies or c.h2d_copies or c.node_reduce >= 2
         ]
 
     def local_report(self) -> dict:

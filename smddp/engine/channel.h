@@ -141,7 +141,11 @@ struct alignas(64) DeviceCounts {
   std::atomic<std::uint64_t> h2d_bytes;   // host to device: results copied back
   std::atomic<std::uint64_t> d2h_copies;  // how many copies of each (one a collective, or a piece)
   std::atomic<std::uint64_t> h2d_copies;
+  // Where its device all-reduces are summed (node_reduce): 0 not decided yet, 1 host, 2 the GPU
+  // step, 3 host because the GPU step could not be had.
+  std::atomic<std::uint32_t> node_reduce;
 };
+static_assert(sizeof(DeviceCounts) == 64, "the channel's layout holds 64 bytes of device counts");
 inline std::size_t counts_offset() { return stream_offset() + sizeof(StreamShared); }
 inline DeviceCounts* device_counts(std::uint8_t* channel_base) {
   return reinterpret_cast<DeviceCounts*>(channel_base + counts_offset());
@@ -406,6 +410,9 @@ class WorkerChannel {
     (to_host ? counts_->d2h_bytes : counts_->h2d_bytes).fetch_add(nbytes, std::memory_order_relaxed);
     (to_host ? counts_->d2h_copies : counts_->h2d_copies).fetch_add(1, std::memory_order_relaxed);
   }
+
+  // Where this worker's device all-reduces are summed (DeviceCounts::node_reduce), for the daemon to show.
+  void set_node_reduce(std::uint32_t code) { counts_->node_reduce.store(code, std::memory_order_relaxed); }
 
   // The timeline: while on, every fast collective that completes here leaves its phases
   // (ChannelTrace) until take_traces().

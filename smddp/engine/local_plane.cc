@@ -52,6 +52,13 @@ bool spec_of(const Header& h, Spec* spec) {
   return true;
 }
 
+// Slice `i` of `k` of a node-summed collective's `m` elements: [m*i/k, m*(i+1)/k) (in 128 bits:
+// m*i may pass 2**64), as the workers cut it (smddp/engine/device_step.h).
+std::pair<std::uint64_t, std::uint64_t> slice_range(std::uint64_t m, std::uint64_t i, std::uint64_t k) {
+  return {static_cast<std::uint64_t>(static_cast<unsigned __int128>(m) * i / k),
+          static_cast<std::uint64_t>(static_cast<unsigned __int128>(m) * (i + 1) / k)};
+}
+
 }  // namespace
 
 const char* phase_name(Phase p) {
@@ -296,6 +303,11 @@ void LocalPlane::on_attach(WorkerPort* link, const Header& h) {
     return fail(Verdict{Fault::kProtocol, link->name + ": segment " + num(h.shard) + " attached twice"});
 }
 
+std::uint64_t LocalPlane::slice_bytes(const Spec& spec, std::uint32_t local) const {
+  const auto [s, e] = slice_range(spec.count, local, cfg_.topo.local_size);
+  return (e - s) * spec.itemsize;
+}
+
 void LocalPlane::on_submit(WorkerPort* link, const Header& h) {
   Spec spec;
   if (!spec_of(h, &spec))
@@ -329,8 +341,10 @@ void LocalPlane::on_submit(WorkerPort* link, const Header& h) {
                                                   num(ring) + " bytes, neither its size nor the stream ring's"});
     }
     if (ring != nbytes) wraps = ring;
+    // Summed on the node's GPUs: the slot holds this rank's slice alone (slice_bytes).
+    const std::uint64_t span = spec.node_summed ? slice_bytes(spec, link->local) : ring;
     std::uint8_t* p = nullptr;
-    const std::string w = seg->range(h.offset, ring, &p);
+    const std::string w = seg->range(h.offset, span, &p);
     if (!w.empty())
       return fail(Verdict{Fault::kProtocol,
                           link->name + " submitted collective #" + num(h.seq) + " outside its memory: " + w});
@@ -463,16 +477,14 @@ bool LocalPlane::local_fold(const Op& op, const std::vector<const void*>& in, st
                             std::uint8_t* out, bool partial) {
   if (!op.c->node_summed()) return fold(op, in, n, out, partial);
   // Summed on the node's GPUs (kSubmitNodeSummed): each element of [first, first + n) is taken from
-  // the rank whose slice holds it, slice i being [m*i/k, m*(i+1)/k) of the m elements (in 128 bits:
-  // m*i may pass 2**64). NodeState allows it only across nodes, where `out` is a node partial.
-  const std::uint64_t m = op.spec.count, k = in.size(), isz = op.spec.itemsize;
-  for (std::uint64_t i = 0; i < k; i++) {
-    const auto s = static_cast<std::uint64_t>(static_cast<unsigned __int128>(m) * i / k);
-    const auto e = static_cast<std::uint64_t>(static_cast<unsigned __int128>(m) * (i + 1) / k);
+  // the rank whose slice holds it; rank i's slot holds its slice [s, e) alone, from its start
+  // (slice_range; on_submit checked the slot against it). NodeState allows it only across nodes,
+  // where `out` is a node partial.
+  const std::uint64_t isz = op.spec.itemsize;
+  for (std::uint32_t i = 0; i < cfg_.topo.local_size; i++) {
+    const auto [s, e] = slice_range(op.spec.count, i, cfg_.topo.local_size);
     const std::uint64_t lo = first > s ? first : s, hi = first + n < e ? first + n : e;
-    if (lo < hi)
-      std::memmove(out + (lo - first) * isz, static_cast<const std::uint8_t*>(in[i]) + (lo - first) * isz,
-                   (hi - lo) * isz);
+    if (lo < hi) std::memmove(out + (lo - first) * isz, op.inputs[i] + (lo - s) * isz, (hi - lo) * isz);
   }
   return true;
 }
@@ -985,10 +997,11 @@ std::vector<WorkerDeviceCounts> LocalPlane::device_counts() {
     if (!port) continue;
     // (the worker writes them, each on its own: relaxed reads of four counters, no snapshot promised)
     const DeviceCounts& c = *smddp::device_counts(port->channel->base());
+    const std::uint32_t reduce = c.node_reduce.load(std::memory_order_relaxed);
     out.push_back(WorkerDeviceCounts{port->rank, c.d2h_bytes.load(std::memory_order_relaxed),
                                      c.h2d_bytes.load(std::memory_order_relaxed),
                                      c.d2h_copies.load(std::memory_order_relaxed),
-                                     c.h2d_copies.load(std::memory_order_relaxed)});
+                                     c.h2d_copies.load(std::memory_order_relaxed), reduce <= 3 ? reduce : 0});
   }
   return out;
 }

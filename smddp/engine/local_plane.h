@@ -129,6 +129,7 @@ struct WorkerDeviceCounts {
   std::uint64_t h2d_bytes = 0;
   std::uint64_t d2h_copies = 0;
   std::uint64_t h2d_copies = 0;
+  std::uint32_t node_reduce = 0;  // DeviceCounts::node_reduce (a code past 3 shows as 0)
 };
 
 struct PlaneCounters {
@@ -232,8 +233,10 @@ class LocalPlane final : private Exchange::Owner {
   bool run_local(const std::shared_ptr<Op>& op, const Chunk& chunk);
   bool run_server(const std::shared_ptr<Op>& op, const Chunk& chunk);
   bool fold(const Op& op, const std::vector<const void*>& in, std::uint64_t n, std::uint8_t* out, bool partial);
+  // The bytes of local rank `local`'s slice of a node-summed collective (what its slot holds).
+  std::uint64_t slice_bytes(const Spec& spec, std::uint32_t local) const;
   // A node's local step over elements [first, first + n): fold(), or, for a collective its ranks
-  // summed on their GPUs, each element copied from its slice's owner.
+  // summed on their GPUs, each element copied from its slice's owner's slot.
   bool local_fold(const Op& op, const std::vector<const void*>& in, std::uint64_t first, std::uint64_t n,
                   std::uint8_t* out, bool partial);
   void partial_in(const std::shared_ptr<Op>& op, std::uint64_t index, std::uint32_t from);

@@ -1372,8 +1372,8 @@ StepDone step_allreduce(Step& s, std::uint64_t buf, long long n, long long dtype
 }
 
 // Across nodes (DeviceStep::allreduce_across): each piece's slice copied to the host by `engine`'s
-// device path into `arena`'s slot (segment, offset) of that piece, at the slice's place in it, on the
-// step's in lane. Returns its end, each piece's copy-in (for give_when) and each piece's
+// device path into `arena`'s slot (segment, offset) of that piece (the slice alone, from the slot's
+// start: what a SUBMIT_NODE_SUMMED slot holds), on the step's in lane. Returns its end, each piece's copy-in (for give_when) and each piece's
 // (number, count, slice address, slice offset, slice bytes, out_ready address).
 using PieceRec = std::tuple<std::uint64_t, std::uint64_t, std::uint64_t, std::uint64_t, std::uint64_t, std::uint64_t>;
 std::tuple<StepDone, std::vector<CopyIn>, std::vector<PieceRec>> step_allreduce_across(
@@ -1394,11 +1394,8 @@ std::tuple<StepDone, std::vector<CopyIn>, std::vector<PieceRec>> step_allreduce_
   for (std::size_t i = 0; i < slots.size(); i++) {
     SegmentPtr seg = arena_segment(arena, slots[i].first);
     if (!seg) raise_error(Err::kValue, "allreduce_across: the arena has no segment " + std::to_string(slots[i].first));
-    const std::uint64_t need = counts[i] * isz;
-    if (slots[i].second < 0 || static_cast<std::uint64_t>(slots[i].second) > seg->size() ||
-        need > seg->size() - static_cast<std::uint64_t>(slots[i].second))
-      raise_error(Err::kValue, "allreduce_across: a slot outside its segment");
-    segs.push_back(std::move(seg));
+    if (slots[i].second < 0) raise_error(Err::kValue, "allreduce_across: a negative slot offset");
+    segs.push_back(std::move(seg));  // (copy_in checks each slice's copy against its segment)
   }
   std::vector<std::shared_ptr<smddp::DeviceIn>> ins;
   std::vector<smddp::DeviceStep::Piece> pieces;
@@ -1413,7 +1410,7 @@ std::tuple<StepDone, std::vector<CopyIn>, std::vector<PieceRec>> step_allreduce_
                                              std::string* w2) {
       std::shared_ptr<smddp::DeviceIn> in =
           path->copy_in(device, reinterpret_cast<std::uintptr_t>(lane), nullptr, segs[i],
-                        static_cast<std::uint64_t>(slots[i].second) + p.offset, p.slice, p.nbytes, w2);
+                        static_cast<std::uint64_t>(slots[i].second), p.slice, p.nbytes, w2);
       i++;
       if (!in) return false;
       ins.push_back(std::move(in));
@@ -1783,7 +1780,10 @@ NB_MODULE(_engine, m) {
       .field("d2h_bytes", &WDC::d2h_bytes, "bytes copied device to host (into input slots)")
       .field("h2d_bytes", &WDC::h2d_bytes, "bytes copied host to device (results back)")
       .field("d2h_copies", &WDC::d2h_copies, "copies device to host")
-      .field("h2d_copies", &WDC::h2d_copies, "copies host to device");
+      .field("h2d_copies", &WDC::h2d_copies, "copies host to device")
+      .field("node_reduce", &WDC::node_reduce,
+             "where its device all-reduces are summed: 0 not decided, 1 host, 2 the GPU step, 3 host (the step "
+             "could not be had)");
 
   using Waiting = smddp::LocalPlane::Waiting;
   Record<Waiting>(m, "Waiting", "A collective in flight and not done (waiting).")
@@ -2101,6 +2101,15 @@ NB_MODULE(_engine, m) {
           "set_trace", [](Channel& c, bool on) { c.ch->set_trace(on); }, "on"_a,
           "Keep each fast collective's phases (take_traces), or stop.")
       .def(
+          "set_node_reduce",
+          [](Channel& c, long long code) {
+            if (code < 0 || code > 3) raise_error(Err::kValue, "set_node_reduce: 0 to 3");
+            c.ch->set_node_reduce(static_cast<std::uint32_t>(code));
+          },
+          "code"_a,
+          "Where this worker's device all-reduces are summed (0 not decided, 1 host, 2 the GPU step, 3 host after "
+          "the step could not be had), for its daemon to show.")
+      .def(
           "set_stream", [](Channel& c, bool on) { c.ch->set_stream(on); }, "on"_a,
           "Large all-reduces stream through the channel's stream block (a job of one node).")
       .def(
@@ -2257,8 +2266,8 @@ NB_MODULE(_engine, m) {
       .def("allreduce_across", &step_allreduce_across, "engine"_a, "arena"_a, "slots"_a, "buf"_a, "n"_a, "dtype"_a,
            "op"_a, "stream"_a.none(),
            "Across nodes: enqueue the node's partial of each piece, its slice copied to the host into its slot "
-           "(segment, offset) by the engine's device path; (end, copy-ins, (number, count, slice address, slice "
-           "offset, slice bytes, out_ready address) per piece).")
+           "(segment, offset: the slice alone) by the engine's device path; (end, copy-ins, (number, count, slice "
+           "address, slice offset in the piece, slice bytes, out_ready address) per piece).")
       .def(
           "piece_counts",
           [](Step& s, long long n, long long itemsize) {

@@ -106,13 +106,15 @@ Verdict NodeState::submit(std::uint32_t local, const Spec& spec, std::shared_ptr
     ahead.erase(ahead.begin());
     next_seq_[local]++;
   }
-  std::shared_ptr<Collective> c;
-  Verdict v = op_for(spec, who, &c, created);
-  if (!v.ok()) return v;
   if (spec.node_summed && (spec.kind != static_cast<std::uint8_t>(Kind::kAllreduce) || topo_.nnodes < 2))
     return fail(Fault::kProtocol, who + " submitted collective #" + std::to_string(spec.seq) +
                                       " as summed on the node's GPUs, which only an all-reduce of a job of several "
                                       "nodes may be");
+  std::shared_ptr<Collective> c;
+  Verdict v = op_for(spec, who, &c, created);
+  if (!v.ok()) return v;
+  // (The first local SUBMIT of a collective says it for all: only a later one can disagree, so a
+  // collective just created is never refused here.)
   if (!c->note_node_summed(spec.node_summed))
     return fail(Fault::kMismatch, "collective #" + std::to_string(spec.seq) + " mismatch: " + who +
                                       (spec.node_summed ? " summed it on the node's GPUs, other ranks of its node did not"

@@ -194,6 +194,7 @@ def render_report(r: dict) -> str:
         out += [
             f"  rank {c['rank']}: to host {_size(c['d2h_bytes'])} in {c['d2h_copies']}, "
             f"back {_size(c['h2d_bytes'])} in {c['h2d_copies']}"
+            + (f"; all-reduces summed on: {c['node_reduce']}" if c.get("node_reduce") else "")
             for c in devices
         ]
     fabrics = [(d["node"], d["fabric"]) for d in r["daemons"] if d.get("fabric")]

@@ -51,10 +51,14 @@ MAX_DATA_PAYLOAD = 256 * 1024 * 1024
 # collectives after it do not wait for it (docs/protocol.md, "Sequence numbers").
 SUBMIT_WINDOW = 128
 # A SUBMIT's flag: the node's ranks summed this all-reduce on their GPUs (the GPU step, docs/gpu.md),
-# and each rank's slot holds only its slice of the node's sum, at its place in the buffer (slice l of
-# G: elements [count*l//G, count*(l+1)//G)); the daemon takes each element from its slice's owner
-# instead of folding the node's inputs. Every rank of a node sets it alike for a collective.
+# and each rank's slot holds only its slice of the node's sum (slice l of G: elements
+# [count*l//G, count*(l+1)//G)), from the slot's start; the daemon takes each element from its
+# slice's owner instead of folding the node's inputs. Every rank of a node sets it alike.
 SUBMIT_NODE_SUMMED = 0x0001
+# Where a worker's device all-reduces are summed, as it writes it in its channel's device counts for
+# its daemon to show (code -> label): not decided yet, the host path, the GPU step, the host path
+# because the GPU step could not be had (the worker's log says why).
+NODE_REDUCE_LABELS = ("", "host", "gpu", "host (fallback)")
 # The flag bits each message may carry (none: any set bit is refused as reserved).
 FLAGS = {"SUBMIT": SUBMIT_NODE_SUMMED}
 

@@ -2,8 +2,8 @@
 // any sequence of events with any values (submits, peers' first sights, releases, sends, BYEs,
 // ranks gone early) is answered without a crash, and the table stays consistent: a collective is
 // created once while it is in the table, found again as the same object, each rank's sequence
-// numbers advance by one on every accepted submit, and the table holds exactly what was created and
-// not yet dropped.
+// numbers advance by one on every accepted submit, the table holds exactly what was created and
+// not yet dropped, and a node-summed submit is accepted only for an all-reduce of several nodes.
 #include <cstdio>
 #include <map>
 #include <set>
@@ -31,6 +31,7 @@ smddp::Spec random_spec(fuzz::Rng& r, std::uint64_t seq) {
   s.op = static_cast<std::uint8_t>(r.next() % 6);
   s.has_op = s.op != 0;
   s.root = static_cast<std::uint32_t>(r.pick(8));
+  s.node_summed = r.next() % 4 == 0;  // (a SUBMIT's kSubmitNodeSummed; a peer's never says it)
   return s;
 }
 
@@ -68,6 +69,8 @@ bool round(fuzz::Rng& r, std::uint64_t seed) {
           while (ahead[local].count(next[local])) ahead[local].erase(next[local]++);
         }
         if (v.ok() && !in_window) return fail("a submit outside its window, or twice, was accepted", seed);
+        if (v.ok() && s.node_summed && (s.kind != static_cast<std::uint8_t>(smddp::Kind::kAllreduce) || t.nnodes < 2))
+          return fail("a node-summed submit other than a several-node all-reduce was accepted", seed);
         if (!v.ok() && in_window && v.why.find("twice") != std::string::npos)
           return fail("a submit within its window was refused as a second one", seed);
         break;

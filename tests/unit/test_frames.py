@@ -219,7 +219,9 @@ def test_reserved_or_flags_set(t, field, value):
 def test_only_submit_may_say_its_node_summed_on_the_gpus():
     """SUBMIT_NODE_SUMMED is SUBMIT's one flag: it round-trips there and is refused on any other."""
     h = decode_header(valid_raw(MsgType.SUBMIT, flags=SUBMIT_NODE_SUMMED))
-    assert h.flags == SUBMIT_NODE_SUMMED and encode_header(h) == valid_raw(MsgType.SUBMIT, flags=SUBMIT_NODE_SUMMED)
+    assert h.flags == SUBMIT_NODE_SUMMED and encode_header(h) == valid_raw(
+        MsgType.SUBMIT, flags=SUBMIT_NODE_SUMMED
+    )
     for t in (MsgType.DONE, MsgType.PARTIAL, MsgType.BYE):
         with pytest.raises(ProtocolError, match="reserved"):
             decode_header(valid_raw(t, flags=SUBMIT_NODE_SUMMED))
@@ -284,7 +286,10 @@ def broken(draw) -> tuple[Header, str, bytes, str]:
         "magic": (st.binary(min_size=4, max_size=4).filter(lambda b: b != MAGIC), "bad magic"),
         "version": (st.integers(0, 255).filter(lambda v: v != VERSION), "protocol version"),
         "mtype": (st.integers(0, 255).filter(lambda v: v not in _values(MsgType)), "unknown message type"),
-        "flags": (st.integers(1, 2**16 - 1).filter(lambda v: v & ~allowed_flags(t) != 0), "reserved bits set"),
+        "flags": (
+            st.integers(1, 2**16 - 1).filter(lambda v: v & ~allowed_flags(t) != 0),
+            "reserved bits set",
+        ),
         "reserved": (st.integers(1, 255), "reserved bits set"),
         "seq": (st.integers(2**63, 2**64 - 1), r"beyond 2\*\*63"),
         "offset": (st.integers(2**63, 2**64 - 1), r"beyond 2\*\*63"),
