@@ -13,7 +13,7 @@ import numpy as np
 
 from smddp import _engine
 from smddp.client.device.buffers import DeviceBuffer, library_stream, stream_handle
-from smddp.errors import CollectiveTimeoutError, DeviceError, SmddpError, fresh
+from smddp.errors import CollectiveTimeoutError, DeviceError, NotInitializedError, SmddpError, fresh
 from smddp.proto.dtypes import DType, Kind, ReduceOp
 
 if TYPE_CHECKING:
@@ -246,7 +246,7 @@ def decide(c: Client, dev: DeviceBuffer) -> tuple[NodeStep | None, str]:
         cards = np.zeros((c.size, _engine.DeviceStep.card_bytes), np.uint8)
         if step is not None:
             cards[c.rank] = np.frombuffer(step.card(), np.uint8)
-        c.allreduce_now(cards, DType.UINT8, cards.size, ReduceOp.SUM, None)
+        _exchange(c, cards, ReduceOp.SUM)
         if step is not None:
             first = c.rank - c.local_rank
             try:
@@ -256,7 +256,7 @@ def decide(c: Client, dev: DeviceBuffer) -> tuple[NodeStep | None, str]:
                 step.close(0)
                 step = None
         ok = np.array([0 if step is None else 1], np.int32)
-        c.allreduce_now(ok, DType.INT32, 1, ReduceOp.MIN, None)
+        _exchange(c, ok, ReduceOp.MIN)
         if ok[0] == 0 and not why:
             why = "another rank could not join its node's GPU step (its log says why)"
             if step is not None:
@@ -269,6 +269,13 @@ def decide(c: Client, dev: DeviceBuffer) -> tuple[NodeStep | None, str]:
         return None, why
     log.info("rank %d: device all-reduces sum on the node's GPUs (cuda:%d)", c.rank, dev.device)
     return NodeStep(step, dev.device, c.config.timeout_s, c._device_failed), ""
+
+
+def _exchange(c: Client, buf: np.ndarray, op: ReduceOp) -> None:
+    """A blocking all-reduce of the host array `buf` in place (the engine's one pass), for decide."""
+    dtype = DType.UINT8 if buf.dtype == np.uint8 else DType.INT32
+    if not c.allreduce_now(buf, dtype, buf.size, op, None):
+        raise NotInitializedError("smddp is shutting down")  # (allreduce_now does nothing then)
 
 
 def start(c: Client, step: NodeStep, dev: DeviceBuffer, op: ReduceOp, stream: Any, result: Any) -> StepHandle:
