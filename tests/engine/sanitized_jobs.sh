@@ -70,4 +70,18 @@ export SMDDP_STANDIN_CUDA=$standin
 export PYTHONPATH=$pkg LD_PRELOAD="$runtime $(g++ -print-file-name=libstdc++.so)"
 # Outside the checkout, so that its own smddp/ is not the one imported.
 (cd / && "$py" -c 'import smddp._engine as e, sys; sys.exit(0 if e.__file__.startswith(sys.argv[1]) else "not the sanitized engine: " + e.__file__)' "$pkg")
-exec "$py" -m pytest -q -p no:cacheprovider "$@"
+# Every report goes to a file of its process's too (log_path): one from the test process itself ends it
+# (halt_on_error) while pytest holds its stderr, which is lost with it; printed here when the run fails.
+reports=$(mkdir -p "$out/$san-reports" && cd "$out/$san-reports" && pwd)
+rm -f "$reports"/report.*
+for v in ASAN_OPTIONS UBSAN_OPTIONS TSAN_OPTIONS; do
+  [[ -n ${!v:-} ]] && export "$v=${!v}:log_path=$reports/report"
+done
+status=0
+"$py" -m pytest -q -p no:cacheprovider "$@" || status=$?
+if [[ $status != 0 ]]; then
+  for f in "$reports"/report.*; do
+    [[ -e $f ]] && { echo "== $san report: $f"; cat "$f"; }
+  done
+fi
+exit $status
