@@ -5,9 +5,9 @@
 
 #include <chrono>
 #include <cstring>
-#include <thread>
 #include <utility>
 
+#include "channel.h"
 #include "kernels_ptx.h"
 #include "reduce.h"
 #include "wire.h"
@@ -71,6 +71,17 @@ cuda::Result StepWork::order(std::uintptr_t stream) {
 }
 
 cuda::Result StepWork::query() { return driver_->api().event_query(done_); }
+
+cuda::Result StepWork::wait(std::int64_t timeout_ns, std::int64_t spin_ns) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto deadline = t0 + std::chrono::nanoseconds(timeout_ns);
+  cuda::Result r;
+  while ((r = query()) == cuda::kNotReady) {
+    if (std::chrono::steady_clock::now() >= deadline) break;
+    stream_pause(t0, spin_ns);
+  }
+  return r;
+}
 
 // ----------------------------------------------------------------------------------- DeviceStep
 
@@ -170,21 +181,13 @@ bool DeviceStep::close(std::int64_t timeout_ns) {
       r = api.event_create(&ends[i], cuda::kEventDisableTiming);
       if (r == cuda::kSuccess) r = api.event_record(ends[i], lanes[i]);
     }
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::nanoseconds(timeout_ns);
+    const auto t0 = std::chrono::steady_clock::now();
+    const auto deadline = t0 + std::chrono::nanoseconds(timeout_ns);
     bool idle = r == cuda::kSuccess;
     for (int i = 0; idle && i < 3; i++) {
-      for (;;) {
-        const cuda::Result q = api.event_query(ends[i]);
-        if (q != cuda::kNotReady) {
-          idle = true;  // (reached, or failed: either way nothing more runs there)
-          break;
-        }
-        if (std::chrono::steady_clock::now() >= deadline) {
-          idle = false;
-          break;
-        }
-        std::this_thread::sleep_for(std::chrono::microseconds(100));
-      }
+      // (reached, or failed: either way nothing more runs there)
+      while (api.event_query(ends[i]) == cuda::kNotReady && (idle = std::chrono::steady_clock::now() < deadline))
+        stream_pause(t0, 0);
     }
     for (cuda::Event e : ends)
       if (e != nullptr) (void)api.event_destroy(e);
@@ -354,7 +357,6 @@ std::shared_ptr<StepWork> DeviceStep::enqueue(cuda::DevicePtr buf, std::uint64_t
     *why = d.describe(bound.result(), "cuCtxSetCurrent");
     return nullptr;
   }
-  const std::uint64_t per_piece = slot_bytes_ / isz;  // elements
   const std::uint32_t g = size_, me = rank_;
   // Both lanes after the caller's work so far (the buffer's producer): an event of our own on its
   // stream, let go of once the waits are enqueued (the driver keeps what they wait for).
@@ -374,8 +376,9 @@ std::shared_ptr<StepWork> DeviceStep::enqueue(cuda::DevicePtr buf, std::uint64_t
   // Anything enqueued so far is harmless to leave if this fails (no flag written); once a flag is
   // written, a failure leaves the node's flags out of step for good: fail() breaks the step.
   bool wrote = false;
-  for (std::uint64_t start = 0; r == cuda::kSuccess && (start < n || (n == 0 && start == 0)); start += per_piece) {
-    const std::uint64_t m = n - start < per_piece ? n - start : per_piece;
+  std::uint64_t start = 0;
+  for (const std::uint64_t m : piece_counts(n, isz)) {  // (the cut the caller's slots were made for)
+    if (r != cuda::kSuccess) break;
     const std::uint64_t q = next_piece_;
     const auto q32 = static_cast<std::uint32_t>(q);
     const cuda::DevicePtr piece = buf + start * isz;
@@ -443,7 +446,7 @@ std::shared_ptr<StepWork> DeviceStep::enqueue(cuda::DevicePtr buf, std::uint64_t
       r = step.write_value32(gather_lane_, flag(me, kDone), q32, cuda::kWriteValueDefault);
     }
     next_piece_++;
-    if (n == 0) break;
+    start += m;
   }
   cuda::Event done = nullptr;
   if (r == cuda::kSuccess) {

@@ -54,6 +54,9 @@ class StepWork {
   cuda::Result order(std::uintptr_t stream);
   // kSuccess once done, kNotReady before, or its failure.
   cuda::Result query();
+  // Polls until done or `timeout_ns` has passed, yielding the core for `spin_ns` and then in short
+  // sleeps (stream_pause, as DeviceIn::wait): query()'s last answer.
+  cuda::Result wait(std::int64_t timeout_ns, std::int64_t spin_ns);
   cuda::Driver& driver() const { return *driver_; }
 
  private:

@@ -34,7 +34,6 @@
 #include <optional>
 #include <string>
 #include <system_error>
-#include <thread>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -1435,20 +1434,15 @@ bool step_done_query(StepDone& d) {
   return true;
 }
 
-// Polls (GIL released) up to `timeout_s` for the collective's end: the core yielded at first, then
-// short naps, so the wait keeps its timeout (an event a GPU never reaches is never synchronised on).
+// Polls (GIL released) up to `timeout_s` for the collective's end (StepWork::wait: the core yielded
+// for kStepSpinUs, then short naps, so the wait keeps its timeout; an event a GPU never reaches is
+// never synchronised on).
+constexpr double kStepSpinUs = 50.0;
 bool step_done_wait(StepDone& d, double timeout_s) {
   smddp::cuda::Result r;
   {
     nb::gil_scoped_release unlocked;
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::nanoseconds(seconds_ns(timeout_s));
-    int polls = 0;
-    for (;;) {
-      r = d.work->query();
-      if (r != smddp::cuda::kNotReady || std::chrono::steady_clock::now() >= deadline) break;
-      if (++polls < 200) std::this_thread::yield();
-      else std::this_thread::sleep_for(std::chrono::microseconds(50));
-    }
+    r = d.work->wait(seconds_ns(timeout_s), spin_ns(kStepSpinUs));
   }
   if (r == smddp::cuda::kNotReady) return false;
   if (r != smddp::cuda::kSuccess) raise_error(Err::kDevice, "the GPU step: " + d.work->driver().describe(r, "cuEventQuery"));

@@ -58,13 +58,10 @@ class NodeStep:
         consumer_of: Callable[[], int], result: Any,
     ) -> StepHandle:  # fmt: skip
         with self._lock:
-            while self._alive and _ended(self._alive[0][0]):
-                self._alive.popleft()  # (the GPUs are done with that buffer)
+            self._prune_locked()
             done = self.step.allreduce(dev.ptr, dev.count, int(dev.dtype), int(op), world, producer)
             self._alive.append((done, dev.keepalive))
-            self.count += 1
-            number = self.count
-        return StepHandle(self, done, number, dev.dtype, dev.count, result, consumer, consumer_of)
+        return self.handle(done, dev, consumer, consumer_of, result)
 
     def start_across(
         self, engine: _engine.DeviceEngine, arena: Any, slots: list[tuple[int, int]], dev: DeviceBuffer,
@@ -73,13 +70,17 @@ class NodeStep:
         """Across nodes (Client.submit_step_pieces): the node's partial of each piece of `dev`, each
         rank's slice copied into its slot there by `engine`'s device path."""
         with self._lock:
-            while self._alive and _ended(self._alive[0][0]):
-                self._alive.popleft()
+            self._prune_locked()
             done, copies, pieces = self.step.allreduce_across(
                 engine, arena, slots, dev.ptr, dev.count, int(dev.dtype), int(op), producer
             )
             self._alive.append((done, dev.keepalive))
             return done, copies, pieces
+
+    def _prune_locked(self) -> None:
+        """(lock held) Lets go of the buffers the GPUs are done with (the oldest first: they end in order)."""
+        while self._alive and _ended(self._alive[0][0]):
+            self._alive.popleft()
 
     def handle(
         self, done: _engine.StepDone, dev: DeviceBuffer, consumer: int | None, consumer_of: Callable[[], int],
