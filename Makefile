@@ -205,7 +205,7 @@ SAN_JOBS := 'tests/multiprocess/test_collectives.py::test_every_collective_bit_e
   "tests/faults/test_rogue.py::test_invalid_frame_from_an_authenticated_worker[a number past the window]" \
   "tests/faults/test_rogue.py::test_invalid_frame_from_an_authenticated_worker[an attach without its fd]" \
   tests/faults/test_faults.py::test_worker_killed_mid_collective \
-  'tests/gpu/test_step.py::test_the_node_all_reduce_is_the_host_paths_bits[4-devices]' \
+  'tests/gpu/test_step.py::test_the_node_collectives_are_the_host_paths_bits[4-devices]' \
   tests/gpu/test_step.py::test_an_interprocess_event_holds_another_process_s_stream_until_reached \
   'tests/gpu/test_standin.py::test_every_collective_on_device_buffers_with_the_gpu_step[W4-N2]'
 # Under TSan (5-15x slower) the jobs whose threads meet: the rings and the fabric with pipelined
@@ -217,7 +217,7 @@ SAN_JOBS_TSAN := 'tests/multiprocess/test_collectives.py::test_both_reduce_paths
   tests/faults/test_faults.py::test_worker_killed_mid_collective \
   'tests/gpu/test_standin.py::test_every_collective_on_device_buffers[W2-N1-dlpack]' \
   tests/gpu/test_standin.py::test_six_hundred_device_and_host_collectives_in_flight \
-  'tests/gpu/test_step.py::test_the_node_all_reduce_is_the_host_paths_bits[2-devices]' \
+  'tests/gpu/test_step.py::test_the_node_collectives_are_the_host_paths_bits[2-devices]' \
   'tests/gpu/test_standin.py::test_every_collective_on_device_buffers_with_the_gpu_step[W4-N2]'
 # What CI leaves out (make engine-sanitize-jobs-long): the rogue frames that only a decoder refuses
 # (the fuzzers' ground), and the ofi job under TSan.

@@ -792,6 +792,21 @@ class DeviceStep:
         Enqueue the node's all-reduce of `n` elements at device address `buf` (in place), after the work already on `stream` (None: the buffer is ready now); an average divided by `divisor`.
         """
 
+    def reduce_scatter(self, input: int, out: int, part: int, dtype: int, op: int, divisor: int, stream: int | None) -> StepDone:
+        """
+        Enqueue the node's reduce-scatter (one node: the job) of local_size blocks of `part` elements at device address `input`, this rank's block of the result to `out`; as allreduce otherwise.
+        """
+
+    def allgather(self, input: int, out: int, n: int, dtype: int, stream: int | None) -> StepDone:
+        """
+        Enqueue the node's all-gather (one node: the job) of each rank's `n` elements at `input` into `out` (local_size x n, local rank order): copies alone.
+        """
+
+    def broadcast(self, buf: int, n: int, dtype: int, root: int, stream: int | None) -> StepDone:
+        """
+        Enqueue the node's broadcast (one node: the job) of local rank `root`'s `n` elements at `buf`.
+        """
+
     def close(self, timeout_s: float) -> bool:
         """
         Wait up to `timeout_s` for its lanes and its peers' reads of its slots to end, then let go of its memory, lanes and kernels: whether it could (else they stay until the process ends).

@@ -1257,7 +1257,8 @@ __attribute__((visibility("default"))) Result cuMemsetD32Async(std::uint64_t dst
 // default gives); the wait holds the stream back until the word satisfies it (flags: 0 GEQ, a cyclic
 // (int32_t)(*addr - value) >= 0; 1 EQ; 2 AND; 3 NOR; CU_STREAM_WAIT_VALUE_FLUSH accepted). A wait
 // never satisfied fails its stream after SMDDP_STANDIN_WAIT_LIMIT_MS (60 s unless set) where a GPU
-// would wait for ever, so that a test's process can end.
+// would wait for ever, so that a test's process can end. SMDDP_STANDIN_WAIT_SKIP=1 makes a broken
+// driver whose waits hold nothing back: a test's proof that what it checks depends on them.
 __attribute__((visibility("default"))) Result cuStreamWriteValue32_v2(void* stream, std::uint64_t addr,
                                                                       std::uint32_t value, unsigned flags) {
   if (const Result r = need_context()) return r;
@@ -1287,6 +1288,8 @@ __attribute__((visibility("default"))) Result cuStreamWaitValue32_v2(void* strea
   if (word == nullptr) return kInvalidValue;
   const char* limit_env = std::getenv("SMDDP_STANDIN_WAIT_LIMIT_MS");
   const std::int64_t limit_ms = limit_env != nullptr ? std::atoll(limit_env) : 60000;
+  const char* skip = std::getenv("SMDDP_STANDIN_WAIT_SKIP");
+  if (skip != nullptr && std::strcmp(skip, "1") == 0) return kSuccess;
   enqueue(s, Op{[word, value, how, limit_ms] {
                   const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(limit_ms);
                   for (;;) {

@@ -10,6 +10,7 @@ import numpy as np
 
 from smddp.client.buffers import BufferView, PartsView, as_buffer, as_parts
 from smddp.client.device.buffers import DeviceBuffer, stream_handle
+from smddp.client.device.step import NodeStep
 from smddp.client.device.step import start as start_step
 from smddp.client.session import NO_DATA, Client, Handle, PipelinedHandle, check_op
 from smddp.errors import CollectiveTimeoutError, InvalidArgumentError, UnsupportedBufferError
@@ -287,10 +288,28 @@ def broadcast_parts_async(c: Client, parts: Sequence[Any], root: int = 0) -> Han
     )  # fmt: skip
 
 
+def _one_node_step(c: Client, dev: DeviceBuffer, out: DeviceBuffer | None = None) -> NodeStep | None:
+    """The GPU step a device reduce-scatter, all-gather or broadcast takes (Client.node_step): on one
+    node, where nothing then crosses PCIe. Across nodes these go through the host as before (each
+    rank's whole share crosses PCIe; docs/gpu.md says why)."""
+    if c.job.nnodes > 1:
+        return None
+    step = c.node_step(dev)
+    if step is not None and out is not None and out.device != dev.device:
+        raise UnsupportedBufferError(
+            f"the output is on cuda:{out.device}, the input on cuda:{dev.device} (the node's GPU step "
+            "writes the input's device)"
+        )
+    return step
+
+
 def broadcast_async(c: Client, buf: Any, root: int = 0, stream: Any = None) -> Handle:
     root = _check_root(c, root)
     dev = c.device_buffer(buf, "buffer", writable=True)
     if dev is not None:
+        step = _one_node_step(c, dev)
+        if step is not None:
+            return start_step(c, step, dev, None, stream, buf, Kind.BROADCAST, root=root)  # type: ignore[return-value]
         mine = c.rank == root
         src, outs = (dev, []) if mine else (None, [(dev, 0, dev.nbytes)])
         plan = c.device_plan(src, outs, stream, dev, dev.keepalive)
@@ -312,6 +331,9 @@ def allgather_async(c: Client, buf: Any, out: Any = None, stream: Any = None) ->
     if dev is not None:
         n = dev.count * c.size
         out, odev = _device_out(c, out, dev, (c.size, *dev.shape), n, "allgather out")
+        step = _one_node_step(c, dev, odev)
+        if step is not None:
+            return start_step(c, step, dev, None, stream, out, Kind.ALLGATHER, out=odev)  # type: ignore[return-value]
         plan = c.device_plan(dev, [(odev, 0, odev.nbytes)], stream, dev, (dev.keepalive, odev.keepalive))
         return c.submit(Kind.ALLGATHER, dev.dtype, dev.count, None, 0, out, plan)
     _no_stream(stream)
@@ -355,6 +377,9 @@ def reduce_scatter_async(
     if dev is not None:
         shape = _part_shape(dev.shape, part, c.size)
         out, odev = _device_out(c, out, dev, shape, part, "reduce_scatter out")
+        step = _one_node_step(c, dev, odev)
+        if step is not None:
+            return start_step(c, step, dev, rop, stream, out, Kind.REDUCE_SCATTER, out=odev)  # type: ignore[return-value]
         isz = dev.dtype.itemsize
         plan = c.device_plan(
             dev, [(odev, lo * isz, part * isz)], stream, dev, (dev.keepalive, odev.keepalive)

@@ -1295,9 +1295,9 @@ class Client:
         return DevicePlan(like.device, src, before, outputs, consumer, like.library, keepalive)
 
     def node_step(self, dev: DeviceBuffer) -> NodeStep | None:
-        """The GPU step this job's device all-reduces take (node_reduce), or None: the host path.
-        Decided at the first device all-reduce, by every rank together (step.decide: a collective,
-        which every rank reaches at that all-reduce)."""
+        """The GPU step this job's device collectives take (node_reduce; across nodes, all-reduces
+        alone), or None: the host path. Decided at the first device collective that may take it, by
+        every rank together (step.decide: a collective, which every rank reaches at that call)."""
         if self.config.node_reduce == "host":
             if not self._node_step_decided:
                 self._channel.set_node_reduce(1)  # (its daemon shows it)
@@ -1312,7 +1312,7 @@ class Client:
         if step is not None and dev.device != step.device:
             raise UnsupportedBufferError(
                 f"the node's GPU step runs on cuda:{step.device}; this buffer is on cuda:{dev.device} "
-                "(every device all-reduce of a rank goes through one device)"
+                "(every device collective of a rank on the step goes through one device)"
             )
         return step
 

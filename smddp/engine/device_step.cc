@@ -317,20 +317,74 @@ std::vector<std::uint64_t> DeviceStep::piece_counts(std::uint64_t n, std::size_t
 std::shared_ptr<StepWork> DeviceStep::allreduce(cuda::DevicePtr buf, std::uint64_t n, std::uint8_t dtype,
                                                 std::uint8_t op, std::uint64_t divisor, bool after,
                                                 std::uintptr_t stream, std::string* why) {
-  return enqueue(buf, n, dtype, op, divisor, after, stream, nullptr, nullptr, why);
+  Call c;
+  c.in = c.out = buf;
+  c.n = n;
+  c.dtype = dtype;
+  c.op = op;
+  c.divisor = divisor;
+  return enqueue(c, after, stream, nullptr, nullptr, why);
+}
+
+std::shared_ptr<StepWork> DeviceStep::reduce_scatter(cuda::DevicePtr in, cuda::DevicePtr out, std::uint64_t part,
+                                                     std::uint8_t dtype, std::uint8_t op, std::uint64_t divisor,
+                                                     bool after, std::uintptr_t stream, std::string* why) {
+  Call c;
+  c.kind = Kind::kReduceScatter;
+  c.what = "reduce-scatter";
+  c.in = in;
+  c.out = out;
+  c.n = part;
+  c.dtype = dtype;
+  c.op = op;
+  c.divisor = divisor;
+  return enqueue(c, after, stream, nullptr, nullptr, why);
+}
+
+std::shared_ptr<StepWork> DeviceStep::allgather(cuda::DevicePtr in, cuda::DevicePtr out, std::uint64_t n,
+                                                std::uint8_t dtype, bool after, std::uintptr_t stream,
+                                                std::string* why) {
+  Call c;
+  c.kind = Kind::kAllgather;
+  c.what = "all-gather";
+  c.in = in;
+  c.out = out;
+  c.n = n;
+  c.dtype = dtype;
+  return enqueue(c, after, stream, nullptr, nullptr, why);
+}
+
+std::shared_ptr<StepWork> DeviceStep::broadcast(cuda::DevicePtr buf, std::uint64_t n, std::uint8_t dtype,
+                                                std::uint32_t root, bool after, std::uintptr_t stream,
+                                                std::string* why) {
+  if (root >= size_) {
+    *why = "the GPU step's broadcast: root " + num(root) + " is not one of the node's " + num(size_) + " ranks";
+    return nullptr;
+  }
+  Call c;
+  c.kind = Kind::kBroadcast;
+  c.what = "broadcast";
+  c.in = c.out = buf;
+  c.n = n;
+  c.dtype = dtype;
+  c.root = root;
+  return enqueue(c, after, stream, nullptr, nullptr, why);
 }
 
 std::shared_ptr<StepWork> DeviceStep::allreduce_across(cuda::DevicePtr buf, std::uint64_t n, std::uint8_t dtype,
                                                        std::uint8_t op, bool after, std::uintptr_t stream,
                                                        const Send& send, std::vector<Piece>* pieces,
                                                        std::string* why) {
-  return enqueue(buf, n, dtype, op, 0, after, stream, &send, pieces, why);
+  Call c;
+  c.in = c.out = buf;
+  c.n = n;
+  c.dtype = dtype;
+  c.op = op;
+  return enqueue(c, after, stream, &send, pieces, why);
 }
 
-std::shared_ptr<StepWork> DeviceStep::enqueue(cuda::DevicePtr buf, std::uint64_t n, std::uint8_t dtype,
-                                              std::uint8_t op, std::uint64_t divisor, bool after,
-                                              std::uintptr_t stream, const Send* send, std::vector<Piece>* pieces,
-                                              std::string* why) {
+std::shared_ptr<StepWork> DeviceStep::enqueue(const Call& c, bool after, std::uintptr_t stream, const Send* send,
+                                              std::vector<Piece>* pieces, std::string* why) {
   if (broken(why)) return nullptr;
   if (closed_) {
     *why = "the GPU step is closed";
@@ -340,12 +394,14 @@ std::shared_ptr<StepWork> DeviceStep::enqueue(cuda::DevicePtr buf, std::uint64_t
     *why = "the GPU step has not joined its node";
     return nullptr;
   }
+  const bool folds = c.kind == Kind::kAllreduce || c.kind == Kind::kReduceScatter;
+  const std::uint8_t dtype = c.dtype, op = c.op;
   const std::size_t isz = dtype_size(dtype);
   if (dtype >= 8 || fold_[dtype] == nullptr || isz == 0) {
     *why = "the GPU step has no kernel for dtype " + num(dtype);
     return nullptr;
   }
-  if (op < static_cast<std::uint8_t>(ReduceOp::kSum) || op > static_cast<std::uint8_t>(ReduceOp::kMax)) {
+  if (folds && (op < static_cast<std::uint8_t>(ReduceOp::kSum) || op > static_cast<std::uint8_t>(ReduceOp::kMax))) {
     *why = "the GPU step has no reduction op " + num(op);
     return nullptr;
   }
@@ -358,7 +414,7 @@ std::shared_ptr<StepWork> DeviceStep::enqueue(cuda::DevicePtr buf, std::uint64_t
     return nullptr;
   }
   const std::uint32_t g = size_, me = rank_;
-  // Both lanes after the caller's work so far (the buffer's producer): an event of our own on its
+  // Both lanes after the caller's work so far (the buffers' producer): an event of our own on its
   // stream, let go of once the waits are enqueued (the driver keeps what they wait for).
   const char* call = "cuEventCreate";
   cuda::Event before = nullptr;
@@ -373,48 +429,65 @@ std::shared_ptr<StepWork> DeviceStep::enqueue(cuda::DevicePtr buf, std::uint64_t
     }
     (void)api.event_destroy(before);
   }
+  // A reduce-scatter's piece is [a, b) of every block: its slot holds the G blocks' (so G x m).
+  const std::size_t unit = c.kind == Kind::kReduceScatter ? isz * g : isz;
   // Anything enqueued so far is harmless to leave if this fails (no flag written); once a flag is
   // written, a failure leaves the node's flags out of step for good: fail() breaks the step.
   bool wrote = false;
   std::uint64_t start = 0;
-  for (const std::uint64_t m : piece_counts(n, isz)) {  // (the cut the caller's slots were made for)
+  for (const std::uint64_t m : piece_counts(c.n, unit)) {  // (the cut the caller's slots were made for)
     if (r != cuda::kSuccess) break;
     const std::uint64_t q = next_piece_;
     const auto q32 = static_cast<std::uint32_t>(q);
-    const cuda::DevicePtr piece = buf + start * isz;
+    const std::uint64_t filled = c.kind == Kind::kReduceScatter ? m * g : m;  // the slot's elements
     if (q > kSlots) {
       call = "cuStreamWaitValue32";
       for (std::uint32_t j = 0; r == cuda::kSuccess && j < g; j++)
         r = step.wait_value32(in_lane_, flag(j, kDone), static_cast<std::uint32_t>(q - kSlots), cuda::kWaitValueGeq);
     }
-    if (r == cuda::kSuccess && m > 0) {
+    if (r == cuda::kSuccess && out_on_back_ && send == nullptr) {
+      // The last piece's out_ready is the back lane's to write: this one's (in lane) after it, so
+      // that the flag only grows.
+      call = "cuStreamWaitValue32";
+      r = step.wait_value32(in_lane_, flag(me, kOutReady), static_cast<std::uint32_t>(q - 1), cuda::kWaitValueGeq);
+    }
+    // This rank's slot: its input's piece (a reduce-scatter's, from each block; a broadcast's, the
+    // root's alone).
+    if (r == cuda::kSuccess && m > 0 && (c.kind != Kind::kBroadcast || me == c.root)) {
       call = "cuMemcpyDtoDAsync";
-      r = step.memcpy_d2d(slot(me, q), piece, m * isz, in_lane_);
+      if (c.kind == Kind::kReduceScatter) {
+        for (std::uint32_t j = 0; r == cuda::kSuccess && j < g; j++)
+          r = step.memcpy_d2d(slot(me, q) + j * m * isz, c.in + (j * c.n + start) * isz, m * isz, in_lane_);
+      } else {
+        r = step.memcpy_d2d(slot(me, q), c.in + start * isz, m * isz, in_lane_);
+      }
     }
     if (r == cuda::kSuccess) {
       call = "cuStreamWriteValue32";
       wrote = true;
       r = step.write_value32(in_lane_, flag(me, kInReady), q32, cuda::kWriteValueDefault);
     }
-    for (std::uint32_t j = 0; r == cuda::kSuccess && j < g; j++) {
-      if (j == me) continue;
-      call = "cuStreamWaitValue32";
-      r = step.wait_value32(in_lane_, flag(j, kInReady), q32, cuda::kWaitValueGeq);
-    }
-    const std::uint64_t lo = m * me / g, hi = m * (me + 1) / g;
-    if (r == cuda::kSuccess && hi > lo) {
-      FoldArgs a{};
-      a.dst = slot(me, q) + lo * isz;
-      a.n = hi - lo;
-      for (std::uint32_t j = 0; j < g; j++) a.src[j] = slot(j, q) + lo * isz;
-      a.k = g;
-      a.op = op;
-      a.divisor = op == static_cast<std::uint8_t>(ReduceOp::kAvg) && send == nullptr ? divisor : 0;
-      const std::uint64_t blocks64 = (a.n + kThreads - 1) / kThreads;
-      const auto blocks = static_cast<unsigned>(blocks64 < kMaxBlocks ? blocks64 : kMaxBlocks);
-      void* params[] = {&a};
-      call = "cuLaunchKernel";
-      r = step.launch_kernel(fold_[dtype], blocks, 1, 1, kThreads, 1, 1, 0, in_lane_, params, nullptr);
+    const std::uint64_t lo = filled * me / g, hi = filled * (me + 1) / g;
+    if (folds) {
+      for (std::uint32_t j = 0; r == cuda::kSuccess && j < g; j++) {
+        if (j == me) continue;
+        call = "cuStreamWaitValue32";
+        r = step.wait_value32(in_lane_, flag(j, kInReady), q32, cuda::kWaitValueGeq);
+      }
+      if (r == cuda::kSuccess && hi > lo) {
+        FoldArgs a{};
+        a.dst = slot(me, q) + lo * isz;
+        a.n = hi - lo;
+        for (std::uint32_t j = 0; j < g; j++) a.src[j] = slot(j, q) + lo * isz;
+        a.k = g;
+        a.op = op;
+        a.divisor = op == static_cast<std::uint8_t>(ReduceOp::kAvg) && send == nullptr ? c.divisor : 0;
+        const std::uint64_t blocks64 = (a.n + kThreads - 1) / kThreads;
+        const auto blocks = static_cast<unsigned>(blocks64 < kMaxBlocks ? blocks64 : kMaxBlocks);
+        void* params[] = {&a};
+        call = "cuLaunchKernel";
+        r = step.launch_kernel(fold_[dtype], blocks, 1, 1, kThreads, 1, 1, 0, in_lane_, params, nullptr);
+      }
     }
     if (r == cuda::kSuccess && send == nullptr) {
       call = "cuStreamWriteValue32";
@@ -431,21 +504,52 @@ std::shared_ptr<StepWork> DeviceStep::enqueue(cuda::DevicePtr buf, std::uint64_t
       }
       if (pieces != nullptr) pieces->push_back(p);
     }
-    for (std::uint32_t j = 0; r == cuda::kSuccess && j < g; j++) {
-      call = "cuStreamWaitValue32";
-      r = step.wait_value32(gather_lane_, flag(j, kOutReady), q32, cuda::kWaitValueGeq);
-    }
-    for (std::uint32_t j = 0; r == cuda::kSuccess && j < g; j++) {
-      const std::uint64_t jlo = m * j / g, jhi = m * (j + 1) / g;
-      if (jhi == jlo) continue;
-      call = "cuMemcpyDtoDAsync";
-      r = step.memcpy_d2d(piece + jlo * isz, slot(j, q) + jlo * isz, (jhi - jlo) * isz, gather_lane_);
+    // The gather lane: once the slots it reads are ready, the piece's result into place.
+    if (r == cuda::kSuccess) call = "cuStreamWaitValue32";
+    switch (c.kind) {
+      case Kind::kAllreduce:
+        for (std::uint32_t j = 0; r == cuda::kSuccess && j < g; j++)
+          r = step.wait_value32(gather_lane_, flag(j, kOutReady), q32, cuda::kWaitValueGeq);
+        for (std::uint32_t j = 0; r == cuda::kSuccess && j < g; j++) {
+          const std::uint64_t jlo = m * j / g, jhi = m * (j + 1) / g;
+          if (jhi == jlo) continue;
+          call = "cuMemcpyDtoDAsync";
+          r = step.memcpy_d2d(c.out + (start + jlo) * isz, slot(j, q) + jlo * isz, (jhi - jlo) * isz, gather_lane_);
+        }
+        break;
+      case Kind::kReduceScatter:  // (its own slice: the fold read the others' before out_ready)
+        if (r == cuda::kSuccess)
+          r = step.wait_value32(gather_lane_, flag(me, kOutReady), q32, cuda::kWaitValueGeq);
+        if (r == cuda::kSuccess && m > 0) {
+          call = "cuMemcpyDtoDAsync";
+          r = step.memcpy_d2d(c.out + start * isz, slot(me, q) + lo * isz, m * isz, gather_lane_);
+        }
+        break;
+      case Kind::kAllgather:
+        for (std::uint32_t j = 0; r == cuda::kSuccess && j < g; j++)
+          r = step.wait_value32(gather_lane_, flag(j, kOutReady), q32, cuda::kWaitValueGeq);
+        for (std::uint32_t j = 0; r == cuda::kSuccess && j < g && m > 0; j++) {
+          call = "cuMemcpyDtoDAsync";
+          r = step.memcpy_d2d(c.out + (j * c.n + start) * isz, slot(j, q), m * isz, gather_lane_);
+        }
+        break;
+      case Kind::kBroadcast:
+        // (the root's own: its copy out of the caller's buffer, so that the end says the buffer is
+        // no longer read; the others copy the root's slot)
+        if (r == cuda::kSuccess)
+          r = step.wait_value32(gather_lane_, flag(c.root, kOutReady), q32, cuda::kWaitValueGeq);
+        if (r == cuda::kSuccess && m > 0 && me != c.root) {
+          call = "cuMemcpyDtoDAsync";
+          r = step.memcpy_d2d(c.out + start * isz, slot(c.root, q), m * isz, gather_lane_);
+        }
+        break;
     }
     if (r == cuda::kSuccess) {
       call = "cuStreamWriteValue32";
       r = step.write_value32(gather_lane_, flag(me, kDone), q32, cuda::kWriteValueDefault);
     }
     next_piece_++;
+    out_on_back_ = send != nullptr;
     start += m;
   }
   cuda::Event done = nullptr;
@@ -459,7 +563,7 @@ std::shared_ptr<StepWork> DeviceStep::enqueue(cuda::DevicePtr buf, std::uint64_t
     }
   }
   if (r != cuda::kSuccess) {
-    *why = "cuda:" + std::to_string(device_) + ": the GPU step's all-reduce could not be enqueued: " + d.describe(r, call);
+    *why = "cuda:" + std::to_string(device_) + ": the GPU step's " + c.what + " could not be enqueued: " + d.describe(r, call);
     if (wrote) fail(*why);
     return nullptr;
   }

@@ -22,6 +22,19 @@
 // is the in lane's own successor only through the flags, so that a piece's gather never holds back
 // the next piece's copy and fold (two slots: a piece's fold overlaps the last one's gather).
 //
+// The other collectives go through the same slots and flags (one node: nothing crosses PCIe):
+//   reduce-scatter: a piece is elements [a, b) of each rank's block; the slot holds the G blocks'
+//             [a, b), one after another, so that slice r of the slot is block r's: the in lane folds
+//             it as an all-reduce's, and the gather lane copies this rank's own slice alone out;
+//   all-gather: no fold: the gather lane copies every rank's slot (its input's piece) into its place
+//             in the output (copy engines alone: no SM);
+//   broadcast: only the root fills its slot; the others' gather lanes copy it out.
+// Every piece writes every flag (a flag is the last piece reached, waited for as ">="), so that
+// collectives of every kind follow one another on the same flags. Every gather lane waits for this
+// rank's own out_ready too (the broadcast's root, which copies nothing out, included): a call's end
+// (its StepWork, on the gather lane) is then after its in lane's last read of the caller's buffers,
+// which are the caller's again from there.
+//
 // Bits: the fold is the daemon's (kernels.cu): what the host path computes for the same buffers on
 // one node, bit for bit.
 //
@@ -98,6 +111,20 @@ class DeviceStep {
   std::shared_ptr<StepWork> allreduce(cuda::DevicePtr buf, std::uint64_t n, std::uint8_t dtype, std::uint8_t op,
                                       std::uint64_t divisor, bool after, std::uintptr_t stream, std::string* why);
 
+  // Reduce-scatter of each rank's `part` x G elements at `in` across the node's ranks (the node is
+  // the job: block r of the sum is local rank r's), block `rank` of the sum written to `out` (`part`
+  // elements; an average divided by `divisor`). As allreduce otherwise: `in` is only read.
+  std::shared_ptr<StepWork> reduce_scatter(cuda::DevicePtr in, cuda::DevicePtr out, std::uint64_t part,
+                                           std::uint8_t dtype, std::uint8_t op, std::uint64_t divisor, bool after,
+                                           std::uintptr_t stream, std::string* why);
+  // All-gather of each rank's `n` elements at `in` into `out` (G x `n` elements, local rank j's at
+  // j x n), copies alone.
+  std::shared_ptr<StepWork> allgather(cuda::DevicePtr in, cuda::DevicePtr out, std::uint64_t n, std::uint8_t dtype,
+                                      bool after, std::uintptr_t stream, std::string* why);
+  // Broadcast of local rank `root`'s `n` elements at `buf` into every other rank's `buf`.
+  std::shared_ptr<StepWork> broadcast(cuda::DevicePtr buf, std::uint64_t n, std::uint8_t dtype, std::uint32_t root,
+                                      bool after, std::uintptr_t stream, std::string* why);
+
   // Across nodes: the same, but each piece's fold leaves this rank's slice of the node's partial (an
   // average's sum: the daemons divide) in its slot, and `send` is called right after it is enqueued,
   // with the slice (its device address and bytes, and its byte offset in the piece) and the in lane,
@@ -119,7 +146,7 @@ class DeviceStep {
                                              std::uint8_t op, bool after, std::uintptr_t stream, const Send& send,
                                              std::vector<Piece>* pieces, std::string* why);
   // The elements of each piece a buffer of `n` elements of `itemsize` bytes goes in (a function of
-  // n alone: every rank cuts alike).
+  // n alone: every rank cuts alike). A reduce-scatter's pieces: piece_counts(part, itemsize x G).
   std::vector<std::uint64_t> piece_counts(std::uint64_t n, std::size_t itemsize) const;
   // The stream a slice's way back runs on (the caller's copies and out_ready writes, across nodes).
   cuda::Stream back_lane() const { return back_lane_; }
@@ -138,9 +165,22 @@ class DeviceStep {
   std::uint64_t pieces() const { return next_piece_ - 1; }
 
  private:
+  enum class Kind : std::uint8_t { kAllreduce, kReduceScatter, kAllgather, kBroadcast };
+  // One call: `n` is the unit the pieces cut (all-reduce, broadcast: the buffer's elements;
+  // reduce-scatter: a block's; all-gather: each rank's input's).
+  struct Call {
+    Kind kind = Kind::kAllreduce;
+    cuda::DevicePtr in = 0;
+    cuda::DevicePtr out = 0;
+    std::uint64_t n = 0;
+    std::uint8_t dtype = 0;
+    std::uint8_t op = 0;
+    std::uint64_t divisor = 0;
+    std::uint32_t root = 0;
+    const char* what = "all-reduce";
+  };
   DeviceStep() = default;
-  std::shared_ptr<StepWork> enqueue(cuda::DevicePtr buf, std::uint64_t n, std::uint8_t dtype, std::uint8_t op,
-                                    std::uint64_t divisor, bool after, std::uintptr_t stream, const Send* send,
+  std::shared_ptr<StepWork> enqueue(const Call& c, bool after, std::uintptr_t stream, const Send* send,
                                     std::vector<Piece>* pieces, std::string* why);
   cuda::DevicePtr slot(std::uint32_t rank, std::uint64_t piece) const;
   cuda::DevicePtr flag(std::uint32_t rank, int which) const;
@@ -161,6 +201,7 @@ class DeviceStep {
   cuda::Module module_ = nullptr;
   cuda::Function fold_[8] = {};  // by wire dtype code
   std::uint64_t next_piece_ = 1;
+  bool out_on_back_ = false;  // the last piece's out_ready comes from the back lane (across nodes)
   void release();
   bool joined_ = false;
   bool closed_ = false;

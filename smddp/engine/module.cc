@@ -1370,6 +1370,54 @@ StepDone step_allreduce(Step& s, std::uint64_t buf, long long n, long long dtype
   return StepDone{std::move(w)};
 }
 
+// The node's other collectives on the step (one node): `call` enqueues, GIL released.
+template <typename F>
+StepDone step_call(const char* what, F&& call) {
+  std::string why;
+  std::shared_ptr<smddp::StepWork> w;
+  {
+    nb::gil_scoped_release unlocked;
+    w = call(&why);
+  }
+  if (!w) raise_error(Err::kDevice, std::string(what) + ": " + why);
+  return StepDone{std::move(w)};
+}
+
+void step_codes(const char* what, long long n, long long dtype, long long op) {
+  if (n < 0 || dtype < 0 || dtype > 255 || op < 0 || op > 255)
+    raise_error(Err::kValue, std::string(what) + ": a negative count, or a code out of range");
+}
+
+StepDone step_reduce_scatter(Step& s, std::uint64_t in, std::uint64_t out, long long part, long long dtype,
+                             long long op, long long divisor, std::optional<std::uintptr_t> stream) {
+  step_codes("reduce_scatter", part, dtype, op);
+  if (divisor < 0) raise_error(Err::kValue, "reduce_scatter: a negative divisor");
+  return step_call("reduce_scatter", [&](std::string* why) {
+    return s.step->reduce_scatter(in, out, static_cast<std::uint64_t>(part), static_cast<std::uint8_t>(dtype),
+                                  static_cast<std::uint8_t>(op), static_cast<std::uint64_t>(divisor),
+                                  stream.has_value(), stream.value_or(0), why);
+  });
+}
+
+StepDone step_allgather(Step& s, std::uint64_t in, std::uint64_t out, long long n, long long dtype,
+                        std::optional<std::uintptr_t> stream) {
+  step_codes("allgather", n, dtype, 0);
+  return step_call("allgather", [&](std::string* why) {
+    return s.step->allgather(in, out, static_cast<std::uint64_t>(n), static_cast<std::uint8_t>(dtype),
+                             stream.has_value(), stream.value_or(0), why);
+  });
+}
+
+StepDone step_broadcast(Step& s, std::uint64_t buf, long long n, long long dtype, long long root,
+                        std::optional<std::uintptr_t> stream) {
+  step_codes("broadcast", n, dtype, 0);
+  if (root < 0 || root > 0xFFFF) raise_error(Err::kValue, "broadcast: a root out of range");
+  return step_call("broadcast", [&](std::string* why) {
+    return s.step->broadcast(buf, static_cast<std::uint64_t>(n), static_cast<std::uint8_t>(dtype),
+                             static_cast<std::uint32_t>(root), stream.has_value(), stream.value_or(0), why);
+  });
+}
+
 // Across nodes (DeviceStep::allreduce_across): each piece's slice copied to the host by `engine`'s
 // device path into `arena`'s slot (segment, offset) of that piece (the slice alone, from the slot's
 // start: what a SUBMIT_NODE_SUMMED slot holds), on the step's in lane. Returns its end, each piece's copy-in (for give_when) and each piece's
@@ -2248,6 +2296,15 @@ NB_MODULE(_engine, m) {
       .def("allreduce", &step_allreduce, "buf"_a, "n"_a, "dtype"_a, "op"_a, "divisor"_a, "stream"_a.none(),
            "Enqueue the node's all-reduce of `n` elements at device address `buf` (in place), after the work "
            "already on `stream` (None: the buffer is ready now); an average divided by `divisor`.")
+      .def("reduce_scatter", &step_reduce_scatter, "input"_a, "out"_a, "part"_a, "dtype"_a, "op"_a, "divisor"_a,
+           "stream"_a.none(),
+           "Enqueue the node's reduce-scatter (one node: the job) of local_size blocks of `part` elements at "
+           "device address `input`, this rank's block of the result to `out`; as allreduce otherwise.")
+      .def("allgather", &step_allgather, "input"_a, "out"_a, "n"_a, "dtype"_a, "stream"_a.none(),
+           "Enqueue the node's all-gather (one node: the job) of each rank's `n` elements at `input` into `out` "
+           "(local_size x n, local rank order): copies alone.")
+      .def("broadcast", &step_broadcast, "buf"_a, "n"_a, "dtype"_a, "root"_a, "stream"_a.none(),
+           "Enqueue the node's broadcast (one node: the job) of local rank `root`'s `n` elements at `buf`.")
       .def(
           "close",
           [](Step& s, double timeout_s) {

@@ -416,6 +416,9 @@ def main() -> int:
     result["device_allreduces"] = sum(
         1 for r in records if r["case"]["kind"] == "allreduce" and r.get("device", True)
     )
+    result["device_collectives"] = sum(
+        1 for r in records if r["case"]["kind"] != "barrier" and r.get("device", True)
+    )
     smddp.shutdown()
     result.update(dev.stats())  # after shutdown: every segment must have been unpinned
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:

@@ -1,8 +1,10 @@
-"""Worker script: the GPU step's node all-reduce (smddp._engine.DeviceStep) as one of a node's ranks.
+"""Worker script: the GPU step's node collectives (smddp._engine.DeviceStep) as one of a node's ranks.
 
 Each rank of a node runs this as its own process. The ranks share their staging memory through CUDA
-IPC: each writes its card to --dir and opens the others'. Then every case runs: an all-reduce of
-every dtype and op, at sizes from empty to several pieces. Each input is written late by a kernel
+IPC: each writes its card to --dir and opens the others'. Then every case runs, in one sequence on
+the same slots and flags: an all-reduce and a reduce-scatter of every dtype and op, an all-gather
+and a broadcast (from every root) of every dtype, at sizes from empty to several pieces. Each input
+is written late by a kernel
 on a compute stream, and each result is read back on that stream. The result is compared bit for
 bit with tests/reference.py. Because the stand-in's copies and kernels land late, a slice read
 before its producer wrote it gives the wrong bytes. The same script runs on a real GPU
@@ -31,29 +33,70 @@ OPS = {"sum": 1, "avg": 2, "min": 3, "max": 4}
 WIRE = {"uint8": 1, "int32": 2, "int64": 3, "float16": 4, "bfloat16": 5, "float32": 6, "float64": 7}
 
 
-def cases(slot_bytes: int, quick: bool) -> list[dict[str, Any]]:
+def cases(slot_bytes: int, quick: bool, size: int) -> list[dict[str, Any]]:
     """Every dtype and op at 0, 1, 7 and 1000 elements, one size just past a slot and one of several
-    pieces (the slots are reused)."""
+    pieces (the slots are reused), for each kind; a reduce-scatter's counts are of each rank's block
+    (a piece holds one range of every block), a broadcast's root goes round the ranks. The kinds
+    interleave, so that each follows every other on the same flags."""
     out: list[dict[str, Any]] = []
     for dtype in reference.DTYPES:
         isz = reference.storage(dtype).itemsize
-        counts = (
-            [0, 1, 7, 1000] if quick else [0, 1, 7, 1000, slot_bytes // isz + 3, 5 * slot_bytes // isz + 11]
-        )
-        for op in reference.OPS:
-            for n in counts:
-                out.append({"dtype": dtype, "op": op, "count": n})
+        per = {"allreduce": slot_bytes // isz, "reduce_scatter": slot_bytes // (isz * size)}
+        per["allgather"] = per["broadcast"] = per["allreduce"]
+        for n in [0, 1, 7, 1000] if quick else [0, 1, 7, 1000, -3, -11]:
+            for kind in ("allreduce", "reduce_scatter", "allgather", "broadcast"):
+                count = n if n >= 0 else (1 if n == -3 else 5) * per[kind] - n
+                ops = reference.OPS if kind in ("allreduce", "reduce_scatter") else ["sum"]
+                for op in ops:
+                    out.append({"kind": kind, "dtype": dtype, "op": op, "count": count})
     # NaNs and infinities: the CPU's rules for which NaN a sum keeps (kernels.cu).
     for dtype in ("float16", "bfloat16", "float32", "float64"):
         for op in reference.OPS:
-            out.append({"dtype": dtype, "op": op, "count": 64, "special": True})
+            for kind in ("allreduce", "reduce_scatter"):
+                out.append({"kind": kind, "dtype": dtype, "op": op, "count": 64, "special": True})
+    roots = 0
     for i, c in enumerate(out):
         c["id"] = i
+        c["root"] = roots % size
+        roots += c["kind"] == "broadcast"
     return out
 
 
-def make_input(c: dict[str, Any], rank: int) -> np.ndarray:
-    x = cc.make_input(c["id"], rank, c["dtype"], c["count"])
+def run_case(step: Any, c: dict[str, Any], ptr: int, out_ptr: int, size: int, stream: int) -> Any:
+    """Enqueue case `c` on `step`: its end."""
+    dtype, n = WIRE[c["dtype"]], c["count"]
+    if c["kind"] == "allreduce":
+        return step.allreduce(ptr, n, dtype, OPS[c["op"]], size, stream)
+    if c["kind"] == "reduce_scatter":
+        return step.reduce_scatter(ptr, out_ptr, n, dtype, OPS[c["op"]], size, stream)
+    if c["kind"] == "allgather":
+        return step.allgather(ptr, out_ptr, n, dtype, stream)
+    return step.broadcast(ptr, n, dtype, c["root"], stream)
+
+
+def expected(c: dict[str, Any], rank: int, size: int) -> np.ndarray:
+    """What rank `rank` holds after case `c` (tests/reference.py; NaN cases: the host path's fold)."""
+    inputs = [make_input(c, r, size) for r in range(size)]
+    kind = c["kind"]
+    if kind in ("allreduce", "reduce_scatter"):
+        full = (
+            host_path(inputs, c, size)
+            if c.get("special")
+            else reference.allreduce(inputs, c["dtype"], c["op"], 1)
+        )
+        if kind == "allreduce":
+            return full
+        k = len(full) // size
+        return full[rank * k : (rank + 1) * k]
+    if kind == "allgather":
+        return reference.allgather(inputs).reshape(-1)
+    return reference.broadcast(inputs, c["root"])
+
+
+def make_input(c: dict[str, Any], rank: int, size: int) -> np.ndarray:
+    """Rank `rank`'s input (a reduce-scatter's: `size` blocks of the case's count)."""
+    n = c["count"] * (size if c["kind"] == "reduce_scatter" else 1)
+    x = cc.make_input(c["id"], rank, c["dtype"], n)
     if c.get("special"):
         # NaNs with payloads (quiet and signalling), infinities of both signs, zeros of both signs.
         st = reference.storage(c["dtype"])
@@ -102,7 +145,11 @@ def summary(d: Path, size: int) -> int:
     """One line: how many cases, how many wrong, whether every rank closed its step; 1 if any went wrong."""
     runs = [json.loads((d / f"rank{r}.json").read_text()) for r in range(size)]
     bad = [rec for run in runs for rec in run["records"] if not rec["ok"]]
-    digests = {i: {run["records"][i]["digest"] for run in runs} for i in range(len(runs[0]["records"]))}
+    digests = {
+        i: {run["records"][i]["digest"] for run in runs}
+        for i in range(len(runs[0]["records"]))
+        if runs[0]["records"][i]["case"]["kind"] != "reduce_scatter"  # (each rank its own block)
+    }
     split = [i for i, ds in digests.items() if len(ds) != 1]
     print(
         f"step: {len(runs[0]['records'])} cases x {size} ranks, {len(bad)} wrong, {len(split)} where ranks differ, "
@@ -145,6 +192,9 @@ def main() -> int:
             rt.launch(stream, lambda v: np.copyto(v, src), arr, device=args.device)
             return arr, arr.ptr
 
+        def scribble(arr: Any, stream: int) -> None:
+            rt.launch(stream, lambda v: v.view(np.uint8).fill(0x5A), arr, device=args.device)
+
         def read_back(arr: Any, stream: int) -> np.ndarray:
             with rt.use(stream):
                 return arr.get()
@@ -165,6 +215,10 @@ def main() -> int:
                 cp.cuda.runtime.memcpyAsync(arr.data.ptr, x.ctypes.data, x.nbytes, 1, s) if x.nbytes else None
             return arr, arr.data.ptr
 
+        def scribble(arr: Any, s: int) -> None:
+            if arr.nbytes:
+                cp.cuda.runtime.memsetAsync(arr.data.ptr, 0x5A, arr.nbytes, s)
+
         def read_back(arr: Any, s: int) -> np.ndarray:
             out = np.empty(arr.shape, arr.dtype)
             if out.nbytes:
@@ -180,18 +234,23 @@ def main() -> int:
     step.join(wait_cards(args.dir, args.size, 60))
 
     records = []
-    for c in cases(args.slot_bytes, args.quick):
-        x = make_input(c, args.rank)
+    for c in cases(args.slot_bytes, args.quick, args.size):
+        x = make_input(c, args.rank, args.size)
         arr, ptr = upload_late(x, stream)
-        done = step.allreduce(ptr, c["count"], WIRE[c["dtype"]], OPS[c["op"]], args.size, stream)
+        outs = {"reduce_scatter": c["count"], "allgather": c["count"] * args.size}
+        out_arr, out_ptr = arr, ptr
+        if c["kind"] in outs:
+            # The output, filled with a pattern late on the same stream: a result that lands before
+            # it (the gather lane not after the caller's work) is overwritten, and caught.
+            out_arr, out_ptr = upload_late(np.full(outs[c["kind"]], 0xA5, x.dtype), stream)
+        done = run_case(step, c, ptr, out_ptr, args.size, stream)
         done.order(stream)
-        got = read_back(arr, stream)
-        inputs = [make_input(c, r) for r in range(args.size)]
-        want = (
-            host_path(inputs, c, args.size)
-            if c.get("special")
-            else reference.allreduce(inputs, c["dtype"], c["op"], 1)
-        )
+        got = read_back(out_arr, stream)
+        if out_arr is not arr or (c["kind"] == "broadcast" and args.rank == c["root"]):
+            # The input is the caller's again once the call has ended: written over at once, so
+            # that a step still reading it then gives the node's other ranks wrong bytes.
+            scribble(arr, stream)
+        want = expected(c, args.rank, args.size)
         ok = cc.same_bits(got, want)
         rec = {"id": c["id"], "case": c, "ok": ok, "digest": cc.digest(got)}
         if not ok:

@@ -63,7 +63,7 @@ def run_node(tmp_path: Path, size: int, devices: int, extra: list[str], timeout:
 @pytest.mark.parametrize(
     ("size", "devices"), [(4, 1), (4, 4), (2, 2)], ids=["4-ranks-1-device", "4-devices", "2-devices"]
 )
-def test_the_node_all_reduce_is_the_host_paths_bits(tmp_path: Path, size: int, devices: int):
+def test_the_node_collectives_are_the_host_paths_bits(tmp_path: Path, size: int, devices: int):
     outs = run_node(tmp_path, size, devices, [])
     for rc, _out, err in outs:
         assert rc == 0, err[-3000:]
@@ -73,11 +73,27 @@ def test_the_node_all_reduce_is_the_host_paths_bits(tmp_path: Path, size: int, d
     assert n > 150 and all(len(x) == n for x in recs)
     bad = [(r, rec) for r, rr in enumerate(recs) for rec in rr if not rec["ok"]]
     assert not bad, f"{len(bad)} results differ from the reference, first: {bad[:3]}"
+    kinds = {rec["case"]["kind"] for rec in recs[0]}
+    assert kinds == {"allreduce", "reduce_scatter", "allgather", "broadcast"}
+    assert {rec["case"]["root"] for rec in recs[0] if rec["case"]["kind"] == "broadcast"} == set(range(size))
     for i in range(n):
-        assert len({recs[r][i]["digest"] for r in range(size)}) == 1
+        if recs[0][i]["case"]["kind"] != "reduce_scatter":  # (each rank its own block)
+            assert len({recs[r][i]["digest"] for r in range(size)}) == 1
     # Several pieces went through the two slots (each a multiple of the slot's size).
     assert per_rank[0]["pieces"] > n
     assert all(p["closed"] for p in per_rank)
+
+
+def test_a_step_whose_waits_hold_nothing_back_gives_wrong_results(tmp_path: Path):
+    """The same run on a driver whose stream memory waits do not wait (the stand-in's
+    SMDDP_STANDIN_WAIT_SKIP): folds and gathers then read slots before their producers have filled
+    them, and the checks above see it. So those checks depend on the step's ordering."""
+    outs = run_node(tmp_path, 2, 2, ["--quick"], SMDDP_STANDIN_WAIT_SKIP="1")
+    for rc, _out, err in outs:
+        assert rc == 0, err[-3000:]
+    recs = [json.loads((tmp_path / f"rank{r}.json").read_text())["records"] for r in range(2)]
+    wrong = {rec["case"]["kind"] for rr in recs for rec in rr if not rec["ok"]}
+    assert wrong == {"allreduce", "reduce_scatter", "allgather", "broadcast"}, wrong
 
 
 def test_devices_that_cannot_reach_each_other_are_refused_naming_why(tmp_path: Path):

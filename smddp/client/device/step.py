@@ -1,4 +1,4 @@
-"""The GPU step in the client: a node's ranks all-reduce device buffers on their GPUs (docs/gpu.md)."""
+"""The GPU step in the client: a node's ranks run device collectives on their GPUs (docs/gpu.md)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -25,8 +26,16 @@ log = logging.getLogger("smddp.client")
 #: this size, so that one piece's fold overlaps the last one's gather (16 MiB of device memory a rank).
 SLOT_BYTES = 8 << 20
 
-#: Why a job's node step is not used, where nothing was tried (no device all-reduce yet).
-UNDECIDED = "no device all-reduce yet"
+#: Why a job's node step is not used, where nothing was tried yet.
+UNDECIDED = "no device collective yet"
+
+#: What a handle's messages call each collective the step runs.
+WHAT = {
+    Kind.ALLREDUCE: "all-reduce",
+    Kind.REDUCE_SCATTER: "reduce-scatter",
+    Kind.ALLGATHER: "all-gather",
+    Kind.BROADCAST: "broadcast",
+}
 
 
 class NodeStep:
@@ -47,21 +56,23 @@ class NodeStep:
         self.device = device
         self.default_timeout_s = default_timeout_s
         self.fail = fail
-        self.count = 0  # node all-reduces started
+        self.count = 0  # node collectives started
         self._lock = threading.Lock()  # one start at a time: the pieces are numbered in call order
         self._alive: collections.deque[tuple[_engine.StepDone, Any]] = collections.deque()
         self._pending: queue.SimpleQueue[StepHandle | None] = queue.SimpleQueue()
         self._completer: threading.Thread | None = None
 
-    def allreduce(
-        self, dev: DeviceBuffer, op: ReduceOp, world: int, producer: int | None, consumer: int | None,
-        consumer_of: Callable[[], int], result: Any,
+    def call(
+        self, kind: Kind, dev: DeviceBuffer, enqueue: Callable[[], _engine.StepDone], keepalive: Any,
+        consumer: int | None, consumer_of: Callable[[], int], result: Any,
     ) -> StepHandle:  # fmt: skip
+        """A node collective on the step: `enqueue` (one of the step's calls) under the lock, the
+        buffers it reads and writes (`keepalive`) kept until the GPUs are done with them."""
         with self._lock:
             self._prune_locked()
-            done = self.step.allreduce(dev.ptr, dev.count, int(dev.dtype), int(op), world, producer)
-            self._alive.append((done, dev.keepalive))
-        return self.handle(done, dev, consumer, consumer_of, result)
+            done = enqueue()
+            self._alive.append((done, keepalive))
+        return self.handle(done, dev, consumer, consumer_of, result, kind)
 
     def start_across(
         self, engine: _engine.DeviceEngine, arena: Any, slots: list[tuple[int, int]], dev: DeviceBuffer,
@@ -84,12 +95,12 @@ class NodeStep:
 
     def handle(
         self, done: _engine.StepDone, dev: DeviceBuffer, consumer: int | None, consumer_of: Callable[[], int],
-        result: Any,
+        result: Any, kind: Kind = Kind.ALLREDUCE,
     ) -> StepHandle:  # fmt: skip
         with self._lock:
             self.count += 1
             number = self.count
-        return StepHandle(self, done, number, dev.dtype, dev.count, result, consumer, consumer_of)
+        return StepHandle(self, done, number, dev.dtype, dev.count, result, consumer, consumer_of, kind)
 
     def watch(self, h: StepHandle) -> None:
         """`h` completed by the completer thread (its callbacks run there), in start order."""
@@ -122,16 +133,15 @@ def _ended(done: _engine.StepDone) -> bool:
 
 
 class StepHandle:
-    """A node all-reduce on the GPUs (NodeStep.allreduce). wait() blocks the host until the node's
-    ranks have summed it on their devices (polled, with its timeout: a peer that never comes is a
-    timeout, not a hang), then orders the caller's stream after it."""
-
-    kind = Kind.ALLREDUCE
+    """A node collective on the GPUs (NodeStep.call). wait() blocks the host until the node's ranks
+    have done it on their devices (polled, with its timeout: a peer that never comes is a timeout,
+    not a hang), then orders the caller's stream after it."""
 
     def __init__(
         self, owner: NodeStep, done: _engine.StepDone, number: int, dtype: DType, count: int, result: Any,
-        consumer: int | None, consumer_of: Callable[[], int],
+        consumer: int | None, consumer_of: Callable[[], int], kind: Kind = Kind.ALLREDUCE,
     ) -> None:  # fmt: skip
+        self.kind = kind
         self._owner = owner
         self._done = done
         self.seq = number
@@ -148,7 +158,7 @@ class StepHandle:
         self._dropped = False
 
     def _what(self) -> str:
-        return f"the node's GPU all-reduce #{self.seq} ({self.dtype.label}, count={self.count})"
+        return f"the node's GPU {WHAT[self.kind]} #{self.seq} ({self.dtype.label}, count={self.count})"
 
     def _settle(self, timeout_s: float) -> bool:
         """Waits up to `timeout_s` for the device; whether it ended (or failed, kept as its error)."""
@@ -227,8 +237,8 @@ class StepHandle:
 
 
 def decide(c: Client, dev: DeviceBuffer) -> tuple[NodeStep | None, str]:
-    """Whether this job's device all-reduces take the GPU step, decided by every rank together at the
-    first one (a collective: every rank calls it at the same point, as that all-reduce): the step
+    """Whether this job's device collectives take the GPU step, decided by every rank together at the
+    first one (a collective: every rank calls it at the same point, as that collective): the step
     made and joined where this rank can, then the job's agreement (every rank could). (step, "") or
     (None, why not). With `node_reduce` gpu, a step that cannot be had raises DeviceError instead."""
     mode = c.config.node_reduce
@@ -279,10 +289,15 @@ def _exchange(c: Client, buf: np.ndarray, op: ReduceOp) -> None:
         raise NotInitializedError("smddp is shutting down")  # (allreduce_now does nothing then)
 
 
-def start(c: Client, step: NodeStep, dev: DeviceBuffer, op: ReduceOp, stream: Any, result: Any) -> StepHandle:
-    """The node all-reduce of device buffer `dev` in place on `step`, after the work its producer
-    queued (the stream passed, the buffer's, or its library's current one), ordered at wait() before
-    the consumer's (the stream passed, the buffer's, or the current one then)."""
+def start(
+    c: Client, step: NodeStep, dev: DeviceBuffer, op: ReduceOp | None, stream: Any, result: Any,
+    kind: Kind = Kind.ALLREDUCE, out: DeviceBuffer | None = None, root: int = 0,
+) -> StepHandle:  # fmt: skip
+    """The node collective `kind` of device buffer `dev` on `step` (an all-reduce and a broadcast in
+    place, a reduce-scatter and an all-gather into `out`; a broadcast from rank `root`), after the
+    work its producer queued (the stream passed, the buffer's, or its library's current one),
+    ordered at wait() before the consumer's (the stream passed, the buffer's, or the current one
+    then). Only an all-reduce goes across nodes (the caller's to see to)."""
     explicit = None if stream is None else stream_handle(stream)
     io = c._device_io()
     producer = io.producer_stream(dev, explicit)
@@ -292,8 +307,22 @@ def start(c: Client, step: NodeStep, dev: DeviceBuffer, op: ReduceOp, stream: An
     def consumer_of() -> int:
         return library_stream(io.rt, dev.library, dev.device)
 
-    if c.job.nnodes == 1:
-        return step.allreduce(dev, op, c.size, producer, consumer, consumer_of, result)
-    # Across nodes: each rank's slice of the node's partial goes to the daemons, and comes back.
-    done = c.submit_step_pieces(step, dev, op, producer)
-    return step.handle(done, dev, consumer, consumer_of, result)
+    s, dt, world = step.step, int(dev.dtype), c.size
+    keep = dev.keepalive if out is None else (dev.keepalive, out.keepalive)
+    enqueue: Callable[[], _engine.StepDone]
+    if kind is Kind.ALLREDUCE:
+        assert op is not None
+        if c.job.nnodes > 1:
+            # Across nodes: each rank's slice of the node's partial goes to the daemons, and comes back.
+            done = c.submit_step_pieces(step, dev, op, producer)
+            return step.handle(done, dev, consumer, consumer_of, result)
+        enqueue = partial(s.allreduce, dev.ptr, dev.count, dt, int(op), world, producer)
+    elif kind is Kind.REDUCE_SCATTER:
+        assert op is not None and out is not None
+        enqueue = partial(s.reduce_scatter, dev.ptr, out.ptr, out.count, dt, int(op), world, producer)
+    elif kind is Kind.ALLGATHER:
+        assert out is not None
+        enqueue = partial(s.allgather, dev.ptr, out.ptr, dev.count, dt, producer)
+    else:
+        enqueue = partial(s.broadcast, dev.ptr, dev.count, dt, root - (c.rank - c.local_rank), producer)
+    return step.call(kind, dev, enqueue, keep, consumer, consumer_of, result)
