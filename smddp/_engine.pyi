@@ -814,7 +814,22 @@ class DeviceStep:
 
     def allreduce_across(self, engine: object, arena: Arena, slots: Sequence[tuple[int, int]], buf: int, n: int, dtype: int, op: int, stream: int | None) -> tuple[StepDone, list[CopyIn], list[tuple[int, int, int, int, int, int]]]:
         """
-        Across nodes: enqueue the node's partial of each piece, its slice copied to the host into its slot (segment, offset: the slice alone) by the engine's device path; (end, copy-ins, (number, count, slice address, slice offset in the piece, slice bytes, out_ready address) per piece).
+        Across nodes: enqueue the node's partial of each piece, its slice copied to the host into its slot (segment, offset: the slice alone) by the engine's device path; (end, copy-ins, (number, count, back address, back offset in the piece's result, back bytes, out_ready address) per piece).
+        """
+
+    def allgather_across(self, engine: object, arena: Arena, slots: Sequence[tuple[int, int]], input: int, out: int, n: int, dtype: int, world: int, stream: int | None) -> tuple[StepDone, list[CopyIn], list[tuple[int, int, int, int, int, int]]]:
+        """
+        Across nodes: enqueue an all-gather of `world` ranks' `n` elements each, each piece of `input` copied to the host into its slot; the node gathers the rows each rank brings back into `out`; as allreduce_across's otherwise.
+        """
+
+    def reduce_scatter_across(self, engine: object, arena: Arena, slots: Sequence[tuple[int, int]], input: int, out: int, part: int, dtype: int, op: int, world: int, rank: int, stream: int | None) -> tuple[StepDone, list[CopyIn], list[tuple[int, int, int, int, int, int]]]:
+        """
+        Across nodes: enqueue a reduce-scatter of `world` ranks' blocks of `part` elements, the node's partial of each piece summed on the GPUs, this rank's slice of it copied to the host into its slot; block `rank` of each piece's result comes back into `out`; as allreduce_across's otherwise.
+        """
+
+    def broadcast_across(self, engine: object, arena: Arena, slots: Sequence[tuple[int, int]], buf: int, n: int, dtype: int, root: bool, stream: int | None) -> tuple[StepDone, list[CopyIn], list[tuple[int, int, int, int, int, int]]]:
+        """
+        Across nodes: enqueue a broadcast, each piece copied to the host into its slot where `root` (this rank is the job's root; elsewhere every slot is (-1, 0): nothing is sent); the node gathers the slices each rank brings back into `buf`; as allreduce_across's otherwise.
         """
 
     def piece_counts(self, n: int, itemsize: int) -> list[int]:

@@ -270,6 +270,17 @@ SETTINGS: tuple[Setting, ...] = (
         choices=("auto", "gpu", "host"),
     ),
     S(
+        "step_slot_kb",
+        int,
+        8192,
+        "the GPU step's two staging slots on each rank's device are this many KiB each: buffers go "
+        "through it in pieces of a slot, so that one piece's copies overlap another's (a multiple of "
+        "half a KiB, at least 4; every rank must use the same value)",
+        ("--step-slot-kb",),
+        (LAUNCH, WORKER),
+        env="SMDDP_STEP_SLOT_KB",
+    ),
+    S(
         "device_runtime",
         str,
         "auto",

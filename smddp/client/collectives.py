@@ -288,12 +288,10 @@ def broadcast_parts_async(c: Client, parts: Sequence[Any], root: int = 0) -> Han
     )  # fmt: skip
 
 
-def _one_node_step(c: Client, dev: DeviceBuffer, out: DeviceBuffer | None = None) -> NodeStep | None:
+def _other_step(c: Client, dev: DeviceBuffer, out: DeviceBuffer | None = None) -> NodeStep | None:
     """The GPU step a device reduce-scatter, all-gather or broadcast takes (Client.node_step): on one
-    node, where nothing then crosses PCIe. Across nodes these go through the host as before (each
-    rank's whole share crosses PCIe; docs/gpu.md says why)."""
-    if c.job.nnodes > 1:
-        return None
+    node nothing then crosses PCIe; across nodes each rank sends its slice of the node's sum (a
+    reduce-scatter) and takes back only its slice of the result."""
     step = c.node_step(dev)
     if step is not None and out is not None and out.device != dev.device:
         raise UnsupportedBufferError(
@@ -307,7 +305,7 @@ def broadcast_async(c: Client, buf: Any, root: int = 0, stream: Any = None) -> H
     root = _check_root(c, root)
     dev = c.device_buffer(buf, "buffer", writable=True)
     if dev is not None:
-        step = _one_node_step(c, dev)
+        step = _other_step(c, dev)
         if step is not None:
             return start_step(c, step, dev, None, stream, buf, Kind.BROADCAST, root=root)  # type: ignore[return-value]
         mine = c.rank == root
@@ -331,7 +329,7 @@ def allgather_async(c: Client, buf: Any, out: Any = None, stream: Any = None) ->
     if dev is not None:
         n = dev.count * c.size
         out, odev = _device_out(c, out, dev, (c.size, *dev.shape), n, "allgather out")
-        step = _one_node_step(c, dev, odev)
+        step = _other_step(c, dev, odev)
         if step is not None:
             return start_step(c, step, dev, None, stream, out, Kind.ALLGATHER, out=odev)  # type: ignore[return-value]
         plan = c.device_plan(dev, [(odev, 0, odev.nbytes)], stream, dev, (dev.keepalive, odev.keepalive))
@@ -377,7 +375,7 @@ def reduce_scatter_async(
     if dev is not None:
         shape = _part_shape(dev.shape, part, c.size)
         out, odev = _device_out(c, out, dev, shape, part, "reduce_scatter out")
-        step = _one_node_step(c, dev, odev)
+        step = _other_step(c, dev, odev)
         if step is not None:
             return start_step(c, step, dev, rop, stream, out, Kind.REDUCE_SCATTER, out=odev)  # type: ignore[return-value]
         isz = dev.dtype.itemsize

@@ -99,6 +99,7 @@ class ClientConfig:
     job_id_hex: str = default("job_id")
     device_runtime: str = default("device_runtime")
     node_reduce: str = default("node_reduce")
+    step_slot_bytes: int = default("step_slot_kb") * KiB
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> ClientConfig:
@@ -115,6 +116,7 @@ class ClientConfig:
             job_id_hex=v["job_id"],
             device_runtime=check_runtime_name(v["device_runtime"]),
             node_reduce=v["node_reduce"],
+            step_slot_bytes=v["step_slot_kb"] * KiB,
         )
 
 
@@ -836,30 +838,55 @@ class Client:
         return handle
 
     def submit_step_pieces(
-        self, step: NodeStep, dev: DeviceBuffer, op: ReduceOp, producer: int | None
-    ) -> _engine.StepDone:
-        """Across nodes, the GPU step's all-reduce of device buffer `dev` (step.start): a slot for each
-        of its pieces (of this rank's slice's size), the node's partial of each piece enqueued with this
-        rank's slice copied into its slot (DeviceStep.allreduce_across, on the step's in lane), and a
-        record for each piece whose
-        SUBMIT says the node summed it (each slot holds its rank's slice) and goes once its copy lands;
-        its result's slice comes back on the step's back lane at its DONE, followed by the slice's
-        out_ready (the node's gather lanes wait for every rank's). Collected, so that the DONE thread
-        takes each DONE: nobody waits for the pieces but through the step's end, which is returned."""
+        self, step: NodeStep, kind: Kind, dev: DeviceBuffer, op: ReduceOp | None, producer: int | None,
+        out: DeviceBuffer | None = None, root: int = 0,
+    ) -> _engine.StepDone:  # fmt: skip
+        """Across nodes, the GPU step's collective `kind` of device buffer `dev` (step.start): a slot
+        for each of its pieces, the pieces enqueued on the step (NodeStep.start_across) with what each
+        sends copied into its slot on the step's in lane, and a record for each piece, which goes once
+        its copy lands (where it sends nothing, once the in lane reaches it). An all-reduce's piece
+        sends this rank's slice of the node's partial (its SUBMIT says the node summed it), and so
+        does a reduce-scatter's (whose block of the result comes back straight into `out`); an
+        all-gather's, its input's piece
+        (the result's rows of this rank's slice come back, `out` the node's to fill); a broadcast's,
+        the root's piece (the others send nothing). Each piece's slice of the result comes back on the
+        step's back lane at its DONE, followed by the slice's out_ready (the node's gather lanes wait
+        for every rank's). Collected, so that the DONE thread takes each DONE: nobody waits for the
+        pieces but through the step's end, which is returned."""
         engine = self._device_path()
         isz = dev.dtype.itemsize
-        counts = step.step.piece_counts(dev.count, isz)
-        aux = len(counts) if len(counts) > 1 else 0  # (as pipelined pieces name their number)
-        slots: list[Slot] = []
+        g, me, world = self.local_size, self.local_rank, self.size
+        rows = world // g  # (an all-gather's result rows each rank brings back a piece)
+        if kind is Kind.REDUCE_SCATTER:
+            assert out is not None  # (a piece is [a, b) of every rank's block: the world's blocks)
+            counts = step.step.piece_counts(out.count, isz * world)
+        else:
+            counts = step.step.piece_counts(dev.count, isz * rows if kind is Kind.ALLGATHER else isz)
+        summed = kind in (Kind.ALLREDUCE, Kind.REDUCE_SCATTER)
+        sends = kind is not Kind.BROADCAST or self.rank == root
+        aux = (
+            root
+            if kind is Kind.BROADCAST
+            else len(counts)
+            if len(counts) > 1 and kind is Kind.ALLREDUCE
+            else 0
+        )
+        slots: list[Slot | None] = []
         lost: ConnectionClosed | None = None
         with self._lock:
             self._check_open()
             if self._closing:
                 raise NotInitializedError("smddp is shutting down")
-            g, me = self.local_size, self.local_rank
             for m in counts:
-                # The slot holds this rank's slice alone (SUBMIT_NODE_SUMMED): elements [m*me//g, m*(me+1)//g).
-                slot, lost = self._alloc_locked((m * (me + 1) // g - m * me // g) * isz)
+                if not sends:
+                    slots.append(None)
+                    continue
+                # A summed piece's slot holds this rank's slice alone (SUBMIT_NODE_SUMMED): elements
+                # [t*me//g, t*(me+1)//g) of its t (a reduce-scatter's: the world's blocks of m); a
+                # gather's, the piece it sends.
+                t = m * world if kind is Kind.REDUCE_SCATTER else m
+                nbytes = (t * (me + 1) // g - t * me // g) * isz if summed else m * isz
+                slot, lost = self._alloc_locked(nbytes)
                 if slot is None:
                     break
                 slots.append(slot)
@@ -869,8 +896,9 @@ class Client:
                 self._fail(_daemon_lost(f"rank {self.rank}: lost the node daemon: {lost}"))
                 assert self._failure is not None
                 raise fresh(self._failure) from None
+            at = [(-1, 0) if sl is None else (sl.segment, sl.offset) for sl in slots]
             done, copies, pieces = step.start_across(
-                engine, self._arena.native, [(sl.segment, sl.offset) for sl in slots], dev, op, producer
+                kind, engine, self._arena.native, at, dev, op, producer, out, root
             )
         finally:
             with self._lock:
@@ -879,17 +907,23 @@ class Client:
         handles: list[DeviceHandle] = []
         with self._lock:
             self._check_open()
-            for slot, copy, (number, count, slice_at, offset, nbytes, out_ready) in zip(
+            for slot, copy, (number, count, back, offset, nbytes, out_ready) in zip(
                 slots, copies, pieces, strict=True
             ):
+                # (a reduce-scatter's SUBMIT is of the world's blocks of the piece; an all-gather's
+                # result is the world's rows)
+                total = count * world if kind is Kind.REDUCE_SCATTER else count
+                result_bytes = total * isz * (world if kind is Kind.ALLGATHER else 1)
                 handle = self._channel.reserve_record(
-                    Kind.ALLREDUCE, count, dev.dtype, op, aux, slot, count * isz, None, None, DeviceHandle,
-                    node_summed=True,
+                    kind, total, dev.dtype, op or 0, aux, slot, result_bytes, None, None, DeviceHandle,
+                    node_summed=summed,
                 )  # fmt: skip
                 engine.deliver_to(
-                    handle, dev.device, step.step.back_lane, None, [(slice_at, offset, nbytes)], None,
+                    handle, dev.device, step.step.back_lane, None, [(back, offset, nbytes)], None,
                     (out_ready, number & 0xFFFFFFFF),
                 )  # fmt: skip
+                # (one that sends nothing waits for its point of the in lane all the same: no piece's
+                # result may come back before the node's ranks are done with its slot)
                 self._hold(engine, handle, copy)
                 handles.append(handle)
         for h in handles:

@@ -217,7 +217,7 @@ std::shared_ptr<DeviceIn> DevicePath::copy_in(int device, std::uintptr_t stream,
                                               cuda::DevicePtr src, std::uint64_t nbytes, std::string* why) {
   const std::string what = "the copy of " + num(nbytes) + " bytes from cuda:" + std::to_string(device) +
                            " into the input slot could not be enqueued: ";
-  if (offset > seg->size() || nbytes > seg->size() - offset) {
+  if (seg == nullptr ? nbytes != 0 : offset > seg->size() || nbytes > seg->size() - offset) {
     *why = what + "the slot is outside its segment";
     return nullptr;
   }
@@ -228,7 +228,7 @@ std::shared_ptr<DeviceIn> DevicePath::copy_in(int device, std::uintptr_t stream,
       return nullptr;
     }
   }
-  pin(seg, device, true);
+  if (seg != nullptr) pin(seg, device, true);
   cuda::Driver& d = *driver_;
   const cuda::Api& api = d.api();
   cuda::Bound bound(d, device);

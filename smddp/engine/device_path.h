@@ -175,6 +175,8 @@ class DevicePath {
   // recorded after it; `seg` page-locked first (once; one that cannot be is copied into as it is,
   // the driver then blocking this thread until the copy is done, and noted). nullptr with *why (the
   // driver's refusal, or a stopped path): nothing is left to land then but what the driver took.
+  // `seg` nullptr with `nbytes` 0: no copy, only the event (the point of `stream` a SUBMIT that sends
+  // nothing waits for: a GPU step broadcast's other ranks, device_step.h).
   std::shared_ptr<DeviceIn> copy_in(int device, std::uintptr_t stream, const DeviceMark* before,
                                     const std::shared_ptr<Segment>& seg, std::uint64_t offset,
                                     cuda::DevicePtr src, std::uint64_t nbytes, std::string* why);

@@ -17,8 +17,10 @@ namespace smddp {
 namespace {
 
 constexpr std::uint32_t kCardMagic = 0x53445043;  // "SDPC"
-constexpr std::uint32_t kCardVersion = 1;
-constexpr int kInReady = 0, kDone = 1, kOutReady = 2;  // the flags, by their line in the header
+constexpr std::uint32_t kCardVersion = 2;  // 2: an out_ready flag per slot
+// The flags, by their line in the header: out_ready is one per slot (lines 2 and 3), piece q's
+// at kOutReady + q % kSlots.
+constexpr int kInReady = 0, kDone = 1, kOutReady = 2;
 constexpr unsigned kThreads = 256;
 constexpr std::uint64_t kMaxBlocks = 4096;
 
@@ -293,6 +295,10 @@ cuda::DevicePtr DeviceStep::flag(std::uint32_t rank, int which) const {
   return stages_[rank] + static_cast<std::uint64_t>(which) * 128;
 }
 
+cuda::DevicePtr DeviceStep::out_ready(std::uint32_t rank, std::uint64_t piece) const {
+  return flag(rank, kOutReady + static_cast<int>(piece % kSlots));
+}
+
 bool DeviceStep::broken(std::string* why) {
   if (failure_.empty()) return false;
   *why = failure_;
@@ -383,6 +389,62 @@ std::shared_ptr<StepWork> DeviceStep::allreduce_across(cuda::DevicePtr buf, std:
   return enqueue(c, after, stream, &send, pieces, why);
 }
 
+std::shared_ptr<StepWork> DeviceStep::allgather_across(cuda::DevicePtr in, cuda::DevicePtr out, std::uint64_t n,
+                                                       std::uint8_t dtype, std::uint32_t world, bool after,
+                                                       std::uintptr_t stream, const Send& send,
+                                                       std::vector<Piece>* pieces, std::string* why) {
+  if (world == 0 || world % size_ != 0) {
+    *why = "the GPU step's all-gather: a job of " + num(world) + " ranks is not whole nodes of " + num(size_);
+    return nullptr;
+  }
+  Call c;
+  c.kind = Kind::kAllgather;
+  c.what = "all-gather";
+  c.in = in;
+  c.out = out;
+  c.n = n;
+  c.dtype = dtype;
+  c.rows = world / size_;
+  return enqueue(c, after, stream, &send, pieces, why);
+}
+
+std::shared_ptr<StepWork> DeviceStep::reduce_scatter_across(cuda::DevicePtr in, cuda::DevicePtr out,
+                                                            std::uint64_t part, std::uint8_t dtype, std::uint8_t op,
+                                                            std::uint32_t world, std::uint32_t rank, bool after,
+                                                            std::uintptr_t stream, const Send& send,
+                                                            std::vector<Piece>* pieces, std::string* why) {
+  if (world == 0 || world % size_ != 0 || rank >= world) {
+    *why = "the GPU step's reduce-scatter: rank " + num(rank) + " of a job of " + num(world) +
+           " ranks is not one of whole nodes of " + num(size_);
+    return nullptr;
+  }
+  Call c;
+  c.kind = Kind::kReduceScatter;
+  c.what = "reduce-scatter";
+  c.in = in;
+  c.out = out;
+  c.n = part;
+  c.dtype = dtype;
+  c.op = op;
+  c.rows = world / size_;
+  c.rank = rank;
+  return enqueue(c, after, stream, &send, pieces, why);
+}
+
+std::shared_ptr<StepWork> DeviceStep::broadcast_across(cuda::DevicePtr buf, std::uint64_t n, std::uint8_t dtype,
+                                                       bool root, bool after, std::uintptr_t stream,
+                                                       const Send& send, std::vector<Piece>* pieces,
+                                                       std::string* why) {
+  Call c;
+  c.kind = Kind::kBroadcast;
+  c.what = "broadcast";
+  c.in = c.out = buf;
+  c.n = n;
+  c.dtype = dtype;
+  c.is_root = root;
+  return enqueue(c, after, stream, &send, pieces, why);
+}
+
 std::shared_ptr<StepWork> DeviceStep::enqueue(const Call& c, bool after, std::uintptr_t stream, const Send* send,
                                               std::vector<Piece>* pieces, std::string* why) {
   if (broken(why)) return nullptr;
@@ -429,8 +491,11 @@ std::shared_ptr<StepWork> DeviceStep::enqueue(const Call& c, bool after, std::ui
     }
     (void)api.event_destroy(before);
   }
-  // A reduce-scatter's piece is [a, b) of every block: its slot holds the G blocks' (so G x m).
-  const std::size_t unit = c.kind == Kind::kReduceScatter ? isz * g : isz;
+  const bool across = send != nullptr;
+  // A reduce-scatter's piece is [a, b) of every block: its slot holds the world's blocks' (so
+  // G x rows x m); an all-gather's across nodes, its rows of the piece's result (rows x m).
+  const std::uint64_t blocks = c.kind == Kind::kReduceScatter ? std::uint64_t{g} * c.rows : 1;
+  const std::size_t unit = c.kind == Kind::kReduceScatter ? isz * blocks : isz * c.rows;
   // Anything enqueued so far is harmless to leave if this fails (no flag written); once a flag is
   // written, a failure leaves the node's flags out of step for good: fail() breaks the step.
   bool wrote = false;
@@ -439,24 +504,19 @@ std::shared_ptr<StepWork> DeviceStep::enqueue(const Call& c, bool after, std::ui
     if (r != cuda::kSuccess) break;
     const std::uint64_t q = next_piece_;
     const auto q32 = static_cast<std::uint32_t>(q);
-    const std::uint64_t filled = c.kind == Kind::kReduceScatter ? m * g : m;  // the slot's elements
+    const std::uint64_t filled = m * blocks;  // the slot's elements
     if (q > kSlots) {
       call = "cuStreamWaitValue32";
       for (std::uint32_t j = 0; r == cuda::kSuccess && j < g; j++)
         r = step.wait_value32(in_lane_, flag(j, kDone), static_cast<std::uint32_t>(q - kSlots), cuda::kWaitValueGeq);
     }
-    if (r == cuda::kSuccess && out_on_back_ && send == nullptr) {
-      // The last piece's out_ready is the back lane's to write: this one's (in lane) after it, so
-      // that the flag only grows.
-      call = "cuStreamWaitValue32";
-      r = step.wait_value32(in_lane_, flag(me, kOutReady), static_cast<std::uint32_t>(q - 1), cuda::kWaitValueGeq);
-    }
     // This rank's slot: its input's piece (a reduce-scatter's, from each block; a broadcast's, the
-    // root's alone).
-    if (r == cuda::kSuccess && m > 0 && (c.kind != Kind::kBroadcast || me == c.root)) {
+    // root's alone); across nodes, a gather's comes back from the host instead.
+    const bool fills = c.kind == Kind::kBroadcast ? !across && me == c.root : !across || folds;
+    if (r == cuda::kSuccess && m > 0 && fills) {
       call = "cuMemcpyDtoDAsync";
       if (c.kind == Kind::kReduceScatter) {
-        for (std::uint32_t j = 0; r == cuda::kSuccess && j < g; j++)
+        for (std::uint64_t j = 0; r == cuda::kSuccess && j < blocks; j++)
           r = step.memcpy_d2d(slot(me, q) + j * m * isz, c.in + (j * c.n + start) * isz, m * isz, in_lane_);
       } else {
         r = step.memcpy_d2d(slot(me, q), c.in + start * isz, m * isz, in_lane_);
@@ -482,20 +542,48 @@ std::shared_ptr<StepWork> DeviceStep::enqueue(const Call& c, bool after, std::ui
         a.k = g;
         a.op = op;
         a.divisor = op == static_cast<std::uint8_t>(ReduceOp::kAvg) && send == nullptr ? c.divisor : 0;
-        const std::uint64_t blocks64 = (a.n + kThreads - 1) / kThreads;
-        const auto blocks = static_cast<unsigned>(blocks64 < kMaxBlocks ? blocks64 : kMaxBlocks);
+        const std::uint64_t grid64 = (a.n + kThreads - 1) / kThreads;
+        const auto grid = static_cast<unsigned>(grid64 < kMaxBlocks ? grid64 : kMaxBlocks);
         void* params[] = {&a};
         call = "cuLaunchKernel";
-        r = step.launch_kernel(fold_[dtype], blocks, 1, 1, kThreads, 1, 1, 0, in_lane_, params, nullptr);
+        r = step.launch_kernel(fold_[dtype], grid, 1, 1, kThreads, 1, 1, 0, in_lane_, params, nullptr);
       }
     }
-    if (r == cuda::kSuccess && send == nullptr) {
+    if (r == cuda::kSuccess && !across) {
       call = "cuStreamWriteValue32";
-      r = step.write_value32(in_lane_, flag(me, kOutReady), q32, cuda::kWriteValueDefault);
+      r = step.write_value32(in_lane_, out_ready(me, q), q32, cuda::kWriteValueDefault);
     } else if (r == cuda::kSuccess) {
-      // Across nodes: this rank's slice of the node's partial goes to the host from here, in lane
-      // order; its result comes back on the back lane, then out_ready (the caller's).
-      const Piece p{q, m, slot(me, q) + lo * isz, lo * isz, (hi - lo) * isz, flag(me, kOutReady)};
+      // Across nodes: what this rank sends (its slice of the node's partial; a gather's input piece)
+      // goes to the host from here, in lane order; its slice of the result comes back on the back
+      // lane, then out_ready (the caller's).
+      Piece p;
+      p.number = q;
+      p.count = m;
+      p.out_ready = out_ready(me, q);
+      if (c.kind == Kind::kAllgather) {
+        p.send = c.in + start * isz;
+        p.send_bytes = m * isz;
+        p.back = slot(me, q);
+        p.back_offset = std::uint64_t{me} * c.rows * m * isz;
+        p.back_bytes = std::uint64_t{c.rows} * m * isz;
+      } else if (c.kind == Kind::kReduceScatter) {
+        p.send = slot(me, q) + lo * isz;  // (the node's partial of blocks [me x rows, (me+1) x rows))
+        p.send_bytes = (hi - lo) * isz;
+        p.back = c.out + start * isz;  // (its own block's [a, b): straight into place)
+        p.back_offset = std::uint64_t{c.rank} * m * isz;
+        p.back_bytes = m * isz;
+      } else {
+        if (c.kind == Kind::kAllreduce) {
+          p.send = slot(me, q) + lo * isz;
+          p.send_bytes = (hi - lo) * isz;
+        } else if (c.is_root) {
+          p.send = c.in + start * isz;
+          p.send_bytes = m * isz;
+        }
+        p.back = slot(me, q) + lo * isz;
+        p.back_offset = lo * isz;
+        p.back_bytes = (hi - lo) * isz;
+      }
       std::string w;
       if (!(*send)(p, in_lane_, &w)) {
         *why = "cuda:" + std::to_string(device_) + ": the GPU step's piece " + num(q) + " could not go: " + w;
@@ -509,7 +597,7 @@ std::shared_ptr<StepWork> DeviceStep::enqueue(const Call& c, bool after, std::ui
     switch (c.kind) {
       case Kind::kAllreduce:
         for (std::uint32_t j = 0; r == cuda::kSuccess && j < g; j++)
-          r = step.wait_value32(gather_lane_, flag(j, kOutReady), q32, cuda::kWaitValueGeq);
+          r = step.wait_value32(gather_lane_, out_ready(j, q), q32, cuda::kWaitValueGeq);
         for (std::uint32_t j = 0; r == cuda::kSuccess && j < g; j++) {
           const std::uint64_t jlo = m * j / g, jhi = m * (j + 1) / g;
           if (jhi == jlo) continue;
@@ -519,25 +607,40 @@ std::shared_ptr<StepWork> DeviceStep::enqueue(const Call& c, bool after, std::ui
         break;
       case Kind::kReduceScatter:  // (its own slice: the fold read the others' before out_ready)
         if (r == cuda::kSuccess)
-          r = step.wait_value32(gather_lane_, flag(me, kOutReady), q32, cuda::kWaitValueGeq);
-        if (r == cuda::kSuccess && m > 0) {
+          r = step.wait_value32(gather_lane_, out_ready(me, q), q32, cuda::kWaitValueGeq);
+        if (r == cuda::kSuccess && m > 0 && !across) {  // (across nodes its block came back in place)
           call = "cuMemcpyDtoDAsync";
           r = step.memcpy_d2d(c.out + start * isz, slot(me, q) + lo * isz, m * isz, gather_lane_);
         }
         break;
-      case Kind::kAllgather:
+      case Kind::kAllgather:  // (local rank j's slot: rows j x rows ... of the piece's result)
         for (std::uint32_t j = 0; r == cuda::kSuccess && j < g; j++)
-          r = step.wait_value32(gather_lane_, flag(j, kOutReady), q32, cuda::kWaitValueGeq);
+          r = step.wait_value32(gather_lane_, out_ready(j, q), q32, cuda::kWaitValueGeq);
         for (std::uint32_t j = 0; r == cuda::kSuccess && j < g && m > 0; j++) {
-          call = "cuMemcpyDtoDAsync";
-          r = step.memcpy_d2d(c.out + (j * c.n + start) * isz, slot(j, q), m * isz, gather_lane_);
+          for (std::uint32_t k = 0; r == cuda::kSuccess && k < c.rows; k++) {
+            call = "cuMemcpyDtoDAsync";
+            const std::uint64_t row = std::uint64_t{j} * c.rows + k;
+            r = step.memcpy_d2d(c.out + (row * c.n + start) * isz, slot(j, q) + k * m * isz, m * isz, gather_lane_);
+          }
         }
         break;
       case Kind::kBroadcast:
+        if (across) {  // (every rank's slice of it came back into its slot; the root has them all)
+          for (std::uint32_t j = 0; r == cuda::kSuccess && j < g; j++)
+            r = step.wait_value32(gather_lane_, out_ready(j, q), q32, cuda::kWaitValueGeq);
+          for (std::uint32_t j = 0; r == cuda::kSuccess && j < g && !c.is_root; j++) {
+            const std::uint64_t jlo = m * j / g, jhi = m * (j + 1) / g;
+            if (jhi == jlo) continue;
+            call = "cuMemcpyDtoDAsync";
+            r = step.memcpy_d2d(c.out + (start + jlo) * isz, slot(j, q) + jlo * isz, (jhi - jlo) * isz,
+                                gather_lane_);
+          }
+          break;
+        }
         // (the root's own: its copy out of the caller's buffer, so that the end says the buffer is
         // no longer read; the others copy the root's slot)
         if (r == cuda::kSuccess)
-          r = step.wait_value32(gather_lane_, flag(c.root, kOutReady), q32, cuda::kWaitValueGeq);
+          r = step.wait_value32(gather_lane_, out_ready(c.root, q), q32, cuda::kWaitValueGeq);
         if (r == cuda::kSuccess && m > 0 && me != c.root) {
           call = "cuMemcpyDtoDAsync";
           r = step.memcpy_d2d(c.out + start * isz, slot(c.root, q), m * isz, gather_lane_);
@@ -549,7 +652,6 @@ std::shared_ptr<StepWork> DeviceStep::enqueue(const Call& c, bool after, std::ui
       r = step.write_value32(gather_lane_, flag(me, kDone), q32, cuda::kWriteValueDefault);
     }
     next_piece_++;
-    out_on_back_ = send != nullptr;
     start += m;
   }
   cuda::Event done = nullptr;

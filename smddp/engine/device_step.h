@@ -2,11 +2,15 @@
 // buffers on their GPUs, through each other's staging memory, with no host in between.
 //
 // Each rank owns one staging allocation on its device, shared once with the node's other ranks
-// (CUDA IPC: its card carries the handle), laid out as a header of three 32-bit flags, each on its
-// own 128-byte line, then kSlots slots of slot_bytes:
+// (CUDA IPC: its card carries the handle), laid out as a header of 32-bit flags, each on its own
+// 128-byte line, then kSlots slots of slot_bytes:
 //   in_ready   the last piece whose input sits in this rank's slot;
-//   out_ready  the last piece whose slice this rank has reduced (and, across nodes, brought back);
-//   done       the last piece this rank has finished reading from every rank's slots.
+//   done       the last piece this rank has finished reading from every rank's slots;
+//   out_ready  one per slot: the last piece in that slot whose slice this rank has reduced (and,
+//              across nodes, brought back). One per slot because across nodes the slices come back
+//              in the order their DONEs are taken, which need not be the pieces' order: a later
+//              piece's out_ready must never stand for an earlier one's. A slot's pieces come back in
+//              order (piece q + kSlots is sent only once every rank's done has reached q).
 // A collective's buffer goes in pieces of at most slot_bytes, numbered 1, 2, ... in call order (the
 // node's ranks call the same collectives in the same order, as every collective asks), piece q in
 // slot q % kSlots. Local rank r's piece q, with slice j of a piece being elements
@@ -127,26 +131,54 @@ class DeviceStep {
 
   // Across nodes: the same, but each piece's fold leaves this rank's slice of the node's partial (an
   // average's sum: the daemons divide) in its slot, and `send` is called right after it is enqueued,
-  // with the slice (its device address and bytes, and its byte offset in the piece) and the in lane,
-  // to enqueue its copy to the host there (before the next piece's work: a later piece's waits must
-  // never hold it back). The slice's reduced result is the caller's to bring back into the same place
-  // and to follow with out_ready = the piece's number (Piece) on the back lane; the gather lane waits
-  // for every rank's as before. *pieces gets each piece's part. nullptr with *why as allreduce's,
-  // or `send`'s refusal (the step is broken then).
+  // with what goes to the host (the slice) and the in lane, to enqueue its copy to the host there
+  // (before the next piece's work: a later piece's waits must never hold it back). The slice's
+  // reduced result is the caller's to bring back into the same place (Piece: back) and to follow
+  // with out_ready = the piece's number on the back lane; the gather lane waits for every rank's as
+  // before. *pieces gets each piece's part. nullptr with *why as allreduce's, or `send`'s refusal
+  // (the step is broken then).
   struct Piece {
     std::uint64_t number = 0;      // the piece's number (what out_ready is set to once its slice is back)
-    std::uint64_t count = 0;       // its elements
-    cuda::DevicePtr slice = 0;     // this rank's slice of it, in its slot
-    std::uint64_t offset = 0;      // the slice's byte offset in the piece
-    std::uint64_t nbytes = 0;      // the slice's bytes
+    std::uint64_t count = 0;       // its elements (an all-gather's: of each rank's input)
+    cuda::DevicePtr send = 0;      // what goes to the host (0: nothing, a broadcast's other ranks)
+    std::uint64_t send_bytes = 0;
+    cuda::DevicePtr back = 0;      // where this rank's slice of the piece's result comes back, in its slot
+    std::uint64_t back_offset = 0;  // the slice's byte offset in the piece's result
+    std::uint64_t back_bytes = 0;
     cuda::DevicePtr out_ready = 0;  // this rank's out_ready flag
   };
   using Send = std::function<bool(const Piece& piece, cuda::Stream lane, std::string* why)>;
   std::shared_ptr<StepWork> allreduce_across(cuda::DevicePtr buf, std::uint64_t n, std::uint8_t dtype,
                                              std::uint8_t op, bool after, std::uintptr_t stream, const Send& send,
                                              std::vector<Piece>* pieces, std::string* why);
+  // Across nodes, an all-gather of `world` ranks (this node's local ranks among them, each node's
+  // in turn): each piece of this rank's `n` elements at `in` goes to the host whole (Piece: send),
+  // the daemons gather the job's, and this rank's slice of the piece's result comes back into its
+  // slot (Piece: back; the result's rows [l x N, (l+1) x N) for local rank l, N = world / G), then
+  // out_ready; the gather lane copies every rank's rows into their places in `out` (world x n).
+  std::shared_ptr<StepWork> allgather_across(cuda::DevicePtr in, cuda::DevicePtr out, std::uint64_t n,
+                                             std::uint8_t dtype, std::uint32_t world, bool after,
+                                             std::uintptr_t stream, const Send& send, std::vector<Piece>* pieces,
+                                             std::string* why);
+  // Across nodes, a reduce-scatter of `world` ranks' `part` x world elements at `in`: each piece is
+  // [a, b) of every block, the slot holding the world blocks' [a, b) one after another; the node sums
+  // them on its GPUs as an all-reduce's piece, and this rank's slice of the node's partial (blocks
+  // [l x N, (l+1) x N) of the piece, N = world / G) goes to the host (Piece: send); the daemons
+  // return block `rank` (the job's) of the piece's result, which comes back straight into `out`
+  // (Piece: back), then out_ready; the gather lane copies nothing.
+  std::shared_ptr<StepWork> reduce_scatter_across(cuda::DevicePtr in, cuda::DevicePtr out, std::uint64_t part,
+                                                  std::uint8_t dtype, std::uint8_t op, std::uint32_t world,
+                                                  std::uint32_t rank, bool after, std::uintptr_t stream,
+                                                  const Send& send, std::vector<Piece>* pieces, std::string* why);
+  // Across nodes, a broadcast from the job's root (`root`: this rank is it): the root's pieces go to
+  // the host (the others send nothing), and each rank's slice of each piece comes back into its slot,
+  // then out_ready; the gather lane copies every rank's slice into `buf` (the root's excepted).
+  std::shared_ptr<StepWork> broadcast_across(cuda::DevicePtr buf, std::uint64_t n, std::uint8_t dtype, bool root,
+                                             bool after, std::uintptr_t stream, const Send& send,
+                                             std::vector<Piece>* pieces, std::string* why);
   // The elements of each piece a buffer of `n` elements of `itemsize` bytes goes in (a function of
-  // n alone: every rank cuts alike). A reduce-scatter's pieces: piece_counts(part, itemsize x G).
+  // n alone: every rank cuts alike). A reduce-scatter's pieces: piece_counts(part, itemsize x world);
+  // an all-gather's across nodes: piece_counts(n, itemsize x world / G).
   std::vector<std::uint64_t> piece_counts(std::uint64_t n, std::size_t itemsize) const;
   // The stream a slice's way back runs on (the caller's copies and out_ready writes, across nodes).
   cuda::Stream back_lane() const { return back_lane_; }
@@ -176,7 +208,10 @@ class DeviceStep {
     std::uint8_t dtype = 0;
     std::uint8_t op = 0;
     std::uint64_t divisor = 0;
-    std::uint32_t root = 0;
+    std::uint32_t root = 0;      // one node: the broadcast's local rank
+    bool is_root = false;        // across nodes: this rank is the broadcast's
+    std::uint32_t rows = 1;      // world / G: an all-gather's rows a rank brings back, a reduce-scatter's blocks
+    std::uint32_t rank = 0;      // across nodes: the job's rank (a reduce-scatter's block)
     const char* what = "all-reduce";
   };
   DeviceStep() = default;
@@ -184,6 +219,7 @@ class DeviceStep {
                                     std::vector<Piece>* pieces, std::string* why);
   cuda::DevicePtr slot(std::uint32_t rank, std::uint64_t piece) const;
   cuda::DevicePtr flag(std::uint32_t rank, int which) const;
+  cuda::DevicePtr out_ready(std::uint32_t rank, std::uint64_t piece) const;  // piece's slot's
   bool broken(std::string* why);
   void fail(std::string why);
 
@@ -201,7 +237,6 @@ class DeviceStep {
   cuda::Module module_ = nullptr;
   cuda::Function fold_[8] = {};  // by wire dtype code
   std::uint64_t next_piece_ = 1;
-  bool out_on_back_ = false;  // the last piece's out_ready comes from the back lane (across nodes)
   void release();
   bool joined_ = false;
   bool closed_ = false;

@@ -1418,31 +1418,43 @@ StepDone step_broadcast(Step& s, std::uint64_t buf, long long n, long long dtype
   });
 }
 
-// Across nodes (DeviceStep::allreduce_across): each piece's slice copied to the host by `engine`'s
-// device path into `arena`'s slot (segment, offset) of that piece (the slice alone, from the slot's
-// start: what a SUBMIT_NODE_SUMMED slot holds), on the step's in lane. Returns its end, each piece's copy-in (for give_when) and each piece's
-// (number, count, slice address, slice offset, slice bytes, out_ready address).
+// Across nodes (DeviceStep::allreduce_across, allgather_across, broadcast_across): what each piece
+// sends copied to the host by `engine`'s device path into `arena`'s slot (segment, offset) of that
+// piece (the slice alone, from the slot's start, where a SUBMIT_NODE_SUMMED slot holds it), on the
+// step's in lane; a piece that sends nothing (a broadcast's other ranks) has no slot (segment -1)
+// and no copy, but a copy-in all the same: the point of the in lane its SUBMIT waits for (after the
+// waits for the node's done flags, so that no piece's result comes back into a slot still read).
+// Returns its end, each piece's copy-in (for give_when) and each piece's (number, count, back
+// address, back offset in the piece's result, back bytes, out_ready address): where its slice of
+// the result goes.
 using PieceRec = std::tuple<std::uint64_t, std::uint64_t, std::uint64_t, std::uint64_t, std::uint64_t, std::uint64_t>;
-std::tuple<StepDone, std::vector<CopyIn>, std::vector<PieceRec>> step_allreduce_across(
-    Step& s, nb::handle engine_obj, smddp::Arena& arena, const std::vector<std::pair<long long, long long>>& slots,
-    std::uint64_t buf, long long n, long long dtype, long long op, std::optional<std::uintptr_t> stream) {
+using Across = std::tuple<StepDone, std::vector<CopyIn>, std::vector<PieceRec>>;
+template <typename F>
+Across step_across(const char* what, Step& s, nb::handle engine_obj, smddp::Arena& arena,
+                   const std::vector<std::pair<long long, long long>>& slots, long long n, long long dtype,
+                   long long op, std::size_t unit_items, F&& call) {
   DeviceEngine* e = nullptr;
   if (!nb::try_cast<DeviceEngine*>(engine_obj, e) || e == nullptr)
-    raise_error(Err::kType, "allreduce_across: expected an smddp._engine.DeviceEngine");
+    raise_error(Err::kType, std::string(what) + ": expected an smddp._engine.DeviceEngine");
   if (n < 0 || dtype < 0 || dtype > 255 || op < 0 || op > 255)
-    raise_error(Err::kValue, "allreduce_across: a negative count, or a code out of range");
+    raise_error(Err::kValue, std::string(what) + ": a negative count, or a code out of range");
   const std::size_t isz = smddp::dtype_size(static_cast<std::uint8_t>(dtype));
-  if (isz == 0) raise_error(Err::kValue, "allreduce_across: no such dtype");
-  const std::vector<std::uint64_t> counts = s.step->piece_counts(static_cast<std::uint64_t>(n), isz);
+  if (isz == 0) raise_error(Err::kValue, std::string(what) + ": no such dtype");
+  const std::vector<std::uint64_t> counts = s.step->piece_counts(static_cast<std::uint64_t>(n), isz * unit_items);
   if (slots.size() != counts.size())
-    raise_error(Err::kValue, "allreduce_across: " + std::to_string(slots.size()) + " slots for " +
+    raise_error(Err::kValue, std::string(what) + ": " + std::to_string(slots.size()) + " slots for " +
                                  std::to_string(counts.size()) + " pieces");
   std::vector<SegmentPtr> segs;
   for (std::size_t i = 0; i < slots.size(); i++) {
+    if (slots[i].first < 0) {
+      segs.emplace_back();  // (a piece that sends nothing: Send refuses one that would)
+      continue;
+    }
     SegmentPtr seg = arena_segment(arena, slots[i].first);
-    if (!seg) raise_error(Err::kValue, "allreduce_across: the arena has no segment " + std::to_string(slots[i].first));
-    if (slots[i].second < 0) raise_error(Err::kValue, "allreduce_across: a negative slot offset");
-    segs.push_back(std::move(seg));  // (copy_in checks each slice's copy against its segment)
+    if (!seg)
+      raise_error(Err::kValue, std::string(what) + ": the arena has no segment " + std::to_string(slots[i].first));
+    if (slots[i].second < 0) raise_error(Err::kValue, std::string(what) + ": a negative slot offset");
+    segs.push_back(std::move(seg));  // (copy_in checks each copy against its segment)
   }
   std::vector<std::shared_ptr<smddp::DeviceIn>> ins;
   std::vector<smddp::DeviceStep::Piece> pieces;
@@ -1455,24 +1467,86 @@ std::tuple<StepDone, std::vector<CopyIn>, std::vector<PieceRec>> step_allreduce_
     smddp::DevicePath* path = e->path.get();
     const smddp::DeviceStep::Send send = [&](const smddp::DeviceStep::Piece& p, smddp::cuda::Stream lane,
                                              std::string* w2) {
+      const std::size_t k = i++;
+      if (p.send != 0 && !segs[k]) {
+        *w2 = "piece " + std::to_string(k) + " sends data but was given no slot";
+        return false;
+      }
       std::shared_ptr<smddp::DeviceIn> in =
-          path->copy_in(device, reinterpret_cast<std::uintptr_t>(lane), nullptr, segs[i],
-                        static_cast<std::uint64_t>(slots[i].second), p.slice, p.nbytes, w2);
-      i++;
+          path->copy_in(device, reinterpret_cast<std::uintptr_t>(lane), nullptr, p.send == 0 ? nullptr : segs[k],
+                        p.send == 0 ? 0 : static_cast<std::uint64_t>(slots[k].second), p.send, p.send_bytes, w2);
       if (!in) return false;
       ins.push_back(std::move(in));
       return true;
     };
-    w = s.step->allreduce_across(buf, static_cast<std::uint64_t>(n), static_cast<std::uint8_t>(dtype),
-                                 static_cast<std::uint8_t>(op), stream.has_value(), stream.value_or(0), send, &pieces,
-                                 &why);
+    w = call(send, &pieces, &why);
   }
   if (!w) raise_error(Err::kDevice, why);
   std::vector<CopyIn> copies;
   for (auto& in : ins) copies.push_back(CopyIn{std::move(in), nb::borrow(engine_obj)});
   std::vector<PieceRec> recs;
-  for (const auto& p : pieces) recs.emplace_back(p.number, p.count, p.slice, p.offset, p.nbytes, p.out_ready);
+  for (const auto& p : pieces) recs.emplace_back(p.number, p.count, p.back, p.back_offset, p.back_bytes, p.out_ready);
   return {StepDone{std::move(w)}, std::move(copies), std::move(recs)};
+}
+
+Across step_allreduce_across(Step& s, nb::handle engine_obj, smddp::Arena& arena,
+                             const std::vector<std::pair<long long, long long>>& slots, std::uint64_t buf, long long n,
+                             long long dtype, long long op, std::optional<std::uintptr_t> stream) {
+  return step_across("allreduce_across", s, engine_obj, arena, slots, n, dtype, op, 1,
+                     [&](const smddp::DeviceStep::Send& send, std::vector<smddp::DeviceStep::Piece>* pieces,
+                         std::string* why) {
+                       return s.step->allreduce_across(buf, static_cast<std::uint64_t>(n),
+                                                       static_cast<std::uint8_t>(dtype), static_cast<std::uint8_t>(op),
+                                                       stream.has_value(), stream.value_or(0), send, pieces, why);
+                     });
+}
+
+Across step_allgather_across(Step& s, nb::handle engine_obj, smddp::Arena& arena,
+                             const std::vector<std::pair<long long, long long>>& slots, std::uint64_t in,
+                             std::uint64_t out, long long n, long long dtype, long long world,
+                             std::optional<std::uintptr_t> stream) {
+  const std::uint32_t g = s.step->local_size();
+  if (world < 1 || world > 1000000 || world % g != 0)
+    raise_error(Err::kValue, "allgather_across: a world that is not whole nodes of " + std::to_string(g));
+  return step_across("allgather_across", s, engine_obj, arena, slots, n, dtype, 0,
+                     static_cast<std::size_t>(world / g),
+                     [&](const smddp::DeviceStep::Send& send, std::vector<smddp::DeviceStep::Piece>* pieces,
+                         std::string* why) {
+                       return s.step->allgather_across(in, out, static_cast<std::uint64_t>(n),
+                                                       static_cast<std::uint8_t>(dtype),
+                                                       static_cast<std::uint32_t>(world), stream.has_value(),
+                                                       stream.value_or(0), send, pieces, why);
+                     });
+}
+
+Across step_reduce_scatter_across(Step& s, nb::handle engine_obj, smddp::Arena& arena,
+                                  const std::vector<std::pair<long long, long long>>& slots, std::uint64_t in,
+                                  std::uint64_t out, long long part, long long dtype, long long op, long long world,
+                                  long long rank, std::optional<std::uintptr_t> stream) {
+  const std::uint32_t g = s.step->local_size();
+  if (world < 1 || world > 1000000 || world % g != 0 || rank < 0 || rank >= world)
+    raise_error(Err::kValue, "reduce_scatter_across: a rank or world that is not of whole nodes of " + std::to_string(g));
+  return step_across("reduce_scatter_across", s, engine_obj, arena, slots, part, dtype, op,
+                     static_cast<std::size_t>(world),
+                     [&](const smddp::DeviceStep::Send& send, std::vector<smddp::DeviceStep::Piece>* pieces,
+                         std::string* why) {
+                       return s.step->reduce_scatter_across(
+                           in, out, static_cast<std::uint64_t>(part), static_cast<std::uint8_t>(dtype),
+                           static_cast<std::uint8_t>(op), static_cast<std::uint32_t>(world),
+                           static_cast<std::uint32_t>(rank), stream.has_value(), stream.value_or(0), send, pieces, why);
+                     });
+}
+
+Across step_broadcast_across(Step& s, nb::handle engine_obj, smddp::Arena& arena,
+                             const std::vector<std::pair<long long, long long>>& slots, std::uint64_t buf, long long n,
+                             long long dtype, bool root, std::optional<std::uintptr_t> stream) {
+  return step_across("broadcast_across", s, engine_obj, arena, slots, n, dtype, 0, 1,
+                     [&](const smddp::DeviceStep::Send& send, std::vector<smddp::DeviceStep::Piece>* pieces,
+                         std::string* why) {
+                       return s.step->broadcast_across(buf, static_cast<std::uint64_t>(n),
+                                                       static_cast<std::uint8_t>(dtype), root, stream.has_value(),
+                                                       stream.value_or(0), send, pieces, why);
+                     });
 }
 
 bool step_done_query(StepDone& d) {
@@ -2317,8 +2391,23 @@ NB_MODULE(_engine, m) {
       .def("allreduce_across", &step_allreduce_across, "engine"_a, "arena"_a, "slots"_a, "buf"_a, "n"_a, "dtype"_a,
            "op"_a, "stream"_a.none(),
            "Across nodes: enqueue the node's partial of each piece, its slice copied to the host into its slot "
-           "(segment, offset: the slice alone) by the engine's device path; (end, copy-ins, (number, count, slice "
-           "address, slice offset in the piece, slice bytes, out_ready address) per piece).")
+           "(segment, offset: the slice alone) by the engine's device path; (end, copy-ins, (number, count, back "
+           "address, back offset in the piece's result, back bytes, out_ready address) per piece).")
+      .def("allgather_across", &step_allgather_across, "engine"_a, "arena"_a, "slots"_a, "input"_a, "out"_a, "n"_a,
+           "dtype"_a, "world"_a, "stream"_a.none(),
+           "Across nodes: enqueue an all-gather of `world` ranks' `n` elements each, each piece of `input` "
+           "copied to the host into its slot; the node gathers the rows each rank brings back into `out`; as "
+           "allreduce_across's otherwise.")
+      .def("reduce_scatter_across", &step_reduce_scatter_across, "engine"_a, "arena"_a, "slots"_a, "input"_a,
+           "out"_a, "part"_a, "dtype"_a, "op"_a, "world"_a, "rank"_a, "stream"_a.none(),
+           "Across nodes: enqueue a reduce-scatter of `world` ranks' blocks of `part` elements, the node's partial "
+           "of each piece summed on the GPUs, this rank's slice of it copied to the host into its slot; block "
+           "`rank` of each piece's result comes back into `out`; as allreduce_across's otherwise.")
+      .def("broadcast_across", &step_broadcast_across, "engine"_a, "arena"_a, "slots"_a, "buf"_a, "n"_a, "dtype"_a,
+           "root"_a, "stream"_a.none(),
+           "Across nodes: enqueue a broadcast, each piece copied to the host into its slot where `root` (this rank "
+           "is the job's root; elsewhere every slot is (-1, 0): nothing is sent); the node gathers the slices each "
+           "rank brings back into `buf`; as allreduce_across's otherwise.")
       .def(
           "piece_counts",
           [](Step& s, long long n, long long itemsize) {

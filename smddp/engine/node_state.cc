@@ -106,10 +106,12 @@ Verdict NodeState::submit(std::uint32_t local, const Spec& spec, std::shared_ptr
     ahead.erase(ahead.begin());
     next_seq_[local]++;
   }
-  if (spec.node_summed && (spec.kind != static_cast<std::uint8_t>(Kind::kAllreduce) || topo_.nnodes < 2))
+  if (spec.node_summed && ((spec.kind != static_cast<std::uint8_t>(Kind::kAllreduce) &&
+                            spec.kind != static_cast<std::uint8_t>(Kind::kReduceScatter)) ||
+                           topo_.nnodes < 2))
     return fail(Fault::kProtocol, who + " submitted collective #" + std::to_string(spec.seq) +
-                                      " as summed on the node's GPUs, which only an all-reduce of a job of several "
-                                      "nodes may be");
+                                      " as summed on the node's GPUs, which only an all-reduce or a reduce-scatter "
+                                      "of a job of several nodes may be");
   std::shared_ptr<Collective> c;
   Verdict v = op_for(spec, who, &c, created);
   if (!v.ok()) return v;

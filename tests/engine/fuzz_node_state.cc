@@ -69,8 +69,12 @@ bool round(fuzz::Rng& r, std::uint64_t seed) {
           while (ahead[local].count(next[local])) ahead[local].erase(next[local]++);
         }
         if (v.ok() && !in_window) return fail("a submit outside its window, or twice, was accepted", seed);
-        if (v.ok() && s.node_summed && (s.kind != static_cast<std::uint8_t>(smddp::Kind::kAllreduce) || t.nnodes < 2))
-          return fail("a node-summed submit other than a several-node all-reduce was accepted", seed);
+        if (v.ok() && s.node_summed &&
+            ((s.kind != static_cast<std::uint8_t>(smddp::Kind::kAllreduce) &&
+              s.kind != static_cast<std::uint8_t>(smddp::Kind::kReduceScatter)) ||
+             t.nnodes < 2))
+          return fail("a node-summed submit other than a several-node all-reduce or reduce-scatter was accepted",
+                      seed);
         if (!v.ok() && in_window && v.why.find("twice") != std::string::npos)
           return fail("a submit within its window was refused as a second one", seed);
         break;

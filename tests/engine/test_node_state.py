@@ -249,7 +249,7 @@ def test_messages_describe_a_collective_as_the_daemon_always_has(kind, dtype, co
 
 def test_a_node_summed_submit_must_be_said_alike_by_the_nodes_ranks():
     """kSubmitNodeSummed (the GPU step across nodes): the node's ranks say it alike, or it is a mismatch
-    naming who; only an all-reduce of a job of several nodes may say it."""
+    naming who; only an all-reduce or a reduce-scatter of a job of several nodes may say it."""
     t = table()
     t.submit(0, *spec(1), node_summed=True)
     with pytest.raises(
@@ -265,7 +265,12 @@ def test_a_node_summed_submit_must_be_said_alike_by_the_nodes_ranks():
     t = table()
     t.submit(0, *spec(1), node_summed=True)
     assert t.submit(1, *spec(1), node_summed=True)[1]  # alike: every local rank is in
-    with pytest.raises(ProtocolError, match="only an all-reduce of a job of several nodes"):
-        table().submit(0, *spec(1, kind=Kind.BROADCAST, op=0), node_summed=True)
-    with pytest.raises(ProtocolError, match="only an all-reduce of a job of several nodes"):
+    t = table()
+    t.submit(0, *spec(1, kind=Kind.REDUCE_SCATTER), node_summed=True)
+    assert t.submit(1, *spec(1, kind=Kind.REDUCE_SCATTER), node_summed=True)[1]
+    refused = "only an all-reduce or a reduce-scatter of a job of several nodes"
+    for kind in (Kind.BROADCAST, Kind.ALLGATHER):
+        with pytest.raises(ProtocolError, match=refused):
+            table().submit(0, *spec(1, kind=kind, op=0), node_summed=True)
+    with pytest.raises(ProtocolError, match=refused):
         table(nnodes=1).submit(0, *spec(1), node_summed=True)

@@ -9,6 +9,7 @@ reader that does not wait for the copy, sees the wrong bytes.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import sys
@@ -416,8 +417,10 @@ def main() -> int:
     result["device_allreduces"] = sum(
         1 for r in records if r["case"]["kind"] == "allreduce" and r.get("device", True)
     )
-    result["device_collectives"] = sum(
-        1 for r in records if r["case"]["kind"] != "barrier" and r.get("device", True)
+    result["device_kinds"] = dict(
+        collections.Counter(
+            r["case"]["kind"] for r in records if r["case"]["kind"] != "barrier" and r.get("device", True)
+        )
     )
     smddp.shutdown()
     result.update(dev.stats())  # after shutdown: every segment must have been unpinned

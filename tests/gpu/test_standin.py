@@ -96,21 +96,27 @@ def test_every_collective_on_device_buffers(
 def test_every_collective_on_device_buffers_with_the_gpu_step(
     world: int, nodes: int, via: str, tmp_path: Path, clean_host: None
 ):
-    """node_reduce gpu: on one node every device collective runs on the (stand-in) GPUs through the
-    node's ranks' shared staging memory; across nodes every device all-reduce does (each rank's slice
-    of its node's sum goes to the daemons and its result comes back, then the node gathers), and the
-    other collectives go through the host as before; every result bit for bit as the host path's
-    (the same reference), on every rank, with host collectives and device ones in flight together."""
+    """node_reduce gpu: every device collective runs on the (stand-in) GPUs through the node's ranks'
+    shared staging memory; across nodes each rank's slice of its node's sum (all-reduce,
+    reduce-scatter) or what it gathers goes to the daemons, and its slice of the result comes back
+    (a reduce-scatter's block in place), then the node gathers; every result bit for bit as the host
+    path's (the same reference), on every rank, with host collectives and device ones in flight
+    together, and (4 ranks) in many pieces of small slots."""
     args = [SCRIPT, "--out", str(tmp_path), "--nnodes", str(nodes), "--array", via, "--delay-ms", "1"]
-    proc = launch(world, nodes, args, SMDDP_NODE_REDUCE="gpu")
+    # 4 ranks: slots of 64 KiB, so that the larger cases go through in many pieces, reusing the slots.
+    slot_kb = "64" if world == 4 else "8192"
+    proc = launch(world, nodes, args, SMDDP_NODE_REDUCE="gpu", SMDDP_STEP_SLOT_KB=slot_kb)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     runs = results(tmp_path, world)
     check_records([d["records"] for d in runs], inflight=24)
     for d in runs:
         assert d["node_reduce_why"] == "", d["node_reduce_why"]
-        on_step = d["device_collectives"] if nodes == 1 else d["device_allreduces"]
-        assert d["step_count"] == on_step > 50, d
-        assert d["device_collectives"] > d["device_allreduces"] + 20, d
+        kinds = d["device_kinds"]
+        assert (
+            set(kinds) == {"allreduce", "reduce_scatter", "allgather", "broadcast"}
+            and min(kinds.values()) > 5
+        )
+        assert d["step_count"] == sum(kinds.values()), d
         assert d["registered"] == 0
 
 
@@ -194,7 +200,9 @@ def test_the_daemons_show_each_ranks_device_copies(
     path, S/G on the GPU step): on 2 nodes of 2 ranks, the bytes each direction equal what the cases
     copy, worked out here from the cases alone (check_counts.CASES); the broadcast's root sends and
     takes nothing back, the others take it without sending; an all-gather takes back W times what it
-    sends; with node_reduce gpu an all-reduce sends and takes back only the rank's slice of it."""
+    sends; with node_reduce gpu an all-reduce sends and takes back only the rank's slice of it, and an
+    all-gather and a broadcast take back only the rank's slice of the result (W/G times what it
+    sends; S/G, the broadcast's root included)."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
@@ -251,6 +259,14 @@ def test_the_daemons_show_each_ranks_device_copies(
             takes = (
                 nbytes * world if kind == "allgather" else 0 if kind == "broadcast" and rank == 0 else nbytes
             )
+            if node_reduce == "gpu" and kind in ("broadcast", "allgather"):
+                # Each rank takes back its slice of the result alone, the broadcast's root too.
+                g, local = world // nodes, rank % (world // nodes)
+                takes = (
+                    nbytes * world // g
+                    if kind == "allgather"
+                    else 4 * (n * (local + 1) // g - n * local // g)
+                )
             d2h, d2h_n = d2h + (nbytes if sends else 0), d2h_n + sends
             h2d, h2d_n = h2d + takes, h2d_n + (takes > 0)
         want[rank] = {

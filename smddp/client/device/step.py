@@ -22,10 +22,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("smddp.client")
 
-#: Each rank's two staging slots hold this much each: a buffer goes through the step in pieces of
-#: this size, so that one piece's fold overlaps the last one's gather (16 MiB of device memory a rank).
-SLOT_BYTES = 8 << 20
-
 #: Why a job's node step is not used, where nothing was tried yet.
 UNDECIDED = "no device collective yet"
 
@@ -51,9 +47,13 @@ class NodeStep:
         device: int,
         default_timeout_s: float,
         fail: Callable[[SmddpError], None],
+        client_rank: int = 0,
+        world: int = 1,
     ) -> None:
         self.step = step
         self.device = device
+        self.client_rank = client_rank  # (the job's rank and size: a broadcast's root, an all-gather's rows)
+        self.world = world
         self.default_timeout_s = default_timeout_s
         self.fail = fail
         self.count = 0  # node collectives started
@@ -75,17 +75,35 @@ class NodeStep:
         return self.handle(done, dev, consumer, consumer_of, result, kind)
 
     def start_across(
-        self, engine: _engine.DeviceEngine, arena: Any, slots: list[tuple[int, int]], dev: DeviceBuffer,
-        op: ReduceOp, producer: int | None,
+        self, kind: Kind, engine: _engine.DeviceEngine, arena: Any, slots: list[tuple[int, int]],
+        dev: DeviceBuffer, op: ReduceOp | None, producer: int | None, out: DeviceBuffer | None, root: int,
     ) -> tuple[_engine.StepDone, list[_engine.CopyIn], list[tuple[int, int, int, int, int, int]]]:  # fmt: skip
-        """Across nodes (Client.submit_step_pieces): the node's partial of each piece of `dev`, each
-        rank's slice copied into its slot there by `engine`'s device path."""
+        """Across nodes (Client.submit_step_pieces): collective `kind`'s pieces of `dev` enqueued, what
+        each sends copied into its slot (`slots`; (-1, 0): none) by `engine`'s device path; an
+        all-gather's into `out`, a broadcast's from rank `root`."""
+        s, dt, c = self.step, int(dev.dtype), self.client_rank
         with self._lock:
             self._prune_locked()
-            done, copies, pieces = self.step.allreduce_across(
-                engine, arena, slots, dev.ptr, dev.count, int(dev.dtype), int(op), producer
-            )
-            self._alive.append((done, dev.keepalive))
+            if kind is Kind.ALLREDUCE:
+                assert op is not None
+                done, copies, pieces = s.allreduce_across(
+                    engine, arena, slots, dev.ptr, dev.count, dt, int(op), producer
+                )
+            elif kind is Kind.REDUCE_SCATTER:
+                assert op is not None and out is not None
+                done, copies, pieces = s.reduce_scatter_across(
+                    engine, arena, slots, dev.ptr, out.ptr, out.count, dt, int(op), self.world, c, producer
+                )
+            elif kind is Kind.ALLGATHER:
+                assert out is not None
+                done, copies, pieces = s.allgather_across(
+                    engine, arena, slots, dev.ptr, out.ptr, dev.count, dt, self.world, producer
+                )
+            else:
+                done, copies, pieces = s.broadcast_across(
+                    engine, arena, slots, dev.ptr, dev.count, dt, c == root, producer
+                )
+            self._alive.append((done, dev.keepalive if out is None else (dev.keepalive, out.keepalive)))
             return done, copies, pieces
 
     def _prune_locked(self) -> None:
@@ -249,7 +267,11 @@ def decide(c: Client, dev: DeviceBuffer) -> tuple[NodeStep | None, str]:
     if not why:  # (what every rank knows alike needs no exchange)
         try:
             step = _engine.DeviceStep(
-                c.device_runtime().driver_library(), dev.device, c.local_rank, c.local_size, SLOT_BYTES
+                c.device_runtime().driver_library(),
+                dev.device,
+                c.local_rank,
+                c.local_size,
+                c.config.step_slot_bytes,
             )
         except DeviceError as e:
             why = f"rank {c.rank}: {e}"
@@ -279,7 +301,7 @@ def decide(c: Client, dev: DeviceBuffer) -> tuple[NodeStep | None, str]:
         log.warning("rank %d: device all-reduces go through the host (node_reduce auto): %s", c.rank, why)
         return None, why
     log.info("rank %d: device all-reduces sum on the node's GPUs (cuda:%d)", c.rank, dev.device)
-    return NodeStep(step, dev.device, c.config.timeout_s, c._device_failed), ""
+    return NodeStep(step, dev.device, c.config.timeout_s, c._device_failed, c.rank, c.size), ""
 
 
 def _exchange(c: Client, buf: np.ndarray, op: ReduceOp) -> None:
@@ -297,7 +319,7 @@ def start(
     place, a reduce-scatter and an all-gather into `out`; a broadcast from rank `root`), after the
     work its producer queued (the stream passed, the buffer's, or its library's current one),
     ordered at wait() before the consumer's (the stream passed, the buffer's, or the current one
-    then). Only an all-reduce goes across nodes (the caller's to see to)."""
+    then)."""
     explicit = None if stream is None else stream_handle(stream)
     io = c._device_io()
     producer = io.producer_stream(dev, explicit)
@@ -310,12 +332,13 @@ def start(
     s, dt, world = step.step, int(dev.dtype), c.size
     keep = dev.keepalive if out is None else (dev.keepalive, out.keepalive)
     enqueue: Callable[[], _engine.StepDone]
+    if c.job.nnodes > 1:
+        # Across nodes: what each rank sends goes to the daemons, and its slice of the result comes
+        # back, which the node then gathers (a reduce-scatter's: its own block, in place).
+        done = c.submit_step_pieces(step, kind, dev, op, producer, out, root)
+        return step.handle(done, dev, consumer, consumer_of, result, kind)
     if kind is Kind.ALLREDUCE:
         assert op is not None
-        if c.job.nnodes > 1:
-            # Across nodes: each rank's slice of the node's partial goes to the daemons, and comes back.
-            done = c.submit_step_pieces(step, dev, op, producer)
-            return step.handle(done, dev, consumer, consumer_of, result)
         enqueue = partial(s.allreduce, dev.ptr, dev.count, dt, int(op), world, producer)
     elif kind is Kind.REDUCE_SCATTER:
         assert op is not None and out is not None
