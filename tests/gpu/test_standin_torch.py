@@ -118,12 +118,14 @@ KINDS = "allreduce,broadcast,allgather,reduce_scatter"
 @pytest.mark.parametrize(
     ("world", "nodes", "sizes", "node_reduce"),
     # 16 MiB: two pieces of the default 8 MiB pipeline, each copied late by the stand-in; on the GPU
-    # step, two pieces of its 8 MiB slots. CI runs the job of two nodes (its 16 MiB goes as
-    # pipelined pieces) and the one-node job on the GPU step; the one-node job on the host is `long`.
+    # step, two pieces of its 8 MiB slots (an all-gather's across nodes: four). CI runs the job of two
+    # nodes (its 16 MiB goes as pipelined pieces) on the host and on the GPU step, and the one-node
+    # job on the GPU step; the one-node job on the host is `long`.
     [
         pytest.param(2, 1, "262144,4194304,16777216", "host", id="W2-N1", marks=pytest.mark.long),
         pytest.param(4, 2, "262144,16777216", "host", id="W4-N2"),
         pytest.param(2, 1, "262144,16777216", "gpu", id="W2-N1-gpu-step"),
+        pytest.param(4, 2, "262144,16777216", "gpu", id="W4-N2-gpu-step"),
     ],
 )
 def test_every_consumer_of_a_work_sees_its_result(
