@@ -18,7 +18,7 @@
 #   bench: smddp-bench torch-gpu (issue 28's table; again with 2 reduction threads, as before they were
 #          automatic), smddp-bench ddp --device cuda, smddp-bench gpu
 #   step:  the GPU step (node_reduce gpu, issue 57): check_step.py as 4 ranks sharing the GPU through
-#          CUDA IPC (every dtype and op, bit for bit: step/rank*.json), then torch.distributed at 4 KiB
+#          CUDA IPC (all four collectives, every dtype and op, bit for bit: step/rank*.json), then torch.distributed at 4 KiB
 #          and 64 MiB with the step and with the host path, 1 node x 4 and 2 local nodes x 2
 #          (torch-gpu-{step,host}{,-2nodes}), and the DDP step at 4 ranks with it (ddp-cuda4-step)
 set -uo pipefail
