@@ -320,14 +320,31 @@ std::vector<std::uint64_t> DeviceStep::piece_counts(std::uint64_t n, std::size_t
   return out;
 }
 
-std::shared_ptr<StepWork> DeviceStep::allreduce(cuda::DevicePtr buf, std::uint64_t n, std::uint8_t dtype,
-                                                std::uint8_t op, std::uint64_t divisor, bool after,
-                                                std::uintptr_t stream, std::string* why) {
+DeviceStep::Call DeviceStep::call_of(Kind kind, cuda::DevicePtr in, cuda::DevicePtr out, std::uint64_t n,
+                                     std::uint8_t dtype, std::uint8_t op) {
+  static const char* const kWhat[] = {"all-reduce", "reduce-scatter", "all-gather", "broadcast"};
   Call c;
-  c.in = c.out = buf;
+  c.kind = kind;
+  c.what = kWhat[static_cast<int>(kind)];
+  c.in = in;
+  c.out = out;
   c.n = n;
   c.dtype = dtype;
   c.op = op;
+  return c;
+}
+
+bool DeviceStep::whole_nodes(std::uint32_t world, std::uint32_t rank, const char* what, std::string* why) const {
+  if (world != 0 && world % size_ == 0 && rank < world) return true;
+  *why = std::string("the GPU step's ") + what + ": rank " + num(rank) + " of a job of " + num(world) +
+         " ranks is not one of whole nodes of " + num(size_);
+  return false;
+}
+
+std::shared_ptr<StepWork> DeviceStep::allreduce(cuda::DevicePtr buf, std::uint64_t n, std::uint8_t dtype,
+                                                std::uint8_t op, std::uint64_t divisor, bool after,
+                                                std::uintptr_t stream, std::string* why) {
+  Call c = call_of(Kind::kAllreduce, buf, buf, n, dtype, op);
   c.divisor = divisor;
   return enqueue(c, after, stream, nullptr, nullptr, why);
 }
@@ -335,14 +352,7 @@ std::shared_ptr<StepWork> DeviceStep::allreduce(cuda::DevicePtr buf, std::uint64
 std::shared_ptr<StepWork> DeviceStep::reduce_scatter(cuda::DevicePtr in, cuda::DevicePtr out, std::uint64_t part,
                                                      std::uint8_t dtype, std::uint8_t op, std::uint64_t divisor,
                                                      bool after, std::uintptr_t stream, std::string* why) {
-  Call c;
-  c.kind = Kind::kReduceScatter;
-  c.what = "reduce-scatter";
-  c.in = in;
-  c.out = out;
-  c.n = part;
-  c.dtype = dtype;
-  c.op = op;
+  Call c = call_of(Kind::kReduceScatter, in, out, part, dtype, op);
   c.divisor = divisor;
   return enqueue(c, after, stream, nullptr, nullptr, why);
 }
@@ -350,14 +360,7 @@ std::shared_ptr<StepWork> DeviceStep::reduce_scatter(cuda::DevicePtr in, cuda::D
 std::shared_ptr<StepWork> DeviceStep::allgather(cuda::DevicePtr in, cuda::DevicePtr out, std::uint64_t n,
                                                 std::uint8_t dtype, bool after, std::uintptr_t stream,
                                                 std::string* why) {
-  Call c;
-  c.kind = Kind::kAllgather;
-  c.what = "all-gather";
-  c.in = in;
-  c.out = out;
-  c.n = n;
-  c.dtype = dtype;
-  return enqueue(c, after, stream, nullptr, nullptr, why);
+  return enqueue(call_of(Kind::kAllgather, in, out, n, dtype, 0), after, stream, nullptr, nullptr, why);
 }
 
 std::shared_ptr<StepWork> DeviceStep::broadcast(cuda::DevicePtr buf, std::uint64_t n, std::uint8_t dtype,
@@ -367,12 +370,7 @@ std::shared_ptr<StepWork> DeviceStep::broadcast(cuda::DevicePtr buf, std::uint64
     *why = "the GPU step's broadcast: root " + num(root) + " is not one of the node's " + num(size_) + " ranks";
     return nullptr;
   }
-  Call c;
-  c.kind = Kind::kBroadcast;
-  c.what = "broadcast";
-  c.in = c.out = buf;
-  c.n = n;
-  c.dtype = dtype;
+  Call c = call_of(Kind::kBroadcast, buf, buf, n, dtype, 0);
   c.root = root;
   return enqueue(c, after, stream, nullptr, nullptr, why);
 }
@@ -381,29 +379,15 @@ std::shared_ptr<StepWork> DeviceStep::allreduce_across(cuda::DevicePtr buf, std:
                                                        std::uint8_t op, bool after, std::uintptr_t stream,
                                                        const Send& send, std::vector<Piece>* pieces,
                                                        std::string* why) {
-  Call c;
-  c.in = c.out = buf;
-  c.n = n;
-  c.dtype = dtype;
-  c.op = op;
-  return enqueue(c, after, stream, &send, pieces, why);
+  return enqueue(call_of(Kind::kAllreduce, buf, buf, n, dtype, op), after, stream, &send, pieces, why);
 }
 
 std::shared_ptr<StepWork> DeviceStep::allgather_across(cuda::DevicePtr in, cuda::DevicePtr out, std::uint64_t n,
                                                        std::uint8_t dtype, std::uint32_t world, bool after,
                                                        std::uintptr_t stream, const Send& send,
                                                        std::vector<Piece>* pieces, std::string* why) {
-  if (world == 0 || world % size_ != 0) {
-    *why = "the GPU step's all-gather: a job of " + num(world) + " ranks is not whole nodes of " + num(size_);
-    return nullptr;
-  }
-  Call c;
-  c.kind = Kind::kAllgather;
-  c.what = "all-gather";
-  c.in = in;
-  c.out = out;
-  c.n = n;
-  c.dtype = dtype;
+  if (!whole_nodes(world, 0, "all-gather", why)) return nullptr;
+  Call c = call_of(Kind::kAllgather, in, out, n, dtype, 0);
   c.rows = world / size_;
   return enqueue(c, after, stream, &send, pieces, why);
 }
@@ -413,19 +397,8 @@ std::shared_ptr<StepWork> DeviceStep::reduce_scatter_across(cuda::DevicePtr in, 
                                                             std::uint32_t world, std::uint32_t rank, bool after,
                                                             std::uintptr_t stream, const Send& send,
                                                             std::vector<Piece>* pieces, std::string* why) {
-  if (world == 0 || world % size_ != 0 || rank >= world) {
-    *why = "the GPU step's reduce-scatter: rank " + num(rank) + " of a job of " + num(world) +
-           " ranks is not one of whole nodes of " + num(size_);
-    return nullptr;
-  }
-  Call c;
-  c.kind = Kind::kReduceScatter;
-  c.what = "reduce-scatter";
-  c.in = in;
-  c.out = out;
-  c.n = part;
-  c.dtype = dtype;
-  c.op = op;
+  if (!whole_nodes(world, rank, "reduce-scatter", why)) return nullptr;
+  Call c = call_of(Kind::kReduceScatter, in, out, part, dtype, op);
   c.rows = world / size_;
   c.rank = rank;
   return enqueue(c, after, stream, &send, pieces, why);
@@ -435,12 +408,7 @@ std::shared_ptr<StepWork> DeviceStep::broadcast_across(cuda::DevicePtr buf, std:
                                                        bool root, bool after, std::uintptr_t stream,
                                                        const Send& send, std::vector<Piece>* pieces,
                                                        std::string* why) {
-  Call c;
-  c.kind = Kind::kBroadcast;
-  c.what = "broadcast";
-  c.in = c.out = buf;
-  c.n = n;
-  c.dtype = dtype;
+  Call c = call_of(Kind::kBroadcast, buf, buf, n, dtype, 0);
   c.is_root = root;
   return enqueue(c, after, stream, &send, pieces, why);
 }

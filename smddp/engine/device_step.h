@@ -214,6 +214,10 @@ class DeviceStep {
     std::uint32_t rank = 0;      // across nodes: the job's rank (a reduce-scatter's block)
     const char* what = "all-reduce";
   };
+  static Call call_of(Kind kind, cuda::DevicePtr in, cuda::DevicePtr out, std::uint64_t n, std::uint8_t dtype,
+                      std::uint8_t op);
+  // Whether a job of `world` ranks is whole nodes of this one's size, `rank` one of them; else *why.
+  bool whole_nodes(std::uint32_t world, std::uint32_t rank, const char* what, std::string* why) const;
   DeviceStep() = default;
   std::shared_ptr<StepWork> enqueue(const Call& c, bool after, std::uintptr_t stream, const Send* send,
                                     std::vector<Piece>* pieces, std::string* why);
