@@ -34,8 +34,8 @@
 //   and reached, so a wait (cuStreamWaitEvent, in any process) holds its stream back until the
 //   records made before the wait was called are reached, and no longer; a recording stream's failure
 //   fails the waiters;
-// - device-to-device copies (peer copies through unified addresses: cuMemcpyDtoDAsync), late as
-//   every copy;
+// - device-to-device copies (peer copies through unified addresses: cuMemcpyDtoDAsync, and 2-D ones,
+//   cuMemcpy2DAsync), late as every copy;
 // - stream memory operations (cuStreamWriteValue32, cuStreamWaitValue32) on device words, shared
 //   across processes through IPC memory: the ordering of one process's stream after another's, with
 //   no host between;
@@ -1228,6 +1228,53 @@ __attribute__((visibility("default"))) Result cuMemcpyDtoDAsync_v2(std::uint64_t
   enqueue(s, Op{[s, to, from, n] {
                   late(s);
                   std::memmove(to, from, n);
+                  return ok();
+                },
+                nullptr});
+  return kSuccess;
+}
+
+// CUDA_MEMCPY2D as cuda.h lays it out (written here from the driver API's reference, not taken from
+// the engine's cuda_abi.h, so that a wrong layout there fails against this one).
+struct Memcpy2DArgs {
+  std::size_t srcXInBytes, srcY;
+  int srcMemoryType;
+  const void* srcHost;
+  std::uint64_t srcDevice;
+  void* srcArray;
+  std::size_t srcPitch, dstXInBytes, dstY;
+  int dstMemoryType;
+  void* dstHost;
+  std::uint64_t dstDevice;
+  void* dstArray;
+  std::size_t dstPitch, WidthInBytes, Height;
+};
+static_assert(sizeof(Memcpy2DArgs) == 128, "CUDA_MEMCPY2D");
+constexpr int kMemoryTypeDevice = 2;            // CU_MEMORYTYPE_DEVICE
+constexpr std::size_t kMaxPitch = 0x7FFFFFFF;  // CU_DEVICE_ATTRIBUTE_MAX_PITCH of today's devices
+
+// A 2-D copy between device ranges: `Height` rows of `WidthInBytes`, each a pitch after the last,
+// late as every copy; device memory on both sides only (the engine copies nothing else this way), a
+// width past a pitch or a pitch past the largest refused as CUDA refuses them, and both spans
+// checked against their allocations.
+__attribute__((visibility("default"))) Result cuMemcpy2DAsync_v2(const Memcpy2DArgs* a, void* stream) {
+  if (const Result r = need_context()) return r;
+  Stream* s = stream_of(stream);
+  if (s == nullptr || a == nullptr) return kInvalidHandle;
+  if (a->srcMemoryType != kMemoryTypeDevice || a->dstMemoryType != kMemoryTypeDevice ||
+      a->WidthInBytes > a->srcPitch || a->WidthInBytes > a->dstPitch || a->srcPitch > kMaxPitch ||
+      a->dstPitch > kMaxPitch)
+    return kInvalidValue;
+  const std::size_t width = a->WidthInBytes, height = a->Height, sp = a->srcPitch, dp = a->dstPitch;
+  if (width == 0 || height == 0) return kSuccess;
+  // (the spans from the first row's start to the last row's end)
+  unsigned char* to = device_range(a->dstDevice + a->dstY * dp + a->dstXInBytes, (height - 1) * dp + width, nullptr);
+  unsigned char* from = device_range(a->srcDevice + a->srcY * sp + a->srcXInBytes, (height - 1) * sp + width, nullptr);
+  if (to == nullptr || from == nullptr) return kInvalidValue;
+  state().copies_d2d++;
+  enqueue(s, Op{[s, to, from, width, height, sp, dp] {
+                  late(s);
+                  for (std::size_t row = 0; row < height; row++) std::memmove(to + row * dp, from + row * sp, width);
                   return ok();
                 },
                 nullptr});

@@ -69,6 +69,33 @@ constexpr unsigned kIpcLazyPeerAccess = 0x1;      // CU_IPC_MEM_LAZY_ENABLE_PEER
 constexpr unsigned kWaitValueGeq = 0x0;           // CU_STREAM_WAIT_VALUE_GEQ (cyclic: (int32_t)(*p - v) >= 0)
 constexpr unsigned kWriteValueDefault = 0x0;      // CU_STREAM_WRITE_VALUE_DEFAULT (a fence before the write)
 
+// A 2-D copy (CUDA_MEMCPY2D, cuMemcpy2DAsync_v2): `height` rows of `width` bytes, each `*_pitch`
+// bytes after the last, the same layout as cuda.h's (size_t and pointers of 8 bytes, the memory type
+// an enum, padded).
+constexpr int kMemoryTypeDevice = 2;  // CU_MEMORYTYPE_DEVICE
+struct Memcpy2D {
+  std::size_t src_x = 0;
+  std::size_t src_y = 0;
+  int src_type = 0;
+  const void* src_host = nullptr;
+  DevicePtr src_device = 0;
+  void* src_array = nullptr;
+  std::size_t src_pitch = 0;
+  std::size_t dst_x = 0;
+  std::size_t dst_y = 0;
+  int dst_type = 0;
+  void* dst_host = nullptr;
+  DevicePtr dst_device = 0;
+  void* dst_array = nullptr;
+  std::size_t dst_pitch = 0;
+  std::size_t width = 0;
+  std::size_t height = 0;
+};
+static_assert(sizeof(Memcpy2D) == 128, "CUDA_MEMCPY2D is 128 bytes");
+// The largest pitch a 2-D copy takes on every device CUDA 13 runs on (CU_DEVICE_ATTRIBUTE_MAX_PITCH
+// is 2^31 - 1 there); a longer one goes row by row.
+constexpr std::size_t kMaxPitch = 0x7FFFFFFF;
+
 // Every entry point the engine resolves, with the symbol it is exported as.
 struct Api {
   Result (*init)(unsigned flags);                                                // cuInit
@@ -106,6 +133,7 @@ struct StepApi {
   Result (*mem_free)(DevicePtr p);                                               // cuMemFree_v2
   Result (*memset_d32)(DevicePtr p, unsigned value, std::size_t n, Stream stream);  // cuMemsetD32Async
   Result (*memcpy_d2d)(DevicePtr dst, DevicePtr src, std::size_t n, Stream stream);  // cuMemcpyDtoDAsync_v2
+  Result (*memcpy_2d)(const Memcpy2D* copy, Stream stream);                      // cuMemcpy2DAsync_v2
   Result (*can_access_peer)(int* can, DeviceId device, DeviceId peer);           // cuDeviceCanAccessPeer
   Result (*ipc_get_mem_handle)(IpcMemHandle* handle, DevicePtr p);               // cuIpcGetMemHandle
   Result (*ipc_open_mem_handle)(DevicePtr* p, IpcMemHandle handle, unsigned flags);  // cuIpcOpenMemHandle_v2

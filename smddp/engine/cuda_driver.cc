@@ -55,6 +55,7 @@ std::string resolve_step(void* lib, StepApi* a) {
   resolve(lib, "cuMemFree_v2", &a->mem_free, &missing);
   resolve(lib, "cuMemsetD32Async", &a->memset_d32, &missing);
   resolve(lib, "cuMemcpyDtoDAsync_v2", &a->memcpy_d2d, &missing);
+  resolve(lib, "cuMemcpy2DAsync_v2", &a->memcpy_2d, &missing);
   resolve(lib, "cuDeviceCanAccessPeer", &a->can_access_peer, &missing);
   resolve(lib, "cuIpcGetMemHandle", &a->ipc_get_mem_handle, &missing);
   resolve(lib, "cuIpcOpenMemHandle_v2", &a->ipc_open_mem_handle, &missing);

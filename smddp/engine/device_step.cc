@@ -295,6 +295,28 @@ cuda::DevicePtr DeviceStep::flag(std::uint32_t rank, int which) const {
   return stages_[rank] + static_cast<std::uint64_t>(which) * 128;
 }
 
+cuda::Result DeviceStep::copy_rows(cuda::DevicePtr dst, std::uint64_t dst_pitch, cuda::DevicePtr src,
+                                   std::uint64_t src_pitch, std::uint64_t width, std::uint64_t height,
+                                   cuda::Stream lane) const {
+  if (width == 0 || height == 0) return cuda::kSuccess;
+  const cuda::StepApi& step = driver_->step();
+  if (height > 1 && dst_pitch <= cuda::kMaxPitch && src_pitch <= cuda::kMaxPitch) {
+    cuda::Memcpy2D c;
+    c.src_type = c.dst_type = cuda::kMemoryTypeDevice;
+    c.src_device = src;
+    c.src_pitch = src_pitch;
+    c.dst_device = dst;
+    c.dst_pitch = dst_pitch;
+    c.width = width;
+    c.height = height;
+    return step.memcpy_2d(&c, lane);
+  }
+  cuda::Result r = cuda::kSuccess;
+  for (std::uint64_t row = 0; r == cuda::kSuccess && row < height; row++)
+    r = step.memcpy_d2d(dst + row * dst_pitch, src + row * src_pitch, width, lane);
+  return r;
+}
+
 cuda::DevicePtr DeviceStep::out_ready(std::uint32_t rank, std::uint64_t piece) const {
   return flag(rank, kOutReady + static_cast<int>(piece % kSlots));
 }
@@ -483,9 +505,9 @@ std::shared_ptr<StepWork> DeviceStep::enqueue(const Call& c, bool after, std::ui
     const bool fills = c.kind == Kind::kBroadcast ? !across && me == c.root : !across || folds;
     if (r == cuda::kSuccess && m > 0 && fills) {
       call = "cuMemcpyDtoDAsync";
-      if (c.kind == Kind::kReduceScatter) {
-        for (std::uint64_t j = 0; r == cuda::kSuccess && j < blocks; j++)
-          r = step.memcpy_d2d(slot(me, q) + j * m * isz, c.in + (j * c.n + start) * isz, m * isz, in_lane_);
+      if (c.kind == Kind::kReduceScatter) {  // (one 2-D copy: a row of m from each block)
+        call = "cuMemcpy2DAsync";
+        r = copy_rows(slot(me, q), m * isz, c.in + start * isz, c.n * isz, m * isz, blocks, in_lane_);
       } else {
         r = step.memcpy_d2d(slot(me, q), c.in + start * isz, m * isz, in_lane_);
       }
@@ -585,11 +607,10 @@ std::shared_ptr<StepWork> DeviceStep::enqueue(const Call& c, bool after, std::ui
         for (std::uint32_t j = 0; r == cuda::kSuccess && j < g; j++)
           r = step.wait_value32(gather_lane_, out_ready(j, q), q32, cuda::kWaitValueGeq);
         for (std::uint32_t j = 0; r == cuda::kSuccess && j < g && m > 0; j++) {
-          for (std::uint32_t k = 0; r == cuda::kSuccess && k < c.rows; k++) {
-            call = "cuMemcpyDtoDAsync";
-            const std::uint64_t row = std::uint64_t{j} * c.rows + k;
-            r = step.memcpy_d2d(c.out + (row * c.n + start) * isz, slot(j, q) + k * m * isz, m * isz, gather_lane_);
-          }
+          call = "cuMemcpy2DAsync";  // (its rows, n apart in the output: one 2-D copy a slot)
+          const std::uint64_t row = std::uint64_t{j} * c.rows;
+          r = copy_rows(c.out + (row * c.n + start) * isz, c.n * isz, slot(j, q), m * isz, m * isz, c.rows,
+                        gather_lane_);
         }
         break;
       case Kind::kBroadcast:

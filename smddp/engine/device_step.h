@@ -224,6 +224,10 @@ class DeviceStep {
   cuda::DevicePtr slot(std::uint32_t rank, std::uint64_t piece) const;
   cuda::DevicePtr flag(std::uint32_t rank, int which) const;
   cuda::DevicePtr out_ready(std::uint32_t rank, std::uint64_t piece) const;  // piece's slot's
+  // `height` rows of `width` bytes from `src` (rows `src_pitch` apart) to `dst` (`dst_pitch` apart)
+  // on `lane`: one 2-D copy, or a copy a row where a pitch is past the largest a 2-D copy takes.
+  cuda::Result copy_rows(cuda::DevicePtr dst, std::uint64_t dst_pitch, cuda::DevicePtr src, std::uint64_t src_pitch,
+                         std::uint64_t width, std::uint64_t height, cuda::Stream lane) const;
   bool broken(std::string* why);
   void fail(std::string why);
 
