@@ -46,10 +46,10 @@ needs_torch_cuda = pytest.mark.skipif(not _torch_cuda(), reason="torch has no CU
 HERE = Path(__file__).parent
 
 
-def launch(world: int, nodes: int, args: list[str], timeout: float = 900) -> None:
+def launch(world: int, nodes: int, args: list[str], timeout: float = 900, **env: str) -> None:
     cmd = [str(BIN / "smddp-launch"), "-np", str(world), "--local-nodes", str(nodes), "--", sys.executable]
     proc = subprocess.run(
-        [*cmd, *args], capture_output=True, text=True, timeout=timeout, env=job_env(), cwd=REPO
+        [*cmd, *args], capture_output=True, text=True, timeout=timeout, env=job_env(**env), cwd=REPO
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 
@@ -68,22 +68,33 @@ def keep(name: str, data: Any) -> None:
 
 
 @pytest.mark.parametrize(
-    ("world", "nodes", "array"),
-    [(2, 1, "cupy"), (4, 2, "cupy"), pytest.param(2, 1, "torch", marks=needs_torch_cuda)],
-    ids=["W2-N1-cupy", "W4-N2-cupy", "W2-N1-torch"],
+    ("world", "nodes", "array", "node_reduce"),
+    [
+        (2, 1, "cupy", "host"),
+        (4, 2, "cupy", "host"),
+        pytest.param(2, 1, "torch", "host", marks=needs_torch_cuda),
+        (4, 1, "cupy", "gpu"),
+        (4, 2, "cupy", "gpu"),
+    ],
+    ids=["W2-N1-cupy", "W4-N2-cupy", "W2-N1-torch", "W4-N1-cupy-gpu-step", "W4-N2-cupy-gpu-step"],
 )
 def test_every_dtype_and_collective_on_the_gpu(
-    world: int, nodes: int, array: str, tmp_path: Path, clean_host: None
+    world: int, nodes: int, array: str, node_reduce: str, tmp_path: Path, clean_host: None
 ):
-    """Workers share the GPU(s); results bit-exact against the reference (torch adds bfloat16)."""
+    """Workers share the GPU(s); results bit-exact against the reference (torch adds bfloat16). With
+    node_reduce gpu every device collective takes the GPU step (the ranks reach each other's staging
+    memory on the one device through CUDA IPC), in pieces of 64 KiB slots."""
     from tests.gpu.test_standin import check_records
 
     args = [str(HERE / "check_device.py"), "--out", str(tmp_path), "--nnodes", str(nodes)]
-    launch(world, nodes, [*args, "--runtime", "cupy", "--array", array, "--big"])
+    env = {"SMDDP_NODE_REDUCE": node_reduce, "SMDDP_STEP_SLOT_KB": "64"} if node_reduce == "gpu" else {}
+    launch(world, nodes, [*args, "--runtime", "cupy", "--array", array, "--big"], **env)
     runs = results(tmp_path, world)
     check_records([d["records"] for d in runs], inflight=24)
     for d in runs:
         assert d["runtime"] == "cupy"
+        if node_reduce == "gpu":
+            assert d["node_reduce_why"] == "" and d["step_count"] == sum(d["device_kinds"].values()), d
         dtypes = {rec["case"]["dtype"] for rec in d["records"]}
         want = {"uint8", "int32", "int64", "float16", "float32", "float64"} | (
             {"bfloat16"} if array == "torch" else set()
