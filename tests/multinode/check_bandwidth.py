@@ -21,14 +21,19 @@ def main() -> int:
     smddp.init()
     x = np.ones(args.mib * (1 << 20) // 4, np.float32)
     smddp.allreduce(x)  # warm-up: arenas touched, connections busy once
-    times = []
-    for _ in range(args.repeats):
+    marks = np.zeros((2, args.repeats), np.float64)
+    for i in range(args.repeats):
         x[:] = 1.0
         smddp.barrier()
-        t0 = time.perf_counter()
+        marks[0, i] = time.perf_counter()
         smddp.allreduce(x, op=smddp.SUM)
-        times.append(time.perf_counter() - t0)
+        marks[1, i] = time.perf_counter()
     ok = bool(np.all(x == smddp.size()))
+    # Each all-reduce's span: from the first rank's start to the last rank's end (perf_counter is
+    # CLOCK_MONOTONIC, one clock for every process here). One rank's own time is shorter by however
+    # much later than the others it left the barrier: the others' data was already on its way.
+    every = np.asarray(smddp.allgather(marks))
+    times = [float(every[:, 1, i].max() - every[:, 0, i].min()) for i in range(args.repeats)]
     daemons = [d.tcp_host for d in smddp.client().job.daemons]
     if smddp.rank() == 0:
         with open(args.out, "w") as f:
