@@ -851,7 +851,7 @@ class Client:
         (the result's rows of this rank's slice come back, `out` the node's to fill); a broadcast's,
         the root's piece (the others send nothing). Each piece's slice of the result comes back on the
         step's back lane at its DONE, followed by the slice's out_ready (the node's gather lanes wait
-        for every rank's). Collected, so that the DONE thread takes each DONE: nobody waits for the
+        for every rank's); the broadcast's root takes nothing back (its slice is its own). Collected, so that the DONE thread takes each DONE: nobody waits for the
         pieces but through the step's end, which is returned."""
         engine = self._device_path()
         isz = dev.dtype.itemsize
@@ -918,9 +918,11 @@ class Client:
                     kind, total, dev.dtype, op or 0, aux, slot, result_bytes, None, None, DeviceHandle,
                     node_summed=summed,
                 )  # fmt: skip
+                # (out_ready 0: nothing comes back, the broadcast's root having its slice already)
+                way_back = [(back, offset, nbytes)] if out_ready else []
                 engine.deliver_to(
-                    handle, dev.device, step.step.back_lane, None, [(back, offset, nbytes)], None,
-                    (out_ready, number & 0xFFFFFFFF),
+                    handle, dev.device, step.step.back_lane, None, way_back, None,
+                    (out_ready, number & 0xFFFFFFFF) if out_ready else None,
                 )  # fmt: skip
                 # (one that sends nothing waits for its point of the in lane all the same: no piece's
                 # result may come back before the node's ranks are done with its slot)

@@ -11,15 +11,14 @@ namespace {
 
 std::string num(std::uint64_t v) { return std::to_string(v); }
 
-// Destroys an event the engine owns, on whichever thread lets go of its owner last (a watch's, a
-// collector's), with `device`'s context current for the call.
+
+}  // namespace
+
 void destroy_event(cuda::Driver& d, int device, cuda::Event ev) {
   cuda::Bound bound(d, device);
   if (bound.result() == cuda::kSuccess) (void)d.api().event_destroy(ev);
 }
 
-// A new event recorded on `stream` (the current context's) into *ev; on failure none is left and
-// *call names the driver call that failed.
 cuda::Result record_new_event(const cuda::Api& api, cuda::Stream stream, cuda::Event* ev, const char** call) {
   *call = "cuEventCreate";
   cuda::Result r = api.event_create(ev, cuda::kEventDisableTiming);
@@ -30,7 +29,16 @@ cuda::Result record_new_event(const cuda::Api& api, cuda::Stream stream, cuda::E
   return r;
 }
 
-}  // namespace
+cuda::Result poll_event(cuda::Driver& d, cuda::Event ev, std::int64_t timeout_ns, std::int64_t spin_ns) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto deadline = t0 + std::chrono::nanoseconds(timeout_ns);
+  cuda::Result r;
+  while ((r = d.api().event_query(ev)) == cuda::kNotReady) {
+    if (std::chrono::steady_clock::now() >= deadline) break;
+    stream_pause(t0, spin_ns);
+  }
+  return r;
+}
 
 // ----------------------------------------------------------------------------------- DeviceMark
 
@@ -146,14 +154,7 @@ DeviceIn::~DeviceIn() { destroy_event(*driver_, device_, copied_); }
 cuda::Result DeviceIn::query() { return driver_->api().event_query(copied_); }
 
 cuda::Result DeviceIn::wait(std::int64_t timeout_ns, std::int64_t spin_ns) {
-  const auto t0 = std::chrono::steady_clock::now();
-  const auto deadline = t0 + std::chrono::nanoseconds(timeout_ns);
-  cuda::Result r;
-  while ((r = query()) == cuda::kNotReady) {
-    if (std::chrono::steady_clock::now() >= deadline) break;
-    stream_pause(t0, spin_ns);
-  }
-  return r;
+  return poll_event(*driver_, copied_, timeout_ns, spin_ns);
 }
 
 // ----------------------------------------------------------------------------------- DevicePath

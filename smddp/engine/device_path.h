@@ -120,6 +120,16 @@ class DeviceOut : public HeldSink, public std::enable_shared_from_this<DeviceOut
   std::atomic<cuda::Event> done_{nullptr};
 };
 
+// Event helpers the device path and the GPU step share. destroy_event: an event the engine owns,
+// destroyed on whichever thread lets go of its owner last, with `device`'s context current.
+void destroy_event(cuda::Driver& d, int device, cuda::Event ev);
+// A new event recorded on `stream` (the current context's) into *ev; on failure none is left and
+// *call names the driver call that failed.
+cuda::Result record_new_event(const cuda::Api& api, cuda::Stream stream, cuda::Event* ev, const char** call);
+// Polls `ev` until it is reached or `timeout_ns` has passed, yielding the core for `spin_ns` and then
+// in short sleeps (stream_pause), so that the caller keeps its timeout: the last query's answer.
+cuda::Result poll_event(cuda::Driver& d, cuda::Event ev, std::int64_t timeout_ns, std::int64_t spin_ns);
+
 // One device collective's copy into its input slot, enqueued by DevicePath::copy_in.
 class DeviceIn {
  public:

@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "channel.h"
+#include "device_path.h"
 #include "kernels_ptx.h"
 #include "reduce.h"
 #include "wire.h"
@@ -61,10 +62,7 @@ std::string num(std::uint64_t v) { return std::to_string(v); }
 StepWork::StepWork(std::shared_ptr<cuda::Driver> driver, int device, cuda::Event done)
     : driver_(std::move(driver)), device_(device), done_(done) {}
 
-StepWork::~StepWork() {
-  cuda::Bound bound(*driver_, device_);
-  if (bound.result() == cuda::kSuccess) (void)driver_->api().event_destroy(done_);
-}
+StepWork::~StepWork() { destroy_event(*driver_, device_, done_); }
 
 cuda::Result StepWork::order(std::uintptr_t stream) {
   cuda::Bound bound(*driver_, device_);
@@ -75,14 +73,7 @@ cuda::Result StepWork::order(std::uintptr_t stream) {
 cuda::Result StepWork::query() { return driver_->api().event_query(done_); }
 
 cuda::Result StepWork::wait(std::int64_t timeout_ns, std::int64_t spin_ns) {
-  const auto t0 = std::chrono::steady_clock::now();
-  const auto deadline = t0 + std::chrono::nanoseconds(timeout_ns);
-  cuda::Result r;
-  while ((r = query()) == cuda::kNotReady) {
-    if (std::chrono::steady_clock::now() >= deadline) break;
-    stream_pause(t0, spin_ns);
-  }
-  return r;
+  return poll_event(*driver_, done_, timeout_ns, spin_ns);
 }
 
 // ----------------------------------------------------------------------------------- DeviceStep
@@ -469,17 +460,16 @@ std::shared_ptr<StepWork> DeviceStep::enqueue(const Call& c, bool after, std::ui
   // Both lanes after the caller's work so far (the buffers' producer): an event of our own on its
   // stream, let go of once the waits are enqueued (the driver keeps what they wait for).
   const char* call = "cuEventCreate";
-  cuda::Event before = nullptr;
-  cuda::Result r = after ? api.event_create(&before, cuda::kEventDisableTiming) : cuda::kSuccess;
-  if (r == cuda::kSuccess && after) {
-    call = "cuEventRecord";
-    r = api.event_record(before, cuda::stream_of(stream));
+  cuda::Result r = cuda::kSuccess;
+  if (after) {
+    cuda::Event before = nullptr;
+    r = record_new_event(api, cuda::stream_of(stream), &before, &call);
     if (r == cuda::kSuccess) {
       call = "cuStreamWaitEvent";
       r = api.stream_wait_event(in_lane_, before, 0);
       if (r == cuda::kSuccess) r = api.stream_wait_event(gather_lane_, before, 0);
+      (void)api.event_destroy(before);
     }
-    (void)api.event_destroy(before);
   }
   const bool across = send != nullptr;
   // A reduce-scatter's piece is [a, b) of every block: its slot holds the world's blocks' (so
@@ -503,6 +493,14 @@ std::shared_ptr<StepWork> DeviceStep::enqueue(const Call& c, bool after, std::ui
     // This rank's slot: its input's piece (a reduce-scatter's, from each block; a broadcast's, the
     // root's alone); across nodes, a gather's comes back from the host instead.
     const bool fills = c.kind == Kind::kBroadcast ? !across && me == c.root : !across || folds;
+    const std::uint64_t lo = filled * me / g, hi = filled * (me + 1) / g;
+    // Across nodes, the broadcast's root has its slice already: into its slot from its buffer here,
+    // and no way back from the host (its out_ready is the in lane's, below).
+    const bool own_slice = across && c.kind == Kind::kBroadcast && c.is_root;
+    if (r == cuda::kSuccess && own_slice && hi > lo) {
+      call = "cuMemcpyDtoDAsync";
+      r = step.memcpy_d2d(slot(me, q) + lo * isz, c.in + (start + lo) * isz, (hi - lo) * isz, in_lane_);
+    }
     if (r == cuda::kSuccess && m > 0 && fills) {
       call = "cuMemcpyDtoDAsync";
       if (c.kind == Kind::kReduceScatter) {  // (one 2-D copy: a row of m from each block)
@@ -517,7 +515,6 @@ std::shared_ptr<StepWork> DeviceStep::enqueue(const Call& c, bool after, std::ui
       wrote = true;
       r = step.write_value32(in_lane_, flag(me, kInReady), q32, cuda::kWriteValueDefault);
     }
-    const std::uint64_t lo = filled * me / g, hi = filled * (me + 1) / g;
     if (folds) {
       for (std::uint32_t j = 0; r == cuda::kSuccess && j < g; j++) {
         if (j == me) continue;
@@ -570,9 +567,13 @@ std::shared_ptr<StepWork> DeviceStep::enqueue(const Call& c, bool after, std::ui
           p.send = c.in + start * isz;
           p.send_bytes = m * isz;
         }
-        p.back = slot(me, q) + lo * isz;
-        p.back_offset = lo * isz;
-        p.back_bytes = (hi - lo) * isz;
+        if (!own_slice) {
+          p.back = slot(me, q) + lo * isz;
+          p.back_offset = lo * isz;
+          p.back_bytes = (hi - lo) * isz;
+        } else {
+          p.out_ready = 0;  // (nothing comes back: the caller delivers nothing and writes no flag)
+        }
       }
       std::string w;
       if (!(*send)(p, in_lane_, &w)) {
@@ -581,6 +582,10 @@ std::shared_ptr<StepWork> DeviceStep::enqueue(const Call& c, bool after, std::ui
         return nullptr;
       }
       if (pieces != nullptr) pieces->push_back(p);
+      if (own_slice) {
+        call = "cuStreamWriteValue32";
+        r = step.write_value32(in_lane_, out_ready(me, q), q32, cuda::kWriteValueDefault);
+      }
     }
     // The gather lane: once the slots it reads are ready, the piece's result into place.
     if (r == cuda::kSuccess) call = "cuStreamWaitValue32";
@@ -644,15 +649,7 @@ std::shared_ptr<StepWork> DeviceStep::enqueue(const Call& c, bool after, std::ui
     start += m;
   }
   cuda::Event done = nullptr;
-  if (r == cuda::kSuccess) {
-    call = "cuEventCreate";
-    r = api.event_create(&done, cuda::kEventDisableTiming);
-    if (r == cuda::kSuccess) {
-      call = "cuEventRecord";
-      r = api.event_record(done, gather_lane_);
-      if (r != cuda::kSuccess) (void)api.event_destroy(done);
-    }
-  }
+  if (r == cuda::kSuccess) r = record_new_event(api, gather_lane_, &done, &call);
   if (r != cuda::kSuccess) {
     *why = "cuda:" + std::to_string(device_) + ": the GPU step's " + c.what + " could not be enqueued: " + d.describe(r, call);
     if (wrote) fail(*why);

@@ -145,7 +145,7 @@ class DeviceStep {
     cuda::DevicePtr back = 0;      // where this rank's slice of the piece's result comes back, in its slot
     std::uint64_t back_offset = 0;  // the slice's byte offset in the piece's result
     std::uint64_t back_bytes = 0;
-    cuda::DevicePtr out_ready = 0;  // this rank's out_ready flag
+    cuda::DevicePtr out_ready = 0;  // this rank's out_ready flag of the piece's slot (0: nothing comes back)
   };
   using Send = std::function<bool(const Piece& piece, cuda::Stream lane, std::string* why)>;
   std::shared_ptr<StepWork> allreduce_across(cuda::DevicePtr buf, std::uint64_t n, std::uint8_t dtype,
@@ -171,8 +171,9 @@ class DeviceStep {
                                                   std::uint32_t rank, bool after, std::uintptr_t stream,
                                                   const Send& send, std::vector<Piece>* pieces, std::string* why);
   // Across nodes, a broadcast from the job's root (`root`: this rank is it): the root's pieces go to
-  // the host (the others send nothing), and each rank's slice of each piece comes back into its slot,
-  // then out_ready; the gather lane copies every rank's slice into `buf` (the root's excepted).
+  // the host (the others send nothing), and each other rank's slice of each piece comes back into
+  // its slot, then out_ready (the root copies its own slice into its slot on the device); the gather
+  // lane copies every rank's slice into `buf` (the root's excepted).
   std::shared_ptr<StepWork> broadcast_across(cuda::DevicePtr buf, std::uint64_t n, std::uint8_t dtype, bool root,
                                              bool after, std::uintptr_t stream, const Send& send,
                                              std::vector<Piece>* pieces, std::string* why);

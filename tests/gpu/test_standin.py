@@ -202,7 +202,7 @@ def test_the_daemons_show_each_ranks_device_copies(
     takes nothing back, the others take it without sending; an all-gather takes back W times what it
     sends; with node_reduce gpu an all-reduce sends and takes back only the rank's slice of it, and an
     all-gather and a broadcast take back only the rank's slice of the result (W/G times what it
-    sends; S/G, the broadcast's root included)."""
+    sends; S/G, and the broadcast's root nothing)."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
@@ -259,8 +259,8 @@ def test_the_daemons_show_each_ranks_device_copies(
             takes = (
                 nbytes * world if kind == "allgather" else 0 if kind == "broadcast" and rank == 0 else nbytes
             )
-            if node_reduce == "gpu" and kind in ("broadcast", "allgather"):
-                # Each rank takes back its slice of the result alone, the broadcast's root too.
+            if node_reduce == "gpu" and kind in ("broadcast", "allgather") and takes:
+                # Each rank takes back its slice of the result alone (the broadcast's root nothing).
                 g, local = world // nodes, rank % (world // nodes)
                 takes = (
                     nbytes * world // g
