@@ -197,9 +197,8 @@ RingWait WorkerChannel::submit_locked(std::uint64_t seq, const std::uint8_t* fra
     return RingWait::kReady;
   }
   // Within the window: it goes, then those queued that the window takes now.
-  const RingWait r = push_locked(frame, timeout_ns, spin_ns);
+  const RingWait r = push_submit_locked(frame, timeout_ns, spin_ns);
   if (r != RingWait::kReady) return r;
-  submits_pushed_.fetch_add(1, std::memory_order_release);
   return drain_locked(timeout_ns, spin_ns);
 }
 
@@ -214,9 +213,8 @@ RingWait WorkerChannel::drain_locked(std::int64_t timeout_ns, std::int64_t spin_
   // (The lowest queued first: if the window does not take it, it takes none after it.)
   while (!queued_.empty() && in_window_locked(queued_.begin()->first)) {
     const auto it = queued_.begin();
-    const RingWait r = push_locked(it->second.data(), timeout_ns, spin_ns);
+    const RingWait r = push_submit_locked(it->second.data(), timeout_ns, spin_ns);
     if (r != RingWait::kReady) return r;
-    submits_pushed_.fetch_add(1, std::memory_order_release);
     if (trace_.load(std::memory_order_relaxed)) {
       std::lock_guard<std::mutex> trace_lock(trace_mu_);
       auto b = begun_.find(it->first);
@@ -305,6 +303,18 @@ RingWait WorkerChannel::push_locked(const std::uint8_t* header, std::int64_t tim
   return submit_.push(header, kHeaderSize, timeout_ns, spin_ns);
 }
 
+RingWait WorkerChannel::push_submit_locked(const std::uint8_t* header, std::int64_t timeout_ns,
+                                           std::int64_t spin_ns) {
+  // Counted before it goes: its DONE can be taken the moment the daemon sees it, and the taker's
+  // acquire of the count (route()) orders it after this thread only if the release came first. A
+  // TSan job caught the copy back of a GPU step's piece "racing" its copy-in, once: the device watch
+  // that gave the SUBMIT was preempted between its push and the count, the DONE came meanwhile.
+  submits_pushed_.fetch_add(1, std::memory_order_release);
+  const RingWait r = push_locked(header, timeout_ns, spin_ns);
+  if (r != RingWait::kReady) submits_pushed_.fetch_sub(1, std::memory_order_relaxed);  // (it never went)
+  return r;
+}
+
 RingWait WorkerChannel::push(const std::uint8_t* header, std::int64_t timeout_ns, std::int64_t spin_ns) {
   Header h;
   const bool submit = decode_header(header, kHeaderSize, &h).empty() && h.type == Msg::kSubmit;
@@ -341,11 +351,11 @@ RingWait WorkerChannel::try_push(const std::uint8_t* header) {
     // push()'s, which has a timeout for their room.
     if (lock.owns_lock() && queued_.empty() && (!submit || in_window_locked(h.seq))) {
       // (Not past kMaxInFlight: that wait is push()'s, which takes DONEs meanwhile.)
-      if (!submit || in_flight() < kMaxInFlight) r = push_locked(header, 0, 0);
-      if (submit && r == RingWait::kReady) {
-        reserved_.erase(h.seq);
-        submits_pushed_.fetch_add(1, std::memory_order_release);
-      }
+      if (!submit)
+        r = push_locked(header, 0, 0);
+      else if (in_flight() < kMaxInFlight)
+        r = push_submit_locked(header, 0, 0);
+      if (submit && r == RingWait::kReady) reserved_.erase(h.seq);
     }
   }
   if (submit && r != RingWait::kReady) {
@@ -389,11 +399,12 @@ WorkerChannel::Route WorkerChannel::route(const Descriptor& d) {
   if (h.type != Msg::kDone) return Route::kGeneral;
   dones_taken_.fetch_add(1, std::memory_order_release);
   // A DONE comes only for a SUBMIT this worker pushed (the daemon read it first, in its own process):
-  // reading the pushes' count with acquire orders whatever came before that push on its thread (a
-  // device copy-in's landing, seen by the device watch that gave it) before what this taker does
-  // with the DONE (the copy back into the same memory). The daemon's order, made visible in this
-  // process, to the C++ memory model and to TSan alike: a TSan job caught the copy back "racing"
-  // the copy-in once the watch thread, which holds no GIL, gave the SUBMIT.
+  // reading the pushes' count with acquire orders whatever came before that push's count on its
+  // thread (a device copy-in's landing, seen by the device watch that gave it; push_submit_locked
+  // counts before it pushes) before what this taker does with the DONE (the copy back into the same
+  // memory). The daemon's order, made visible in this process, to the C++ memory model and to TSan
+  // alike: a TSan job caught the copy back "racing" the copy-in once the watch thread, which holds
+  // no GIL, gave the SUBMIT.
   (void)submits_pushed_.load(std::memory_order_acquire);
   auto it = fast_.find(h.seq);
   if (it == fast_.end() || it->second.came) return Route::kGeneral;

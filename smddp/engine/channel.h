@@ -430,6 +430,8 @@ class WorkerChannel {
   using Descriptor = std::array<std::uint8_t, kSlotBytes>;
   WorkerChannel(std::shared_ptr<Segment> seg, int side, int daemon_end);
   RingWait push_locked(const std::uint8_t* header, std::int64_t timeout_ns, std::int64_t spin_ns);
+  // push_locked() of a SUBMIT, counted in submits_pushed_ before it goes (undone if it does not).
+  RingWait push_submit_locked(const std::uint8_t* header, std::int64_t timeout_ns, std::int64_t spin_ns);
   // Where a descriptor a taker took off the ring goes (called with pop_mu_ held, decoding it once):
   // kKept, a SEGMENT taken into the result table or a fast collective's DONE kept in fast_ for its
   // finish(); kGeneral, the general way's (or not a frame: the caller refuses it); kBroken, a
@@ -488,7 +490,7 @@ class WorkerChannel {
   // SUBMITs given past the window: seq -> frame, pushed in seq order as the window moves up.
   std::map<std::uint64_t, std::array<std::uint8_t, kHeaderSize>> queued_;
   std::uint64_t queued_starts_ = 0;  // how many ever waited there (queued_starts())
-  std::atomic<std::uint64_t> submits_pushed_{0};  // SUBMITs on the ring so far (written with push_mu_ held)
+  std::atomic<std::uint64_t> submits_pushed_{0};  // SUBMITs on the ring so far, each counted just before it goes (push_mu_ held)
   std::atomic<std::uint64_t> dones_taken_{0};     // DONEs taken off it so far (route(), with pop_mu_ held)
   RingView submit_;
   std::deque<std::array<std::uint8_t, kHeaderSize>> held_;  // RELEASEs waiting for the next push
