@@ -86,7 +86,8 @@ ENGINE_CORE := smddp/engine/frame.cc smddp/engine/layout.cc smddp/engine/reduce1
   smddp/engine/node_state.cc smddp/engine/arena.cc smddp/engine/fdpass.cc \
   smddp/engine/tcp_fabric.cc smddp/engine/ofi_fabric.cc smddp/engine/ofi_wire.cc smddp/engine/ring.cc smddp/engine/channel.cc \
   smddp/engine/executor.cc smddp/engine/exchange.cc smddp/engine/worker_port.cc smddp/engine/local_plane.cc \
-  smddp/engine/cuda_driver.cc smddp/engine/device_watch.cc smddp/engine/device_path.cc smddp/engine/device_step.cc
+  smddp/engine/cuda_driver.cc smddp/engine/device_watch.cc smddp/engine/device_path.cc smddp/engine/device_step.cc \
+  smddp/engine/native_api.cc
 # Each driver's own bounded run under ASan+UBSan and under TSan (the coverage-guided libFuzzer runs of
 # engine-fuzz go deeper; `make fuzz` longer still).
 FUZZ_SECONDS ?= 4
@@ -207,18 +208,21 @@ SAN_JOBS := 'tests/multiprocess/test_collectives.py::test_every_collective_bit_e
   tests/faults/test_faults.py::test_worker_killed_mid_collective \
   'tests/gpu/test_step.py::test_the_node_collectives_are_the_host_paths_bits[4-devices]' \
   tests/gpu/test_step.py::test_an_interprocess_event_holds_another_process_s_stream_until_reached \
-  'tests/gpu/test_standin.py::test_every_collective_on_device_buffers_with_the_gpu_step[W4-N2]'
+  'tests/gpu/test_standin.py::test_every_collective_on_device_buffers_with_the_gpu_step[W4-N2]' \
+  'tests/multiprocess/test_capi.py::test_every_collective_through_the_c_table[W4-N2]'
 # Under TSan (5-15x slower) the jobs whose threads meet: the rings and the fabric with pipelined
 # pieces on 2 nodes over TCP, a worker killed in the middle of a collective (the ofi fabric's
 # threads are TSan's in engine-sanitize's test_ofi_fabric), and the device path: every collective
-# on stand-in device buffers, and 600 device and host collectives in flight at once.
+# on stand-in device buffers, and 600 device and host collectives in flight at once; and the C
+# table's works, completed by waits and by the DONE thread's callbacks.
 SAN_JOBS_TSAN := 'tests/multiprocess/test_collectives.py::test_both_reduce_paths_bit_exact[W4-N2-pipelined-16KiB-pieces]' \
   $(SAN_COPY_INS) \
   tests/faults/test_faults.py::test_worker_killed_mid_collective \
   'tests/gpu/test_standin.py::test_every_collective_on_device_buffers[W2-N1-dlpack]' \
   tests/gpu/test_standin.py::test_six_hundred_device_and_host_collectives_in_flight \
   'tests/gpu/test_step.py::test_the_node_collectives_are_the_host_paths_bits[2-devices]' \
-  'tests/gpu/test_standin.py::test_every_collective_on_device_buffers_with_the_gpu_step[W4-N2]'
+  'tests/gpu/test_standin.py::test_every_collective_on_device_buffers_with_the_gpu_step[W4-N2]' \
+  'tests/multiprocess/test_capi.py::test_every_collective_through_the_c_table[W2-N1]'
 # What CI leaves out (make engine-sanitize-jobs-long): the rogue frames that only a decoder refuses
 # (the fuzzers' ground), and the ofi job under TSan.
 SAN_JOBS_MORE := "tests/faults/test_rogue.py::test_invalid_frame_from_an_authenticated_worker[another rank's name]" \

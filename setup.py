@@ -116,6 +116,7 @@ extensions = [
             "smddp/engine/device_watch.cc",
             "smddp/engine/device_path.cc",
             "smddp/engine/device_step.cc",
+            "smddp/engine/native_api.cc",
             "smddp/engine/module.cc",
             *NB_SOURCES,
         ],

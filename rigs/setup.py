@@ -78,6 +78,18 @@ if sys.platform.startswith("linux"):
             extra_link_args=["-pthread"],
         )
     )
+    # A front end of the engine's C function table (capi.h) in C, with nothing of smddp linked: what
+    # the native c10d backend does with it, for the tests.
+    extensions.append(
+        Extension(
+            "smddp_rigs._capi_probe",
+            ["smddp_rigs/_capi_probe.c"],
+            include_dirs=[ENGINE],
+            depends=[f"{ENGINE}/capi.h"],
+            extra_compile_args=["-std=c11", "-O2", "-Wall", "-Wextra", "-Werror", "-pthread"],
+            extra_link_args=["-pthread"],
+        )
+    )
     extensions.append(
         Extension(
             "smddp_rigs._engine_testing",

@@ -663,6 +663,34 @@ class WorkerChannel:
     def close_daemon_end(self) -> None:
         """The daemon's end of the side socket is closed here (once passed)."""
 
+class NativeApi:
+    """
+    A bound channel's C function table for native front ends (smddp/engine/capi.h).
+    """
+
+    def __init__(self, channel: WorkerChannel, world: int, piece_bytes: int) -> None:
+        """
+        The table over `channel` (bound: its rank, arena, RELEASE batch, timeout and spin) in a job of `world` ranks, whose all-reduces go in pieces of `piece_bytes` (0: whole).
+        """
+
+    def capsule(self) -> object:
+        """
+        A capsule named smddp._engine.capi whose pointer is the table (a const smddp_capi*), valid while the capsule lives.
+        """
+
+    def fail_all(self, error_class: str, why: str) -> None:
+        """
+        Every work not complete fails with `why` (its callback called, nothing more written); starts are refused from now on.
+        """
+
+    def pending(self) -> int:
+        """Works started and not complete."""
+
+    def take_failure(self) -> tuple[str, str] | None:
+        """
+        The failure a start or wait met that fails the whole client, once: (error class, why), or None.
+        """
+
 class CopyIn:
     """
     A device collective's copy into its input slot, enqueued by the engine (DeviceEngine.copy_in).

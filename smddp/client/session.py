@@ -540,6 +540,8 @@ class Client:
         self._device: DeviceIO | None = None
         # The engine's device path (DeviceEngine), made with the device machinery, for its runtime's driver.
         self._device_engine: _engine.DeviceEngine | None = None
+        # The engine's C function table for native front ends (native_api()), made at the first ask.
+        self._native: _engine.NativeApi | None = None
         # The GPU step (node_reduce): decided by every rank together at the first device all-reduce.
         self._node_step: NodeStep | None = None
         self._node_step_decided = False
@@ -669,7 +671,13 @@ class Client:
                 pass  # failed or not in time: said below
         while self._channel.blocking() and time.monotonic() < deadline:  # another thread's blocking call
             time.sleep(0.001)
+        native = self._native
+        # The native front ends' works complete through their own waits or the DONE thread: waited
+        # for here until the deadline, and any left fail below, after the channel is closed.
+        while native is not None and native.pending() and time.monotonic() < deadline:
+            time.sleep(0.001)
         unfinished = [h.seq for h in pending if not h.finished] + sorted(self._channel.blocking())
+        native_left = native.pending() if native is not None else 0
         device, engine = self._device, self._device_engine
         copying = False  # a device copy into or out of smddp's memory still running at the bound
         if device is not None and engine is not None:
@@ -691,8 +699,11 @@ class Client:
             engine.stop(
                 False
             )  # no SUBMIT given nor RELEASE sent after BYE (nor into a channel that is going)
+        if native is not None:
+            # (no start from here on; what is left fails: its destination is written no more)
+            native.fail_all("NotInitializedError", "smddp has been shut down")
         self._write_routed()  # the final counts, before BYE lets the daemon finish
-        if self._failure is None and not unfinished and not copying:
+        if self._failure is None and not unfinished and not native_left and not copying:
             try:
                 self._send_frames([Bye(self.rank).header().encode()], timeout=5.0)
             except SmddpError:
@@ -729,11 +740,12 @@ class Client:
                 f"after {t:g}s: its memory is left mapped until the process ends, and the job fails"
                 + (f" (collectives {unfinished} unfinished)" if unfinished else "")
             )
-        if unfinished:
+        if unfinished or native_left:
             # Leaving without BYE tells the daemon this rank is gone, so the job fails instead of hanging.
-            raise CollectiveTimeoutError(
-                f"rank {self.rank}: shut down with collectives {unfinished} unfinished"
-            )
+            left = f"collectives {unfinished}" if unfinished else ""
+            if native_left:
+                left += (" and " if left else "") + f"{native_left} native collectives"
+            raise CollectiveTimeoutError(f"rank {self.rank}: shut down with {left} unfinished")
 
     # ------------------------------------------------------------------ collectives
 
@@ -1230,6 +1242,18 @@ class Client:
 
     # ------------------------------------------------------------------ the device path
 
+    def native_api(self) -> Any:
+        """A capsule of the engine's C function table over this client (smddp/engine/capi.h): host
+        collectives started, waited for and completed from native code with no Python and no GIL
+        (the C++ torch backend's way in). The same channel, arena, rank, timeout and all-reduce
+        pieces as this client's own calls; failed with the client, and shut down with it."""
+        with self._lock:
+            self._check_open()
+            if self._native is None:
+                piece = self.config.pipeline_bytes if self.job.nnodes > 1 else 0
+                self._native = _engine.NativeApi(self._channel, self.size, piece)
+            return self._native.capsule()
+
     def device_runtime(self) -> DeviceRuntime:
         """The runtime this client copies device buffers with (SMDDP_DEVICE_RUNTIME), built on first use."""
         return self._device_io().rt
@@ -1451,6 +1475,9 @@ class Client:
                 got = channel.pop(0.5, 0.0)  # a wait (the engine's finish) takes the ring from us
                 if got is not None:
                     self._taken(got)
+                native = self._native
+                if native is not None and (failed_native := native.take_failure()) is not None:
+                    self._native_failed(*failed_native)
                 engine = self._device_engine
                 if engine is not None:
                     for note in engine.reap():  # (and what landed copies back held goes)
@@ -1466,6 +1493,14 @@ class Client:
         except Exception as e:  # a bug; never leave waiters hanging
             log.exception("smddp client done-ring thread crashed")
             self._fail(CollectiveError(f"rank {self.rank}: internal error in the client: {e!r}"))
+
+    def _native_failed(self, error_class: str, why: str) -> None:
+        """What a native front end's start or wait met that fails the client (native_api): the
+        daemon lost (its ring left full), or a frame or ring it broke, as the Python calls fail it."""
+        if error_class == "PeerLostError":
+            self._fail(_daemon_lost(why))
+        else:
+            self._distrust(ProtocolError(why))
 
     def _distrust(self, e: SmddpError) -> None:
         """A frame we cannot trust: fail here, and hang up so the daemon fails the job for everyone."""
@@ -1552,6 +1587,9 @@ class Client:
             h._finish(error=self._failure)
         for h in self._channel.live():  # the engine's asynchronous ones nobody collected
             h._finish(error=self._failure)
+        native = self._native
+        if native is not None and self._failure is not None:  # the native front ends' works too
+            native.fail_all(type(self._failure).__name__, str(self._failure))
         status = getattr(err, "exit_status", None)
         if first and status is not None and self._wrapper is not None:
             self._wrapper.cause(status)

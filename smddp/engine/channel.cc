@@ -427,7 +427,21 @@ RingWait WorkerChannel::pop(std::uint8_t* out, std::int64_t timeout_ns, std::int
                             Located* at) {
   if (completed != nullptr) *completed = false;
   const Clock::time_point t0 = Clock::now();
-  std::unique_lock<std::mutex> lock(pop_mu_);
+  std::unique_lock<std::mutex> lock(pop_mu_, std::defer_lock);
+  for (bool again = false;; again = true) {
+    // (again: the last one taken was a native front end's, completed and told through its hook)
+    if (again && left_of(t0, timeout_ns) <= 0) return RingWait::kTimeout;
+    lock.lock();
+    bool native = false;
+    const RingWait r = pop_once(out, t0, timeout_ns, spin_ns, &lock, completed, at, &native);
+    if (!native) return r;
+  }
+}
+
+RingWait WorkerChannel::pop_once(std::uint8_t* out, Clock::time_point t0, std::int64_t timeout_ns,
+                                 std::int64_t spin_ns, std::unique_lock<std::mutex>* held, bool* completed,
+                                 Located* at, bool* native) {
+  std::unique_lock<std::mutex>& lock = *held;
   RingWait r = RingWait::kTimeout;
   Descriptor slot;
   for (bool first = true;; first = false) {
@@ -469,16 +483,21 @@ RingWait WorkerChannel::pop(std::uint8_t* out, std::int64_t timeout_ns, std::int
   }
   wake_takers();
   wake_background();
-  if (r != RingWait::kReady) return r;
+  if (r != RingWait::kReady) {
+    lock.unlock();
+    return r;
+  }
   bool done = false;
-  r = complete_collected(out, &lock, &done, at);
+  r = complete_collected(out, &lock, &done, at, native);
+  if (lock.owns_lock()) lock.unlock();
   if (completed != nullptr) *completed = done;
   return r;
 }
 
 RingWait WorkerChannel::complete_collected(const std::uint8_t* d, std::unique_lock<std::mutex>* lock, bool* done,
-                                           Located* at) {
+                                           Located* at, bool* native) {
   *done = false;
+  *native = false;
   Header h;
   if (!decode_header(d, kHeaderSize, &h).empty() || h.type != Msg::kDone) return RingWait::kReady;
   auto it = collected_.find(h.seq);
@@ -490,9 +509,15 @@ RingWait WorkerChannel::complete_collected(const std::uint8_t* d, std::unique_lo
   Located here;
   const RingWait r = deliver(h, c.submit, c.out, c.batch_bytes, c.timeout_ns, 0, &here, Streamed{});
   if (at != nullptr) *at = here;
-  if (r != RingWait::kTimeout) return r;
-  refused("the daemon left this worker's submit ring full: the RELEASE of #" + num(h.seq) + " could not go");
-  return RingWait::kCorrupt;
+  if (r == RingWait::kTimeout)
+    refused("the daemon left this worker's submit ring full: the RELEASE of #" + num(h.seq) + " could not go");
+  if (c.native) {
+    *done = false;
+    *native = true;
+    c.native(r == RingWait::kReady ? std::string() : why());
+    return RingWait::kReady;
+  }
+  return r == RingWait::kTimeout ? RingWait::kCorrupt : r;
 }
 
 RingWait WorkerChannel::take_turn(std::unique_lock<std::mutex>* lock, std::int64_t slice_ns, std::int64_t spin_ns) {
@@ -718,6 +743,7 @@ FastEnd WorkerChannel::finish(Arena& arena, const Slot& slot, const Header& subm
   const Clock::time_point t0 = Clock::now();
   Streamed streamed;
   if (carried != nullptr) streamed = *carried;  // what start() copied out already
+  bool counted = false;  // this wait counted in `waited` already (while it streamed)
   if (stream_.load(std::memory_order_relaxed) && !out.hold && out.src_offset == 0 &&
       out.nbytes == out.result_bytes && streams(submit.kind, out.nbytes)) {
     bool came = true;
@@ -726,6 +752,13 @@ FastEnd WorkerChannel::finish(Arena& arena, const Slot& slot, const Header& subm
       auto at = fast_.find(submit.seq);
       if (at == fast_.end()) return FastEnd::kGone;
       came = at->second.came;
+      // Counted before it streams: a taker that meets its DONE meanwhile keeps it for this wait
+      // rather than completing it (collected) into the memory this wait is copying into. A TSan
+      // job caught the two copying at once (a native front end's wait and its done callback).
+      if (!came) {
+        at->second.waited++;
+        counted = true;
+      }
     }
     // Its DONE already here: the result is whole, nothing to stream.
     if (!came) stream_out(submit.seq, out, t0, timeout_ns, spin_ns, &streamed);
@@ -736,7 +769,7 @@ FastEnd WorkerChannel::finish(Arena& arena, const Slot& slot, const Header& subm
     std::unique_lock<std::mutex> lock(pop_mu_);
     auto at = fast_.find(submit.seq);
     if (at == fast_.end()) return FastEnd::kGone;
-    at->second.waited++;
+    if (!counted) at->second.waited++;
     const bool async = at->second.async;
     fast_waiters_++;
     yield_.store(true, std::memory_order_seq_cst);

@@ -63,6 +63,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -379,6 +380,10 @@ class WorkerChannel {
     Delivery out;
     std::uint64_t batch_bytes = 0;
     std::int64_t timeout_ns = 0;
+    // A native front end's (native_api.h): told on the taker's thread, with none of the channel's
+    // locks held, once the result is delivered and its RELEASE held or sent (`why` empty), or why it
+    // could not be; pop() then goes on as if it had taken nothing (the caller has nothing to do).
+    std::function<void(const std::string& why)> native = nullptr;
   };
   // An asynchronous one has callbacks waiting (and maybe no waiter ever): unless a finish() is
   // waiting for it when its DONE comes, the taker that hands that DONE out of pop() completes it as
@@ -525,7 +530,14 @@ class WorkerChannel {
   std::map<std::uint64_t, Collected> collected_;
   // With pop_mu_ held by `lock`: completes the collected collective whose DONE is `d`, if it is one
   // (unlocking to copy and RELEASE); kReady and *done true when it did, kCorrupt when it refused.
-  RingWait complete_collected(const std::uint8_t* d, std::unique_lock<std::mutex>* lock, bool* done, Located* at);
+  // One pop (pop_mu_ held by *held, let go before it returns): *native when what it took was a native
+  // front end's, completed through its hook (pop() then pops again, within its timeout).
+  RingWait pop_once(std::uint8_t* out, std::chrono::steady_clock::time_point t0, std::int64_t timeout_ns,
+                    std::int64_t spin_ns, std::unique_lock<std::mutex>* held, bool* completed, Located* at,
+                    bool* native);
+  // (*native: it was a native front end's, told through its hook: nothing for the caller.)
+  RingWait complete_collected(const std::uint8_t* d, std::unique_lock<std::mutex>* lock, bool* done, Located* at,
+                              bool* native);
   // `submit`'s DONE `h` taken, by its finish() or by a taker (collect): checked against `submit`,
   // `out` copied from its result, its RELEASE held or sent (held: located in *at, nothing else).
   // kCorrupt (why()) when refused; kTimeout when the RELEASE found the ring full for the whole timeout.

@@ -44,6 +44,7 @@
 #include "cuda_driver.h"
 #include "device_path.h"
 #include "device_step.h"
+#include "native_api.h"
 #include "device_watch.h"
 #include "fdpass.h"
 #include "frame.h"
@@ -1068,6 +1069,80 @@ nb::object channel_begin_allreduce(ChannelSelf self, nb::handle src, long long d
                                  std::to_string(count) + " elements of its dtype");
   const smddp::Delivery out{const_cast<std::uint8_t*>(in.data), in.nbytes, 0, in.nbytes};
   return start_record(self, h, sources, out, nb::borrow(keep), result, nb::none());
+}
+
+// ------------------------------------------------------------------------------- NativeApi
+
+// A bound channel's C function table (native_api.h, capi.h) for native front ends: made once a
+// client is bound, handed out in capsules, failed with the client. Holds the channel object, so
+// that the WorkerChannel and the arena it names outlive every capsule (each capsule holds this).
+struct NativeApi {
+  nb::object channel_obj;
+  std::shared_ptr<smddp::NativeWorks> works;
+};
+
+int native_api_traverse(PyObject* self, visitproc visit, void* arg) {
+  Py_VISIT(Py_TYPE(self));
+  if (!nb::inst_ready(self)) return 0;
+  Py_VISIT(nb::inst_ptr<NativeApi>(self)->channel_obj.ptr());
+  return 0;
+}
+
+int native_api_clear(PyObject* self) {
+  if (nb::inst_ready(self)) nb::inst_ptr<NativeApi>(self)->channel_obj.reset();
+  return 0;
+}
+
+PyType_Slot kNativeApiSlots[] = {
+    {Py_tp_traverse, reinterpret_cast<void*>(native_api_traverse)},
+    {Py_tp_clear, reinterpret_cast<void*>(native_api_clear)},
+    {0, nullptr},
+};
+
+void native_api_init(NativeApi* self, ChannelSelf channel, long long world, long long piece_bytes) {
+  Channel& c = *channel.p;
+  c.require_bound("native_api");
+  if (world < 1 || world > static_cast<long long>(UINT32_MAX) || c.rank >= static_cast<std::uint64_t>(world) ||
+      piece_bytes < 0)
+    raise_error(Err::kValue, "NativeApi: a world that holds the channel's rank, and a piece size >= 0");
+  smddp::NativeConfig cfg;
+  cfg.rank = c.rank;
+  cfg.world = static_cast<std::uint32_t>(world);
+  cfg.batch_bytes = c.batch;
+  cfg.timeout_ns = c.timeout_ns;
+  cfg.spin_ns = c.spin_ns;
+  cfg.piece_bytes = static_cast<std::uint64_t>(piece_bytes);
+  new (self) NativeApi{nb::borrow(channel.h), std::make_shared<smddp::NativeWorks>(c.ch.get(), c.arena_ptr, cfg)};
+}
+
+void capsule_gone(PyObject* capsule) {
+  // (the capsule's context holds the NativeApi object, which holds the table's memory)
+  Py_XDECREF(static_cast<PyObject*>(PyCapsule_GetContext(capsule)));
+}
+
+// A capsule named SMDDP_CAPI_CAPSULE whose pointer is the table, holding this object while it lives.
+nb::object native_api_capsule(nb::handle self) {
+  NativeApi& a = nb::cast<NativeApi&>(self);
+  PyObject* cap = PyCapsule_New(const_cast<smddp_capi*>(a.works->table()), SMDDP_CAPI_CAPSULE, capsule_gone);
+  if (cap == nullptr) throw nb::python_error();
+  Py_INCREF(self.ptr());
+  if (PyCapsule_SetContext(cap, self.ptr()) != 0) {
+    Py_DECREF(self.ptr());
+    Py_DECREF(cap);
+    throw nb::python_error();
+  }
+  return nb::steal(cap);
+}
+
+void native_api_fail_all(NativeApi& a, const std::string& error_class, const std::string& why) {
+  nb::gil_scoped_release unlocked;  // (callbacks run here, and may want the GIL)
+  a.works->fail_all(error_class, why);
+}
+
+std::optional<std::pair<std::string, std::string>> native_api_take_failure(NativeApi& a) {
+  auto f = a.works->take_failure();
+  if (f.second.empty()) return std::nullopt;
+  return f;
 }
 
 // ------------------------------------------------------------------------------- DeviceEngine
@@ -2249,6 +2324,20 @@ NB_MODULE(_engine, m) {
           "close_daemon_end", [](Channel& c) { c.ch->close_daemon_end(); },
           "The daemon's end of the side socket is closed here (once passed).");
 
+  nb::class_<NativeApi>(m, "NativeApi", nb::type_slots(kNativeApiSlots),
+                        "A bound channel's C function table for native front ends (smddp/engine/capi.h).")
+      .def("__init__", &native_api_init, "channel"_a, "world"_a, "piece_bytes"_a,
+           "The table over `channel` (bound: its rank, arena, RELEASE batch, timeout and spin) in a job of "
+           "`world` ranks, whose all-reduces go in pieces of `piece_bytes` (0: whole).")
+      .def("capsule", &native_api_capsule,
+           "A capsule named smddp._engine.capi whose pointer is the table (a const smddp_capi*), valid while "
+           "the capsule lives.")
+      .def("fail_all", &native_api_fail_all, "error_class"_a, "why"_a,
+           "Every work not complete fails with `why` (its callback called, nothing more written); starts "
+           "are refused from now on.")
+      .def("pending", [](NativeApi& a) { return a.works->pending(); }, "Works started and not complete.")
+      .def("take_failure", &native_api_take_failure,
+           "The failure a start or wait met that fails the whole client, once: (error class, why), or None.");
   nb::class_<CopyIn>(m, "CopyIn", nb::type_slots(kCopyInSlots),
                      "A device collective's copy into its input slot, enqueued by the engine (DeviceEngine.copy_in).")
       .def("done", &copy_in_done, "Whether the copy has landed; DeviceError for one that failed on the device.")
