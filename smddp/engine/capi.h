@@ -8,7 +8,7 @@
  *
  * Memory: a work (smddp_work) is the engine's; the caller holds one reference from start() and
  * lets it go with release(), whether or not the collective has completed (the engine keeps what it
- * needs until then). The caller's buffers (`src`, `dst`) must stay in place and alive until the
+ * needs until then). A work may be used only while its table's capsule lives. The caller's buffers (`src`, `dst`) must stay in place and alive until the
  * collective completes or fails: the engine reads `src` during start() only, and writes `dst` until
  * then, never after a failure was reported.
  */

@@ -154,6 +154,10 @@ int NativeWorks::start(const smddp_collective& c, smddp_work** out, std::string*
     *why = std::string(what) + ": a buffer is missing (or a barrier was given one)";
     return SMDDP_INVALID;
   }
+  if (c.kind == SMDDP_BARRIER && c.dtype != SMDDP_UINT8) {  // (its fingerprint is the Python calls')
+    *why = "barrier: its dtype is uint8 (" + num(SMDDP_UINT8) + "), not " + num(c.dtype);
+    return SMDDP_INVALID;
+  }
   // The pieces: an all-reduce of more than the job's piece cut as the Python calls cut it (near-equal,
   // the first count % k one element longer), each naming how many there are (aux).
   std::vector<std::pair<std::uint64_t, std::uint64_t>> ranges{{0, n}};

@@ -112,6 +112,7 @@ def main() -> int:
         "uneven": probe.run(cap, 4, 6, 1, 0, addr(x), addr(np.empty(3, np.float32)), len(x), 0, 10.0)[:2],
         "root": probe.run(cap, 2, 6, 0, world, addr(x), addr(x), 4, 0, 10.0)[:2],
         "no_dst": probe.run(cap, 1, 6, 1, 0, addr(x), 0, 4, 0, 10.0)[:2],
+        "barrier_dtype": probe.run(cap, 5, 6, 0, 0, 0, 0, 0, 0, 10.0)[:2],
     }
     after = np.full(4, rank + 1.0, np.float32)
     out["after"] = (*probe.run(cap, 1, 6, 1, 0, addr(after), addr(after), 4, 0, 60.0)[:1], after.tolist())

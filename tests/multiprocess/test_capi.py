@@ -22,7 +22,7 @@ def test_every_collective_through_the_c_table(
     wait(), by the done callback alone (the client's DONE thread, no Python), or by both at once:
     the same bits as the independent reference on every rank (across nodes, the pieces cut as the
     Python calls cut them). A wait that times out says PENDING and a later one completes it; 200 in
-    flight complete by their callbacks alone; bad arguments are refused before anything is sent and
+    flight complete by their callbacks alone; six bad arguments are refused before anything is sent and
     the job goes on; a mismatch fails every rank's work with the error (class and text) the Python
     calls raise, and the table refuses everything after it."""
     # Pieces of 256 KiB across nodes: the 1 MiB cases go in several, each its own SUBMIT.
@@ -46,6 +46,7 @@ def test_every_collective_through_the_c_table(
         assert ref["uneven"][0] == INVALID and "cannot be split evenly" in ref["uneven"][1]
         assert ref["root"][0] == INVALID and "out of range" in ref["root"][1]
         assert ref["no_dst"][0] == INVALID and "missing" in ref["no_dst"][1]
+        assert ref["barrier_dtype"] == [INVALID, "barrier: its dtype is uint8 (1), not 6"]
         assert d["after"] == [OK, [world * (world + 1) / 2] * 4]
         m = d["mismatch"]
         # Every rank names both sides, as the Python calls' error does, word for word.
