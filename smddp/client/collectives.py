@@ -80,18 +80,6 @@ def pieces(count: int, itemsize: int, piece_bytes: int) -> list[tuple[int, int]]
     return shard_bounds(count, min(count, -(-count * itemsize // piece_bytes)))
 
 
-def _piece_bytes(c: Client) -> int:
-    """The piece size of this job's all-reduces, host and device memory alike (so that ranks passing
-    either cut alike): pipeline_bytes in a job of several nodes, else whole.
-
-    Pieces overlap this rank's copies with the network; on one node there is no network to overlap,
-    and the extra collectives only cost: host memory 56 ms -> 65 ms for 64 MiB, 4 workers (2 cores);
-    device memory on an H200 with 8 reduction threads, 4 MiB pieces against whole buffers, 16 MiB
-    4.16 against 2.98 ms (2 ranks) and 4.15 against 4.23 ms (4 ranks), 64 MiB 7.80 against 7.44 ms
-    and 11.39 against 11.44 ms (bench-results/gpu/2026-11-27)."""
-    return c.config.pipeline_bytes if c.job.nnodes > 1 else 0
-
-
 def _allreduce_pieces(
     c: Client, view: BufferView | PartsView, rop: ReduceOp, out: np.ndarray, result: Any
 ) -> Handle:
@@ -119,11 +107,11 @@ def _sources(view: BufferView | PartsView) -> np.ndarray | tuple[np.ndarray, ...
 def _in_pieces(
     c: Client, count: int, itemsize: int, result: Any, submit: Callable[[int, int, int], Handle]
 ) -> Handle:
-    """An all-reduce of `count` elements, whole or cut into pieces (_piece_bytes): `submit(a, b, aux)`
+    """An all-reduce of `count` elements, whole or cut into pieces (Client.piece_bytes): `submit(a, b, aux)`
     sends elements [a, b) with SUBMIT's aux, 0 for a whole buffer, else the number of pieces, which
     every piece names: ranks whose buffers differ but whose pieces happen to be the same size fail
     with a mismatch instead of reducing unrelated data."""
-    ranges = pieces(count, itemsize, _piece_bytes(c))
+    ranges = pieces(count, itemsize, c.piece_bytes)
     if len(ranges) == 1:
         return submit(0, count, 0)
     return PipelinedHandle([submit(a, b, len(ranges)) for a, b in ranges], count, result)
@@ -131,7 +119,7 @@ def _in_pieces(
 
 def _allreduce_device(c: Client, dev: DeviceBuffer, rop: ReduceOp, stream: Any, result: Any) -> Handle:
     """All-reduce device buffer `dev` in place: on the node's GPUs where the job's device all-reduces
-    take the GPU step (Client.node_step); else in one piece, or in pieces (_piece_bytes) that all wait
+    take the GPU step (Client.node_step); else in one piece, or in pieces (Client.piece_bytes) that all wait
     for the same point of the caller's stream, so that the copy of one to the host, the network steps
     of another and the copy of a third back to the device overlap."""
     step = c.node_step(dev)
@@ -221,8 +209,8 @@ def _one_piece(nbytes: int, piece_bytes: int) -> bool:
 
 
 def whole(c: Client, nbytes: int) -> bool:
-    """Whether an all-reduce of `nbytes` goes in one piece in this job (pieces, _piece_bytes)."""
-    return _one_piece(nbytes, _piece_bytes(c))
+    """Whether an all-reduce of `nbytes` goes in one piece in this job (pieces, Client.piece_bytes)."""
+    return _one_piece(nbytes, c.piece_bytes)
 
 
 def _usable_array(c: Client, buf: np.ndarray) -> DType | None:

@@ -427,21 +427,18 @@ RingWait WorkerChannel::pop(std::uint8_t* out, std::int64_t timeout_ns, std::int
                             Located* at) {
   if (completed != nullptr) *completed = false;
   const Clock::time_point t0 = Clock::now();
-  std::unique_lock<std::mutex> lock(pop_mu_, std::defer_lock);
   for (bool again = false;; again = true) {
     // (again: the last one taken was a native front end's, completed and told through its hook)
     if (again && left_of(t0, timeout_ns) <= 0) return RingWait::kTimeout;
-    lock.lock();
     bool native = false;
-    const RingWait r = pop_once(out, t0, timeout_ns, spin_ns, &lock, completed, at, &native);
+    const RingWait r = pop_once(out, t0, timeout_ns, spin_ns, completed, at, &native);
     if (!native) return r;
   }
 }
 
 RingWait WorkerChannel::pop_once(std::uint8_t* out, Clock::time_point t0, std::int64_t timeout_ns,
-                                 std::int64_t spin_ns, std::unique_lock<std::mutex>* held, bool* completed,
-                                 Located* at, bool* native) {
-  std::unique_lock<std::mutex>& lock = *held;
+                                 std::int64_t spin_ns, bool* completed, Located* at, bool* native) {
+  std::unique_lock<std::mutex> lock(pop_mu_);
   RingWait r = RingWait::kTimeout;
   Descriptor slot;
   for (bool first = true;; first = false) {
@@ -483,13 +480,9 @@ RingWait WorkerChannel::pop_once(std::uint8_t* out, Clock::time_point t0, std::i
   }
   wake_takers();
   wake_background();
-  if (r != RingWait::kReady) {
-    lock.unlock();
-    return r;
-  }
+  if (r != RingWait::kReady) return r;
   bool done = false;
   r = complete_collected(out, &lock, &done, at, native);
-  if (lock.owns_lock()) lock.unlock();
   if (completed != nullptr) *completed = done;
   return r;
 }
@@ -502,18 +495,17 @@ RingWait WorkerChannel::complete_collected(const std::uint8_t* d, std::unique_lo
   if (!decode_header(d, kHeaderSize, &h).empty() || h.type != Msg::kDone) return RingWait::kReady;
   auto it = collected_.find(h.seq);
   if (it == collected_.end()) return RingWait::kReady;  // the general way's: the caller's to complete
-  const Collected c = it->second;
+  const Collected c = std::move(it->second);  // (moved: a native hook is not copied)
   collected_.erase(it);
   lock->unlock();  // the copy and the RELEASE need none of the takers' state
-  *done = true;
+  *done = !c.native;
+  *native = static_cast<bool>(c.native);
   Located here;
   const RingWait r = deliver(h, c.submit, c.out, c.batch_bytes, c.timeout_ns, 0, &here, Streamed{});
   if (at != nullptr) *at = here;
   if (r == RingWait::kTimeout)
     refused("the daemon left this worker's submit ring full: the RELEASE of #" + num(h.seq) + " could not go");
   if (c.native) {
-    *done = false;
-    *native = true;
     c.native(r == RingWait::kReady ? std::string() : why());
     return RingWait::kReady;
   }

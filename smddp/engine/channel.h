@@ -530,11 +530,10 @@ class WorkerChannel {
   std::map<std::uint64_t, Collected> collected_;
   // With pop_mu_ held by `lock`: completes the collected collective whose DONE is `d`, if it is one
   // (unlocking to copy and RELEASE); kReady and *done true when it did, kCorrupt when it refused.
-  // One pop (pop_mu_ held by *held, let go before it returns): *native when what it took was a native
+  // One pop (pop() as it was before native front ends): *native when what it took was a native
   // front end's, completed through its hook (pop() then pops again, within its timeout).
   RingWait pop_once(std::uint8_t* out, std::chrono::steady_clock::time_point t0, std::int64_t timeout_ns,
-                    std::int64_t spin_ns, std::unique_lock<std::mutex>* held, bool* completed, Located* at,
-                    bool* native);
+                    std::int64_t spin_ns, bool* completed, Located* at, bool* native);
   // (*native: it was a native front end's, told through its hook: nothing for the caller.)
   RingWait complete_collected(const std::uint8_t* d, std::unique_lock<std::mutex>* lock, bool* done, Located* at,
                               bool* native);

@@ -1071,6 +1071,29 @@ nb::object channel_begin_allreduce(ChannelSelf self, nb::handle src, long long d
   return start_record(self, h, sources, out, nb::borrow(keep), result, nb::none());
 }
 
+// The garbage collector's slots of a binding struct `T` whose one Python reference is its member
+// `M`: traversed, and let go of to break a cycle.
+template <typename T, nb::object T::*M>
+int one_ref_traverse(PyObject* self, visitproc visit, void* arg) {
+  Py_VISIT(Py_TYPE(self));
+  if (!nb::inst_ready(self)) return 0;
+  Py_VISIT((nb::inst_ptr<T>(self)->*M).ptr());
+  return 0;
+}
+
+template <typename T, nb::object T::*M>
+int one_ref_clear(PyObject* self) {
+  if (nb::inst_ready(self)) (nb::inst_ptr<T>(self)->*M).reset();
+  return 0;
+}
+
+template <typename T, nb::object T::*M>
+PyType_Slot kOneRefSlots[] = {
+    {Py_tp_traverse, reinterpret_cast<void*>(one_ref_traverse<T, M>)},
+    {Py_tp_clear, reinterpret_cast<void*>(one_ref_clear<T, M>)},
+    {0, nullptr},
+};
+
 // ------------------------------------------------------------------------------- NativeApi
 
 // A bound channel's C function table (native_api.h, capi.h) for native front ends: made once a
@@ -1079,24 +1102,6 @@ nb::object channel_begin_allreduce(ChannelSelf self, nb::handle src, long long d
 struct NativeApi {
   nb::object channel_obj;
   std::shared_ptr<smddp::NativeWorks> works;
-};
-
-int native_api_traverse(PyObject* self, visitproc visit, void* arg) {
-  Py_VISIT(Py_TYPE(self));
-  if (!nb::inst_ready(self)) return 0;
-  Py_VISIT(nb::inst_ptr<NativeApi>(self)->channel_obj.ptr());
-  return 0;
-}
-
-int native_api_clear(PyObject* self) {
-  if (nb::inst_ready(self)) nb::inst_ptr<NativeApi>(self)->channel_obj.reset();
-  return 0;
-}
-
-PyType_Slot kNativeApiSlots[] = {
-    {Py_tp_traverse, reinterpret_cast<void*>(native_api_traverse)},
-    {Py_tp_clear, reinterpret_cast<void*>(native_api_clear)},
-    {0, nullptr},
 };
 
 void native_api_init(NativeApi* self, ChannelSelf channel, long long world, long long piece_bytes) {
@@ -1255,31 +1260,12 @@ bool device_engine_capturing(DeviceEngine& e, long long device, std::uintptr_t s
 }
 
 // A device collective's copy into its input slot (DeviceEngine.copy_in): the engine's DeviceIn, and
-// the DeviceEngine it belongs to (held, so that the path outlives it).
+// the DeviceEngine it belongs to (held, so that the path outlives it). Its GC slots are
+// kOneRefSlots: a DeviceIn shares the engine's driver, so it may end after the engine, and the
+// collector may let go of either first.
 struct CopyIn {
   std::shared_ptr<smddp::DeviceIn> in;
   nb::object engine;
-};
-
-int copy_in_traverse(PyObject* self, visitproc visit, void* arg) {
-  Py_VISIT(Py_TYPE(self));
-  if (!nb::inst_ready(self)) return 0;
-  Py_VISIT(nb::inst_ptr<CopyIn>(self)->engine.ptr());
-  return 0;
-}
-
-// (A DeviceIn shares the engine's driver, so it may end after the engine: the collector may let go
-// of either first.)
-int copy_in_clear(PyObject* self) {
-  if (!nb::inst_ready(self)) return 0;
-  nb::inst_ptr<CopyIn>(self)->engine = nb::object();
-  return 0;
-}
-
-PyType_Slot kCopyInSlots[] = {
-    {Py_tp_traverse, reinterpret_cast<void*>(copy_in_traverse)},
-    {Py_tp_clear, reinterpret_cast<void*>(copy_in_clear)},
-    {0, nullptr},
 };
 
 // Enqueues the copy of `nbytes` from device address `src` into `arena`'s segment `segment` at
@@ -2324,7 +2310,7 @@ NB_MODULE(_engine, m) {
           "close_daemon_end", [](Channel& c) { c.ch->close_daemon_end(); },
           "The daemon's end of the side socket is closed here (once passed).");
 
-  nb::class_<NativeApi>(m, "NativeApi", nb::type_slots(kNativeApiSlots),
+  nb::class_<NativeApi>(m, "NativeApi", nb::type_slots(kOneRefSlots<NativeApi, &NativeApi::channel_obj>),
                         "A bound channel's C function table for native front ends (smddp/engine/capi.h).")
       .def("__init__", &native_api_init, "channel"_a, "world"_a, "piece_bytes"_a,
            "The table over `channel` (bound: its rank, arena, RELEASE batch, timeout and spin) in a job of "
@@ -2338,7 +2324,7 @@ NB_MODULE(_engine, m) {
       .def("pending", [](NativeApi& a) { return a.works->pending(); }, "Works started and not complete.")
       .def("take_failure", &native_api_take_failure,
            "The failure a start or wait met that fails the whole client, once: (error class, why), or None.");
-  nb::class_<CopyIn>(m, "CopyIn", nb::type_slots(kCopyInSlots),
+  nb::class_<CopyIn>(m, "CopyIn", nb::type_slots(kOneRefSlots<CopyIn, &CopyIn::engine>),
                      "A device collective's copy into its input slot, enqueued by the engine (DeviceEngine.copy_in).")
       .def("done", &copy_in_done, "Whether the copy has landed; DeviceError for one that failed on the device.")
       .def("wait", &copy_in_wait, "timeout_s"_a,

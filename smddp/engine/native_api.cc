@@ -6,6 +6,7 @@
 #include <cstring>
 #include <utility>
 
+#include "layout.h"
 #include "reduce.h"
 #include "wire.h"
 
@@ -100,6 +101,22 @@ std::int64_t left_ns(Clock::time_point t0, std::int64_t budget) {
   return budget > spent ? budget - spent : 0;
 }
 
+constexpr int kEnough = -1;  // settle(): what the caller waited for came, the work still pending
+
+// Waits on `w` until it is no longer pending or `enough()` holds (checked under its lock), within
+// `budget` from `t0`: its state, or kEnough (its state PENDING when the time ran out).
+template <typename Enough>
+int settle(smddp_work* w, Clock::time_point t0, std::int64_t budget, Enough enough) {
+  std::unique_lock<std::mutex> lock(w->mu);
+  for (;;) {
+    if (w->state != SMDDP_PENDING) return w->state;
+    if (enough()) return kEnough;
+    const std::int64_t left = left_ns(t0, budget);
+    if (left <= 0) return w->state;
+    w->cv.wait_for(lock, std::chrono::nanoseconds(left));
+  }
+}
+
 }  // namespace
 
 NativeWorks::NativeWorks(WorkerChannel* ch, Arena* arena, const NativeConfig& cfg) : ch_(ch), arena_(arena), cfg_(cfg) {
@@ -158,29 +175,23 @@ int NativeWorks::start(const smddp_collective& c, smddp_work** out, std::string*
     *why = "barrier: its dtype is uint8 (" + num(SMDDP_UINT8) + "), not " + num(c.dtype);
     return SMDDP_INVALID;
   }
-  // The pieces: an all-reduce of more than the job's piece cut as the Python calls cut it (near-equal,
-  // the first count % k one element longer), each naming how many there are (aux).
-  std::vector<std::pair<std::uint64_t, std::uint64_t>> ranges{{0, n}};
-  std::uint32_t aux = c.kind == SMDDP_BROADCAST ? c.root : 0;
+  // The pieces: an all-reduce of more than the job's piece cut as the Python calls cut it (the
+  // shards' near-equal cut, layout.h), each naming how many there are (aux).
+  std::uint32_t k = 1;
   if (c.kind == SMDDP_ALLREDUCE && cfg_.piece_bytes > 0 && n * isz > cfg_.piece_bytes) {
-    std::uint64_t k = (n * isz + cfg_.piece_bytes - 1) / cfg_.piece_bytes;
-    if (k > n) k = n;
-    ranges.clear();
-    const std::uint64_t base = n / k, rem = n % k;
-    std::uint64_t a = 0;
-    for (std::uint64_t j = 0; j < k; j++) {
-      const std::uint64_t b = a + base + (j < rem ? 1 : 0);
-      ranges.emplace_back(a, b);
-      a = b;
-    }
-    aux = static_cast<std::uint32_t>(k);
+    const std::uint64_t want = (n * isz + cfg_.piece_bytes - 1) / cfg_.piece_bytes;
+    k = static_cast<std::uint32_t>(want < n ? want : n);  // (n * isz is at most kMaxDataPayload)
   }
+  const std::uint32_t aux = c.kind == SMDDP_BROADCAST ? c.root : k > 1 ? k : 0;
   auto* work = new smddp_work();
   work->owner = shared_from_this();
   const auto* src = static_cast<const std::uint8_t*>(c.src);
   auto* dst = static_cast<std::uint8_t*>(c.dst);
-  for (const auto& [a, b] : ranges) {
-    smddp_work::Piece p;
+  work->pieces.resize(k);
+  for (std::uint32_t j = 0; j < k; j++) {
+    const Range r = shard_range(n, k, j);
+    smddp_work::Piece& p = work->pieces[j];
+    p.first = r.start;
     Header& h = p.submit;
     h.type = Msg::kSubmit;
     h.kind = c.kind;
@@ -188,17 +199,16 @@ int NativeWorks::start(const smddp_collective& c, smddp_work** out, std::string*
     h.op = c.op;
     h.sender = cfg_.rank;
     h.aux = aux;
-    h.count = b - a;
-    const std::uint64_t bytes = (b - a) * isz;
+    h.count = r.end - r.start;
+    const std::uint64_t bytes = h.count * isz;
     switch (c.kind) {
-      case SMDDP_ALLREDUCE: p.out = Delivery{dst + a * isz, bytes, 0, bytes}; break;
+      case SMDDP_ALLREDUCE: p.out = Delivery{dst + r.start * isz, bytes, 0, bytes}; break;
       case SMDDP_BROADCAST: p.out = Delivery{dst, bytes, 0, bytes}; break;
       case SMDDP_ALLGATHER: p.out = Delivery{dst, bytes * w, 0, bytes * w}; break;
       case SMDDP_REDUCE_SCATTER: p.out = Delivery{dst, bytes / w, cfg_.rank * (bytes / w), bytes}; break;
       default: p.out = Delivery{}; break;  // (a barrier)
     }
     if (p.out.nbytes == 0) p.out.dst = nullptr;
-    work->pieces.push_back(p);
   }
   work->left = work->pieces.size();
   {
@@ -211,16 +221,19 @@ int NativeWorks::start(const smddp_collective& c, smddp_work** out, std::string*
   }
   // Each piece started in order (its slot, its copy in, its SUBMIT: WorkerChannel::start); one that
   // cannot start fails the work, and the client where the channel says the daemon is lost or broke it.
+  // Pieces [i, end) never go: done as they are (nothing of them is out).
+  const auto never_out = [work](std::size_t i) {
+    std::lock_guard<std::mutex> lock(work->mu);
+    for (std::size_t j = i; j < work->pieces.size(); j++) work->pieces[j].done = true;
+    work->left -= work->pieces.size() - i;
+  };
   for (std::size_t i = 0; i < work->pieces.size(); i++) {
     smddp_work::Piece& p = work->pieces[i];
     if (i > 0 && status(work) != SMDDP_PENDING) {  // (failed meanwhile, with the client: no more go)
-      std::lock_guard<std::mutex> lock(work->mu);
-      for (std::size_t j = i; j < work->pieces.size(); j++) work->pieces[j].done = true;
-      work->left -= work->pieces.size() - i;
+      never_out(i);
       break;
     }
-    const auto [a, b] = ranges[i];
-    Source s{src == nullptr ? nullptr : src + a * isz, sends ? (b - a) * isz : 0};
+    Source s{src == nullptr ? nullptr : src + p.first * isz, sends ? p.submit.count * isz : 0};
     Header h = p.submit;
     Slot slot;
     const FastEnd end = ch_->start(*arena_, &s, s.nbytes > 0 ? 1 : 0, &h, &slot, cfg_.timeout_ns, cfg_.spin_ns, true);
@@ -276,11 +289,7 @@ int NativeWorks::start(const smddp_collective& c, smddp_work** out, std::string*
       *why = text;
       return end == FastEnd::kHeld ? SMDDP_CLOSED : SMDDP_FAILED;
     }
-    {
-      std::lock_guard<std::mutex> lock(work->mu);
-      for (std::size_t j = i; j < work->pieces.size(); j++) work->pieces[j].done = true;  // (never out)
-      work->left -= work->pieces.size() - i;
-    }
+    never_out(i);
     fail(work, cls, text);
     break;
   }
@@ -325,23 +334,13 @@ int NativeWorks::wait(smddp_work* w, double timeout_s) {
     if (end == FastEnd::kTimeout && ch_->aborted()) {
       // The channel aborted: the client is failing, and fails this work with why (fail_all) in a
       // moment; its state then, within this wait's time.
-      std::unique_lock<std::mutex> lock(w->mu);
-      while (w->state == SMDDP_PENDING) {
-        const std::int64_t left = left_ns(t0, budget);
-        if (left <= 0) break;
-        w->cv.wait_for(lock, std::chrono::nanoseconds(left));
-      }
-      return w->state;
+      return settle(w, t0, budget, [] { return false; });
     }
     if (end == FastEnd::kTimeout) return status(w);  // (not in time: it goes on)
     if (end == FastEnd::kGone) {
       // Collected (on_done): the taker that met its DONE completes it, and says so.
-      std::unique_lock<std::mutex> lock(w->mu);
-      while (!p.done && w->state == SMDDP_PENDING) {
-        const std::int64_t left = left_ns(t0, budget);
-        if (left <= 0) return w->state;
-        w->cv.wait_for(lock, std::chrono::nanoseconds(left));
-      }
+      const int got = settle(w, t0, budget, [&p] { return p.done; });
+      if (got != kEnough) return got;
       continue;
     }
     note_failure("ProtocolError", ch_->why());
@@ -375,26 +374,30 @@ int NativeWorks::on_done(smddp_work* w, smddp_done_fn fn, void* arg) {
   // channel no longer has was taken by a wait's finish() meanwhile, which completes it. The hook holds
   // a reference to the work for as long as the channel holds the hook (told, replaced or dropped).
   for (const std::size_t i : out) {
-    const smddp_work::Piece& p = w->pieces[i];
-    WorkerChannel::Collected how;
-    how.submit = p.submit;
-    how.out = p.out;
-    how.batch_bytes = cfg_.batch_bytes;
-    how.timeout_ns = cfg_.timeout_ns;
     w->refs.fetch_add(1, std::memory_order_relaxed);
     std::shared_ptr<smddp_work> held(w, unref);
-    how.native = [held, i](const std::string& why) {
+    collect(w->pieces[i], w->pieces[i].out, [held, i](const std::string& why) {
       held->owner->piece_done(held.get(), i, true, why.empty() ? "" : "ProtocolError", why);
-    };
-    (void)ch_->collect(p.submit.seq, how);
+    });
   }
   return SMDDP_OK;
+}
+
+void NativeWorks::collect(const smddp_work::Piece& p, const Delivery& out,
+                          std::function<void(const std::string&)> hook) {
+  WorkerChannel::Collected how;
+  how.submit = p.submit;
+  how.out = out;
+  how.batch_bytes = cfg_.batch_bytes;
+  how.timeout_ns = cfg_.timeout_ns;
+  how.native = std::move(hook);
+  (void)ch_->collect(p.submit.seq, how);
 }
 
 void NativeWorks::piece_done(smddp_work* w, std::size_t i, bool free_slot, const std::string& error_class,
                              const std::string& why) {
   smddp_work::Piece& p = w->pieces[i];
-  if (free_slot && p.slot.segment != kNoSegment && p.slot.nbytes > 0) (void)arena_->free(p.slot);
+  if (free_slot) this->free_slot(p.slot);
   if (!why.empty()) {
     note_failure(error_class, why);
     {
@@ -431,6 +434,10 @@ void NativeWorks::piece_done(smddp_work* w, std::size_t i, bool free_slot, const
   finished(w, fn, arg, SMDDP_OK);
 }
 
+void NativeWorks::free_slot(const Slot& slot) {
+  if (slot.segment != kNoSegment && slot.nbytes > 0) (void)arena_->free(slot);  // (a barrier's has none)
+}
+
 void NativeWorks::fail(smddp_work* w, const std::string& error_class, const std::string& why) {
   smddp_done_fn fn = nullptr;
   void* arg = nullptr;
@@ -451,17 +458,11 @@ void NativeWorks::fail(smddp_work* w, const std::string& error_class, const std:
   // (its DONE, if it comes, is taken and RELEASEd, and its slot freed through the hook).
   for (const std::size_t i : out) {
     const smddp_work::Piece& p = w->pieces[i];
-    WorkerChannel::Collected how;
-    how.submit = p.submit;
-    how.out = Delivery{nullptr, 0, 0, p.out.result_bytes};
-    how.batch_bytes = cfg_.batch_bytes;
-    how.timeout_ns = cfg_.timeout_ns;
     std::shared_ptr<NativeWorks> self = shared_from_this();
     const Slot slot = p.slot;
-    how.native = [self, slot](const std::string&) {
-      if (slot.segment != kNoSegment && slot.nbytes > 0) (void)self->arena_->free(slot);
-    };
-    (void)ch_->collect(p.submit.seq, how);
+    collect(p, Delivery{nullptr, 0, 0, p.out.result_bytes}, [self, slot](const std::string&) {
+      self->free_slot(slot);
+    });
   }
   {
     std::lock_guard<std::mutex> lock(mu_);

@@ -20,6 +20,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <set>
@@ -49,6 +50,7 @@ class NativeWorks;
 // One collective started through the table (capi.h's opaque smddp_work).
 struct smddp_work {
   struct Piece {
+    std::uint64_t first = 0;  // its first element in the caller's buffers (an all-reduce's pieces)
     smddp::Header submit;
     smddp::Slot slot;
     smddp::Delivery out;
@@ -103,6 +105,11 @@ class NativeWorks : public std::enable_shared_from_this<NativeWorks> {
   // Piece `i` of `w` delivered (or, `why` set, refused by the channel): its slot freed where the
   // channel did not, and the work completed with its last.
   void piece_done(smddp_work* w, std::size_t i, bool free_slot, const std::string& error_class, const std::string& why);
+  // Piece `p`'s DONE to whichever taker meets it, delivered to `out` and told to `hook` (the
+  // channel's collect, with this table's RELEASE batch and timeout).
+  void collect(const smddp_work::Piece& p, const Delivery& out, std::function<void(const std::string&)> hook);
+  // A piece's input slot back to the arena, unless it has none.
+  void free_slot(const Slot& slot);
   // `w` fails (unless complete): its pieces still out collected with no destination.
   void fail(smddp_work* w, const std::string& error_class, const std::string& why);
   // The client-wide failure noted for take_failure (the first one).
