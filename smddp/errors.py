@@ -110,3 +110,7 @@ class GraphCaptureError(DeviceError):
 
 class DeviceUnavailableError(DeviceError):
     """A device buffer arrived but no device runtime can serve it (CuPy missing, no GPU, wrong runtime)."""
+
+
+class BackendUnavailableError(SmddpError, RuntimeError):
+    """The C++ torch backend cannot be loaded or built here (the text says why and what to install)."""

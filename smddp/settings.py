@@ -281,6 +281,28 @@ SETTINGS: tuple[Setting, ...] = (
         env="SMDDP_STEP_SLOT_KB",
     ),
     S(
+        "torch_backend",
+        str,
+        "auto",
+        "the torch backend smddp's groups use: native (the C++ backend, built on first use where no "
+        "prebuilt one matches torch), python (the Python ProcessGroup), or auto (native where it loads or "
+        "builds, else python with one warning saying why)",
+        (),
+        (WORKER,),
+        env="SMDDP_TORCH_BACKEND",
+        choices=("auto", "native", "python"),
+    ),
+    S(
+        "torch_build_dir",
+        str,
+        "",
+        "where the C++ torch backend is built on first use, one build per torch version, shared by the "
+        "ranks of a node (default: $XDG_CACHE_HOME/smddp, else ~/.cache/smddp)",
+        (),
+        (WORKER,),
+        env="SMDDP_TORCH_BUILD_DIR",
+    ),
+    S(
         "device_runtime",
         str,
         "auto",

@@ -88,8 +88,9 @@ static PyObject* info(PyObject* self, PyObject* args) {
 /* run(capsule, kind, dtype, op, root, src, dst, count, mode, timeout_s) -> (status, why, error_class, first)
  * One collective of the caller's buffers (addresses, 0 for none), completed by
  * mode 0: wait(); 1: its done callback (waited for here); 2: both at once; 3: a wait of 50 ms first
- * (`first`, its status: PENDING when the others are late), then wait(). A start that fails gives its
- * status and text, error class "". */
+ * (`first`, its status: PENDING when the others are late), then wait(); 4: a wait of 50 ms, then
+ * abandon() with class "CollectiveTimeoutError" and text "capi_probe gave up" (`first`: what abandon
+ * returned), then wait(). A start that fails gives its status and text, error class "". */
 static PyObject* run(PyObject* self, PyObject* args) {
   (void)self;
   PyObject* capsule;
@@ -121,6 +122,8 @@ static PyObject* run(PyObject* self, PyObject* args) {
     latch_init(&l, 1, statuses, &w);
     if ((mode == 1 || mode == 2) && t->on_done(w, on_done, &l) != SMDDP_OK) status = -2;
     if (mode == 3) first = t->wait(w, 0.05);
+    if (mode == 4 && t->wait(w, 0.05) == SMDDP_PENDING)
+      first = t->abandon(w, "CollectiveTimeoutError", "capi_probe gave up");
     if (status == SMDDP_OK && mode != 1) status = t->wait(w, timeout_s);
     if (status != -2 && (mode == 1 || mode == 2)) {
       came = latch_wait(&l, timeout_s);
@@ -150,7 +153,7 @@ static PyObject* run(PyObject* self, PyObject* args) {
   }
   PyObject* r;
   if (w != NULL) {
-    r = Py_BuildValue("(issi)", status, why, t->error_class(w), mode == 3 ? first : status);
+    r = Py_BuildValue("(issi)", status, why, t->error_class(w), mode == 3 || mode == 4 ? first : status);
     t->release(w);
   } else {
     r = Py_BuildValue("(issi)", status, why, "", status);

@@ -99,6 +99,11 @@ typedef struct smddp_capi {
   const char* (*error_class)(smddp_work* work);
   /* The caller's reference let go. */
   void (*release)(smddp_work* work);
+  /* The caller gives up on `work` (its own timeout): if still pending it fails now with `why` as an
+   * error of class `error_class` (its callback called), and nothing more is written into its `dst`;
+   * the collective itself goes on (every rank needs it), its late result dropped. The state it ends
+   * in: FAILED, or OK when it had completed already. */
+  int (*abandon)(smddp_work* work, const char* error_class, const char* why);
 } smddp_capi;
 
 #ifdef __cplusplus

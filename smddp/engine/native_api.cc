@@ -68,6 +68,10 @@ const char* c_error_class(smddp_work* w) { return w == nullptr ? "" : w->error_c
 void c_release(smddp_work* w) {
   if (w != nullptr) NativeWorks::release(w);
 }
+int c_abandon(smddp_work* w, const char* error_class, const char* why) {
+  if (w == nullptr || error_class == nullptr || why == nullptr || *why == '\0') return SMDDP_INVALID;
+  return w->owner->abandon(w, error_class, why);
+}
 
 std::string num(std::uint64_t v) { return std::to_string(v); }
 
@@ -132,6 +136,7 @@ NativeWorks::NativeWorks(WorkerChannel* ch, Arena* arena, const NativeConfig& cf
   table_.why = c_why;
   table_.error_class = c_error_class;
   table_.release = c_release;
+  table_.abandon = c_abandon;
 }
 
 int NativeWorks::start(const smddp_collective& c, smddp_work** out, std::string* why) {
@@ -469,6 +474,11 @@ void NativeWorks::fail(smddp_work* w, const std::string& error_class, const std:
     live_.erase(w);
   }
   finished(w, fn, arg, SMDDP_FAILED);
+}
+
+int NativeWorks::abandon(smddp_work* w, const std::string& error_class, const std::string& why) {
+  fail(w, error_class, why);  // (nothing, when it is complete or failed already)
+  return status(w);
 }
 
 void NativeWorks::fail_all(const std::string& error_class, const std::string& why) {

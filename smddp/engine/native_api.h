@@ -100,6 +100,7 @@ class NativeWorks : public std::enable_shared_from_this<NativeWorks> {
   int status(smddp_work* w);
   int on_done(smddp_work* w, smddp_done_fn fn, void* arg);
   static void release(smddp_work* w);
+  int abandon(smddp_work* w, const std::string& error_class, const std::string& why);
 
  private:
   // Piece `i` of `w` delivered (or, `why` set, refused by the channel): its slot freed where the

@@ -20,6 +20,7 @@ from smddp.torch.ddp import (
     init_process_group,
     process_group,
 )
+from smddp.torch.native import backend_kind
 
 register()
 # Under torchrun, a node's first worker starts its daemon now: its start-up overlaps the script's.
@@ -34,6 +35,7 @@ __all__ = [
     "TraceEvent",
     "UnsupportedCollectiveError",
     "allreduce_hook",
+    "backend_kind",
     "create_process_group",
     "fusion_mb",
     "init_process_group",

@@ -28,6 +28,7 @@ from smddp.client.session import Latch, when_all
 from smddp.errors import CollectiveError, CollectiveTimeoutError, ConfigError, SmddpError, fresh
 from smddp.launcher.elastic import join_through_store, under_smddp_launch
 from smddp.proto.dtypes import DType, dtype_from_numpy
+from smddp.torch import native
 
 BACKEND_NAME = "smddp"
 log = logging.getLogger("smddp.torch")
@@ -1588,11 +1589,13 @@ class ProcessGroupSmddp(dist.ProcessGroup):
 # -- creation and registration --------------------------------------------------------------------
 
 
-def create_process_group(store: Any, rank: int, size: int, timeout: timedelta) -> ProcessGroupSmddp:
+def create_process_group(store: Any, rank: int, size: int, timeout: timedelta) -> Any:
     """torch.distributed's constructor for backend "smddp": joins the smddp job (collective).
 
     A group of every rank runs smddp's collectives and routes the rest to its side group; a group
-    of some ranks (`new_group([0, 1])`, DeviceMesh dimensions) routes every call there.
+    of some ranks (`new_group([0, 1])`, DeviceMesh dimensions) routes every call there. A group of
+    every rank is the C++ backend where it loads (smddp.torch.native.backend_kind()), taking a
+    ProcessGroupSmddp for what it does not run itself; else that ProcessGroupSmddp.
     """
     if not smddp.is_initialized():
         env = None
@@ -1621,7 +1624,13 @@ def create_process_group(store: Any, rank: int, size: int, timeout: timedelta) -
             f"torch.distributed rank {rank} is smddp rank {smddp.rank()}: start the job with smddp-launch, "
             "which sets RANK to the smddp rank, or pass rank=smddp.rank()"
         )
-    return ProcessGroupSmddp(rank, size, timeout, side)
+    group = ProcessGroupSmddp(rank, size, timeout, side)
+    if native.backend_kind() == "python":
+        return group
+    # The C++ backend: host collectives straight to the engine, the rest to `group` (where a runtime
+    # claims host tensors as device memory, as smddp's stand-in does, every call goes to `group`).
+    direct = smddp.client().config.device_runtime in BUILTIN_RUNTIMES
+    return native.wrap(group, rank, size, timeout.total_seconds(), direct)
 
 
 def register() -> None:

@@ -93,6 +93,26 @@ def main() -> int:
     got, (status, why, _cls, first) = run_case(probe, cap, c, rank, world, 3)
     out["late"] = {"first": first, "status": status, "ok": cc.check(c, got, world, args.nnodes, rank)["ok"]}
 
+    # A front end that gives up (its own timeout): rank 0 abandons its all-reduce while the others are
+    # late; it fails at once with the front end's error, and the result that comes later is not
+    # written into its buffer. The others complete it, and the job goes on.
+    c = {"kind": "allreduce", "dtype": "float32", "op": "sum", "count": 1000, "id": 9002}
+    smddp.barrier()
+    if rank != 0:
+        time.sleep(1.0)
+    got, (status, why, cls, first) = run_case(probe, cap, c, rank, world, 4 if rank == 0 else 0)
+    smddp.barrier()  # (every rank's result has come back by now: rank 0's late one too)
+    time.sleep(0.2)
+    untouched = bool((got == cc.make_input(9002, rank, "float32", 1000)).all())
+    out["abandon"] = {
+        "first": first,
+        "status": status,
+        "why": why,
+        "class": cls,
+        "ok": cc.check(c, got, world, args.nnodes, rank)["ok"],
+        "untouched": untouched,
+    }
+
     # Many in flight, each completed by its done callback alone (the client's DONE thread).
     n, count = 200, 1000
     bufs = np.stack([cc.make_input(10000 + i, rank, "float32", count) for i in range(n)])

@@ -39,6 +39,17 @@ def test_every_collective_through_the_c_table(
         assert not bad, f"rank {r}: {len(bad)} wrong, first: {bad[:2]}"
         assert {rec["mode"] for rec in recs} == {0, 1, 2}
         assert d["late"] == {"first": PENDING if r == 0 else OK, "status": OK, "ok": True}
+        if r == 0:  # (abandoned: failed with the front end's error; the late result never written)
+            assert d["abandon"] == {
+                "first": FAILED,
+                "status": FAILED,
+                "why": "capi_probe gave up",
+                "class": "CollectiveTimeoutError",
+                "ok": False,
+                "untouched": True,
+            }, d["abandon"]
+        else:
+            assert d["abandon"]["status"] == OK and d["abandon"]["ok"], d["abandon"]
         assert d["many"] == {"statuses": [OK], "ok": True}
         ref = d["refused"]
         assert ref["dtype"] == [INVALID, "all-reduce: no dtype 99"]

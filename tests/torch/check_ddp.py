@@ -79,7 +79,8 @@ def train(mode: str, dtype: torch.dtype, steps: int, backend: str, rank: int) ->
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
     buffers = {k: v.detach().clone() for k, v in model.named_buffers()}
     group = ddp.process_group  # type: ignore[union-attr]
-    return {"params": params, "buffers": buffers, "losses": losses, "group": group.name()}
+    # (dist.get_backend: a C++ backend torch does not know by type is "custom" to group.name())
+    return {"params": params, "buffers": buffers, "losses": losses, "group": dist.get_backend(group)}
 
 
 def main() -> int:

@@ -29,10 +29,13 @@ def _json(d: Path, world: int) -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize(("world", "nodes"), [(2, 1), (4, 2)], ids=["W2-N1", "W4-N2"])
-def test_every_collective(world: int, nodes: int, tmp_path: Path, clean_host: None) -> None:
+def test_every_collective(
+    world: int, nodes: int, torch_backend: str, tmp_path: Path, clean_host: None
+) -> None:
     proc = smddp_launch(world, nodes, [str(HERE / "check_collectives.py"), "--out", str(tmp_path)])
     _ok(proc)
     for r, d in enumerate(_json(tmp_path, world)):
+        assert d["backend_kind"] == torch_backend
         g = world // nodes
         assert d["env"] == {
             "RANK": str(r),
@@ -74,7 +77,7 @@ def _tensors(run: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def test_ddp_two_workers_bit_identical_to_gloo(tmp_path: Path, clean_host: None) -> None:
+def test_ddp_two_workers_bit_identical_to_gloo(torch_backend: str, tmp_path: Path, clean_host: None) -> None:
     """Every DDP mode, float32/bfloat16/float16: 10 steps on smddp give gloo's bits exactly (a+b is a+b).
 
     The "hook" and "smddp_ddp" modes run on both default groups: on gloo, smddp's comm hook and
@@ -124,7 +127,7 @@ def test_ddp_four_workers_two_nodes(tmp_path: Path, clean_host: None) -> None:
 
 
 @pytest.mark.parametrize("mode", ["mismatch_wait", "ddp_mismatch", "ddp_rank_dies", "late_rank"])
-def test_failure_raises(mode: str, tmp_path: Path, clean_host: None) -> None:
+def test_failure_raises(mode: str, torch_backend: str, tmp_path: Path, clean_host: None) -> None:
     proc = smddp_launch(
         2, 1, [str(HERE / "check_fail.py"), "--out", str(tmp_path), "--mode", mode], timeout=240
     )

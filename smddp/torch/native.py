@@ -1,0 +1,209 @@
+"""The C++ torch backend (c10d.cpp): loaded, or built on first use once a node, and which one a group gets."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
+import logging
+import os
+import platform
+import shutil
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+import smddp
+from smddp import settings
+from smddp.errors import BackendUnavailableError, CollectiveTimeoutError
+
+log = logging.getLogger("smddp.torch")
+
+SOURCE = Path(__file__).with_name("c10d.cpp")
+HEADERS = Path(__file__).parent.parent / "engine"  # capi.h, the engine's C table: the one header it needs
+CFLAGS = ["-O2", "-Wall", "-Wextra", "-Werror"]  # (warnings are errors in smddp's native code)
+BUILD_TIMEOUT_S = 900.0  # a build, and a rank's wait for another's (a compile takes 20-60 s)
+
+
+def build_root() -> Path:
+    """Where builds live (SMDDP_TORCH_BUILD_DIR, else the user's cache directory)."""
+    given = settings.from_env(settings.WORKER)["torch_build_dir"]
+    if given:
+        return Path(given)
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "smddp"
+
+
+def build_name() -> str:
+    """The module's name: one per source, header, torch (version and C++ ABI), Python and machine."""
+    h = hashlib.sha256()
+    for part in (
+        SOURCE.read_bytes(),
+        (HEADERS / "capi.h").read_bytes(),
+        torch.__version__.encode(),
+        str(torch._C._GLIBCXX_USE_CXX11_ABI).encode(),
+        sys.version.encode(),
+        platform.machine().encode(),
+        " ".join(CFLAGS).encode(),
+    ):
+        h.update(hashlib.sha256(part).digest())
+    return f"smddp_c10d_{h.hexdigest()[:16]}"
+
+
+@contextlib.contextmanager
+def _node_lock(path: Path, timeout_s: float) -> Iterator[None]:
+    """One build a node at a time: an flock (let go by the kernel if its holder dies), waited for in
+    bounded time."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise BackendUnavailableError(
+                        f"smddp: waited {timeout_s:g}s for another process's build of the C++ torch backend "
+                        f"({path} is locked)"
+                    ) from None
+                time.sleep(0.1)
+        yield
+    finally:
+        os.close(fd)  # (lets the lock go)
+
+
+def _import(name: str, path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _build(name: str, where: Path) -> None:
+    """Compile c10d.cpp into `where` with torch.utils.cpp_extension (its compiler flags and ABI)."""
+    from torch.utils import cpp_extension
+
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        raise BackendUnavailableError(
+            "smddp: no C++ compiler to build the C++ torch backend with (install g++, or set CXX)"
+        )
+    try:
+        cpp_extension.verify_ninja_availability()
+    except RuntimeError:
+        raise BackendUnavailableError(
+            "smddp: building the C++ torch backend needs ninja (pip install ninja)"
+        ) from None
+    work = where.with_name(where.name + ".building")
+    shutil.rmtree(work, ignore_errors=True)  # a build cut short (its holder died: the lock is ours now)
+    work.mkdir(parents=True)
+    try:
+        cpp_extension.load(
+            name,
+            [str(SOURCE)],
+            extra_cflags=CFLAGS,
+            extra_include_paths=[str(HEADERS)],
+            build_directory=str(work),
+            verbose=False,
+        )
+    except Exception as e:
+        raise BackendUnavailableError(
+            f"smddp: building the C++ torch backend failed: {str(e)[-3000:]}"
+        ) from e
+    shutil.rmtree(where, ignore_errors=True)
+    os.replace(work, where)  # complete, or absent: never half there
+
+
+class _Loader:
+    """The module, once a process: loaded from its build, built first where there is none."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.module: ModuleType | None = None
+        self.error: BackendUnavailableError | None = None
+        self.warned = False
+
+    def get(self) -> ModuleType:
+        with self.lock:
+            if self.module is not None:
+                return self.module
+            if self.error is not None:
+                raise self.error
+            try:
+                self.module = self._load()
+            except BackendUnavailableError as e:
+                self.error = e
+                raise
+            return self.module
+
+    @staticmethod
+    def _load() -> ModuleType:
+        name = build_name()
+        root = build_root()
+        where = root / name
+        so = where / f"{name}.so"
+        if not so.exists():
+            t0 = time.monotonic()
+            with _node_lock(root / f"{name}.lock", BUILD_TIMEOUT_S):
+                if not so.exists():  # (another rank of the node built it while this one waited)
+                    # (a warning: a compile holds the job up for tens of seconds, and nothing else says why)
+                    log.warning("smddp: building the C++ torch backend in %s, once a node", where)
+                    _build(name, where)
+                    log.warning("smddp: built the C++ torch backend in %.1fs", time.monotonic() - t0)
+        try:
+            return _import(name, so)
+        except ImportError as e:
+            raise BackendUnavailableError(f"smddp: the C++ torch backend at {so} does not load: {e}") from e
+
+
+_loader = _Loader()
+
+
+def module() -> ModuleType:
+    """The C++ backend's module (built here first where needed); BackendUnavailableError says why not."""
+    return _loader.get()
+
+
+def backend_kind() -> str:
+    """Which backend a new smddp group gets in this process: "native" (the C++ c10d backend) or
+    "python" (the Python ProcessGroup), as SMDDP_TORCH_BACKEND says (auto: native where it loads or
+    builds, else python, with one warning that says why)."""
+    asked = settings.from_env(settings.WORKER)["torch_backend"]
+    if asked == "python":
+        return "python"
+    if asked == "native":
+        module()  # raises, naming why
+        return "native"
+    try:
+        module()
+    except BackendUnavailableError as e:
+        with _loader.lock:
+            first = not _loader.warned
+            _loader.warned = True
+        if first:
+            log.warning("smddp: torch groups use the Python backend: %s", e)
+        return "python"
+    return "native"
+
+
+def wrap(group: Any, rank: int, size: int, timeout_s: float, direct: bool) -> Any:
+    """The C++ backend over the client's C table, taking `group` (a ProcessGroupSmddp of every rank)
+    for every call it does not run itself. `direct`: host tensors may go straight to the table."""
+    return module().Backend(
+        smddp.client().native_api(),
+        group,
+        rank,
+        size,
+        int(timeout_s * 1000),
+        direct,
+        CollectiveTimeoutError.PREFIX,
+    )

@@ -1,0 +1,69 @@
+"""The C++ torch backend's routes to a user: built on first use once a node, else the Python one or an error."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import BIN, REPO, job_env, need_module
+
+torch = need_module("torch", "pip install -e '.[torch]'")
+
+pytestmark = pytest.mark.torch
+
+HERE = Path(__file__).resolve().parent
+BUILDING = "building the C++ torch backend"
+
+
+def _launch(world: int, nodes: int, out: Path, **env: str) -> str:
+    import subprocess
+    import sys
+
+    cmd = [str(BIN / "smddp-launch"), "-np", str(world), "--local-nodes", str(nodes), "--"]
+    cmd += [sys.executable, str(HERE / "check_native.py"), "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=job_env(**env), cwd=REPO)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return proc.stdout + proc.stderr
+
+
+def _ranks(out: Path, world: int) -> list[dict[str, object]]:
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def test_built_on_first_use_once_for_every_rank(tmp_path: Path, clean_host: None) -> None:
+    """An empty build directory: 4 ranks (2 local nodes sharing it) build the backend once, under the
+    lock, and every rank then runs on it."""
+    build = tmp_path / "build"
+    text = _launch(4, 2, tmp_path, SMDDP_TORCH_BUILD_DIR=str(build), SMDDP_TORCH_BACKEND="native")
+    assert text.count(BUILDING) == 1, text[-4000:]
+    for d in _ranks(tmp_path, 4):
+        assert d == {"kind": "native", "sum": True}, d
+    (built,) = [p for p in build.iterdir() if p.is_dir()]
+    assert not built.name.endswith(".building")
+    # A second job finds it: nothing is built again.
+    again = tmp_path / "again"
+    again.mkdir()
+    text = _launch(2, 1, again, SMDDP_TORCH_BUILD_DIR=str(build), SMDDP_TORCH_BACKEND="native")
+    assert BUILDING not in text
+    assert _ranks(again, 2) == [{"kind": "native", "sum": True}] * 2
+
+
+def test_no_compiler_falls_back_to_python_with_one_warning(tmp_path: Path, clean_host: None) -> None:
+    build = tmp_path / "build"
+    text = _launch(
+        2, 1, tmp_path, SMDDP_TORCH_BUILD_DIR=str(build), SMDDP_TORCH_BACKEND="auto", CXX="/nonexistent/c++"
+    )
+    assert _ranks(tmp_path, 2) == [{"kind": "python", "sum": True}] * 2
+    warned = [line for line in text.splitlines() if "torch groups use the Python backend" in line]
+    assert len(warned) == 2 and all("no C++ compiler" in line for line in warned), text[-4000:]
+
+
+def test_native_asked_without_compiler_fails_naming_why(tmp_path: Path, clean_host: None) -> None:
+    build = tmp_path / "build"
+    _launch(
+        2, 1, tmp_path, SMDDP_TORCH_BUILD_DIR=str(build), SMDDP_TORCH_BACKEND="native", CXX="/nonexistent/c++"
+    )
+    for d in _ranks(tmp_path, 2):
+        assert d["error"].startswith("BackendUnavailableError: smddp: no C++ compiler"), d
