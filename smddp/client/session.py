@@ -517,6 +517,7 @@ class Client:
         self._routed: dict[str, int] = {}
         self._routed_lock = threading.Lock()
         self._routed_at = 0.0
+        self._front: dict[str, str] = {}  # note_front_end's (under _routed_lock)
         self.membership = membership
         self.job = membership.job
         self.rank = membership.rank
@@ -648,6 +649,23 @@ class Client:
                 os.replace(f"{path}.tmp", path)
             except OSError:
                 pass  # the daemon has gone (the job is ending): nothing left to show them to
+
+    def note_front_end(self, key: str, value: str) -> None:
+        """Say what a front end chose in this process (the torch backend a group got), for `smddp
+        status`: `front-<rank>.json` in the daemon's private directory, renamed into place, which the
+        daemon shows per rank."""
+        with self._routed_lock:
+            self._front[key] = value
+            front = dict(self._front)
+        if not self.job_dir:
+            return
+        path = os.path.join(self.job_dir, f"front-{self.rank}.json")
+        try:
+            with open(f"{path}.tmp", "w") as f:
+                json.dump(front, f)
+            os.replace(f"{path}.tmp", path)
+        except OSError:
+            pass  # the daemon has gone (the job is ending): nothing left to show them to
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Wait for in-flight collectives, tell the daemon goodbye, release everything. Idempotent."""

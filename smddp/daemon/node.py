@@ -667,6 +667,24 @@ class NodeDaemon:
                         total[k] = total.get(k, 0) + v
         return total
 
+    def _front_ends(self) -> dict[str, dict[str, str]]:
+        """What each local rank's front ends chose (Client.note_front_end files), by rank: shown, never trusted."""
+        out: dict[str, dict[str, str]] = {}
+        try:
+            names = [n for n in os.listdir(self.socket_dir) if n.startswith("front-") and n.endswith(".json")]
+        except OSError:
+            return out
+        for name in names:
+            rank = name[len("front-") : -len(".json")]
+            try:
+                with open(os.path.join(self.socket_dir, name)) as f:
+                    said = json.load(f)
+            except (OSError, ValueError):
+                continue
+            if rank.isdigit() and isinstance(said, dict):
+                out[rank] = {k: v for k, v in said.items() if isinstance(k, str) and isinstance(v, str)}
+        return out
+
     def _fabric_status(self) -> dict:
         """The fabric between the daemons, as `smddp status` shows it: which, why, and its counters."""
         described, counters = self.plane.fabric()
@@ -718,6 +736,7 @@ class NodeDaemon:
         d = self.job.daemons[self.node]
         return {
             "routed": self._routed_counts(),
+            "front_ends": self._front_ends(),
             "devices": self.device_counts(),
             "node": self.node,
             "host": d.host,

@@ -132,6 +132,17 @@ def _size(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def _ranks(ranks: list[int]) -> str:
+    """Sorted ranks as runs: [0, 1, 2, 5] is "0-2, 5"."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
+
+
 def _duration(s: float) -> str:
     s = int(s)
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
@@ -178,6 +189,15 @@ def render_report(r: dict) -> str:
             f"{d['collectives']['done']:>8}{d['collectives']['in_flight']:>7}  {old:<16}"
             f"{_size(bin_):>11}{_size(bout):>11}{red['gbytes_per_s']:>9.2f} GB/s"
         )
+    # What each rank's front ends chose (the torch backend a group got), grouped: "native: ranks 0-3".
+    chose: dict[tuple[str, str], list[int]] = {}
+    for d in r["daemons"]:
+        for rank, said in d.get("front_ends", {}).items():
+            for k, v in said.items():
+                chose.setdefault((k, v), []).append(int(rank))
+    if chose:
+        out += ["", "front ends (each rank's choice):"]
+        out += [f"  {k}: {v} on ranks {_ranks(sorted(rs))}" for (k, v), rs in sorted(chose.items())]
     routed: dict[str, int] = {}
     for d in r["daemons"]:
         for k, v in d.get("routed", {}).items():

@@ -1625,7 +1625,9 @@ def create_process_group(store: Any, rank: int, size: int, timeout: timedelta) -
             "which sets RANK to the smddp rank, or pass rank=smddp.rank()"
         )
     group = ProcessGroupSmddp(rank, size, timeout, side)
-    if native.backend_kind() == "python":
+    kind = native.backend_kind()
+    smddp.client().note_front_end("torch backend", kind)  # (smddp status shows each rank's)
+    if kind == "python":
         return group
     # The C++ backend: host collectives straight to the engine, the rest to `group` (where a runtime
     # claims host tensors as device memory, as smddp's stand-in does, every call goes to `group`).

@@ -84,6 +84,16 @@ bool plain(const at::Tensor& t) {
 
 class Work;
 
+// Whether Python objects may still be let go here: not once the interpreter is gone or going (a group
+// destroyed at exit), where taking the GIL from another thread would hang; what is held is then kept.
+bool python_alive() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsInitialized() && !Py_IsFinalizing();
+#else
+  return Py_IsInitialized() && !_Py_IsFinalizing();
+#endif
+}
+
 // Fails armed Works still running at their timeout, so that a future (DDP's reducer waits on one in C++,
 // with no timeout) ends with the timeout instead of hanging on a stopped rank. One thread a process,
 // started on first use, asleep until the earliest deadline; Works are kept per timeout in start order
@@ -339,28 +349,47 @@ class DoneWork : public c10d::Work {
   std::vector<at::Tensor> result_;
 };
 
-// The Python group's Work as a C++ one: every call forwarded, the Python object kept alive with it.
+// The Python group's Work as a C++ one, the Python object kept alive with it. Its state is asked of the
+// Python object (torch's trampoline forwards only wait and get_future of a Work written in Python;
+// the rest would answer the C++ base's defaults), which also serves a side group's C++ Work through
+// its bindings: those calls take the GIL, as the Python group's Works always have.
 class PyWork : public c10d::Work {
  public:
   PyWork(c10::intrusive_ptr<c10d::Work> w, py::object keep) : w_(std::move(w)), keep_(std::move(keep)) {}
   ~PyWork() override {
-    if (!Py_IsInitialized()) {
+    if (!python_alive()) {
       (void)keep_.release();  // (the interpreter is gone: nothing to give back)
       return;
     }
     py::gil_scoped_acquire gil;
     keep_ = py::object();
   }
-  bool isCompleted() override { return w_->isCompleted(); }
-  bool isSuccess() const override { return w_->isSuccess(); }
-  std::exception_ptr exception() const override { return w_->exception(); }
-  std::vector<at::Tensor> result() override { return w_->result(); }
-  void synchronize() override { w_->synchronize(); }
-  int sourceRank() const override { return w_->sourceRank(); }  // (a recv from any source's)
+  bool isCompleted() override { return ask<bool>("is_completed"); }
+  bool isSuccess() const override { return ask<bool>("is_success"); }
+  std::exception_ptr exception() const override {
+    py::gil_scoped_acquire gil;
+    py::object e = keep_.attr("exception")();
+    if (e.is_none()) return nullptr;
+    return std::make_exception_ptr(std::runtime_error(
+        py::str(py::type::handle_of(e).attr("__name__")).cast<std::string>() + ": " + py::str(e).cast<std::string>()));
+  }
+  std::vector<at::Tensor> result() override { return ask<std::vector<at::Tensor>>("result"); }
+  void synchronize() override {
+    py::gil_scoped_acquire gil;
+    keep_.attr("synchronize")();
+  }
+  int sourceRank() const override { return ask<int>("_source_rank"); }  // (a recv from any source's)
   bool wait(milliseconds timeout) override { return w_->wait(timeout); }
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return w_->getFuture(); }
 
  private:
+  // The Python object's answer, converted while the GIL is held (its Python objects let go there too).
+  template <typename T>
+  T ask(const char* method) const {
+    py::gil_scoped_acquire gil;
+    return keep_.attr(method)().template cast<T>();
+  }
+
   c10::intrusive_ptr<c10d::Work> w_;
   py::object keep_;
 };
@@ -395,7 +424,7 @@ class Backend : public c10d::Backend {
   }
 
   ~Backend() override {
-    if (!Py_IsInitialized()) {
+    if (!python_alive()) {
       (void)capsule_.release();
       (void)group_.release();
       return;

@@ -89,8 +89,9 @@ def _import(name: str, path: Path) -> ModuleType:
     return module
 
 
-def _build(name: str, where: Path) -> None:
-    """Compile c10d.cpp into `where` with torch.utils.cpp_extension (its compiler flags and ABI)."""
+def _build(name: str, where: Path) -> ModuleType:
+    """Compile c10d.cpp into `where` with torch.utils.cpp_extension (its compiler flags and ABI), and
+    import it."""
     from torch.utils import cpp_extension
 
     if shutil.which(os.environ.get("CXX", "c++")) is None:
@@ -107,7 +108,7 @@ def _build(name: str, where: Path) -> None:
     shutil.rmtree(work, ignore_errors=True)  # a build cut short (its holder died: the lock is ours now)
     work.mkdir(parents=True)
     try:
-        cpp_extension.load(
+        module = cpp_extension.load(
             name,
             [str(SOURCE)],
             extra_cflags=CFLAGS,
@@ -120,7 +121,8 @@ def _build(name: str, where: Path) -> None:
             f"smddp: building the C++ torch backend failed: {str(e)[-3000:]}"
         ) from e
     shutil.rmtree(where, ignore_errors=True)
-    os.replace(work, where)  # complete, or absent: never half there
+    os.replace(work, where)  # complete, or absent: never half there (the loaded copy stays mapped)
+    return module
 
 
 class _Loader:
@@ -157,8 +159,9 @@ class _Loader:
                 if not so.exists():  # (another rank of the node built it while this one waited)
                     # (a warning: a compile holds the job up for tens of seconds, and nothing else says why)
                     log.warning("smddp: building the C++ torch backend in %s, once a node", where)
-                    _build(name, where)
+                    module = _build(name, where)
                     log.warning("smddp: built the C++ torch backend in %.1fs", time.monotonic() - t0)
+                    return module
         try:
             return _import(name, so)
         except ImportError as e:

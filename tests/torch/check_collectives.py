@@ -80,7 +80,7 @@ def main() -> int:
     opts.asyncOp = False
     # The C++ backend (smddp.torch.backend_kind() "native") answers every call with a Work of torch's
     # own type: one complete at return where the call was blocking.
-    native = smddp.torch.backend_kind() == "native" and not device_route
+    native = smddp.torch.backend_kind() == "native"  # (also where it hands every call to the Python group)
     out["backend_kind"] = smddp.torch.backend_kind()
     t = torch.full((5,), float(r + 1))
     work = pg.allreduce([t], opts)

@@ -51,6 +51,9 @@ def test_every_collective(
         # a subgroup) ran on the side group with the right values instead of being refused.
         assert d["routed"] and all(d["routed"].values()), d["routed"]
     status = json.loads(_json(tmp_path, world)[0]["status"])
+    # smddp status shows which backend each rank's group got.
+    chose = {r: said for daemon in status["daemons"] for r, said in daemon["front_ends"].items()}
+    assert chose == {str(r): {"torch backend": torch_backend} for r in range(world)}, chose
     routed: dict[str, int] = {}
     for daemon in status["daemons"]:
         for k, v in daemon["routed"].items():

@@ -96,3 +96,29 @@ def test_the_table_names_the_fabric() -> None:
     assert "fabric between the daemons:" in text
     assert "node 0: ofi tcp (fabric 10.0.0.0/24, domain eth0)" in text and "rejected 1" in text
     assert "fabric between" not in render_report({**report, "nnodes": 1})
+
+
+def test_the_table_says_what_each_ranks_front_end_chose() -> None:
+    from smddp.launcher.status import render_report
+
+    native, python = {"torch backend": "native"}, {"torch backend": "python"}
+    daemons = [
+        {
+            "node": 0,
+            "host": "h",
+            "pid": 1,
+            "state": "running",
+            "front_ends": {"0": native, "2": native, "1": native},
+        },
+        {
+            "node": 1,
+            "host": "h",
+            "pid": 2,
+            "state": "running",
+            "front_ends": {"5": native, "3": python, "4": python},
+        },
+    ]
+    text = render_report({"job": "e" * 32, "nnodes": 2, "world": 6, "daemons": daemons})
+    assert "  torch backend: native on ranks 0-2, 5" in text, text
+    assert "  torch backend: python on ranks 3-4" in text, text
+    assert "front ends" not in render_report({"job": "e" * 32, "nnodes": 1, "world": 1, "daemons": []})
