@@ -640,15 +640,21 @@ class Client:
     def _write_routed(self) -> None:
         with self._routed_lock:  # one writer of the file at a time
             self._routed_at = time.monotonic()
-            if not self.job_dir or not self._routed:
-                return
-            path = os.path.join(self.job_dir, f"routed-{self.rank}.json")
-            try:
-                with open(f"{path}.tmp", "w") as f:
-                    json.dump(self._routed, f)
-                os.replace(f"{path}.tmp", path)
-            except OSError:
-                pass  # the daemon has gone (the job is ending): nothing left to show them to
+            if self._routed:
+                self._show_daemon("routed", self._routed)
+
+    def _show_daemon(self, what: str, said: dict) -> None:
+        """(_routed_lock held) `said` as `<what>-<rank>.json` in the daemon's private directory, renamed
+        into place, for its report to `smddp status`."""
+        if not self.job_dir:
+            return
+        path = os.path.join(self.job_dir, f"{what}-{self.rank}.json")
+        try:
+            with open(f"{path}.tmp", "w") as f:
+                json.dump(said, f)
+            os.replace(f"{path}.tmp", path)
+        except OSError:
+            pass  # the daemon has gone (the job is ending): nothing left to show them to
 
     def note_front_end(self, key: str, value: str) -> None:
         """Say what a front end chose in this process (the torch backend a group got), for `smddp
@@ -656,16 +662,7 @@ class Client:
         daemon shows per rank."""
         with self._routed_lock:
             self._front[key] = value
-            front = dict(self._front)
-        if not self.job_dir:
-            return
-        path = os.path.join(self.job_dir, f"front-{self.rank}.json")
-        try:
-            with open(f"{path}.tmp", "w") as f:
-                json.dump(front, f)
-            os.replace(f"{path}.tmp", path)
-        except OSError:
-            pass  # the daemon has gone (the job is ending): nothing left to show them to
+            self._show_daemon("front", self._front)
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Wait for in-flight collectives, tell the daemon goodbye, release everything. Idempotent."""

@@ -646,44 +646,41 @@ class NodeDaemon:
             "daemons": daemons,
         }
 
-    def _routed_counts(self) -> dict[str, int]:
-        """Calls the local ranks' front ends sent to their side groups (Client.count_routed files)."""
-        total: dict[str, int] = {}
+    def _rank_files(self, what: str) -> dict[str, dict]:
+        """The local ranks' `<what>-<rank>.json` files (Client._show_daemon), by rank: shown, never trusted."""
+        out: dict[str, dict] = {}
         try:
             names = [
-                n for n in os.listdir(self.socket_dir) if n.startswith("routed-") and n.endswith(".json")
+                n for n in os.listdir(self.socket_dir) if n.startswith(f"{what}-") and n.endswith(".json")
             ]
-        except OSError:
-            return total
-        for name in names:
-            try:
-                with open(os.path.join(self.socket_dir, name)) as f:
-                    counts = json.load(f)
-            except (OSError, ValueError):
-                continue
-            if isinstance(counts, dict):
-                for k, v in counts.items():
-                    if isinstance(k, str) and isinstance(v, int):
-                        total[k] = total.get(k, 0) + v
-        return total
-
-    def _front_ends(self) -> dict[str, dict[str, str]]:
-        """What each local rank's front ends chose (Client.note_front_end files), by rank: shown, never trusted."""
-        out: dict[str, dict[str, str]] = {}
-        try:
-            names = [n for n in os.listdir(self.socket_dir) if n.startswith("front-") and n.endswith(".json")]
         except OSError:
             return out
         for name in names:
-            rank = name[len("front-") : -len(".json")]
+            rank = name[len(what) + 1 : -len(".json")]
             try:
                 with open(os.path.join(self.socket_dir, name)) as f:
                     said = json.load(f)
             except (OSError, ValueError):
                 continue
             if rank.isdigit() and isinstance(said, dict):
-                out[rank] = {k: v for k, v in said.items() if isinstance(k, str) and isinstance(v, str)}
+                out[rank] = said
         return out
+
+    def _routed_counts(self) -> dict[str, int]:
+        """Calls the local ranks' front ends sent to their side groups (Client.count_routed files)."""
+        total: dict[str, int] = {}
+        for counts in self._rank_files("routed").values():
+            for k, v in counts.items():
+                if isinstance(k, str) and isinstance(v, int):
+                    total[k] = total.get(k, 0) + v
+        return total
+
+    def _front_ends(self) -> dict[str, dict[str, str]]:
+        """What each local rank's front ends chose (Client.note_front_end files), by rank."""
+        return {
+            rank: {k: v for k, v in said.items() if isinstance(k, str) and isinstance(v, str)}
+            for rank, said in self._rank_files("front").items()
+        }
 
     def _fabric_status(self) -> dict:
         """The fabric between the daemons, as `smddp status` shows it: which, why, and its counters."""

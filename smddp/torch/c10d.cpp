@@ -448,24 +448,16 @@ class Backend : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                           const c10d::AllreduceOptions& opts) override {
-    const std::uint8_t op = op_code(opts.reduceOp);
-    if (direct_ && op != 0 && all_plain(tensors)) {
-      std::vector<smddp_collective> cs;
-      for (at::Tensor& t : tensors) cs.push_back(collective(SMDDP_ALLREDUCE, t, t, op));
-      if (auto w = run(cs, tensors, c10d::OpType::ALLREDUCE, "all_reduce", opts.timeout, opts.asyncOp)) return w;
-    }
+    if (auto w = allreduce_each(tensors, opts.reduceOp, c10d::OpType::ALLREDUCE, opts.timeout, opts.asyncOp))
+      return w;
     return delegate("allreduce", tensors, opts);
   }
 
   c10::intrusive_ptr<c10d::Work> allreduce_coalesced(std::vector<at::Tensor>& tensors,
                                                     const c10d::AllreduceCoalescedOptions& opts) override {
-    const std::uint8_t op = op_code(opts.reduceOp);
-    if (direct_ && op != 0 && all_plain(tensors)) {
-      std::vector<smddp_collective> cs;
-      for (at::Tensor& t : tensors) cs.push_back(collective(SMDDP_ALLREDUCE, t, t, op));
-      if (auto w = run(cs, tensors, c10d::OpType::ALLREDUCE_COALESCED, "all_reduce", opts.timeout, opts.asyncOp))
-        return w;
-    }
+    if (auto w = allreduce_each(tensors, opts.reduceOp, c10d::OpType::ALLREDUCE_COALESCED, opts.timeout,
+                                opts.asyncOp))
+      return w;
     return delegate("allreduce_coalesced", tensors, opts);
   }
 
@@ -571,6 +563,18 @@ class Backend : public c10d::Backend {
   }
 
  private:
+  // Each tensor all-reduced on its own through the table (as the Python group runs several); null where
+  // the call is not the table's (the caller hands it to the Python group).
+  c10d_work_t allreduce_each(std::vector<at::Tensor>& tensors, const c10d::ReduceOp& reduce_op, c10d::OpType type,
+                             milliseconds timeout, bool async) {
+    const std::uint8_t op = op_code(reduce_op);
+    if (!direct_ || op == 0 || !all_plain(tensors)) return {};
+    std::vector<smddp_collective> cs;
+    cs.reserve(tensors.size());
+    for (at::Tensor& t : tensors) cs.push_back(collective(SMDDP_ALLREDUCE, t, t, op));
+    return run(cs, tensors, type, "all_reduce", timeout, async);
+  }
+
   static bool all_plain(const std::vector<at::Tensor>& ts) {
     if (ts.empty()) return false;
     for (const at::Tensor& t : ts)
