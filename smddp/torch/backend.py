@@ -89,6 +89,62 @@ def _deadline(work: SmddpWork, timeout_s: float | None) -> float:
     return time.monotonic() + (work._timeout.total_seconds() if timeout_s is None else timeout_s)
 
 
+def _untraced(base: type) -> Callable[[type], type]:
+    """A class decorator: every method of the class that overrides one of torch's `base` runs with
+    TorchDynamo's frame hook off, so never traced.
+
+    torch calls these from C++ (the trampoline of a Python ProcessGroup or Work), also while a compiled
+    function runs: a DDP model under torch.compile syncs its buffers in forward through
+    dist._broadcast_coalesced, and a compiled graph's functional collectives call the group. Dynamo
+    would take the call's Python frame for one to compile, and cannot trace a Python process group
+    (the step fails: "Attempted to access unregistered member on an OpaqueObject").
+    """
+
+    def decorate(cls: type) -> type:
+        for name, fn in list(vars(cls).items()):
+            if not name.startswith("__") and callable(fn) and hasattr(base, name):
+                setattr(cls, name, _hook_off(fn))
+        return cls
+
+    return decorate
+
+
+def _hook_off(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` with Dynamo's frame hook off while it runs, the hook put back after (see _untraced)."""
+    if _SKIP is None:
+        # (an older torch: its own way, which imports Dynamo, about a second, and costs ~0.6 us a call)
+        return torch.compiler.disable(fn)
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        prior = _set_eval_frame(None)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _set_eval_frame(prior)
+
+    return run
+
+
+def _skipped() -> Any:
+    """Dynamo's C hook marks `_hook_off`'s frames as its own to run, not to trace (what its skip_code
+    does, without importing Dynamo); None where this torch's C hook has no such mark."""
+    try:
+        from torch._C._dynamo import eval_frame as ef
+
+        return ef.set_code_exec_strategy, ef._FrameExecStrategy(ef._FrameAction.SKIP, ef._FrameAction.DEFAULT)
+    except (ImportError, AttributeError):
+        return None
+
+
+_SKIP = _skipped()
+if _SKIP is not None:
+    from torch._C._dynamo.eval_frame import set_eval_frame as _set_eval_frame
+
+    _SKIP[0](_hook_off(lambda: None).__code__, _SKIP[1])  # (one code object for every wrapper)
+
+
+@_untraced(dist.Work)
 class SmddpWork(dist.Work):
     """An in-flight smddp collective as a torch Work.
 
@@ -341,6 +397,7 @@ class SmddpWork(dist.Work):
             self._device.order(self)
 
 
+@_untraced(dist.Work)
 class _DoneWork(dist.Work):
     """A Work complete before it is returned: a blocking call (torch's `async_op=False`, which waits
     on the Work at once, in the same thread) that ran whole in the caller's thread. Nothing is left to
@@ -1077,6 +1134,7 @@ def _routable(
 # -- the process group ----------------------------------------------------------------------------
 
 
+@_untraced(dist.ProcessGroup)
 class ProcessGroupSmddp(dist.ProcessGroup):
     """torch.distributed's view of an smddp job: every rank of the job, one group.
 

@@ -77,6 +77,11 @@ def _recorded_gloo() -> dict[str, Any] | None:
     return {name: {"outcome": o} for name, o in rec["outcomes"].items()}
 
 
+# Each backend runs the whole suite; the Python one (the fallback, which every other torch test also
+# runs) in the long tier, at about two minutes of CI's time a run.
+@pytest.mark.parametrize(
+    "torch_backend", ["native", pytest.param("python", marks=pytest.mark.long)], indirect=True
+)
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.long)])
 def test_every_test_gloo_passes_smddp_passes(world: int, torch_backend: str, tmp_path: Path) -> None:
     gloo = (_recorded_gloo() if world == 2 else None) or _suite("gloo", world, tmp_path)
