@@ -103,6 +103,7 @@ def run_once(cfg: DdpConfig, impl: str, p: Any, log: TextIO) -> dict[str, Any]:
         "median_s": statistics.median(steps),
         "startup_s": max(r["first_allreduce_at"] for r in per_rank) - started,
         "params_sha256": per_rank[0]["params_sha256"],
+        **({"torch_backend": per_rank[0]["torch_backend"]} if "torch_backend" in per_rank[0] else {}),
     }
 
 
@@ -169,6 +170,12 @@ def run_ddp(cfg: DdpConfig, log: TextIO = sys.stderr) -> dict[str, Any]:
     return result
 
 
+def _on_backend(res: dict[str, Any]) -> str:
+    """Which torch backend smddp's launches ran on (older reports do not say)."""
+    kinds = sorted({r["torch_backend"] for r in res["runs"].get("smddp", []) if "torch_backend" in r})
+    return f" (smddp on its {'/'.join(kinds)} torch backend)" if kinds else ""
+
+
 def ddp_markdown(res: dict[str, Any]) -> str:
     """The result as a table: step time per implementation, the ratio, and what ran."""
     c = res["config"]
@@ -181,7 +188,7 @@ def ddp_markdown(res: dict[str, Any]) -> str:
     lines = [
         f"DDP training step, {res['topology_label']}, {where}: an MLP of {res['params'] / 1e6:.1f} M parameters "
         f"(width {c['width']}, depth {c['depth']}), batch {c['batch']} per rank, {c['bucket_mb']:g} MiB "
-        f"buckets, stock `torch.nn.parallel.DistributedDataParallel`, one torch thread per rank; "
+        f"buckets, stock `torch.nn.parallel.DistributedDataParallel`{_on_backend(res)}, one torch thread per rank; "
         f"{c['steps']} timed steps after {c['warmup']} untimed, {c['rounds']} launches per "
         "implementation, interleaved. A step's time is the slowest rank's, from a barrier to the end "
         "of its optimizer step; every rank's parameters were the same bits after training"

@@ -119,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         "loss": float(loss),
         "params_sha256": digest.hexdigest(),
         "first_allreduce_at": first_allreduce_at,
+        # (smddp's groups: the C++ backend or the Python one, smddp.torch.backend_kind)
+        **({"torch_backend": smddp.torch.backend_kind()} if args.impl == "smddp" else {}),
     }
     os.makedirs(args.out, exist_ok=True)
     tmp = os.path.join(args.out, f".rank{rank}.json.tmp")

@@ -405,7 +405,7 @@ def render(
         from smddp_rigs.bench.calls import calls_markdown
 
         if calls:
-            out += ["## One call, the way a training step meets it (issue 29)", ""]
+            out += ["## One call, the way a training step meets it (issues 29 and 58)", ""]
             for c in calls:
                 out += [calls_markdown(c), ""]
         if device_calls:

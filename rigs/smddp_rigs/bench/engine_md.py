@@ -318,12 +318,13 @@ def worker_section(
         )
     for report in calls:
         med = report["slowest_s"]
-        floor = med.get("torch.floor")
+        floors = {"a Python backend's floor": "torch.floor", "a C++ backend's floor": "torch.floor.native"}
         for c in ("async.wait", "torch", "torch.async"):
             if c in med:
                 note = f"{med[c] * 1e6:.1f} us against {med['blocking'] * 1e6:.1f} us"
-                if c.startswith("torch") and floor is not None:
-                    note += f"; a Python backend's floor: {floor / med['blocking']:.2f}x"
+                for what, floor in floors.items():
+                    if c.startswith("torch") and floor in med:
+                        note += f"; {what}: {med[floor] / med['blocking']:.2f}x"
                 figs.append(
                     Figure(
                         f"{c} at {fmt_size(report['size'])}: time / the blocking call",
