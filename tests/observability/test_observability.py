@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from smddp.transport.netif import service_port
-from tests.conftest import BIN, REPO, job_env, need_programs
+from tests.conftest import BIN, REPO, job_env, need_module, need_programs
 
 pytestmark = pytest.mark.observability
 
@@ -121,9 +121,18 @@ def test_metrics_scrape_parses(clean_host):
         assert [s.value for s in families["smddp_job_attempt"].samples] == [0], (node, sorted(families))
 
 
-def test_timeline_has_every_phase_of_every_collective(tmp_path, clean_host):
+@pytest.mark.parametrize("front", ["numpy", pytest.param("torch", marks=pytest.mark.torch)])
+def test_timeline_has_every_phase_of_every_collective(front, tmp_path, clean_host):
+    """Every phase of every collective on the timeline, from smddp's calls and from torch's through
+    its C++ backend (the engine's table: the same collectives, the same lanes)."""
+    if front == "torch":
+        need_module("torch", "pip install -e '.[torch]'")
     trace = tmp_path / "trace.json"
-    proc = launch(["--timeline", str(trace)], ["--iterations", "5"], job_env())
+    proc = launch(
+        ["--timeline", str(trace)],
+        ["--iterations", "5", *(["--torch"] if front == "torch" else [])],
+        job_env(),
+    )
     out = proc.communicate(timeout=120)[0]
     assert proc.returncode == 0, out[-2000:]
     events = json.loads(trace.read_text())["traceEvents"]
