@@ -725,8 +725,9 @@ class Client:
                 pass
         self._channel.abort()
         self._channel.unbind()  # (it held this client: no cycle is left for the garbage collector)
-        self._conn.close()
+        self._conn.hang_up()  # (the reader wakes and leaves before the socket is closed under it)
         self._reader.join(timeout=5.0)
+        self._conn.close()
         self._done_thread.join(timeout=5.0)
         self._write_timeline()
         if copying:
@@ -1440,7 +1441,7 @@ class Client:
         if isinstance(err, TransportError):
             err = _daemon_lost(f"rank {self.rank}: lost the node daemon: {err}")
         self._fail(err if isinstance(err, CollectiveError) else CollectiveError(f"rank {self.rank}: {err}"))
-        self._conn.close()
+        self._conn.hang_up()  # (closed at shutdown, once the reader has left it)
 
     @contextlib.contextmanager
     def waiting(self) -> Iterator[None]:
@@ -1532,7 +1533,7 @@ class Client:
     def _distrust(self, e: SmddpError) -> None:
         """A frame we cannot trust: fail here, and hang up so the daemon fails the job for everyone."""
         self._fail(e if isinstance(e, CollectiveError) else CollectiveError(f"rank {self.rank}: {e}"))
-        self._conn.close()
+        self._conn.hang_up()  # (closed at shutdown, once the reader has left it)
 
     def _taken(self, got: _engine.Completed | _engine.Unmatched) -> None:
         """What the DONE thread's pop of the done ring gave: a collected collective the engine completed

@@ -223,14 +223,21 @@ class Connection:
 
     # -- lifetime ------------------------------------------------------------------------------
 
-    def close(self) -> None:
-        if self._closed.is_set():
-            return
-        self._closed.set()
+    def hang_up(self) -> None:
+        """Ends the connection both ways and keeps the socket: the peer sees it end, and a thread
+        blocked on it wakes (end of stream), but its descriptor stays this object's until close().
+        Closing it while another thread is still inside a receive on it races that call (the number
+        may be reused meanwhile): hang up, let that thread leave, then close."""
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self.hang_up()
         self.sock.close()
 
     @property
