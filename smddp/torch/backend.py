@@ -109,10 +109,17 @@ def _untraced(base: type) -> Callable[[type], type]:
     return decorate
 
 
+try:  # Dynamo's C hook, without importing Dynamo (a second)
+    from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
+    from torch._C._dynamo.eval_frame import set_eval_frame as _set_eval_frame
+except ImportError:  # (an older torch: torch.compiler.disable, below)
+    _set_eval_frame = None  # type: ignore[assignment]
+
+
 def _hook_off(fn: Callable[..., Any]) -> Callable[..., Any]:
     """`fn` with Dynamo's frame hook off while it runs, the hook put back after (see _untraced)."""
-    if _SKIP is None:
-        # (an older torch: its own way, which imports Dynamo, about a second, and costs ~0.6 us a call)
+    if _set_eval_frame is None:
+        # (its own way, which imports Dynamo, about a second, and costs ~0.6 us a call)
         return torch.compiler.disable(fn)
 
     @functools.wraps(fn)
@@ -126,22 +133,12 @@ def _hook_off(fn: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
-def _skipped() -> Any:
-    """Dynamo's C hook marks `_hook_off`'s frames as its own to run, not to trace (what its skip_code
-    does, without importing Dynamo); None where this torch's C hook has no such mark."""
-    try:
-        from torch._C._dynamo import eval_frame as ef
-
-        return ef.set_code_exec_strategy, ef._FrameExecStrategy(ef._FrameAction.SKIP, ef._FrameAction.DEFAULT)
-    except (ImportError, AttributeError):
-        return None
-
-
-_SKIP = _skipped()
-if _SKIP is not None:
-    from torch._C._dynamo.eval_frame import set_eval_frame as _set_eval_frame
-
-    _SKIP[0](_hook_off(lambda: None).__code__, _SKIP[1])  # (one code object for every wrapper)
+if _set_eval_frame is not None:
+    # The hook runs `run`'s frames itself, never traces them (what Dynamo's skip_code does): one code
+    # object for every wrapper.
+    set_code_exec_strategy(
+        _hook_off(lambda: None).__code__, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.DEFAULT)
+    )
 
 
 @_untraced(dist.Work)

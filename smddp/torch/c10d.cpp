@@ -370,8 +370,7 @@ class PyWork : public c10d::Work {
     py::gil_scoped_acquire gil;
     py::object e = keep_.attr("exception")();
     if (e.is_none()) return nullptr;
-    return std::make_exception_ptr(std::runtime_error(
-        py::str(py::type::handle_of(e).attr("__name__")).cast<std::string>() + ": " + py::str(e).cast<std::string>()));
+    return as_future_error(py::str(py::type::handle_of(e).attr("__name__")), py::str(e));
   }
   std::vector<at::Tensor> result() override { return ask<std::vector<at::Tensor>>("result"); }
   void synchronize() override {

@@ -83,7 +83,8 @@ def _tensors(run: dict[str, Any]) -> dict[str, Any]:
 def test_ddp_two_workers_bit_identical_to_gloo(torch_backend: str, tmp_path: Path, clean_host: None) -> None:
     """Every DDP mode, float32/bfloat16/float16: 10 steps on smddp give gloo's bits exactly (a+b is a+b).
 
-    "compiled" is the DDP model under torch.compile (Dynamo's DDPOptimizer, aot_eager), on both. The "hook" and "smddp_ddp" modes run on both default groups: on gloo, smddp's comm hook and
+    "compiled" is the DDP model under torch.compile (Dynamo's DDPOptimizer, aot_eager), on both. The
+    "hook" and "smddp_ddp" modes run on both default groups: on gloo, smddp's comm hook and
     smddp.torch.DistributedDataParallel (an smddp group from new_group) must still give stock
     gloo DDP's bits.
     """
