@@ -156,11 +156,17 @@ struct Op {
   std::function<void(const Failure&)> always;
 };
 
+// This library's thread-locals are in the static TLS block (initial-exec; a few bytes of what glibc
+// keeps spare for libraries loaded later): as a dlopen'ed library's default (dynamic) TLS, each
+// thread's copy would be malloc'ed by the loader and freed by whichever thread later reuses or joins
+// its stack, and TSan reported the stream thread's last write of t_stream "racing" that free.
+#define SMDDP_STATIC_TLS __attribute__((tls_model("initial-exec")))
+
 struct Stream;
 // The stream whose operation the calling thread runs (a host function's, for smddp_standin_fail_running),
 // and the failure that operation reports.
-thread_local Stream* t_stream = nullptr;
-thread_local Failure* t_failure = nullptr;
+SMDDP_STATIC_TLS thread_local Stream* t_stream = nullptr;
+SMDDP_STATIC_TLS thread_local Failure* t_failure = nullptr;
 
 struct Stream {
   int device = 0;
@@ -336,7 +342,7 @@ State& state() {
 }
 
 // The device whose primary context the calling thread made current (-1: none).
-thread_local int t_device = -1;
+SMDDP_STATIC_TLS thread_local int t_device = -1;
 // The fake contexts' addresses: one byte each, per device, so that a CUcontext names its device.
 unsigned char g_contexts[kMaxDevices];
 

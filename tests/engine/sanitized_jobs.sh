@@ -42,6 +42,8 @@ pkg=$(mkdir -p "$out/$san-pkg" && cd "$out/$san-pkg" && pwd)
 rm -rf "$pkg/smddp"
 cp -r smddp "$pkg/smddp"
 find "$pkg/smddp" \( -name '*.so' -o -name __pycache__ \) -prune -exec rm -rf {} +
+# Every Python process of the job imports that copy first (sanitized_site.py says why).
+cp tests/engine/sanitized_site.py "$pkg/sitecustomize.py"
 include=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
 suffix=$("$py" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
 core=("$out/$san"/*.o)
@@ -68,8 +70,9 @@ export SMDDP_STANDIN_CUDA=$standin
 # sanitizer's __cxa_throw interceptor finds the real one only in a library loaded when it starts (the
 # interpreter itself does not link libstdc++; without it the first throw fails the sanitizer's CHECK).
 export PYTHONPATH=$pkg LD_PRELOAD="$runtime $(g++ -print-file-name=libstdc++.so)"
-# Outside the checkout, so that its own smddp/ is not the one imported.
-(cd / && "$py" -c 'import smddp._engine as e, sys; sys.exit(0 if e.__file__.startswith(sys.argv[1]) else "not the sanitized engine: " + e.__file__)' "$pkg")
+# In the checkout, as pytest runs, whose smddp/ (the plain engine) comes first on `-c`'s path as on
+# `python -m`'s: the sitecustomize must have imported the sanitized copy already.
+"$py" -c 'import smddp._engine as e, sys; sys.exit(0 if e.__file__.startswith(sys.argv[1]) else "not the sanitized engine: " + e.__file__)' "$pkg"
 # Every report goes to a file of its process's too (log_path): one from the test process itself ends it
 # (halt_on_error) while pytest holds its stderr, which is lost with it; printed here when the run fails.
 reports=$(mkdir -p "$out/$san-reports" && cd "$out/$san-reports" && pwd)
