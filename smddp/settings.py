@@ -284,9 +284,9 @@ SETTINGS: tuple[Setting, ...] = (
         "torch_backend",
         str,
         "auto",
-        "the torch backend smddp's groups use: native (the C++ backend, built on first use where no "
-        "prebuilt one matches torch), python (the Python ProcessGroup), or auto (native where it loads or "
-        "builds, else python with one warning saying why)",
+        "the torch backend smddp's groups use: native (the C++ backend, built on first use where it is "
+        "not built for this torch: smddp torch-backend --build builds it ahead), python (the Python "
+        "ProcessGroup), or auto (native where it loads or builds, else python with one warning saying why)",
         (),
         (WORKER,),
         env="SMDDP_TORCH_BACKEND",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -140,6 +141,27 @@ def daemon_main(argv: list[str] | None = None) -> int:
     return run(cfg)
 
 
+def _torch_backend(build: bool, as_json: bool) -> int:
+    try:
+        from smddp.torch.native import report
+    except ImportError as e:
+        print(f"smddp torch-backend: torch is not importable here: {e}", file=sys.stderr)
+        return 1
+    r = report(build)
+    if as_json:
+        print(json.dumps(r))
+    else:
+        abi = "C++11 ABI" if r["cxx11_abi"] else "pre-C++11 ABI"
+        print(f"torch {r['torch']} ({abi}), Python {r['python']}, SMDDP_TORCH_BACKEND={r['asked']}")
+        print(
+            f"C++ backend: {'built at ' + r['module'] if r['module'] else 'not built (' + r['build_dir'] + ')'}"
+        )
+        print(f"a group gets: {r['group_gets']} ({r['why']})")
+    if r["error"]:
+        print(r["error"], file=sys.stderr)  # ("smddp: ...")
+    return 1 if r["error"] or r["group_gets"] == "none" else 0
+
+
 def smddp_main(argv: list[str] | None = None) -> int:
     import smddp
 
@@ -163,6 +185,16 @@ def smddp_main(argv: list[str] | None = None) -> int:
     tl.add_argument("--png", required=True, help="where to write the picture")
     tl.add_argument("--first", type=int, default=0, help="first collective (sequence number) to draw")
     tl.add_argument("--last", type=int, default=0, help="last collective to draw")
+    tb = sub.add_parser(
+        "torch-backend",
+        help="which torch backend an smddp group gets here, and why; --build makes the C++ one ahead of jobs",
+    )
+    tb.add_argument(
+        "--build",
+        action="store_true",
+        help="build the C++ backend for this torch now, where it is not built (an image's, a shared cache's)",
+    )
+    tb.add_argument("--json", action="store_true", help="machine-readable output")
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "launch":
         return launch_main(argv[1:])
@@ -180,6 +212,8 @@ def smddp_main(argv: list[str] | None = None) -> int:
             print(f"smddp timeline: {e}", file=sys.stderr)
             return 1
         print(f"{args.png}: {n} phases drawn")
+    elif args.cmd == "torch-backend":
+        return _torch_backend(args.build, args.json)
     elif args.cmd == "status":
         from smddp.errors import SmddpError
         from smddp.launcher.status import StatusConfig, status

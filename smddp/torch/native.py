@@ -89,21 +89,32 @@ def _import(name: str, path: Path) -> ModuleType:
     return module
 
 
+def cannot_build() -> str:
+    """Why this machine cannot build the C++ backend ("" where it can): a compiler and ninja."""
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        return "smddp: no C++ compiler to build the C++ torch backend with (install g++, or set CXX)"
+    from torch.utils import cpp_extension
+
+    try:
+        cpp_extension.verify_ninja_availability()
+    except RuntimeError:
+        return "smddp: building the C++ torch backend needs ninja (pip install ninja)"
+    return ""
+
+
+def built() -> Path | None:
+    """The C++ backend's module for this torch, Python and machine where it has been built (nothing is
+    built here)."""
+    name = build_name()
+    so = build_root() / name / f"{name}.so"
+    return so if so.exists() else None
+
+
 def _build(name: str, where: Path) -> ModuleType:
     """Compile c10d.cpp into `where` with torch.utils.cpp_extension (its compiler flags and ABI), and
     import it."""
     from torch.utils import cpp_extension
 
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
-        raise BackendUnavailableError(
-            "smddp: no C++ compiler to build the C++ torch backend with (install g++, or set CXX)"
-        )
-    try:
-        cpp_extension.verify_ninja_availability()
-    except RuntimeError:
-        raise BackendUnavailableError(
-            "smddp: building the C++ torch backend needs ninja (pip install ninja)"
-        ) from None
     work = where.with_name(where.name + ".building")
     shutil.rmtree(work, ignore_errors=True)  # a build cut short (its holder died: the lock is ours now)
     work.mkdir(parents=True)
@@ -157,6 +168,9 @@ class _Loader:
             t0 = time.monotonic()
             with _node_lock(root / f"{name}.lock", BUILD_TIMEOUT_S):
                 if not so.exists():  # (another rank of the node built it while this one waited)
+                    cannot = cannot_build()
+                    if cannot:
+                        raise BackendUnavailableError(cannot)
                     # (a warning: a compile holds the job up for tens of seconds, and nothing else says why)
                     log.warning("smddp: building the C++ torch backend in %s, once a node", where)
                     module = _build(name, where)
@@ -210,3 +224,41 @@ def wrap(group: Any, rank: int, size: int, timeout_s: float, direct: bool) -> An
         direct,
         CollectiveTimeoutError.PREFIX,
     )
+
+
+def report(build: bool) -> dict[str, Any]:
+    """What `smddp torch-backend` says: this torch, where its C++ backend is (built first, once a node,
+    when `build`: for an image or a shared file system, so that no job compiles), and which backend a
+    new smddp group gets here and why. `error` is set where `build` could not."""
+    asked = settings.from_env(settings.WORKER)["torch_backend"]
+    out: dict[str, Any] = {
+        "torch": torch.__version__,
+        "cxx11_abi": bool(torch._C._GLIBCXX_USE_CXX11_ABI),
+        "python": platform.python_version(),
+        "asked": asked,
+        "build_dir": str(build_root() / build_name()),
+        "module": None,
+        "error": "",
+    }
+    if build:
+        try:
+            module()
+        except BackendUnavailableError as e:
+            out["error"] = str(e)
+    so = built()
+    out["module"] = str(so) if so is not None else None
+    cannot = cannot_build()
+    if asked == "python":
+        out["group_gets"], out["why"] = "python", "SMDDP_TORCH_BACKEND=python"
+    elif so is not None:
+        out["group_gets"], out["why"] = "native", "its build is here"
+    elif not cannot:
+        out["group_gets"], out["why"] = "native", "a group's first use builds it (once a node)"
+    elif asked == "native":
+        out["group_gets"], out["why"] = (
+            "none",
+            f"SMDDP_TORCH_BACKEND=native, and {cannot.removeprefix('smddp: ')}",
+        )
+    else:
+        out["group_gets"], out["why"] = "python", cannot.removeprefix("smddp: ")
+    return out

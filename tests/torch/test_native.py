@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,14 +20,16 @@ BUILDING = "building the C++ torch backend"
 
 
 def _launch(world: int, nodes: int, out: Path, **env: str) -> str:
-    import subprocess
-    import sys
-
     cmd = [str(BIN / "smddp-launch"), "-np", str(world), "--local-nodes", str(nodes), "--"]
     cmd += [sys.executable, str(HERE / "check_native.py"), "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=job_env(**env), cwd=REPO)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return proc.stdout + proc.stderr
+
+
+def _torch_backend(*flags: str, **env: str) -> subprocess.CompletedProcess[str]:
+    cmd = [str(BIN / "smddp"), "torch-backend", "--json", *flags]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=job_env(**env), cwd=REPO)
 
 
 def _ranks(out: Path, world: int) -> list[dict[str, object]]:
@@ -42,10 +46,18 @@ def test_built_on_first_use_once_for_every_rank(tmp_path: Path, clean_host: None
         assert d == {"kind": "native", "sum": True}, d
     (built,) = [p for p in build.iterdir() if p.is_dir()]
     assert not built.name.endswith(".building")
-    # A second job finds it: nothing is built again.
+    # `smddp torch-backend` finds it, with no compiler on the machine, and says a group gets it.
+    said = _torch_backend(SMDDP_TORCH_BUILD_DIR=str(build), CXX="/nonexistent/c++")
+    assert said.returncode == 0, said.stderr
+    r = json.loads(said.stdout)
+    assert r["module"] == str(built / f"{built.name}.so") and r["build_dir"] == str(built), r
+    assert (r["group_gets"], r["torch"], r["error"]) == ("native", torch.__version__, ""), r
+    # A second job finds it, and needs no compiler: nothing is built again.
     again = tmp_path / "again"
     again.mkdir()
-    text = _launch(2, 1, again, SMDDP_TORCH_BUILD_DIR=str(build), SMDDP_TORCH_BACKEND="native")
+    text = _launch(
+        2, 1, again, SMDDP_TORCH_BUILD_DIR=str(build), SMDDP_TORCH_BACKEND="native", CXX="/nonexistent/c++"
+    )
     assert BUILDING not in text
     assert _ranks(again, 2) == [{"kind": "native", "sum": True}] * 2
 
@@ -67,3 +79,20 @@ def test_native_asked_without_compiler_fails_naming_why(tmp_path: Path, clean_ho
     )
     for d in _ranks(tmp_path, 2):
         assert d["error"].startswith("BackendUnavailableError: smddp: no C++ compiler"), d
+
+
+@pytest.mark.parametrize("asked", ["auto", "native"])
+def test_building_ahead_without_a_compiler_fails_naming_why(tmp_path: Path, asked: str) -> None:
+    """`smddp torch-backend --build` where no compiler is: exit 1 with the reason, nothing left in the
+    build directory, and what a group would get (the Python backend; with native asked, none)."""
+    build = tmp_path / "build"
+    said = _torch_backend(
+        "--build", SMDDP_TORCH_BUILD_DIR=str(build), SMDDP_TORCH_BACKEND=asked, CXX="/nonexistent/c++"
+    )
+    assert said.returncode == 1
+    assert said.stderr.strip().splitlines()[-1].startswith("smddp: no C++ compiler to build"), said.stderr
+    r = json.loads(said.stdout)
+    assert r["module"] is None and r["error"].startswith("smddp: no C++ compiler"), r
+    assert r["group_gets"] == ("python" if asked == "auto" else "none"), r
+    assert "no C++ compiler" in r["why"], r
+    assert not build.exists() or [p for p in build.iterdir() if not p.name.endswith(".lock")] == []
