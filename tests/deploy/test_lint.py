@@ -5,6 +5,9 @@ here, so the images themselves are checked by reading them)."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -91,9 +94,21 @@ def instructions(dockerfile: Path) -> list[tuple[str, str]]:
 def test_dockerfile_contents(dockerfile: str, base: str, extras: str):
     path = DEPLOY / "docker" / dockerfile
     ins = instructions(path)
-    assert ins[0] == ("FROM", base)
-    runs = " ".join(args for word, args in ins if word == "RUN")
-    assert f'pip install "/src[{extras}]"' in runs
+    # Two stages on one base: the build (a compiler) and the image (none), which takes the build's
+    # /opt/smddp (the virtual environment, and torch's C++ backend built there).
+    assert [args for word, args in ins if word == "FROM"] == [f"{base} AS build", base]
+    cut = ins.index(("FROM", base))
+    build, image = ins[:cut], ins[cut:]
+    build_runs = " ".join(args for word, args in build if word == "RUN")
+    runs = " ".join(args for word, args in image if word == "RUN")
+    assert f'pip install "/src[{extras}]" ninja==' in build_runs and "g++" in build_runs
+    assert "smddp torch-backend --build" in build_runs
+    assert ("COPY", "--from=build /opt/smddp /opt/smddp") in image
+    assert not re.search(r"\b(g\+\+|gcc|clang|build-essential|pip install)\b", runs), runs
+    assert "SMDDP_TORCH_BACKEND=native smddp torch-backend" in runs  # (fails the build without it)
+    for stage in (build, image):
+        envs = " ".join(args for word, args in stage if word == "ENV")
+        assert "SMDDP_TORCH_BUILD_DIR=/opt/smddp/torch-backend" in envs
     assert "openssh-server" in runs and "openssh-client" in runs and "tini" in runs
     # No ssh host key is baked into the image: the entrypoint makes them at start.
     assert "rm -f /etc/ssh/ssh_host_*" in runs
@@ -104,7 +119,7 @@ def test_dockerfile_contents(dockerfile: str, base: str, extras: str):
     allowed = re.findall(r"^!(\S+?)/?$", ignore, re.M)
     copied = []
     for word, args in ins:
-        if word == "COPY":
+        if word == "COPY" and not args.startswith("--from="):
             srcs = [a for a in args.split() if not a.startswith("--")][:-1]
             copied += srcs
     assert "deploy/docker/entrypoint.sh" in copied
@@ -134,6 +149,33 @@ def test_dockerfile_copies_every_package(dockerfile: Path):
     copies = {args for word, args in instructions(dockerfile) if word == "COPY"}
     for package in packages:
         assert f"{package} /src/{package}" in copies, f"{dockerfile.name} does not copy {package}/"
+
+
+@pytest.fixture(scope="module")
+def sdist_top(tmp_path_factory: pytest.TempPathFactory) -> set[str]:
+    """The files at the top of smddp's sdist that its build reads (not what the sdist build writes)."""
+    out = tmp_path_factory.mktemp("sdist")
+    argv = [sys.executable, "-m", "build", "--sdist", "-o", str(out), str(REPO)]
+    made = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0, made.stdout[-2000:] + made.stderr[-2000:]
+    (sdist,) = out.glob("smddp-*.tar.gz")
+    with tarfile.open(sdist) as t:
+        names = {n.split("/")[1] for n in t.getnames() if n.count("/") == 1}
+    return {n for n in names if n not in ("PKG-INFO", "setup.cfg") and not n.endswith(".egg-info")}
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_dockerfile_builds_from_what_the_sdist_holds(dockerfile: Path, sdist_top: set[str]):
+    """`pip install /src` builds the engine from the same files a user's install from the sdist does:
+    every top-level file the sdist holds (setup.py, MANIFEST.in, ...) is copied to /src. (Without
+    setup.py, setuptools built smddp from pyproject.toml alone: no engine in the image.)"""
+    assert {"setup.py", "pyproject.toml"} <= sdist_top
+    copied = set()
+    for word, args in instructions(dockerfile):
+        if word == "COPY" and args.split()[-1] == "/src/":
+            copied |= set(args.split()[:-1])
+    missing = sdist_top - copied - {"smddp", "smdistributed"}
+    assert not missing, f"{dockerfile.name} does not copy {sorted(missing)} to /src"
 
 
 def test_ssh_client_config_parses():
