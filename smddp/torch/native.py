@@ -102,12 +102,9 @@ def cannot_build() -> str:
     return ""
 
 
-def built() -> Path | None:
-    """The C++ backend's module for this torch, Python and machine where it has been built (nothing is
-    built here)."""
-    name = build_name()
-    so = build_root() / name / f"{name}.so"
-    return so if so.exists() else None
+def _module_path(name: str) -> Path:
+    """Where the build named `name` puts its module (in its own directory under the build root)."""
+    return build_root() / name / f"{name}.so"
 
 
 def _build(name: str, where: Path) -> ModuleType:
@@ -161,9 +158,8 @@ class _Loader:
     @staticmethod
     def _load() -> ModuleType:
         name = build_name()
-        root = build_root()
-        where = root / name
-        so = where / f"{name}.so"
+        so = _module_path(name)
+        where, root = so.parent, so.parent.parent
         if not so.exists():
             t0 = time.monotonic()
             with _node_lock(root / f"{name}.lock", BUILD_TIMEOUT_S):
@@ -236,7 +232,6 @@ def report(build: bool) -> dict[str, Any]:
         "cxx11_abi": bool(torch._C._GLIBCXX_USE_CXX11_ABI),
         "python": platform.python_version(),
         "asked": asked,
-        "build_dir": str(build_root() / build_name()),
         "module": None,
         "error": "",
     }
@@ -245,8 +240,9 @@ def report(build: bool) -> dict[str, Any]:
             module()
         except BackendUnavailableError as e:
             out["error"] = str(e)
-    so = built()
-    out["module"] = str(so) if so is not None else None
+    path = _module_path(build_name())
+    so = path if path.exists() else None
+    out["build_dir"], out["module"] = str(path.parent), str(so) if so is not None else None
     cannot = cannot_build()
     if asked == "python":
         out["group_gets"], out["why"] = "python", "SMDDP_TORCH_BACKEND=python"
