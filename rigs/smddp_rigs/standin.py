@@ -88,6 +88,7 @@ def _lib() -> ctypes.CDLL:
                 "cuLaunchHostFunc": ([vp, _HOST_FN, vp], c.c_int),
                 "smddp_standin_set_devices": ([c.c_int], c.c_int),
                 "smddp_standin_stream_config": ([vp, i64, c.c_int], c.c_int),
+                "smddp_standin_set_copy_delay_us": ([i64], None),
                 "smddp_standin_stream_release": ([vp], c.c_int),
                 "smddp_standin_map": ([u64, vp, sz, c.c_int], c.c_int),
                 "smddp_standin_unmap": ([u64], c.c_int),
@@ -209,6 +210,11 @@ class StandinRuntime:
             self._contexts.append(int(ctx.value or 0))
         self._joined: dict[int, list[_Stream]] = {}  # the streams each capture drew in (by its graph)
         self._copy_delay_s = copy_delay_s
+        if copy_delay_s > 0:
+            # Every stream's copies are late on a GPU, the engine's own too (the device path's lanes and
+            # the GPU step's, which no runtime makes): the driver's default for the streams it did not
+            # configure (_configure) is this runtime's delay.
+            lib.smddp_standin_set_copy_delay_us(int(copy_delay_s * 1e6))
         # Every operation runs in the enqueuing thread at once (one order of the streams' work that a
         # GPU may take, with no thread hand-off): what is left of a device call's time is smddp's and
         # torch's own, which is what `immediate` is for. It orders everything, so an ordering bug
@@ -254,6 +260,7 @@ class StandinRuntime:
     @copy_delay_s.setter
     def copy_delay_s(self, seconds: float) -> None:
         self._copy_delay_s = seconds
+        _lib().smddp_standin_set_copy_delay_us(int(seconds * 1e6))  # (the streams no runtime made: __init__)
         with self._lock:
             streams = [*self._defaults.values(), *self._streams.values()]
         for s in streams:
