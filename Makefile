@@ -207,6 +207,7 @@ SAN_JOBS := 'tests/multiprocess/test_collectives.py::test_every_collective_bit_e
   "tests/faults/test_rogue.py::test_invalid_frame_from_an_authenticated_worker[an attach without its fd]" \
   tests/faults/test_faults.py::test_worker_killed_mid_collective \
   'tests/gpu/test_step.py::test_the_node_collectives_are_the_host_paths_bits[4-devices]' \
+  'tests/multiprocess/test_capi.py::test_device_allreduces_through_the_c_table[W4-N2]' \
   tests/gpu/test_step.py::test_an_interprocess_event_holds_another_process_s_stream_until_reached \
   'tests/gpu/test_standin.py::test_every_collective_on_device_buffers_with_the_gpu_step[W4-N2]' \
   'tests/multiprocess/test_capi.py::test_every_collective_through_the_c_table[W4-N2]'
@@ -222,7 +223,8 @@ SAN_JOBS_TSAN := 'tests/multiprocess/test_collectives.py::test_both_reduce_paths
   tests/gpu/test_standin.py::test_six_hundred_device_and_host_collectives_in_flight \
   'tests/gpu/test_step.py::test_the_node_collectives_are_the_host_paths_bits[2-devices]' \
   'tests/gpu/test_standin.py::test_every_collective_on_device_buffers_with_the_gpu_step[W4-N2]' \
-  'tests/multiprocess/test_capi.py::test_every_collective_through_the_c_table[W2-N1]'
+  'tests/multiprocess/test_capi.py::test_every_collective_through_the_c_table[W2-N1]' \
+  'tests/multiprocess/test_capi.py::test_device_allreduces_through_the_c_table[W4-N2]'
 # What CI leaves out (make engine-sanitize-jobs-long): the rogue frames that only a decoder refuses
 # (the fuzzers' ground), and the ofi job under TSan.
 SAN_JOBS_MORE := "tests/faults/test_rogue.py::test_invalid_frame_from_an_authenticated_worker[another rank's name]" \

@@ -686,6 +686,11 @@ class NativeApi:
     def pending(self) -> int:
         """Works started and not complete."""
 
+    def use_device(self, engine: object) -> None:
+        """
+        The table's device route (start_device) runs on `engine`'s path from now on; the table holds it.
+        """
+
     def take_failure(self) -> tuple[str, str] | None:
         """
         The failure a start or wait met that fails the whole client, once: (error class, why), or None.

@@ -3,6 +3,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <pthread.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -161,6 +162,97 @@ static PyObject* run(PyObject* self, PyObject* args) {
   return r;
 }
 
+/* Polls device_query(w) (a 1 ms nap between looks) until it is not PENDING or `timeout_s` passed. */
+static int query_until(const smddp_capi* t, smddp_work* w, double timeout_s) {
+  int q = t->device_query(w);
+  for (long i = 0; q == SMDDP_PENDING && i < (long)(timeout_s * 1000); i++) {
+    struct timespec nap = {0, 1000000L};
+    nanosleep(&nap, NULL);
+    q = t->device_query(w);
+  }
+  return q;
+}
+
+/* device_run(capsule, dtype, op, src, dst, count, device, stream, flags, mode, order_stream, timeout_s,
+ *            snap, snap_src, snap_bytes) -> (status, why, error_class, query_at_completion, order, query_at_end)
+ * One device all-reduce through start_device (`src`, `dst` device addresses; `stream` the caller's;
+ * `flags` SMDDP_DEVICE_IN_LINE or 0), completed by mode 0: wait(); 1: its done callback alone. Then:
+ * where `snap` is not 0, `snap_bytes` from `snap_src` (the host memory behind `dst`: the stand-in
+ * runtime's device memory is host memory) copied into it at once (what a reader that waited for
+ * completion alone would read), then
+ * device_query (PENDING while its copies back have not landed), device_order(order_stream)
+ * where order_stream is not 0 and it completed (else -1), and device_query polled until it is not
+ * PENDING (the buffers are the caller's again). A start that fails gives its status and text, error
+ * class "", and -1 for the rest. */
+static PyObject* device_run(PyObject* self, PyObject* args) {
+  (void)self;
+  PyObject* capsule;
+  unsigned dtype, op, flags;
+  unsigned long long src, dst, count, stream, order_stream, snap = 0, snap_src = 0, snap_bytes = 0;
+  int device, mode;
+  double timeout_s;
+  if (!PyArg_ParseTuple(args, "OIIKKKiKIiKd|KKK", &capsule, &dtype, &op, &src, &dst, &count, &device, &stream,
+                        &flags, &mode, &order_stream, &timeout_s, &snap, &snap_src, &snap_bytes))
+    return NULL;
+  const smddp_capi* t = table_of(capsule);
+  if (t == NULL) return NULL;
+  if (t->size < offsetof(smddp_capi, device_query) + sizeof t->device_query) {
+    PyErr_SetString(PyExc_RuntimeError, "capi_probe: smddp's C table has no device route");
+    return NULL;
+  }
+  smddp_collective c;
+  memset(&c, 0, sizeof c);
+  c.kind = SMDDP_ALLREDUCE;
+  c.dtype = (uint8_t)dtype;
+  c.op = (uint8_t)op;
+  c.src = (const void*)(uintptr_t)src;
+  c.dst = (void*)(uintptr_t)dst;
+  c.count = count;
+  smddp_device_call d;
+  memset(&d, 0, sizeof d);
+  d.device = device;
+  d.flags = flags;
+  d.stream = (uintptr_t)stream;
+  char why[512];
+  smddp_work* w = NULL;
+  int status, statuses[1] = {-1}, came = 1, twice = 0, first = -1, order = -1, last = -1;
+  Py_BEGIN_ALLOW_THREADS;
+  status = t->start_device(t->ctx, &c, &d, &w, why, sizeof why);
+  if (status == SMDDP_OK) {
+    Latch l;
+    latch_init(&l, 1, statuses, &w);
+    if (mode == 1) {
+      if (t->on_done(w, on_done, &l) != SMDDP_OK) status = -2;
+      came = status == -2 || latch_wait(&l, timeout_s);
+      if (status != -2 && came) status = statuses[0];
+    } else {
+      status = t->wait(w, timeout_s);
+    }
+    twice = l.twice;
+    if (!came) status = -4; /* (the callback may still come: the latch must outlive it) */
+    if (status >= 0) {
+      if (snap != 0 && snap_src != 0 && snap_bytes > 0)
+        memcpy((void*)(uintptr_t)snap, (const void*)(uintptr_t)snap_src, (size_t)snap_bytes);
+      first = t->device_query(w);
+      if (status == SMDDP_OK && order_stream != 0) order = t->device_order(w, (uintptr_t)order_stream, why, sizeof why);
+      last = query_until(t, w, timeout_s);
+      if (order != SMDDP_FAILED) snprintf(why, sizeof why, "%s", t->why(w));
+    }
+  }
+  Py_END_ALLOW_THREADS;
+  if (status == -4) {
+    PyErr_SetString(PyExc_RuntimeError, "capi_probe: the done callback did not come in time");
+    return NULL; /* (the latch and work leak: the callback may still reach them) */
+  }
+  if (twice || status == -2) {
+    PyErr_SetString(PyExc_RuntimeError, twice ? "capi_probe: a work was called back twice" : "capi_probe: on_done refused");
+    return NULL;
+  }
+  PyObject* r = Py_BuildValue("(issiii)", status, why, w != NULL ? t->error_class(w) : "", first, order, last);
+  if (w != NULL) t->release(w);
+  return r;
+}
+
 /* allreduce_many(capsule, dtype, op, base, count, n, timeout_s) -> list of statuses
  * `n` all-reduces in place in flight at once, buffer i at base + i * count * itemsize (the caller
  * sized them), all started, then each completed by its done callback alone. */
@@ -240,6 +332,10 @@ static PyMethodDef kMethods[] = {
     {"info", info, METH_VARARGS, "info(capsule) -> (version, size, rank, world)"},
     {"run", run, METH_VARARGS,
      "run(capsule, kind, dtype, op, root, src, dst, count, mode, timeout_s) -> (status, why, error_class, first)"},
+    {"device_run", device_run, METH_VARARGS,
+     "device_run(capsule, dtype, op, src, dst, count, device, stream, flags, mode, order_stream, timeout_s, "
+     "snap=0, snap_src=0, snap_bytes=0) -> "
+     "(status, why, error_class, query_at_completion, order, query_at_end)"},
     {"allreduce_many", allreduce_many, METH_VARARGS,
      "allreduce_many(capsule, dtype, op, itemsize, base, count, n, timeout_s) -> statuses"},
     {NULL, NULL, 0, NULL},

@@ -1274,12 +1274,16 @@ class Client:
     def native_api(self) -> Any:
         """A capsule of the engine's C function table over this client (smddp/engine/capi.h): host
         collectives started, waited for and completed from native code with no Python and no GIL
-        (the C++ torch backend's way in). The same channel, arena, rank, timeout and all-reduce
-        pieces as this client's own calls; failed with the client, and shut down with it."""
+        (the C++ torch backend's way in), and device all-reduces on the engine's device path once this
+        client's device machinery has started (its first device collective, or device_runtime()). The
+        same channel, arena, rank, timeout and all-reduce pieces as this client's own calls; failed
+        with the client, and shut down with it."""
         with self._lock:
             self._check_open()
             if self._native is None:
                 self._native = _engine.NativeApi(self._channel, self.size, self.piece_bytes)
+                if self._device_engine is not None:
+                    self._native.use_device(self._device_engine)
             return self._native.capsule()
 
     def device_runtime(self) -> DeviceRuntime:
@@ -1307,6 +1311,9 @@ class Client:
             ) from None
         self._device_engine = engine
         self._device = DeviceIO(rt)
+        with self._lock:  # (the C table, if one was made, runs its device route on this path from now on)
+            if self._native is not None:
+                self._native.use_device(engine)
 
     def device_buffer(self, buf: Any, what: str, writable: bool) -> DeviceBuffer | None:
         """`buf` as device memory (None for host memory), checked against the runtime before anything is

@@ -70,6 +70,26 @@ typedef struct smddp_collective {
 
 typedef struct smddp_work smddp_work;
 
+/*
+ * A device collective's place on the GPU (start_device): its buffers are CUDA memory of `device`
+ * (`src` and `dst` device addresses), ordered on the caller's `stream` (a CUstream; 0, the legacy
+ * default stream). Its copy to the host waits for the work queued on `stream` before the call, and
+ * its copy back into `dst` is enqueued by whoever takes its DONE (the wait, or the client's DONE
+ * thread once a done callback is set):
+ * - SMDDP_DEVICE_IN_LINE (a caller that waits for it at once; an all-reduce in one piece): both
+ *   copies run on `stream` itself, so `stream`'s later work is ordered after the copy back already;
+ * - otherwise both run on the engine's own streams for `device` (its lanes: one to the host, one
+ *   back), after an event the engine records on `stream` at the call, so that a collective's copy
+ *   in, network steps and copy back overlap with other collectives' and with the caller's work; the
+ *   caller orders its consumers after the copy back with device_order().
+ */
+#define SMDDP_DEVICE_IN_LINE 1u
+typedef struct smddp_device_call {
+  int32_t device;   /* the CUDA device ordinal of `src` and `dst` */
+  uint32_t flags;   /* SMDDP_DEVICE_IN_LINE, or 0 */
+  uintptr_t stream; /* the caller's stream on `device` */
+} smddp_device_call;
+
 /* Called once when `work` completes or fails (status SMDDP_OK or SMDDP_FAILED), on the thread that
  * completed it: an engine thread, or the caller's own when it was complete already. It must not
  * block for long, and must not call wait() on the same work. */
@@ -104,6 +124,27 @@ typedef struct smddp_capi {
    * the collective itself goes on (every rank needs it), its late result dropped. The state it ends
    * in: FAILED, or OK when it had completed already. */
   int (*abandon)(smddp_work* work, const char* error_class, const char* why);
+
+  /* The device route: in a table whose `size` reaches past `device_query` (added to version 1). */
+
+  /* Starts device collective `c` (an all-reduce: `count` elements of CUDA memory `src`, the result
+   * into `dst`, `src` itself or another buffer of as many; cut into the job's pieces as start()
+   * cuts it) placed as `d` says: each piece's copy to the host enqueued before it returns, its SUBMIT
+   * sent by the engine the moment that copy lands. OK with *out set; INVALID (a bad argument, another
+   * kind, or no device path: the client's device machinery is not started, the text says why) or
+   * CLOSED, *out NULL, nothing enqueued. The work completes (wait, on_done) once every piece's copy
+   * back is enqueued, not landed: see device_order and device_query. The caller keeps `src` and `dst`
+   * alive until device_query says OK, whatever the work ended in (a failed work's copies already
+   * enqueued still land; none is enqueued after its failure). */
+  int (*start_device)(void* ctx, const smddp_collective* c, const smddp_device_call* d, smddp_work** out,
+                      char* why, size_t why_len);
+  /* A completed (OK) device work: `stream` (of its device) waits for its copies back (nothing to do
+   * for an in-line work's own stream). OK; FAILED, the driver's refusal in `why`; INVALID for a work
+   * that is not a device one or has not completed. */
+  int (*device_order)(smddp_work* work, uintptr_t stream, char* why, size_t why_len);
+  /* Whether the device is done with a device work's buffers: OK (no copy of it in flight, whatever
+   * the work ended in), PENDING, or FAILED (a copy failed on the device: the client fails with it). */
+  int (*device_query)(smddp_work* work);
 } smddp_capi;
 
 #ifdef __cplusplus

@@ -506,7 +506,10 @@ RingWait WorkerChannel::complete_collected(const std::uint8_t* d, std::unique_lo
   if (r == RingWait::kTimeout)
     refused("the daemon left this worker's submit ring full: the RELEASE of #" + num(h.seq) + " could not go");
   if (c.native) {
-    c.native(r == RingWait::kReady ? std::string() : why());
+    if (r != RingWait::kReady)
+      c.native("ProtocolError", why());
+    else
+      c.native("DeviceError", here.why);  // (empty: delivered; else its sink's copy back could not go)
     return RingWait::kReady;
   }
   return r == RingWait::kTimeout ? RingWait::kCorrupt : r;

@@ -382,8 +382,10 @@ class WorkerChannel {
     std::int64_t timeout_ns = 0;
     // A native front end's (native_api.h): told on the taker's thread, with none of the channel's
     // locks held, once the result is delivered and its RELEASE held or sent (`why` empty), or why it
-    // could not be; pop() then goes on as if it had taken nothing (the caller has nothing to do).
-    std::function<void(const std::string& why)> native = nullptr;
+    // could not be, as an error of smddp.errors class `error_class` (ProtocolError: the channel's;
+    // DeviceError: a held delivery's sink could not go on); pop() then goes on as if it had taken
+    // nothing (the caller has nothing to do).
+    std::function<void(const char* error_class, const std::string& why)> native = nullptr;
   };
   // An asynchronous one has callbacks waiting (and maybe no waiter ever): unless a finish() is
   // waiting for it when its DONE comes, the taker that hands that DONE out of pop() completes it as

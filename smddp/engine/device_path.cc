@@ -174,7 +174,45 @@ std::unique_ptr<DevicePath> DevicePath::load(const std::string& library, WorkerC
   return p;
 }
 
-DevicePath::~DevicePath() { stop(false); }
+DevicePath::~DevicePath() {
+  stop(false);
+  for (auto& kv : lanes_) {
+    cuda::Bound bound(*driver_, kv.first);
+    if (bound.result() != cuda::kSuccess) continue;
+    (void)driver_->api().stream_destroy(kv.second.first);
+    (void)driver_->api().stream_destroy(kv.second.second);
+  }
+}
+
+bool DevicePath::lanes(int device, std::uintptr_t* in, std::uintptr_t* back, std::string* why) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (stopped_) {
+    *why = "smddp's device path has stopped (smddp is shutting down)";
+    return false;
+  }
+  auto it = lanes_.find(device);
+  if (it == lanes_.end()) {
+    cuda::Driver& d = *driver_;
+    cuda::Bound bound(d, device);
+    if (bound.result() != cuda::kSuccess) {
+      *why = "cuda:" + std::to_string(device) + ": " + d.describe(bound.result(), "cuCtxSetCurrent");
+      return false;
+    }
+    cuda::Stream s[2] = {nullptr, nullptr};
+    for (cuda::Stream& one : s) {
+      const cuda::Result r = d.api().stream_create(&one, cuda::kStreamNonBlocking);
+      if (r != cuda::kSuccess) {
+        if (s[0] != nullptr) (void)d.api().stream_destroy(s[0]);
+        *why = "the engine's streams on cuda:" + std::to_string(device) + ": " + d.describe(r, "cuStreamCreate");
+        return false;
+      }
+    }
+    it = lanes_.emplace(device, std::make_pair(s[0], s[1])).first;
+  }
+  *in = reinterpret_cast<std::uintptr_t>(it->second.first);
+  *back = reinterpret_cast<std::uintptr_t>(it->second.second);
+  return true;
+}
 
 DeviceWatch* DevicePath::watch_for(int device) {
   std::lock_guard<std::mutex> lock(mu_);

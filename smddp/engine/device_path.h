@@ -175,6 +175,11 @@ class DevicePath {
   // An event recorded now on `stream` of `device` (the caller's, at a collective's call): what its
   // copies wait for. nullptr with *why (the driver's refusal).
   std::shared_ptr<DeviceMark> mark(int device, std::uintptr_t stream, std::string* why);
+  // `device`'s lanes, the engine's own non-blocking streams for a native front end's collectives
+  // (capi.h's start_device): into *in (copies to the host) and *back (copies back), made on first
+  // use and destroyed at the path's end (the driver lets a stream's last work finish first). False
+  // with *why (the driver's refusal, or a stopped path).
+  bool lanes(int device, std::uintptr_t* in, std::uintptr_t* back, std::string* why);
   // Whether `stream` of `device` is capturing a CUDA graph (active, or invalidated: either way nothing
   // of a collective's may go on it) into *yes; kSuccess or the driver's refusal. The default and
   // legacy streams are never asked (they cannot capture).
@@ -247,6 +252,7 @@ class DevicePath {
   };
   std::map<std::pair<bool, std::uint32_t>, Pinned> pinned_;  // (input?, segment id) -> its registration
   std::vector<std::shared_ptr<DeviceIn>> ins_;               // copies in not yet seen landed
+  std::map<int, std::pair<cuda::Stream, cuda::Stream>> lanes_;  // device -> (in, back): lanes()
   std::mutex pin_mu_;                       // one registration at a time (taken before mu_, never inside it)
 };
 

@@ -1102,6 +1102,7 @@ PyType_Slot kOneRefSlots[] = {
 struct NativeApi {
   nb::object channel_obj;
   std::shared_ptr<smddp::NativeWorks> works;
+  nb::object device_obj;  // the DeviceEngine whose path start_device runs on (use_device), kept alive with the table
 };
 
 void native_api_init(NativeApi* self, ChannelSelf channel, long long world, long long piece_bytes) {
@@ -1117,7 +1118,7 @@ void native_api_init(NativeApi* self, ChannelSelf channel, long long world, long
   cfg.timeout_ns = c.timeout_ns;
   cfg.spin_ns = c.spin_ns;
   cfg.piece_bytes = static_cast<std::uint64_t>(piece_bytes);
-  new (self) NativeApi{nb::borrow(channel.h), std::make_shared<smddp::NativeWorks>(c.ch.get(), c.arena_ptr, cfg)};
+  new (self) NativeApi{nb::borrow(channel.h), std::make_shared<smddp::NativeWorks>(c.ch.get(), c.arena_ptr, cfg), nb::object()};
 }
 
 void capsule_gone(PyObject* capsule) {
@@ -1223,6 +1224,21 @@ void device_engine_init(DeviceEngine* self, nb::handle channel, const std::strin
   self->channel = c;
   self->path = std::move(p);
   self->spin_ns = spin_ns(spin_us);
+}
+
+// The table's device route runs on `engine`'s path from now on (once: a later call with another
+// engine is refused); the table holds the engine, so the path outlives every device work.
+void native_api_use_device(NativeApi& a, nb::handle engine) {
+  DeviceEngine* e = nullptr;
+  if (!nb::try_cast<DeviceEngine*>(engine, e) || e == nullptr || !e->path)
+    raise_error(Err::kType, "use_device: expected an smddp._engine.DeviceEngine");
+  if (a.device_obj.is_valid()) {
+    if (!a.device_obj.is(engine)) raise_error(Err::kValue, "use_device: the table runs on another DeviceEngine");
+    return;
+  }
+  if (!a.channel_obj.is(e->channel_obj)) raise_error(Err::kValue, "use_device: a DeviceEngine of another channel");
+  a.device_obj = nb::borrow(engine);
+  a.works->use_device(e->path.get());
 }
 
 // A point of a caller's stream (DeviceEngine.mark): the event the engine recorded there, which a
@@ -2322,6 +2338,8 @@ NB_MODULE(_engine, m) {
            "Every work not complete fails with `why` (its callback called, nothing more written); starts "
            "are refused from now on.")
       .def("pending", [](NativeApi& a) { return a.works->pending(); }, "Works started and not complete.")
+      .def("use_device", &native_api_use_device, "engine"_a,
+           "The table's device route (start_device) runs on `engine`'s path from now on; the table holds it.")
       .def("take_failure", &native_api_take_failure,
            "The failure a start or wait met that fails the whole client, once: (error class, why), or None.");
   nb::class_<CopyIn>(m, "CopyIn", nb::type_slots(kOneRefSlots<CopyIn, &CopyIn::engine>),

@@ -38,6 +38,14 @@ using Clock = std::chrono::steady_clock;
 // The C entry points: the table's ctx is the NativeWorks.
 NativeWorks* of(void* ctx) { return static_cast<NativeWorks*>(ctx); }
 
+// why (`w`) into the caller's buffer of `why_len` bytes, cut and NUL-terminated.
+void say(const std::string& w, char* why, std::size_t why_len) {
+  if (why == nullptr || why_len == 0) return;
+  const std::size_t n = w.size() < why_len - 1 ? w.size() : why_len - 1;
+  std::memcpy(why, w.data(), n);
+  why[n] = '\0';
+}
+
 int c_start(void* ctx, const smddp_collective* c, smddp_work** out, char* why, std::size_t why_len) {
   if (out != nullptr) *out = nullptr;
   std::string w;
@@ -48,13 +56,33 @@ int c_start(void* ctx, const smddp_collective* c, smddp_work** out, char* why, s
   } else {
     r = of(ctx)->start(*c, out, &w);
   }
-  if (why != nullptr && why_len > 0) {
-    const std::size_t n = w.size() < why_len - 1 ? w.size() : why_len - 1;
-    std::memcpy(why, w.data(), n);
-    why[n] = '\0';
-  }
+  say(w, why, why_len);
   return r;
 }
+
+int c_start_device(void* ctx, const smddp_collective* c, const smddp_device_call* d, smddp_work** out, char* why,
+                   std::size_t why_len) {
+  if (out != nullptr) *out = nullptr;
+  std::string w;
+  int r;
+  if (ctx == nullptr || c == nullptr || d == nullptr || out == nullptr) {
+    w = "start_device: a null table, collective, device call or out";
+    r = SMDDP_INVALID;
+  } else {
+    r = of(ctx)->start_device(*c, *d, out, &w);
+  }
+  say(w, why, why_len);
+  return r;
+}
+
+int c_device_order(smddp_work* work, std::uintptr_t stream, char* why, std::size_t why_len) {
+  std::string w = "device_order: a null work";
+  const int r = work == nullptr ? SMDDP_INVALID : work->owner->device_order(work, stream, &w);
+  say(r == SMDDP_OK ? std::string() : w, why, why_len);
+  return r;
+}
+
+int c_device_query(smddp_work* w) { return w == nullptr ? SMDDP_INVALID : w->owner->device_query(w); }
 
 int c_wait(smddp_work* w, double timeout_s) { return w == nullptr ? SMDDP_INVALID : w->owner->wait(w, timeout_s); }
 int c_status(smddp_work* w) { return w == nullptr ? SMDDP_INVALID : w->owner->status(w); }
@@ -137,56 +165,96 @@ NativeWorks::NativeWorks(WorkerChannel* ch, Arena* arena, const NativeConfig& cf
   table_.error_class = c_error_class;
   table_.release = c_release;
   table_.abandon = c_abandon;
+  table_.start_device = c_start_device;
+  table_.device_order = c_device_order;
+  table_.device_query = c_device_query;
+}
+
+void NativeWorks::use_device(DevicePath* path) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (path_ == nullptr) path_ = path;
+}
+
+std::string refusal(const smddp_collective& c, const NativeConfig& cfg) {
+  const char* what = kind_name(c.kind);
+  if (what == nullptr) return "start: no collective kind " + num(c.kind);
+  const std::size_t isz = dtype_size(c.dtype);
+  if (isz == 0) return std::string(what) + ": no dtype " + num(c.dtype);
+  const bool reduces = c.kind == SMDDP_ALLREDUCE || c.kind == SMDDP_REDUCE_SCATTER;
+  if (reduces ? c.op < SMDDP_SUM || c.op > SMDDP_MAX : c.op != 0)
+    return std::string(what) + ": no reduction op " + num(c.op) + " for it";
+  const std::uint64_t w = cfg.world, n = c.count;
+  if (n > kMaxDataPayload / isz / (c.kind == SMDDP_ALLGATHER ? w : 1))
+    return std::string(what) + ": " + num(n) + " elements are more than one collective carries";
+  const bool root = c.kind == SMDDP_BROADCAST && c.root == cfg.rank;
+  if (c.kind == SMDDP_BROADCAST ? c.root >= w : c.root != 0)
+    return c.kind == SMDDP_BROADCAST ? "root " + num(c.root) + " is out of range for " + num(w) + " ranks"
+                                     : std::string(what) + ": a root applies to a broadcast only";
+  if (c.kind == SMDDP_REDUCE_SCATTER && n % w != 0)
+    return "reduce_scatter: " + num(n) + " elements cannot be split evenly among " + num(w) + " ranks";
+  const bool sends = c.kind == SMDDP_BARRIER ? false : c.kind == SMDDP_BROADCAST ? root : true;
+  if (c.kind == SMDDP_BARRIER ? n != 0 || c.src != nullptr || c.dst != nullptr
+                              : n > 0 && ((sends && c.src == nullptr) || c.dst == nullptr))
+    return std::string(what) + ": a buffer is missing (or a barrier was given one)";
+  if (c.kind == SMDDP_BARRIER && c.dtype != SMDDP_UINT8)  // (its fingerprint is the Python calls')
+    return "barrier: its dtype is uint8 (" + num(SMDDP_UINT8) + "), not " + num(c.dtype);
+  return {};
+}
+
+namespace {
+
+// How many pieces an all-reduce of `n` elements of `isz` bytes goes in: more than the job's piece
+// cut as the Python calls cut it (the shards' near-equal cut, layout.h), each naming how many there
+// are (aux); every other kind in one.
+std::uint32_t piece_count(const smddp_collective& c, std::size_t isz, std::uint64_t piece_bytes) {
+  const std::uint64_t n = c.count;
+  if (c.kind != SMDDP_ALLREDUCE || piece_bytes == 0 || n * isz <= piece_bytes) return 1;
+  const std::uint64_t want = (n * isz + piece_bytes - 1) / piece_bytes;
+  return static_cast<std::uint32_t>(want < n ? want : n);  // (n * isz is at most kMaxDataPayload)
+}
+
+// Pieces [i, end) of `w` never go: done as they are (nothing of them is out).
+void never_out(smddp_work* w, std::size_t i) {
+  std::lock_guard<std::mutex> lock(w->mu);
+  for (std::size_t j = i; j < w->pieces.size(); j++) w->pieces[j].done = true;
+  w->left -= w->pieces.size() - i;
+}
+
+}  // namespace
+
+void NativeWorks::went_live(smddp_work* w) {
+  bool closed;
+  std::string cls, text;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    closed = closed_;
+    cls = closed_class_;
+    text = closed_why_;
+    live_.insert(w);
+  }
+  if (closed) fail(w, cls, text);
+}
+
+int NativeWorks::not_started(smddp_work* w, std::size_t i, const std::string& error_class, const std::string& text,
+                             bool client, bool closed, std::string* why) {
+  if (client) note_failure(error_class, text);
+  if (i == 0) {  // nothing went: no work, the caller is told
+    delete w;
+    *why = text;
+    return closed ? SMDDP_CLOSED : SMDDP_FAILED;
+  }
+  never_out(w, i);
+  fail(w, error_class, text);
+  return SMDDP_OK;
 }
 
 int NativeWorks::start(const smddp_collective& c, smddp_work** out, std::string* why) {
-  const char* what = kind_name(c.kind);
-  if (what == nullptr) {
-    *why = "start: no collective kind " + num(c.kind);
-    return SMDDP_INVALID;
-  }
+  *why = refusal(c, cfg_);
+  if (!why->empty()) return SMDDP_INVALID;
   const std::size_t isz = dtype_size(c.dtype);
-  if (isz == 0) {
-    *why = std::string(what) + ": no dtype " + num(c.dtype);
-    return SMDDP_INVALID;
-  }
-  const bool reduces = c.kind == SMDDP_ALLREDUCE || c.kind == SMDDP_REDUCE_SCATTER;
-  if (reduces ? c.op < SMDDP_SUM || c.op > SMDDP_MAX : c.op != 0) {
-    *why = std::string(what) + ": no reduction op " + num(c.op) + " for it";
-    return SMDDP_INVALID;
-  }
   const std::uint64_t w = cfg_.world, n = c.count;
-  if (n > kMaxDataPayload / isz / (c.kind == SMDDP_ALLGATHER ? w : 1)) {
-    *why = std::string(what) + ": " + num(n) + " elements are more than one collective carries";
-    return SMDDP_INVALID;
-  }
-  const bool root = c.kind == SMDDP_BROADCAST && c.root == cfg_.rank;
-  if (c.kind == SMDDP_BROADCAST ? c.root >= w : c.root != 0) {
-    *why = c.kind == SMDDP_BROADCAST ? "root " + num(c.root) + " is out of range for " + num(w) + " ranks"
-                                     : std::string(what) + ": a root applies to a broadcast only";
-    return SMDDP_INVALID;
-  }
-  if (c.kind == SMDDP_REDUCE_SCATTER && n % w != 0) {
-    *why = "reduce_scatter: " + num(n) + " elements cannot be split evenly among " + num(w) + " ranks";
-    return SMDDP_INVALID;
-  }
-  const bool sends = c.kind == SMDDP_BARRIER ? false : c.kind == SMDDP_BROADCAST ? root : true;
-  if (c.kind == SMDDP_BARRIER ? n != 0 || c.src != nullptr || c.dst != nullptr
-                              : n > 0 && ((sends && c.src == nullptr) || c.dst == nullptr)) {
-    *why = std::string(what) + ": a buffer is missing (or a barrier was given one)";
-    return SMDDP_INVALID;
-  }
-  if (c.kind == SMDDP_BARRIER && c.dtype != SMDDP_UINT8) {  // (its fingerprint is the Python calls')
-    *why = "barrier: its dtype is uint8 (" + num(SMDDP_UINT8) + "), not " + num(c.dtype);
-    return SMDDP_INVALID;
-  }
-  // The pieces: an all-reduce of more than the job's piece cut as the Python calls cut it (the
-  // shards' near-equal cut, layout.h), each naming how many there are (aux).
-  std::uint32_t k = 1;
-  if (c.kind == SMDDP_ALLREDUCE && cfg_.piece_bytes > 0 && n * isz > cfg_.piece_bytes) {
-    const std::uint64_t want = (n * isz + cfg_.piece_bytes - 1) / cfg_.piece_bytes;
-    k = static_cast<std::uint32_t>(want < n ? want : n);  // (n * isz is at most kMaxDataPayload)
-  }
+  const bool sends = c.kind == SMDDP_BARRIER ? false : c.kind == SMDDP_BROADCAST ? c.root == cfg_.rank : true;
+  const std::uint32_t k = piece_count(c, isz, cfg_.piece_bytes);
   const std::uint32_t aux = c.kind == SMDDP_BROADCAST ? c.root : k > 1 ? k : 0;
   auto* work = new smddp_work();
   work->owner = shared_from_this();
@@ -226,16 +294,10 @@ int NativeWorks::start(const smddp_collective& c, smddp_work** out, std::string*
   }
   // Each piece started in order (its slot, its copy in, its SUBMIT: WorkerChannel::start); one that
   // cannot start fails the work, and the client where the channel says the daemon is lost or broke it.
-  // Pieces [i, end) never go: done as they are (nothing of them is out).
-  const auto never_out = [work](std::size_t i) {
-    std::lock_guard<std::mutex> lock(work->mu);
-    for (std::size_t j = i; j < work->pieces.size(); j++) work->pieces[j].done = true;
-    work->left -= work->pieces.size() - i;
-  };
   for (std::size_t i = 0; i < work->pieces.size(); i++) {
     smddp_work::Piece& p = work->pieces[i];
     if (i > 0 && status(work) != SMDDP_PENDING) {  // (failed meanwhile, with the client: no more go)
-      never_out(i);
+      never_out(work, i);
       break;
     }
     Source s{src == nullptr ? nullptr : src + p.first * isz, sends ? p.submit.count * isz : 0};
@@ -249,19 +311,7 @@ int NativeWorks::start(const smddp_collective& c, smddp_work** out, std::string*
         p.slot = slot;
         p.started = true;
       }
-      if (i == 0) {
-        // Live from its first SUBMIT: a failure of the client from now on fails it too.
-        bool closed;
-        std::string cls, text;
-        {
-          std::lock_guard<std::mutex> lock(mu_);
-          closed = closed_;
-          cls = closed_class_;
-          text = closed_why_;
-          live_.insert(work);
-        }
-        if (closed) fail(work, cls, text);
-      }
+      if (i == 0) went_live(work);
       continue;
     }
     std::string cls = "ProtocolError", text = ch_->why();
@@ -288,18 +338,227 @@ int NativeWorks::start(const smddp_collective& c, smddp_work** out, std::string*
         break;
       default: break;
     }
-    if (client) note_failure(cls, text);
-    if (i == 0) {  // nothing went: no work, the caller is told
-      delete work;
-      *why = text;
-      return end == FastEnd::kHeld ? SMDDP_CLOSED : SMDDP_FAILED;
-    }
-    never_out(i);
-    fail(work, cls, text);
+    const int r = not_started(work, i, cls, text, client, end == FastEnd::kHeld, why);
+    if (i == 0) return r;
     break;
   }
   *out = work;
   return SMDDP_OK;
+}
+
+int NativeWorks::start_device(const smddp_collective& c, const smddp_device_call& d, smddp_work** out,
+                              std::string* why) {
+  if (c.kind != SMDDP_ALLREDUCE) {
+    const char* what = kind_name(c.kind);
+    *why = std::string(what != nullptr ? what : "start_device") +
+           ": the engine's device route takes all-reduces (another kind goes through the front end's own)";
+    return SMDDP_INVALID;
+  }
+  *why = refusal(c, cfg_);
+  if (!why->empty()) return SMDDP_INVALID;
+  if (d.device < 0 || (d.flags & ~SMDDP_DEVICE_IN_LINE) != 0) {
+    *why = "all-reduce: device " + std::to_string(d.device) + " with flags " + num(d.flags) +
+           " (a device ordinal, and SMDDP_DEVICE_IN_LINE or 0)";
+    return SMDDP_INVALID;
+  }
+  DevicePath* path;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) {
+      *why = closed_why_;
+      return SMDDP_CLOSED;
+    }
+    path = path_;
+  }
+  if (path == nullptr) {
+    *why = "all-reduce: this client's device path is not started (its first device collective starts it, "
+           "or Client.device_runtime())";
+    return SMDDP_INVALID;
+  }
+  const std::size_t isz = dtype_size(c.dtype);
+  const std::uint64_t n = c.count;
+  if (n == 0) {
+    // Nothing to copy: the host's empty SUBMIT, every rank's alike (a device work with no copies).
+    smddp_collective none = c;
+    none.src = nullptr;
+    none.dst = nullptr;
+    const int r = start(none, out, why);
+    if (r == SMDDP_OK) (*out)->device = d.device;
+    return r;
+  }
+  const std::uint32_t k = piece_count(c, isz, cfg_.piece_bytes);
+  const bool in_line = (d.flags & SMDDP_DEVICE_IN_LINE) != 0;
+  if (in_line && k > 1) {
+    *why = "all-reduce: in line on the caller's stream, but " + num(n * isz) + " bytes go in " + num(k) +
+           " pieces of the job's " + num(cfg_.piece_bytes) + " (in line is for one piece)";
+    return SMDDP_INVALID;
+  }
+  const std::string on = "cuda:" + std::to_string(d.device);
+  bool capturing = false;
+  cuda::Result cr = path->capturing(d.device, d.stream, &capturing);
+  if (cr != cuda::kSuccess) {
+    *why = "all-reduce on " + on + ": " + path->driver().describe(cr, "cuStreamIsCapturing");
+    return SMDDP_INVALID;
+  }
+  if (capturing) {
+    char b[40];
+    std::snprintf(b, sizeof b, "%#llx", static_cast<unsigned long long>(d.stream));
+    *why = std::string("a device collective on stream ") + b + " of " + on +
+           ", which is capturing a CUDA graph: smddp's collectives cannot be captured (their copies are waited "
+           "for by the host); issue it outside torch.cuda.graph() / stream capture";
+    return SMDDP_INVALID;
+  }
+  // Where its copies run: in line on the caller's stream, or on the engine's lanes after the point of
+  // the caller's stream at this call (`mark`), which every piece's copies wait for.
+  std::uintptr_t lane_in = d.stream, lane_back = d.stream;
+  std::shared_ptr<DeviceMark> mark;
+  if (!in_line) {
+    std::string w;
+    if (!path->lanes(d.device, &lane_in, &lane_back, &w) || !(mark = path->mark(d.device, d.stream, &w))) {
+      *why = "all-reduce on " + on + ": " + w;
+      return SMDDP_FAILED;  // (nothing enqueued, nothing sent)
+    }
+  }
+  const std::uint32_t aux = k > 1 ? k : 0;
+  auto* work = new smddp_work();
+  work->owner = shared_from_this();
+  work->device = d.device;
+  work->pieces.resize(k);
+  work->left = k;
+  const auto src = reinterpret_cast<std::uintptr_t>(c.src);
+  const auto dst = reinterpret_cast<std::uintptr_t>(c.dst);
+  // Each piece in order: its slot, the copy into it enqueued, its number reserved, its way back made
+  // (the copy back into `dst`, by whoever takes its DONE), and its SUBMIT handed to the engine to give
+  // the moment the copy lands. One that cannot start fails the work (the client too from the second
+  // on: the other ranks send that piece).
+  for (std::uint32_t i = 0; i < k; i++) {
+    smddp_work::Piece& p = work->pieces[i];
+    if (i > 0 && status(work) != SMDDP_PENDING) {
+      never_out(work, i);
+      break;
+    }
+    const Range r = shard_range(n, k, i);
+    const std::uint64_t bytes = (r.end - r.start) * isz;
+    Slot slot;
+    std::shared_ptr<Segment> fresh;
+    std::string arena_why;
+    const RingWait got = ch_->alloc(*arena_, bytes, cfg_.rank, cfg_.timeout_ns, cfg_.spin_ns, &slot, &fresh, &arena_why);
+    std::string cls, text;
+    bool client = true;
+    if (!arena_why.empty()) {
+      cls = "OSError";
+      text = arena_why;
+      client = false;
+    } else if (got == RingWait::kTimeout) {
+      cls = "PeerLostError";
+      text = "rank " + num(cfg_.rank) + ": lost the node daemon: it did not read this worker's ring for " +
+             seconds(cfg_.timeout_ns) + "s (frozen or gone)";
+    } else if (got != RingWait::kReady) {
+      cls = "ProtocolError";
+      text = ch_->why();
+    }
+    std::shared_ptr<DeviceIn> in;
+    if (cls.empty()) {
+      const std::shared_ptr<Segment> seg = arena_->segment(slot.segment);
+      std::string w = "the arena lost segment " + num(slot.segment);
+      if (seg) in = path->copy_in(d.device, lane_in, mark.get(), seg, slot.offset, src + r.start * isz, bytes, &w);
+      if (!in) {
+        (void)arena_->free(slot);
+        cls = "DeviceError";
+        text = "the copy-in of an all-reduce on " + on + " could not be enqueued: " + w;
+        client = i > 0;
+      }
+    }
+    if (!cls.empty()) {
+      const int answer = not_started(work, i, cls, text, client, false, why);
+      if (i == 0) return answer;
+      break;
+    }
+    Header& h = p.submit;
+    h.type = Msg::kSubmit;
+    h.kind = c.kind;
+    h.dtype = c.dtype;
+    h.op = c.op;
+    h.sender = cfg_.rank;
+    h.aux = aux;
+    h.count = r.end - r.start;
+    h.seq = ch_->reserve_fast();
+    h.shard = slot.segment;
+    h.offset = slot.offset;
+    auto back = std::make_shared<DeviceOut>(path, d.device, lane_back, mark,
+                                            std::vector<DeviceOut::Part>{{dst + r.start * isz, 0, bytes}}, 0,
+                                            DeviceOut::Then{});
+    {
+      std::lock_guard<std::mutex> lock(work->mu);
+      p.first = r.start;
+      p.slot = slot;
+      p.in = in;
+      p.back = back;
+      p.out = Delivery{};
+      p.out.result_bytes = bytes;
+      p.out.hold = true;
+      p.out.sink = back;
+      p.started = true;
+    }
+    if (i == 0) went_live(work);
+    if (!path->give_when(h, in, cfg_.timeout_ns, cfg_.spin_ns)) {
+      // The path has stopped (the client is shutting down): this SUBMIT never goes, nor any after it.
+      never_out(work, i + 1);
+      fail(work, "NotInitializedError", "smddp has been shut down");
+      break;
+    }
+  }
+  *out = work;
+  return SMDDP_OK;
+}
+
+int NativeWorks::device_order(smddp_work* w, std::uintptr_t stream, std::string* why) {
+  std::vector<std::shared_ptr<DeviceOut>> backs;
+  {
+    std::lock_guard<std::mutex> lock(w->mu);
+    if (w->device < 0 || w->state != SMDDP_OK) {
+      *why = w->device < 0 ? "device_order: a host work" : "device_order: a work that has not completed";
+      return SMDDP_INVALID;
+    }
+    for (const smddp_work::Piece& p : w->pieces)
+      if (p.back) backs.push_back(p.back);
+  }
+  for (const auto& b : backs) {
+    const cuda::Result r = b->order(stream);
+    if (r != cuda::kSuccess) {
+      std::lock_guard<std::mutex> lock(mu_);
+      *why = "ordering a stream of cuda:" + std::to_string(w->device) + " after the copy back: " +
+             (path_ != nullptr ? path_->driver().describe(r, "cuStreamWaitEvent") : std::string("error"));
+      return SMDDP_FAILED;
+    }
+  }
+  return SMDDP_OK;
+}
+
+int NativeWorks::device_query(smddp_work* w) {
+  std::vector<std::shared_ptr<DeviceIn>> ins;
+  std::vector<std::shared_ptr<DeviceOut>> backs;
+  {
+    std::lock_guard<std::mutex> lock(w->mu);
+    if (w->device < 0) return SMDDP_INVALID;
+    if (w->state == SMDDP_PENDING) return SMDDP_PENDING;  // (a copy back may still be enqueued)
+    for (const smddp_work::Piece& p : w->pieces) {
+      if (p.in) ins.push_back(p.in);
+      if (p.back) backs.push_back(p.back);
+    }
+  }
+  int answer = SMDDP_OK;
+  for (const auto& in : ins) {
+    const cuda::Result r = in->query();
+    if (r == cuda::kNotReady) answer = answer == SMDDP_OK ? SMDDP_PENDING : answer;
+    else if (r != cuda::kSuccess) return SMDDP_FAILED;
+  }
+  for (const auto& b : backs) {
+    const cuda::Result r = b->query();
+    if (r == cuda::kNotReady) answer = answer == SMDDP_OK ? SMDDP_PENDING : answer;
+    else if (r != cuda::kSuccess) return SMDDP_FAILED;
+  }
+  return answer;
 }
 
 int NativeWorks::status(smddp_work* w) {
@@ -330,10 +589,12 @@ int NativeWorks::wait(smddp_work* w, double timeout_s) {
       if (w->state != SMDDP_PENDING) return w->state;
       if (p.done) continue;
     }
+    Located here;
     const FastEnd end = ch_->finish(*arena_, p.slot, p.submit, p.out, cfg_.batch_bytes, left_ns(t0, budget),
-                                    cfg_.spin_ns);
+                                    cfg_.spin_ns, &here);
     if (end == FastEnd::kDone) {
-      piece_done(w, i, false, "", "");  // (finish freed its slot)
+      // (finish freed its slot; a device piece's copy back was enqueued here, or `here.why` says why not)
+      piece_done(w, i, false, here.why.empty() ? "" : "DeviceError", here.why);
       continue;
     }
     if (end == FastEnd::kTimeout && ch_->aborted()) {
@@ -381,15 +642,15 @@ int NativeWorks::on_done(smddp_work* w, smddp_done_fn fn, void* arg) {
   for (const std::size_t i : out) {
     w->refs.fetch_add(1, std::memory_order_relaxed);
     std::shared_ptr<smddp_work> held(w, unref);
-    collect(w->pieces[i], w->pieces[i].out, [held, i](const std::string& why) {
-      held->owner->piece_done(held.get(), i, true, why.empty() ? "" : "ProtocolError", why);
+    collect(w->pieces[i], w->pieces[i].out, [held, i](const char* error_class, const std::string& why) {
+      held->owner->piece_done(held.get(), i, true, why.empty() ? "" : error_class, why);
     });
   }
   return SMDDP_OK;
 }
 
 void NativeWorks::collect(const smddp_work::Piece& p, const Delivery& out,
-                          std::function<void(const std::string&)> hook) {
+                          std::function<void(const char*, const std::string&)> hook) {
   WorkerChannel::Collected how;
   how.submit = p.submit;
   how.out = out;
@@ -455,8 +716,13 @@ void NativeWorks::fail(smddp_work* w, const std::string& error_class, const std:
     w->state = SMDDP_FAILED;
     fn = w->fn;
     arg = w->arg;
-    for (std::size_t i = 0; i < w->pieces.size(); i++)
-      if (w->pieces[i].started && !w->pieces[i].done) out.push_back(i);
+    for (std::size_t i = 0; i < w->pieces.size(); i++) {
+      if (!w->pieces[i].started || w->pieces[i].done) continue;
+      out.push_back(i);
+      // A device piece's copy back is not enqueued from now on (a wait's finish() taking its DONE
+      // right now included): its result slot goes back at once.
+      if (w->pieces[i].back) w->pieces[i].back->drop();
+    }
   }
   w->cv.notify_all();
   // Nothing more into the caller's memory: each piece still out is collected with no destination
@@ -465,7 +731,7 @@ void NativeWorks::fail(smddp_work* w, const std::string& error_class, const std:
     const smddp_work::Piece& p = w->pieces[i];
     std::shared_ptr<NativeWorks> self = shared_from_this();
     const Slot slot = p.slot;
-    collect(p, Delivery{nullptr, 0, 0, p.out.result_bytes}, [self, slot](const std::string&) {
+    collect(p, Delivery{nullptr, 0, 0, p.out.result_bytes}, [self, slot](const char*, const std::string&) {
       self->free_slot(slot);
     });
   }

@@ -30,6 +30,7 @@
 #include "arena.h"
 #include "capi.h"
 #include "channel.h"
+#include "device_path.h"
 
 namespace smddp {
 
@@ -43,6 +44,10 @@ struct NativeConfig {
   std::uint64_t piece_bytes = 0;    // an all-reduce of more goes in pieces (0: whole)
 };
 
+// Why `c` cannot start (empty: it can): its kind, dtype, op, count, root and buffers checked as
+// smddp's Python calls check them, in their words.
+std::string refusal(const smddp_collective& c, const NativeConfig& cfg);
+
 class NativeWorks;
 
 }  // namespace smddp
@@ -54,11 +59,15 @@ struct smddp_work {
     smddp::Header submit;
     smddp::Slot slot;
     smddp::Delivery out;
-    bool started = false;  // its SUBMIT went (else nothing of it is out)
+    bool started = false;  // its SUBMIT went, or (a device work's) was handed to the engine to give
     bool done = false;     // delivered (its slot freed), or given up on after the work failed
+    // A device work's: its copy into its slot, and its way back (out.sink: the copy back).
+    std::shared_ptr<smddp::DeviceIn> in;
+    std::shared_ptr<smddp::DeviceOut> back;
   };
   std::shared_ptr<smddp::NativeWorks> owner;
   std::vector<Piece> pieces;
+  int device = -1;  // a device work's CUDA device (start_device); -1: a host work
   std::atomic<int> refs{2};  // the caller's and the engine's
   std::mutex mu;             // guards what follows
   std::condition_variable cv;
@@ -94,8 +103,15 @@ class NativeWorks : public std::enable_shared_from_this<NativeWorks> {
   // it broke), once, for the client to take (its DONE thread polls): (error class, why), or empty.
   std::pair<std::string, std::string> take_failure();
 
+  // The client's device path (its DeviceEngine's, which the binding keeps alive as long as this
+  // table): start_device runs on it from now on. Once; `path` outlives every work.
+  void use_device(DevicePath* path);
+
   // The table's functions (capi.h), through their C entry points.
   int start(const smddp_collective& c, smddp_work** out, std::string* why);
+  int start_device(const smddp_collective& c, const smddp_device_call& d, smddp_work** out, std::string* why);
+  int device_order(smddp_work* w, std::uintptr_t stream, std::string* why);
+  int device_query(smddp_work* w);
   int wait(smddp_work* w, double timeout_s);
   int status(smddp_work* w);
   int on_done(smddp_work* w, smddp_done_fn fn, void* arg);
@@ -108,7 +124,14 @@ class NativeWorks : public std::enable_shared_from_this<NativeWorks> {
   void piece_done(smddp_work* w, std::size_t i, bool free_slot, const std::string& error_class, const std::string& why);
   // Piece `p`'s DONE to whichever taker meets it, delivered to `out` and told to `hook` (the
   // channel's collect, with this table's RELEASE batch and timeout).
-  void collect(const smddp_work::Piece& p, const Delivery& out, std::function<void(const std::string&)> hook);
+  void collect(const smddp_work::Piece& p, const Delivery& out,
+               std::function<void(const char*, const std::string&)> hook);
+  // A piece of `w` could not start: the work fails (the client too where `client`), or, the first,
+  // goes unstarted (*why: the text). Returns what start() answers.
+  int not_started(smddp_work* w, std::size_t i, const std::string& error_class, const std::string& text,
+                  bool client, bool closed, std::string* why);
+  // `w` is live from its first piece: a failure of the client from now on fails it too.
+  void went_live(smddp_work* w);
   // A piece's input slot back to the arena, unless it has none.
   void free_slot(const Slot& slot);
   // `w` fails (unless complete): its pieces still out collected with no destination.
@@ -124,6 +147,7 @@ class NativeWorks : public std::enable_shared_from_this<NativeWorks> {
   NativeConfig cfg_;
   smddp_capi table_{};
   std::mutex mu_;  // guards what follows
+  DevicePath* path_ = nullptr;  // use_device's
   std::set<smddp_work*> live_;  // started, not complete (each holds the engine's reference)
   bool closed_ = false;
   std::string closed_class_;
