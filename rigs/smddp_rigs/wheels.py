@@ -71,15 +71,16 @@ def tool(name: str) -> str:
     return str(beside) if beside.exists() else (shutil.which(name) or name)
 
 
-def build(out: Path, py: dict[str, str]) -> list[Path]:
-    """The three wheels (abi3 from the 3.12 interpreter, cp311 and cp310 from theirs), repaired, and the sdist."""
+def build(out: Path, py: dict[str, str], versions: tuple[str, ...] = BUILT) -> list[Path]:
+    """The wheels of `versions` (abi3 from the 3.12 interpreter, cp311 and cp310 from theirs: all three
+    unless told), repaired, and the sdist."""
     raw = out / "raw"
     raw.mkdir(parents=True, exist_ok=True)
     # The wheels are built from the sdist, as an index's users would: only what the sdist ships goes
     # in (a checkout holds its own in-place builds of the engine, for other Pythons).
     run([sys.executable, "-m", "build", "--sdist", "-o", str(out), str(REPO)])
     (sdist,) = out.glob("smddp-*.tar.gz")
-    for v in BUILT:
+    for v in versions:
         if v not in py:
             raise SystemExit(f"no CPython {v} found (pyenv, or python{v} on PATH) to build its wheel with")
         # Build isolation fetches setuptools and wheel into a fresh environment, per the pyproject.
