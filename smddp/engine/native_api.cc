@@ -213,6 +213,19 @@ std::uint32_t piece_count(const smddp_collective& c, std::size_t isz, std::uint6
   return static_cast<std::uint32_t>(want < n ? want : n);  // (n * isz is at most kMaxDataPayload)
 }
 
+// A SUBMIT of `count` elements of `c` from `rank` (its seq, shard and offset are the channel's to give).
+Header submit_of(const smddp_collective& c, std::uint32_t rank, std::uint32_t aux, std::uint64_t count) {
+  Header h;
+  h.type = Msg::kSubmit;
+  h.kind = c.kind;
+  h.dtype = c.dtype;
+  h.op = c.op;
+  h.sender = rank;
+  h.aux = aux;
+  h.count = count;
+  return h;
+}
+
 // Pieces [i, end) of `w` never go: done as they are (nothing of them is out).
 void never_out(smddp_work* w, std::size_t i) {
   std::lock_guard<std::mutex> lock(w->mu);
@@ -266,13 +279,7 @@ int NativeWorks::start(const smddp_collective& c, smddp_work** out, std::string*
     smddp_work::Piece& p = work->pieces[j];
     p.first = r.start;
     Header& h = p.submit;
-    h.type = Msg::kSubmit;
-    h.kind = c.kind;
-    h.dtype = c.dtype;
-    h.op = c.op;
-    h.sender = cfg_.rank;
-    h.aux = aux;
-    h.count = r.end - r.start;
+    h = submit_of(c, cfg_.rank, aux, r.end - r.start);
     const std::uint64_t bytes = h.count * isz;
     switch (c.kind) {
       case SMDDP_ALLREDUCE: p.out = Delivery{dst + r.start * isz, bytes, 0, bytes}; break;
@@ -475,13 +482,7 @@ int NativeWorks::start_device(const smddp_collective& c, const smddp_device_call
       break;
     }
     Header& h = p.submit;
-    h.type = Msg::kSubmit;
-    h.kind = c.kind;
-    h.dtype = c.dtype;
-    h.op = c.op;
-    h.sender = cfg_.rank;
-    h.aux = aux;
-    h.count = r.end - r.start;
+    h = submit_of(c, cfg_.rank, aux, r.end - r.start);
     h.seq = ch_->reserve_fast();
     h.shard = slot.segment;
     h.offset = slot.offset;

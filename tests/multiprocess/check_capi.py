@@ -151,11 +151,18 @@ def main() -> int:
     closed = probe.run(cap, 1, 6, 1, 0, addr(after), addr(after), 4, 0, 10.0)[:2]
     out["mismatch"] = {"status": status, "why": why, "class": cls, "python": python, "python_class": python_cls,
                        "bad": bad.tolist(), "closed": list(closed)}  # fmt: skip
+    return finish(out, args.out, rank)
+
+
+def finish(out: dict[str, Any], where: str, rank: int) -> int:
+    """Shut smddp down (after a job that failed on purpose, as it can) and write rank<N>.json."""
+    import smddp
+
     try:
         smddp.shutdown()
     except smddp.errors.SmddpError:
         pass
-    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+    with open(os.path.join(where, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
     return 0
 

@@ -13,7 +13,6 @@ checked against the independent reference. Writes rank<N>.json into --out.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Any
@@ -22,6 +21,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 import check_collectives as cc  # the same inputs and the same independent reference as the host tests
+from check_capi import finish
 
 DTYPE = {"uint8": 1, "int32": 2, "int64": 3, "float16": 4, "bfloat16": 5, "float32": 6, "float64": 7}
 OP = {"sum": 1, "avg": 2, "min": 3, "max": 4}
@@ -144,13 +144,7 @@ def main() -> int:
     )
     rt.synchronize()
     out["mismatch"] = {"status": status, "why": why, "class": cls, "last": last, "bad": bad.tolist()}
-    try:
-        smddp.shutdown()
-    except smddp.errors.SmddpError:
-        pass
-    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
-        json.dump(out, f)
-    return 0
+    return finish(out, args.out, rank)
 
 
 if __name__ == "__main__":
