@@ -427,6 +427,12 @@ class SimCluster:
         while any(_pid_alive(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.02)
         _delete_netns(ns)
+        # A lost machine's disk goes with it; a simulated node's /tmp is this machine's. What its killed
+        # PRRTE daemons left there (their session directories, with PMIx rendezvous files) would meet a
+        # later process given the same pid: PMIx then fails that process's start ("the listener
+        # thread failed to start"), which once failed an unrelated CI job here.
+        for pid in pids:
+            shutil.rmtree(os.path.join(tempfile.gettempdir(), f"prted.{pid}"), ignore_errors=True)
 
     def revive(self, i: int) -> None:
         """A fresh node i where a lost one was (a replacement machine with the same name and address):
