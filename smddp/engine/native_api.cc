@@ -175,6 +175,10 @@ void NativeWorks::use_device(DevicePath* path) {
   if (path_ == nullptr) path_ = path;
 }
 
+namespace {
+
+// Why `c` cannot start (empty: it can): its kind, dtype, op, count, root and buffers checked as
+// smddp's Python calls check them, in their words.
 std::string refusal(const smddp_collective& c, const NativeConfig& cfg) {
   const char* what = kind_name(c.kind);
   if (what == nullptr) return "start: no collective kind " + num(c.kind);
@@ -201,7 +205,12 @@ std::string refusal(const smddp_collective& c, const NativeConfig& cfg) {
   return {};
 }
 
-namespace {
+// The daemon left this worker's submit ring full for the whole timeout: as the Python calls'
+// _daemon_lost says it (a PeerLostError).
+std::string daemon_lost(const NativeConfig& cfg) {
+  return "rank " + num(cfg.rank) + ": lost the node daemon: it did not read this worker's ring for " +
+         seconds(cfg.timeout_ns) + "s (frozen or gone)";
+}
 
 // How many pieces an all-reduce of `n` elements of `isz` bytes goes in: more than the job's piece
 // cut as the Python calls cut it (the shards' near-equal cut, layout.h), each naming how many there
@@ -340,8 +349,7 @@ int NativeWorks::start(const smddp_collective& c, smddp_work** out, std::string*
         break;
       case FastEnd::kRingFull:
         cls = "PeerLostError";  // (as the Python calls' _daemon_lost says it)
-        text = "rank " + num(cfg_.rank) + ": lost the node daemon: it did not read this worker's ring for " +
-               seconds(cfg_.timeout_ns) + "s (frozen or gone)";
+        text = daemon_lost(cfg_);
         break;
       default: break;
     }
@@ -458,8 +466,7 @@ int NativeWorks::start_device(const smddp_collective& c, const smddp_device_call
       client = false;
     } else if (got == RingWait::kTimeout) {
       cls = "PeerLostError";
-      text = "rank " + num(cfg_.rank) + ": lost the node daemon: it did not read this worker's ring for " +
-             seconds(cfg_.timeout_ns) + "s (frozen or gone)";
+      text = daemon_lost(cfg_);
     } else if (got != RingWait::kReady) {
       cls = "ProtocolError";
       text = ch_->why();

@@ -44,10 +44,6 @@ struct NativeConfig {
   std::uint64_t piece_bytes = 0;    // an all-reduce of more goes in pieces (0: whole)
 };
 
-// Why `c` cannot start (empty: it can): its kind, dtype, op, count, root and buffers checked as
-// smddp's Python calls check them, in their words.
-std::string refusal(const smddp_collective& c, const NativeConfig& cfg);
-
 class NativeWorks;
 
 }  // namespace smddp

@@ -103,13 +103,14 @@ def main() -> int:
                 1 if way == "callback" else 0, other if way == "order" else 0, 120.0,
                 snap.ctypes.data if count and SNAPSHOTS else 0, result.ctypes.data, snap.nbytes,
             )  # fmt: skip
-            early = cc.check(c, snap, world, args.nnodes, rank)["ok"] if SNAPSHOTS else None
             if way == "in_line":
                 rt.stream_synchronize(stream)
             elif way == "order":
                 rt.stream_synchronize(other)
             del held
             rec = cc.check(c, result if status == OK else np.zeros(0, np.uint8), world, args.nnodes, rank)
+            # (against the result just checked, not the reference made again: the same bits where it held)
+            early = bool(rec["ok"]) and cc.same_bits(snap, result) if SNAPSHOTS else None
             rec.update(way=way, in_place=in_place, pieces=pieces, status=status, why=why, error_class=cls,
                        first=first, order=order, last=last, early=early)  # fmt: skip
             records.append(rec)
