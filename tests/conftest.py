@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import secrets
 import shutil
 import subprocess
@@ -77,6 +78,28 @@ def own_runtime_dir(monkeypatch):
     monkeypatch.setenv("XDG_RUNTIME_DIR", path)
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+def session_dirs() -> set[str]:
+    """Open MPI's session directories in the temporary directory (mpirun's ompi.<pid>, a simulated
+    node's prted.<pid>) and the bases smddp-launch makes for them: PMIx will not start over the
+    rendezvous files of one a killed mpirun left, so a later mpirun given that pid fails."""
+    tmp = tempfile.gettempdir()
+    return {
+        os.path.join(tmp, n) for n in os.listdir(tmp) if re.fullmatch(r"(ompi|prted)\.\d+|smddp-prte-.*", n)
+    }
+
+
+@pytest.fixture(autouse=True)
+def no_session_dirs_left():
+    """Every test: an Open MPI session directory that an mpirun of the test left (killed, or stopped
+    short) fails it, as a later mpirun given that pid would fail to start (see session_dirs)."""
+    before = session_dirs()
+    yield
+    deadline = time.monotonic() + 10  # an mpirun still ending removes its own
+    while (left := session_dirs() - before) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"left behind: {sorted(left)}"
 
 
 @pytest.fixture

@@ -383,6 +383,14 @@ def _torchrun_command(
 
 
 def run_command(cmd: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
+    # A session directory base of the run's own, as smddp-launch gives its mpiruns (see
+    # smddp.launcher.mpirun._session_base): one a killed mpirun left in /tmp stops a later mpirun
+    # given the same pid from starting.
+    with tempfile.TemporaryDirectory(prefix="smddp-prte-") as base:
+        return _run_command(cmd, {**env, "PRTE_MCA_prte_local_tmpdir_base": base}, timeout)
+
+
+def _run_command(cmd: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
     proc = subprocess.Popen(
         cmd,
         env={**os.environ, **env},

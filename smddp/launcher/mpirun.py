@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
@@ -501,24 +502,33 @@ def run_attempt(cfg: LaunchConfig) -> Outcome:
     env.setdefault("PYTHONUNBUFFERED", "1")
     if cfg.timeline:
         os.makedirs(timeline_parts(cfg.timeline), exist_ok=True)
-    ledger = Ledger(ledger_addresses(cfg))
+    session_base = _session_base(cfg)
+    try:
+        ledger = Ledger(ledger_addresses(cfg))
+    except BaseException:
+        _remove_session_base(session_base)
+        raise
     env["SMDDP_LEDGER"] = ledger.spec
     # The workers' wrappers get it too: a worker that lost its own daemon says so there.
+    extra = ["-x", "SMDDP_LEDGER"]
+    if session_base:
+        extra += ["--prtemca", "prte_local_tmpdir_base", session_base]
     cmds = Commands(
-        [cmds.daemons[0], "-x", "SMDDP_LEDGER", *cmds.daemons[1:]],
-        [cmds.workers[0], "-x", "SMDDP_LEDGER", *cmds.workers[1:]],
+        [cmds.daemons[0], *extra, *cmds.daemons[1:]], [cmds.workers[0], *extra, *cmds.workers[1:]]
     )
     # If smddp-launch is killed, mpirun gets SIGTERM and tears its world down rather than run on orphaned.
     try:
         daemons = subprocess.Popen(cmds.daemons, env=env, preexec_fn=_term_with_parent)
     except BaseException:
         ledger.close()
+        _remove_session_base(session_base)
         raise
     try:
         workers = subprocess.Popen(cmds.workers, env=env, preexec_fn=_term_with_parent)
     except BaseException:
         _stop(daemons, 0.0)
         ledger.close()
+        _remove_session_base(session_base)
         raise
 
     def forward(signum: int, _frame: object) -> None:
@@ -563,8 +573,52 @@ def run_attempt(cfg: LaunchConfig) -> Outcome:
         for s, h in old.items():
             signal.signal(s, h)
         remove_job_dirs(cfg.job_id)
+        _remove_session_base(session_base)
         if cfg.timeline:
             merge_timeline(cfg.timeline)
+
+
+def _session_base(cfg: LaunchConfig) -> str:
+    """A directory of this attempt's own for its two mpiruns' session directories ("" where the user
+    chose where they go, with --mpi-args or PRTE_MCA_prte_*tmpdir_base). Each mpirun's is <base>/ompi.<its pid>, holding PMIx rendezvous files that
+    PMIx creates exclusively: one a killed mpirun left in the shared /tmp makes a later mpirun given
+    the same pid (pids wrap) fail to start ("The PMIx server's listener thread failed to start")."""
+    if any("tmpdir_base" in a for a in cfg.mpi_args) or any("tmpdir_base" in k for k in os.environ):
+        return ""
+    _sweep_session_bases()
+    return tempfile.mkdtemp(prefix=f"smddp-prte-{os.getpid()}-")
+
+
+def _sweep_session_bases() -> None:
+    """Removes the bases of launchers that are gone (a SIGKILLed one leaves its base: its mpiruns, told
+    SIGTERM by their parent's death, remove their own session directories, not the base)."""
+    tmp = tempfile.gettempdir()
+    try:
+        names = os.listdir(tmp)
+    except OSError:
+        return
+    for name in names:
+        m = re.fullmatch(r"smddp-prte-(\d+)-\w+", name)
+        if m is None or _alive(int(m.group(1))):
+            continue
+        shutil.rmtree(os.path.join(tmp, name), ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # (another user's process)
+    return True
+
+
+def _remove_session_base(path: str) -> None:
+    """What a killed mpirun left of its session directory goes with the attempt (both worlds are
+    reaped by now: supervise waits for, or stops, each)."""
+    if path:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _node_name(cfg: LaunchConfig, node: int) -> str:

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import BIN, job_env, smddp_launch
+from tests.conftest import BIN, job_env, skip_or_fail, smddp_launch
 
 pytestmark = pytest.mark.multiprocess
 HERE = Path(__file__).parent
@@ -300,3 +302,34 @@ def test_a_start_behind_collectives_that_never_complete_times_out(tmp_path, clea
             assert "had no result for 2 s" in why, out
         else:
             assert out["late_start"] == "all started", out
+
+
+def test_session_directories_killed_mpiruns_left_do_not_stop_a_launch(clean_host):
+    """A killed mpirun leaves its session directory, <TMPDIR>/ompi.<pid>, holding PMIx rendezvous files
+    that PMIx creates exclusively: a later mpirun given that pid (pids wrap) fails to start. Here every
+    pid of a fresh pid namespace has one. A plain mpirun there fails, and so does smddp-launch told to
+    use the shared TMPDIR; smddp-launch as it is (a session base of each attempt's own) runs the job,
+    and removes its base, and of the rest only a base whose launcher is gone."""
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        skip_or_fail("needs root and unshare(1) for a pid namespace")
+    # Short: the daemons' sockets go there too (a unix socket's path has 108 bytes).
+    tmp = tempfile.mkdtemp(prefix="smddp-ss-", dir="/tmp")
+    env = {**job_env(), "TMPDIR": tmp}
+    cmd = ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, str(HERE / "check_stale_session.py")]
+    cmd.append(str(BIN))
+    try:
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=600, env=env, cwd=str(HERE.parent.parent)
+        )
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rec = json.loads(proc.stdout.strip().splitlines()[-1])
+    failed = "listener thread failed to start"
+    # What the planted files do to a start that meets them: the test would catch the launcher meeting them.
+    assert rec["plain"]["rc"] != 0 and failed in rec["plain"]["out"], rec["plain"]
+    assert rec["launch_shared"]["rc"] != 0 and failed in rec["launch_shared"]["out"], rec["launch_shared"]
+    assert rec["launch"]["rc"] == 0, rec["launch"]["out"][-3000:]
+    assert rec["launch"]["out"].count("SUM 10.0") == 4, rec["launch"]["out"][-3000:]
+    # Its base went with it; one a SIGKILLed launcher left is swept, a live launcher's kept.
+    assert rec["left"] == [] and rec["removed"] == [rec["gone"]] and rec["live_kept"], rec
