@@ -180,6 +180,11 @@ def run_worker(command: list[str], prefix: str, report: Report | None) -> int:
         return code
     if joined is not None:
         joined.start()
+    if report is not None:
+        # What a report needs (numpy among it: 0.2 s on an idle core, seconds on a loaded node) is
+        # imported while the worker runs, not after it ended: a teardown's word must reach the
+        # daemon within its EXIT_REPORT_WAIT_S, or the rank's end is taken for a crash.
+        threading.Thread(target=_import_report, name="smddp-report-import", daemon=True).start()
     forwarded = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
     torn_down = threading.Event()  # told to end (teardown, scancel, the launcher gone): no report
 
@@ -228,6 +233,10 @@ def run_worker(command: list[str], prefix: str, report: Report | None) -> int:
     if code != 0 and joined is not None and joined.cause is not None:
         return joined.cause
     return code
+
+
+def _import_report() -> None:
+    import smddp.launcher.exited  # noqa: F401
 
 
 class Report:
