@@ -102,6 +102,9 @@ def _lib() -> ctypes.CDLL:
                     sz,
                 ),
                 "smddp_standin_trace_take": ([c.POINTER(c.c_int), c.POINTER(c.c_size_t), sz], sz),
+                "smddp_standin_push_current": ([vp], None),
+                "smddp_standin_pop_current": ([], None),
+                "smddp_standin_current": ([], vp),
             }
             for name, (args, res) in sigs.items():
                 fn = getattr(lib, name)
@@ -308,20 +311,19 @@ class StandinRuntime:
         return s.handle
 
     def current_stream(self, device: int = 0) -> int:
-        stack = getattr(self._tls, "stack", None)
-        return stack[-1] if stack else STREAM_LEGACY
+        # The thread's current stream is the driver library's (native callers, the C++ torch
+        # backend's stand-in hooks, see the same one).
+        return int(_lib().smddp_standin_current() or STREAM_LEGACY)
 
     @contextlib.contextmanager
     def use(self, stream: int) -> Iterator[int]:
         """Make `stream` the calling thread's current stream inside the block (as `with cupy_stream:`)."""
-        stack = getattr(self._tls, "stack", None)
-        if stack is None:
-            stack = self._tls.stack = []
-        stack.append(stream)
+        lib = _lib()
+        lib.smddp_standin_push_current(stream)
         try:
             yield stream
         finally:
-            stack.pop()
+            lib.smddp_standin_pop_current()
 
     def _issue(self, s: _Stream, op: Callable[[_Stream], None]) -> None:
         """Put `op` (which enqueues its work on the stream it is given) on `s`, or, under capture,
@@ -729,6 +731,20 @@ class StandinRuntime:
         from smddp_rigs.standin_torch import StandinStreams
 
         return StandinStreams(self)
+
+    def torch_native(self) -> dict[str, int]:
+        """The C++ torch backend's doubles for CPU tensors under this runtime, as function addresses
+        (smddp/torch/c10d.cpp, StandinSide): the calling thread's current stream, host memory
+        aliased as device memory and unmapped, a host wait for a stream, a new stream."""
+        lib = _lib()
+        names = {
+            "current": "smddp_standin_current",
+            "alias": "smddp_standin_alias",
+            "unmap": "smddp_standin_unmap",
+            "synchronize": "smddp_standin_synchronize",
+            "new_stream": "smddp_standin_new_stream",
+        }
+        return {k: ctypes.cast(getattr(lib, v), ctypes.c_void_p).value or 0 for k, v in names.items()}
 
     def close(self) -> None:
         """Lets go of this runtime's streams: each ends once what was put on it has run (the driver's

@@ -1589,6 +1589,70 @@ __attribute__((visibility("default"))) Result smddp_standin_unmap(std::uint64_t 
   return kSuccess;
 }
 
+// -- the torch side's doubles in native code (the C++ torch backend's stand-in hooks) --------------
+//
+// The calling thread's current stream (the Python runtime's `use` pushes and pops it here, so that
+// native callers see the same one), host memory aliased as device memory at addresses of this
+// library's own range, and a host wait for a stream on a device: the C++ torch backend's doubles of
+// torch's current CUDA stream, a CUDA tensor's address and the host's wait for a stream.
+
+constexpr std::uint64_t kAliasBase = 0xD700000000000000ULL;  // below kDeviceBase, far above the Python runtimes'
+SMDDP_STATIC_TLS thread_local std::vector<void*>* t_current = nullptr;
+std::atomic<std::uint64_t> g_next_alias{kAliasBase};
+
+__attribute__((visibility("default"))) void smddp_standin_push_current(void* stream) {
+  if (t_current == nullptr) t_current = new std::vector<void*>();  // (one a thread, kept: threads are few)
+  t_current->push_back(stream);
+}
+
+__attribute__((visibility("default"))) void smddp_standin_pop_current() {
+  if (t_current != nullptr && !t_current->empty()) t_current->pop_back();
+}
+
+// The calling thread's current stream: the legacy default stream where none was made current.
+__attribute__((visibility("default"))) void* smddp_standin_current() {
+  return t_current == nullptr || t_current->empty() ? reinterpret_cast<void*>(1) : t_current->back();
+}
+
+// Host range [host, host + n) as device memory of `device` at a fresh address (*addr), until unmapped.
+__attribute__((visibility("default"))) Result smddp_standin_alias(void* host, std::size_t n, int device,
+                                                                  std::uint64_t* addr) {
+  if (host == nullptr || n == 0 || addr == nullptr) return kInvalidValue;
+  {
+    State& st = state();
+    std::lock_guard<std::mutex> lock(st.mu);
+    if (device < 0 || device >= st.devices) return kInvalidDevice;
+  }
+  const std::uint64_t span = ((n + 255) / 256) * 256 + kGuard;
+  const std::uint64_t a = g_next_alias.fetch_add(span);
+  if (a + span > kDeviceBase) return kInvalidValue;
+  const Result r = smddp_standin_map(a, host, n, device);
+  if (r == kSuccess) *addr = a;
+  return r;
+}
+
+// The host waits for what `stream` of `device` holds so far (a thread with no context of its own).
+__attribute__((visibility("default"))) Result smddp_standin_synchronize(void* stream, int device) {
+  const int was = t_device;
+  void* ctx = nullptr;
+  Result r = cuDevicePrimaryCtxRetain(&ctx, device);
+  if (r == kSuccess) r = cuCtxSetCurrent(ctx);
+  if (r == kSuccess) r = cuStreamSynchronize(stream);
+  t_device = was;
+  return r;
+}
+
+// A new stream of `device` (*out) for a thread with no context of its own.
+__attribute__((visibility("default"))) Result smddp_standin_new_stream(int device, void** out) {
+  const int was = t_device;
+  void* ctx = nullptr;
+  Result r = cuDevicePrimaryCtxRetain(&ctx, device);
+  if (r == kSuccess) r = cuCtxSetCurrent(ctx);
+  if (r == kSuccess) r = cuStreamCreate(out, 1);
+  t_device = was;
+  return r;
+}
+
 // Called from a host function: the operation running fails its stream with `code` and `text`.
 __attribute__((visibility("default"))) Result smddp_standin_fail_running(Result code, const char* text) {
   if (t_failure == nullptr || code == kSuccess) return kInvalidValue;

@@ -1389,6 +1389,14 @@ class Client:
         before = None if producer is None else engine.mark(like.device, producer)
         return DevicePlan(like.device, src, before, outputs, consumer, like.library, keepalive)
 
+    def device_route(self) -> str:
+        """Where this job's device all-reduces go, as a native front end asks it once: "" while
+        undecided (the first device collective decides, every rank together: node_step), "step"
+        (the GPU step) or "engine" (the engine's device path, which the C table's start_device runs)."""
+        if not self._node_step_decided or self._device_engine is None:
+            return ""
+        return "step" if self._node_step is not None else "engine"
+
     def node_step(self, dev: DeviceBuffer) -> NodeStep | None:
         """The GPU step this job's device collectives take (node_reduce; across nodes, all-reduces
         alone), or None: the host path. Decided at the first device collective that may take it, by

@@ -1158,6 +1158,11 @@ class ProcessGroupSmddp(dist.ProcessGroup):
 
     # -- identity
 
+    def _native_device_route(self) -> str:
+        """For the C++ backend, once its first device all-reduce came here: where this job's device
+        all-reduces go ("" undecided, "step", "engine": Client.device_route)."""
+        return smddp.client().device_route()
+
     def getBackendName(self) -> str:
         return BACKEND_NAME
 
@@ -1684,10 +1689,14 @@ def create_process_group(store: Any, rank: int, size: int, timeout: timedelta) -
     smddp.client().note_front_end("torch backend", kind)  # (smddp status shows each rank's)
     if kind == "python":
         return group
-    # The C++ backend: host collectives straight to the engine, the rest to `group` (where a runtime
-    # claims host tensors as device memory, as smddp's stand-in does, every call goes to `group`).
-    direct = smddp.client().config.device_runtime in BUILTIN_RUNTIMES
-    return native.wrap(group, rank, size, timeout.total_seconds(), direct)
+    # The C++ backend: host collectives straight to the engine, the rest to `group`. Where a runtime
+    # claims host tensors as device memory, as smddp's stand-in does, host tensors take the device
+    # route instead, through the runtime's native doubles of torch's CUDA calls (torch_native()).
+    c = smddp.client()
+    direct = c.config.device_runtime in BUILTIN_RUNTIMES
+    claim = None if direct else getattr(c.device_runtime(), "torch_native", None)
+    doubles = claim() if claim is not None else {}
+    return native.wrap(group, rank, size, timeout.total_seconds(), direct, doubles)
 
 
 def register() -> None:

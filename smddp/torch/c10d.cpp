@@ -1,17 +1,25 @@
-// smddp's torch.distributed backend in C++: host collectives through the engine's C table, no Python a call.
+// smddp's torch.distributed backend in C++: collectives through the engine's C table, no Python a call.
 //
 // torch reaches this c10d::Backend as it reaches gloo or NCCL: through its dispatcher, with no GIL. The
 // calls smddp runs on host memory in the ordinary case (contiguous CPU tensors of a dtype and op smddp
-// carries, in a group of every rank) go straight to the engine's C table (smddp/engine/capi.h). Every
-// other call, and every refusal, goes to the Python group (smddp.torch.backend.ProcessGroupSmddp) as
-// the same call: its checks, messages, device path and side-group routing are the one definition of
-// what the backend does, and this file only ever takes a shorter way to the same result.
+// carries, in a group of every rank) go straight to the engine's C table (smddp/engine/capi.h), and so
+// do all-reduces of contiguous CUDA tensors once the job's device all-reduces are known to take the
+// engine's device path (start_device; DeviceSide says how torch's streams are reached). Every other
+// call, and every refusal, goes to the Python group (smddp.torch.backend.ProcessGroupSmddp) as the
+// same call: its checks, messages, device path and side-group routing are the one definition of what
+// the backend does, and this file only ever takes a shorter way to the same result.
 //
 // Memory: a Backend holds a reference to the client's table capsule and to the Python group (both let
 // go with the GIL in its destructor; the capsule is kept for good while a Work still uses the table).
 // A Work holds its engine works (released in its destructor) and its result tensors; while its engine
 // works are armed (on_done), each callback holds a reference to the Work. A Work dropped before it
-// completed hands its tensors to a callback that keeps them until the engine has written them.
+// completed hands its tensors to a callback that keeps them until the engine has written them. A
+// device Work also holds its DeviceUse (the addresses its side mapped); one dropped before the device
+// is done with its tensors hands them, its engine works and its DeviceUse to the Reaper, which lets go
+// of them once the copies landed. A side is shared by its Backend, Works and the Reaper; the stand-in's
+// is kept for good by its marker thread once it has one.
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <torch/extension.h>
@@ -19,8 +27,12 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstddef>
 #include <cstdio>
+#include <deque>
+#include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -94,6 +106,226 @@ bool python_alive() {
 #endif
 }
 
+// How many device all-reduces took the engine's device route in this process (device_calls()).
+std::atomic<long long> g_device_calls{0};
+
+// Where a device collective's tensors live and how torch's streams are reached for them: CUDA through
+// c10's device guard (CudaSide), or the doubles of a runtime whose device memory is host memory
+// (StandinSide: smddp's stand-in, under which CPU tensors take this route). One a Backend, shared
+// with its Works and the Reaper.
+class DeviceSide {
+ public:
+  virtual ~DeviceSide() = default;
+  // Whether `t` is device memory here (CUDA: a CUDA tensor; the stand-in: a CPU tensor).
+  virtual bool takes(const at::Tensor& t) const = 0;
+  virtual int index(const at::Tensor& t) const = 0;
+  // `t`'s device address (*addr); *mapped says the address must be given back (unmap) once the device
+  // is done with it. False, with why, where it cannot be had.
+  virtual bool address(const at::Tensor& t, std::uint64_t* addr, bool* mapped, std::string* why) = 0;
+  virtual void unmap(std::uint64_t addr) = 0;
+  // The calling thread's current stream on `device` (torch's current CUDA stream).
+  virtual std::uintptr_t current(int device) = 0;
+  // After `stream` was made to wait for a result: what the host must do before the caller's next torch
+  // operation (CUDA: nothing, the operation is queued on `stream`; the stand-in: wait, as the host
+  // runs a CPU tensor's operations at once).
+  virtual void follow(std::uintptr_t stream, int device) = 0;
+  // A future for a Work of `device`, which records its readers' events where it is completed.
+  virtual c10::intrusive_ptr<c10::ivalue::Future> future(int device) = 0;
+  // Completes a future once its readers are ordered after the result: `order(stream)` makes `stream`
+  // wait for the copies back, `mark()` completes the future (called with `stream` current, so that
+  // torch records the readers' event there). On the thread that completes the Work.
+  virtual void settle(int device, std::function<bool(std::uintptr_t)> order, std::function<void()> mark) = 0;
+};
+
+class CudaSide final : public DeviceSide {
+ public:
+  bool takes(const at::Tensor& t) const override { return t.is_cuda(); }
+  int index(const at::Tensor& t) const override { return t.get_device(); }
+  bool address(const at::Tensor& t, std::uint64_t* addr, bool* mapped, std::string*) override {
+    *addr = reinterpret_cast<std::uintptr_t>(t.data_ptr());
+    *mapped = false;
+    return true;
+  }
+  void unmap(std::uint64_t) override {}
+  std::uintptr_t current(int device) override {
+    return reinterpret_cast<std::uintptr_t>(guard().getStream(cuda(device)).native_handle());
+  }
+  void follow(std::uintptr_t, int) override {}
+  c10::intrusive_ptr<c10::ivalue::Future> future(int device) override {
+    return c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()),
+                                                    std::vector<c10::Device>{cuda(device)});
+  }
+  // On the engine's thread, at once (nothing here waits): a stream of torch's pool, made current while
+  // the future is marked, waits for the copies back; torch records the future's event on it.
+  void settle(int device, std::function<bool(std::uintptr_t)> order, std::function<void()> mark) override {
+    const c10::Stream pool = guard().getStreamFromGlobalPool(cuda(device), false);
+    c10::StreamGuard on(pool);
+    if (order(reinterpret_cast<std::uintptr_t>(pool.native_handle()))) mark();
+  }
+
+ private:
+  static c10::Device cuda(int device) { return c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device)); }
+  static const c10::impl::DeviceGuardImplInterface& guard() {
+    return *c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+  }
+};
+
+// The stand-in's doubles (smddp_rigs.standin.StandinRuntime.torch_native: its driver library's
+// functions). Whatever would wait on a stream in CUDA is work the host is about to do, so the host
+// waits: after a Work's wait, and before its future is marked (on a thread of its own, in order,
+// as markCompleted on a GPU lets the completing thread go on at once). Never earlier: a stream the
+// copies were not ordered before leaves the host racing them, as CUDA would leave the kernels.
+class StandinSide final : public DeviceSide, public std::enable_shared_from_this<StandinSide> {
+ public:
+  using current_fn = void* (*)();
+  using alias_fn = int (*)(void*, std::size_t, int, std::uint64_t*);
+  using unmap_fn = int (*)(std::uint64_t);
+  using sync_fn = int (*)(void*, int);
+  using stream_fn = int (*)(int, void**);
+
+  explicit StandinSide(const std::map<std::string, std::uintptr_t>& fns)
+      : current_(reinterpret_cast<current_fn>(fns.at("current"))),
+        alias_(reinterpret_cast<alias_fn>(fns.at("alias"))),
+        unmap_(reinterpret_cast<unmap_fn>(fns.at("unmap"))),
+        sync_(reinterpret_cast<sync_fn>(fns.at("synchronize"))),
+        new_stream_(reinterpret_cast<stream_fn>(fns.at("new_stream"))) {}
+
+  bool takes(const at::Tensor& t) const override { return t.is_cpu(); }
+  int index(const at::Tensor&) const override { return 0; }
+  bool address(const at::Tensor& t, std::uint64_t* addr, bool* mapped, std::string* why) override {
+    const int r = alias_(t.data_ptr(), static_cast<std::size_t>(t.numel()) * t.element_size(), 0, addr);
+    *mapped = r == 0;
+    if (r != 0) *why = "the stand-in could not map the tensor (error " + std::to_string(r) + ")";
+    return r == 0;
+  }
+  void unmap(std::uint64_t addr) override { (void)unmap_(addr); }
+  std::uintptr_t current(int) override { return reinterpret_cast<std::uintptr_t>(current_()); }
+  void follow(std::uintptr_t stream, int device) override { (void)sync_(reinterpret_cast<void*>(stream), device); }
+  c10::intrusive_ptr<c10::ivalue::Future> future(int) override {
+    return c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+  }
+  void settle(int device, std::function<bool(std::uintptr_t)> order, std::function<void()> mark) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    marks_.push_back(Mark{device, std::move(order), std::move(mark)});
+    if (!started_) {
+      started_ = true;
+      // (The thread keeps the side: never destroyed once it marked a future, as the Watchdog.)
+      std::thread([self = shared_from_this()] { self->run(); }).detach();
+    }
+    cv_.notify_one();
+  }
+
+ private:
+  struct Mark {
+    int device;
+    std::function<bool(std::uintptr_t)> order;
+    std::function<void()> mark;
+  };
+  void run() {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      cv_.wait(lock, [this] { return !marks_.empty(); });
+      Mark m = std::move(marks_.front());
+      marks_.pop_front();
+      lock.unlock();
+      if (stream_ == nullptr) (void)new_stream_(m.device, &stream_);
+      const auto s = reinterpret_cast<std::uintptr_t>(stream_);
+      if (m.order(s)) {
+        (void)sync_(stream_, m.device);  // the future's readers run on the host once it is marked
+        m.mark();
+      }
+      m = Mark{};  // (what it holds let go here, not under the lock)
+      lock.lock();
+    }
+  }
+  current_fn current_;
+  alias_fn alias_;
+  unmap_fn unmap_;
+  sync_fn sync_;
+  stream_fn new_stream_;
+  void* stream_ = nullptr;  // the marker's own stream (the marker thread's alone)
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Mark> marks_;
+  bool started_ = false;
+};
+
+// What a device Work holds beside its engine works: its side, its device, and the addresses the side
+// mapped for its tensors (given back once the device is done with them).
+struct DeviceUse {
+  std::shared_ptr<DeviceSide> side;
+  int device = 0;
+  std::vector<std::uint64_t> mapped;
+  ~DeviceUse() {
+    for (std::uint64_t a : mapped) side->unmap(a);
+  }
+};
+
+// Whether the device is done with every copy of `ws` (none in flight, however each ended).
+bool landed(const smddp_capi* t, const std::vector<smddp_work*>& ws) {
+  for (smddp_work* w : ws)
+    if (t->status(w) == SMDDP_PENDING || t->device_query(w) == SMDDP_PENDING) return false;
+  return true;
+}
+
+// Keeps what a device Work let go of while the device still copies into or out of its tensors: the
+// tensors (the caching allocator would hand their memory out again), the engine works and mapped
+// addresses, until the copies land. One thread a process, started on first use, polling each
+// millisecond while it holds anything. Never destroyed (its thread outlives main's exit).
+class Reaper {
+ public:
+  static Reaper& get() {
+    static Reaper* r = new Reaper();
+    return *r;
+  }
+  void keep(std::shared_ptr<Table> tb, std::vector<smddp_work*> ws, std::vector<at::Tensor> ts,
+            std::unique_ptr<DeviceUse> dev) {
+    tb->works.fetch_add(1, std::memory_order_relaxed);  // (the table stays while these use it)
+    std::lock_guard<std::mutex> lock(mu_);
+    held_.push_back(Held{std::move(tb), std::move(ws), std::move(ts), std::move(dev)});
+    if (!started_) {
+      started_ = true;
+      std::thread([this] { run(); }).detach();
+    }
+    cv_.notify_one();
+  }
+
+ private:
+  struct Held {
+    std::shared_ptr<Table> tb;
+    std::vector<smddp_work*> ws;
+    std::vector<at::Tensor> ts;
+    std::unique_ptr<DeviceUse> dev;
+  };
+  void run() {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      cv_.wait(lock, [this] { return !held_.empty(); });
+      std::vector<Held> done;
+      for (auto it = held_.begin(); it != held_.end();) {
+        if (landed(it->tb->t, it->ws)) {
+          done.push_back(std::move(*it));
+          it = held_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      lock.unlock();
+      for (Held& h : done) {
+        for (smddp_work* w : h.ws) h.tb->t->release(w);
+        h.tb->works.fetch_sub(1, std::memory_order_release);
+      }
+      done.clear();  // (tensors and mappings let go here, not under the lock)
+      lock.lock();
+      if (!held_.empty()) cv_.wait_for(lock, milliseconds(1));
+    }
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Held> held_;
+  bool started_ = false;
+};
+
 // Fails armed Works still running at their timeout, so that a future (DDP's reducer waits on one in C++,
 // with no timeout) ends with the timeout instead of hanging on a stopped rank. One thread a process,
 // started on first use, asleep until the earliest deadline; Works are kept per timeout in start order
@@ -124,14 +356,16 @@ class Watchdog {
 // A collective (or several: an all-reduce of several tensors) on the engine, as a torch Work.
 class Work : public c10d::Work {
  public:
+  // `dev`: where a device collective's tensors live (null: host memory).
   Work(std::shared_ptr<Table> tb, std::vector<smddp_work*> ws, std::vector<at::Tensor> result, c10d::OpType type,
-       const char* name, milliseconds timeout, int rank)
+       const char* name, milliseconds timeout, int rank, std::unique_ptr<DeviceUse> dev = nullptr)
       : c10d::Work(rank, type),
         tb_(std::move(tb)),
         ws_(std::move(ws)),
         result_(std::move(result)),
         name_(name),
-        timeout_(timeout) {
+        timeout_(timeout),
+        dev_(std::move(dev)) {
     tb_->works.fetch_add(1, std::memory_order_relaxed);
   }
 
@@ -146,6 +380,12 @@ class Work : public c10d::Work {
         auto* keep = new std::vector<at::Tensor>(result_);
         if (t->on_done(w, &Work::kept, keep) != SMDDP_OK) delete keep;
       }
+    }
+    if (dev_ != nullptr && !landed(t, ws_)) {
+      // The device still copies into or out of the tensors: they, the works and the mappings are
+      // kept until it is done.
+      Reaper::get().keep(tb_, std::move(ws_), std::move(result_), std::move(dev_));
+      ws_.clear();
     }
     for (smddp_work* w : ws_) t->release(w);
     tb_->works.fetch_sub(1, std::memory_order_release);
@@ -163,6 +403,13 @@ class Work : public c10d::Work {
       }
       if (st == SMDDP_FAILED) throw Failure(tb_->t->error_class(w), tb_->t->why(w));
     }
+    if (dev_ != nullptr) {
+      // As torch's device Works wait: the caller's current stream waits for the result's copies back.
+      const std::uintptr_t stream = dev_->side->current(dev_->device);
+      std::string why;
+      if (!order(stream, &why)) throw Failure("DeviceError", why);
+      dev_->side->follow(stream, dev_->device);
+    }
     return true;
   }
 
@@ -170,7 +417,7 @@ class Work : public c10d::Work {
     arm();  // (polled: it must complete on its own from now on)
     for (smddp_work* w : ws_)
       if (tb_->t->status(w) == SMDDP_PENDING) return false;
-    return true;
+    return dev_ == nullptr || landed(tb_->t, ws_);  // (a device Work: once its copies back landed)
   }
 
   bool isSuccess() const override {
@@ -195,7 +442,9 @@ class Work : public c10d::Work {
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (future_) return future_;
-      f = future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+      f = future_ = dev_ != nullptr
+                        ? dev_->side->future(dev_->device)
+                        : c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
       late = completed_;  // complete() ran before there was a future: made complete here
     }
     if (late)
@@ -260,10 +509,35 @@ class Work : public c10d::Work {
       cls = failed_cls_;
       why = failed_why_;
     }
-    if (cls.empty())
-      f->markCompleted(c10::IValue(result_));
-    else
+    if (!cls.empty()) {
       f->setError(as_future_error(cls, why));
+    } else if (dev_ == nullptr) {
+      f->markCompleted(c10::IValue(result_));
+    } else {
+      // Marked where its readers are ordered after the copies back (the side says how).
+      c10::intrusive_ptr<Work> self = c10::intrusive_ptr<Work>::reclaim_copy(this);
+      dev_->side->settle(
+          dev_->device,
+          [self, f](std::uintptr_t stream) {
+            std::string why;
+            if (self->order(stream, &why)) return true;
+            f->setError(as_future_error("DeviceError", why));
+            return false;
+          },
+          [self, f] { f->markCompleted(c10::IValue(self->result_)); });
+    }
+  }
+
+  // `stream` waits for every engine work's copies back; false with why where the driver refused.
+  bool order(std::uintptr_t stream, std::string* why) {
+    for (smddp_work* w : ws_) {
+      char buf[512];
+      if (tb_->t->device_order(w, stream, buf, sizeof buf) != SMDDP_OK) {
+        *why = buf;
+        return false;
+      }
+    }
+    return true;
   }
 
   static void kept(void* arg, smddp_work*, int) { delete static_cast<std::vector<at::Tensor>*>(arg); }
@@ -280,6 +554,7 @@ class Work : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::string failed_cls_, failed_why_;
   bool completed_ = false;
+  std::unique_ptr<DeviceUse> dev_;  // (set at construction; moved to the Reaper in the destructor)
 };
 
 std::uint64_t Watchdog::watch(const c10::intrusive_ptr<c10d::Work>& w, milliseconds timeout) {
@@ -400,14 +675,19 @@ class Backend : public c10d::Backend {
   // `capsule`: the client's table (Client.native_api()); `group`: the Python group every other call
   // goes to; `direct`: whether calls on host tensors may take the table (not where a device runtime
   // claims CPU tensors, as smddp's stand-in does); `timeout_ms`: the group's.
+  // `piece_bytes`: the job's all-reduce pieces (0: whole); `doubles`: a runtime's native doubles of
+  // torch's CUDA calls, under which host tensors take the device route (StandinSide), else none.
   Backend(py::object capsule, py::object group, int rank, int size, long long timeout_ms, bool direct,
-          std::string timeout_prefix)
+          std::string timeout_prefix, long long piece_bytes, const std::map<std::string, std::uintptr_t>& doubles)
       : c10d::Backend(rank, size),
         tb_(std::make_shared<Table>()),
         capsule_(std::move(capsule)),
         group_(std::move(group)),
         timeout_(timeout_ms),
-        direct_(direct) {
+        direct_(direct),
+        piece_bytes_(piece_bytes),
+        side_(doubles.empty() ? std::shared_ptr<DeviceSide>(std::make_shared<CudaSide>())
+                              : std::shared_ptr<DeviceSide>(std::make_shared<StandinSide>(doubles))) {
     const auto* t = static_cast<const smddp_capi*>(PyCapsule_GetPointer(capsule_.ptr(), SMDDP_CAPI_CAPSULE));
     if (t == nullptr) throw py::error_already_set();
     if (t->version != SMDDP_CAPI_VERSION || t->size < sizeof(smddp_capi))
@@ -420,6 +700,8 @@ class Backend : public c10d::Backend {
                                std::to_string(size));
     tb_->t = t;
     tb_->timeout_prefix = std::move(timeout_prefix);
+    // (A table of an engine before the device route ends at `abandon`: device calls go to the group.)
+    device_ok_ = t->size >= offsetof(smddp_capi, device_query) + sizeof t->device_query;
   }
 
   ~Backend() override {
@@ -449,7 +731,11 @@ class Backend : public c10d::Backend {
                                           const c10d::AllreduceOptions& opts) override {
     if (auto w = allreduce_each(tensors, opts.reduceOp, c10d::OpType::ALLREDUCE, opts.timeout, opts.asyncOp))
       return w;
-    return delegate("allreduce", tensors, opts);
+    if (auto w = allreduce_device(tensors, opts.reduceOp, c10d::OpType::ALLREDUCE, opts.timeout, opts.asyncOp))
+      return w;
+    auto w = delegate("allreduce", tensors, opts);
+    learn_device_route(tensors);
+    return w;
   }
 
   c10::intrusive_ptr<c10d::Work> allreduce_coalesced(std::vector<at::Tensor>& tensors,
@@ -457,7 +743,12 @@ class Backend : public c10d::Backend {
     if (auto w = allreduce_each(tensors, opts.reduceOp, c10d::OpType::ALLREDUCE_COALESCED, opts.timeout,
                                 opts.asyncOp))
       return w;
-    return delegate("allreduce_coalesced", tensors, opts);
+    if (auto w = allreduce_device(tensors, opts.reduceOp, c10d::OpType::ALLREDUCE_COALESCED, opts.timeout,
+                                  opts.asyncOp))
+      return w;
+    auto w = delegate("allreduce_coalesced", tensors, opts);
+    learn_device_route(tensors);
+    return w;
   }
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
@@ -574,6 +865,86 @@ class Backend : public c10d::Backend {
     return run(cs, tensors, type, "all_reduce", timeout, async);
   }
 
+  // Each tensor all-reduced on the engine's device route (copies on torch's current stream, or after
+  // it on the engine's lanes); null where the call is not the route's, with nothing enqueued or sent.
+  // The route is taken once the job's device all-reduces are known to go through the engine's device
+  // path: the Python group starts the device machinery at its first device collective, where every
+  // rank together decides whether the GPU step takes them instead (learn_device_route).
+  c10d_work_t allreduce_device(std::vector<at::Tensor>& tensors, const c10d::ReduceOp& reduce_op,
+                               c10d::OpType type, milliseconds timeout, bool async) {
+    const std::uint8_t op = op_code(reduce_op);
+    if (route_.load(std::memory_order_acquire) != kEngine || op == 0 || tensors.empty()) return {};
+    int device = -1;
+    std::int64_t bytes = 0;
+    for (const at::Tensor& t : tensors) {
+      if (!t.defined() || !side_->takes(t) || t.layout() != at::kStrided || !t.is_contiguous() ||
+          dtype_code(t.scalar_type()) == 0 || t.numel() == 0)
+        return {};
+      const int d = side_->index(t);
+      if (device >= 0 && d != device) return {};  // (one call, one device: the group says so)
+      device = d;
+      bytes += t.numel() * static_cast<std::int64_t>(t.element_size());
+    }
+    auto use = std::make_unique<DeviceUse>();
+    use->side = side_;
+    use->device = device;
+    // A blocking call of one tensor in one piece runs both copies on the caller's stream (its later
+    // work ordered after the copy back already); else on the engine's lanes after the caller's stream.
+    const bool in_line = !async && tensors.size() == 1 && (piece_bytes_ <= 0 || bytes <= piece_bytes_);
+    const smddp_device_call where{device, in_line ? SMDDP_DEVICE_IN_LINE : 0u, side_->current(device)};
+    const smddp_capi* t = tb_->t;
+    std::vector<smddp_work*> ws;
+    for (at::Tensor& x : tensors) {
+      std::uint64_t addr = 0;
+      bool mapped = false;
+      std::string why;
+      if (!side_->address(x, &addr, &mapped, &why)) {
+        if (ws.empty()) return {};
+        started(std::move(ws), tensors, type, timeout, std::move(use));
+        throw Failure("DeviceError", why);
+      }
+      if (mapped) use->mapped.push_back(addr);
+      smddp_collective c = collective(SMDDP_ALLREDUCE, x, x, op);
+      c.src = c.dst = reinterpret_cast<void*>(static_cast<std::uintptr_t>(addr));
+      smddp_work* w = nullptr;
+      char buf[512];
+      const int st = t->start_device(t->ctx, &c, &where, &w, buf, sizeof buf);
+      if (st != SMDDP_OK) {
+        if (ws.empty()) return {};  // (nothing sent: the group takes the call, and says why as it does)
+        started(std::move(ws), tensors, type, timeout, std::move(use));
+        throw Failure(st == SMDDP_CLOSED ? "CollectiveError" : "SmddpError", buf);
+      }
+      ws.push_back(w);
+    }
+    seq_.fetch_add(1, std::memory_order_relaxed);
+    g_device_calls.fetch_add(1, std::memory_order_relaxed);
+    auto work = c10::make_intrusive<Work>(tb_, std::move(ws), tensors, type, "all_reduce", timeout_of(timeout),
+                                          getRank(), std::move(use));
+    if (async) return work;
+    work->wait(milliseconds(0));  // (the caller's stream ordered after the result, as torch's wait does)
+    return c10::make_intrusive<DoneWork>(tensors, type, getRank());
+  }
+
+  // The works a call started before one was refused: they complete on every rank (a Work keeps what
+  // they use until the device is done), and the call fails.
+  void started(std::vector<smddp_work*> ws, std::vector<at::Tensor>& tensors, c10d::OpType type,
+               milliseconds timeout, std::unique_ptr<DeviceUse> use) {
+    auto w = c10::make_intrusive<Work>(tb_, std::move(ws), tensors, type, "all_reduce", timeout_of(timeout),
+                                       getRank(), std::move(use));
+    (void)w;
+  }
+
+  // After the group took a device all-reduce while the route is unknown: where this job's device
+  // all-reduces go, asked once it is decided (the group's first device collective decides it).
+  void learn_device_route(const std::vector<at::Tensor>& tensors) {
+    if (route_.load(std::memory_order_acquire) != kUnknown || !device_ok_ || tensors.empty() ||
+        !tensors[0].defined() || !side_->takes(tensors[0]))
+      return;
+    py::gil_scoped_acquire gil;
+    const std::string r = group_.attr("_native_device_route")().cast<std::string>();
+    if (!r.empty()) route_.store(r == "engine" ? kEngine : kGroup, std::memory_order_release);
+  }
+
   static bool all_plain(const std::vector<at::Tensor>& ts) {
     if (ts.empty()) return false;
     for (const at::Tensor& t : ts)
@@ -633,11 +1004,17 @@ class Backend : public c10d::Backend {
     return c10::make_intrusive<PyWork>(std::move(w), std::move(r));
   }
 
+  static constexpr int kUnknown = 0, kEngine = 1, kGroup = 2;
+
   std::shared_ptr<Table> tb_;
   py::object capsule_;
   py::object group_;
   milliseconds timeout_;
   bool direct_;
+  long long piece_bytes_;
+  std::shared_ptr<DeviceSide> side_;
+  bool device_ok_ = false;
+  std::atomic<int> route_{kUnknown};  // where device all-reduces go: learnt once (learn_device_route)
   std::atomic<uint64_t> seq_{0};
 };
 
@@ -647,10 +1024,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "smddp's torch.distributed backend in C++ (smddp/torch/c10d.cpp)";
   m.attr("CAPI_VERSION") = SMDDP_CAPI_VERSION;
   py::class_<Backend, c10d::Backend, c10::intrusive_ptr<Backend>>(m, "Backend")
-      .def(py::init<py::object, py::object, int, int, long long, bool, std::string>(), py::arg("capsule"),
-           py::arg("group"), py::arg("rank"), py::arg("size"), py::arg("timeout_ms"), py::arg("direct"),
-           py::arg("timeout_prefix"))
+      .def(py::init<py::object, py::object, int, int, long long, bool, std::string, long long,
+                    const std::map<std::string, std::uintptr_t>&>(),
+           py::arg("capsule"), py::arg("group"), py::arg("rank"), py::arg("size"), py::arg("timeout_ms"),
+           py::arg("direct"), py::arg("timeout_prefix"), py::arg("piece_bytes"), py::arg("doubles"))
       .def_property_readonly("group", &Backend::group);
+  // How many device all-reduces this process's Backends ran on the engine's device route (tests ask).
+  m.def("device_calls", [] { return g_device_calls.load(std::memory_order_relaxed); });
   // A Failure reaches Python as its smddp.errors class (the Python backend's errors, word for word).
   static py::handle errors = py::module_::import("smddp.errors").release();
   py::register_exception_translator([](std::exception_ptr p) {

@@ -208,17 +208,24 @@ def backend_kind() -> str:
     return "native"
 
 
-def wrap(group: Any, rank: int, size: int, timeout_s: float, direct: bool) -> Any:
+def wrap(
+    group: Any, rank: int, size: int, timeout_s: float, direct: bool, doubles: dict[str, int] | None = None
+) -> Any:
     """The C++ backend over the client's C table, taking `group` (a ProcessGroupSmddp of every rank)
-    for every call it does not run itself. `direct`: host tensors may go straight to the table."""
+    for every call it does not run itself. `direct`: host tensors may go straight to the table.
+    `doubles`: a runtime's native doubles of torch's CUDA calls (function addresses), under which
+    host tensors take the device route (smddp's stand-in: StandinRuntime.torch_native)."""
+    c = smddp.client()
     return module().Backend(
-        smddp.client().native_api(),
+        c.native_api(),
         group,
         rank,
         size,
         int(timeout_s * 1000),
         direct,
         CollectiveTimeoutError.PREFIX,
+        c.piece_bytes,
+        doubles or {},
     )
 
 

@@ -241,7 +241,12 @@ def main() -> int:
     result["parts_us"] = parts
     smddp.barrier()
 
-    # The blocking torch call's steps, every rank, every call.
+    # The blocking torch call's steps, every rank, every call: the Python backend's (the C++ backend's
+    # device route, smddp/torch/c10d.cpp, reaches none of these methods; run with
+    # SMDDP_TORCH_BACKEND=python to see them).
+    from smddp.torch import native
+
+    result["backend"] = native.backend_kind()
     marks: dict[str, float] = {}
     restore = _mark_steps(marks)
     names = [*dict.fromkeys(n for n, _w, _e in STEPS), "returned", "synchronized"]

@@ -49,6 +49,14 @@ def main() -> int:
     c = smddp.client()
     rt = c.device_runtime()
     step = c._node_step  # the GPU step (node_reduce), where the job's device all-reduces took it
+    # How many device all-reduces the C++ backend ran on the engine's device route (None: the
+    # Python backend's process).
+    native_calls = None
+    if "torch" in sys.modules:
+        from smddp.torch import native
+
+        if native.backend_kind() == "native":
+            native_calls = native.module().device_calls()
     with open(os.path.join(stats_dir, f"stats{smddp.rank()}.json"), "w") as f:
         json.dump(
             {
@@ -56,6 +64,7 @@ def main() -> int:
                 "stats": dict(rt.stats),
                 "step_count": 0 if step is None else step.count,
                 "node_reduce_why": c.node_reduce_why,
+                "native_device_calls": native_calls,
             },
             f,
         )

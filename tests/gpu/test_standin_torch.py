@@ -44,6 +44,16 @@ def device_route_taken(stats_dir: Path, world: int) -> None:
         assert st["pageable"] == 0, st
 
 
+def native_route(stats_dir: Path, world: int, taken: bool) -> None:
+    """Whether every rank's C++ backend ran its device all-reduces on the engine's device route
+    (smddp/torch/c10d.cpp, over the stand-in's native doubles), or none there (the GPU step's job:
+    the Python group takes them)."""
+    for r in range(world):
+        d = json.loads((stats_dir / f"stats{r}.json").read_text())
+        calls = d["native_device_calls"]
+        assert calls is not None and (calls > 0 if taken else calls == 0), d
+
+
 def step_taken(stats_dir: Path, world: int) -> None:
     """Every rank's device all-reduces summed on the (stand-in) GPUs: the GPU step took them."""
     for r in range(world):
@@ -147,6 +157,7 @@ def test_every_consumer_of_a_work_sees_its_result(
     )  # fmt: skip
     if node_reduce == "gpu":
         step_taken(tmp_path, world)
+    native_route(tmp_path, world, taken=node_reduce == "host")
     rows = ordering_rows(tmp_path, world)
     from tests.gpu.check_ordering import PATHS
 
@@ -160,7 +171,11 @@ def test_the_stand_in_catches_a_future_completed_before_the_copies(tmp_path: Pat
     no event to order its readers after): every future path reads stale data, `wait()` does not."""
     args = [WRAPPER, str(tmp_path), ORDERING, "--out", str(tmp_path), "--device", "standin"]
     args += ["--sizes", "262144,16777216", "--inflight", "4", "--kinds", "allreduce,allgather"]
-    launch(2, 1, args, SMDDP_STANDIN_DELAY_MS=LATE_MS, SMDDP_STANDIN_BREAK="future-without-tensors")
+    # (The bug is put back into the Python backend's Work, which then takes every call.)
+    launch(
+        2, 1, args, SMDDP_STANDIN_DELAY_MS=LATE_MS, SMDDP_STANDIN_BREAK="future-without-tensors",
+        SMDDP_TORCH_BACKEND="python",
+    )  # fmt: skip
     rows = ordering_rows(tmp_path, 2)
     for path in ("future", "value", "then", "chained"):
         assert sum(row["wrong"] for row in rows if row["path"] == path) > 0, path
@@ -185,11 +200,12 @@ def test_the_small_call_profile_runs_and_sees_every_step(tmp_path: Path, clean_h
         "--out",
         str(tmp_path),
     ]
-    launch(2, 1, args)
+    # The steps hooked are the Python backend's (the C++ backend's device route reaches none of them).
+    launch(2, 1, args, SMDDP_TORCH_BACKEND="python")
     device_route_taken(tmp_path, 2)
     for r in range(2):
         d = json.loads((tmp_path / f"profile-{r}.json").read_text())
-        assert d["steps_counted"] == rounds, d
+        assert d["backend"] == "python" and d["steps_counted"] == rounds, d
         assert all(v is not None and v >= 0 for v in d["steps_us"].values()), d["steps_us"]
         assert "SUBMIT given" in d["steps_us"] and set(d["calls_us"]) == {
             "torch",
@@ -221,7 +237,9 @@ def test_ddp_at_realistic_sizes_matches_gloo_bit_for_bit(tmp_path: Path, clean_h
         args = [WRAPPER, str(runs[name]), DDP_GPU, "--out", str(runs[name]), "--device", "cpu", *BIG_DDP]
         launch(2, 1, args, SMDDP_STANDIN_DELAY_MS=LATE_MS, **env)
     device_route_taken(runs["device"], 2)
+    native_route(runs["device"], 2, taken=True)  # (DDP's buckets: the C++ backend's device route)
     step_taken(runs["step"], 2)
+    native_route(runs["step"], 2, taken=False)
     gloo, dev, step = (_ddp_results(runs[n]) for n in ("gloo", "device", "step"))
     assert len(gloo[0]) == 4 and sum(t.numel() for t in gloo[0]["default:25"]["params"].values()) > 25_000_000
     for mode in gloo[0]:
@@ -237,25 +255,36 @@ def test_ddp_with_issue_28s_bug_put_back_drifts(tmp_path: Path, clean_host: None
     """With the bug of issue 28 put back (a device Work's future completed with no tensors), stock DDP's
     replicas drift apart at realistic sizes, as they did on the GPU: the stand-in sees it."""
     args = [WRAPPER, str(tmp_path), DDP_GPU, "--out", str(tmp_path), "--device", "cpu", *BROKEN_DDP]
-    launch(2, 1, args, SMDDP_STANDIN_DELAY_MS=LATE_MS, SMDDP_STANDIN_BREAK="future-without-tensors")
+    launch(
+        2, 1, args, SMDDP_STANDIN_DELAY_MS=LATE_MS, SMDDP_STANDIN_BREAK="future-without-tensors",
+        SMDDP_TORCH_BACKEND="python",
+    )  # fmt: skip
     broken = _ddp_results(tmp_path)
     assert list(broken[0]) == ["default:25"]
     for mode in broken[0]:
         assert _max_diff(broken[0][mode], broken[1][mode]) > 0, mode
 
 
-def test_a_waited_device_work_is_completed_by_its_waiter(tmp_path: Path, clean_host: None) -> None:
+@pytest.mark.parametrize("backend", ["python", "native"])
+def test_a_waited_device_work_is_completed_by_its_waiter(
+    backend: str, tmp_path: Path, clean_host: None
+) -> None:
     """`dist.all_reduce(x, async_op=True).wait()` on the device route, one and four in flight (waited
-    for last first): completed in the waiting thread, so the completer thread is never started;
-    a future asked for and a poll start it, and every result is exact, a Work dropped unwaited's
-    too."""
+    for last first), a Work whose future is asked for, one polled, one dropped unwaited: every result
+    is exact. The Python backend completes a waited Work in the waiting thread, so its completer
+    thread is never started, and a future asked for and a poll start it; the C++ backend runs them
+    all on the engine's device route (its own completion: the engine's threads and the marker)."""
     script = str(Path(__file__).parent / "check_waited_works.py")
-    launch(2, 1, [WRAPPER, str(tmp_path), script, "--out", str(tmp_path)], SMDDP_STANDIN_DELAY_MS=LATE_MS)
+    args = [WRAPPER, str(tmp_path), script, "--out", str(tmp_path)]
+    launch(2, 1, args, SMDDP_STANDIN_DELAY_MS=LATE_MS, SMDDP_TORCH_BACKEND=backend)
     device_route_taken(tmp_path, 2)
+    if backend == "native":
+        native_route(tmp_path, 2, taken=True)
     for r in range(2):
         d = json.loads((tmp_path / f"waited-{r}.json").read_text())
-        assert d["completer_after_waits"] is False, "a waited device Work woke the completer thread"
-        assert d["completer_after_future"] is True, d
+        if backend == "python":
+            assert d["completer_after_waits"] is False, "a waited device Work woke the completer thread"
+            assert d["completer_after_future"] is True, d
         assert all(
             d[k]
             for k in ("waited_exact", "future_exact", "polled_exact", "after_dropped_exact", "dropped_exact")
