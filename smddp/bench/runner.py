@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from smddp.bench.worker import ITEMSIZE, Case
+from smddp.launcher.mpirun import new_session_base, remove_session_base
 from smddp.settings import default
 from smddp.transport.netif import service_port
 
@@ -383,11 +384,14 @@ def _torchrun_command(
 
 
 def run_command(cmd: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
-    # A session directory base of the run's own, as smddp-launch gives its mpiruns (see
-    # smddp.launcher.mpirun._session_base): one a killed mpirun left in /tmp stops a later mpirun
-    # given the same pid from starting.
-    with tempfile.TemporaryDirectory(prefix="smddp-prte-") as base:
+    # A session directory base of the run's own, as smddp-launch gives its mpiruns (one a killed
+    # mpirun left in /tmp stops a later mpirun given the same pid from starting); by the environment,
+    # so that the command the results record stays as it was.
+    base = new_session_base()
+    try:
         return _run_command(cmd, {**env, "PRTE_MCA_prte_local_tmpdir_base": base}, timeout)
+    finally:
+        remove_session_base(base)
 
 
 def _run_command(cmd: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:

@@ -506,7 +506,7 @@ def run_attempt(cfg: LaunchConfig) -> Outcome:
     try:
         ledger = Ledger(ledger_addresses(cfg))
     except BaseException:
-        _remove_session_base(session_base)
+        remove_session_base(session_base)
         raise
     env["SMDDP_LEDGER"] = ledger.spec
     # The workers' wrappers get it too: a worker that lost its own daemon says so there.
@@ -521,14 +521,14 @@ def run_attempt(cfg: LaunchConfig) -> Outcome:
         daemons = subprocess.Popen(cmds.daemons, env=env, preexec_fn=_term_with_parent)
     except BaseException:
         ledger.close()
-        _remove_session_base(session_base)
+        remove_session_base(session_base)
         raise
     try:
         workers = subprocess.Popen(cmds.workers, env=env, preexec_fn=_term_with_parent)
     except BaseException:
         _stop(daemons, 0.0)
         ledger.close()
-        _remove_session_base(session_base)
+        remove_session_base(session_base)
         raise
 
     def forward(signum: int, _frame: object) -> None:
@@ -573,24 +573,31 @@ def run_attempt(cfg: LaunchConfig) -> Outcome:
         for s, h in old.items():
             signal.signal(s, h)
         remove_job_dirs(cfg.job_id)
-        _remove_session_base(session_base)
+        remove_session_base(session_base)
         if cfg.timeline:
             merge_timeline(cfg.timeline)
 
 
 def _session_base(cfg: LaunchConfig) -> str:
-    """A directory of this attempt's own for its two mpiruns' session directories ("" where the user
-    chose where they go, with --mpi-args or PRTE_MCA_prte_*tmpdir_base). Each mpirun's is <base>/ompi.<its pid>, holding PMIx rendezvous files that
-    PMIx creates exclusively: one a killed mpirun left in the shared /tmp makes a later mpirun given
-    the same pid (pids wrap) fail to start ("The PMIx server's listener thread failed to start")."""
+    """A base of this attempt's own for its two mpiruns' session directories (new_session_base), or ""
+    where the user chose where they go (--mpi-args, PRTE_MCA_prte_*tmpdir_base)."""
     if any("tmpdir_base" in a for a in cfg.mpi_args) or any("tmpdir_base" in k for k in os.environ):
         return ""
+    return new_session_base()
+
+
+def new_session_base() -> str:
+    """A fresh directory for mpiruns' session directories (PRRTE's prte_local_tmpdir_base), removed by
+    remove_session_base. Each mpirun's is <base>/ompi.<its pid>, holding PMIx rendezvous files that
+    PMIx creates exclusively: one a killed mpirun left in the shared /tmp makes a later mpirun given
+    the same pid (pids wrap) fail to start ("The PMIx server's listener thread failed to start").
+    Named after this process, so that a later call sweeps it if this process is killed first."""
     _sweep_session_bases()
     return tempfile.mkdtemp(prefix=f"smddp-prte-{os.getpid()}-")
 
 
 def _sweep_session_bases() -> None:
-    """Removes the bases of launchers that are gone (a SIGKILLed one leaves its base: its mpiruns, told
+    """Removes the bases of processes that are gone (a SIGKILLed one leaves its base: its mpiruns, told
     SIGTERM by their parent's death, remove their own session directories, not the base)."""
     tmp = tempfile.gettempdir()
     try:
@@ -614,9 +621,9 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _remove_session_base(path: str) -> None:
-    """What a killed mpirun left of its session directory goes with the attempt (both worlds are
-    reaped by now: supervise waits for, or stops, each)."""
+def remove_session_base(path: str) -> None:
+    """What killed mpiruns left of their session directories goes with the base ("" : none was made).
+    Called once the mpiruns are reaped (run_attempt: supervise waits for, or stops, each)."""
     if path:
         shutil.rmtree(path, ignore_errors=True)
 

@@ -900,7 +900,7 @@ class Backend : public c10d::Backend {
       std::string why;
       if (!side_->address(x, &addr, &mapped, &why)) {
         if (ws.empty()) return {};
-        started(std::move(ws), tensors, type, timeout, std::move(use));
+        started(std::move(ws), tensors, type, "all_reduce", timeout, std::move(use));
         throw Failure("DeviceError", why);
       }
       if (mapped) use->mapped.push_back(addr);
@@ -911,7 +911,7 @@ class Backend : public c10d::Backend {
       const int st = t->start_device(t->ctx, &c, &where, &w, buf, sizeof buf);
       if (st != SMDDP_OK) {
         if (ws.empty()) return {};  // (nothing sent: the group takes the call, and says why as it does)
-        started(std::move(ws), tensors, type, timeout, std::move(use));
+        started(std::move(ws), tensors, type, "all_reduce", timeout, std::move(use));
         throw Failure(st == SMDDP_CLOSED ? "CollectiveError" : "SmddpError", buf);
       }
       ws.push_back(w);
@@ -925,12 +925,12 @@ class Backend : public c10d::Backend {
     return c10::make_intrusive<DoneWork>(tensors, type, getRank());
   }
 
-  // The works a call started before one was refused: they complete on every rank (a Work keeps what
-  // they use until the device is done), and the call fails.
-  void started(std::vector<smddp_work*> ws, std::vector<at::Tensor>& tensors, c10d::OpType type,
+  // The works a call started before one was refused: they complete on every rank (the Work made of
+  // them here keeps what they use until they have, device copies included), and the call fails.
+  void started(std::vector<smddp_work*> ws, std::vector<at::Tensor>& tensors, c10d::OpType type, const char* name,
                milliseconds timeout, std::unique_ptr<DeviceUse> use) {
-    auto w = c10::make_intrusive<Work>(tb_, std::move(ws), tensors, type, "all_reduce", timeout_of(timeout),
-                                       getRank(), std::move(use));
+    auto w = c10::make_intrusive<Work>(tb_, std::move(ws), tensors, type, name, timeout_of(timeout), getRank(),
+                                       std::move(use));
     (void)w;
   }
 
@@ -980,9 +980,7 @@ class Backend : public c10d::Backend {
       const int st = t->start(t->ctx, &c, &w, why, sizeof why);
       if (st != SMDDP_OK) {
         if (ws.empty()) return {};
-        // (the first ones went: they complete on every rank, and this call fails with why)
-        auto started = c10::make_intrusive<Work>(tb_, std::move(ws), result, type, name, timeout_of(timeout), getRank());
-        (void)started;
+        started(std::move(ws), result, type, name, timeout, nullptr);
         throw Failure(st == SMDDP_CLOSED ? "CollectiveError" : "SmddpError", why);
       }
       ws.push_back(w);
