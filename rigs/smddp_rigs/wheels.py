@@ -6,6 +6,9 @@
 #   smddp-V-cp311-cp311-manylinux_2_X_x86_64.whl for CPython 3.11
 #   smddp-V-cp310-cp310-manylinux_2_X_x86_64.whl for CPython 3.10
 #   smddp-V.tar.gz                                the sdist (it builds only with a C++17 compiler)
+# Each wheel also ships smddp's C++ torch backend prebuilt for the torch minors of TORCH_PREBUILT and
+# each CPython it serves (smddp/torch/prebuilt/, smddp_rigs.torch_prebuilt): a process whose torch
+# is one of them loads it, with no compiler; any other torch builds it on first use (docs/torch.md).
 # The manylinux tag auditwheel gives is the oldest glibc the wheel's symbols allow: the glibc of the
 # machine that built it (2.36 on Debian 12), since the C++ runtime is linked in statically and the
 # rest is glibc's. An older tag needs an older glibc to build on (pypa's manylinux_2_28 image).
@@ -21,6 +24,8 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
+
+from smddp_rigs import torch_prebuilt
 
 REPO = Path(__file__).resolve().parents[2]
 #: Programs a compiler install puts on PATH; none may be reachable where a wheel is checked.
@@ -41,8 +46,18 @@ def pythons(versions: tuple[str, ...] = ("3.10", "3.11", "3.12", "3.13")) -> dic
     return found
 
 
+def python_version(exe: str) -> str:
+    """The CPython version of interpreter `exe` ("3.12")."""
+    code = "import sys; print(f'{sys.version_info[0]}.{sys.version_info[1]}')"
+    return run([exe, "-c", code]).stdout.strip()
+
+
 #: The interpreters a wheel is built with: 3.12's is the abi3 one, for 3.12 and every later CPython.
 BUILT = ("3.12", "3.11", "3.10")
+#: The torch minor versions whose C++ backend each wheel ships prebuilt: the three newest this
+#: machine's index gives (its pip constraints cap torch at 2.14.1), among them 2.13, which `make setup`
+#: pins and CI runs (tests/unit/test_wheel.py loads it from a wheel where no compiler is).
+TORCH_PREBUILT = ("2.14", "2.13", "2.12")
 
 
 def wheel_for(made: list[Path], version: str) -> Path:
@@ -71,9 +86,67 @@ def tool(name: str) -> str:
     return str(beside) if beside.exists() else (shutil.which(name) or name)
 
 
-def build(out: Path, py: dict[str, str], versions: tuple[str, ...] = BUILT) -> list[Path]:
+def serves(wheel: Path, py: dict[str, str]) -> list[str]:
+    """The CPython versions of `py` that install `wheel` (the abi3 one: 3.12 and every later one)."""
+    if "-abi3-" in wheel.name:
+        return [v for v in py if tuple(map(int, v.split("."))) >= (3, 12)]
+    return [v for v in py if f"-cp{v.replace('.', '')}-" in wheel.name]
+
+
+def add_files(wheel: Path, files: dict[str, Path]) -> None:
+    """`files` (path in the wheel: file here) added to `wheel`, its RECORD made again (wheel pack)."""
+    with tempfile.TemporaryDirectory(prefix="smddp-wheel-") as tmp:
+        run([tool("wheel"), "unpack", "-d", tmp, str(wheel)])
+        (root,) = Path(tmp).iterdir()
+        for name, f in files.items():
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(f, root / name)
+        packed = Path(tmp) / "packed"
+        packed.mkdir()
+        run([tool("wheel"), "pack", "-d", str(packed), str(root)])
+        (made,) = packed.iterdir()
+        assert made.name == wheel.name, (made.name, wheel.name)  # (the same tags: only files were added)
+        os.replace(made, wheel)
+
+
+def add_torch_backends(
+    wheel: Path, py: dict[str, str], torches: dict[str, list[Path]] | None, work: Path
+) -> list[str]:
+    """The C++ torch backend of `wheel`'s own source, built for each CPython the wheel serves and each
+    torch: `torches` (CPython version: torch package directories) where given, else the newest
+    release of each minor in TORCH_PREBUILT, fetched; added to the wheel. Their paths in it."""
+    src = work / "src"
+    with zipfile.ZipFile(wheel) as z:  # (the source the wheel ships: the prebuilt modules are its)
+        for member in ("smddp/torch/c10d.cpp", "smddp/engine/capi.h"):
+            z.extract(member, src)
+    built: dict[str, Path] = {}
+    for v in serves(wheel, py):
+        if torches is not None:
+            trees = [torch_prebuilt.torch_tree(t) for t in torches.get(v, [])]
+        else:
+            trees = []
+            for m in TORCH_PREBUILT:
+                try:
+                    trees.append(torch_prebuilt.fetch_torch(f"torch=={m}.*", py[v], work / "torch"))
+                except torch_prebuilt.NoTorchWheel as e:
+                    print(f"{wheel.name}: {e}: no prebuilt backend for it")
+        for tree in trees:
+            made = torch_prebuilt.build(tree, py[v], src, work / "prebuilt")
+            built[f"smddp/torch/prebuilt/{made.name}"] = made
+    if built:
+        add_files(wheel, built)
+    return sorted(built)
+
+
+def build(
+    out: Path,
+    py: dict[str, str],
+    versions: tuple[str, ...] = BUILT,
+    torches: dict[str, list[Path]] | None = None,
+) -> list[Path]:
     """The wheels of `versions` (abi3 from the 3.12 interpreter, cp311 and cp310 from theirs: all three
-    unless told), repaired, and the sdist."""
+    unless told), repaired, each with the C++ torch backend prebuilt (add_torch_backends: for `torches`
+    where given, else TORCH_PREBUILT's), and the sdist."""
     raw = out / "raw"
     raw.mkdir(parents=True, exist_ok=True)
     # The wheels are built from the sdist, as an index's users would: only what the sdist ships goes
@@ -90,6 +163,11 @@ def build(out: Path, py: dict[str, str], versions: tuple[str, ...] = BUILT) -> l
     for w in sorted(raw.glob("*.whl")):
         run([tool("auditwheel"), "repair", "-w", str(out), str(w)], env=env)
     shutil.rmtree(raw)
+    # After the repair: auditwheel would copy torch's libraries, which the prebuilt modules link, into
+    # the wheel (torch's own, already loaded when a module is, are the ones to use).
+    for w in sorted(out.glob("smddp-*.whl")):
+        with tempfile.TemporaryDirectory(prefix="smddp-prebuilt-") as work:
+            add_torch_backends(w, py, torches, Path(work))
     made = sorted(out.glob("smddp-*.whl")) + sorted(out.glob("smddp-*.tar.gz"))
     run([tool("twine"), "check", "--strict", *map(str, made)])
     return made
@@ -113,9 +191,12 @@ def bare_path(root: Path) -> str:
     return str(bindir)
 
 
-def install_bare(wheel: Path, python: str, work: Path, find_links: str = "") -> tuple[Path, dict[str, str]]:
-    """Install `wheel` into a fresh venv of `python` where no compiler is on PATH; the venv and the
-    environment to run it in (several may be installed at once: each has its own venv)."""
+def install_bare(
+    wheel: Path, python: str, work: Path, find_links: str = "", also: tuple[str, ...] = ()
+) -> tuple[Path, dict[str, str]]:
+    """Install `wheel` (and the requirements `also`) into a fresh venv of `python` where no compiler is
+    on PATH; the venv and the environment to run it in (several may be installed at once: each has its
+    own venv)."""
     venv = work / f"venv-{Path(python).name}"
     run([python, "-m", "venv", str(venv)])
     path = f"{venv / 'bin'}:{bare_path(work / f'tools-{Path(python).name}')}"
@@ -126,7 +207,10 @@ def install_bare(wheel: Path, python: str, work: Path, find_links: str = "") -> 
         assert probe.returncode != 0, f"a compiler is reachable: {probe.stdout.strip()}"
     extra = ["--find-links", find_links] if find_links else []
     # --only-binary: nothing may be built from source here (there is no compiler to build with).
-    run([str(venv / "bin" / "pip"), "install", "-q", "--only-binary", ":all:", *extra, str(wheel)], env=env)
+    run(
+        [str(venv / "bin" / "pip"), "install", "-q", "--only-binary", ":all:", *extra, str(wheel), *also],
+        env=env,
+    )
     return venv, env
 
 
@@ -179,7 +263,22 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m smddp_rigs.wheels", description=__doc__)
     ap.add_argument("--out", default="dist")
     ap.add_argument("--check", action="store_true", help="also install each in a fresh venv and run the demo")
+    ap.add_argument(
+        "--add-torch-backends",
+        metavar="WHEEL",
+        help="only add the prebuilt C++ torch backends (TORCH_PREBUILT) to WHEEL, for the CPythons of "
+        "--python (make gpu-wheels)",
+    )
+    ap.add_argument(
+        "--python", action="append", default=[], help="an interpreter (with --add-torch-backends)"
+    )
     args = ap.parse_args(argv)
+    if args.add_torch_backends:
+        given = {python_version(exe): exe for exe in args.python}
+        with tempfile.TemporaryDirectory(prefix="smddp-prebuilt-") as work:
+            for name in add_torch_backends(Path(args.add_torch_backends), given, None, Path(work)):
+                print(name)
+        return 0
     out = Path(args.out)
     if out.exists():
         shutil.rmtree(out)

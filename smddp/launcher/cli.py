@@ -153,9 +153,8 @@ def _torch_backend(build: bool, as_json: bool) -> int:
     else:
         abi = "C++11 ABI" if r["cxx11_abi"] else "pre-C++11 ABI"
         print(f"torch {r['torch']} ({abi}), Python {r['python']}, SMDDP_TORCH_BACKEND={r['asked']}")
-        print(
-            f"C++ backend: {'built at ' + r['module'] if r['module'] else 'not built (' + r['build_dir'] + ')'}"
-        )
+        where = ("prebuilt at " if r["prebuilt"] else "built at ") + r["module"] if r["module"] else ""
+        print(f"C++ backend: {where or 'not built (' + r['build_dir'] + ')'}")
         print(f"a group gets: {r['group_gets']} ({r['why']})")
     if r["error"]:
         print(r["error"], file=sys.stderr)  # ("smddp: ...")

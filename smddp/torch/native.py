@@ -1,4 +1,4 @@
-"""The C++ torch backend (c10d.cpp): loaded, or built on first use once a node, and which one a group gets."""
+"""The C++ torch backend (c10d.cpp): prebuilt for this torch, else built on first use once a node, and which one a group gets."""
 
 from __future__ import annotations
 
@@ -30,6 +30,47 @@ SOURCE = Path(__file__).with_name("c10d.cpp")
 HEADERS = Path(__file__).parent.parent / "engine"  # capi.h, the engine's C table: the one header it needs
 CFLAGS = ["-O2", "-Wall", "-Wextra", "-Werror"]  # (warnings are errors in smddp's native code)
 BUILD_TIMEOUT_S = 900.0  # a build, and a rank's wait for another's (a compile took 28 s on a 2-core VM)
+# Modules a wheel ships, built ahead for the torch minor versions it names (smddp_rigs.torch_prebuilt,
+# `make wheels`): none in a checkout.
+PREBUILT = Path(__file__).with_name("prebuilt")
+
+
+def source_hash(source: bytes | None = None, header: bytes | None = None) -> str:
+    """The backend's source and the C table's header, hashed: a prebuilt module is this source's only
+    where its name carries this (one shipped by another smddp is never loaded)."""
+    h = hashlib.sha256()
+    for part in (source if source is not None else SOURCE.read_bytes(),
+                 header if header is not None else (HEADERS / "capi.h").read_bytes()):  # fmt: skip
+        h.update(hashlib.sha256(part).digest())
+    return h.hexdigest()[:12]
+
+
+def torch_minor(version: str) -> str:
+    """The minor version of a torch version ("2.13" of "2.13.0+cpu"): what a prebuilt module is picked
+    by (torch keeps its C++ ABI within a minor)."""
+    major, minor = version.split("+")[0].split(".")[:2]
+    return f"{major}.{minor}"
+
+
+def prebuilt_name(
+    torch_version: str, cxx11_abi: bool, python: tuple[int, int], machine: str, src: str
+) -> str:
+    """The module name (and file stem) of a backend built ahead from source hash `src` for a torch minor
+    version, its C++ ABI, a CPython and a machine."""
+    minor = torch_minor(torch_version).replace(".", "_")
+    return f"smddp_c10d_{src}_torch{minor}_abi{int(cxx11_abi)}_cp{python[0]}{python[1]}_{machine}"
+
+
+def prebuilt_path() -> Path:
+    """Where the wheel's module for this torch, Python and machine would be (it may not be there)."""
+    name = prebuilt_name(
+        torch.__version__,
+        bool(torch._C._GLIBCXX_USE_CXX11_ABI),
+        (sys.version_info[0], sys.version_info[1]),
+        platform.machine(),
+        source_hash(),
+    )
+    return PREBUILT / f"{name}.so"
 
 
 def build_root() -> Path:
@@ -141,6 +182,9 @@ class _Loader:
         self.module: ModuleType | None = None
         self.error: BackendUnavailableError | None = None
         self.warned = False
+        self.prebuilt_lock = threading.Lock()  # (its own: get() holds self.lock while it asks)
+        self.prebuilt_tried = False
+        self.prebuilt_module: ModuleType | None = None
 
     def get(self) -> ModuleType:
         with self.lock:
@@ -155,8 +199,26 @@ class _Loader:
                 raise
             return self.module
 
-    @staticmethod
-    def _load() -> ModuleType:
+    def prebuilt(self) -> ModuleType | None:
+        """The wheel's module for this torch, loaded (once: a module is imported once a process); None
+        where there is none or it does not load (warned once)."""
+        with self.prebuilt_lock:
+            if self.prebuilt_tried:
+                return self.prebuilt_module
+            self.prebuilt_tried = True
+            pre = prebuilt_path()
+            if pre.exists():
+                try:
+                    self.prebuilt_module = _import(pre.stem, pre)
+                except ImportError as e:
+                    # (a torch patch release that changed its C++ ABI: a build is made for it instead)
+                    log.warning("smddp: the prebuilt C++ torch backend %s does not load here (%s)", pre, e)
+            return self.prebuilt_module
+
+    def _load(self) -> ModuleType:
+        pre = self.prebuilt()
+        if pre is not None:
+            return pre
         name = build_name()
         so = _module_path(name)
         where, root = so.parent, so.parent.parent
@@ -248,11 +310,15 @@ def report(build: bool) -> dict[str, Any]:
         except BackendUnavailableError as e:
             out["error"] = str(e)
     path = _module_path(build_name())
-    so = path if path.exists() else None
+    pre = prebuilt_path()
+    so = pre if _loader.prebuilt() is not None else path if path.exists() else None
     out["build_dir"], out["module"] = str(path.parent), str(so) if so is not None else None
+    out["prebuilt"] = so == pre
     cannot = cannot_build()
     if asked == "python":
         out["group_gets"], out["why"] = "python", "SMDDP_TORCH_BACKEND=python"
+    elif so == pre:
+        out["group_gets"], out["why"] = "native", f"prebuilt for torch {torch_minor(torch.__version__)}"
     elif so is not None:
         out["group_gets"], out["why"] = "native", "its build is here"
     elif not cannot:

@@ -49,6 +49,7 @@ fi
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
     "$V/bin/python" -c 'import sys, torch, cupy, smddp; print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, "cupy", cupy.__version__, "smddp", smddp.__version__)'
     nproc
+    "$V/bin/smddp" torch-backend
 } >"$OUT/env.txt" 2>&1
 status=0
 if [[ $what == tests || $what == all ]]; then

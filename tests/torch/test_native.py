@@ -96,3 +96,36 @@ def test_building_ahead_without_a_compiler_fails_naming_why(tmp_path: Path, aske
     assert r["group_gets"] == ("python" if asked == "auto" else "none"), r
     assert "no C++ compiler" in r["why"], r
     assert not build.exists() or [p for p in build.iterdir() if not p.name.endswith(".lock")] == []
+
+
+def test_a_prebuilt_module_that_does_not_load_is_passed_over(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A wheel's module for this torch minor that does not load (a patch release that broke torch's
+    ABI): a warning names it and why, and the backend is had as where there is none (here: built,
+    which with no compiler fails naming that)."""
+    from smddp.errors import BackendUnavailableError
+    from smddp.torch import native
+
+    monkeypatch.setattr(native, "PREBUILT", tmp_path / "prebuilt")
+    monkeypatch.setenv("SMDDP_TORCH_BUILD_DIR", str(tmp_path / "build"))
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    pre = native.prebuilt_path()
+    minor = native.torch_minor(torch.__version__).replace(".", "_")
+    assert (
+        pre.parent == tmp_path / "prebuilt"
+        and f"_torch{minor}_" in pre.name
+        and native.source_hash() in pre.name
+    )
+    pre.parent.mkdir()
+    pre.write_bytes(b"\x7fELF not a module")
+    loader = native._Loader()
+    monkeypatch.setattr(native, "_loader", loader)
+    with caplog.at_level("WARNING", logger="smddp.torch"), pytest.raises(BackendUnavailableError) as e:
+        loader.get()
+    assert str(e.value).startswith("smddp: no C++ compiler to build the C++ torch backend"), e.value
+    # `smddp torch-backend` in that state: nothing that loads, and a group gets the Python backend.
+    report = native.report(build=False)
+    assert (report["prebuilt"], report["module"], report["group_gets"]) == (False, None, "python"), report
+    (warned,) = [r.getMessage() for r in caplog.records if "prebuilt" in r.getMessage()]
+    assert warned.startswith(f"smddp: the prebuilt C++ torch backend {pre} does not load here ("), warned
