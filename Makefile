@@ -183,7 +183,7 @@ fuzz:
 # ASan+UBSan, then with TSan, loaded into the daemons and workers of a named subset of the
 # multi-process tier (tests/engine/sanitized_jobs.sh says how; tests/engine/tsan.supp what of Open
 # MPI is not ours). The subset under ASan+UBSan (TSan's, smaller, below): every collective, dtype and op bit-exact with 4 workers on one node
-# (the rings, 64 MiB cases included), the sharded path on 3 nodes and pipelined pieces on 2 (the
+# (the rings, 64 MiB cases included), pipelined pieces on 2 nodes (the
 # fabric; without the 64 MiB cases, which TSan's shadow memory cannot hold 6 times on this machine),
 # pipelined pieces on 2 nodes over the ofi fabric (libfabric's tcp provider), bad arguments and a mismatch failing every rank, an authenticated worker's garbage on its ring,
 # a worker killed in the middle of a collective, and every collective on stand-in device buffers
@@ -197,7 +197,6 @@ SAN_COPY_INS := tests/unit/test_client_fast.py::test_a_copy_in_the_engine_enqueu
 SAN_JOBS := 'tests/multiprocess/test_collectives.py::test_every_collective_bit_exact[W4-N1]' \
   'tests/gpu/test_standin.py::test_every_collective_on_device_buffers[W2-N1-dlpack]' \
   $(SAN_COPY_INS) \
-  'tests/multiprocess/test_collectives.py::test_both_reduce_paths_bit_exact[W3-N3-never-replicated]' \
   'tests/multiprocess/test_collectives.py::test_both_reduce_paths_bit_exact[W4-N2-pipelined-16KiB-pieces]' \
   'tests/multiprocess/test_ofi.py::test_both_reduce_paths_over_ofi[pipelined-16KiB-pieces]' \
   tests/multiprocess/test_launch.py::test_bad_arguments_refused_and_mismatch_fails_every_rank \
@@ -209,28 +208,33 @@ SAN_JOBS := 'tests/multiprocess/test_collectives.py::test_every_collective_bit_e
   'tests/gpu/test_step.py::test_the_node_collectives_are_the_host_paths_bits[4-devices]' \
   'tests/multiprocess/test_capi.py::test_device_allreduces_through_the_c_table[W4-N2]' \
   tests/gpu/test_step.py::test_an_interprocess_event_holds_another_process_s_stream_until_reached \
-  'tests/gpu/test_standin.py::test_every_collective_on_device_buffers_with_the_gpu_step[W4-N2]' \
-  'tests/multiprocess/test_capi.py::test_every_collective_through_the_c_table[W4-N2]'
+  'tests/gpu/test_standin.py::test_every_collective_on_device_buffers_with_the_gpu_step[W4-N2]'
 # Under TSan (5-15x slower) the jobs whose threads meet: the rings and the fabric with pipelined
 # pieces on 2 nodes over TCP, a worker killed in the middle of a collective (the ofi fabric's
-# threads are TSan's in engine-sanitize's test_ofi_fabric), and the device path: every collective
-# on stand-in device buffers, and 600 device and host collectives in flight at once; and the C
-# table's works, completed by waits and by the DONE thread's callbacks.
+# threads are TSan's in engine-sanitize's test_ofi_fabric), and the device path: 600 device and
+# host collectives in flight at once, and the GPU step's node collectives; and the C table's works,
+# completed by waits and by the DONE thread's callbacks.
 SAN_JOBS_TSAN := 'tests/multiprocess/test_collectives.py::test_both_reduce_paths_bit_exact[W4-N2-pipelined-16KiB-pieces]' \
   $(SAN_COPY_INS) \
   tests/faults/test_faults.py::test_worker_killed_mid_collective \
-  'tests/gpu/test_standin.py::test_every_collective_on_device_buffers[W2-N1-dlpack]' \
   tests/gpu/test_standin.py::test_six_hundred_device_and_host_collectives_in_flight \
   'tests/gpu/test_step.py::test_the_node_collectives_are_the_host_paths_bits[2-devices]' \
-  'tests/gpu/test_standin.py::test_every_collective_on_device_buffers_with_the_gpu_step[W4-N2]' \
   'tests/multiprocess/test_capi.py::test_every_collective_through_the_c_table[W2-N1]' \
   'tests/multiprocess/test_capi.py::test_device_allreduces_through_the_c_table[W4-N2]'
 # What CI leaves out (make engine-sanitize-jobs-long): the rogue frames that only a decoder refuses
-# (the fuzzers' ground), and the ofi job under TSan.
+# (the fuzzers' ground); under ASan the sharded path on 3 nodes (the fabric's pieces are CI's on 2) and
+# every collective through the C table on 2 nodes (its device all-reduces on 2 nodes are CI's); under
+# TSan the ofi job, and the stand-in's device buffers plain and on the GPU step (the device path's
+# threads are CI's in the 600 collectives in flight and the C table's device all-reduces, the step's
+# in its node collectives): kept out to hold CI under 45 minutes.
 SAN_JOBS_MORE := "tests/faults/test_rogue.py::test_invalid_frame_from_an_authenticated_worker[another rank's name]" \
   "tests/faults/test_rogue.py::test_invalid_frame_from_an_authenticated_worker[release of nothing]" \
-  "tests/faults/test_rogue.py::test_invalid_frame_from_an_authenticated_worker[a daemon's message]"
-SAN_JOBS_TSAN_MORE := 'tests/multiprocess/test_ofi.py::test_both_reduce_paths_over_ofi[pipelined-16KiB-pieces]'
+  "tests/faults/test_rogue.py::test_invalid_frame_from_an_authenticated_worker[a daemon's message]" \
+  'tests/multiprocess/test_collectives.py::test_both_reduce_paths_bit_exact[W3-N3-never-replicated]' \
+  'tests/multiprocess/test_capi.py::test_every_collective_through_the_c_table[W4-N2]'
+SAN_JOBS_TSAN_MORE := 'tests/multiprocess/test_ofi.py::test_both_reduce_paths_over_ofi[pipelined-16KiB-pieces]' \
+  'tests/gpu/test_standin.py::test_every_collective_on_device_buffers[W2-N1-dlpack]' \
+  'tests/gpu/test_standin.py::test_every_collective_on_device_buffers_with_the_gpu_step[W4-N2]'
 .PHONY: engine-sanitize-jobs
 engine-sanitize-jobs: $(STAMP)
 	$(MAKE) -j$(JOBS) $(ASAN_OBJS) $(TSAN_OBJS)

@@ -68,17 +68,16 @@ def fetch_torch(spec: str, python: str, work: Path) -> TorchTree:
     """torch `spec` (pip's, e.g. "torch==2.15.*") for the CPython of interpreter `python`, from the
     index this machine's pip uses, unpacked into `work`: no dependency is downloaded, nothing is
     installed. NoTorchWheel where the index has none for that CPython."""
-    dl = work / "download"
+    # A directory of its own for each spec and interpreter: the one wheel in it is the one asked for.
+    dl = work / "download" / re.sub(r"[^A-Za-z0-9.]+", "_", f"{spec} {python}")
     dl.mkdir(parents=True, exist_ok=True)
-    before = set(dl.glob("torch-*.whl"))
     argv = [python, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:", "-d", str(dl), spec]
     got_it = subprocess.run(argv, capture_output=True, text=True, timeout=900)
     if got_it.returncode:
         if "No matching distribution found" in got_it.stderr:
             raise NoTorchWheel(f"no wheel of {spec} for {python}")
         raise SystemExit(f"pip download {spec} failed ({got_it.returncode}):\n{got_it.stderr[-4000:]}")
-    got = set(dl.glob("torch-*.whl")) - before or before
-    wheel = max(got, key=lambda p: p.stat().st_mtime)
+    (wheel,) = dl.glob("torch-*.whl")
     into = work / wheel.stem
     if not (into / "torch" / "version.py").exists():
         libs = {f"torch/lib/lib{n}.so" for n in TORCH_LIBS}
