@@ -44,9 +44,10 @@ def _run(argv: list[str], timeout: float = 900) -> str:
 
 
 def _dynamic_symbols(lib: Path, which: str) -> set[str]:
-    """The dynamic symbols of `lib`, `which` "defined" or "undefined", without their version suffixes."""
+    """The dynamic symbols of `lib`, `which` "defined" or "undefined", each with its version suffix
+    (`@GLIBCXX_3.4`) where it has one."""
     text = _run(["nm", "-D", f"--{which}-only", "--format=posix", str(lib)])
-    return {line.split()[0].split("@")[0] for line in text.splitlines() if line.strip()}
+    return {line.split()[0] for line in text.splitlines() if line.strip()}
 
 
 def torch_tree(root: Path) -> TorchTree:
@@ -102,18 +103,13 @@ def check_symbols(module: Path, tree: TorchTree) -> None:
     """Every C++ symbol `module` takes from outside (bar the C++ runtime's, which are versioned) is one
     that this torch's libraries export: a module built against other headers than these libraries,
     or an ABI that differs, fails here and not in a user's job."""
-    wanted = {s for s in _dynamic_symbols(module, "undefined") if s.startswith("_Z")}
+    # Only torch's: its libraries' symbols carry no version, the C++ runtime's and glibc's do
+    # (GLIBCXX_, CXXABI_, GLIBC_), and what the module needs of those is the compiler's to give.
+    wanted = {s for s in _dynamic_symbols(module, "undefined") if s.startswith("_Z") and "@" not in s}
     have: set[str] = set()
     for n in TORCH_LIBS:
-        have |= _dynamic_symbols(tree.root / "lib" / f"lib{n}.so", "defined")
-    # The C++ runtime's symbols carry a version (GLIBCXX_, CXXABI_) that _dynamic_symbols took off:
-    # what the module needs of it is the compiler's to give, so only torch's are checked.
-    runtime = {
-        s.split("@")[0]
-        for s in _run(["nm", "-D", "--undefined-only", "--format=posix", str(module)]).split()
-        if "@GLIBCXX" in s or "@CXXABI" in s or "@GCC" in s
-    }
-    missing = sorted(wanted - have - runtime)
+        have |= {s.split("@")[0] for s in _dynamic_symbols(tree.root / "lib" / f"lib{n}.so", "defined")}
+    missing = sorted(wanted - have)
     if missing:
         shown = _run(["c++filt", *missing[:8]]).strip()
         raise SystemExit(
