@@ -19,7 +19,7 @@ CLIENT_PINS := 'deepspeed==0.19.8' 'transformers==5.23.0' 'accelerate==1.15.0' '
 
 # rigs/: the development rigs (simulated cluster, delay line, CUDA stand-in, benchmark targets),
 # a separate distribution so that smddp's own wheel never ships them.
-$(STAMP): pyproject.toml setup.py $(wildcard smddp/engine/*) rigs/pyproject.toml rigs/setup.py rigs/smddp_rigs/_engine_testing.cc rigs/smddp_rigs/standin_cuda.cc Makefile
+$(STAMP): pyproject.toml setup.py $(wildcard smddp/engine/*) rigs/pyproject.toml rigs/setup.py $(wildcard rigs/smddp_rigs/*.c rigs/smddp_rigs/*.cc) Makefile
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[dev,torch,tensorflow]' -e rigs/ $(TORCH_PINS) $(TF_PINS) $(CLIENT_PINS)
@@ -206,7 +206,7 @@ SAN_JOBS := 'tests/multiprocess/test_collectives.py::test_every_collective_bit_e
   "tests/faults/test_rogue.py::test_invalid_frame_from_an_authenticated_worker[an attach without its fd]" \
   tests/faults/test_faults.py::test_worker_killed_mid_collective \
   'tests/gpu/test_step.py::test_the_node_collectives_are_the_host_paths_bits[4-devices]' \
-  'tests/multiprocess/test_capi.py::test_device_allreduces_through_the_c_table[W4-N2]' \
+  'tests/multiprocess/test_capi.py::test_device_collectives_through_the_c_table[W4-N2]' \
   tests/gpu/test_step.py::test_an_interprocess_event_holds_another_process_s_stream_until_reached \
   'tests/gpu/test_standin.py::test_every_collective_on_device_buffers_with_the_gpu_step[W4-N2]'
 # Under TSan (5-15x slower) the jobs whose threads meet: the rings and the fabric with pipelined
@@ -220,7 +220,7 @@ SAN_JOBS_TSAN := 'tests/multiprocess/test_collectives.py::test_both_reduce_paths
   tests/gpu/test_standin.py::test_six_hundred_device_and_host_collectives_in_flight \
   'tests/gpu/test_step.py::test_the_node_collectives_are_the_host_paths_bits[2-devices]' \
   'tests/multiprocess/test_capi.py::test_every_collective_through_the_c_table[W2-N1]' \
-  'tests/multiprocess/test_capi.py::test_device_allreduces_through_the_c_table[W4-N2]'
+  'tests/multiprocess/test_capi.py::test_device_collectives_through_the_c_table[W4-N2]'
 # What CI leaves out (make engine-sanitize-jobs-long): the rogue frames that only a decoder refuses
 # (the fuzzers' ground); under ASan the sharded path on 3 nodes (the fabric's pieces are CI's on 2) and
 # every collective through the C table on 2 nodes (its device all-reduces on 2 nodes are CI's); under

@@ -174,8 +174,10 @@ static int query_until(const smddp_capi* t, smddp_work* w, double timeout_s) {
 }
 
 /* device_run(capsule, dtype, op, src, dst, count, device, stream, flags, mode, order_stream, timeout_s,
- *            snap, snap_src, snap_bytes) -> (status, why, error_class, query_at_completion, order, query_at_end)
- * One device all-reduce through start_device (`src`, `dst` device addresses; `stream` the caller's;
+ *            snap, snap_src, snap_bytes, kind, root)
+ *   -> (status, why, error_class, query_at_completion, order, query_at_end)
+ * One device collective through start_device (of `kind`, an all-reduce unless given; `root` a
+ * broadcast's; `src`, `dst` device addresses; `stream` the caller's;
  * `flags` SMDDP_DEVICE_IN_LINE or 0), completed by mode 0: wait(); 1: its done callback alone. Then:
  * where `snap` is not 0, `snap_bytes` from `snap_src` (the host memory behind `dst`: the stand-in
  * runtime's device memory is host memory) copied into it at once (what a reader that waited for
@@ -189,10 +191,11 @@ static PyObject* device_run(PyObject* self, PyObject* args) {
   PyObject* capsule;
   unsigned dtype, op, flags;
   unsigned long long src, dst, count, stream, order_stream, snap = 0, snap_src = 0, snap_bytes = 0;
+  unsigned kind = SMDDP_ALLREDUCE, root = 0;
   int device, mode;
   double timeout_s;
-  if (!PyArg_ParseTuple(args, "OIIKKKiKIiKd|KKK", &capsule, &dtype, &op, &src, &dst, &count, &device, &stream,
-                        &flags, &mode, &order_stream, &timeout_s, &snap, &snap_src, &snap_bytes))
+  if (!PyArg_ParseTuple(args, "OIIKKKiKIiKd|KKKII", &capsule, &dtype, &op, &src, &dst, &count, &device, &stream,
+                        &flags, &mode, &order_stream, &timeout_s, &snap, &snap_src, &snap_bytes, &kind, &root))
     return NULL;
   const smddp_capi* t = table_of(capsule);
   if (t == NULL) return NULL;
@@ -202,9 +205,10 @@ static PyObject* device_run(PyObject* self, PyObject* args) {
   }
   smddp_collective c;
   memset(&c, 0, sizeof c);
-  c.kind = SMDDP_ALLREDUCE;
+  c.kind = (uint8_t)kind;
   c.dtype = (uint8_t)dtype;
   c.op = (uint8_t)op;
+  c.root = root;
   c.src = (const void*)(uintptr_t)src;
   c.dst = (void*)(uintptr_t)dst;
   c.count = count;
@@ -334,7 +338,7 @@ static PyMethodDef kMethods[] = {
      "run(capsule, kind, dtype, op, root, src, dst, count, mode, timeout_s) -> (status, why, error_class, first)"},
     {"device_run", device_run, METH_VARARGS,
      "device_run(capsule, dtype, op, src, dst, count, device, stream, flags, mode, order_stream, timeout_s, "
-     "snap=0, snap_src=0, snap_bytes=0) -> "
+     "snap=0, snap_src=0, snap_bytes=0, kind=1, root=0) -> "
      "(status, why, error_class, query_at_completion, order, query_at_end)"},
     {"allreduce_many", allreduce_many, METH_VARARGS,
      "allreduce_many(capsule, dtype, op, itemsize, base, count, n, timeout_s) -> statuses"},

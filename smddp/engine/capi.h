@@ -127,11 +127,12 @@ typedef struct smddp_capi {
 
   /* The device route: in a table whose `size` reaches past `device_query` (added to version 1). */
 
-  /* Starts device collective `c` (an all-reduce: `count` elements of CUDA memory `src`, the result
-   * into `dst`, `src` itself or another buffer of as many; cut into the job's pieces as start()
-   * cuts it) placed as `d` says: each piece's copy to the host enqueued before it returns, its SUBMIT
-   * sent by the engine the moment that copy lands. OK with *out set; INVALID (a bad argument, another
-   * kind, or no device path: the client's device machinery is not started, the text says why) or
+  /* Starts device collective `c` (any kind but a barrier, its buffers CUDA memory as start() takes
+   * host memory: an all-reduce cut into the job's pieces as start() cuts it, every other kind in one;
+   * a broadcast's other ranks copy nothing in) placed as `d` says: each piece's copy to the host
+   * enqueued before it returns, its SUBMIT sent by the engine the moment that copy lands (at once
+   * where there is none). OK with *out set; INVALID (a bad argument, a barrier, or no device path:
+   * the client's device machinery is not started, the text says why) or
    * CLOSED, *out NULL, nothing enqueued. The work completes (wait, on_done) once every piece's copy
    * back is enqueued, not landed: see device_order and device_query. The caller keeps `src` and `dst`
    * alive until device_query says OK, whatever the work ended in (a failed work's copies already

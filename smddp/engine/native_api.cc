@@ -121,6 +121,9 @@ const char* kind_name(std::uint8_t kind) {
   return nullptr;
 }
 
+// "an all-reduce", "a broadcast": a kind's name (kind_name) with its article.
+std::string article(const std::string& kind) { return (kind[0] == 'a' ? "an " : "a ") + kind; }
+
 // The wait's budget: `timeout_s` (< 0: the job's).
 std::int64_t budget_ns(double timeout_s, std::int64_t job_ns) {
   if (!(timeout_s >= 0)) return job_ns;
@@ -363,16 +366,15 @@ int NativeWorks::start(const smddp_collective& c, smddp_work** out, std::string*
 
 int NativeWorks::start_device(const smddp_collective& c, const smddp_device_call& d, smddp_work** out,
                               std::string* why) {
-  if (c.kind != SMDDP_ALLREDUCE) {
-    const char* what = kind_name(c.kind);
-    *why = std::string(what != nullptr ? what : "start_device") +
-           ": the engine's device route takes all-reduces (another kind goes through the front end's own)";
+  if (c.kind == SMDDP_BARRIER) {
+    *why = "barrier: it has no buffers, and so no device route (start() runs it)";
     return SMDDP_INVALID;
   }
   *why = refusal(c, cfg_);
   if (!why->empty()) return SMDDP_INVALID;
+  const std::string what = kind_name(c.kind);  // (refusal() took every kind that has no name)
   if (d.device < 0 || (d.flags & ~SMDDP_DEVICE_IN_LINE) != 0) {
-    *why = "all-reduce: device " + std::to_string(d.device) + " with flags " + num(d.flags) +
+    *why = what + ": device " + std::to_string(d.device) + " with flags " + num(d.flags) +
            " (a device ordinal, and SMDDP_DEVICE_IN_LINE or 0)";
     return SMDDP_INVALID;
   }
@@ -386,7 +388,7 @@ int NativeWorks::start_device(const smddp_collective& c, const smddp_device_call
     path = path_;
   }
   if (path == nullptr) {
-    *why = "all-reduce: this client's device path is not started (its first device collective starts it, "
+    *why = what + ": this client's device path is not started (its first device collective starts it, "
            "or Client.device_runtime())";
     return SMDDP_INVALID;
   }
@@ -401,10 +403,10 @@ int NativeWorks::start_device(const smddp_collective& c, const smddp_device_call
     if (r == SMDDP_OK) (*out)->device = d.device;
     return r;
   }
-  const std::uint32_t k = piece_count(c, isz, cfg_.piece_bytes);
+  const std::uint32_t k = piece_count(c, isz, cfg_.piece_bytes);  // (every kind but an all-reduce: 1)
   const bool in_line = (d.flags & SMDDP_DEVICE_IN_LINE) != 0;
   if (in_line && k > 1) {
-    *why = "all-reduce: in line on the caller's stream, but " + num(n * isz) + " bytes go in " + num(k) +
+    *why = what + ": in line on the caller's stream, but " + num(n * isz) + " bytes go in " + num(k) +
            " pieces of the job's " + num(cfg_.piece_bytes) + " (in line is for one piece)";
     return SMDDP_INVALID;
   }
@@ -412,7 +414,7 @@ int NativeWorks::start_device(const smddp_collective& c, const smddp_device_call
   bool capturing = false;
   cuda::Result cr = path->capturing(d.device, d.stream, &capturing);
   if (cr != cuda::kSuccess) {
-    *why = "all-reduce on " + on + ": " + path->driver().describe(cr, "cuStreamIsCapturing");
+    *why = what + " on " + on + ": " + path->driver().describe(cr, "cuStreamIsCapturing");
     return SMDDP_INVALID;
   }
   if (capturing) {
@@ -430,11 +432,16 @@ int NativeWorks::start_device(const smddp_collective& c, const smddp_device_call
   if (!in_line) {
     std::string w;
     if (!path->lanes(d.device, &lane_in, &lane_back, &w) || !(mark = path->mark(d.device, d.stream, &w))) {
-      *why = "all-reduce on " + on + ": " + w;
+      *why = what + " on " + on + ": " + w;
       return SMDDP_FAILED;  // (nothing enqueued, nothing sent)
     }
   }
-  const std::uint32_t aux = k > 1 ? k : 0;
+  const std::uint32_t aux = c.kind == SMDDP_BROADCAST ? c.root : k > 1 ? k : 0;
+  // What this rank sends (a broadcast's other ranks: nothing, so no copy in and no input slot), and
+  // where its result goes: an all-reduce's piece in place, a broadcast's whole, an all-gather's W
+  // inputs, a reduce-scatter's block of this rank's (the daemon returns the whole reduction).
+  const bool sends = c.kind != SMDDP_BROADCAST || c.root == cfg_.rank;
+  const std::uint64_t w = cfg_.world;
   auto* work = new smddp_work();
   work->owner = shared_from_this();
   work->device = d.device;
@@ -454,32 +461,36 @@ int NativeWorks::start_device(const smddp_collective& c, const smddp_device_call
     }
     const Range r = shard_range(n, k, i);
     const std::uint64_t bytes = (r.end - r.start) * isz;
-    Slot slot;
-    std::shared_ptr<Segment> fresh;
-    std::string arena_why;
-    const RingWait got = ch_->alloc(*arena_, bytes, cfg_.rank, cfg_.timeout_ns, cfg_.spin_ns, &slot, &fresh, &arena_why);
+    Slot slot{kNoSegment, 0, 0};
     std::string cls, text;
     bool client = true;
-    if (!arena_why.empty()) {
-      cls = "OSError";
-      text = arena_why;
-      client = false;
-    } else if (got == RingWait::kTimeout) {
-      cls = "PeerLostError";
-      text = daemon_lost(cfg_);
-    } else if (got != RingWait::kReady) {
-      cls = "ProtocolError";
-      text = ch_->why();
+    if (sends) {
+      std::shared_ptr<Segment> fresh;
+      std::string arena_why;
+      const RingWait got =
+          ch_->alloc(*arena_, bytes, cfg_.rank, cfg_.timeout_ns, cfg_.spin_ns, &slot, &fresh, &arena_why);
+      if (!arena_why.empty()) {
+        cls = "OSError";
+        text = arena_why;
+        client = false;
+      } else if (got == RingWait::kTimeout) {
+        cls = "PeerLostError";
+        text = daemon_lost(cfg_);
+      } else if (got != RingWait::kReady) {
+        cls = "ProtocolError";
+        text = ch_->why();
+      }
     }
     std::shared_ptr<DeviceIn> in;
-    if (cls.empty()) {
+    if (cls.empty() && sends) {
       const std::shared_ptr<Segment> seg = arena_->segment(slot.segment);
-      std::string w = "the arena lost segment " + num(slot.segment);
-      if (seg) in = path->copy_in(d.device, lane_in, mark.get(), seg, slot.offset, src + r.start * isz, bytes, &w);
+      std::string why_not = "the arena lost segment " + num(slot.segment);
+      if (seg)
+        in = path->copy_in(d.device, lane_in, mark.get(), seg, slot.offset, src + r.start * isz, bytes, &why_not);
       if (!in) {
         (void)arena_->free(slot);
         cls = "DeviceError";
-        text = "the copy-in of an all-reduce on " + on + " could not be enqueued: " + w;
+        text = "the copy-in of " + article(what) + " on " + on + " could not be enqueued: " + why_not;
         client = i > 0;
       }
     }
@@ -493,8 +504,12 @@ int NativeWorks::start_device(const smddp_collective& c, const smddp_device_call
     h.seq = ch_->reserve_fast();
     h.shard = slot.segment;
     h.offset = slot.offset;
-    auto back = std::make_shared<DeviceOut>(path, d.device, lane_back, mark,
-                                            std::vector<DeviceOut::Part>{{dst + r.start * isz, 0, bytes}}, 0,
+    DeviceOut::Part part{dst, 0, bytes};  // (a broadcast's whole)
+    std::uint64_t result_bytes = bytes;
+    if (c.kind == SMDDP_ALLREDUCE) part.dst = dst + r.start * isz;
+    if (c.kind == SMDDP_ALLGATHER) part.nbytes = result_bytes = bytes * w;
+    if (c.kind == SMDDP_REDUCE_SCATTER) part = DeviceOut::Part{dst, cfg_.rank * (bytes / w), bytes / w};
+    auto back = std::make_shared<DeviceOut>(path, d.device, lane_back, mark, std::vector<DeviceOut::Part>{part}, 0,
                                             DeviceOut::Then{});
     {
       std::lock_guard<std::mutex> lock(work->mu);
@@ -503,12 +518,30 @@ int NativeWorks::start_device(const smddp_collective& c, const smddp_device_call
       p.in = in;
       p.back = back;
       p.out = Delivery{};
-      p.out.result_bytes = bytes;
+      p.out.result_bytes = result_bytes;
       p.out.hold = true;
       p.out.sink = back;
       p.started = true;
     }
     if (i == 0) went_live(work);
+    if (!in) {
+      // Nothing to copy in (a broadcast's other ranks): its SUBMIT goes now, in its place on the ring.
+      bool backlog = false;
+      const RingWait got = ch_->give(h, cfg_.timeout_ns, cfg_.spin_ns, &backlog);
+      if (got != RingWait::kReady || backlog) {
+        // Its number was reserved and never goes: no SUBMIT after it can (the client fails, as the
+        // path does when a watched one cannot go).
+        const std::string lost_cls = backlog                       ? "CollectiveTimeoutError"
+                                     : got == RingWait::kTimeout ? "PeerLostError"
+                                                                 : "ProtocolError";
+        const std::string lost = backlog ? ch_->backlog_why() : got == RingWait::kTimeout ? daemon_lost(cfg_) : ch_->why();
+        note_failure(lost_cls, lost);
+        never_out(work, i + 1);
+        fail(work, lost_cls, lost);
+        break;
+      }
+      continue;
+    }
     if (!path->give_when(h, in, cfg_.timeout_ns, cfg_.spin_ns)) {
       // The path has stopped (the client is shutting down): this SUBMIT never goes, nor any after it.
       never_out(work, i + 1);

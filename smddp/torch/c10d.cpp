@@ -3,8 +3,9 @@
 // torch reaches this c10d::Backend as it reaches gloo or NCCL: through its dispatcher, with no GIL. The
 // calls smddp runs on host memory in the ordinary case (contiguous CPU tensors of a dtype and op smddp
 // carries, in a group of every rank) go straight to the engine's C table (smddp/engine/capi.h), and so
-// do all-reduces of contiguous CUDA tensors once the job's device all-reduces are known to take the
-// engine's device path (start_device; DeviceSide says how torch's streams are reached). Every other
+// do all-reduces, broadcasts, all-gathers and reduce-scatters into a tensor of contiguous CUDA tensors
+// once the job's device collectives are known to take the engine's device path (start_device;
+// DeviceSide says how torch's streams are reached). Every other
 // call, and every refusal, goes to the Python group (smddp.torch.backend.ProcessGroupSmddp) as the
 // same call: its checks, messages, device path and side-group routing are the one definition of what
 // the backend does, and this file only ever takes a shorter way to the same result.
@@ -22,7 +23,9 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
-#include <torch/extension.h>
+// (pybind11 with torch's casters alone: torch/extension.h adds the whole C++ frontend, a third of the
+// compile time of a module that uses none of it)
+#include <torch/csrc/utils/pybind.h>
 
 #include <atomic>
 #include <chrono>
@@ -106,8 +109,9 @@ bool python_alive() {
 #endif
 }
 
-// How many device all-reduces took the engine's device route in this process (device_calls()).
-std::atomic<long long> g_device_calls{0};
+// How many device collectives of each kind (its wire code less one) took the engine's device route in
+// this process (device_calls()).
+std::atomic<long long> g_device_calls[4] = {};
 
 // Where a device collective's tensors live and how torch's streams are reached for them: CUDA through
 // c10's device guard (CudaSide), or the doubles of a runtime whose device memory is host memory
@@ -250,12 +254,14 @@ class StandinSide final : public DeviceSide, public std::enable_shared_from_this
   bool started_ = false;
 };
 
-// What a device Work holds beside its engine works: its side, its device, and the addresses the side
-// mapped for its tensors (given back once the device is done with them).
+// What a device Work holds beside its engine works: its side, its device, the addresses the side
+// mapped for its tensors (given back once the device is done with them), and the inputs its copies in
+// read that are not among its results (kept as long).
 struct DeviceUse {
   std::shared_ptr<DeviceSide> side;
   int device = 0;
   std::vector<std::uint64_t> mapped;
+  std::vector<at::Tensor> inputs;  // (inputs that are not results: an all-gather's, a reduce-scatter's)
   ~DeviceUse() {
     for (std::uint64_t a : mapped) side->unmap(a);
   }
@@ -731,7 +737,8 @@ class Backend : public c10d::Backend {
                                           const c10d::AllreduceOptions& opts) override {
     if (auto w = allreduce_each(tensors, opts.reduceOp, c10d::OpType::ALLREDUCE, opts.timeout, opts.asyncOp))
       return w;
-    if (auto w = allreduce_device(tensors, opts.reduceOp, c10d::OpType::ALLREDUCE, opts.timeout, opts.asyncOp))
+    if (auto w = in_place_device(SMDDP_ALLREDUCE, tensors, op_code(opts.reduceOp), 0, c10d::OpType::ALLREDUCE,
+                                 "all_reduce", opts.timeout, opts.asyncOp))
       return w;
     auto w = delegate("allreduce", tensors, opts);
     learn_device_route(tensors);
@@ -743,8 +750,8 @@ class Backend : public c10d::Backend {
     if (auto w = allreduce_each(tensors, opts.reduceOp, c10d::OpType::ALLREDUCE_COALESCED, opts.timeout,
                                 opts.asyncOp))
       return w;
-    if (auto w = allreduce_device(tensors, opts.reduceOp, c10d::OpType::ALLREDUCE_COALESCED, opts.timeout,
-                                  opts.asyncOp))
+    if (auto w = in_place_device(SMDDP_ALLREDUCE, tensors, op_code(opts.reduceOp), 0,
+                                 c10d::OpType::ALLREDUCE_COALESCED, "all_reduce", opts.timeout, opts.asyncOp))
       return w;
     auto w = delegate("allreduce_coalesced", tensors, opts);
     learn_device_route(tensors);
@@ -764,7 +771,14 @@ class Backend : public c10d::Backend {
       }
       if (auto w = run(cs, tensors, c10d::OpType::BROADCAST, "broadcast", opts.timeout, opts.asyncOp)) return w;
     }
-    return delegate("broadcast", tensors, opts);
+    if (opts.rootTensor == 0 && opts.rootRank >= 0 && opts.rootRank < getSize()) {
+      if (auto w = in_place_device(SMDDP_BROADCAST, tensors, 0, root, c10d::OpType::BROADCAST, "broadcast",
+                                   opts.timeout, opts.asyncOp))
+        return w;
+    }
+    auto w = delegate("broadcast", tensors, opts);
+    learn_device_route(tensors);
+    return w;
   }
 
   c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& out, at::Tensor& in,
@@ -777,7 +791,16 @@ class Backend : public c10d::Backend {
                        opts.asyncOp))
         return w;
     }
-    return delegate("_allgather_base", out, in, opts);
+    std::vector<at::Tensor> result{out};
+    if (out.numel() == in.numel() * getSize()) {
+      std::vector<DeviceCall> calls{{in, out}};
+      if (auto w = device_route(SMDDP_ALLGATHER, calls, 0, 0, result, c10d::OpType::_ALLGATHER_BASE,
+                                "all_gather_into_tensor", opts.timeout, opts.asyncOp))
+        return w;
+    }
+    auto w = delegate("_allgather_base", out, in, opts);
+    learn_device_route(result);
+    return w;
   }
 
   c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& out, at::Tensor& in,
@@ -791,7 +814,16 @@ class Backend : public c10d::Backend {
                        opts.asyncOp))
         return w;
     }
-    return delegate("_reduce_scatter_base", out, in, opts);
+    std::vector<at::Tensor> result{out};
+    if (op != 0 && in.numel() == out.numel() * getSize()) {
+      std::vector<DeviceCall> calls{{in, out}};
+      if (auto w = device_route(SMDDP_REDUCE_SCATTER, calls, op, 0, result, c10d::OpType::_REDUCE_SCATTER_BASE,
+                                "reduce_scatter_tensor", opts.timeout, opts.asyncOp))
+        return w;
+    }
+    auto w = delegate("_reduce_scatter_base", out, in, opts);
+    learn_device_route(result);
+    return w;
   }
 
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override {
@@ -865,64 +897,101 @@ class Backend : public c10d::Backend {
     return run(cs, tensors, type, "all_reduce", timeout, async);
   }
 
-  // Each tensor all-reduced on the engine's device route (copies on torch's current stream, or after
-  // it on the engine's lanes); null where the call is not the route's, with nothing enqueued or sent.
-  // The route is taken once the job's device all-reduces are known to go through the engine's device
-  // path: the Python group starts the device machinery at its first device collective, where every
-  // rank together decides whether the GPU step takes them instead (learn_device_route).
-  c10d_work_t allreduce_device(std::vector<at::Tensor>& tensors, const c10d::ReduceOp& reduce_op,
-                               c10d::OpType type, milliseconds timeout, bool async) {
-    const std::uint8_t op = op_code(reduce_op);
-    if (route_.load(std::memory_order_acquire) != kEngine || op == 0 || tensors.empty()) return {};
+  // One device collective of a call: `in` into `out` (the same tensor for an all-reduce or a broadcast).
+  struct DeviceCall {
+    at::Tensor in, out;
+  };
+
+  // Each tensor of an in-place call (all-reduce, broadcast) on the engine's device route.
+  c10d_work_t in_place_device(std::uint8_t kind, std::vector<at::Tensor>& tensors, std::uint8_t op,
+                              std::uint32_t root, c10d::OpType type, const char* name, milliseconds timeout,
+                              bool async) {
+    if (kind == SMDDP_ALLREDUCE && op == 0) return {};
+    std::vector<DeviceCall> calls;
+    calls.reserve(tensors.size());
+    for (at::Tensor& t : tensors) calls.push_back(DeviceCall{t, t});
+    return device_route(kind, calls, op, root, tensors, type, name, timeout, async);
+  }
+
+  // `calls` (collectives of `kind`) on the engine's device route: copies on torch's current stream, or
+  // after it on the engine's lanes; null where the call is not the route's, with nothing enqueued or
+  // sent. The route is taken once the job's device collectives are known to go through the engine's
+  // device path: the Python group starts the device machinery at its first device collective, where
+  // every rank together decides whether the GPU step takes them instead (learn_device_route).
+  c10d_work_t device_route(std::uint8_t kind, std::vector<DeviceCall>& calls, std::uint8_t op, std::uint32_t root,
+                           std::vector<at::Tensor>& result, c10d::OpType type, const char* name,
+                           milliseconds timeout, bool async) {
+    if (route_.load(std::memory_order_acquire) != kEngine || calls.empty()) return {};
     int device = -1;
     std::int64_t bytes = 0;
-    for (const at::Tensor& t : tensors) {
-      if (!t.defined() || !side_->takes(t) || t.layout() != at::kStrided || !t.is_contiguous() ||
-          dtype_code(t.scalar_type()) == 0 || t.numel() == 0)
-        return {};
-      const int d = side_->index(t);
-      if (device >= 0 && d != device) return {};  // (one call, one device: the group says so)
-      device = d;
-      bytes += t.numel() * static_cast<std::int64_t>(t.element_size());
+    for (const DeviceCall& k : calls) {
+      for (const at::Tensor* t : {&k.in, &k.out}) {
+        if (!t->defined() || !side_->takes(*t) || t->layout() != at::kStrided || !t->is_contiguous() ||
+            dtype_code(t->scalar_type()) == 0 || t->numel() == 0)
+          return {};
+        const int d = side_->index(*t);
+        if (device >= 0 && d != device) return {};  // (one call, one device: the group says so)
+        device = d;
+      }
+      if (k.in.scalar_type() != k.out.scalar_type()) return {};
+      bytes += k.in.numel() * static_cast<std::int64_t>(k.in.element_size());
     }
     auto use = std::make_unique<DeviceUse>();
     use->side = side_;
     use->device = device;
-    // A blocking call of one tensor in one piece runs both copies on the caller's stream (its later
-    // work ordered after the copy back already); else on the engine's lanes after the caller's stream.
-    const bool in_line = !async && tensors.size() == 1 && (piece_bytes_ <= 0 || bytes <= piece_bytes_);
+    // A blocking call of one tensor in one piece (every kind but an all-reduce goes in one) runs both
+    // copies on the caller's stream (its later work ordered after the copy back already); else on the
+    // engine's lanes after the caller's stream.
+    const bool one_piece = kind != SMDDP_ALLREDUCE || piece_bytes_ <= 0 || bytes <= piece_bytes_;
+    const bool in_line = !async && calls.size() == 1 && one_piece;
     const smddp_device_call where{device, in_line ? SMDDP_DEVICE_IN_LINE : 0u, side_->current(device)};
     const smddp_capi* t = tb_->t;
     std::vector<smddp_work*> ws;
-    for (at::Tensor& x : tensors) {
-      std::uint64_t addr = 0;
-      bool mapped = false;
+    for (DeviceCall& k : calls) {
+      std::uint64_t src = 0, dst = 0;
       std::string why;
-      if (!side_->address(x, &addr, &mapped, &why)) {
+      const bool same = k.in.is_same(k.out);
+      bool ok = address(k.in, &src, use.get(), &why);
+      dst = src;
+      if (ok && !same) ok = address(k.out, &dst, use.get(), &why);
+      if (!ok) {
         if (ws.empty()) return {};
-        started(std::move(ws), tensors, type, "all_reduce", timeout, std::move(use));
+        started(std::move(ws), result, type, name, timeout, std::move(use));
         throw Failure("DeviceError", why);
       }
-      if (mapped) use->mapped.push_back(addr);
-      smddp_collective c = collective(SMDDP_ALLREDUCE, x, x, op);
-      c.src = c.dst = reinterpret_cast<void*>(static_cast<std::uintptr_t>(addr));
+      if (!same) use->inputs.push_back(k.in);
+      smddp_collective c = collective(kind, k.in, k.out, op);
+      c.root = root;
+      c.src = kind == SMDDP_BROADCAST && static_cast<int>(root) != getRank()
+                  ? nullptr
+                  : reinterpret_cast<void*>(static_cast<std::uintptr_t>(src));
+      c.dst = reinterpret_cast<void*>(static_cast<std::uintptr_t>(dst));
       smddp_work* w = nullptr;
       char buf[512];
       const int st = t->start_device(t->ctx, &c, &where, &w, buf, sizeof buf);
       if (st != SMDDP_OK) {
         if (ws.empty()) return {};  // (nothing sent: the group takes the call, and says why as it does)
-        started(std::move(ws), tensors, type, "all_reduce", timeout, std::move(use));
+        started(std::move(ws), result, type, name, timeout, std::move(use));
         throw Failure(st == SMDDP_CLOSED ? "CollectiveError" : "SmddpError", buf);
       }
       ws.push_back(w);
     }
     seq_.fetch_add(1, std::memory_order_relaxed);
-    g_device_calls.fetch_add(1, std::memory_order_relaxed);
-    auto work = c10::make_intrusive<Work>(tb_, std::move(ws), tensors, type, "all_reduce", timeout_of(timeout),
-                                          getRank(), std::move(use));
+    g_device_calls[kind - 1].fetch_add(1, std::memory_order_relaxed);
+    auto work = c10::make_intrusive<Work>(tb_, std::move(ws), result, type, name, timeout_of(timeout), getRank(),
+                                          std::move(use));
     if (async) return work;
     work->wait(milliseconds(0));  // (the caller's stream ordered after the result, as torch's wait does)
-    return c10::make_intrusive<DoneWork>(tensors, type, getRank());
+    return c10::make_intrusive<DoneWork>(result, type, getRank());
+  }
+
+  // `t`'s device address, the mapping (if the side made one) given back with `use`; false, with why,
+  // where it cannot be had.
+  bool address(const at::Tensor& t, std::uint64_t* addr, DeviceUse* use, std::string* why) {
+    bool mapped = false;
+    if (!side_->address(t, addr, &mapped, why)) return false;
+    if (mapped) use->mapped.push_back(*addr);
+    return true;
   }
 
   // The works a call started before one was refused: they complete on every rank (the Work made of
@@ -1028,7 +1097,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("direct"), py::arg("timeout_prefix"), py::arg("piece_bytes"), py::arg("doubles"))
       .def_property_readonly("group", &Backend::group);
   // How many device all-reduces this process's Backends ran on the engine's device route (tests ask).
-  m.def("device_calls", [] { return g_device_calls.load(std::memory_order_relaxed); });
+  m.def("device_calls", [] {
+    std::map<std::string, long long> by_kind;
+    const char* names[] = {"all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor"};
+    for (int k = 0; k < 4; k++) by_kind[names[k]] = g_device_calls[k].load(std::memory_order_relaxed);
+    return by_kind;
+  });
   // A Failure reaches Python as its smddp.errors class (the Python backend's errors, word for word).
   static py::handle errors = py::module_::import("smddp.errors").release();
   py::register_exception_translator([](std::exception_ptr p) {

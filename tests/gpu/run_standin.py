@@ -49,8 +49,8 @@ def main() -> int:
     c = smddp.client()
     rt = c.device_runtime()
     step = c._node_step  # the GPU step (node_reduce), where the job's device all-reduces took it
-    # How many device all-reduces the C++ backend ran on the engine's device route (None: the
-    # Python backend's process).
+    # How many device collectives of each kind the C++ backend ran on the engine's device route (None:
+    # the Python backend's process).
     native_calls = None
     if "torch" in sys.modules:
         from smddp.torch import native

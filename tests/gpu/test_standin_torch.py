@@ -44,14 +44,27 @@ def device_route_taken(stats_dir: Path, world: int) -> None:
         assert st["pageable"] == 0, st
 
 
-def native_route(stats_dir: Path, world: int, taken: bool) -> None:
-    """Whether every rank's C++ backend ran its device all-reduces on the engine's device route
-    (smddp/torch/c10d.cpp, over the stand-in's native doubles), or none there (the GPU step's job:
-    the Python group takes them)."""
+#: The C++ backend's name of each kind of tests/gpu/check_ordering.py's (its device_calls()).
+NATIVE_KINDS = {
+    "allreduce": "all_reduce",
+    "broadcast": "broadcast",
+    "allgather": "all_gather_into_tensor",
+    "reduce_scatter": "reduce_scatter_tensor",
+}
+
+
+def native_route(stats_dir: Path, world: int, taken: bool, kinds: tuple[str, ...] = ("allreduce",)) -> None:
+    """Whether every rank's C++ backend ran device collectives of each of `kinds` on the engine's
+    device route (smddp/torch/c10d.cpp, over the stand-in's native doubles), or none of any kind there
+    (the GPU step's job: the Python group takes them)."""
     for r in range(world):
         d = json.loads((stats_dir / f"stats{r}.json").read_text())
         calls = d["native_device_calls"]
-        assert calls is not None and (calls > 0 if taken else calls == 0), d
+        assert calls is not None and set(calls) == set(NATIVE_KINDS.values()), d
+        if taken:
+            assert all(calls[NATIVE_KINDS[k]] > 0 for k in kinds), (kinds, d)
+        else:
+            assert sum(calls.values()) == 0, d
 
 
 def step_taken(stats_dir: Path, world: int) -> None:
@@ -157,7 +170,7 @@ def test_every_consumer_of_a_work_sees_its_result(
     )  # fmt: skip
     if node_reduce == "gpu":
         step_taken(tmp_path, world)
-    native_route(tmp_path, world, taken=node_reduce == "host")
+    native_route(tmp_path, world, taken=node_reduce == "host", kinds=tuple(KINDS.split(",")))
     rows = ordering_rows(tmp_path, world)
     from tests.gpu.check_ordering import PATHS
 

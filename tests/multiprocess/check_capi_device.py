@@ -1,4 +1,4 @@
-"""Worker script: device all-reduces through the engine's C table (capi.h's start_device) from C, on the stand-in runtime, checked bit for bit.
+"""Worker script: device collectives through the engine's C table (capi.h's start_device) from C, on the stand-in runtime, checked bit for bit.
 
 The front end is smddp_rigs._capi_probe (the C table's header and nothing else of smddp). The
 device memory is the stand-in runtime's (SMDDP_DEVICE_RUNTIME=standin: host memory the stand-in
@@ -41,6 +41,17 @@ CASES = [
     ("float64", "sum", 40000),
     ("uint8", "sum", 0),
 ]
+KIND = {"allreduce": 1, "broadcast": 2, "allgather": 3, "reduce_scatter": 4}
+# The other kinds, each in one piece: (kind, dtype, op, count, root: -1 the last rank). A reduce-scatter's
+# count divides among 1 to 10 ranks; an all-gather's result is every rank's count.
+OTHERS = [
+    ("broadcast", "float32", None, 70001, -1),
+    ("broadcast", "float16", None, 513, 0),
+    ("allgather", "bfloat16", None, 3001, 0),
+    ("allgather", "int64", None, 9, 0),
+    ("reduce_scatter", "float32", "sum", 25200, 0),
+    ("reduce_scatter", "bfloat16", "avg", 2520, 0),
+]
 # How each case's copies run and how its reader waits: in line (only where it goes in one piece),
 # on the lanes with device_order onto another stream, on the lanes by its callback alone.
 WAYS = ("in_line", "order", "callback")
@@ -75,17 +86,29 @@ def main() -> int:
     stream, other = rt.new_stream(0), rt.new_stream(0)
 
     records = []
-    for i, (dtype, op, count) in enumerate(CASES):
+    cases = [("allreduce", dtype, op, count, 0) for dtype, op, count in CASES] + OTHERS
+    for i, (kind, dtype, op, count, root) in enumerate(cases):
         case_id = 20000 + i
-        pieces = args.nnodes > 1 and count * cc.ITEMSIZE[dtype] > PIECE
+        root = world - 1 if root < 0 else root
+        pieces = kind == "allreduce" and args.nnodes > 1 and count * cc.ITEMSIZE[dtype] > PIECE
         for w, way in enumerate(WAYS):
             if way == "in_line" and pieces:
                 continue
-            c = {"kind": "allreduce", "dtype": dtype, "op": op, "count": count, "id": case_id}
+            c = {"kind": kind, "dtype": dtype, "op": op, "count": count, "id": case_id}
+            if kind == "broadcast":
+                c["root"] = root
             host = cc.make_input(case_id, rank, dtype, count)  # (bfloat16 as its uint16 bits)
             wire = DType.BFLOAT16 if dtype == "bfloat16" else None
-            in_place = (i + w) % 2 == 0
-            result = host if in_place else np.zeros_like(host)
+            # (an all-gather's result is every rank's count, a reduce-scatter's this rank's block)
+            in_place = kind in ("allreduce", "broadcast") and (i + w) % 2 == 0
+            n_out = (
+                count * world
+                if kind == "allgather"
+                else count // world
+                if kind == "reduce_scatter"
+                else count
+            )
+            result = host if in_place else np.zeros(n_out, host.dtype)
             # (an empty all-reduce has no memory: null addresses, as a CUDA tensor of none has; the
             # aliases are kept until the case's copies have landed: the stand-in frees one let go of)
             held = [rt.alias(host, wire=wire)] if count else []
@@ -97,11 +120,12 @@ def main() -> int:
             # What a reader that waited for completion alone would read (the probe copies it at
             # completion, before its first device_query). That read races the copy back on purpose:
             # under ThreadSanitizer (make engine-sanitize-jobs), which rightly reports it, none is taken.
-            snap = np.zeros_like(host) if SNAPSHOTS else np.zeros(0, host.dtype)
+            snap = np.zeros_like(result) if SNAPSHOTS else np.zeros(0, host.dtype)
             status, why, cls, first, order, last = probe.device_run(
-                cap, DTYPE[dtype], OP[op], src, dst, count, 0, stream, flags,
+                cap, DTYPE[dtype], OP[op] if op else 0, src, dst, count, 0, stream, flags,
                 1 if way == "callback" else 0, other if way == "order" else 0, 120.0,
                 snap.ctypes.data if count and SNAPSHOTS else 0, result.ctypes.data, snap.nbytes,
+                KIND[kind], root if kind == "broadcast" else 0,
             )  # fmt: skip
             if way == "in_line":
                 rt.stream_synchronize(stream)

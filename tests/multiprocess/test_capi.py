@@ -76,13 +76,15 @@ def test_every_collective_through_the_c_table(
 
 
 @pytest.mark.parametrize(("world", "nodes"), [(2, 1), (4, 2)], ids=["W2-N1", "W4-N2"])
-def test_device_allreduces_through_the_c_table(
+def test_device_collectives_through_the_c_table(
     world: int, nodes: int, tmp_path: Path, clean_host: None
 ) -> None:
-    """Device all-reduces started from C (start_device) on the stand-in runtime, whose copies land
+    """Device collectives started from C (start_device) on the stand-in runtime, whose copies land
     late: in line on the caller's stream, on the engine's lanes ordered onto another stream
-    (device_order), and on the lanes completed by the done callback alone (device_query polled); every
-    dtype, in place and into another buffer, whole and (across nodes) in pieces. Each result, read once
+    (device_order), and on the lanes completed by the done callback alone (device_query polled).
+    All-reduces of every dtype, in place and into another buffer, whole and (across nodes) in
+    pieces; broadcasts from the first and the last rank (whose other ranks copy nothing in),
+    all-gathers and reduce-scatters (whose results are W inputs and 1/W of the reduction). Each result, read once
     the reader is ordered after its copy back, is the independent reference's bits; read at completion
     alone it is not (the copy back is enqueued, not landed), which is why the ordering calls exist.
     Bad arguments and a capturing stream are refused before anything is enqueued, and a mismatch
@@ -98,6 +100,12 @@ def test_device_allreduces_through_the_c_table(
         assert not bad, f"rank {r}: {len(bad)} wrong, first: {bad[:2]}"
         assert {rec["way"] for rec in recs} == {"in_line", "order", "callback"}
         assert {rec["in_place"] for rec in recs} == {True, False}
+        assert {rec["case"]["kind"] for rec in recs} == {
+            "allreduce",
+            "broadcast",
+            "allgather",
+            "reduce_scatter",
+        }
         assert any(rec["pieces"] for rec in recs) == (nodes > 1)
         assert all(rec["order"] == (OK if rec["way"] == "order" else -1) for rec in recs), recs
         # Completion is not landing: a reader that waited for completion alone read stale data, in
@@ -122,4 +130,5 @@ def test_device_allreduces_through_the_c_table(
         assert "count=5" in m["why"] and "count=6" in m["why"], m
         assert m["last"] == OK and m["bad"] == [1.0] * (6 if r == 0 else 5), m
     for i in range(len(runs[0]["records"])):
-        assert len({d["records"][i]["digest"] for d in runs}) == 1
+        if runs[0]["records"][i]["case"]["kind"] != "reduce_scatter":  # (each rank's block differs)
+            assert len({d["records"][i]["digest"] for d in runs}) == 1
