@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,8 @@ def _suite(backend: str, world: int, out: Path) -> dict[str, Any]:
     mark = f"suite{os.getpid()}{backend}{world}"
     base = default_socket_dir()
     before = set(os.listdir(base)) if os.path.isdir(base) else set()
+    tmp = Path(tempfile.gettempdir())
+    tmp_before = set(tmp.iterdir())
     env = {**run_env(), "SMDDP_SUITE_BACKEND": backend, "WORLD_SIZE": str(world), MARK: mark}
     report = out / f"{backend}-{world}.json"
     proc = subprocess.run(
@@ -55,6 +58,11 @@ def _suite(backend: str, world: int, out: Path) -> dict[str, Any]:
     assert proc.returncode == 0 and report.exists(), proc.stderr[-4000:]
     left = marked_leftovers(mark, before)
     assert not left, f"the suite's smddp jobs left {left}"
+    # Nor its tests their store files (a FileStore's keys name the group: default_pg).
+    stores = [
+        p for p in set(tmp.iterdir()) - tmp_before if p.is_file() and b"default_pg" in p.read_bytes()[:65536]
+    ]
+    assert not stores, f"the suite's tests left their store files: {sorted(stores)[:5]}"
     return json.loads(report.read_text())["tests"]
 
 

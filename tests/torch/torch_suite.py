@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -61,6 +62,13 @@ class TestDistBackendWithSpawn(TestDistBackend, DistributedTest._DistTestBase): 
         # a spawned process spends some 3 s of this 2-core host importing them, for every test. The
         # server's environment is the first test's; each process takes this test's, as a spawned one would.
         self._start_processes(_WithEnviron(dict(os.environ)))
+
+    def tearDown(self) -> None:
+        super().tearDown()
+        # Upstream leaves each test's store file (MultiProcessTestCase's NamedTemporaryFile) in the
+        # temporary directory: its processes are ended by now, so it goes.
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self.file_name)
 
 
 def _run_with_environ(environ: dict[str, str], target: Any, args: Any, kwargs: Any) -> None:
