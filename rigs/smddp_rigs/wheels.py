@@ -65,13 +65,8 @@ TORCH_PREBUILT = ("2.14", "2.13", "2.12")
 
 
 def wheel_for(made: list[Path], version: str) -> Path:
-    """The wheel CPython `version` installs: its own (3.10, 3.11), else the abi3 one."""
-    tag = (
-        f"-cp{version.replace('.', '')}-cp{version.replace('.', '')}-"
-        if version in ("3.10", "3.11")
-        else "-abi3-"
-    )
-    (wheel,) = [w for w in made if w.suffix == ".whl" and tag in w.name]
+    """The wheel CPython `version` installs (serves): its own (3.10, 3.11), else the abi3 one."""
+    (wheel,) = [w for w in made if w.suffix == ".whl" and serves(w, {version: ""}) == [version]]
     return wheel
 
 

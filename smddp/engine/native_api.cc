@@ -180,6 +180,33 @@ void NativeWorks::use_device(DevicePath* path) {
 
 namespace {
 
+// Whether rank `rank` sends data for `c` (a barrier: none; a broadcast: its root alone).
+bool sends_data(const smddp_collective& c, std::uint32_t rank) {
+  return c.kind == SMDDP_BROADCAST ? c.root == rank : c.kind != SMDDP_BARRIER;
+}
+
+// A SUBMIT's aux: a broadcast's root, else how many pieces an all-reduce goes in (0: one).
+std::uint32_t aux_of(const smddp_collective& c, std::uint32_t pieces) {
+  return c.kind == SMDDP_BROADCAST ? c.root : pieces > 1 ? pieces : 0;
+}
+
+// Where a piece's result goes, into host memory (start) or device memory (start_device) alike:
+// `nbytes` of its result (`result_bytes` in all) from `src_offset`, to byte `dst_offset` of the
+// collective's destination. `first`, `bytes`: the piece's first element and its size.
+struct Landing {
+  std::uint64_t dst_offset = 0, nbytes = 0, src_offset = 0, result_bytes = 0;
+};
+Landing landing(const smddp_collective& c, std::uint64_t first, std::uint64_t bytes, std::size_t isz,
+                std::uint64_t world, std::uint32_t rank) {
+  switch (c.kind) {
+    case SMDDP_ALLREDUCE: return {first * isz, bytes, 0, bytes};  // (its piece, in place)
+    case SMDDP_BROADCAST: return {0, bytes, 0, bytes};
+    case SMDDP_ALLGATHER: return {0, bytes * world, 0, bytes * world};  // (the W inputs)
+    case SMDDP_REDUCE_SCATTER: return {0, bytes / world, rank * (bytes / world), bytes};  // (this rank's block)
+    default: return {};                                                                  // (a barrier)
+  }
+}
+
 // Why `c` cannot start (empty: it can): its kind, dtype, op, count, root and buffers checked as
 // smddp's Python calls check them, in their words.
 std::string refusal(const smddp_collective& c, const NativeConfig& cfg) {
@@ -193,15 +220,13 @@ std::string refusal(const smddp_collective& c, const NativeConfig& cfg) {
   const std::uint64_t w = cfg.world, n = c.count;
   if (n > kMaxDataPayload / isz / (c.kind == SMDDP_ALLGATHER ? w : 1))
     return std::string(what) + ": " + num(n) + " elements are more than one collective carries";
-  const bool root = c.kind == SMDDP_BROADCAST && c.root == cfg.rank;
   if (c.kind == SMDDP_BROADCAST ? c.root >= w : c.root != 0)
     return c.kind == SMDDP_BROADCAST ? "root " + num(c.root) + " is out of range for " + num(w) + " ranks"
                                      : std::string(what) + ": a root applies to a broadcast only";
   if (c.kind == SMDDP_REDUCE_SCATTER && n % w != 0)
     return "reduce_scatter: " + num(n) + " elements cannot be split evenly among " + num(w) + " ranks";
-  const bool sends = c.kind == SMDDP_BARRIER ? false : c.kind == SMDDP_BROADCAST ? root : true;
   if (c.kind == SMDDP_BARRIER ? n != 0 || c.src != nullptr || c.dst != nullptr
-                              : n > 0 && ((sends && c.src == nullptr) || c.dst == nullptr))
+                              : n > 0 && ((sends_data(c, cfg.rank) && c.src == nullptr) || c.dst == nullptr))
     return std::string(what) + ": a buffer is missing (or a barrier was given one)";
   if (c.kind == SMDDP_BARRIER && c.dtype != SMDDP_UINT8)  // (its fingerprint is the Python calls')
     return "barrier: its dtype is uint8 (" + num(SMDDP_UINT8) + "), not " + num(c.dtype);
@@ -278,9 +303,9 @@ int NativeWorks::start(const smddp_collective& c, smddp_work** out, std::string*
   if (!why->empty()) return SMDDP_INVALID;
   const std::size_t isz = dtype_size(c.dtype);
   const std::uint64_t w = cfg_.world, n = c.count;
-  const bool sends = c.kind == SMDDP_BARRIER ? false : c.kind == SMDDP_BROADCAST ? c.root == cfg_.rank : true;
+  const bool sends = sends_data(c, cfg_.rank);
   const std::uint32_t k = piece_count(c, isz, cfg_.piece_bytes);
-  const std::uint32_t aux = c.kind == SMDDP_BROADCAST ? c.root : k > 1 ? k : 0;
+  const std::uint32_t aux = aux_of(c, k);
   auto* work = new smddp_work();
   work->owner = shared_from_this();
   const auto* src = static_cast<const std::uint8_t*>(c.src);
@@ -292,15 +317,8 @@ int NativeWorks::start(const smddp_collective& c, smddp_work** out, std::string*
     p.first = r.start;
     Header& h = p.submit;
     h = submit_of(c, cfg_.rank, aux, r.end - r.start);
-    const std::uint64_t bytes = h.count * isz;
-    switch (c.kind) {
-      case SMDDP_ALLREDUCE: p.out = Delivery{dst + r.start * isz, bytes, 0, bytes}; break;
-      case SMDDP_BROADCAST: p.out = Delivery{dst, bytes, 0, bytes}; break;
-      case SMDDP_ALLGATHER: p.out = Delivery{dst, bytes * w, 0, bytes * w}; break;
-      case SMDDP_REDUCE_SCATTER: p.out = Delivery{dst, bytes / w, cfg_.rank * (bytes / w), bytes}; break;
-      default: p.out = Delivery{}; break;  // (a barrier)
-    }
-    if (p.out.nbytes == 0) p.out.dst = nullptr;
+    const Landing l = landing(c, r.start, h.count * isz, isz, w, cfg_.rank);
+    p.out = Delivery{l.nbytes == 0 ? nullptr : dst + l.dst_offset, l.nbytes, l.src_offset, l.result_bytes};
   }
   work->left = work->pieces.size();
   {
@@ -436,12 +454,10 @@ int NativeWorks::start_device(const smddp_collective& c, const smddp_device_call
       return SMDDP_FAILED;  // (nothing enqueued, nothing sent)
     }
   }
-  const std::uint32_t aux = c.kind == SMDDP_BROADCAST ? c.root : k > 1 ? k : 0;
-  // What this rank sends (a broadcast's other ranks: nothing, so no copy in and no input slot), and
-  // where its result goes: an all-reduce's piece in place, a broadcast's whole, an all-gather's W
-  // inputs, a reduce-scatter's block of this rank's (the daemon returns the whole reduction).
-  const bool sends = c.kind != SMDDP_BROADCAST || c.root == cfg_.rank;
-  const std::uint64_t w = cfg_.world;
+  const std::uint32_t aux = aux_of(c, k);
+  // A broadcast's other ranks send nothing: no input slot, and their copy in only an event (the point
+  // of the stream their SUBMIT waits for, as the GPU step's broadcasts have).
+  const bool sends = sends_data(c, cfg_.rank);
   auto* work = new smddp_work();
   work->owner = shared_from_this();
   work->device = d.device;
@@ -482,13 +498,14 @@ int NativeWorks::start_device(const smddp_collective& c, const smddp_device_call
       }
     }
     std::shared_ptr<DeviceIn> in;
-    if (cls.empty() && sends) {
-      const std::shared_ptr<Segment> seg = arena_->segment(slot.segment);
+    if (cls.empty()) {
+      const std::shared_ptr<Segment> seg = sends ? arena_->segment(slot.segment) : nullptr;
       std::string why_not = "the arena lost segment " + num(slot.segment);
-      if (seg)
-        in = path->copy_in(d.device, lane_in, mark.get(), seg, slot.offset, src + r.start * isz, bytes, &why_not);
+      if (seg || !sends)
+        in = path->copy_in(d.device, lane_in, mark.get(), seg, slot.offset, sends ? src + r.start * isz : 0,
+                           sends ? bytes : 0, &why_not);
       if (!in) {
-        (void)arena_->free(slot);
+        if (sends) (void)arena_->free(slot);
         cls = "DeviceError";
         text = "the copy-in of " + article(what) + " on " + on + " could not be enqueued: " + why_not;
         client = i > 0;
@@ -504,13 +521,10 @@ int NativeWorks::start_device(const smddp_collective& c, const smddp_device_call
     h.seq = ch_->reserve_fast();
     h.shard = slot.segment;
     h.offset = slot.offset;
-    DeviceOut::Part part{dst, 0, bytes};  // (a broadcast's whole)
-    std::uint64_t result_bytes = bytes;
-    if (c.kind == SMDDP_ALLREDUCE) part.dst = dst + r.start * isz;
-    if (c.kind == SMDDP_ALLGATHER) part.nbytes = result_bytes = bytes * w;
-    if (c.kind == SMDDP_REDUCE_SCATTER) part = DeviceOut::Part{dst, cfg_.rank * (bytes / w), bytes / w};
-    auto back = std::make_shared<DeviceOut>(path, d.device, lane_back, mark, std::vector<DeviceOut::Part>{part}, 0,
-                                            DeviceOut::Then{});
+    const Landing l = landing(c, r.start, bytes, isz, cfg_.world, cfg_.rank);
+    auto back = std::make_shared<DeviceOut>(path, d.device, lane_back, mark,
+                                            std::vector<DeviceOut::Part>{{dst + l.dst_offset, l.src_offset, l.nbytes}},
+                                            0, DeviceOut::Then{});
     {
       std::lock_guard<std::mutex> lock(work->mu);
       p.first = r.start;
@@ -518,30 +532,12 @@ int NativeWorks::start_device(const smddp_collective& c, const smddp_device_call
       p.in = in;
       p.back = back;
       p.out = Delivery{};
-      p.out.result_bytes = result_bytes;
+      p.out.result_bytes = l.result_bytes;
       p.out.hold = true;
       p.out.sink = back;
       p.started = true;
     }
     if (i == 0) went_live(work);
-    if (!in) {
-      // Nothing to copy in (a broadcast's other ranks): its SUBMIT goes now, in its place on the ring.
-      bool backlog = false;
-      const RingWait got = ch_->give(h, cfg_.timeout_ns, cfg_.spin_ns, &backlog);
-      if (got != RingWait::kReady || backlog) {
-        // Its number was reserved and never goes: no SUBMIT after it can (the client fails, as the
-        // path does when a watched one cannot go).
-        const std::string lost_cls = backlog                       ? "CollectiveTimeoutError"
-                                     : got == RingWait::kTimeout ? "PeerLostError"
-                                                                 : "ProtocolError";
-        const std::string lost = backlog ? ch_->backlog_why() : got == RingWait::kTimeout ? daemon_lost(cfg_) : ch_->why();
-        note_failure(lost_cls, lost);
-        never_out(work, i + 1);
-        fail(work, lost_cls, lost);
-        break;
-      }
-      continue;
-    }
     if (!path->give_when(h, in, cfg_.timeout_ns, cfg_.spin_ns)) {
       // The path has stopped (the client is shutting down): this SUBMIT never goes, nor any after it.
       never_out(work, i + 1);

@@ -815,7 +815,7 @@ class Backend : public c10d::Backend {
         return w;
     }
     std::vector<at::Tensor> result{out};
-    if (op != 0 && in.numel() == out.numel() * getSize()) {
+    if (in.numel() == out.numel() * getSize()) {
       std::vector<DeviceCall> calls{{in, out}};
       if (auto w = device_route(SMDDP_REDUCE_SCATTER, calls, op, 0, result, c10d::OpType::_REDUCE_SCATTER_BASE,
                                 "reduce_scatter_tensor", opts.timeout, opts.asyncOp))
@@ -906,7 +906,6 @@ class Backend : public c10d::Backend {
   c10d_work_t in_place_device(std::uint8_t kind, std::vector<at::Tensor>& tensors, std::uint8_t op,
                               std::uint32_t root, c10d::OpType type, const char* name, milliseconds timeout,
                               bool async) {
-    if (kind == SMDDP_ALLREDUCE && op == 0) return {};
     std::vector<DeviceCall> calls;
     calls.reserve(tensors.size());
     for (at::Tensor& t : tensors) calls.push_back(DeviceCall{t, t});
@@ -921,7 +920,8 @@ class Backend : public c10d::Backend {
   c10d_work_t device_route(std::uint8_t kind, std::vector<DeviceCall>& calls, std::uint8_t op, std::uint32_t root,
                            std::vector<at::Tensor>& result, c10d::OpType type, const char* name,
                            milliseconds timeout, bool async) {
-    if (route_.load(std::memory_order_acquire) != kEngine || calls.empty()) return {};
+    const bool reduces = kind == SMDDP_ALLREDUCE || kind == SMDDP_REDUCE_SCATTER;
+    if (route_.load(std::memory_order_acquire) != kEngine || calls.empty() || (reduces && op == 0)) return {};
     int device = -1;
     std::int64_t bytes = 0;
     for (const DeviceCall& k : calls) {
