@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -37,6 +38,11 @@ def main() -> int:
     ap.add_argument("--pause", type=float, default=0.0, help="seconds between collectives")
     ap.add_argument("--late-rank", type=int, default=-1)
     ap.add_argument("--late-s", type=float, default=0.0)
+    ap.add_argument(
+        "--until-file",
+        default="",
+        help="after the iterations, go on until this file exists: a test's calls then never outlive the job",
+    )
     ap.add_argument("--quiet-file", default="", help="rank 0 writes it when no collective is left")
     ap.add_argument("--linger-s", type=float, default=0.0, help="then every rank waits this long")
     ap.add_argument("--torch", action="store_true", help="the same collectives through torch's C++ backend")
@@ -50,6 +56,13 @@ def main() -> int:
         for _ in range(args.iterations):
             smddp.allreduce(x, op=smddp.AVG)
             time.sleep(args.pause)
+        # Rank 0 looks for the file and every rank takes its answer, so that all stop at the same call.
+        stop = np.zeros(1, np.int32)
+        while args.until_file and not stop[0]:
+            smddp.allreduce(x, op=smddp.AVG)
+            time.sleep(args.pause)
+            stop[0] = rank == 0 and os.path.exists(args.until_file)
+            smddp.broadcast(stop, root=0)
         smddp.broadcast(np.ones(10), root=smddp.size() - 1)
         smddp.allgather(np.ones(3, np.int32))
         if rank == args.late_rank:

@@ -50,10 +50,13 @@ def free_port() -> int:
     return service_port()  # never one the kernel may hand a daemon's listener meanwhile
 
 
-def test_status_of_a_running_multi_node_job(own_runtime_dir, clean_host):
+def test_status_of_a_running_multi_node_job(tmp_path, own_runtime_dir, clean_host):
     env = job_env()
     job = env["SMDDP_JOB_ID"]
-    proc = launch([], ["--iterations", "400", "--pause", "0.01"], env)
+    # The job runs until the last status call is done: on a loaded machine five calls of `smddp status`
+    # (a Python start each) took longer than 400 iterations did, and the last found no job.
+    stop = tmp_path / "stop"
+    proc = launch([], ["--iterations", "400", "--pause", "0.01", "--until-file", str(stop)], env)
     try:
         wait_for_job(proc, job)
         # One job on the host: plain `smddp status` shows its table; --list the one-line list.
@@ -65,6 +68,7 @@ def test_status_of_a_running_multi_node_job(own_runtime_dir, clean_host):
         second = json.loads(smddp_status("--job", job[:10], "--json").stdout)
         table = smddp_status("--job", job).stdout
     finally:
+        stop.touch()
         out = proc.communicate(timeout=120)[0]
     assert proc.returncode == 0, out[-2000:]
     assert single.returncode == 0 and f"job {job}" in single.stdout and "NODE" in single.stdout, single.stdout
@@ -85,12 +89,14 @@ def test_status_of_a_running_multi_node_job(own_runtime_dir, clean_host):
     assert "NODE" in table and "running" in table and "current throughput" in table
 
 
-def test_metrics_scrape_parses(clean_host):
+def test_metrics_scrape_parses(tmp_path, clean_host):
     from prometheus_client.parser import text_string_to_metric_families
 
     port = free_port()
     env = job_env()
-    proc = launch(["--metrics-port", str(port)], ["--iterations", "300", "--pause", "0.01"], env)
+    stop = tmp_path / "stop"  # the job's daemons serve their metrics until both are scraped
+    worker_args = ["--iterations", "300", "--pause", "0.01", "--until-file", str(stop)]
+    proc = launch(["--metrics-port", str(port)], worker_args, env)
     try:
         wait_for_job(proc, env["SMDDP_JOB_ID"])
         time.sleep(1.0)
@@ -99,6 +105,7 @@ def test_metrics_scrape_parses(clean_host):
             with urllib.request.urlopen(f"http://127.0.0.1:{port + node}/metrics", timeout=10) as r:
                 scraped[node] = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
     finally:
+        stop.touch()
         out = proc.communicate(timeout=120)[0]
     assert proc.returncode == 0, out[-2000:]
     for node, families in scraped.items():
