@@ -51,6 +51,16 @@ class BuildExt(build_ext):
             one(obj, src, ext, cc_args, NB_FLAGS if src.startswith(NB_ROOT) else extra_postargs, pp_opts)
 
         self.compiler._compile = compile_one  # type: ignore[attr-defined]
+        # setuptools names an object after its source under the build's directory: ../smddp/engine/x.cc
+        # put x.o outside it, in one /tmp/smddp/engine that every `pip install -e rigs/` shared and,
+        # being newer than the sources, reused whichever tree had built it. (An absolute source path
+        # would stay inside, but setuptools refuses one.)
+        names = self.compiler.object_filenames
+
+        def inside(sources, strip_dir=False, output_dir=""):  # type: ignore[no-untyped-def]
+            return names([s.replace("../", "parent/") for s in sources], strip_dir, output_dir)
+
+        self.compiler.object_filenames = inside  # type: ignore[method-assign]
         super().build_extensions()
 
 
