@@ -28,12 +28,15 @@ EXAMPLES = REPO / "examples" / "torch"
 MODES = "default,bucket_view,unused,static,no_sync,smddp_ddp"
 
 
-def torchrun_argv(nproc: int, run_id: str, script: list[str], extra: list[str] | None = None) -> list[str]:
+def torchrun_argv(
+    nproc: int, run_id: str, script: list[str], tmp: Path, extra: list[str] | None = None
+) -> list[str]:
     """torchrun on this host alone, with a c10d rendezvous of our own id (TORCHELASTIC_RUN_ID: the
-    leftover check finds this run's daemons by it)."""
+    leftover check finds this run's daemons by it), its log directory in the test's `tmp` (without
+    one it makes a torchelastic_* directory in /tmp, and never removes it)."""
     return [
         str(BIN / "torchrun"),
-        *("--nnodes", "1", "--nproc-per-node", str(nproc)),
+        *("--nnodes", "1", "--nproc-per-node", str(nproc), "--log-dir", str(tmp / "torchelastic")),
         *("--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{service_port()}", "--rdzv-id", run_id),
         *(extra or []),
         *script,
@@ -78,7 +81,7 @@ def live_daemons_with(variable: str) -> list[str]:
 
 
 @pytest.fixture
-def torchrun():
+def torchrun(tmp_path: Path):
     """Runs torchrun jobs; after the test, fails it if any of them left something behind."""
     base = default_socket_dir()
     before = set(os.listdir(base)) if os.path.isdir(base) else set()
@@ -87,7 +90,7 @@ def torchrun():
     def run(nproc: int, script: list[str], timeout: float = 300, extra: list[str] | None = None) -> Any:
         run_id = f"t{secrets.token_hex(6)}"
         runs.append(run_id)
-        argv = torchrun_argv(nproc, run_id, script, extra)
+        argv = torchrun_argv(nproc, run_id, script, tmp_path, extra)
         return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=run_env(), cwd=REPO)
 
     run.runs = runs  # type: ignore[attr-defined]
@@ -168,7 +171,9 @@ def test_a_killed_worker_is_restarted_by_torchrun_and_training_finishes(
 
     run_id = f"t{secrets.token_hex(6)}"
     torchrun.runs.append(run_id)
-    argv = torchrun_argv(2, run_id, [*script, "--ckpt-dir", str(ckpt), "--save", str(tmp_path / "got.pt")])
+    argv = torchrun_argv(
+        2, run_id, [*script, "--ckpt-dir", str(ckpt), "--save", str(tmp_path / "got.pt")], tmp_path
+    )
     argv[1:1] = ["--max-restarts", "1"]
     p = subprocess.Popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=run_env(), cwd=REPO
@@ -204,7 +209,7 @@ def test_a_node_that_joins_starts_a_new_round_which_is_a_fresh_job(torchrun: Any
     script = [str(HERE / "check_torchrun_elastic.py"), "--out", str(tmp_path), "--want", "4"]
     # The round closes 1 s after the minimum is there (torch's default waits 30 s for more).
     conf = ["--rdzv-conf", "last_call_timeout=1"]
-    argv = torchrun_argv(2, run_id, script, conf)
+    argv = torchrun_argv(2, run_id, script, tmp_path, conf)
     argv[argv.index("--nnodes") + 1] = "1:2"
     # torch 2.13's agents, sharing the rendezvous store with the job (its default), never finish the
     # round after a node joins (both wait for keys the other writes elsewhere: the same with gloo and
