@@ -47,14 +47,8 @@ def test_ddp_under_torchrun_on_four_nodes_gives_the_bits_of_smddp_launch(
                 i,
                 [
                     str(BIN / "torchrun"),
-                    *(
-                        "--nnodes",
-                        "4",
-                        "--nproc-per-node",
-                        "1",
-                        "--log-dir",
-                        str(tmp_path / f"torchelastic{i}"),
-                    ),
+                    *("--nnodes", "4", "--nproc-per-node", "1"),
+                    *("--log-dir", str(tmp_path / f"torchelastic{i}")),
                     *("--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id),
                     *(CHECK_DDP, "--out", str(ours), *args),
                 ],
