@@ -113,10 +113,17 @@ def test_ddp_two_workers_bit_identical_to_gloo(torch_backend: str, tmp_path: Pat
                     assert torch.equal(t, run[0][key]["params"][name]), (key, r, name)
 
 
+# Across nodes, every mode but "compiled": torch.compile's DDP reaches the backend through the same
+# calls as the eager modes, and it is the 2-worker test's on both backends, bit for bit; here its
+# tracing (Dynamo, AOT) cost the 8 ranks 21.7 s of CPU in all, a third of the test on 2 cores.
+MODES_ACROSS_NODES = [m for m in MODES if m != "compiled"]
+
+
 def test_ddp_four_workers_two_nodes(tmp_path: Path, clean_host: None) -> None:
     """4 workers on 2 nodes: identical on every rank, within float tolerance of gloo (summation order differs)."""
-    ours = _ddp(tmp_path, "smddp", 4, 2, "float32,bfloat16", MODES)
-    ref = _ddp(tmp_path, "gloo", 4, 1, "float32,bfloat16", MODES)
+    ours = _ddp(tmp_path, "smddp", 4, 2, "float32,bfloat16", MODES_ACROSS_NODES)
+    ref = _ddp(tmp_path, "gloo", 4, 1, "float32,bfloat16", MODES_ACROSS_NODES)
+    assert {k.split("/")[0] for k in ours[0]} == set(MODES_ACROSS_NODES)
     for key in ours[0]:
         atol = 1e-5 if key.endswith("float32") else 3e-2
         for r in range(4):
