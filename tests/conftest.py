@@ -80,24 +80,28 @@ def own_runtime_dir(monkeypatch):
     shutil.rmtree(path, ignore_errors=True)
 
 
-def session_dirs() -> set[str]:
-    """Open MPI's session directories in the temporary directory (mpirun's ompi.<pid>, a simulated
-    node's prted.<pid>) and the bases smddp-launch makes for them: PMIx will not start over the
-    rendezvous files of one a killed mpirun left, so a later mpirun given that pid fails."""
+def tmp_leftovers() -> set[str]:
+    """What jobs must not leave in the temporary directory: Open MPI's session directories (mpirun's
+    ompi.<pid>, a simulated node's prted.<pid>) and the bases smddp-launch makes for them, since PMIx
+    will not start over the rendezvous files of one a killed mpirun left, so a later mpirun given that
+    pid fails; and torchrun's log directories (torchelastic_*), which torchrun makes there when given
+    no --log-dir and never removes."""
     tmp = tempfile.gettempdir()
     return {
-        os.path.join(tmp, n) for n in os.listdir(tmp) if re.fullmatch(r"(ompi|prted)\.\d+|smddp-prte-.*", n)
+        os.path.join(tmp, n)
+        for n in os.listdir(tmp)
+        if re.fullmatch(r"(ompi|prted)\.\d+|smddp-prte-.*|torchelastic_.*", n)
     }
 
 
 @pytest.fixture(autouse=True)
-def no_session_dirs_left():
+def nothing_left_in_tmp():
     """Every test: an Open MPI session directory that an mpirun of the test left (killed, or stopped
-    short) fails it, as a later mpirun given that pid would fail to start (see session_dirs)."""
-    before = session_dirs()
+    short), or a torchrun log directory, fails it (see tmp_leftovers)."""
+    before = tmp_leftovers()
     yield
     deadline = time.monotonic() + 10  # an mpirun still ending removes its own
-    while (left := session_dirs() - before) and time.monotonic() < deadline:
+    while (left := tmp_leftovers() - before) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not left, f"left behind: {sorted(left)}"
 

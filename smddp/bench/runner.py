@@ -387,11 +387,17 @@ def run_command(cmd: list[str], env: dict[str, str], timeout: float) -> subproce
     # A session directory base of the run's own, as smddp-launch gives its mpiruns (one a killed
     # mpirun left in /tmp stops a later mpirun given the same pid from starting); by the environment,
     # so that the command the results record stays as it was.
+    # So is torchrun's log directory (PET_LOG_DIR: its --log-dir, from the environment), removed after:
+    # without one, every torchrun leaves a torchelastic_* directory in /tmp.
     base = new_session_base()
+    logs = tempfile.mkdtemp(prefix="smddp-bench-torchrun-")
     try:
-        return _run_command(cmd, {**env, "PRTE_MCA_prte_local_tmpdir_base": base}, timeout)
+        return _run_command(
+            cmd, {**env, "PRTE_MCA_prte_local_tmpdir_base": base, "PET_LOG_DIR": logs}, timeout
+        )
     finally:
         remove_session_base(base)
+        shutil.rmtree(logs, ignore_errors=True)
 
 
 def _run_command(cmd: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:

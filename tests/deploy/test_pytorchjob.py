@@ -132,6 +132,7 @@ def test_the_pods_command_runs_under_the_operators_environment(tmp_path: Path) -
             PET_MASTER_PORT=str(port),
             SMDDP_SECRET_FILE=str(secret),
             SMDDP_IFACE="",  # both "pods" on this host: loopback
+            PET_LOG_DIR=str(tmp_path / f"torchelastic{rank}"),  # (a pod's /tmp is its own; here, the host's)
             PYTHONUNBUFFERED="1",
             OMP_NUM_THREADS="1",
         )

@@ -8,7 +8,6 @@ import re
 import secrets
 import signal
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -81,18 +80,11 @@ def live_daemons_with(variable: str) -> list[str]:
     return found
 
 
-def _elastic_logs() -> set[str]:
-    """The log directories torchrun makes in the temporary directory when it is given no --log-dir."""
-    tmp = tempfile.gettempdir()
-    return {os.path.join(tmp, n) for n in os.listdir(tmp) if n.startswith("torchelastic_")}
-
-
 @pytest.fixture
 def torchrun(tmp_path: Path):
     """Runs torchrun jobs; after the test, fails it if any of them left something behind."""
     base = default_socket_dir()
     before = set(os.listdir(base)) if os.path.isdir(base) else set()
-    logs_before = _elastic_logs()
     runs: list[str] = []
 
     def run(nproc: int, script: list[str], timeout: float = 300, extra: list[str] | None = None) -> Any:
@@ -106,7 +98,6 @@ def torchrun(tmp_path: Path):
     deadline = time.monotonic() + 10
     while True:
         left = [x for r in runs for x in torchrun_leftovers(r, before)]
-        left += sorted(_elastic_logs() - logs_before)
         if not left or time.monotonic() > deadline:
             break
         time.sleep(0.2)
