@@ -5,13 +5,18 @@ from __future__ import annotations
 import atexit
 import threading
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+# The client's package (light: its names come on first use, see __getattr__) before `def client()`
+# below, which then holds the name `smddp.client`; imported later, the package would take it over.
+import smddp.client  # noqa: F401
 from smddp import errors
-from smddp.client import collectives as _c
-from smddp.client.session import Client, ClientConfig, Handle
 from smddp.errors import NotInitializedError
 from smddp.proto.dtypes import ReduceOp
+
+if TYPE_CHECKING:
+    from smddp.client import collectives as _c
+    from smddp.client.session import Client, ClientConfig, Handle
 
 __version__ = "0.1.0"
 
@@ -52,6 +57,31 @@ __all__ = [
 ]
 
 
+def __getattr__(name: str) -> Any:
+    """The client's names (Client, ClientConfig, Handle), imported on first use: every process of
+    smddp's imports this package, and the daemon and the launcher, which use no client, then start
+    without it (and numpy)."""
+    if name in ("Client", "ClientConfig", "Handle"):
+        from smddp.client import session
+
+        value = getattr(session, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class _NotYet:
+    """What `_c` is until the first init(): every collective called before it says so (as one called
+    after shutdown() does)."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise NotInitializedError("smddp is not initialized: call smddp.init() first")
+
+
+if not TYPE_CHECKING:
+    _c = _NotYet()
+
+
 class _Default:
     """The process's default client, which the module-level calls use (as torch.distributed's default group)."""
 
@@ -80,6 +110,10 @@ def init(config: ClientConfig | None = None, env: Mapping[str, str] | None = Non
         if _default.used:
             raise NotInitializedError("smddp.init() after shutdown(): a process can join one job only")
         _default.used = True
+        global _c
+        from smddp.client import collectives as _c
+        from smddp.client.session import Client, ClientConfig
+
         _default.client = Client.connect(config or ClientConfig.from_env(), env)
         # A script that forgets shutdown() still leaves cleanly (pending work gets a bounded wait).
         atexit.register(shutdown, 30.0)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
 
 class DType(enum.IntEnum):
@@ -25,7 +27,8 @@ class DType(enum.IntEnum):
     @property
     def storage(self) -> np.dtype:
         """The numpy dtype that holds the raw elements (uint16 for bfloat16)."""
-        return _STORAGE[DType(self)]
+        found = _STORAGE.get(self)
+        return found if found is not None else _numpy_dtypes()[DType(self)]
 
     @property
     def is_float(self) -> bool:
@@ -35,7 +38,7 @@ class DType(enum.IntEnum):
     def accumulator(self) -> np.dtype:
         """The dtype sums are carried in: float32 for the 16-bit floats, else the type itself."""
         if self in (DType.FLOAT16, DType.BFLOAT16):
-            return np.dtype(np.float32)
+            return DType.FLOAT32.storage
         return self.storage
 
     @property
@@ -53,15 +56,9 @@ _ITEMSIZE: dict[DType, int] = {
     DType.FLOAT64: 8,
 }
 
-_STORAGE: dict[DType, np.dtype] = {
-    DType.UINT8: np.dtype(np.uint8),
-    DType.INT32: np.dtype(np.int32),
-    DType.INT64: np.dtype(np.int64),
-    DType.FLOAT16: np.dtype(np.float16),
-    DType.BFLOAT16: np.dtype(np.uint16),
-    DType.FLOAT32: np.dtype(np.float32),
-    DType.FLOAT64: np.dtype(np.float64),
-}
+# The numpy dtypes, made on first use: the wire needs none, and the daemon and the launcher, which
+# import this module and never hold an array, then start without numpy (a third of their start-up).
+_STORAGE: dict[DType, np.dtype] = {}
 
 _FROM_NUMPY = {
     "uint8": DType.UINT8,
@@ -75,8 +72,19 @@ _FROM_NUMPY = {
 
 
 # Native-order numpy dtypes by identity: a dict hit costs far less than `dtype.name` (computed in
-# Python by numpy on every access), and this runs on every collective call.
-_BY_DTYPE = {np.dtype(name): dt for name, dt in _FROM_NUMPY.items() if name != "bfloat16"}
+# Python by numpy on every access), and this runs on every collective call. Filled with _STORAGE.
+_BY_DTYPE: dict[np.dtype, DType] = {}
+
+
+def _numpy_dtypes() -> dict[DType, np.dtype]:
+    """Fill _STORAGE and _BY_DTYPE (numpy imported here); returns the storage dtypes, whole. (Threads
+    may fill them at once, with the same values; a reader of one half filled misses, and asks here.)"""
+    import numpy as np
+
+    storage = {dt: np.dtype("uint16" if dt is DType.BFLOAT16 else dt.label) for dt in DType}
+    _BY_DTYPE.update({np.dtype(name): dt for name, dt in _FROM_NUMPY.items() if name != "bfloat16"})
+    _STORAGE.update(storage)
+    return storage
 
 
 def dtype_from_numpy(dt: np.dtype) -> DType | None:
@@ -84,6 +92,8 @@ def dtype_from_numpy(dt: np.dtype) -> DType | None:
     hit = _BY_DTYPE.get(dt)
     if hit is not None:
         return hit
+    if not _BY_DTYPE:
+        _numpy_dtypes()
     if dt.byteorder == ">":
         return None
     return _FROM_NUMPY.get(dt.name)

@@ -9,9 +9,7 @@ import struct
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any, cast
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, cast
 
 from smddp.errors import ProtocolError, TransportError
 from smddp.proto import HEADER_SIZE, Header, decode_header
@@ -20,7 +18,10 @@ _MAX_FDS = 8
 # How long one poll of a blocking socket lasts; loops re-check their deadline and stop flag.
 _POLL_S = 0.5
 
-Buffer = bytes | bytearray | memoryview | np.ndarray
+if TYPE_CHECKING:
+    import numpy as np
+
+    Buffer = bytes | bytearray | memoryview | np.ndarray
 
 
 class ConnectionClosed(TransportError):

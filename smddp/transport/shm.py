@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import threading
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from smddp import _engine
+
+if TYPE_CHECKING:
+    import numpy as np
 
 ALIGN = _engine.SLOT_ALIGN  # a cache line: slots aligned for SIMD loads, away from their neighbours' lines
 
@@ -19,8 +21,21 @@ class Segment:
         self._native = native
         self.id = native.id
         self.size = native.size
-        # The engine's buffer is the whole mapping, read-only where the segment is.
-        self.array = np.frombuffer(memoryview(native), dtype=np.uint8, count=self.size)
+        self._array: np.ndarray | None = None
+        self._closed = False
+
+    @property
+    def array(self) -> np.ndarray:
+        """The engine's buffer, the whole mapping (read-only where the segment is), as bytes. Made on
+        first use: the daemon, which never reads a segment in Python, then never imports numpy."""
+        a = self._array
+        if a is None:
+            if self._closed:
+                raise AttributeError(f"segment {self.id} is closed")
+            import numpy as np
+
+            a = self._array = np.frombuffer(memoryview(self._native), dtype=np.uint8, count=self.size)
+        return a
 
     @property
     def fd(self) -> int:
@@ -48,7 +63,7 @@ class Segment:
 
     def close(self) -> None:
         """The fd goes now; the mapping when the last view of it does."""
-        del self.array
+        self._array, self._closed = None, True
         self._native.close_fd()
 
 

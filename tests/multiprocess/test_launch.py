@@ -333,3 +333,16 @@ def test_session_directories_killed_mpiruns_left_do_not_stop_a_launch(clean_host
     assert rec["launch"]["out"].count("SUM 10.0") == 4, rec["launch"]["out"][-3000:]
     # Its base went with it; one a SIGKILLed launcher left is swept, a live launcher's kept.
     assert rec["left"] == [] and rec["removed"] == [rec["gone"]] and rec["live_kept"], rec
+
+
+def test_the_daemons_and_the_launcher_never_load_numpy(tmp_path, clean_host):
+    """smddp-launch and the daemons hold no array: they start without numpy (nor the client), which was
+    a third of their start-up, and serve collectives without it. The worker, which holds arrays, has
+    it mapped: the check sees numpy where it is."""
+    proc = smddp_launch(4, 2, [str(HERE / "check_lean.py"), "--out", str(tmp_path)], timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for r in range(4):
+        mapped = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert set(mapped) == {"daemon0", "daemon1", "launcher", "worker"}, mapped
+        assert mapped["worker"], "the worker's numpy is not seen"
+        assert {k: v for k, v in mapped.items() if k != "worker" and v} == {}
