@@ -7,9 +7,9 @@ import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-# The client's package (light: its names come on first use, see __getattr__) before `def client()`
-# below, which then holds the name `smddp.client`; imported later, the package would take it over.
-import smddp.client  # noqa: F401
+# The client's package (light: its names come on first use) before `def client()` below, which then
+# holds the name `smddp.client`; imported later, the package would take it over.
+import smddp.client as _client_package
 from smddp import errors
 from smddp.errors import NotInitializedError
 from smddp.proto.dtypes import ReduceOp
@@ -58,13 +58,10 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    """The client's names (Client, ClientConfig, Handle), imported on first use: every process of
-    smddp's imports this package, and the daemon and the launcher, which use no client, then start
-    without it (and numpy)."""
-    if name in ("Client", "ClientConfig", "Handle"):
-        from smddp.client import session
-
-        value = getattr(session, name)
+    """The client's names (Client, ClientConfig, Handle), as smddp.client gives them: on first use, so
+    that the daemon and the launcher, which use no client, start without it (and numpy)."""
+    if name in _client_package.__all__:
+        value = getattr(_client_package, name)
         globals()[name] = value
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

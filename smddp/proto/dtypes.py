@@ -28,7 +28,7 @@ class DType(enum.IntEnum):
     def storage(self) -> np.dtype:
         """The numpy dtype that holds the raw elements (uint16 for bfloat16)."""
         found = _STORAGE.get(self)
-        return found if found is not None else _numpy_dtypes()[DType(self)]
+        return found if found is not None else _numpy_dtypes()[self]
 
     @property
     def is_float(self) -> bool:
